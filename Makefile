@@ -1,0 +1,45 @@
+# taskpoint: two commands on a fresh machine.
+#   make demo   set up .venv, then run the quick-start example on the local default root
+#   make test   set up .venv and the object-store servers, then run the whole suite
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+NPM_DIR := tests/servers
+NPM_STAMP := $(NPM_DIR)/node_modules/.installed
+ROOT ?=
+
+.PHONY: demo test bench lint typecheck clean venv servers
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(VENV)/bin/python
+	$(PIP) install --quiet -e ".[test]"
+	touch $(STAMP)
+
+$(NPM_STAMP): $(NPM_DIR)/package.json
+	cd $(NPM_DIR) && npm install --no-audit --no-fund --loglevel=error
+	touch $(NPM_STAMP)
+
+venv: $(STAMP)
+
+servers: $(NPM_STAMP)
+
+demo: $(STAMP)
+	TASKPOINT_ROOT="$(ROOT)" $(PY) examples/quickstart.py
+
+test: $(STAMP) $(NPM_STAMP)
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) -m benchmarks
+
+lint: $(STAMP)
+	$(PY) -m ruff check src tests examples benchmarks
+	$(PY) -m mypy
+
+clean:
+	rm -rf $(VENV) $(NPM_DIR)/node_modules .taskpoint
