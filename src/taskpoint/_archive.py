@@ -1,0 +1,198 @@
+"""Streaming tar archives of a directory's top-level entries, and extraction that cannot escape its folder.
+
+Writing walks the tree itself (rather than ``TarFile.add``) so that it can refuse symlinks that leave the
+tree and skip sockets and fifos with a warning. Reading checks every member before anything touches the
+disk: absolute names, ``..``, links pointing outside, and device or fifo members raise
+:class:`~taskpoint.errors.UnsafeArchiveError`; all writes go below the staging folder given by the caller.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tarfile
+import warnings
+from pathlib import Path
+from typing import IO
+
+from ._codecs import BLOCK_SIZE, DECODE_ERRORS, Codec
+from .errors import CheckpointCorruptError, UnsafeArchiveError
+
+
+class _TellingWriter:
+    """Counts bytes written so that ``TarFile`` in plain ``"w"`` mode (large writes, no 10 KiB records)."""
+
+    def __init__(self, sink: IO[bytes]) -> None:
+        self._sink = sink
+        self._pos = 0
+
+    def write(self, b: bytes) -> int:
+        self._sink.write(b)
+        n = memoryview(b).nbytes
+        self._pos += n
+        return n
+
+    def tell(self) -> int:
+        return self._pos
+
+    def flush(self) -> None:
+        pass
+
+
+def _inside(root: str, target: str) -> bool:
+    return target == root or target.startswith(root + os.sep)
+
+
+def write_tar(directory: Path, sink: IO[bytes], codec: Codec, level: int | None) -> None:
+    """Write ``directory``'s top-level entries, each under its own name, as a ``codec`` archive to ``sink``."""
+    root = os.path.realpath(directory)
+    stream = codec.writer(sink, level)
+    try:
+        tar = tarfile.TarFile(
+            fileobj=_TellingWriter(stream),  # type: ignore[arg-type]
+            mode="w",
+            format=tarfile.PAX_FORMAT,
+            copybufsize=BLOCK_SIZE,
+        )
+        with tar:
+            for entry in sorted(os.listdir(directory)):
+                _add_tree(tar, root, os.path.join(directory, entry), entry)
+    except BaseException:
+        try:
+            stream.close()
+        except Exception:  # the first error is the one to report
+            pass
+        raise
+    stream.close()
+
+
+def _add_tree(tar: tarfile.TarFile, root: str, path: str, arcname: str) -> None:
+    st = os.lstat(path)
+    mode = st.st_mode
+    if stat.S_ISLNK(mode):
+        target = os.readlink(path)
+        resolved = os.path.normpath(os.path.join(os.path.dirname(os.path.join(root, arcname)), target))
+        if os.path.isabs(target) or not _inside(root, resolved):
+            raise ValueError(
+                f"symlink {path!r} points outside the directory being saved ({target!r}); a checkpoint "
+                "holds only links that stay inside its tree. Replace the link with a copy, or remove it."
+            )
+    elif not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        what = "socket" if stat.S_ISSOCK(mode) else "fifo" if stat.S_ISFIFO(mode) else "device"
+        warnings.warn(f"taskpoint skipped {what} {path!r}: only files, folders and symlinks are saved",
+                      stacklevel=4)
+        return
+    info = tar.gettarinfo(path, arcname)
+    info.uname = info.gname = ""
+    if info.isreg():
+        with open(path, "rb") as f:
+            tar.addfile(info, f)
+    else:
+        tar.addfile(info)
+    if stat.S_ISDIR(mode):
+        for entry in sorted(os.listdir(path)):
+            _add_tree(tar, root, os.path.join(path, entry), f"{arcname}/{entry}")
+
+
+def extract_tar(source: IO[bytes], staging: Path, uri: str) -> None:
+    """Extract the tar stream ``source`` (already decompressed) below ``staging``, refusing unsafe members.
+
+    The stream is read to its end, so that the codec verifies its trailing checksums.
+    """
+    root = os.path.realpath(staging)
+    dir_modes: list[tuple[str, int, float]] = []
+    links: list[str] = []
+    try:
+        with tarfile.open(fileobj=source, mode="r|", bufsize=BLOCK_SIZE) as tar:  # type: ignore[call-overload]
+            for member in tar:
+                _extract_member(tar, member, root, uri, dir_modes, links)
+        while source.read(BLOCK_SIZE):
+            pass
+    except (tarfile.TarError, *DECODE_ERRORS) as exc:
+        raise CheckpointCorruptError(
+            f"the checkpoint at {uri} is damaged ({type(exc).__name__}: {exc}); it could not be extracted. "
+            "Save a new checkpoint, or load an older one."
+        ) from exc
+    # A link created early can point through a link created later; check where each one ends up now.
+    for link in links:
+        if not _inside(root, os.path.realpath(link)):
+            raise UnsafeArchiveError(f"the checkpoint at {uri} holds a symlink {link!r} that resolves outside "
+                                     "the workspace; nothing was extracted")
+    for path, mode, mtime in reversed(dir_modes):
+        os.chmod(path, mode)
+        os.utime(path, (mtime, mtime))
+
+
+def _unsafe(uri: str, member: tarfile.TarInfo, why: str) -> UnsafeArchiveError:
+    return UnsafeArchiveError(
+        f"the checkpoint at {uri} holds an unsafe member {member.name!r}: {why}. Nothing is written outside "
+        "the workspace; the archive was refused. Only load checkpoints from sources you trust."
+    )
+
+
+def _extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, root: str, uri: str,
+                    dir_modes: list[tuple[str, int, float]], links: list[str]) -> None:
+    name = member.name
+    if name.startswith(("/", "\\")) or os.path.isabs(name) or (len(name) > 1 and name[1] == ":"):
+        raise _unsafe(uri, member, "absolute path")
+    parts = [p for p in name.replace("\\", "/").split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise _unsafe(uri, member, "'..' in its path")
+    if not parts:
+        return  # the archive's root folder itself
+    if member.ischr() or member.isblk() or member.isfifo() or not (
+        member.isreg() or member.isdir() or member.issym() or member.islnk()
+    ):
+        raise _unsafe(uri, member, "device, fifo or special file")
+    target = os.path.join(root, *parts)
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    if not _inside(root, os.path.realpath(parent)):
+        raise _unsafe(uri, member, "its folder is a link that leads outside")
+    if os.path.lexists(target) and not (member.isdir() and os.path.isdir(target)
+                                        and not os.path.islink(target)):
+        _remove(target)
+    if member.isdir():
+        os.makedirs(target, exist_ok=True)
+        dir_modes.append((target, member.mode & 0o777, member.mtime))
+    elif member.issym():
+        link = member.linkname
+        if os.path.isabs(link) or link.startswith(("/", "\\")):
+            raise _unsafe(uri, member, f"symlink to absolute path {link!r}")
+        if not _inside(root, os.path.normpath(os.path.join(parent, link))) or not _inside(
+            root, os.path.realpath(os.path.join(parent, link))
+        ):
+            raise _unsafe(uri, member, f"symlink {link!r} leads outside")
+        os.symlink(link, target)
+        links.append(target)
+    elif member.islnk():
+        link_parts = [p for p in member.linkname.split("/") if p not in ("", ".")]
+        if member.linkname.startswith("/") or ".." in link_parts or not link_parts:
+            raise _unsafe(uri, member, f"hard link to {member.linkname!r} outside the archive")
+        source = os.path.realpath(os.path.join(root, *link_parts))
+        if not _inside(root, source) or not os.path.isfile(source):
+            raise _unsafe(uri, member, f"hard link to {member.linkname!r}, which is not a file in the archive")
+        os.link(source, target, follow_symlinks=False)
+    else:
+        data = tar.extractfile(member)
+        assert data is not None
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        with os.fdopen(fd, "wb") as out:
+            remaining = member.size
+            while remaining > 0:
+                chunk = data.read(min(BLOCK_SIZE, remaining))
+                if not chunk:
+                    raise CheckpointCorruptError(f"the checkpoint at {uri} ends inside {member.name!r}")
+                out.write(chunk)
+                remaining -= len(chunk)
+        os.chmod(target, member.mode & 0o777)
+        os.utime(target, (member.mtime, member.mtime))
+
+
+def _remove(path: str) -> None:
+    import shutil
+
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)

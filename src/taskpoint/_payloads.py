@@ -1,0 +1,187 @@
+"""Payload kinds: what a checkpoint can hold, how it is written to storage and brought back.
+
+Each kind is a small class behind one registry (the pattern of Orbax's handlers): ``bytes``, ``file`` and
+``directory`` live here; an extra (for example the JAX PyTree kind) adds its own with
+:func:`register_payload` and touches nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import IO, Any, ClassVar
+
+from ._archive import extract_tar, write_tar
+from ._codecs import BLOCK_SIZE, Codec
+
+#: Name of the file that holds a bytes or file checkpoint after load (Flyte's convention).
+RAW_RESULT_NAME = "payload"
+
+ACCEPTED = "bytes, bytearray, memoryview, or a str or os.PathLike naming a file or directory"
+
+
+class Payload(ABC):
+    """One piece of data to save. Subclasses claim the inputs they handle and say how to store them."""
+
+    kind: ClassVar[str]
+    #: True when stored as an archive (a codec applies); False when the object holds the raw bytes.
+    archived: ClassVar[bool]
+
+    @classmethod
+    @abstractmethod
+    def claim(cls, data: object) -> Payload | None:
+        """A payload for ``data`` when this kind handles it, else None."""
+
+    def size(self) -> int | None:
+        """The stored size in bytes when known before writing (raw kinds), else None."""
+        return None
+
+    @abstractmethod
+    def write(self, sink: IO[bytes], codec: Codec, level: int | None) -> None:
+        """Stream the stored form into ``sink``."""
+
+    @classmethod
+    @abstractmethod
+    def materialize(cls, source: IO[bytes], staging: Path, uri: str) -> None:
+        """Write the stored form read from ``source`` (decompressed for archived kinds) below ``staging``."""
+
+    @classmethod
+    def publish(cls, staging: Path, workspace: Path) -> Path:
+        """Move a verified result from ``staging`` into ``workspace``; return what load returns."""
+        for entry in os.listdir(staging):
+            target = workspace / entry
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            elif target.exists() or target.is_symlink():
+                target.unlink()
+            os.replace(staging / entry, target)
+        return workspace
+
+
+class BytesPayload(Payload):
+    kind = "bytes"
+    archived = False
+
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        # A snapshot: the caller may reuse its buffer as soon as save returns.
+        self._view = memoryview(bytes(data) if not isinstance(data, bytes) else data).cast("B")
+
+    @classmethod
+    def claim(cls, data: object) -> Payload | None:
+        return cls(data) if isinstance(data, (bytes, bytearray, memoryview)) else None
+
+    def size(self) -> int:
+        return self._view.nbytes
+
+    def write(self, sink: IO[bytes], codec: Codec, level: int | None) -> None:
+        for start in range(0, self._view.nbytes, BLOCK_SIZE * 8):
+            sink.write(self._view[start:start + BLOCK_SIZE * 8])
+
+    @classmethod
+    def materialize(cls, source: IO[bytes], staging: Path, uri: str) -> None:
+        with open(staging / RAW_RESULT_NAME, "wb") as out:
+            shutil.copyfileobj(source, out, BLOCK_SIZE)
+
+    @classmethod
+    def publish(cls, staging: Path, workspace: Path) -> Path:
+        target = workspace / RAW_RESULT_NAME
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        os.replace(staging / RAW_RESULT_NAME, target)
+        return target
+
+
+class FilePayload(BytesPayload):
+    kind = "file"
+
+    def __init__(self, path: Path) -> None:  # noqa: D107 - no bytes snapshot for files
+        self._path = path
+        self._size = path.stat().st_size
+
+    @classmethod
+    def claim(cls, data: object) -> Payload | None:
+        path = _existing_path(data)
+        return cls(path) if path is not None and path.is_file() else None
+
+    def size(self) -> int:
+        return self._size
+
+    def write(self, sink: IO[bytes], codec: Codec, level: int | None) -> None:
+        written = 0
+        with open(self._path, "rb", buffering=0) as f:
+            while chunk := f.read(BLOCK_SIZE * 8):
+                sink.write(chunk)
+                written += len(chunk)
+        if written != self._size:
+            raise RuntimeError(f"{self._path} changed size while it was being saved "
+                               f"({self._size} -> {written} bytes); save it again once it is complete")
+
+
+class DirectoryPayload(Payload):
+    kind = "directory"
+    archived = True
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+
+    @classmethod
+    def claim(cls, data: object) -> Payload | None:
+        path = _existing_path(data)
+        return cls(path) if path is not None and path.is_dir() else None
+
+    def write(self, sink: IO[bytes], codec: Codec, level: int | None) -> None:
+        write_tar(self._path, sink, codec, level)
+
+    @classmethod
+    def materialize(cls, source: IO[bytes], staging: Path, uri: str) -> None:
+        extract_tar(source, staging, uri)
+
+
+def _existing_path(data: object) -> Path | None:
+    if isinstance(data, (str, os.PathLike)) and not isinstance(data, bytes):
+        path = Path(os.fspath(data))
+        return path if path.exists() else None
+    return None
+
+
+_REGISTRY: list[type[Payload]] = [BytesPayload, FilePayload, DirectoryPayload]
+
+
+def register_payload(cls: type[Payload]) -> type[Payload]:
+    """Add a payload kind; it is asked before the built-in ones. Usable as a class decorator."""
+    if any(existing.kind == cls.kind for existing in _REGISTRY):
+        raise ValueError(f"a payload kind named {cls.kind!r} is already registered")
+    _REGISTRY.insert(0, cls)
+    return cls
+
+
+def payload_for(data: Any) -> Payload:
+    """The payload that stores ``data``; FileNotFoundError or TypeError saying what is accepted."""
+    for cls in _REGISTRY:
+        payload = cls.claim(data)
+        if payload is not None:
+            return payload
+    if isinstance(data, str):
+        raise FileNotFoundError(
+            f"save() got the str {data[:80]!r}, which names no existing file or directory. A str is "
+            "taken as a path; to save text, pass bytes, e.g. save(text.encode()).")
+    if isinstance(data, os.PathLike):
+        path = Path(os.fspath(data))
+        if not path.exists():
+            raise FileNotFoundError(f"save() got {os.fspath(data)!r}, which names no existing file or directory")
+        raise ValueError(f"save() got {os.fspath(data)!r}, which is neither a regular file nor a directory "
+                         "(a fifo, socket or device cannot be saved)")
+    raise TypeError(f"save() accepts {ACCEPTED}; got {type(data).__name__}")
+
+
+def payload_class(kind: str, uri: str) -> type[Payload]:
+    """The payload class recorded as ``kind``."""
+    for cls in _REGISTRY:
+        if cls.kind == kind:
+            return cls
+    from .errors import CheckpointError
+
+    raise CheckpointError(f"the checkpoint at {uri} holds a payload of kind {kind!r}, which this taskpoint "
+                          "does not know; install the extra that provides it (e.g. taskpoint[jax]).")

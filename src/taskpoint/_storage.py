@@ -1,0 +1,275 @@
+"""fsspec access: atomic writes, streaming reads, and bounded retries with backoff.
+
+Every write becomes visible whole or not at all:
+- local disk: a temp file in the same folder, fsync, rename, fsync of the folder;
+- object stores (S3, GCS, Azure): one PUT, or a multipart upload that is aborted when anything fails;
+- any other filesystem: a temp object beside the destination, then a move.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import IO, Any, TypeVar
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from .errors import CheckpointError, StorageError
+
+T = TypeVar("T")
+
+#: Size of the parts of a multipart upload, and of read-ahead blocks on remote stores.
+PART_SIZE = 16 << 20
+#: Protocols whose writers upload in parts and can abort them (``discard``) so nothing partial appears.
+_OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"})
+#: Exceptions that say "this will not get better by trying again".
+_PERMANENT: tuple[type[BaseException], ...] = (
+    FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError,
+    ValueError, TypeError, NotImplementedError, ImportError, CheckpointError,
+)
+_TRANSIENT_MODULES = ("aiohttp", "botocore", "azure", "google", "requests", "urllib3", "http", "ssl")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for failures that may pass on a retry: network errors, timeouts, throttling, 5xx answers."""
+    if isinstance(exc, _PERMANENT):
+        return False
+    if isinstance(exc, (OSError, TimeoutError, ConnectionError)):
+        return True
+    return type(exc).__module__.split(".")[0] in _TRANSIENT_MODULES
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how patiently to retry a storage operation that failed transiently."""
+
+    attempts: int = 4
+    initial_delay: float = 0.25
+    max_delay: float = 8.0
+    multiplier: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError("RetryPolicy.attempts must be at least 1")
+
+    def call(self, fn: Callable[[], T], *, action: str, uri: str) -> T:
+        """Run ``fn``; retry transient failures with jittered exponential backoff, then raise StorageError."""
+        delay = self.initial_delay
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return fn()
+            except BaseException as exc:
+                if not is_transient(exc):
+                    raise
+                if attempt == self.attempts:
+                    raise StorageError(
+                        f"could not {action} {uri}: storage kept failing after {attempt} attempts "
+                        f"({type(exc).__name__}: {exc}). Check the network and the storage service, then "
+                        "run again; no checkpoint was lost or reported missing."
+                    ) from exc
+                time.sleep(delay * random.uniform(0.5, 1.0))
+                delay = min(delay * self.multiplier, self.max_delay)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+def permanent_error(exc: BaseException, action: str, uri: str) -> BaseException:
+    """A StorageError that explains a permission or missing-bucket failure; other errors pass unchanged."""
+    if isinstance(exc, PermissionError):
+        return StorageError(f"could not {action} {uri}: permission denied ({exc}). Check the credentials "
+                            "in storage_options or the environment, and the bucket's policy.")
+    if isinstance(exc, FileNotFoundError):
+        return StorageError(f"could not {action} {uri}: the bucket or container does not exist ({exc}). "
+                            "Create it, or fix the URI.")
+    return exc
+
+
+class Location:
+    """One object (file) on an fsspec filesystem, with the operations a checkpoint needs."""
+
+    def __init__(self, uri: str, storage_options: dict[str, Any] | None = None,
+                 retry: RetryPolicy | None = None) -> None:
+        options = dict(storage_options or {})
+        if options.get("asynchronous"):
+            raise ValueError("storage_options may not set asynchronous=True; taskpoint manages async itself")
+        self.uri = uri
+        self.storage_options = options
+        self.retry = retry or RetryPolicy()
+        try:
+            self.fs, self.path = fsspec.core.url_to_fs(uri, **options)
+        except ImportError as exc:
+            raise ImportError(f"{uri}: {exc}. Install the matching extra, e.g. pip install 'taskpoint[s3]', "
+                              "'taskpoint[gcs]' or 'taskpoint[azure]'.") from exc
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self.is_local = isinstance(self.fs, LocalFileSystem)
+        self.is_object_store = not self.is_local and bool(_OBJECT_STORES.intersection(protocols))
+
+    def sibling(self, suffix: str) -> Location:
+        """The object whose name is this one's plus ``suffix``, on the same filesystem."""
+        other = object.__new__(Location)
+        other.__dict__.update(self.__dict__)
+        other.uri, other.path = self.uri + suffix, self.path + suffix
+        return other
+
+    # -- reads -------------------------------------------------------------------------------------------
+
+    def exists(self) -> bool:
+        def probe() -> bool:
+            if self.is_local:
+                return os.path.isfile(self.path)
+            try:
+                return self.fs.isfile(self.path)  # type: ignore[no-any-return]
+            except FileNotFoundError:
+                return False
+        return self.retry.call(probe, action="check", uri=self.uri)
+
+    def read_small(self) -> bytes | None:
+        """The whole object, or None when it does not exist. For manifests, not payloads."""
+        def read() -> bytes | None:
+            try:
+                if self.is_local:
+                    with open(self.path, "rb") as f:
+                        return f.read()
+                self.fs.invalidate_cache(self.path)
+                return self.fs.cat_file(self.path)  # type: ignore[no-any-return]
+            except FileNotFoundError:
+                return None
+        return self.retry.call(read, action="read", uri=self.uri)
+
+    def open_read(self) -> IO[bytes]:
+        """A streaming reader; FileNotFoundError when the object does not exist. Not retried here."""
+        if self.is_local:
+            return open(self.path, "rb", buffering=PART_SIZE)  # noqa: SIM115
+        self.fs.invalidate_cache(self.path)
+        return self.fs.open(self.path, "rb", block_size=PART_SIZE, cache_type="readahead")  # type: ignore[no-any-return]
+
+    def container_missing(self) -> bool:
+        """True when this object's bucket or container definitely does not exist (object stores only)."""
+        if not self.is_object_store:
+            return False
+        bucket = self.path.split("/", 1)[0]
+        try:
+            return not self.retry.call(lambda: self.fs.exists(bucket), action="check", uri=self.uri)
+        except (PermissionError, StorageError):
+            return False
+
+    # -- writes ------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def open_write(self) -> Iterator[IO[bytes]]:
+        """A writer whose bytes appear at this location all at once when the block exits cleanly.
+
+        If the block raises, or the process dies, the previous object (if any) is left untouched.
+        """
+        if self.is_local:
+            with self._write_local() as f:
+                yield f
+        elif self.is_object_store:
+            with self._write_object_store() as f:
+                yield f
+        else:
+            with self._write_via_move() as f:
+                yield f
+
+    @contextlib.contextmanager
+    def _write_local(self) -> Iterator[IO[bytes]]:
+        folder, name = os.path.split(self.path)
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
+        try:
+            with open(tmp, "xb", buffering=PART_SIZE) as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        _fsync_dir(folder)
+
+    @contextlib.contextmanager
+    def _write_object_store(self) -> Iterator[IO[bytes]]:
+        f = self.fs.open(self.path, "wb", block_size=PART_SIZE)
+        try:
+            yield f
+            f.close()
+        except BaseException:
+            # fsspec files commit in close() and __del__: discard the upload and mark the file closed so
+            # that neither ever runs.
+            try:
+                f.discard()
+            except Exception:  # the upload's own error is the one to report
+                pass
+            finally:
+                f.closed = True
+            raise
+        finally:
+            self.fs.invalidate_cache(self.path)
+
+    @contextlib.contextmanager
+    def _write_via_move(self) -> Iterator[IO[bytes]]:
+        tmp = f"{self.path}.{uuid.uuid4().hex[:12]}.tmp"
+        parent = self.fs._parent(self.path)
+        if parent:
+            with contextlib.suppress(Exception):
+                self.fs.makedirs(parent, exist_ok=True)
+        try:
+            with self.fs.open(tmp, "wb") as f:
+                yield f
+            self.fs.mv(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.fs.rm(tmp)
+            raise
+        finally:
+            self.fs.invalidate_cache(self.path)
+
+    def write_small(self, data: bytes, *, action: str = "write") -> None:
+        """Write ``data`` atomically, with retries. For manifests, not payloads."""
+        def write() -> None:
+            with self.open_write() as f:
+                f.write(data)
+        try:
+            self.retry.call(write, action=action, uri=self.uri)
+        except (PermissionError, FileNotFoundError) as exc:
+            raise permanent_error(exc, action, self.uri) from exc
+
+    def remove(self) -> None:
+        """Delete the object; a missing object is fine."""
+        def rm() -> None:
+            try:
+                if self.is_local:
+                    os.unlink(self.path)
+                else:
+                    self.fs.rm_file(self.path)
+            except FileNotFoundError:
+                pass
+        self.retry.call(rm, action="delete", uri=self.uri)
+
+
+def _fsync_dir(folder: str) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def normalize_uri(value: str | os.PathLike[str], what: str) -> str:
+    """A URI string from a str or PathLike; a TypeError names ``what`` for anything else."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str URI or an os.PathLike, not {type(value).__name__}")
+    return value
