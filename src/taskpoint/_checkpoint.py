@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import hashlib
 import os
 import re
 import shutil
@@ -14,19 +13,18 @@ import uuid
 import warnings
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import anyio.to_thread
 
-from ._codecs import BLOCK_SIZE, Codec, detect_codec, get_codec
+from ._codecs import Codec, get_codec
 from ._manifest import MANIFEST_SUFFIX, Manifest, ObjectRecord
-from ._payloads import BytesPayload, DirectoryPayload, Payload, payload_class, payload_for
-from ._storage import Location, RetryPolicy, normalize_uri, permanent_error
+from ._payloads import Payload, payload_class, payload_for
+from ._storage import Location, RetryPolicy, normalize_uri
+from ._transfer import STAGING_PREFIX, guess_kind, read_payload, write_payload
 from .errors import CheckpointCorruptError, CheckpointError, StorageError
 
 _TEMPLATE = re.compile(r"\{\{.*?\}\}")
-_HEAD_SIZE = 1024
-_STAGING_PREFIX = ".taskpoint-staging-"
 
 
 class BaseCheckpoint(ABC):
@@ -196,114 +194,20 @@ def clean_source_uri(value: str | os.PathLike[str] | None) -> str | None:
     return text
 
 
-# -- the save and load procedures, shared with the versioned manager ------------------------------------
-
-
-class _SourceFailure(Exception):
-    """Reading the data to save failed (not storage): report the original error, do not retry."""
-
-
-class _HashingWriter:
-    def __init__(self, sink: IO[bytes]) -> None:
-        self._sink = sink
-        self._hash = hashlib.sha256()
-        self.size = 0
-        self.failed = False
-
-    def write(self, b: bytes) -> int:
-        try:
-            self._sink.write(b)
-        except BaseException:
-            self.failed = True
-            raise
-        self._hash.update(b)
-        n = memoryview(b).nbytes
-        self.size += n
-        return n
-
-    def flush(self) -> None:
-        pass
-
-    def hexdigest(self) -> str:
-        return self._hash.hexdigest()
-
-
-class _HashingReader:
-    """Reads a storage stream, hashing every byte, with a peek at the head to pick the payload kind."""
-
-    def __init__(self, source: IO[bytes]) -> None:
-        self._source = source
-        self._hash = hashlib.sha256()
-        self._head = b""
-        self.size = 0
-
-    def peek_head(self, n: int) -> bytes:
-        while len(self._head) < n:
-            chunk = self._source.read(n - len(self._head))
-            if not chunk:
-                break
-            self._head += chunk
-        return self._head
-
-    def readable(self) -> bool:
-        return True
-
-    def read(self, n: int = -1) -> bytes:
-        if self._head:
-            if n < 0 or n >= len(self._head):
-                data, self._head = self._head, b""
-                if n < 0:
-                    data += self._source.read()
-            else:
-                data, self._head = self._head[:n], self._head[n:]
-        else:
-            data = self._source.read(n)
-        self._hash.update(data)
-        self.size += len(data)
-        return data
-
-    def readinto(self, buf: Any) -> int:
-        data = self.read(len(buf))
-        buf[: len(data)] = data
-        return len(data)
-
-    def drain(self) -> None:
-        while self.read(BLOCK_SIZE):
-            pass
-
-    def hexdigest(self) -> str:
-        return self._hash.hexdigest()
+# -- the record protocol, shared with the runtime's lineage search -------------------------------------
 
 
 def save_object(dest: Location, payload: Payload, codec: Codec, level: int | None) -> ObjectRecord:
     """Write ``payload`` to ``dest`` atomically and record its kind and sha256 beside it."""
     record_loc = dest.sibling(MANIFEST_SUFFIX)
-    previous = _read_manifest(record_loc, tolerate_corrupt=True)
+    previous = read_manifest(record_loc, tolerate_corrupt=True)
     pending = ObjectRecord(kind=payload.kind, codec=codec.name if payload.archived else "raw",
                            save_id=uuid.uuid4().hex, created=time.time(), size=payload.size())
     committed_before = previous.committed if previous else None
     record_loc.write_small(Manifest(committed=committed_before, pending=pending).to_bytes(),
                            action="save a checkpoint to")
-
-    def write() -> tuple[int, str]:
-        with dest.open_write() as f:
-            out = _HashingWriter(f)
-            try:
-                payload.write(out, codec, level)
-            except BaseException as exc:
-                if out.failed or not isinstance(exc, Exception):
-                    raise
-                raise _SourceFailure(exc) from exc
-        return out.size, out.hexdigest()
-
     try:
-        size, digest = dest.retry.call(write, action="save a checkpoint to", uri=dest.uri)
-    except _SourceFailure as failure:
-        _restore_manifest(record_loc, committed_before)
-        raise failure.__cause__ from None  # type: ignore[misc]
-    except (PermissionError, FileNotFoundError) as exc:
-        _restore_manifest(record_loc, committed_before)
-        raise permanent_error(exc, "save a checkpoint to", dest.uri) from exc
+        size, digest = write_payload(dest, payload, codec, level)
     except BaseException:
         _restore_manifest(record_loc, committed_before)
         raise
@@ -327,7 +231,8 @@ def _restore_manifest(record_loc: Location, committed: ObjectRecord | None) -> N
         pass
 
 
-def _read_manifest(record_loc: Location, *, tolerate_corrupt: bool = False) -> Manifest | None:
+def read_manifest(record_loc: Location, *, tolerate_corrupt: bool = False) -> Manifest | None:
+    """The record beside a checkpoint object, or None when there is none."""
     data = record_loc.read_small()
     if data is None:
         return None
@@ -341,53 +246,25 @@ def _read_manifest(record_loc: Location, *, tolerate_corrupt: bool = False) -> M
 
 def load_object(src: Location, workspace: Path) -> Path | None:
     """Load the checkpoint at ``src`` into ``workspace``; None when nothing was ever saved there."""
-    manifest = _read_manifest(src.sibling(MANIFEST_SUFFIX))
-    return src.retry.call(lambda: _load_once(src, workspace, manifest),
-                          action="load the checkpoint from", uri=src.uri)
+    manifest = read_manifest(src.sibling(MANIFEST_SUFFIX))
 
+    def choose(head: bytes, size: int | None) -> type[Payload]:
+        record = _choose_record(manifest, size)
+        return payload_class(record.kind, src.uri) if record else guess_kind(head)
 
-def _load_once(src: Location, workspace: Path, manifest: Manifest | None) -> Path | None:
-    try:
-        raw = src.open_read()
-    except FileNotFoundError:
+    def verify(kind: str, size: int, digest: str) -> None:
+        _verify(manifest, kind, size, digest, src.uri)
+
+    result = read_payload(src, workspace, choose, verify)
+    if result is None:
         if manifest is not None and manifest.committed is not None:
             raise CheckpointCorruptError(
                 f"the checkpoint at {src.uri} is recorded as saved but its object is missing; it was deleted "
-                "or moved. Restore the object, or delete the record to start over.") from None
+                f"or moved. Restore the object, or delete its record ({MANIFEST_SUFFIX}) to start over.")
         if src.container_missing():
             raise StorageError(f"could not load {src.uri}: the bucket or container does not exist. "
-                               "Create it, or fix the URI.") from None
-        return None
-    with raw:
-        reader = _HashingReader(raw)
-        head = reader.peek_head(_HEAD_SIZE)
-        record = _choose_record(manifest, _object_size(raw))
-        cls = payload_class(record.kind, src.uri) if record else _guess_kind(head)
-        staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=workspace))
-        try:
-            if cls.archived:
-                stream = detect_codec(head, src.uri).reader(reader)  # type: ignore[arg-type]
-                try:
-                    cls.materialize(stream, staging, src.uri)
-                finally:
-                    stream.close()
-            else:
-                cls.materialize(reader, staging, src.uri)  # type: ignore[arg-type]
-            reader.drain()
-            _verify(manifest, cls.kind, reader.size, reader.hexdigest(), src.uri)
-            return cls.publish(staging, workspace)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-
-
-def _object_size(raw: IO[bytes]) -> int | None:
-    size = getattr(raw, "size", None)
-    if isinstance(size, int):
-        return size
-    try:
-        return os.fstat(raw.fileno()).st_size
-    except (OSError, AttributeError, ValueError):
-        return None
+                               "Create it, or fix the URI.")
+    return result
 
 
 def _choose_record(manifest: Manifest | None, size: int | None) -> ObjectRecord | None:
@@ -399,21 +276,6 @@ def _choose_record(manifest: Manifest | None, size: int | None) -> ObjectRecord 
     return pending or committed
 
 
-def _guess_kind(head: bytes) -> type[Payload]:
-    """Kind of an object with no record (written by Flyte or by hand): a tar archive is a directory."""
-    import zlib
-
-    probe = head
-    if head.startswith(b"\x1f\x8b"):
-        try:
-            probe = zlib.decompressobj(wbits=31).decompress(head, 512)
-        except zlib.error:
-            return BytesPayload
-    elif head.startswith(b"\x28\xb5\x2f\xfd"):
-        return DirectoryPayload
-    return DirectoryPayload if probe[257:262] == b"ustar" else BytesPayload
-
-
 def _verify(manifest: Manifest | None, kind: str, size: int, digest: str, uri: str) -> None:
     if manifest is None:
         return
@@ -423,7 +285,7 @@ def _verify(manifest: Manifest | None, kind: str, size: int, digest: str, uri: s
     if pending is not None and pending.kind == kind and pending.size in (None, size):
         warnings.warn(
             f"the checkpoint at {uri} was written by a save that stopped before recording its checksum; "
-            "it was loaded with the archive's own checks only.", stacklevel=4)
+            "it was loaded with the archive's own checks only.", stacklevel=2)
         return
     expected = committed.size if committed else None
     raise CheckpointCorruptError(
@@ -467,7 +329,7 @@ class _Workspace:
         if self.owned:
             shutil.rmtree(self.path, ignore_errors=True)
         else:
-            for leftover in self.path.glob(_STAGING_PREFIX + "*"):
+            for leftover in self.path.glob(STAGING_PREFIX + "*"):
                 shutil.rmtree(leftover, ignore_errors=True)
 
     @classmethod

@@ -175,4 +175,4 @@ def is_archive(head: bytes) -> bool:
     return any(codec.matches(head) for codec in CODECS.values())
 
 
-__all__ = ["BLOCK_SIZE", "CODECS", "Codec", "DECODE_ERRORS", "detect_codec", "get_codec", "is_archive"]
+__all__ = ["BLOCK_SIZE", "CODECS", "DECODE_ERRORS", "Codec", "detect_codec", "get_codec", "is_archive"]

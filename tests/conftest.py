@@ -1,0 +1,129 @@
+"""Shared pytest fixtures: real object-store servers on 127.0.0.1 and a fresh location on each.
+
+Fixtures
+--------
+``s3_server``, ``gcs_server``, ``azure_server`` (session scope)
+    Start the server on first use, create the bucket/container ``taskpoint-tests`` and yield a
+    :class:`_servers.RunningServer` (``.endpoint``, ``.storage_options``); stopped at session end.
+``store`` (function scope, params ``local``, ``memory``, ``s3``, ``gcs``, ``azure``)
+    A :class:`_servers.StoreLocation` under a prefix unique to the test. A server is started only
+    when a test runs with its param. Select kinds with ``-k``, e.g. ``-k "not azure"``.
+``remote_store``
+    The same, over ``s3``, ``gcs`` and ``azure`` only.
+``s3_store``
+    The same, S3 only.
+
+fsspec's instance cache for the store's filesystem class is cleared before and after each test,
+and whatever the test left under its prefix is deleted at teardown.
+"""
+
+# This must stay first: gcsfs reads GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT when first imported, and the
+# cloud SDKs must never probe metadata addresses. Nothing above this line may import gcsfs.
+import os
+
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+os.environ.setdefault("NO_GCE_CHECK", "true")
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-west-2")  # not us-east-1: see the moto note
+
+import uuid  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import fsspec  # noqa: E402
+import pytest  # noqa: E402
+from _servers import (  # noqa: E402
+    REMOTE_KINDS,
+    STORE_KINDS,
+    RunningServer,
+    StoreLocation,
+    apply_default_environment,
+    clear_instance_cache,
+    close_filesystem,
+    running_azure_server,
+    running_gcs_server,
+    running_s3_server,
+)
+
+apply_default_environment()  # the same defaults, plus 127.0.0.1 on NO_PROXY
+
+_SERVER_FIXTURES = {"s3": "s3_server", "gcs": "gcs_server", "azure": "azure_server"}
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[RunningServer]:
+    """moto S3 on 127.0.0.1 with bucket ``taskpoint-tests``, for the whole session."""
+    with running_s3_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def gcs_server() -> Iterator[RunningServer]:
+    """A GCS emulator on 127.0.0.1 with bucket ``taskpoint-tests``, for the whole session."""
+    with running_gcs_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def azure_server() -> Iterator[RunningServer]:
+    """azurite on 127.0.0.1 with container ``taskpoint-tests``, for the whole session."""
+    with running_azure_server() as server:
+        yield server
+
+
+def _new_location(request: pytest.FixtureRequest, kind: str) -> StoreLocation:
+    """A location unique to this test; starts the matching server lazily."""
+    if kind == "local":
+        tmp_path: Path = request.getfixturevalue("tmp_path")
+        base = tmp_path / "store"
+        base.mkdir()
+        return StoreLocation("local", str(base), {})
+    if kind == "memory":
+        return StoreLocation("memory", f"memory://tp-{uuid.uuid4().hex}", {})
+    server: RunningServer = request.getfixturevalue(_SERVER_FIXTURES[kind])
+    return server.new_location()
+
+
+def _remove_quietly(location: StoreLocation) -> None:
+    """Delete everything under the location's prefix (best effort; local is left to tmp_path)."""
+    if location.kind == "local":
+        return
+    fs = fsspec.filesystem(location.protocol, skip_instance_cache=True, **location.storage_options)
+    try:
+        if fs.exists(location.base):
+            fs.rm(location.base, recursive=True)
+    except FileNotFoundError:
+        pass
+    finally:
+        close_filesystem(fs)
+
+
+def _location_fixture(request: pytest.FixtureRequest) -> Iterator[StoreLocation]:
+    kind: str = request.param
+    clear_instance_cache(kind)
+    location = _new_location(request, kind)
+    try:
+        yield location
+    finally:
+        clear_instance_cache(kind)
+        _remove_quietly(location)
+
+
+@pytest.fixture(params=STORE_KINDS, ids=STORE_KINDS)
+def store(request: pytest.FixtureRequest) -> Iterator[StoreLocation]:
+    """A fresh, empty location on each kind of store (local, memory, s3, gcs, azure)."""
+    yield from _location_fixture(request)
+
+
+@pytest.fixture(params=REMOTE_KINDS, ids=REMOTE_KINDS)
+def remote_store(request: pytest.FixtureRequest) -> Iterator[StoreLocation]:
+    """A fresh, empty location on each remote store (s3, gcs, azure)."""
+    yield from _location_fixture(request)
+
+
+@pytest.fixture(params=["s3"], ids=["s3"])
+def s3_store(request: pytest.FixtureRequest) -> Iterator[StoreLocation]:
+    """A fresh, empty location on the S3 server."""
+    yield from _location_fixture(request)

@@ -1,0 +1,92 @@
+"""Small helpers shared by the test modules: build trees, snapshot them, damage stored objects."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import stat
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+
+def make_tree(root: Path, *, big: int = 0) -> Path:
+    """A directory with nested and empty folders, a symlink inside the tree, odd modes, and optional bulk."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "weights.bin").write_bytes(os.urandom(1000) + bytes(50_000))
+    (root / "state.json").write_text('{"step": 7}')
+    (root / "nested" / "deeper").mkdir(parents=True)
+    (root / "nested" / "deeper" / "notes.txt").write_text("deep")
+    (root / "nested" / "run.sh").write_text("#!/bin/sh\necho hi\n")
+    os.chmod(root / "nested" / "run.sh", 0o755)
+    os.chmod(root / "state.json", 0o640)
+    (root / "empty").mkdir()
+    os.symlink("nested/deeper/notes.txt", root / "link-to-notes")
+    os.symlink("nested", root / "link-to-dir")
+    if big:
+        (root / "bulk.bin").write_bytes(os.urandom(big))
+    return root
+
+
+def snapshot(root: Path) -> dict[str, Any]:
+    """Everything a round trip must keep: kind, permission bits, content digest or link target."""
+    out: dict[str, Any] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            rel = str(path.relative_to(root))
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                out[rel] = ("link", os.readlink(path))
+            elif stat.S_ISDIR(st.st_mode):
+                out[rel] = ("dir", stat.S_IMODE(st.st_mode))
+            else:
+                out[rel] = ("file", stat.S_IMODE(st.st_mode), hashlib.sha256(path.read_bytes()).hexdigest())
+    return out
+
+
+def snapshot_with_times(root: Path) -> dict[str, Any]:
+    snap = snapshot(root)
+    return {k: (v, os.lstat(root / k).st_mtime_ns) for k, v in snap.items()}
+
+
+def read_object(url: str, storage_options: dict[str, Any]) -> bytes:
+    fs, path = fsspec.core.url_to_fs(url, **storage_options)
+    fs.invalidate_cache()
+    return fs.cat_file(path)  # type: ignore[no-any-return]
+
+
+def write_object(url: str, storage_options: dict[str, Any], data: bytes) -> None:
+    fs, path = fsspec.core.url_to_fs(url, **storage_options)
+    fs.pipe_file(path, data)
+    fs.invalidate_cache()
+
+
+def object_exists(url: str, storage_options: dict[str, Any]) -> bool:
+    fs, path = fsspec.core.url_to_fs(url, **storage_options)
+    fs.invalidate_cache()
+    return fs.exists(path)  # type: ignore[no-any-return]
+
+
+def tar_gz(members: list[tuple[tarfile.TarInfo, bytes | None]]) -> bytes:
+    """A gzip tar built member by member, for hand-made (hostile) archives."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for info, data in members:
+            if data is not None:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+            else:
+                tar.addfile(info)
+    return buf.getvalue()
+
+
+def member(name: str, kind: bytes = tarfile.REGTYPE, *, linkname: str = "", mode: int = 0o644) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.linkname = linkname
+    info.mode = mode
+    return info
