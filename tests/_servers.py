@@ -29,10 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
+import functools
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -50,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+from fsspec.asyn import AsyncFileSystem, sync
 from fsspec.spec import AbstractFileSystem
 
 __all__ = [
@@ -216,10 +216,8 @@ def close_filesystem(fs: AbstractFileSystem) -> None:
     if (getattr(fs, "asynchronous", True) or session is None or getattr(session, "closed", True)
             or loop is None or not loop.is_running()):
         return
-    try:
-        fsspec.asyn.sync(loop, session.close, timeout=5)
-    except Exception:  # best effort: the finalizer remains as a fallback
-        pass
+    with contextlib.suppress(Exception):  # best effort: the finalizer remains as a fallback
+        sync(loop, session.close, timeout=5)
 
 
 def clear_instance_cache(kind: str) -> None:
@@ -249,10 +247,10 @@ def _free_port() -> int:
 _URL_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def _http_answers(url: str, *, method: str = "GET") -> bool:
-    """True once ``url`` gives any HTTP response (error statuses count: the server is up)."""
+def _http_answers(url: str) -> bool:
+    """True once a GET of ``url`` gives any HTTP response (error statuses count: the server is up)."""
     try:
-        with _URL_OPENER.open(urllib.request.Request(url, method=method), timeout=2.0):
+        with _URL_OPENER.open(url, timeout=2.0):
             return True
     except urllib.error.HTTPError:
         return True
@@ -276,11 +274,17 @@ def _poll_until(ready: Callable[[], bool], *, what: str, timeout: float = _START
         delay = min(delay * 2, 0.2)
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Ask Linux to SIGTERM the child if the thread that started it dies (e.g. pytest is killed)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    PR_SET_PDEATHSIG = 1
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+def _with_parent_death_signal(argv: list[str]) -> list[str]:
+    """Prefix ``argv`` so Linux SIGTERMs the server if this process dies without stopping it.
+
+    Uses util-linux ``setpriv --pdeathsig`` (it execs the server: same PID), not ``preexec_fn``,
+    which is unsafe in a process with threads. The signal fires when the *thread* that started the
+    child exits, so it is only used from the main thread. Without setpriv, argv is unchanged.
+    """
+    setpriv = shutil.which("setpriv")
+    if sys.platform != "linux" or setpriv is None or threading.current_thread() is not threading.main_thread():
+        return argv
+    return [setpriv, "--pdeathsig", "TERM", "--", *argv]
 
 
 @contextlib.contextmanager
@@ -293,20 +297,18 @@ def _subprocess_server(argv_for_port: Callable[[int], list[str]], *, name: str, 
     retried on another port.
     """
     log_path = workdir / f"{name}.log"
-    # PDEATHSIG fires when the *thread* that forked exits, so only use it from the main thread.
-    preexec = _die_with_parent if (sys.platform == "linux" and threading.current_thread() is threading.main_thread()) else None
     last_error: Exception | None = None
     for _ in range(_PORT_ATTEMPTS):
         port = _free_port()
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
-                argv_for_port(port), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                cwd=workdir, preexec_fn=preexec,
+                _with_parent_death_signal(argv_for_port(port)), stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, cwd=workdir,
             )
         try:
             try:
-                _poll_until(lambda: _http_answers(ready_url(port)), what=f"{name} (pid {proc.pid}, port {port})",
-                            alive=lambda: proc.poll() is None)
+                _poll_until(functools.partial(_http_answers, ready_url(port)),
+                            alive=functools.partial(_is_running, proc), what=f"{name} (pid {proc.pid}, port {port})")
             except ServerStartError as exc:
                 tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
                 last_error = ServerStartError(f"{exc}; its output:\n{tail}")
@@ -317,6 +319,10 @@ def _subprocess_server(argv_for_port: Callable[[int], list[str]], *, name: str, 
             _stop_process(proc)
     assert last_error is not None
     raise last_error
+
+
+def _is_running(proc: subprocess.Popen[bytes]) -> bool:
+    return proc.poll() is None
 
 
 def _stop_process(proc: subprocess.Popen[bytes]) -> None:
@@ -439,7 +445,8 @@ def _fake_gcs_server_binary() -> Path | None:
 
         return Path(_get_binary_path())
     except (ImportError, RuntimeError):
-        candidates = sorted((Path(wrapper.__file__).parent / "vendor" / "fake-gcs-server" / "bin").glob("fake-gcs-server*"))
+        bin_dir = Path(wrapper.__file__).parent / "vendor" / "fake-gcs-server" / "bin"
+        candidates = sorted(bin_dir.glob("fake-gcs-server*"))
         return candidates[0] if candidates else None
 
 
@@ -517,7 +524,8 @@ def running_azure_server(bucket: str | None = BUCKET) -> Iterator[RunningServer]
     with tempfile.TemporaryDirectory(prefix="tp-azurite-") as tmp:
 
         def argv(port: int) -> list[str]:
-            return [str(_AZURITE_BIN), "--blobHost", LOOPBACK, "--blobPort", str(port), "--inMemoryPersistence", "--disableTelemetry", "--silent", "--skipApiVersionCheck", "--loose"]
+            return [str(_AZURITE_BIN), "--blobHost", LOOPBACK, "--blobPort", str(port), "--inMemoryPersistence",
+                    "--disableTelemetry", "--silent", "--skipApiVersionCheck", "--loose"]
 
         with _subprocess_server(argv, name="azurite-blob", workdir=Path(tmp),
                                 ready_url=lambda p: f"http://{LOOPBACK}:{p}/{AZURITE_ACCOUNT}?comp=list") as port:
@@ -549,7 +557,7 @@ def _detach_finalizers(obj: object) -> None:
 
 
 @contextlib.asynccontextmanager
-async def async_filesystem(location: StoreLocation) -> AsyncIterator[fsspec.asyn.AsyncFileSystem]:
+async def async_filesystem(location: StoreLocation) -> AsyncIterator[AsyncFileSystem]:
     """An async fsspec filesystem for ``location``, bound to the running loop, closed on exit.
 
     Remote kinds get an uncached instance (``skip_instance_cache=True``: async instances are tied

@@ -28,13 +28,14 @@ os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-west-2")  # not us-east-1: see the moto note
 
-import uuid  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
-from pathlib import Path  # noqa: E402
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
-import fsspec  # noqa: E402
-import pytest  # noqa: E402
-from _servers import (  # noqa: E402
+import fsspec
+import pytest
+
+from _servers import (
     REMOTE_KINDS,
     STORE_KINDS,
     RunningServer,

@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 import pytest
+
 from _servers import StoreLocation, async_filesystem
 
 SMALL = 1024
