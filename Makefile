@@ -8,6 +8,10 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 NPM_DIR := tests/servers
 NPM_STAMP := $(NPM_DIR)/node_modules/.installed
+# The real flyte package, for the format-compatibility tests; its pins clash with ours, so it has its own venv.
+FLYTE_VENV := .venv-flyte
+FLYTE_STAMP := $(FLYTE_VENV)/.installed
+FLYTE_VERSION ?= 2.12.1
 ROOT ?=
 
 .PHONY: demo test bench lint typecheck clean venv servers
@@ -24,6 +28,12 @@ $(NPM_STAMP): $(NPM_DIR)/package.json
 	cd $(NPM_DIR) && npm install --no-audit --no-fund --loglevel=error
 	touch $(NPM_STAMP)
 
+$(FLYTE_STAMP):
+	$(PYTHON) -m venv $(FLYTE_VENV)
+	$(FLYTE_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(FLYTE_VENV)/bin/python -m pip install --quiet "flyte==$(FLYTE_VERSION)"
+	touch $(FLYTE_STAMP)
+
 venv: $(STAMP)
 
 servers: $(NPM_STAMP)
@@ -31,15 +41,16 @@ servers: $(NPM_STAMP)
 demo: $(STAMP)
 	TASKPOINT_ROOT="$(ROOT)" $(PY) examples/quickstart.py
 
-test: $(STAMP) $(NPM_STAMP)
-	$(PY) -m pytest
+test: $(STAMP) $(NPM_STAMP) $(FLYTE_STAMP)
+	TASKPOINT_FLYTE_PYTHON=$(FLYTE_VENV)/bin/python $(PY) -m pytest
 
 bench: $(STAMP)
 	$(PY) -m benchmarks
 
 lint: $(STAMP)
+	$(PIP) install --quiet -e ".[dev]"
 	$(PY) -m ruff check src tests examples benchmarks
 	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) $(NPM_DIR)/node_modules .taskpoint
+	rm -rf $(VENV) $(FLYTE_VENV) $(NPM_DIR)/node_modules .taskpoint

@@ -200,6 +200,7 @@ def clean_source_uri(value: str | os.PathLike[str] | None) -> str | None:
 def save_object(dest: Location, payload: Payload, codec: Codec, level: int | None) -> ObjectRecord:
     """Write ``payload`` to ``dest`` atomically and record its kind and sha256 beside it."""
     record_loc = dest.sibling(MANIFEST_SUFFIX)
+    started = time.time()
     previous = read_manifest(record_loc, tolerate_corrupt=True)
     pending = ObjectRecord(kind=payload.kind, codec=codec.name if payload.archived else "raw",
                            save_id=uuid.uuid4().hex, created=time.time(), size=payload.size())
@@ -218,6 +219,7 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
     except StorageError as exc:
         raise StorageError(f"the checkpoint at {dest.uri} was written, but its record could not be updated "
                            f"({exc}); it will load without checksum verification. Save again to fix it.") from exc
+    dest.sweep_leftovers(started_before=started)
     return record
 
 

@@ -26,6 +26,9 @@ T = TypeVar("T")
 
 #: Size of the parts of a multipart upload, and of read-ahead blocks on remote stores.
 PART_SIZE = 16 << 20
+#: Age after which a temp object or unfinished upload of a killed save is swept by a later save. A writer
+#: that is still alive keeps touching its temp file, so this never disturbs a concurrent save.
+LEFTOVER_GRACE_SECONDS = 15 * 60
 #: Protocols whose writers upload in parts and can abort them (``discard``) so nothing partial appears.
 _OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"})
 #: Exceptions that say "this will not get better by trying again".
@@ -36,13 +39,39 @@ _PERMANENT: tuple[type[BaseException], ...] = (
 _TRANSIENT_MODULES = ("aiohttp", "botocore", "azure", "google", "requests", "urllib3", "http", "ssl")
 
 
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it was raised from (clients such as adlfs wrap the real error)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _missing(exc: BaseException) -> bool:
+    return any(isinstance(e, FileNotFoundError) or type(e).__name__ == "ResourceNotFoundError"
+               or any(code in str(e) for code in ("ContainerNotFound", "NoSuchBucket"))
+               for e in _chain(exc))
+
+
+def _denied(exc: BaseException) -> bool:
+    return any(isinstance(e, PermissionError) or type(e).__name__ == "ClientAuthenticationError"
+               for e in _chain(exc))
+
+
 def is_transient(exc: BaseException) -> bool:
     """True for failures that may pass on a retry: network errors, timeouts, throttling, 5xx answers."""
-    if isinstance(exc, _PERMANENT):
+    if _missing(exc) or _denied(exc):
         return False
-    if isinstance(exc, (OSError, TimeoutError, ConnectionError)):
-        return True
-    return type(exc).__module__.split(".")[0] in _TRANSIENT_MODULES
+    for e in _chain(exc):
+        if isinstance(e, _PERMANENT):
+            return False
+        if isinstance(e, (OSError, TimeoutError, ConnectionError)):
+            return True
+        if type(e).__module__.split(".")[0] in _TRANSIENT_MODULES:
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -79,14 +108,17 @@ class RetryPolicy:
 
 
 def permanent_error(exc: BaseException, action: str, uri: str) -> BaseException:
-    """A StorageError that explains a permission or missing-bucket failure; other errors pass unchanged."""
-    if isinstance(exc, PermissionError):
+    """A StorageError that explains a storage failure that retrying cannot fix; other errors pass unchanged."""
+    if isinstance(exc, StorageError):
+        return exc
+    if _denied(exc):
         return StorageError(f"could not {action} {uri}: permission denied ({exc}). Check the credentials "
                             "in storage_options or the environment, and the bucket's policy.")
-    if isinstance(exc, FileNotFoundError):
+    if _missing(exc):
         return StorageError(f"could not {action} {uri}: the bucket, container or folder does not exist "
                             f"({exc}). Create it, or fix the URI.")
-    if isinstance(exc, OSError):
+    if isinstance(exc, OSError) or any(type(e).__module__.split(".")[0] in _TRANSIENT_MODULES
+                                       for e in _chain(exc)):
         return StorageError(f"could not {action} {uri}: {type(exc).__name__}: {exc}. Fix the location "
                             "(is a parent path a file? is the disk full?) and save again.")
     return exc
@@ -108,7 +140,7 @@ class Location:
         except ImportError as exc:
             raise ImportError(f"{uri}: {exc}. Install the matching extra, e.g. pip install 'taskpoint[s3]', "
                               "'taskpoint[gcs]' or 'taskpoint[azure]'.") from exc
-        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        protocols = _protocols(self.fs)
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.is_object_store = not self.is_local and bool(_OBJECT_STORES.intersection(protocols))
 
@@ -125,8 +157,10 @@ class Location:
         def probe() -> bool:
             if self.is_local:
                 return os.path.isfile(self.path)
+            # Not fs.isfile(): it answers False for any error, which would report an outage as "nothing here".
+            self.fs.invalidate_cache(self.path)
             try:
-                return self.fs.isfile(self.path)  # type: ignore[no-any-return]
+                return self.fs.info(self.path).get("type") == "file"  # type: ignore[no-any-return]
             except FileNotFoundError:
                 return False
         return self.retry.call(probe, action="check", uri=self.uri)
@@ -140,7 +174,7 @@ class Location:
                         return f.read()
                 self.fs.invalidate_cache(self.path)
                 return self.fs.cat_file(self.path)  # type: ignore[no-any-return]
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):
                 return None
         return self.retry.call(read, action="read", uri=self.uri)
 
@@ -240,8 +274,36 @@ class Location:
                 f.write(data)
         try:
             self.retry.call(write, action=action, uri=self.uri)
-        except OSError as exc:
-            raise permanent_error(exc, action, self.uri) from exc
+        except Exception as exc:
+            mapped = permanent_error(exc, action, self.uri)
+            if mapped is exc:
+                raise
+            raise mapped from exc
+
+    def sweep_leftovers(self, started_before: float) -> None:
+        """Remove what killed saves of this object left: temp files (local) and unfinished uploads (S3).
+
+        Best effort. Local temp files are removed once older than :data:`LEFTOVER_GRACE_SECONDS`; S3
+        multipart uploads of this exact key are aborted when they began before ``started_before`` (the
+        caller's own save has committed by then). GCS resumable uploads and Azure uncommitted blocks are
+        invisible and expire on their own after a week.
+        """
+        try:
+            if self.is_local:
+                folder, name = os.path.split(self.path)
+                cutoff = time.time() - LEFTOVER_GRACE_SECONDS
+                for entry in os.scandir(folder):
+                    if entry.name.startswith(f".{name}.") and entry.name.endswith(".tmp"):
+                        if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                            os.unlink(entry.path)
+            elif "s3" in _protocols(self.fs):
+                bucket, _, key = self.path.partition("/")
+                listing = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key)
+                for upload in listing.get("Uploads", []):
+                    if upload["Key"] == key and upload["Initiated"].timestamp() < started_before:
+                        self.fs.abort_mpu(bucket, key, upload["UploadId"])
+        except Exception:  # noqa: BLE001 - cleanup must never fail a save that succeeded
+            pass
 
     def remove(self) -> None:
         """Delete the object; a missing object is fine."""
@@ -254,6 +316,10 @@ class Location:
             except FileNotFoundError:
                 pass
         self.retry.call(rm, action="delete", uri=self.uri)
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
 
 
 def _fsync_dir(folder: str) -> None:

@@ -134,8 +134,11 @@ def write_payload(dest: Location, payload: Payload, codec: Codec, level: int | N
         return dest.retry.call(write, action="save a checkpoint to", uri=dest.uri)
     except _SourceFailure as failure:
         raise failure.__cause__ from None  # type: ignore[misc]
-    except OSError as exc:
-        raise permanent_error(exc, "save a checkpoint to", dest.uri) from exc
+    except Exception as exc:
+        mapped = permanent_error(exc, "save a checkpoint to", dest.uri)
+        if mapped is exc:
+            raise
+        raise mapped from exc
 
 
 def read_payload(src: Location, workspace: Path, choose: KindChooser, verify: Verifier) -> Path | None:

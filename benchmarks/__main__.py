@@ -1,0 +1,143 @@
+"""``python -m benchmarks`` (``make bench``): taskpoint against the Flyte-style baseline and the raw copy.
+
+Examples::
+
+    python -m benchmarks                                  # full size (about 1.3 GiB of data), median of 3
+    python -m benchmarks --size 0.0625 --runs 1           # a quick run while developing
+    python -m benchmarks --stores s3 --payloads directory --methods taskpoint,raw --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import platform
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from . import _dataset, _report
+from ._operations import METHODS, PAYLOADS, STORES
+from ._runner import REPO_ROOT, Options, run_all
+
+BENCH_DIR = Path(__file__).resolve().parent
+
+
+def _choices(allowed: tuple[str, ...]) -> Any:
+    def parse(text: str) -> list[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        unknown = [t for t in items if t not in allowed]
+        if unknown or not items:
+            raise argparse.ArgumentTypeError(f"choose from {','.join(allowed)} (got {text!r})")
+        return items
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 4:
+        raise argparse.ArgumentTypeError("--size must be in (0, 4]")
+    return value
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", type=_positive_float, default=1.0,
+                   help="scale of the data set; 1 is the issue's (1 GiB directory, 256 MiB file, 64 MiB bytes)")
+    p.add_argument("--runs", type=int, default=3, help="runs per case; the median is reported (default 3)")
+    p.add_argument("--baseline-runs", type=int, default=1,
+                   help="runs of the slow Flyte-style baseline (default 1; never more than --runs)")
+    p.add_argument("--stores", type=_choices(STORES), default=list(STORES), help="comma list: local,s3")
+    p.add_argument("--payloads", type=_choices(PAYLOADS), default=list(PAYLOADS),
+                   help="comma list: directory,file,bytes")
+    p.add_argument("--methods", type=_choices(METHODS), default=list(METHODS),
+                   help="comma list: taskpoint,taskpoint-async,baseline,raw")
+    p.add_argument("--codec", default="gzip", help="taskpoint's codec (default gzip, the targets' default)")
+    p.add_argument("--level", type=int, default=None, help="taskpoint's compression level (default: its own)")
+    p.add_argument("--data-dir", type=Path, default=BENCH_DIR / "data", help="where the data set is built")
+    p.add_argument("--results-dir", type=Path, default=BENCH_DIR / "results", help="where results are written")
+    p.add_argument("--profile", action="store_true",
+                   help="record taskpoint's workers with py-spy (threads, idle included) into RESULTS/profiles/")
+    args = p.parse_args(argv)
+    if args.runs < 1 or args.baseline_runs < 1:
+        p.error("--runs and --baseline-runs must be at least 1")
+    return args
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=False).stdout.strip()
+    except OSError:
+        return ""
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in ("taskpoint", "fsspec", "s3fs", "aiobotocore", "moto", "isal", "zstandard", "anyio", "numpy"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "absent"
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.chdir(REPO_ROOT)
+    started = time.time()
+    load_before = os.getloadavg()
+    dataset = _dataset.prepare(args.data_dir, args.size)
+    mib = {k: v / 2**20 for k, v in dataset.sizes.items()}
+    print(f"payloads: directory {mib['directory']:.1f} MiB ({len(dataset.files) - 2} files), "
+          f"file {mib['file']:.1f} MiB, bytes {mib['bytes']:.1f} MiB; runs {args.runs} "
+          f"(baseline {min(args.runs, args.baseline_runs)}); load average {load_before[0]:.2f}", flush=True)
+    stem = "bench" if args.size == 1 else f"bench-size{args.size:g}"
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    profile_dir = None
+    if args.profile:
+        profile_dir = args.results_dir / "profiles" / stem
+        profile_dir.mkdir(parents=True, exist_ok=True)
+    opts = Options(stores=args.stores, payloads=args.payloads, methods=args.methods, runs=args.runs,
+                   baseline_runs=min(args.runs, args.baseline_runs), codec=args.codec, level=args.level,
+                   work_dir=args.data_dir / "work", profile_dir=profile_dir,
+                   log=lambda msg: print(msg, flush=True))
+    results = run_all(dataset, opts)
+    rows = _report.add_ratios([r.summary() for r in results])
+    goals = _report.targets(rows)
+    title = (f"taskpoint benchmark, size {args.size:g} (directory {mib['directory']:.0f} MiB), "
+             f"median of {args.runs} (baseline {opts.baseline_runs}), codec {args.codec}, {os.cpu_count()} cores")
+    text = "\n".join([title, "", _report.table(rows), "", _report.targets_table(goals)])
+    if args.size != 1:
+        text += "\n\n(scaled run: the targets are stated for size 1; RSS and ratios at other sizes are indicative)"
+    print("\n" + text)
+    failed = [r for r in rows if r.get("error")]
+    for r in failed:
+        print(f"\nERROR {r['store']}/{r['payload']}/{r['op']}/{r['method']}: {r['error']}")
+    meta = {
+        "argv": sys.argv, "size": args.size, "runs": args.runs, "baseline_runs": opts.baseline_runs,
+        "codec": args.codec, "level": args.level, "stores": args.stores, "cpus": os.cpu_count(),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "wall_seconds": time.time() - started, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+        "git_commit": _git("rev-parse", "HEAD"), "git_dirty_src": _git("status", "--porcelain", "src"),
+        "versions": _versions(), "dataset": {"sizes": dataset.sizes, "spec": _dataset.spec_for(args.size)},
+        "mb": "10^6 bytes", "notes": "RSS+ is peak RSS above the idle worker (libraries imported, case prepared); "
+        "tmp+ is the peak of bytes in TMPDIR, the load workspace and the local store folder minus what remains",
+    }
+    _report.write_json(args.results_dir / f"{stem}.json", meta, rows, goals, text)
+    (args.results_dir / f"{stem}.txt").write_text(text + "\n")
+    try:
+        _report.plot(args.results_dir / f"{stem}.png", rows, title)
+    except ImportError:
+        print("(no PNG: matplotlib is not installed; pip install matplotlib)")
+    print(f"\nwrote {args.results_dir / stem}.{{txt,json,png}} in {time.time() - started:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

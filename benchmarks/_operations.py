@@ -1,0 +1,249 @@
+"""The operations being timed: one save or one load of one payload, by one method, on one store.
+
+Methods:
+
+* ``taskpoint`` / ``taskpoint-async``: ``Checkpoint.save_sync``/``load_sync``, or ``save``/``load`` under
+  ``anyio.run`` (timed inside the event loop);
+* ``baseline``, the Flyte-style way: a directory becomes ``tarfile`` ``"w:gz"`` at compresslevel 9 of its
+  top-level entries in a temp file, then ``put_file``; load is ``get_file`` to a temp file, then
+  ``extractall``. A file is ``put_file``/``get_file`` as it is, and bytes go through a temp file first
+  (Flyte's ``SyncCheckpoint.write``) and are read back into memory after ``get_file`` (``read``);
+* ``raw``, the limit: fsspec ``put``/``get`` of the same bytes with no archive (recursive for a
+  directory); on local disk a plain copy (``shutil.copytree``/``copyfile``) with no fsync.
+
+Every object of a case lives under one prefix (``<store root>/<method>/<payload>/``) that the runner
+deletes between runs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+METHODS = ("taskpoint", "taskpoint-async", "baseline", "raw")
+PAYLOADS = ("directory", "file", "bytes")
+OPS = ("save", "load")
+STORES = ("local", "s3")
+
+#: Object names under a case's prefix.
+TASKPOINT_OBJECT = "checkpoint"
+BASELINE_ARCHIVE = "checkpoint.tar.gz"
+FILE_NAME = "model.bin"
+BYTES_NAME = "payload"
+#: The level of the Flyte-style baseline (Python's gzip default, which flytekit's tar keeps).
+BASELINE_LEVEL = 9
+_COPY_BLOCK = 1 << 20
+
+
+def applies(method: str, payload: str) -> bool:
+    """The async twin is only compared on the directory (the issue's async target)."""
+    return not (method == "taskpoint-async" and payload != "directory")
+
+
+@dataclass
+class Case:
+    """What one worker does: the JSON spec the runner hands it, as an object."""
+
+    method: str
+    payload: str
+    op: str
+    store: str
+    source: str  # the data set's payload (save) - for bytes, the file read into memory before timing
+    prefix: str  # local folder path or "s3://bucket/..." of this case's objects
+    workspace: str  # load: an empty folder that receives the result
+    storage_options: dict[str, Any]
+    codec: str = "gzip"
+    level: int | None = None
+
+    @property
+    def remote(self) -> bool:
+        return self.store != "local"
+
+    def url(self, name: str) -> str:
+        return f"{self.prefix}/{name}"
+
+
+class Operation:
+    """Prepared before the clock starts; ``run`` does the timed work and returns its seconds."""
+
+    def __init__(self, case: Case) -> None:
+        import fsspec
+
+        self.case = case
+        self.fs, _ = fsspec.core.url_to_fs(case.prefix, **case.storage_options)
+        self.data: bytes | None = None
+        if case.op == "save" and case.payload == "bytes":
+            self.data = Path(case.source).read_bytes()
+        if case.remote:  # connect (session, credentials) before timing, for every method alike
+            self.fs.ls(case.prefix.split("://", 1)[1].split("/", 1)[0])
+        self._run: Callable[[], float] = getattr(self, f"_{case.method.replace('-', '_')}")()
+
+    def run(self) -> float:
+        return self._run()
+
+    # -- taskpoint -------------------------------------------------------------------------------------
+
+    def _checkpoint(self) -> Any:
+        import taskpoint
+
+        c = self.case
+        obj = c.url(TASKPOINT_OBJECT)
+        if c.op == "save":
+            return taskpoint.Checkpoint(obj, storage_options=c.storage_options or None, codec=c.codec,
+                                        level=c.level)
+        return taskpoint.Checkpoint(c.url("unused-destination"), obj, storage_options=c.storage_options or None,
+                                    workspace=c.workspace)
+
+    def _save_argument(self) -> Any:
+        return self.data if self.case.payload == "bytes" else Path(self.case.source)
+
+    def _taskpoint(self) -> Callable[[], float]:
+        cp = self._checkpoint()
+        arg = self._save_argument()
+
+        def run() -> float:
+            t0 = time.perf_counter()
+            if self.case.op == "save":
+                cp.save_sync(arg)
+            else:
+                result = cp.load_sync()
+                assert result is not None, "nothing to load"
+            return time.perf_counter() - t0
+
+        return run
+
+    def _taskpoint_async(self) -> Callable[[], float]:
+        import anyio
+
+        cp = self._checkpoint()
+        arg = self._save_argument()
+
+        async def timed() -> float:
+            t0 = time.perf_counter()
+            if self.case.op == "save":
+                await cp.save(arg)
+            else:
+                result = await cp.load()
+                assert result is not None, "nothing to load"
+            return time.perf_counter() - t0
+
+        return lambda: anyio.run(timed)
+
+    # -- Flyte-style baseline --------------------------------------------------------------------------
+
+    def _baseline(self) -> Callable[[], float]:
+        c = self.case
+        fs = self.fs
+        ws = Path(c.workspace)
+
+        def save_directory() -> None:
+            with tempfile.TemporaryDirectory() as tmp:
+                archive = os.path.join(tmp, BASELINE_ARCHIVE)
+                with tarfile.open(archive, "w:gz", compresslevel=BASELINE_LEVEL) as tar:
+                    for entry in sorted(os.listdir(c.source)):
+                        tar.add(os.path.join(c.source, entry), arcname=entry)
+                fs.put_file(archive, c.url(BASELINE_ARCHIVE))
+
+        def load_directory() -> None:
+            with tempfile.TemporaryDirectory() as tmp:
+                archive = os.path.join(tmp, BASELINE_ARCHIVE)
+                fs.get_file(c.url(BASELINE_ARCHIVE), archive)
+                with tarfile.open(archive, "r:gz") as tar:
+                    tar.extractall(ws)  # what Flyte does; the data set is trusted
+
+        def save_file() -> None:
+            fs.put_file(c.source, c.url(FILE_NAME))
+
+        def load_file() -> None:
+            fs.get_file(c.url(FILE_NAME), str(ws / FILE_NAME))
+
+        def save_bytes() -> None:
+            assert self.data is not None
+            with tempfile.TemporaryDirectory() as tmp:
+                staged = os.path.join(tmp, BYTES_NAME)
+                with open(staged, "wb") as f:
+                    f.write(self.data)
+                fs.put_file(staged, c.url(BYTES_NAME))
+
+        def load_bytes() -> None:
+            target = ws / BYTES_NAME
+            fs.get_file(c.url(BYTES_NAME), str(target))
+            target.read_bytes()
+
+        table = {("save", "directory"): save_directory, ("load", "directory"): load_directory,
+                 ("save", "file"): save_file, ("load", "file"): load_file,
+                 ("save", "bytes"): save_bytes, ("load", "bytes"): load_bytes}
+        return _timed(table[c.op, c.payload])
+
+    # -- raw limit -------------------------------------------------------------------------------------
+
+    def _raw(self) -> Callable[[], float]:
+        c = self.case
+        fs = self.fs
+        ws = Path(c.workspace)
+        name = {"directory": TASKPOINT_OBJECT, "file": FILE_NAME, "bytes": BYTES_NAME}[c.payload]
+        remote = c.url(name)
+
+        def save() -> None:
+            if c.payload == "bytes":
+                assert self.data is not None
+                if c.remote:
+                    fs.pipe_file(remote, self.data)
+                else:
+                    with open(remote, "wb") as f:
+                        f.write(self.data)
+            elif c.payload == "directory":
+                if c.remote:
+                    fs.put(c.source, remote, recursive=True)
+                else:
+                    shutil.copytree(c.source, remote)
+            elif c.remote:
+                fs.put_file(c.source, remote)
+            else:
+                shutil.copyfile(c.source, remote)
+
+        def load() -> None:
+            local = str(ws / name)
+            if c.payload == "directory":
+                if c.remote:
+                    fs.get(remote, local, recursive=True)
+                else:
+                    shutil.copytree(remote, local)
+            elif c.remote:
+                fs.get_file(remote, local)
+            else:
+                shutil.copyfile(remote, local)
+
+        return _timed(save if c.op == "save" else load)
+
+    # -- after the clock -------------------------------------------------------------------------------
+
+    def stored_bytes(self) -> int:
+        """Bytes now stored under the case's prefix (the archive, or the raw copy), manifests excluded."""
+        if not self.case.remote:
+            return sum(p.stat().st_size for p in Path(self.case.prefix).rglob("*")
+                       if p.is_file() and not p.name.endswith(".taskpoint.json"))
+        self.fs.invalidate_cache()
+        sizes = self.fs.du(self.case.prefix, total=False)
+        return sum(n for path, n in sizes.items() if not path.endswith(".taskpoint.json"))
+
+    def loaded_bytes(self) -> int:
+        """Bytes of regular files now in the workspace (the loaded result)."""
+        return sum(p.stat().st_size for p in Path(self.case.workspace).rglob("*")
+                   if p.is_file() and not p.is_symlink())
+
+
+def _timed(fn: Callable[[], None]) -> Callable[[], float]:
+    def run() -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    return run

@@ -1,0 +1,177 @@
+"""Turns the measurements into the table, the issue's targets with PASS/FAIL, the JSON and the PNG plot."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+MIB = 1 << 20
+#: Methods in table order; "taskpoint" is the one the targets are about.
+METHOD_ORDER = ("taskpoint", "taskpoint-async", "baseline", "raw")
+TASKPOINT_METHODS = ("taskpoint", "taskpoint-async")
+
+Key = tuple[str, str, str, str]
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row gains speedup over the baseline, time over raw, and stored size over the baseline's."""
+    index = {(r["store"], r["payload"], r["op"], r["method"]): r for r in rows}
+    for r in rows:
+        if "seconds" not in r:
+            continue
+        base = index.get((r["store"], r["payload"], r["op"], "baseline"), {})
+        raw = index.get((r["store"], r["payload"], r["op"], "raw"), {})
+        if "seconds" in base and r["method"] != "baseline":
+            r["speedup_vs_baseline"] = base["seconds"] / r["seconds"]
+        if "seconds" in raw and r["method"] != "raw":
+            r["time_vs_raw"] = r["seconds"] / raw["seconds"]
+        if r["op"] == "save" and base.get("stored_bytes") and r["method"] != "baseline":
+            r["stored_vs_baseline"] = r["stored_bytes"] / base["stored_bytes"]
+    order = {m: i for i, m in enumerate(METHOD_ORDER)}
+    return sorted(rows, key=lambda r: (r["store"], ("directory", "file", "bytes").index(r["payload"]),
+                                       ("save", "load").index(r["op"]), order.get(r["method"], 99)))
+
+
+def _fmt(value: Any, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The aligned plain-text table of every case."""
+    header = ["store", "payload", "op", "method", "median s", "MB/s", "x vs base", "t/raw", "stored MiB",
+              "size/base", "RSS+ MiB", "tmp+ MiB", "cpu s", "srv cpu s", "runs"]
+    lines = [header]
+    for r in rows:
+        if "seconds" not in r:
+            lines.append([r["store"], r["payload"], r["op"], r["method"], "FAILED", "", "", "", "", "", "", "",
+                          "", "", "0"])
+            continue
+        stored = r.get("stored_bytes")
+        lines.append([
+            r["store"], r["payload"], r["op"], r["method"],
+            _fmt(r["seconds"], ".3f"), _fmt(r["mb_per_s"], ".1f"),
+            _fmt(r.get("speedup_vs_baseline"), ".2f", "x"), _fmt(r.get("time_vs_raw"), ".2f", "x"),
+            _fmt(stored / MIB if stored is not None else None, ".1f"), _fmt(r.get("stored_vs_baseline"), ".3f", "x"),
+            _fmt(r["rss_extra_bytes"] / MIB, ".1f"), _fmt(r["temp_extra_bytes"] / MIB, ".1f"),
+            _fmt(r["cpu_s"], ".2f"), _fmt(r["server_cpu_s"], ".2f"), str(r["runs"]),
+        ])
+    return _align(lines, numeric_from=4)
+
+
+def _align(lines: list[list[str]], numeric_from: int) -> str:
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    out = []
+    for n, line in enumerate(lines):
+        cells = [c.ljust(w) if i < numeric_from else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))]
+        out.append("  ".join(cells).rstrip())
+        if n == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+# -- targets -------------------------------------------------------------------------------------------
+
+
+def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's targets, one row per measured instance, with PASS, FAIL or n/a (case not run)."""
+    index: dict[Key, dict[str, Any]] = {(r["store"], r["payload"], r["op"], r["method"]): r for r in rows}
+    out: list[dict[str, Any]] = []
+
+    def get(store: str, payload: str, op: str, method: str = "taskpoint") -> dict[str, Any]:
+        return index.get((store, payload, op, method), {})
+
+    def check(target: str, case: str, value: float | None, ok: Callable[[float], bool], fmt: str) -> None:
+        out.append({"target": target, "case": case, "value": value,
+                    "measured": "-" if value is None else fmt.format(value),
+                    "result": "n/a" if value is None else ("PASS" if ok(value) else "FAIL")})
+
+    store_name = {"local": "local disk", "s3": "S3 server"}
+    for store, speed, vs_raw in (("local", 15.0, 1.5), ("s3", 5.0, 1.3)):
+        r = get(store, "directory", "save")
+        check(f"directory save, {store_name[store]}: >= {speed:g}x faster than baseline",
+              f"{store}/directory/save", r.get("speedup_vs_baseline"), lambda v, s=speed: v >= s, "{:.2f}x")
+        check(f"directory save, {store_name[store]}: <= {vs_raw:g}x the raw {'copy' if store == 'local' else 'put'}"
+              " time", f"{store}/directory/save", r.get("time_vs_raw"), lambda v, s=vs_raw: v <= s, "{:.2f}x")
+    for store in ("local", "s3"):
+        check("directory load, local and S3: >= 2x faster than baseline", f"{store}/directory/load",
+              get(store, "directory", "load").get("speedup_vs_baseline"), lambda v: v >= 2.0, "{:.2f}x")
+    for payload in ("file", "bytes"):
+        for op in ("save", "load"):
+            for store in ("local", "s3"):
+                check("file and bytes save/load: within 1.2x of raw put/get", f"{store}/{payload}/{op}",
+                      get(store, payload, op).get("time_vs_raw"), lambda v: v <= 1.2, "{:.2f}x")
+    for store in ("local", "s3"):
+        check("archive size at the default level: <= 1.02x the baseline's", f"{store}/directory/save",
+              get(store, "directory", "save").get("stored_vs_baseline"), lambda v: v <= 1.02, "{:.4f}x")
+    for store in ("local", "s3"):
+        for op in ("save", "load"):
+            values = [index[k]["rss_extra_bytes"] for k in index
+                      if k[:3] == (store, "directory", op) and k[3] in TASKPOINT_METHODS and "seconds" in index[k]]
+            check("peak RSS during 1 GiB save or load: < 300 MiB", f"{store}/directory/{op} (sync+async)",
+                  max(values) / MIB if values else None, lambda v: v < 300, "{:.1f} MiB")
+    for store in ("local", "s3"):
+        for op in ("save", "load"):
+            values = [index[k]["temp_extra_bytes"] for k in index
+                      if k[0] == store and k[2] == op and k[3] in TASKPOINT_METHODS and "seconds" in index[k]]
+            check("extra temp disk during save or load: 0 bytes", f"{store}/*/{op} (all payloads)",
+                  max(values) if values else None, lambda v: v == 0, "{:.0f} B")
+    for store in ("local", "s3"):
+        for op in ("save", "load"):
+            sync, asyn = get(store, "directory", op), get(store, "directory", op, "taskpoint-async")
+            value = asyn["seconds"] / sync["seconds"] if "seconds" in sync and "seconds" in asyn else None
+            check("async save/load: within 1.1x of the sync calls", f"{store}/directory/{op}", value,
+                  lambda v: v <= 1.1, "{:.2f}x")
+    return out
+
+
+def targets_table(rows: list[dict[str, Any]]) -> str:
+    lines = [["target (issue 3)", "case", "measured", "result"]]
+    lines += [[t["target"], t["case"], t["measured"], t["result"]] for t in rows]
+    return _align(lines, numeric_from=2)
+
+
+# -- files ---------------------------------------------------------------------------------------------
+
+
+def write_json(path: Path, meta: dict[str, Any], rows: list[dict[str, Any]], goals: list[dict[str, Any]],
+               text: str) -> None:
+    path.write_text(json.dumps({"meta": meta, "cases": rows, "targets": goals, "table": text}, indent=1))
+
+
+def plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
+    """MB/s of every case, one panel per store, bars grouped by payload and operation (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stores = sorted({r["store"] for r in rows}, key=lambda s: ("local", "s3").index(s) if s in ("local", "s3") else 9)
+    groups = [(p, o) for p in ("directory", "file", "bytes") for o in ("save", "load")
+              if any(r["payload"] == p and r["op"] == o for r in rows)]
+    methods = [m for m in METHOD_ORDER if any(r["method"] == m for r in rows)]
+    colors = {"taskpoint": "#1f77b4", "taskpoint-async": "#7fb2dc", "baseline": "#d62728", "raw": "#7f7f7f"}
+    fig, axes = plt.subplots(1, len(stores), figsize=(6.5 * len(stores), 4.8), squeeze=False, sharey=True)
+    width = 0.8 / max(1, len(methods))
+    for ax, store in zip(axes[0], stores):
+        for i, method in enumerate(methods):
+            xs, ys = [], []
+            for g, (payload, op) in enumerate(groups):
+                r = next((r for r in rows if (r["store"], r["payload"], r["op"], r["method"]) ==
+                          (store, payload, op, method) and "mb_per_s" in r), None)
+                if r is not None:
+                    xs.append(g + (i - (len(methods) - 1) / 2) * width)
+                    ys.append(r["mb_per_s"])
+            bars = ax.bar(xs, ys, width, label=method, color=colors.get(method))
+            ax.bar_label(bars, fmt="%.0f", fontsize=6, padding=1)
+        ax.set_xticks(range(len(groups)), [f"{p}\n{o}" for p, o in groups], fontsize=8)
+        ax.set_yscale("log")
+        ax.set_title({"local": "local disk", "s3": "S3 (moto on 127.0.0.1)"}.get(store, store))
+        ax.grid(axis="y", alpha=0.3, which="both")
+    axes[0][0].set_ylabel("MB/s of the payload's logical size (median)")
+    axes[0][-1].legend(fontsize=8, loc="upper right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,321 @@
+"""Runs every case, each save and load in its own worker process, and collects the measurements.
+
+Per case run the runner: deletes the case's objects, syncs the disks (so one case's write-back does not
+slow the next), starts the worker with a private empty ``TMPDIR``, and watches the bytes in that
+``TMPDIR``, in the load workspace and, for a local save, in the case's store folder. Peak extra temp
+disk is the peak of those bytes minus what is left when the worker has exited (the saved object or
+the loaded result), so the operation's own output is never counted as temp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ._dataset import Dataset
+from ._operations import Case, applies
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+#: How often the temp-disk watcher scans its folders.
+DISK_SAMPLE_SECONDS = 0.05
+#: A worker taking longer than this is stopped and reported as failed.
+WORKER_TIMEOUT_SECONDS = 900
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Options:
+    stores: list[str]
+    payloads: list[str]
+    methods: list[str]
+    runs: int
+    baseline_runs: int
+    codec: str
+    level: int | None
+    work_dir: Path
+    profile_dir: Path | None = None
+    log: Any = print
+
+
+@dataclass
+class CaseResult:
+    """All runs of one (store, payload, op, method), and their summary."""
+
+    store: str
+    payload: str
+    op: str
+    method: str
+    logical_bytes: int
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ok_runs(self) -> list[dict[str, Any]]:
+        return [r for r in self.runs if "seconds" in r]
+
+    def summary(self) -> dict[str, Any]:
+        ok = self.ok_runs
+        out: dict[str, Any] = {"store": self.store, "payload": self.payload, "op": self.op, "method": self.method,
+                               "logical_bytes": self.logical_bytes, "runs": len(ok), "error": self.error}
+        if not ok:
+            return out
+        seconds = statistics.median(r["seconds"] for r in ok)
+        out.update(
+            seconds=seconds,
+            seconds_all=[r["seconds"] for r in ok],
+            mb_per_s=self.logical_bytes / seconds / 1e6,
+            cpu_s=statistics.median(r["cpu_user_s"] + r["cpu_system_s"] for r in ok),
+            server_cpu_s=statistics.median(r.get("server_cpu_s", 0.0) for r in ok),
+            rss_extra_bytes=max(r["rss_extra_bytes"] for r in ok),
+            rss_idle_bytes=statistics.median(r["rss_idle_bytes"] for r in ok),
+            temp_extra_bytes=max(r["temp_extra_bytes"] for r in ok),
+        )
+        if self.op == "save":
+            out["stored_bytes"] = ok[-1]["stored_bytes"]
+        else:
+            out["loaded_bytes"] = ok[-1]["loaded_bytes"]
+        return out
+
+
+class DiskWatch:
+    """Peak bytes of regular files below some folders, sampled in a thread, minus the bytes left at the end."""
+
+    def __init__(self, folders: list[Path]) -> None:
+        self.folders = folders
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="disk-watch")
+
+    def __enter__(self) -> DiskWatch:
+        self.start = self._scan()
+        self.peak = self.start
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.final = self._scan()
+        self.peak = max(self.peak, self.final)
+
+    @property
+    def extra(self) -> int:
+        return max(0, self.peak - max(self.final, self.start))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(DISK_SAMPLE_SECONDS):
+            self.peak = max(self.peak, self._scan())
+
+    def _scan(self) -> int:
+        total = 0
+        stack = [str(f) for f in self.folders]
+        while stack:
+            folder = stack.pop()
+            try:
+                with os.scandir(folder) as it:
+                    for entry in it:
+                        try:
+                            if entry.is_dir(follow_symlinks=False):
+                                stack.append(entry.path)
+                            elif entry.is_file(follow_symlinks=False):
+                                total += entry.stat(follow_symlinks=False).st_size
+                        except FileNotFoundError:
+                            pass
+            except (FileNotFoundError, NotADirectoryError):
+                pass
+        return total
+
+
+def _process_cpu_seconds(pid: int | None) -> float:
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+# -- stores --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Store:
+    """Where one store's case prefixes live, and how to empty one."""
+
+    kind: str
+    root: str
+    storage_options: dict[str, Any]
+    server_pid: int | None = None
+    fs: Any = None
+
+    def prefix(self, method: str, payload: str) -> str:
+        return f"{self.root}/{method}/{payload}"
+
+    def clear(self, prefix: str) -> None:
+        if self.kind == "local":
+            shutil.rmtree(prefix, ignore_errors=True)
+            os.makedirs(prefix)
+        else:
+            self.fs.invalidate_cache()
+            if self.fs.exists(prefix):
+                self.fs.rm(prefix, recursive=True)
+            self.fs.invalidate_cache()
+
+
+@contextlib.contextmanager
+def open_store(kind: str, work: Path, log: Any) -> Iterator[Store]:
+    if kind == "local":
+        root = work / "store"
+        root.mkdir(parents=True, exist_ok=True)
+        try:
+            yield Store("local", str(root), {})
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        return
+    if kind != "s3":
+        raise ValueError(f"unknown store {kind!r}; the benchmark knows local and s3")
+    import fsspec
+
+    server_tmp = work / "moto-tmp"  # moto spools large objects to disk: keep them out of the cases' TMPDIR
+    server_tmp.mkdir(parents=True, exist_ok=True)
+    env = _environment(server_tmp)
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks._s3server"], cwd=REPO_ROOT, env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the moto S3 server did not start (see its output above)")
+        info = json.loads(line)
+        log(f"s3: moto on {info['endpoint']} (pid {proc.pid})")
+        options = info["storage_options"]
+        fs = fsspec.filesystem("s3", skip_instance_cache=True, **options)
+        yield Store("s3", f"s3://{info['bucket']}/bench", options, proc.pid, fs)
+    finally:
+        if proc.stdin:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(server_tmp, ignore_errors=True)
+
+
+def _environment(tmpdir: Path) -> dict[str, str]:
+    from ._s3server import load_test_servers
+
+    env = dict(os.environ)
+    for name, value in load_test_servers().DEFAULT_ENVIRONMENT.items():
+        env.setdefault(name, value)
+    for name in ("NO_PROXY", "no_proxy"):
+        entries = [e for e in env.get(name, "").split(",") if e]
+        env[name] = ",".join([*entries, "127.0.0.1", "localhost"])
+    env["TMPDIR"] = str(tmpdir)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+# -- running -------------------------------------------------------------------------------------------
+
+
+def run_all(dataset: Dataset, opts: Options) -> list[CaseResult]:
+    work = opts.work_dir
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    results: list[CaseResult] = []
+    try:
+        for kind in opts.stores:
+            with open_store(kind, work, opts.log) as store:
+                for payload in opts.payloads:
+                    for method in opts.methods:
+                        if applies(method, payload):
+                            results.extend(_run_method(store, dataset, payload, method, opts))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def _run_method(store: Store, dataset: Dataset, payload: str, method: str, opts: Options) -> list[CaseResult]:
+    logical = dataset.sizes[payload]
+    save = CaseResult(store.kind, payload, "save", method, logical)
+    load = CaseResult(store.kind, payload, "load", method, logical)
+    prefix = store.prefix(method, payload)
+    n = opts.baseline_runs if method == "baseline" else opts.runs
+    for i in range(n):
+        store.clear(prefix)
+        case = Case(method=method, payload=payload, op="save", store=store.kind, source=str(dataset.source(payload)),
+                    prefix=prefix, workspace="", storage_options=store.storage_options, codec=opts.codec,
+                    level=opts.level)
+        _run_once(save, case, store, opts, f"{i + 1}/{n}")
+        if save.error:
+            break
+        workspace = opts.work_dir / "workspace"
+        shutil.rmtree(workspace, ignore_errors=True)
+        workspace.mkdir()
+        case.op, case.workspace = "load", str(workspace)
+        _run_once(load, case, store, opts, f"{i + 1}/{n}")
+        if load.ok_runs and load.ok_runs[-1]["loaded_bytes"] != logical and not load.error:
+            load.error = f"loaded {load.ok_runs[-1]['loaded_bytes']} bytes, expected {logical}"
+        shutil.rmtree(workspace, ignore_errors=True)
+        if load.error:
+            break
+    store.clear(prefix)
+    return [save, load]
+
+
+def _run_once(result: CaseResult, case: Case, store: Store, opts: Options, label: str) -> None:
+    work = opts.work_dir
+    tmpdir = work / "tmp"
+    shutil.rmtree(tmpdir, ignore_errors=True)
+    tmpdir.mkdir()
+    spec_path, result_path = work / "case.json", work / "result.json"
+    spec_path.write_text(json.dumps(asdict(case)))
+    result_path.unlink(missing_ok=True)
+    argv = [sys.executable, "-m", "benchmarks._worker", str(spec_path), str(result_path)]
+    name = f"{case.store}-{case.payload}-{case.op}-{case.method}"
+    if opts.profile_dir is not None and case.method.startswith("taskpoint"):
+        profile = opts.profile_dir / f"{name}.txt"
+        argv = [shutil.which("py-spy") or "py-spy", "record", "--format", "raw", "--rate", "200", "--threads",
+                "--idle", "--nonblocking", "--output", str(profile), "--", *argv]
+    watched = [tmpdir]
+    if case.op == "load":
+        watched.append(Path(case.workspace))
+    elif case.store == "local":
+        watched.append(Path(case.prefix))
+    os.sync()
+    server_cpu0 = _process_cpu_seconds(store.server_pid)
+    with DiskWatch(watched) as disk:
+        proc = subprocess.run(argv, cwd=REPO_ROOT, env=_environment(tmpdir), capture_output=True, text=True,
+                              timeout=WORKER_TIMEOUT_SECONDS, check=False)
+    server_cpu = _process_cpu_seconds(store.server_pid) - server_cpu0
+    if proc.returncode != 0 or not result_path.exists():
+        tail = "\n".join((proc.stderr or "").strip().splitlines()[-15:])
+        result.error = f"worker failed (exit {proc.returncode}): {tail}"
+        opts.log(f"  {name:<40} run {label}: FAILED\n{tail}")
+        return
+    run = json.loads(result_path.read_text())
+    run["temp_extra_bytes"] = disk.extra
+    run["server_cpu_s"] = server_cpu
+    run["loadavg_1m"] = os.getloadavg()[0]
+    result.runs.append(run)
+    mbps = result.logical_bytes / run["seconds"] / 1e6
+    opts.log(f"  {name:<40} run {label}: {run['seconds']:8.3f} s  {mbps:8.1f} MB/s  "
+             f"rss +{run['rss_extra_bytes'] / 2**20:6.1f} MiB  temp +{disk.extra / 2**20:6.1f} MiB")
+    shutil.rmtree(tmpdir, ignore_errors=True)
