@@ -10,6 +10,10 @@ up on the next attempt::
 
 from ._checkpoint import BaseCheckpoint, Checkpoint
 from ._context import TaskContext, ctx
+from ._latest import latest_checkpoint
+from ._manager import CheckpointManager
+from ._repair import repair_prev_checkpoint_uri
+from ._runtime import task
 from ._storage import RetryPolicy
 from .errors import CheckpointCorruptError, CheckpointError, StorageError, UnsafeArchiveError
 
@@ -18,11 +22,15 @@ __all__ = [
     "Checkpoint",
     "CheckpointCorruptError",
     "CheckpointError",
+    "CheckpointManager",
     "RetryPolicy",
     "StorageError",
     "TaskContext",
     "UnsafeArchiveError",
     "ctx",
+    "latest_checkpoint",
+    "repair_prev_checkpoint_uri",
+    "task",
 ]
 
 __version__ = "0.1.0"
