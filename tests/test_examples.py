@@ -1,0 +1,42 @@
+"""The plain examples run as a user would run them, with failures forced, and end as an uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _run(script: str, *args: str, cwd: Path, env: dict[str, str] | None = None) -> str:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TASKPOINT_")}
+    out = subprocess.run([sys.executable, str(EXAMPLES / script), *args], cwd=cwd, env={**base, **(env or {})},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def test_quickstart_survives_random_failures_on_the_local_default_root(tmp_path):
+    out = _run("quickstart.py", "--seed", "7", cwd=tmp_path)
+    assert re.findall(r"attempt (\d)/4", out) == ["1", "2", "3"]
+    resumed = [int(s) for s in re.findall(r"resumed at step (\d+)", out)]
+    assert len(resumed) == 2 and 0 < resumed[0] <= resumed[1]
+    assert "result: 328350 (expected 328350) OK" in out
+    assert (tmp_path / ".taskpoint").is_dir()
+
+
+def test_quickstart_with_root_from_environment(tmp_path):
+    out = _run("quickstart.py", "--seed", "3", cwd=tmp_path, env={"TASKPOINT_ROOT": str(tmp_path / "elsewhere")})
+    assert "OK" in out
+    assert (tmp_path / "elsewhere").is_dir() and not (tmp_path / ".taskpoint").exists()
+
+
+def test_generic_example_resumes_at_saved_index_and_matches_uninterrupted_run(tmp_path):
+    clean = _run("generic_data_checkpoint.py", "--items", "40", cwd=tmp_path)
+    assert re.findall(r"attempt (\d): resumed at item (\d+)", clean) == [("1", "0")]
+    failed = _run("generic_data_checkpoint.py", "--items", "40", "--fail-at", "11", "--fail-at", "29", cwd=tmp_path)
+    assert re.findall(r"attempt (\d): resumed at item (\d+)", failed) == [("1", "0"), ("2", "11"), ("3", "29")]
+    assert clean.splitlines()[-1] == failed.splitlines()[-1]
