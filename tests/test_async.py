@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import anyio
 import pytest
-from helpers import make_tree, snapshot
 
+from helpers import make_tree, snapshot
 from taskpoint import Checkpoint, StorageError
 
 

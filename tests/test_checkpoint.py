@@ -11,9 +11,9 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from helpers import make_tree, object_exists, read_object, snapshot, snapshot_with_times, write_object
 
 import taskpoint
+from helpers import make_tree, object_exists, read_object, snapshot, snapshot_with_times, write_object
 from taskpoint import BaseCheckpoint, Checkpoint
 
 # -- bytes, files, directories --------------------------------------------------------------------------

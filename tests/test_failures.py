@@ -14,9 +14,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from _faults import closed_port_url, cuttable_proxy
 from helpers import make_tree, object_exists
-
 from taskpoint import Checkpoint, CheckpointError, RetryPolicy, StorageError
 
 FAST_RETRY = RetryPolicy(attempts=2, initial_delay=0.01)
@@ -65,7 +65,7 @@ def test_save_to_missing_bucket_raises_storage_error(request, kind):
     server = request.getfixturevalue({"s3": "s3_server", "gcs": "gcs_server", "azure": "azure_server"}[kind])
     scheme = {"s3": "s3", "gcs": "gs", "azure": "az"}[kind]
     dest = f"{scheme}://no-such-bucket-{os.getpid()}/run/ckpt"
-    with pytest.raises(StorageError, match="does not exist|permission|could not"):
+    with pytest.raises(StorageError, match=r"does not exist|permission|could not"):
         Checkpoint(dest, storage_options=server.storage_options, retry=FAST_RETRY).save_sync(b"data")
 
 

@@ -6,8 +6,8 @@ import os
 import tarfile
 
 import pytest
-from helpers import make_tree, member, read_object, tar_gz, write_object
 
+from helpers import make_tree, member, read_object, tar_gz, write_object
 from taskpoint import Checkpoint, CheckpointCorruptError, UnsafeArchiveError
 
 
@@ -46,7 +46,7 @@ def test_flipped_byte_anywhere_is_detected(store, tmp_path, kind, where):
 def test_truncated_object_is_detected(store, tmp_path, kind, keep):
     dest = _saved(store, tmp_path, kind)
     blob = read_object(dest, store.storage_options)
-    cut = blob[: int(len(blob) * keep)] if isinstance(keep, float) else blob[:keep] if keep >= 0 else blob[:keep]
+    cut = blob[: int(len(blob) * keep)] if isinstance(keep, float) else blob[:keep]
     write_object(dest, store.storage_options, cut)
     with pytest.raises(CheckpointCorruptError):
         _load(store, dest)

@@ -311,7 +311,7 @@ def test_root_mode_takes_attempts_from_storage_and_restart_counters(tmp_path):
     assert a2["prev"] == "saved by attempt 1"
     a5 = _taskpoint_run(args, env={"TORCHELASTIC_RESTART_COUNT": "4"})
     assert a5["attempt"] == 5 and a5["prev"] == "saved by attempt 2"
-    a9 = _taskpoint_run(args + ["--attempt", "9"], env={"SLURM_RESTART_COUNT": "1"})
+    a9 = _taskpoint_run([*args, "--attempt", "9"], env={"SLURM_RESTART_COUNT": "1"})
     assert a9["attempt"] == 9 and a9["src"].endswith("/job7/train/5/checkpoint")
     assert _taskpoint_run(args, env={"SLURM_RESTART_COUNT": "9"})["attempt"] == 10
 

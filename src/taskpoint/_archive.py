@@ -8,6 +8,7 @@ disk: absolute names, ``..``, links pointing outside, and device or fifo members
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import tarfile
@@ -58,12 +59,20 @@ def write_tar(directory: Path, sink: IO[bytes], codec: Codec, level: int | None)
             for entry in sorted(os.listdir(directory)):
                 _add_tree(tar, root, os.path.join(directory, entry), entry)
     except BaseException:
-        try:
+        with contextlib.suppress(Exception):  # the first error is the one to report
             stream.close()
-        except Exception:  # the first error is the one to report
-            pass
         raise
     stream.close()
+
+
+def skip_special(path: str, mode: int, *, stacklevel: int) -> bool:
+    """True (with a warning) when ``path`` is a socket, fifo or device, which a checkpoint never holds."""
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode):
+        return False
+    what = "socket" if stat.S_ISSOCK(mode) else "fifo" if stat.S_ISFIFO(mode) else "device"
+    warnings.warn(f"taskpoint skipped {what} {path!r}: only files, folders and symlinks are saved",
+                  stacklevel=stacklevel)
+    return True
 
 
 def _add_tree(tar: tarfile.TarFile, root: str, path: str, arcname: str) -> None:
@@ -77,10 +86,7 @@ def _add_tree(tar: tarfile.TarFile, root: str, path: str, arcname: str) -> None:
                 f"symlink {path!r} points outside the directory being saved ({target!r}); a checkpoint "
                 "holds only links that stay inside its tree. Replace the link with a copy, or remove it."
             )
-    elif not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-        what = "socket" if stat.S_ISSOCK(mode) else "fifo" if stat.S_ISFIFO(mode) else "device"
-        warnings.warn(f"taskpoint skipped {what} {path!r}: only files, folders and symlinks are saved",
-                      stacklevel=4)
+    elif skip_special(path, mode, stacklevel=5):
         return
     info = tar.gettarinfo(path, arcname)
     info.uname = info.gname = ""
@@ -103,12 +109,12 @@ def extract_tar(source: IO[bytes], staging: Path, uri: str) -> None:
     dir_modes: list[tuple[str, int, float]] = []
     links: list[str] = []
     try:
-        with tarfile.open(fileobj=source, mode="r|", bufsize=BLOCK_SIZE) as tar:  # type: ignore[call-overload]
+        with tarfile.open(fileobj=source, mode="r|", bufsize=BLOCK_SIZE) as tar:
             for member in tar:
                 _extract_member(tar, member, root, uri, dir_modes, links)
         while source.read(BLOCK_SIZE):
             pass
-    except (tarfile.TarError, *DECODE_ERRORS) as exc:
+    except (tarfile.TarError, *DECODE_ERRORS) as exc:  # type: ignore[misc]
         raise CheckpointCorruptError(
             f"the checkpoint at {uri} is damaged ({type(exc).__name__}: {exc}); it could not be extracted. "
             "Save a new checkpoint, or load an older one."

@@ -12,7 +12,7 @@ import io
 import os
 import zlib
 from abc import ABC, abstractmethod
-from typing import IO, ClassVar
+from typing import IO, Any, ClassVar
 
 from .errors import CheckpointCorruptError
 
@@ -78,7 +78,7 @@ class GzipCodec(Codec):
             lvl = 6 if level is None else level
             return gzip.GzipFile(fileobj=_NonClosing(sink), mode="wb", compresslevel=lvl, mtime=0)  # type: ignore[return-value]
         isal_level = 2 if level is None else (0 if level == 0 else min(3, (level + 2) // 3))
-        return igzip_threaded.open(  # type: ignore[no-any-return]
+        return igzip_threaded.open(  # type: ignore[no-any-return,no-untyped-call]
             _NonClosing(sink), "wb", compresslevel=isal_level, threads=_threads(), block_size=BLOCK_SIZE
         )
 
@@ -87,7 +87,9 @@ class GzipCodec(Codec):
             from isal import igzip_threaded
         except ImportError:
             return gzip.GzipFile(fileobj=source, mode="rb")  # type: ignore[return-value]
-        return igzip_threaded.open(source, "rb", threads=1, block_size=BLOCK_SIZE)  # type: ignore[no-any-return]
+        return igzip_threaded.open(  # type: ignore[no-any-return,no-untyped-call]
+            source, "rb", threads=1, block_size=BLOCK_SIZE
+        )
 
     def matches(self, head: bytes) -> bool:
         return head.startswith(_GZIP_MAGIC)
@@ -99,7 +101,7 @@ class ZstdCodec(Codec):
     name = "zstd"
 
     @staticmethod
-    def _module():  # type: ignore[no-untyped-def]
+    def _module() -> Any:
         try:
             import zstandard
         except ImportError as exc:  # pragma: no cover - zstandard is a dependency
@@ -113,7 +115,8 @@ class ZstdCodec(Codec):
 
     def reader(self, source: IO[bytes]) -> IO[bytes]:
         zstd = self._module()
-        return zstd.ZstdDecompressor().stream_reader(source, read_across_frames=True, closefd=False)  # type: ignore[no-any-return]
+        decompressor = zstd.ZstdDecompressor()
+        return decompressor.stream_reader(source, read_across_frames=True, closefd=False)  # type: ignore[no-any-return]
 
     def matches(self, head: bytes) -> bool:
         return head.startswith(_ZSTD_MAGIC)
@@ -125,7 +128,7 @@ class NoCodec(Codec):
     name = "none"
 
     def writer(self, sink: IO[bytes], level: int | None) -> IO[bytes]:
-        return io.BufferedWriter(_NonClosing(sink), buffer_size=BLOCK_SIZE)
+        return io.BufferedWriter(_NonClosing(sink), buffer_size=BLOCK_SIZE)  # type: ignore[type-var]
 
     def reader(self, source: IO[bytes]) -> IO[bytes]:
         return source
@@ -137,19 +140,24 @@ class NoCodec(Codec):
 CODECS: dict[str, Codec] = {c.name: c for c in (GzipCodec(), ZstdCodec(), NoCodec())}
 
 #: Exceptions that decoders raise on damaged input; they all mean "corrupt checkpoint".
-DECODE_ERRORS: tuple[type[BaseException], ...] = (EOFError, zlib.error, gzip.BadGzipFile)
-try:  # pragma: no branch
-    from isal import isal_zlib as _isal_zlib
+def _decode_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [EOFError, zlib.error, gzip.BadGzipFile]
+    try:
+        from isal import isal_zlib
 
-    DECODE_ERRORS += (_isal_zlib.error,)
-except ImportError:  # pragma: no cover
-    pass
-try:  # pragma: no branch
-    import zstandard as _zstd
+        errors.append(isal_zlib.error)  # type: ignore[arg-type]
+    except ImportError:  # pragma: no cover - isal is a dependency
+        pass
+    try:
+        import zstandard
 
-    DECODE_ERRORS += (_zstd.ZstdError,)
-except ImportError:  # pragma: no cover
-    pass
+        errors.append(zstandard.ZstdError)
+    except ImportError:  # pragma: no cover - zstandard is a dependency
+        pass
+    return tuple(errors)
+
+
+DECODE_ERRORS: tuple[type[BaseException], ...] = _decode_errors()
 
 
 def get_codec(name: str) -> Codec:

@@ -164,7 +164,7 @@ class _TaskSpec:
         self.fn = fn
         self.retries = retries
         self.retry_on = tuple(retry_on)
-        self.name = _clean_name(name or getattr(fn, "__name__", "task"), "name")
+        self.name = _clean_name(name if name is not None else str(getattr(fn, "__name__", "task")), "name")
         self.root = root
         self.run_name = run_name
         self.storage_options = storage_options
@@ -203,7 +203,7 @@ def _add_note(exc: BaseException, note: str) -> None:
     if add is not None:
         add(note)
     else:  # Python 3.10: keep the note where 3.11 would
-        exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]
 
 
 def _wrap(spec: _TaskSpec) -> Callable[..., Any]:

@@ -293,16 +293,16 @@ class Location:
                 folder, name = os.path.split(self.path)
                 cutoff = time.time() - LEFTOVER_GRACE_SECONDS
                 for entry in os.scandir(folder):
-                    if entry.name.startswith(f".{name}.") and entry.name.endswith(".tmp"):
-                        if entry.stat(follow_symlinks=False).st_mtime < cutoff:
-                            os.unlink(entry.path)
+                    leftover = entry.name.startswith(f".{name}.") and entry.name.endswith(".tmp")
+                    if leftover and entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                        os.unlink(entry.path)
             elif "s3" in _protocols(self.fs):
                 bucket, _, key = self.path.partition("/")
                 listing = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key)
                 for upload in listing.get("Uploads", []):
                     if upload["Key"] == key and upload["Initiated"].timestamp() < started_before:
                         self.fs.abort_mpu(bucket, key, upload["UploadId"])
-        except Exception:  # noqa: BLE001 - cleanup must never fail a save that succeeded
+        except Exception:
             pass
 
     def remove(self) -> None:
