@@ -193,9 +193,18 @@ class _TaskSpec:
         note = (f"taskpoint: attempt {attempt} of {last} of task {context.action_name!r} "
                 f"(run {context.run_name!r}) failed" + ("; retrying" if retry else ""))
         _add_note(exc, note)
-        if context.checkpoint is not None and retry:
-            context.checkpoint.close()
         return retry
+
+
+def _end_attempt(context: TaskContext, token: Any) -> None:
+    """Leave the attempt's context and remove its workspace: a long-lived worker must not pile them up."""
+    _active.pop(context)
+    _reset_context(token)
+    if context.checkpoint is not None:
+        context.checkpoint.close()
+    manager = context._manager
+    if manager is not None:
+        manager.close()
 
 
 def _add_note(exc: BaseException, note: str) -> None:
@@ -225,8 +234,7 @@ def _wrap(spec: _TaskSpec) -> Callable[..., Any]:
                     if not spec.failed(exc, attempt, attempts[-1], context):
                         raise
                 finally:
-                    _active.pop(context)
-                    _reset_context(token)
+                    _end_attempt(context, token)
             raise AssertionError("unreachable")  # pragma: no cover
 
         return run_async
@@ -246,8 +254,7 @@ def _wrap(spec: _TaskSpec) -> Callable[..., Any]:
                 if not spec.failed(exc, attempt, attempts[-1], context):
                     raise
             finally:
-                _active.pop(context)
-                _reset_context(token)
+                _end_attempt(context, token)
         raise AssertionError("unreachable")  # pragma: no cover
 
     return run
