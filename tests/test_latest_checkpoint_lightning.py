@@ -116,3 +116,19 @@ def test_older_run_with_newer_mtimes_still_loses(restored_tree: Path, tmp_path: 
     version_1 = tree / "lightning_logs/version_1/checkpoints"
     assert latest_checkpoint(tree) == version_1 / "last.ckpt"
     assert latest_checkpoint(tree, "**/epoch=*.ckpt") == version_1 / "epoch=1-step=4.ckpt"
+
+
+def test_latest_checkpoint_after_a_round_trip_through_storage(restored_tree: Path, s3_store) -> None:
+    """The Lightning tree saved through a Checkpoint to the S3 server and loaded back ranks the same."""
+    from taskpoint import Checkpoint
+
+    dest = s3_store.url("run", "1", "checkpoint")
+    Checkpoint(dest, storage_options=s3_store.storage_options).save_sync(restored_tree)
+    with Checkpoint(s3_store.url("run", "2", "checkpoint"), dest, storage_options=s3_store.storage_options) as cp:
+        loaded = cp.load_sync()
+        assert loaded is not None
+        for p in loaded.rglob("*"):  # as after a copy: every mtime is "now"
+            os.utime(p)
+        version_1 = loaded / "lightning_logs" / "version_1" / "checkpoints"
+        assert latest_checkpoint(loaded) == version_1 / "last.ckpt"
+        assert latest_checkpoint(loaded, "**/epoch=*.ckpt") == version_1 / "epoch=1-step=4.ckpt"
