@@ -12,8 +12,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import make_tree
 
+from helpers import make_tree
 from taskpoint import Checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,19 +6,27 @@ before the object, naming the save as *pending* (kind, codec and, when known, si
 it *committed* with its size and sha256. A crash between the object and the final record leaves a
 pending entry that still tells load the kind; a good checkpoint therefore never becomes unloadable, and
 outside that window every byte is verified against the recorded sha256.
+
+The versioned manager (:mod:`._manager`) keeps a :class:`StepManifest` in each step's folder instead: it is
+written once, after the payload, and is the step's commit.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from .errors import CheckpointCorruptError
 
 MANIFEST_SUFFIX = ".taskpoint.json"
 FORMAT = "taskpoint.checkpoint"
 FORMAT_VERSION = 1
+#: The format name of a manager step's manifest; it shares :data:`FORMAT_VERSION`.
+STEP_FORMAT = "taskpoint.step"
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -46,21 +54,58 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, data: bytes, uri: str) -> Manifest:
-        try:
-            doc = json.loads(data)
-            if doc.get("format") != FORMAT:
-                raise ValueError("not a taskpoint manifest")
-            if int(doc.get("version", 0)) > FORMAT_VERSION:
-                raise CheckpointCorruptError(
-                    f"the checkpoint record {uri} has format version {doc['version']}, newer than this "
-                    f"taskpoint understands ({FORMAT_VERSION}); upgrade taskpoint to load it.")
+        def build(doc: dict[str, Any]) -> Manifest:
             return cls(committed=_record(doc.get("committed")), pending=_record(doc.get("pending")))
-        except CheckpointCorruptError:
-            raise
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+
+        return _parse(data, FORMAT, uri, build,
+                      "delete it to load the checkpoint without verification, or save a new checkpoint")
+
+
+@dataclass(frozen=True)
+class StepManifest:
+    """The commit of one manager step: which payload object holds it, its digest, and the user's metadata."""
+
+    step: int
+    #: Name of the payload object inside the step's folder (unique per save: ``payload-<save_id>``).
+    payload: str
+    record: ObjectRecord
+    #: The task attempt that saved it (from ``taskpoint.ctx()``), None outside a task.
+    attempt: int | None
+    metadata: dict[str, Any]
+
+    def to_bytes(self) -> bytes:
+        doc: dict[str, Any] = {"format": STEP_FORMAT, "version": FORMAT_VERSION, "step": self.step,
+                               "payload": self.payload, **asdict(self.record), "attempt": self.attempt,
+                               "metadata": self.metadata}
+        return json.dumps(doc, sort_keys=True, allow_nan=False).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, uri: str) -> StepManifest:
+        def build(doc: dict[str, Any]) -> StepManifest:
+            attempt, metadata, record = doc.get("attempt"), doc["metadata"], _record(doc)
+            if not isinstance(metadata, dict) or record is None:
+                raise TypeError("metadata is not a JSON object")
+            return cls(step=int(doc["step"]), payload=str(doc["payload"]), record=record,
+                       attempt=None if attempt is None else int(attempt), metadata=metadata)
+
+        return _parse(data, STEP_FORMAT, uri, build, "delete the step, or save it again with overwrite=True")
+
+
+def _parse(data: bytes, fmt: str, uri: str, build: Callable[[dict[str, Any]], T], what_to_do: str) -> T:
+    """``build`` applied to the ``fmt`` document in ``data``; anything unreadable is CheckpointCorruptError."""
+    try:
+        doc = json.loads(data)
+        if not isinstance(doc, dict) or doc.get("format") != fmt:
+            raise ValueError("not a taskpoint manifest")
+        if int(doc.get("version", 0)) > FORMAT_VERSION:
             raise CheckpointCorruptError(
-                f"the checkpoint record {uri} is unreadable ({exc}); delete it to load the checkpoint "
-                "without verification, or save a new checkpoint.") from exc
+                f"the checkpoint record {uri} has format version {doc['version']}, newer than this "
+                f"taskpoint understands ({FORMAT_VERSION}); upgrade taskpoint to load it.")
+        return build(doc)
+    except CheckpointCorruptError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise CheckpointCorruptError(f"the checkpoint record {uri} is unreadable ({exc}); {what_to_do}.") from exc
 
 
 def _record(value: Any) -> ObjectRecord | None:

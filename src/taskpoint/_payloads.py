@@ -7,19 +7,22 @@ Each kind is a small class behind one registry (the pattern of Orbax's handlers)
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
-from ._archive import extract_tar, write_tar
+from ._archive import extract_tar, skip_special, write_tar
 from ._codecs import BLOCK_SIZE, Codec
 
 #: Name of the file that holds a bytes or file checkpoint after load (Flyte's convention).
 RAW_RESULT_NAME = "payload"
 
 ACCEPTED = "bytes, bytearray, memoryview, or a str or os.PathLike naming a file or directory"
+#: Largest single in-kernel copy when snapshotting a file.
+_COPY_CHUNK = 1 << 30
 
 
 class Payload(ABC):
@@ -41,6 +44,14 @@ class Payload(ABC):
     @abstractmethod
     def write(self, sink: IO[bytes], codec: Codec, level: int | None) -> None:
         """Stream the stored form into ``sink``."""
+
+    def snapshot(self, scratch: Path) -> Payload | None:
+        """A payload that no longer reads the caller's data, copying what it needs below ``scratch``.
+
+        Background saves write the snapshot while the caller goes on changing its data. None when this kind
+        cannot be snapshotted; it is then saved in the foreground.
+        """
+        return None
 
     @classmethod
     @abstractmethod
@@ -75,6 +86,9 @@ class BytesPayload(Payload):
     def size(self) -> int:
         return self._view.nbytes
 
+    def snapshot(self, scratch: Path) -> Payload:
+        return self  # the constructor already copied anything mutable
+
     def write(self, sink: IO[bytes], codec: Codec, level: int | None) -> None:
         for start in range(0, self._view.nbytes, BLOCK_SIZE * 8):
             sink.write(self._view[start:start + BLOCK_SIZE * 8])
@@ -108,6 +122,11 @@ class FilePayload(BytesPayload):
     def size(self) -> int:
         return self._size
 
+    def snapshot(self, scratch: Path) -> Payload:
+        copy = scratch / self._path.name
+        copy_file(self._path, copy)
+        return FilePayload(copy)
+
     def write(self, sink: IO[bytes], codec: Codec, level: int | None) -> None:
         written = 0
         with open(self._path, "rb", buffering=0) as f:
@@ -134,9 +153,30 @@ class DirectoryPayload(Payload):
     def write(self, sink: IO[bytes], codec: Codec, level: int | None) -> None:
         write_tar(self._path, sink, codec, level)
 
+    def snapshot(self, scratch: Path) -> Payload:
+        copy = scratch / "tree"
+        shutil.copytree(self._path, copy, symlinks=True, ignore=_special_entries, copy_function=copy_file)
+        return DirectoryPayload(copy)
+
     @classmethod
     def materialize(cls, source: IO[bytes], staging: Path, uri: str) -> None:
         extract_tar(source, staging, uri)
+
+
+def copy_file(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """Copy a file's bytes and metadata; in the kernel (reflinked where the filesystem can) when possible."""
+    try:
+        with open(src, "rb") as fin, open(dst, "wb") as fout:
+            while os.copy_file_range(fin.fileno(), fout.fileno(), _COPY_CHUNK):
+                pass
+    except (AttributeError, OSError):  # no copy_file_range, or not between these filesystems
+        shutil.copyfile(src, dst)
+    shutil.copystat(src, dst)
+
+
+def _special_entries(folder: str, names: list[str]) -> set[str]:
+    return {name for name in names
+            if skip_special(os.path.join(folder, name), os.lstat(os.path.join(folder, name)).st_mode, stacklevel=6)}
 
 
 def _existing_path(data: object) -> Path | None:
@@ -176,12 +216,29 @@ def payload_for(data: Any) -> Payload:
     raise TypeError(f"save() accepts {ACCEPTED}; got {type(data).__name__}")
 
 
+#: Payload kinds that extras register, with the module that registers each and the extra that installs it.
+#: Loading such a checkpoint imports the module, so a process need not import the extra before loading.
+EXTRA_KINDS = {"pytree": ("taskpoint.jax", "jax")}
+
+
 def payload_class(kind: str, uri: str) -> type[Payload]:
-    """The payload class recorded as ``kind``."""
-    for cls in _REGISTRY:
-        if cls.kind == kind:
-            return cls
+    """The payload class recorded as ``kind``; imports the extra that provides it when needed."""
     from .errors import CheckpointError
 
-    raise CheckpointError(f"the checkpoint at {uri} holds a payload of kind {kind!r}, which this taskpoint "
-                          "does not know; install the extra that provides it (e.g. taskpoint[jax]).")
+    cls = _registered(kind)
+    if cls is None and kind in EXTRA_KINDS:
+        module, extra = EXTRA_KINDS[kind]
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise CheckpointError(f"the checkpoint at {uri} holds a payload of kind {kind!r}; loading it needs "
+                                  f'pip install "taskpoint[{extra}]" ({exc})') from exc
+        cls = _registered(kind)
+    if cls is None:
+        raise CheckpointError(f"the checkpoint at {uri} holds a payload of kind {kind!r}, which this taskpoint "
+                              "does not know; install the extra that provides it (e.g. taskpoint[jax]).")
+    return cls
+
+
+def _registered(kind: str) -> type[Payload] | None:
+    return next((cls for cls in _REGISTRY if cls.kind == kind), None)

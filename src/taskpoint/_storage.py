@@ -186,12 +186,24 @@ class Location:
         return self.fs.open(self.path, "rb", block_size=PART_SIZE, cache_type="readahead")  # type: ignore[no-any-return]
 
     def container_missing(self) -> bool:
-        """True when this object's bucket or container definitely does not exist (object stores only)."""
+        """True when this object's bucket or container definitely does not exist (object stores only).
+
+        Not ``fs.exists()``: it answers False for any error, which would turn an outage into "no bucket".
+        """
         if not self.is_object_store:
             return False
         bucket = self.path.split("/", 1)[0]
+
+        def probe() -> bool:
+            self.fs.invalidate_cache(bucket)
+            try:
+                self.fs.info(bucket)
+            except FileNotFoundError:
+                return True
+            return False
+
         try:
-            return not self.retry.call(lambda: self.fs.exists(bucket), action="check", uri=self.uri)
+            return self.retry.call(probe, action="check", uri=self.uri)
         except (PermissionError, StorageError):
             return False
 
