@@ -1,6 +1,7 @@
 # taskpoint: two commands on a fresh machine.
 #   make demo   set up .venv, then run the quick-start example on the local default root
 #   make test   set up .venv and the object-store servers, then run the whole suite
+#   make bench  the speed benchmark of issue 3 (BENCH_ARGS="--size 0.0625 --runs 1" for a quick run)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -13,6 +14,8 @@ FLYTE_VENV := .venv-flyte
 FLYTE_STAMP := $(FLYTE_VENV)/.installed
 FLYTE_VERSION ?= 2.12.1
 ROOT ?=
+BENCH_ARGS ?=
+BENCH_STAMP := $(VENV)/.installed-bench
 
 .PHONY: demo test bench lint typecheck clean venv servers
 
@@ -44,8 +47,12 @@ demo: $(STAMP)
 test: $(STAMP) $(NPM_STAMP) $(FLYTE_STAMP)
 	TASKPOINT_FLYTE_PYTHON=$(FLYTE_VENV)/bin/python $(PY) -m pytest
 
-bench: $(STAMP)
-	$(PY) -m benchmarks
+$(BENCH_STAMP): pyproject.toml $(STAMP)
+	$(PIP) install --quiet -e ".[bench]"
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(PY) -m benchmarks $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(PIP) install --quiet -e ".[dev]"

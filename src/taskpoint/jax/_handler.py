@@ -1,0 +1,233 @@
+"""OrbaxCheckpointHandler: Datarax's checkpoint handler, on CheckpointManager and any fsspec store.
+
+Layout under ``directory`` (any fsspec URL)::
+
+    ckpt-{step}/           a versioned save: one step of a CheckpointManager rooted at ``directory``
+    checkpoint/ckpt-0/     a save with ``step=None``: the only step of a CheckpointManager rooted at
+                           ``directory/checkpoint``
+
+Both are written with the manager's commit protocol (payload first, manifest last), so an interrupted
+save never looks complete, and the unversioned checkpoint gets the same metadata, overwrite rule and
+background saves as the versioned ones. Each step holds a ``taskpoint.jax.PyTree`` payload.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, runtime_checkable
+
+from .._manager import CheckpointManager
+from ..errors import CheckpointError
+from ._payload import load_pytree_sync
+from ._pytree import PyTree
+
+#: Folder of the unversioned checkpoint (``step=None``), and the step it is saved as inside it.
+UNVERSIONED_FOLDER = "checkpoint"
+UNVERSIONED_STEP = 0
+
+
+class _Unset:
+    """Marks "keep not given": a query uses the directory's manager whatever its retention."""
+
+
+_UNSET = _Unset()
+
+
+@runtime_checkable
+class Checkpointable(Protocol):
+    """An object that saves and restores its own state as a PyTree (a dict of arrays, scalars, str...)."""
+
+    def get_state(self) -> dict[str, Any]:
+        """The state to save."""
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Replace the object's state with a restored one."""
+
+
+class OrbaxCheckpointHandler:
+    """Save and restore Checkpointable objects, ``flax.nnx`` modules and PyTrees by step, on any store.
+
+    The surface of Datarax's ``OrbaxCheckpointHandler``, on :class:`~taskpoint.CheckpointManager`: every
+    ``directory`` is any fsspec URL or local path; retention keeps everything unless ``keep`` says
+    otherwise and never counts a save that has not committed; leftovers of interrupted saves are removed by
+    later saves once older than the manager's grace period; ``metadata_only`` reads only the metadata.
+
+    Args:
+        async_checkpointing: when True, :meth:`save` returns once the state is serialized to local disk and
+            uploads in the background (one save in flight per directory); :meth:`wait_until_finished`,
+            :meth:`close` or leaving the ``with`` block waits, and raises a background error.
+        storage_options: passed to fsspec for every directory (credentials, endpoint_url, ...).
+    """
+
+    def __init__(self, async_checkpointing: bool = False, *, storage_options: dict[str, Any] | None = None) -> None:
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(f"storage_options must be a dict, not {type(storage_options).__name__}")
+        self.async_checkpointing = bool(async_checkpointing)
+        self._storage_options = dict(storage_options) if storage_options is not None else None
+        self._lock = threading.Lock()
+        self._managers: dict[str, tuple[CheckpointManager, int | None]] = {}
+        self._closed = False
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+
+    def __enter__(self) -> OrbaxCheckpointHandler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def wait_until_finished(self) -> None:
+        """Block until every background save has committed; raise the first error one of them met."""
+        _each(manager.wait_until_finished for manager in self._all_managers())
+
+    def close(self) -> None:
+        """Wait for background saves and release the managers; raise a background error. Safe to call twice."""
+        with self._lock:
+            self._closed = True
+            managers, self._managers = [m for m, _ in self._managers.values()], {}
+        _each(manager.close for manager in managers)
+
+    # -- save --------------------------------------------------------------------------------------------
+
+    def save(self, directory: str | os.PathLike[str], target: Any, step: int | None = None, keep: int | None = None,
+             overwrite: bool = False, metadata: dict[str, Any] | None = None) -> str:
+        """Save ``target`` as ``step`` (``directory/ckpt-{step}``), or as ``directory/checkpoint`` when None.
+
+        ``target`` is a :class:`Checkpointable` (its ``get_state()`` is saved), a ``flax.nnx.Module`` (its
+        state) or a PyTree. ``keep`` keeps the ``keep`` newest steps (None, the default: all of them);
+        deletion happens after the new step commits. Saving an existing step raises FileExistsError unless
+        ``overwrite=True``. ``metadata`` is a dict of JSON values, given back by
+        ``restore(..., metadata_only=True)``. Returns the URI of the checkpoint.
+        """
+        payload = PyTree(_state_of(target))
+        if step is None:
+            manager = self._manager(_join(directory, UNVERSIONED_FOLDER), None)
+            manager.save(payload, UNVERSIONED_STEP, metadata=metadata, overwrite=overwrite)
+            return manager.directory
+        return self._manager(directory, keep).save(payload, step, metadata=metadata, overwrite=overwrite)
+
+    save_to_directory = save
+
+    # -- restore -----------------------------------------------------------------------------------------
+
+    def restore(self, directory: str | os.PathLike[str], target: Any = None, step: int | None = None,
+                metadata_only: bool = False) -> Any:
+        """Restore ``step`` (None: the newest step, else ``directory/checkpoint``) into ``target``.
+
+        A :class:`Checkpointable` gets the saved state through ``set_state`` and an ``nnx.Module`` is
+        updated in place; both are returned. A PyTree target gives the restored tree its structure, dtypes
+        and shardings, and the tree is returned; a target that does not match raises ValueError naming the
+        first path that differs. With no target, the saved state is returned. ``metadata_only=True`` returns
+        the metadata dict saved with the checkpoint and reads nothing else. Background saves to
+        ``directory`` are waited for first. FileNotFoundError when there is nothing to restore.
+        """
+        manager = self._newest(directory) if step is None else self._manager(directory)
+        manager.wait_until_finished()
+        if metadata_only:
+            return manager.metadata(step)
+        with tempfile.TemporaryDirectory(prefix="taskpoint-restore-") as scratch:
+            folder = manager.restore(step, into=scratch)
+            return _apply(folder, target)
+
+    def _newest(self, directory: str | os.PathLike[str]) -> CheckpointManager:
+        """The versioned manager when ``directory`` has a committed step, else the unversioned checkpoint's."""
+        for manager in (self._manager(directory), self._manager(_join(directory, UNVERSIONED_FOLDER))):
+            manager.wait_until_finished()
+            if manager.latest_step() is not None:
+                return manager
+        raise FileNotFoundError(f"no checkpoint in {os.fspath(directory)}: no committed ckpt-{{step}} and no "
+                                f"{UNVERSIONED_FOLDER}/")
+
+    # -- queries -----------------------------------------------------------------------------------------
+
+    def get_checkpoint_steps(self, directory: str | os.PathLike[str]) -> list[int]:
+        """The committed steps in ``directory``, oldest first (a background save counts once committed)."""
+        return self._manager(directory).steps()
+
+    def latest_step(self, directory: str | os.PathLike[str]) -> int | None:
+        """The newest committed step in ``directory``, or None."""
+        return self._manager(directory).latest_step()
+
+    def list_checkpoints(self, directory: str | os.PathLike[str]) -> dict[int, str]:
+        """Each committed step in ``directory`` with the URI of its folder, oldest first."""
+        return self._manager(directory).list_checkpoints()
+
+    # -- managers ----------------------------------------------------------------------------------------
+
+    def _manager(self, directory: str | os.PathLike[str], keep: int | _Unset | None = _UNSET) -> CheckpointManager:
+        """The manager of ``directory``; a new one when ``keep`` (if given) differs from its retention."""
+        key = _key(directory)
+        with self._lock:
+            if self._closed:
+                raise CheckpointError("this OrbaxCheckpointHandler is closed; create a new one")
+            current = self._managers.get(key)
+            if current is not None and (isinstance(keep, _Unset) or current[1] == keep):
+                return current[0]
+            wanted = None if isinstance(keep, _Unset) else keep
+            manager = CheckpointManager(directory, keep=wanted, storage_options=self._storage_options,
+                                        async_save=self.async_checkpointing)
+            self._managers[key] = (manager, wanted)
+        if current is not None:
+            current[0].close()  # waits for its background save; a later save there goes through the new one
+        return manager
+
+    def _all_managers(self) -> list[CheckpointManager]:
+        with self._lock:
+            return [manager for manager, _ in self._managers.values()]
+
+
+def _state_of(target: Any) -> Any:
+    """What is saved for ``target``: an nnx module's state as a pure dict, a Checkpointable's get_state()."""
+    nnx = _nnx()
+    if nnx is not None and isinstance(target, nnx.Module):
+        return nnx.to_pure_dict(nnx.state(target))
+    if isinstance(target, Checkpointable):
+        return target.get_state()
+    return target
+
+
+def _apply(folder: Any, target: Any) -> Any:
+    """Restore the tree in ``folder`` into ``target`` as :meth:`OrbaxCheckpointHandler.restore` describes."""
+    nnx = _nnx()
+    if nnx is not None and isinstance(target, nnx.Module):
+        state = nnx.state(target)
+        restored = load_pytree_sync(folder, target=nnx.to_pure_dict(state))
+        nnx.replace_by_pure_dict(state, restored)
+        nnx.update(target, state)
+        return target
+    if isinstance(target, Checkpointable):
+        target.set_state(load_pytree_sync(folder))
+        return target
+    return load_pytree_sync(folder, target=target)
+
+
+def _nnx() -> Any:
+    """``flax.nnx`` when the program imported it (an nnx module can exist only then), else None."""
+    return sys.modules.get("flax.nnx")
+
+
+def _key(directory: str | os.PathLike[str]) -> str:
+    text = os.fspath(directory).strip()
+    if "://" not in text and "::" not in text:
+        text = os.path.abspath(text)
+    return text.rstrip("/") or "/"
+
+
+def _join(directory: str | os.PathLike[str], name: str) -> str:
+    return f"{os.fspath(directory).rstrip('/')}/{name}"
+
+
+def _each(actions: Iterable[Callable[[], object]]) -> None:
+    """Run every action even when some fail; then raise the first failure."""
+    first: BaseException | None = None
+    for action in actions:
+        try:
+            action()
+        except BaseException as exc:
+            first = first or exc
+    if first is not None:
+        raise first

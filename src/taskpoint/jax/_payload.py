@@ -1,0 +1,71 @@
+"""The ``pytree`` payload kind: a :class:`PyTree` saved as a directory checkpoint, and loading it back.
+
+A save serializes the tree with Orbax into a private temp folder at once (so the caller may change its
+arrays as soon as the save call returns), then the folder travels as any directory does: streamed as a tar
+archive, atomically, with its sha256 recorded and verified on load.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
+from typing import Any
+
+import anyio.to_thread
+
+from .._checkpoint import BaseCheckpoint
+from .._payloads import DirectoryPayload, Payload, register_payload
+from ._pytree import PyTree, read_tree, write_tree
+
+#: Prefix of the temp folders where trees are serialized before upload (below ``$TMPDIR``).
+SERIALIZE_PREFIX = "taskpoint-pytree-"
+
+
+class PyTreePayload(DirectoryPayload):
+    """A :class:`PyTree`, serialized when claimed; written, restored and published as a directory."""
+
+    kind = "pytree"
+
+    def __init__(self, tree: PyTree) -> None:
+        folder = Path(tempfile.mkdtemp(prefix=SERIALIZE_PREFIX))
+        # The folder lives as long as the payload (through retried uploads and background saves).
+        self._remove = weakref.finalize(self, shutil.rmtree, folder, ignore_errors=True)
+        try:
+            write_tree(tree.tree, folder)
+        except BaseException:
+            self._remove()
+            raise
+        super().__init__(folder)
+
+    @classmethod
+    def claim(cls, data: object) -> Payload | None:
+        return cls(data) if isinstance(data, PyTree) else None
+
+    def snapshot(self, scratch: Path) -> Payload:
+        return self  # serialized into a folder of its own when it was claimed
+
+
+register_payload(PyTreePayload)
+
+
+def load_pytree_sync(cp: BaseCheckpoint | str | os.PathLike[str], target: Any = None) -> Any:
+    """Blocking twin of :func:`load_pytree`."""
+    folder = cp.load_sync() if isinstance(cp, BaseCheckpoint) else Path(os.fspath(cp))
+    return None if folder is None else read_tree(folder, target)
+
+
+async def load_pytree(cp: BaseCheckpoint | str | os.PathLike[str], target: Any = None) -> Any:
+    """The tree saved as ``taskpoint.jax.PyTree(tree)``; None when there is no previous checkpoint.
+
+    ``cp`` is a :class:`~taskpoint.Checkpoint` (its previous checkpoint is loaded), or the local folder
+    that :meth:`CheckpointManager.restore <taskpoint.CheckpointManager.restore>` returned. Without
+    ``target`` the tree comes back with the containers it was saved with (registered nodes such as
+    namedtuples and dataclasses as dicts) and jax arrays on the default device. With ``target`` (a tree of
+    arrays or ``jax.ShapeDtypeStruct``) it has the target's structure, dtypes and shardings; a target that
+    does not match raises ValueError naming the first path that differs.
+    """
+    folder = await cp.load() if isinstance(cp, BaseCheckpoint) else Path(os.fspath(cp))
+    return None if folder is None else await anyio.to_thread.run_sync(read_tree, folder, target)

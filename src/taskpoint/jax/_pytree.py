@@ -1,0 +1,396 @@
+"""A PyTree on local disk: array leaves in an Orbax PyTree checkpoint, everything else in a JSON sidecar.
+
+Layout of a folder written by :func:`write_tree`::
+
+    taskpoint-pytree.json   the sidecar: the tree's structure and one record per leaf (kind, path, dtype,
+                            shape, PRNG key implementation, and the values Orbax does not store)
+    orbax/                  Orbax's standard PyTree checkpoint of the array leaves, a flat dict keyed by the
+                            leaf's index in the sidecar (absent when the tree holds no non-empty array)
+
+Orbax stores what it stores well (arrays, with their dtypes and shardings); the sidecar keeps what it
+mangles or drops: strings (stored whole, not one leaf per character), Python scalars (with their exact
+type and value), zero-size arrays (Orbax refuses them), the implementation of typed PRNG keys (Orbax sees
+only their uint32 data), and the containers (dict, list, tuple, None) so that a tree comes back as it was
+saved even without a target.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any, NoReturn
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from ..errors import CheckpointError
+
+#: Name of the sidecar inside a PyTree folder.
+SIDECAR_NAME = "taskpoint-pytree.json"
+#: Name of the Orbax checkpoint of the array leaves inside a PyTree folder.
+ARRAYS_FOLDER = "orbax"
+#: Version of the sidecar's format; a reader refuses a newer one.
+FORMAT_VERSION = 1
+
+# Leaf kinds recorded in the sidecar. Arrays live in Orbax (unless empty); the others in the sidecar.
+JAX, NUMPY, NUMPY_SCALAR, KEY = "jax.Array", "numpy.ndarray", "numpy.generic", "jax.random.key"
+STR, BOOL, INT, FLOAT, COMPLEX = "str", "bool", "int", "float", "complex"
+_ARRAY_KINDS = frozenset({JAX, NUMPY, NUMPY_SCALAR, KEY})
+_PY_SCALARS: dict[type, str] = {bool: BOOL, int: INT, float: FLOAT, complex: COMPLEX}
+
+Path_ = tuple[str | int, ...]
+
+
+class PyTree:
+    """A JAX PyTree to save as a checkpoint: ``cp.save_sync(taskpoint.jax.PyTree(tree))``.
+
+    The tree may nest dicts, lists, tuples, None and registered PyTree nodes (namedtuples, dataclasses
+    registered with JAX, flax structs) around ``jax.Array``, numpy arrays, Python and numpy scalars, ``str``,
+    typed PRNG keys (``jax.random.key``) and raw uint32 keys. It is serialized when the save starts, so the
+    caller may change its arrays as soon as the save call returns. Load it with
+    :func:`taskpoint.jax.load_pytree`.
+    """
+
+    __slots__ = ("tree",)
+
+    def __init__(self, tree: Any) -> None:
+        self.tree = tree
+
+    def __repr__(self) -> str:
+        return f"PyTree({jax.tree_util.tree_structure(self.tree)})"
+
+
+# -- writing -----------------------------------------------------------------------------------------------
+
+
+def write_tree(tree: Any, folder: Path) -> None:
+    """Serialize ``tree`` into the empty folder ``folder``."""
+    encoder = _Encoder()
+    structure = encoder.encode(tree, ())
+    if encoder.arrays:
+        ocp.PyTreeCheckpointer().save(folder / ARRAYS_FOLDER, encoder.arrays)
+    sidecar = {
+        "format": FORMAT_VERSION,
+        "written_by": {"jax": jax.__version__, "orbax-checkpoint": _orbax_version()},
+        "structure": structure,
+        "leaves": encoder.leaves,
+    }
+    (folder / SIDECAR_NAME).write_text(json.dumps(sidecar, indent=1), encoding="utf-8")
+
+
+class _Encoder:
+    """Walks a tree once: records its containers and leaves, and collects the arrays Orbax will store."""
+
+    def __init__(self) -> None:
+        self.leaves: list[dict[str, Any]] = []
+        self.arrays: dict[str, Any] = {}
+
+    def encode(self, node: Any, path: Path_) -> Any:
+        spec = self._leaf(node, path)
+        if spec is not None:
+            self.leaves.append(spec)
+            return {"leaf": len(self.leaves) - 1}
+        if node is None:
+            return None
+        if type(node) is dict:
+            return {"dict": [[_json_key(key, path), self.encode(child, (*path, key))] for key, child in node.items()]}
+        if type(node) in (list, tuple):
+            return {type(node).__name__: [self.encode(child, (*path, i)) for i, child in enumerate(node)]}
+        children = _children(node)
+        if children is None:
+            raise TypeError(f"{show_path(path)}: a PyTree leaf cannot be a {type(node).__qualname__}; leaves are "
+                            "jax or numpy arrays, Python or numpy scalars, str, PRNG keys, or None")
+        return {"node": f"{type(node).__module__}.{type(node).__qualname__}",
+                "items": [[_json_key(key, path), self.encode(child, (*path, key))] for key, child in children]}
+
+    def _leaf(self, value: Any, path: Path_) -> dict[str, Any] | None:
+        """The sidecar record of ``value`` when it is a leaf (storing its array for Orbax), else None."""
+        spec: dict[str, Any] = {"path": list(path)}
+        if isinstance(value, jax.Array):
+            if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
+                data = jax.random.key_data(value)
+                spec.update(kind=KEY, impl=str(jax.random.key_impl(value)), shape=list(value.shape))
+                return self._array(spec, data)
+            return self._array({**spec, "kind": JAX}, value)
+        if isinstance(value, np.ndarray):
+            if value.dtype.hasobject:
+                raise TypeError(f"{show_path(path)}: numpy arrays of dtype object cannot be saved")
+            return self._array({**spec, "kind": NUMPY}, value)
+        if isinstance(value, str):  # before np.generic: np.str_ is both
+            return {**spec, "kind": STR, "value": str(value)}
+        if isinstance(value, np.generic):
+            return self._array({**spec, "kind": NUMPY_SCALAR}, np.asarray(value))
+        kind = next((k for t, k in _PY_SCALARS.items() if isinstance(value, t)), None)
+        if kind is None:
+            return None
+        return {**spec, "kind": kind, "value": _scalar_to_json(value, kind)}
+
+    def _array(self, spec: dict[str, Any], data: Any) -> dict[str, Any]:
+        spec.update(dtype=str(data.dtype), data_shape=list(data.shape))
+        spec.setdefault("shape", list(data.shape))
+        if data.size:  # Orbax refuses zero-size arrays; their shape and dtype say everything
+            self.arrays[str(len(self.leaves))] = data
+        return spec
+
+
+def _children(node: Any) -> list[tuple[Any, Any]] | None:
+    """The children of a registered PyTree node with their keys; None when ``node`` is not a node."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    if len(flat) == 1 and flat[0][0] == ():
+        return None
+    return [(_entry_key(entry_path[0]), child) for entry_path, child in flat]
+
+
+def _entry_key(entry: Any) -> Any:
+    """The plain key of one step of a JAX key path (dict key, index or attribute name)."""
+    for attribute in ("key", "idx", "name"):
+        if hasattr(entry, attribute):
+            return getattr(entry, attribute)
+    return str(entry)
+
+
+def _json_key(key: Any, path: Path_) -> str | int:
+    if isinstance(key, bool) or not isinstance(key, (str, int)):
+        raise TypeError(f"{show_path(path)}: dict keys must be str or int to be saved, got {key!r}")
+    return key
+
+
+def _scalar_to_json(value: Any, kind: str) -> Any:
+    if kind == FLOAT:
+        return float(value).hex()  # exact, and covers nan and inf
+    if kind == COMPLEX:
+        return [float(value.real).hex(), float(value.imag).hex()]
+    return bool(value) if kind == BOOL else int(value)
+
+
+def _scalar_from_json(value: Any, kind: str) -> Any:
+    if kind == FLOAT:
+        return float.fromhex(value)
+    if kind == COMPLEX:
+        return complex(float.fromhex(value[0]), float.fromhex(value[1]))
+    return bool(value) if kind == BOOL else int(value)
+
+
+def show_path(path: Path_ | list[Any]) -> str:
+    """A leaf's path as users write it: ``params/dense/kernel``."""
+    return "/".join(str(key) for key in path) or "<root>"
+
+
+@functools.cache
+def _orbax_version() -> str:
+    try:
+        return version("orbax-checkpoint")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+# -- reading -----------------------------------------------------------------------------------------------
+
+
+def read_tree(folder: Path, target: Any = None) -> Any:
+    """The tree serialized in ``folder``; shaped, typed and placed like ``target`` when it is given.
+
+    Without a target, containers come back as saved (dict, list, tuple, None; other registered nodes as
+    dicts of their children), jax arrays on the default device. With one, the result has the target's
+    structure, dtypes and shardings; a mismatch raises ValueError naming the first path that differs.
+    """
+    sidecar = _read_sidecar(folder)
+    specs: list[dict[str, Any]] = sidecar["leaves"]
+    if target is None:
+        values = _Restorer(folder, specs, [None] * len(specs)).values()
+        return _build(sidecar["structure"], values)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+    order = _match(folder, specs, [tuple(_entry_key(e) for e in path) for path, _ in flat], [leaf for _, leaf in flat])
+    targets: list[Any] = [None] * len(specs)
+    for position, index in enumerate(order):
+        targets[index] = flat[position][1]
+    values = _Restorer(folder, specs, targets, with_target=True).values()
+    return jax.tree_util.tree_unflatten(treedef, [values[index] for index in order])
+
+
+def _read_sidecar(folder: Path) -> dict[str, Any]:
+    if not (folder / SIDECAR_NAME).is_file():
+        raise CheckpointError(f"{folder} holds no taskpoint.jax.PyTree ({SIDECAR_NAME} is missing): it was saved "
+                              "from something else. Save trees with taskpoint.jax.PyTree(tree).")
+    text = (folder / SIDECAR_NAME).read_text(encoding="utf-8")
+    sidecar: dict[str, Any] = json.loads(text)
+    if sidecar.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{folder / SIDECAR_NAME} has format {sidecar.get('format')!r}; this taskpoint "
+                              f"reads format {FORMAT_VERSION}. Upgrade taskpoint to load it.")
+    return sidecar
+
+
+def _build(node: Any, values: list[Any]) -> Any:
+    if node is None:
+        return None
+    if "leaf" in node:
+        return values[node["leaf"]]
+    if "dict" in node:
+        return {key: _build(child, values) for key, child in node["dict"]}
+    if "list" in node:
+        return [_build(child, values) for child in node["list"]]
+    if "tuple" in node:
+        return tuple(_build(child, values) for child in node["tuple"])
+    return {key: _build(child, values) for key, child in node["items"]}
+
+
+# -- matching a target -------------------------------------------------------------------------------------
+
+
+def _match(folder: Path, specs: list[dict[str, Any]], paths: list[Path_], leaves: list[Any]) -> list[int]:
+    """For each target leaf, the index of its checkpoint leaf; ValueError at the first path that differs."""
+    by_path = {tuple(spec["path"]): index for index, spec in enumerate(specs)}
+    order: list[int] = []
+    for path, leaf in zip(paths, leaves, strict=True):
+        index = by_path.pop(path, None)
+        if index is None:
+            _mismatch(folder, path, "the target has this leaf, the checkpoint does not")
+        problem = _differs(specs[index], leaf)
+        if problem:
+            _mismatch(folder, path, problem)
+        order.append(index)
+    if by_path:
+        _mismatch(folder, next(iter(by_path)), "the checkpoint has this leaf, the target does not")
+    return order
+
+
+def _differs(spec: dict[str, Any], leaf: Any) -> str | None:
+    """What makes checkpoint leaf ``spec`` unfit for target leaf ``leaf``, or None when it fits."""
+    kind = spec["kind"]
+    wanted = _category(leaf)
+    held = "key" if kind == KEY else "str" if kind == STR else "number"
+    if wanted is not None and wanted != held:
+        return f"the checkpoint holds a {kind}, the target a {_describe(leaf)}"
+    shape = tuple(spec.get("shape", ()))
+    target_shape = _shape(leaf)
+    if target_shape is not None and shape != target_shape:
+        return f"shape {shape} in the checkpoint vs {target_shape} in the target"
+    if kind == KEY and isinstance(leaf, jax.Array) and str(jax.random.key_impl(leaf)) != spec["impl"]:
+        return f"PRNG key implementation {spec['impl']} in the checkpoint vs {jax.random.key_impl(leaf)} in the target"
+    return None
+
+
+def _category(leaf: Any) -> str | None:
+    if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        return "key"
+    if isinstance(leaf, str):
+        return "str"
+    if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, bool, int, float, complex)):
+        return "number"
+    return None  # a leaf type we do not know: it takes whatever the checkpoint holds
+
+
+def _shape(leaf: Any) -> tuple[int, ...] | None:
+    if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
+        return tuple(leaf.shape)
+    if isinstance(leaf, (bool, int, float, complex)):
+        return ()
+    return None
+
+
+def _describe(leaf: Any) -> str:
+    if isinstance(leaf, jax.Array):
+        return "jax.Array"
+    return f"{type(leaf).__module__}.{type(leaf).__qualname__}".removeprefix("builtins.")
+
+
+def _mismatch(folder: Path, path: Path_, problem: str) -> NoReturn:
+    raise ValueError(f"{show_path(path)}: {problem} (the checkpoint in {folder} does not match the target's "
+                     "structure; restore without a target to see what it holds)")
+
+
+# -- restoring values --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Restorer:
+    """Turns checkpoint leaves into values: one Orbax restore for all arrays, then per-leaf conversion."""
+
+    folder: Path
+    specs: list[dict[str, Any]]
+    targets: list[Any]
+    with_target: bool = False
+
+    def values(self) -> list[Any]:
+        stored = self._restore_arrays()
+        return [self._value(spec, target, stored.get(str(index)))
+                for index, (spec, target) in enumerate(zip(self.specs, self.targets, strict=True))]
+
+    def _restore_arrays(self) -> dict[str, Any]:
+        args = {str(index): self._restore_args(spec, target)
+                for index, (spec, target) in enumerate(zip(self.specs, self.targets, strict=True)) if _in_orbax(spec)}
+        if not args:
+            return {}
+        restored: dict[str, Any] = ocp.PyTreeCheckpointer().restore(
+            self.folder / ARRAYS_FOLDER, args=ocp.args.PyTreeRestore(restore_args=args))
+        return restored
+
+    def _restore_args(self, spec: dict[str, Any], target: Any) -> ocp.RestoreArgs:
+        """How Orbax reads one array: as the target leaf wants it, else as it was saved."""
+        kind = spec["kind"]
+        if kind == KEY or (kind == JAX and target is None):  # key data is placed after wrapping
+            return ocp.ArrayRestoreArgs(sharding=_default_sharding())
+        if isinstance(target, (jax.Array, jax.ShapeDtypeStruct)):
+            return ocp.ArrayRestoreArgs(sharding=_sharding(target), dtype=target.dtype,
+                                        global_shape=tuple(target.shape))
+        dtype = target.dtype if isinstance(target, (np.ndarray, np.generic)) else None
+        return ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
+
+    def _value(self, spec: dict[str, Any], target: Any, stored: Any) -> Any:
+        kind = spec["kind"]
+        if kind == STR:
+            return spec["value"]
+        if kind not in _ARRAY_KINDS:
+            value = _scalar_from_json(spec["value"], kind)
+        elif kind == KEY:
+            value = jax.random.wrap_key_data(stored if stored is not None else _empty(spec, None), impl=spec["impl"])
+            sharding = getattr(target, "sharding", None)
+            return value if sharding is None or sharding == value.sharding else jax.device_put(value, sharding)
+        else:
+            value = stored if stored is not None else _empty(spec, target)
+            if kind == NUMPY_SCALAR:
+                value = value[()]
+        return _like(value, target) if self.with_target else value
+
+
+def _in_orbax(spec: dict[str, Any]) -> bool:
+    return spec["kind"] in _ARRAY_KINDS and math.prod(spec["data_shape"]) > 0
+
+
+def _empty(spec: dict[str, Any], target: Any) -> Any:
+    """A zero-size array as saved (Orbax does not store them)."""
+    data = np.zeros(spec["data_shape"], dtype=jnp.dtype(spec["dtype"]))
+    if spec["kind"] in (JAX, KEY) and not isinstance(target, (np.ndarray, np.generic)):
+        return jax.device_put(data, _default_sharding())
+    return data
+
+
+def _like(value: Any, target: Any) -> Any:
+    """``value`` converted to the type, dtype and placement of a target leaf."""
+    if isinstance(target, (jax.Array, jax.ShapeDtypeStruct)):
+        if isinstance(value, jax.Array) and value.dtype == target.dtype and value.sharding == _sharding(target):
+            return value
+        return jax.device_put(np.asarray(value, dtype=target.dtype), _sharding(target))
+    if isinstance(target, np.ndarray):
+        return np.asarray(value, dtype=target.dtype)
+    if isinstance(target, np.generic):
+        return target.dtype.type(np.asarray(value)[()])
+    if isinstance(target, (bool, int, float, complex)):
+        return type(target)(np.asarray(value).item() if isinstance(value, (jax.Array, np.ndarray, np.generic))
+                            else value)
+    return value
+
+
+def _sharding(target: Any) -> Any:
+    sharding = getattr(target, "sharding", None)
+    return sharding if sharding is not None else _default_sharding()
+
+
+def _default_sharding() -> jax.sharding.Sharding:
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
