@@ -199,7 +199,6 @@ class CheckpointManager:
         """
         step = _check_step(step)
         record_metadata = _check_metadata(metadata)
-        payload = payload_for(data)
         context = ctx()
         attempt = context.attempt if context is not None else None
         background = self._async_save if blocking is None else not blocking
@@ -211,6 +210,7 @@ class CheckpointManager:
                 raise FileExistsError(f"step {step} already exists in {self.directory}; pass overwrite=True to "
                                       "replace it, or save under a new step")
             replaced = _payload_named(previous, self._object(step, MANIFEST_NAME).uri)
+            payload = payload_for(data)  # after the existence check: some kinds (PyTree) serialize here
             job = functools.partial(self._write_step, step, record_metadata, attempt, replaced)
             if not background:
                 job(payload)
