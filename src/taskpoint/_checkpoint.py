@@ -62,7 +62,7 @@ class Checkpoint(BaseCheckpoint):
     Both are fsspec URIs (local paths, ``file://``, ``memory://``, ``s3://``, ``gs://``, ``az://``, chained
     URLs) or ``os.PathLike`` objects. ``save`` accepts bytes-like data, or a path naming a file or a
     directory; a directory is stored as a compressed tar of its top-level entries. Saves are atomic and
-    streamed; loads are verified against the sha256 recorded at save time and extracted safely.
+    streamed; loads are verified against the size and CRC32 recorded at save time and extracted safely.
 
     Args:
         checkpoint_dest: where this attempt saves.
@@ -198,7 +198,7 @@ def clean_source_uri(value: str | os.PathLike[str] | None) -> str | None:
 
 
 def save_object(dest: Location, payload: Payload, codec: Codec, level: int | None) -> ObjectRecord:
-    """Write ``payload`` to ``dest`` atomically and record its kind and sha256 beside it."""
+    """Write ``payload`` to ``dest`` atomically and record its kind, size and CRC32 beside it."""
     record_loc = dest.sibling(MANIFEST_SUFFIX)
     started = time.time()
     previous = read_manifest(record_loc, tolerate_corrupt=True)
@@ -208,12 +208,12 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
     record_loc.write_small(Manifest(committed=committed_before, pending=pending).to_bytes(),
                            action="save a checkpoint to")
     try:
-        size, digest = write_payload(dest, payload, codec, level)
+        size, digest = write_payload(dest, payload, codec, level, digest="crc32")
     except BaseException:
         _restore_manifest(record_loc, committed_before)
         raise
     record = ObjectRecord(kind=pending.kind, codec=pending.codec, save_id=pending.save_id,
-                          created=pending.created, size=size, sha256=digest)
+                          created=pending.created, size=size, crc32=digest)
     try:
         record_loc.write_small(Manifest(committed=record).to_bytes(), action="record the checkpoint at")
     except StorageError as exc:
@@ -257,7 +257,9 @@ def load_object(src: Location, workspace: Path) -> Path | None:
     def verify(kind: str, size: int, digest: str) -> None:
         _verify(manifest, kind, size, digest, src.uri)
 
-    result = read_payload(src, workspace, choose, verify)
+    committed = manifest.committed if manifest is not None else None
+    digest = "sha256" if committed is not None and committed.crc32 is None and committed.sha256 else "crc32"
+    result = read_payload(src, workspace, choose, verify, digest)
     if result is None:
         if manifest is not None and manifest.committed is not None:
             raise CheckpointCorruptError(
@@ -282,7 +284,7 @@ def _verify(manifest: Manifest | None, kind: str, size: int, digest: str, uri: s
     if manifest is None:
         return
     committed, pending = manifest.committed, manifest.pending
-    if committed is not None and committed.size == size and committed.sha256 == digest:
+    if committed is not None and committed.size == size and digest in (committed.crc32, committed.sha256):
         return
     if pending is not None and pending.kind == kind and pending.size in (None, size):
         warnings.warn(

@@ -14,6 +14,7 @@ import zlib
 from abc import ABC, abstractmethod
 from typing import IO, Any, ClassVar
 
+from ._pgzip import GzipFormatError, ParallelGzipReader, ParallelGzipWriter, labelled_length
 from .errors import CheckpointCorruptError
 
 #: Size of the blocks the codecs hand to their compressors and to storage.
@@ -55,8 +56,9 @@ class Codec(ABC):
         """A stream that compresses into ``sink``; closing it finishes the stream but leaves ``sink`` open."""
 
     @abstractmethod
-    def reader(self, source: IO[bytes]) -> IO[bytes]:
-        """A stream of the decompressed bytes of ``source``; checksums are verified up to the end."""
+    def reader(self, source: IO[bytes], head: bytes = b"") -> IO[bytes]:
+        """A stream of the decompressed bytes of ``source`` (whose first bytes are ``head``, not yet consumed);
+        checksums are verified up to the end."""
 
     @abstractmethod
     def matches(self, head: bytes) -> bool:
@@ -64,28 +66,24 @@ class Codec(ABC):
 
 
 class GzipCodec(Codec):
-    """Standard gzip. ISA-L when the ``isal`` package is present (same format, about 20x faster), else zlib.
+    """Standard gzip, compressed and inflated on every core (see :mod:`._pgzip`); any gzip reader opens it.
 
-    ``level`` uses zlib's 1-9 scale; ISA-L maps 1-3, 4-6 and 7-9 to its levels 1, 2 and 3.
+    ISA-L when the ``isal`` package is present (same format, about 20x faster than zlib). ``level`` uses
+    zlib's 1-9 scale; ISA-L maps 1-3, 4-6 and 7-9 to its levels 1, 2 and 3. Streams written by other tools
+    (Flyte, ``tar czf``) are inflated sequentially.
     """
 
     name = "gzip"
 
     def writer(self, sink: IO[bytes], level: int | None) -> IO[bytes]:
-        try:
-            from isal import igzip_threaded
-        except ImportError:
-            lvl = 6 if level is None else level
-            return gzip.GzipFile(fileobj=_NonClosing(sink), mode="wb", compresslevel=lvl, mtime=0)  # type: ignore[return-value]
-        isal_level = 2 if level is None else (0 if level == 0 else min(3, (level + 2) // 3))
-        return igzip_threaded.open(  # type: ignore[no-any-return,no-untyped-call]
-            _NonClosing(sink), "wb", compresslevel=isal_level, threads=_threads(), block_size=BLOCK_SIZE
-        )
+        return ParallelGzipWriter(sink, level)  # type: ignore[return-value]
 
-    def reader(self, source: IO[bytes]) -> IO[bytes]:
+    def reader(self, source: IO[bytes], head: bytes = b"") -> IO[bytes]:
+        if labelled_length(head) is not None:
+            return ParallelGzipReader(source)  # type: ignore[return-value]
         try:
             from isal import igzip_threaded
-        except ImportError:
+        except ImportError:  # pragma: no cover - isal is a dependency
             return gzip.GzipFile(fileobj=source, mode="rb")  # type: ignore[return-value]
         return igzip_threaded.open(  # type: ignore[no-any-return,no-untyped-call]
             source, "rb", threads=1, block_size=BLOCK_SIZE
@@ -113,7 +111,7 @@ class ZstdCodec(Codec):
         compressor = zstd.ZstdCompressor(level=1 if level is None else level, write_checksum=True, threads=-1)
         return compressor.stream_writer(_NonClosing(sink), closefd=False)  # type: ignore[no-any-return]
 
-    def reader(self, source: IO[bytes]) -> IO[bytes]:
+    def reader(self, source: IO[bytes], head: bytes = b"") -> IO[bytes]:
         zstd = self._module()
         decompressor = zstd.ZstdDecompressor()
         return decompressor.stream_reader(source, read_across_frames=True, closefd=False)  # type: ignore[no-any-return]
@@ -130,7 +128,7 @@ class NoCodec(Codec):
     def writer(self, sink: IO[bytes], level: int | None) -> IO[bytes]:
         return io.BufferedWriter(_NonClosing(sink), buffer_size=BLOCK_SIZE)  # type: ignore[type-var]
 
-    def reader(self, source: IO[bytes]) -> IO[bytes]:
+    def reader(self, source: IO[bytes], head: bytes = b"") -> IO[bytes]:
         return source
 
     def matches(self, head: bytes) -> bool:
@@ -141,7 +139,7 @@ CODECS: dict[str, Codec] = {c.name: c for c in (GzipCodec(), ZstdCodec(), NoCode
 
 #: Exceptions that decoders raise on damaged input; they all mean "corrupt checkpoint".
 def _decode_errors() -> tuple[type[BaseException], ...]:
-    errors: list[type[BaseException]] = [EOFError, zlib.error, gzip.BadGzipFile]
+    errors: list[type[BaseException]] = [EOFError, zlib.error, gzip.BadGzipFile, GzipFormatError]
     try:
         from isal import isal_zlib
 

@@ -3,9 +3,9 @@
 The checkpoint object itself stays in Flyte's format (raw bytes, or a tar.gz), so other tools can read it.
 The record lives in a second object, ``<destination>.taskpoint.json``. A save writes the record twice:
 before the object, naming the save as *pending* (kind, codec and, when known, size), and after it, naming
-it *committed* with its size and sha256. A crash between the object and the final record leaves a
+it *committed* with its size and CRC32. A crash between the object and the final record leaves a
 pending entry that still tells load the kind; a good checkpoint therefore never becomes unloadable, and
-outside that window every byte is verified against the recorded sha256.
+outside that window every byte is verified against the recorded CRC32 and size.
 
 The versioned manager (:mod:`._manager`) keeps a :class:`StepManifest` in each step's folder instead: it is
 written once, after the payload, and is the step's commit.
@@ -39,6 +39,8 @@ class ObjectRecord:
     created: float
     size: int | None = None
     sha256: str | None = None
+    #: CRC32 of the stored bytes (hex); single checkpoints record this instead of a sha256.
+    crc32: str | None = None
 
 
 @dataclass(frozen=True)
@@ -112,4 +114,5 @@ def _record(value: Any) -> ObjectRecord | None:
     if value is None:
         return None
     return ObjectRecord(kind=str(value["kind"]), codec=str(value["codec"]), save_id=str(value["save_id"]),
-                        created=float(value["created"]), size=value.get("size"), sha256=value.get("sha256"))
+                        created=float(value["created"]), size=value.get("size"), sha256=value.get("sha256"),
+                        crc32=value.get("crc32"))

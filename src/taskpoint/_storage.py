@@ -9,6 +9,7 @@ Every write becomes visible whole or not at all:
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import random
 import time
@@ -20,6 +21,7 @@ from typing import IO, Any, TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from ._codecs import BLOCK_SIZE
 from .errors import CheckpointError, StorageError
 
 T = TypeVar("T")
@@ -231,10 +233,11 @@ class Location:
         os.makedirs(folder, exist_ok=True)
         tmp = os.path.join(folder, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
         try:
-            with open(tmp, "xb", buffering=PART_SIZE) as f:
-                yield f
+            with open(tmp, "xb", buffering=0) as raw:
+                f = _EarlyWriteback(raw)
+                yield f  # type: ignore[misc]
                 f.flush()
-                os.fsync(f.fileno())
+                os.fsync(raw.fileno())
             os.replace(tmp, self.path)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
@@ -328,6 +331,35 @@ class Location:
             except FileNotFoundError:
                 pass
         self.retry.call(rm, action="delete", uri=self.uri)
+
+
+class _EarlyWriteback(io.BufferedWriter):
+    """A buffered file that asks the kernel to start writing each flushed stretch to disk right away.
+
+    Without it, gigabytes sit dirty in the page cache and the final fsync writes them all while the save
+    waits; with it, the disk works while the data is still being compressed, and the fsync finds little.
+    """
+
+    _KICK = 32 << 20
+
+    def __init__(self, raw: Any) -> None:
+        super().__init__(raw, buffer_size=BLOCK_SIZE)
+        self._fd = raw.fileno()
+        self._kicked = 0
+
+    def flush(self) -> None:
+        super().flush()
+        written = self.raw.tell()
+        if written - self._kicked >= self._KICK and hasattr(os, "posix_fadvise"):
+            # POSIX_FADV_DONTNEED starts writeback of the range's dirty pages without waiting for it.
+            os.posix_fadvise(self._fd, self._kicked, written - self._kicked, os.POSIX_FADV_DONTNEED)
+            self._kicked = written
+
+    def write(self, b: Any) -> int:
+        n = super().write(b)
+        if self.raw.tell() - self._kicked >= self._KICK:
+            self.flush()
+        return n
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:
