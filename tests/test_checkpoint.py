@@ -329,3 +329,28 @@ def test_load_of_foreign_raw_object_without_record_returns_payload(store):
     write_object(store.url("raw"), store.storage_options, b"written by someone else")
     with Checkpoint(store.url("x"), store.url("raw"), storage_options=store.storage_options) as cp:
         assert cp.load_sync().read_bytes() == b"written by someone else"
+
+
+def test_large_checkpoint_round_trips_through_concurrent_ranged_reads(remote_store, tmp_path, monkeypatch):
+    from taskpoint import _storage
+
+    opened = []
+    real = _storage.ConcurrentRangeReader.__init__
+
+    def spy(self, *args, **kwargs):
+        opened.append(args[1])
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(_storage.ConcurrentRangeReader, "__init__", spy)
+    src = make_tree(tmp_path / "src", big=24 << 20)
+    dest = remote_store.url("big")
+    Checkpoint(dest, storage_options=remote_store.storage_options).save_sync(src)
+    with Checkpoint(remote_store.url("next"), dest, storage_options=remote_store.storage_options) as nxt:
+        assert snapshot(nxt.load_sync()) == snapshot(src)
+    assert len(opened) == 1  # the large object came down as concurrent ranges
+    blob = bytearray(read_object(dest, remote_store.storage_options))
+    blob[len(blob) * 3 // 4] ^= 0x10
+    write_object(dest, remote_store.storage_options, bytes(blob))
+    with Checkpoint(remote_store.url("n2"), dest, storage_options=remote_store.storage_options) as nxt, \
+            pytest.raises(taskpoint.CheckpointCorruptError):
+        nxt.load_sync()

@@ -40,10 +40,10 @@ try:
     from isal import isal_zlib as _z
 
     def _deflate(data: bytes | memoryview, level: int) -> bytes:
-        return _z.compress(data, level, wbits=-15)  # type: ignore[no-any-return]
+        return _z.compress(data, level, wbits=-15)
 
     def _inflate(data: bytes | memoryview) -> bytes:
-        return _z.decompress(data, wbits=-15)  # type: ignore[no-any-return]
+        return _z.decompress(data, wbits=-15)
 
     crc32: Callable[[Any, int], int] = _z.crc32
     DEFAULT_LEVEL = 2  # ISA-L's levels run 0-3

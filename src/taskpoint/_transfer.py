@@ -79,7 +79,7 @@ class HashingWriter:
         pass
 
     def hexdigest(self) -> str:
-        return self._hash.hexdigest()
+        return str(self._hash.hexdigest())
 
 
 class HashingReader:
@@ -129,7 +129,7 @@ class HashingReader:
         """The storage stream is closed by its owner, not by the codec reading through this wrapper."""
 
     def hexdigest(self) -> str:
-        return self._hash.hexdigest()
+        return str(self._hash.hexdigest())
 
 
 def write_payload(dest: Location, payload: Payload, codec: Codec, level: int | None,
