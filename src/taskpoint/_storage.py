@@ -251,6 +251,17 @@ class Location:
 
     @contextlib.contextmanager
     def _write_object_store(self) -> Iterator[IO[bytes]]:
+        if "s3" in _protocols(self.fs) and hasattr(self.fs, "call_s3"):
+            writer = S3MultipartWriter(self.fs, self.path)
+            try:
+                yield writer  # type: ignore[misc]
+                writer.close()
+            except BaseException:
+                writer.abort()
+                raise
+            finally:
+                self.fs.invalidate_cache(self.path)
+            return
         f = self.fs.open(self.path, "wb", block_size=PART_SIZE)
         try:
             yield f
@@ -398,6 +409,91 @@ class ConcurrentRangeReader(io.RawIOBase):
             for future in self._pending:
                 future.cancel()
             self._pool.shutdown(wait=True, cancel_futures=True)
+        super().close()
+
+
+#: Parts of a multipart upload in flight at once (memory: this x PART_SIZE).
+PARTS_IN_FLIGHT = 4
+
+
+class S3MultipartWriter(io.RawIOBase):
+    """Uploads to S3 with several parts in flight, so compression and upload overlap; atomic by protocol.
+
+    Up to one part of data is a single PUT. Beyond that a multipart upload is started, each full part is
+    sent by a pool (at most :data:`PARTS_IN_FLIGHT`, so memory stays bounded), and ``close()`` completes the
+    upload: the object appears whole, at that moment. ``abort()`` aborts the upload: S3 keeps no parts.
+    """
+
+    def __init__(self, fs: Any, path: str, *, part_size: int = PART_SIZE, in_flight: int = PARTS_IN_FLIGHT):
+        super().__init__()
+        import concurrent.futures
+
+        self._fs = fs
+        self._bucket, _, self._key = path.partition("/")
+        self._part_size = part_size
+        self._in_flight = in_flight
+        self._pool = concurrent.futures.ThreadPoolExecutor(in_flight, thread_name_prefix="taskpoint-put")
+        self._buf = bytearray()
+        self._upload_id: str | None = None
+        self._parts: list[Any] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        self._buf += view
+        while len(self._buf) >= self._part_size:
+            part, self._buf = bytes(self._buf[: self._part_size]), self._buf[self._part_size:]
+            self._send(part)
+        return view.nbytes
+
+    def _send(self, data: bytes) -> None:
+        if self._upload_id is None:
+            started = self._fs.call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key)
+            self._upload_id = started["UploadId"]
+        number = len(self._parts) + 1
+        # Bounded: wait for the oldest part before another one leaves memory's reach.
+        while sum(1 for f in self._parts if not f.done()) >= self._in_flight:
+            next(f for f in self._parts if not f.done()).result()
+        for done in (f for f in self._parts if f.done()):
+            done.result()  # raise a failed part's error now
+        self._parts.append(self._pool.submit(self._upload_part, number, data))
+
+    def _upload_part(self, number: int, data: bytes) -> dict[str, Any]:
+        answer = self._fs.call_s3("upload_part", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id,
+                                  PartNumber=number, Body=data)
+        return {"PartNumber": number, "ETag": answer["ETag"]}
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            if self._upload_id is None:
+                self._fs.call_s3("put_object", Bucket=self._bucket, Key=self._key, Body=bytes(self._buf))
+            else:
+                if self._buf:
+                    self._send(bytes(self._buf))
+                parts = [f.result() for f in self._parts]
+                self._fs.call_s3("complete_multipart_upload", Bucket=self._bucket, Key=self._key,
+                                 UploadId=self._upload_id, MultipartUpload={"Parts": parts})
+        finally:
+            self._buf = bytearray()
+            self._pool.shutdown(wait=True)
+            super().close()
+
+    def abort(self) -> None:
+        """Drop the upload; nothing becomes visible and no parts are kept."""
+        if self.closed:
+            return
+        for f in self._parts:
+            f.cancel()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._upload_id is not None:
+            with contextlib.suppress(Exception):  # the caller's error is the one to report
+                self._fs.call_s3("abort_multipart_upload", Bucket=self._bucket, Key=self._key,
+                                 UploadId=self._upload_id)
+        self._buf = bytearray()
         super().close()
 
 
