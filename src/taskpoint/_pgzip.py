@@ -11,7 +11,6 @@ Uses ISA-L (``isal``) when installed, stdlib zlib otherwise; both release the GI
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import io
 import os
@@ -21,6 +20,8 @@ import threading
 import zlib
 from collections.abc import Callable
 from typing import IO, Any
+
+from ._prefetch import OrderedFutureReader
 
 #: Input bytes per member: large enough that headers and lost dictionary cost nothing, small enough to
 #: keep memory bounded (members in flight x 2 x this).
@@ -195,21 +196,15 @@ class ParallelGzipWriter(io.RawIOBase):
         super().close()
 
 
-class ParallelGzipReader(io.RawIOBase):
+class ParallelGzipReader(OrderedFutureReader):
     """Reads a stream of labelled members, inflating up to 2 x threads of them at once, in order."""
 
     def __init__(self, source: IO[bytes], *, threads: int | None = None) -> None:
-        super().__init__()
-        self._source = source
         threads = threads or _workers()
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="taskpoint-gunzip")
+        super().__init__(threads, "taskpoint-gunzip")
+        self._source = source
         self._ahead = threads * 2
-        self._pending: collections.deque[concurrent.futures.Future[bytes]] = collections.deque()
-        self._out = memoryview(b"")
         self._eof = False
-
-    def readable(self) -> bool:
-        return True
 
     def _read_exactly(self, n: int) -> bytes:
         parts, got = [], 0
@@ -241,22 +236,3 @@ class ParallelGzipReader(io.RawIOBase):
                 self._eof = True
                 break
             self._pending.append(self._pool.submit(_open_member, blob))
-
-    def readinto(self, buf: Any) -> int:
-        while not self._out:
-            self._fill()
-            if not self._pending:
-                return 0
-            self._out = memoryview(self._pending.popleft().result())
-            self._fill()
-        n = min(len(buf), len(self._out))
-        buf[:n] = self._out[:n]
-        self._out = self._out[n:]
-        return n
-
-    def close(self) -> None:
-        if not self.closed:
-            for future in self._pending:
-                future.cancel()
-            self._pool.shutdown(wait=True, cancel_futures=True)
-        super().close()

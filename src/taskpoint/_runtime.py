@@ -21,7 +21,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, overload
 
 import fsspec
@@ -215,47 +215,51 @@ def _add_note(exc: BaseException, note: str) -> None:
         exc.__notes__ = [*getattr(exc, "__notes__", []), note]
 
 
+class _Attempt:
+    """One attempt as a context manager: enters its context; on exit, ends it and says whether to retry."""
+
+    def __init__(self, spec: _TaskSpec, store: ActionStore, number: int, numbers: range) -> None:
+        self._spec, self._store, self._number, self._numbers = spec, store, number, numbers
+
+    def __enter__(self) -> TaskContext:
+        self._store.begin(self._number)
+        self._context = self._store.context(self._number, len(self._numbers))
+        self._token = _set_context(self._context)
+        _active.push(self._context)
+        return self._context
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> bool:
+        _end_attempt(self._context, self._token)
+        # True swallows the exception, and the caller's loop starts the next attempt.
+        return exc is not None and self._spec.failed(exc, self._number, self._numbers[-1], self._context)
+
+
+def _attempts(spec: _TaskSpec) -> Iterator[_Attempt]:
+    store = spec.store()
+    numbers = spec.attempts(store)
+    for number in numbers:
+        yield _Attempt(spec, store, number, numbers)
+
+
 def _wrap(spec: _TaskSpec) -> Callable[..., Any]:
     fn = spec.fn
     if inspect.iscoroutinefunction(fn):
 
         @functools.wraps(fn)
         async def run_async(*args: Any, **kwargs: Any) -> Any:
-            store = spec.store()
-            attempts = spec.attempts(store)
-            for attempt in attempts:
-                store.begin(attempt)
-                context = store.context(attempt, len(attempts))
-                token = _set_context(context)
-                _active.push(context)
-                try:
+            for attempt in _attempts(spec):
+                with attempt:
                     return await fn(*args, **kwargs)
-                except BaseException as exc:
-                    if not spec.failed(exc, attempt, attempts[-1], context):
-                        raise
-                finally:
-                    _end_attempt(context, token)
-            raise AssertionError("unreachable")  # pragma: no cover
+            raise AssertionError("unreachable: the last attempt returns or raises")  # pragma: no cover
 
         return run_async
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        store = spec.store()
-        attempts = spec.attempts(store)
-        for attempt in attempts:
-            store.begin(attempt)
-            context = store.context(attempt, len(attempts))
-            token = _set_context(context)
-            _active.push(context)
-            try:
+        for attempt in _attempts(spec):
+            with attempt:
                 return fn(*args, **kwargs)
-            except BaseException as exc:
-                if not spec.failed(exc, attempt, attempts[-1], context):
-                    raise
-            finally:
-                _end_attempt(context, token)
-        raise AssertionError("unreachable")  # pragma: no cover
+        raise AssertionError("unreachable: the last attempt returns or raises")  # pragma: no cover
 
     return run
 

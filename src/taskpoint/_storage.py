@@ -22,6 +22,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from ._codecs import BLOCK_SIZE
+from ._prefetch import OrderedFutureReader
 from .errors import CheckpointError, StorageError
 
 T = TypeVar("T")
@@ -354,7 +355,7 @@ RANGE_SIZE = 8 << 20
 RANGES_IN_FLIGHT = 6
 
 
-class ConcurrentRangeReader(io.RawIOBase):
+class ConcurrentRangeReader(OrderedFutureReader):
     """Reads a large object as ranged GETs, several in flight, handed out in order; memory stays bounded.
 
     One GET stream runs at the speed of one TCP connection and one server thread; a few in parallel reach
@@ -364,21 +365,12 @@ class ConcurrentRangeReader(io.RawIOBase):
 
     def __init__(self, fs: Any, path: str, size: int, *, range_size: int = RANGE_SIZE,
                  in_flight: int = RANGES_IN_FLIGHT) -> None:
-        super().__init__()
-        import collections
-        import concurrent.futures
-
+        super().__init__(in_flight, "taskpoint-get")
         self.size = size
         self._fs, self._path = fs, path
         self._range = range_size
         self._in_flight = in_flight
-        self._pool = concurrent.futures.ThreadPoolExecutor(in_flight, thread_name_prefix="taskpoint-get")
-        self._pending: collections.deque[Any] = collections.deque()
         self._next = 0
-        self._out = memoryview(b"")
-
-    def readable(self) -> bool:
-        return True
 
     def _fetch(self, start: int, end: int) -> bytes:
         data = self._fs.cat_file(self._path, start=start, end=end)
@@ -391,25 +383,6 @@ class ConcurrentRangeReader(io.RawIOBase):
             end = min(self._next + self._range, self.size)
             self._pending.append(self._pool.submit(self._fetch, self._next, end))
             self._next = end
-
-    def readinto(self, buf: Any) -> int:
-        if not self._out:
-            self._fill()
-            if not self._pending:
-                return 0
-            self._out = memoryview(self._pending.popleft().result())
-            self._fill()
-        n = min(len(buf), len(self._out))
-        buf[:n] = self._out[:n]
-        self._out = self._out[n:]
-        return n
-
-    def close(self) -> None:
-        if not self.closed:
-            for future in self._pending:
-                future.cancel()
-            self._pool.shutdown(wait=True, cancel_futures=True)
-        super().close()
 
 
 #: Parts of a multipart upload in flight at once (memory: this x PART_SIZE).
