@@ -62,6 +62,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--level", type=int, default=None, help="taskpoint's compression level (default: its own)")
     p.add_argument("--data-dir", type=Path, default=BENCH_DIR / "data", help="where the data set is built")
     p.add_argument("--results-dir", type=Path, default=BENCH_DIR / "results", help="where results are written")
+    p.add_argument("--settle", type=float, default=2.0,
+                   help="seconds to wait before each measured operation so freed memory settles (default 2; "
+                   "see benchmarks/_runner.py)")
+    p.add_argument("--max-quiet-wait", type=float, default=30.0,
+                   help="after --settle, wait up to this many seconds more for other processes to go quiet "
+                   "(default 30)")
+    p.add_argument("--stock-moto-ranges", dest="moto_fast_ranges", action="store_false",
+                   help="do not patch moto's ranged GETs. By default the benchmark's moto reads only a range's "
+                   "bytes, as S3, GCS and Azure do; stock moto reads the whole object for every range, which "
+                   "punishes any ranged or parallel reader (see benchmarks/_s3server.py)")
     p.add_argument("--profile", action="store_true",
                    help="record taskpoint's workers with py-spy (threads, idle included) into RESULTS/profiles/")
     args = p.parse_args(argv)
@@ -105,14 +115,19 @@ def main(argv: list[str] | None = None) -> int:
         profile_dir.mkdir(parents=True, exist_ok=True)
     opts = Options(stores=args.stores, payloads=args.payloads, methods=args.methods, runs=args.runs,
                    baseline_runs=min(args.runs, args.baseline_runs), codec=args.codec, level=args.level,
-                   work_dir=args.data_dir / "work", profile_dir=profile_dir,
+                   work_dir=args.data_dir / "work", profile_dir=profile_dir, settle=args.settle,
+                   max_quiet_wait=args.max_quiet_wait, moto_fast_ranges=args.moto_fast_ranges,
                    log=lambda msg: print(msg, flush=True))
     results = run_all(dataset, opts)
     rows = _report.add_ratios([r.summary() for r in results])
     goals = _report.targets(rows)
     title = (f"taskpoint benchmark, size {args.size:g} (directory {mib['directory']:.0f} MiB), "
-             f"median of {args.runs} (baseline {opts.baseline_runs}), codec {args.codec}, {os.cpu_count()} cores")
+             f"median of {args.runs} (baseline {opts.baseline_runs}), codec {args.codec}, {os.cpu_count()} cores"
+             + (", moto with fast ranges" if args.moto_fast_ranges and "s3" in args.stores else ""))
     text = "\n".join([title, "", _report.table(rows), "", _report.targets_table(goals)])
+    text += ("\n\ncolumns: RSS+ = peak RSS above the idle worker; tmp+ = peak extra temp disk; cpu s = the worker's "
+             "CPU during the operation; srv cpu s = the S3 server's CPU; others = cores used by other processes "
+             "meanwhile ('!' = busy machine, the row is less reliable); MB = 10^6 bytes")
     if args.size != 1:
         text += "\n\n(scaled run: the targets are stated for size 1; RSS and ratios at other sizes are indicative)"
     print("\n" + text)
@@ -121,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nERROR {r['store']}/{r['payload']}/{r['op']}/{r['method']}: {r['error']}")
     meta = {
         "argv": sys.argv, "size": args.size, "runs": args.runs, "baseline_runs": opts.baseline_runs,
-        "codec": args.codec, "level": args.level, "stores": args.stores, "cpus": os.cpu_count(),
+        "codec": args.codec, "level": args.level, "stores": args.stores, "settle_s": args.settle,
+        "moto_fast_ranges": args.moto_fast_ranges,
+        "cpus": os.cpu_count(),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "wall_seconds": time.time() - started, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
         "git_commit": _git("rev-parse", "HEAD"), "git_dirty_src": _git("status", "--porcelain", "src"),

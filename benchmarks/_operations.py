@@ -9,7 +9,10 @@ Methods:
   ``extractall``. A file is ``put_file``/``get_file`` as it is, and bytes go through a temp file first
   (Flyte's ``SyncCheckpoint.write``) and are read back into memory after ``get_file`` (``read``);
 * ``raw``, the limit: fsspec ``put``/``get`` of the same bytes with no archive (recursive for a
-  directory); on local disk a plain copy (``shutil.copytree``/``copyfile``) with no fsync.
+  directory); on local disk a plain copy (``shutil.copytree``/``copyfile``, which Linux serves with
+  in-kernel copies from the page cache) with no fsync;
+* ``raw-fsync`` (local disk only, for reference): the same copy, then an fsync of every file and folder
+  written, the durability taskpoint's atomic local save pays for.
 
 Every object of a case lives under one prefix (``<store root>/<method>/<payload>/``) that the runner
 deletes between runs.
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-METHODS = ("taskpoint", "taskpoint-async", "baseline", "raw")
+METHODS = ("taskpoint", "taskpoint-async", "baseline", "raw", "raw-fsync")
 PAYLOADS = ("directory", "file", "bytes")
 OPS = ("save", "load")
 STORES = ("local", "s3")
@@ -42,9 +45,13 @@ BASELINE_LEVEL = 9
 _COPY_BLOCK = 1 << 20
 
 
-def applies(method: str, payload: str) -> bool:
-    """The async twin is only compared on the directory (the issue's async target)."""
-    return not (method == "taskpoint-async" and payload != "directory")
+def applies(method: str, payload: str, store: str) -> bool:
+    """The async twin is only compared on the directory (the issue's async target); raw-fsync is local only."""
+    if method == "taskpoint-async":
+        return payload == "directory"
+    if method == "raw-fsync":
+        return store == "local"
+    return True
 
 
 @dataclass
@@ -223,6 +230,20 @@ class Operation:
 
         return _timed(save if c.op == "save" else load)
 
+    def _raw_fsync(self) -> Callable[[], float]:
+        c = self.case
+        copy = self._raw()
+        name = {"directory": TASKPOINT_OBJECT, "file": FILE_NAME, "bytes": BYTES_NAME}[c.payload]
+        written = c.url(name) if c.op == "save" else str(Path(c.workspace) / name)
+
+        def run() -> float:
+            t0 = time.perf_counter()
+            copy()
+            _fsync_tree(written)
+            return time.perf_counter() - t0
+
+        return run
+
     # -- after the clock -------------------------------------------------------------------------------
 
     def stored_bytes(self) -> int:
@@ -238,6 +259,22 @@ class Operation:
         """Bytes of regular files now in the workspace (the loaded result)."""
         return sum(p.stat().st_size for p in Path(self.case.workspace).rglob("*")
                    if p.is_file() and not p.is_symlink())
+
+
+def _fsync_tree(path: str) -> None:
+    """fsync every file and folder at or below ``path``, and its parent folder."""
+    paths = [path]
+    if os.path.isdir(path):
+        for folder, _, files in os.walk(path):
+            paths.append(folder)
+            paths.extend(os.path.join(folder, f) for f in files)
+    paths.append(os.path.dirname(path))
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _timed(fn: Callable[[], None]) -> Callable[[], float]:

@@ -9,8 +9,10 @@ from typing import Any
 
 MIB = 1 << 20
 #: Methods in table order; "taskpoint" is the one the targets are about.
-METHOD_ORDER = ("taskpoint", "taskpoint-async", "baseline", "raw")
+METHOD_ORDER = ("taskpoint", "taskpoint-async", "baseline", "raw", "raw-fsync")
 TASKPOINT_METHODS = ("taskpoint", "taskpoint-async")
+#: Above this many cores used by other processes during a case, its row is marked "!" (a busy machine).
+BUSY_CORES = 0.25
 
 Key = tuple[str, str, str, str]
 
@@ -25,8 +27,11 @@ def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         raw = index.get((r["store"], r["payload"], r["op"], "raw"), {})
         if "seconds" in base and r["method"] != "baseline":
             r["speedup_vs_baseline"] = base["seconds"] / r["seconds"]
-        if "seconds" in raw and r["method"] != "raw":
+        if "seconds" in raw and r["method"] not in ("raw", "raw-fsync"):
             r["time_vs_raw"] = r["seconds"] / raw["seconds"]
+        durable = index.get((r["store"], r["payload"], r["op"], "raw-fsync"), {})
+        if "seconds" in durable and r["method"] in TASKPOINT_METHODS:
+            r["time_vs_raw_fsync"] = r["seconds"] / durable["seconds"]
         if r["op"] == "save" and base.get("stored_bytes") and r["method"] != "baseline":
             r["stored_vs_baseline"] = r["stored_bytes"] / base["stored_bytes"]
     order = {m: i for i, m in enumerate(METHOD_ORDER)}
@@ -40,31 +45,36 @@ def _fmt(value: Any, spec: str, suffix: str = "") -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The aligned plain-text table of every case."""
-    header = ["store", "payload", "op", "method", "median s", "MB/s", "x vs base", "t/raw", "stored MiB",
-              "size/base", "RSS+ MiB", "tmp+ MiB", "cpu s", "srv cpu s", "runs"]
+    header = ["store", "payload", "op", "method", "median s", "MB/s", "x vs base", "t/raw", "t/raw+fsync",
+              "stored MiB",
+              "size/base", "RSS+ MiB", "tmp+ MiB", "cpu s", "srv cpu s", "others", "runs"]
     lines = [header]
     for r in rows:
         if "seconds" not in r:
-            lines.append([r["store"], r["payload"], r["op"], r["method"], "FAILED", "", "", "", "", "", "", "",
-                          "", "", "0"])
+            lines.append([r["store"], r["payload"], r["op"], r["method"], "FAILED", *[""] * 12, "0"])
             continue
         stored = r.get("stored_bytes")
         lines.append([
             r["store"], r["payload"], r["op"], r["method"],
             _fmt(r["seconds"], ".3f"), _fmt(r["mb_per_s"], ".1f"),
             _fmt(r.get("speedup_vs_baseline"), ".2f", "x"), _fmt(r.get("time_vs_raw"), ".2f", "x"),
+            _fmt(r.get("time_vs_raw_fsync"), ".2f", "x"),
             _fmt(stored / MIB if stored is not None else None, ".1f"), _fmt(r.get("stored_vs_baseline"), ".3f", "x"),
             _fmt(r["rss_extra_bytes"] / MIB, ".1f"), _fmt(r["temp_extra_bytes"] / MIB, ".1f"),
-            _fmt(r["cpu_s"], ".2f"), _fmt(r["server_cpu_s"], ".2f"), str(r["runs"]),
+            _fmt(r["cpu_s"], ".2f"), _fmt(r["server_cpu_s"], ".2f"),
+            _fmt(r.get("other_cores"), ".2f") + ("!" if r.get("other_cores", 0) > BUSY_CORES else " "),
+            str(r["runs"]),
         ])
     return _align(lines, numeric_from=4)
 
 
-def _align(lines: list[list[str]], numeric_from: int) -> str:
+def _align(lines: list[list[str]], numeric_from: int, left_from: int | None = None) -> str:
+    """Columns padded to their widest cell: text left-aligned, numbers (from ``numeric_from``) right."""
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     out = []
     for n, line in enumerate(lines):
-        cells = [c.ljust(w) if i < numeric_from else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))]
+        cells = [c.rjust(w) if numeric_from <= i < (left_from or len(line)) else c.ljust(w)
+                 for i, (c, w) in enumerate(zip(line, widths, strict=True))]
         out.append("  ".join(cells).rstrip())
         if n == 0:
             out.append("  ".join("-" * w for w in widths))
@@ -82,10 +92,15 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     def get(store: str, payload: str, op: str, method: str = "taskpoint") -> dict[str, Any]:
         return index.get((store, payload, op, method), {})
 
-    def check(target: str, case: str, value: float | None, ok: Callable[[float], bool], fmt: str) -> None:
+    def check(target: str, case: str, value: float | None, ok: Callable[[float], bool], fmt: str,
+              note: str = "") -> None:
         out.append({"target": target, "case": case, "value": value,
                     "measured": "-" if value is None else fmt.format(value),
-                    "result": "n/a" if value is None else ("PASS" if ok(value) else "FAIL")})
+                    "result": "n/a" if value is None else ("PASS" if ok(value) else "FAIL"), "note": note})
+
+    def vs_durable(r: dict[str, Any]) -> str:
+        v = r.get("time_vs_raw_fsync")
+        return "" if v is None else f"{v:.2f}x the copy+fsync"
 
     store_name = {"local": "local disk", "s3": "S3 server"}
     for store, speed, vs_raw in (("local", 15.0, 1.5), ("s3", 5.0, 1.3)):
@@ -93,15 +108,17 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         check(f"directory save, {store_name[store]}: >= {speed:g}x faster than baseline",
               f"{store}/directory/save", r.get("speedup_vs_baseline"), lambda v, s=speed: v >= s, "{:.2f}x")
         check(f"directory save, {store_name[store]}: <= {vs_raw:g}x the raw {'copy' if store == 'local' else 'put'}"
-              " time", f"{store}/directory/save", r.get("time_vs_raw"), lambda v, s=vs_raw: v <= s, "{:.2f}x")
+              " time", f"{store}/directory/save", r.get("time_vs_raw"), lambda v, s=vs_raw: v <= s, "{:.2f}x",
+              vs_durable(r))
     for store in ("local", "s3"):
         check("directory load, local and S3: >= 2x faster than baseline", f"{store}/directory/load",
               get(store, "directory", "load").get("speedup_vs_baseline"), lambda v: v >= 2.0, "{:.2f}x")
     for payload in ("file", "bytes"):
         for op in ("save", "load"):
             for store in ("local", "s3"):
+                r = get(store, payload, op)
                 check("file and bytes save/load: within 1.2x of raw put/get", f"{store}/{payload}/{op}",
-                      get(store, payload, op).get("time_vs_raw"), lambda v: v <= 1.2, "{:.2f}x")
+                      r.get("time_vs_raw"), lambda v: v <= 1.2, "{:.2f}x", vs_durable(r))
     for store in ("local", "s3"):
         check("archive size at the default level: <= 1.02x the baseline's", f"{store}/directory/save",
               get(store, "directory", "save").get("stored_vs_baseline"), lambda v: v <= 1.02, "{:.4f}x")
@@ -127,9 +144,9 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def targets_table(rows: list[dict[str, Any]]) -> str:
-    lines = [["target (issue 3)", "case", "measured", "result"]]
-    lines += [[t["target"], t["case"], t["measured"], t["result"]] for t in rows]
-    return _align(lines, numeric_from=2)
+    lines = [["target (issue 3)", "case", "measured", "result", "note"]]
+    lines += [[t["target"], t["case"], t["measured"], t["result"], t["note"]] for t in rows]
+    return _align(lines, numeric_from=2, left_from=4)
 
 
 # -- files ---------------------------------------------------------------------------------------------
@@ -151,10 +168,11 @@ def plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
     groups = [(p, o) for p in ("directory", "file", "bytes") for o in ("save", "load")
               if any(r["payload"] == p and r["op"] == o for r in rows)]
     methods = [m for m in METHOD_ORDER if any(r["method"] == m for r in rows)]
-    colors = {"taskpoint": "#1f77b4", "taskpoint-async": "#7fb2dc", "baseline": "#d62728", "raw": "#7f7f7f"}
+    colors = {"taskpoint": "#1f77b4", "taskpoint-async": "#7fb2dc", "baseline": "#d62728", "raw": "#7f7f7f",
+              "raw-fsync": "#bfbfbf"}
     fig, axes = plt.subplots(1, len(stores), figsize=(6.5 * len(stores), 4.8), squeeze=False, sharey=True)
     width = 0.8 / max(1, len(methods))
-    for ax, store in zip(axes[0], stores):
+    for ax, store in zip(axes[0], stores, strict=True):
         for i, method in enumerate(methods):
             xs, ys = [], []
             for g, (payload, op) in enumerate(groups):
@@ -163,14 +181,18 @@ def plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
                 if r is not None:
                     xs.append(g + (i - (len(methods) - 1) / 2) * width)
                     ys.append(r["mb_per_s"])
-            bars = ax.bar(xs, ys, width, label=method, color=colors.get(method))
-            ax.bar_label(bars, fmt="%.0f", fontsize=6, padding=1)
+            if xs:
+                bars = ax.bar(xs, ys, width, color=colors.get(method))
+                ax.bar_label(bars, fmt="%.0f", fontsize=6, padding=1)
         ax.set_xticks(range(len(groups)), [f"{p}\n{o}" for p, o in groups], fontsize=8)
         ax.set_yscale("log")
         ax.set_title({"local": "local disk", "s3": "S3 (moto on 127.0.0.1)"}.get(store, store))
         ax.grid(axis="y", alpha=0.3, which="both")
     axes[0][0].set_ylabel("MB/s of the payload's logical size (median)")
-    axes[0][-1].legend(fontsize=8, loc="upper right")
+    from matplotlib.patches import Patch
+
+    axes[0][-1].legend(handles=[Patch(color=colors.get(m), label=m) for m in methods], fontsize=8,
+                       loc="upper right")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -1,10 +1,18 @@
 """Runs every case, each save and load in its own worker process, and collects the measurements.
 
 Per case run the runner: deletes the case's objects, syncs the disks (so one case's write-back does not
-slow the next), starts the worker with a private empty ``TMPDIR``, and watches the bytes in that
-``TMPDIR``, in the load workspace and, for a local save, in the case's store folder. Peak extra temp
-disk is the peak of those bytes minus what is left when the worker has exited (the saved object or
-the loaded result), so the operation's own output is never counted as temp.
+slow the next), waits ``settle`` seconds (see below), starts the worker with a private empty ``TMPDIR``,
+and watches the bytes in that ``TMPDIR``, in the load workspace and, for a local save, in the case's
+store folder. Peak extra temp disk is the peak of those bytes minus what is left when the worker has
+exited (the saved object or the loaded result), so the operation's own output is never counted as temp.
+
+Why the wait: this machine is a VM with free page reporting (virtio-balloon). About 2 s after memory is
+freed (a deleted file's page cache, an exited worker), the guest hands it back to the host, and the next
+large allocation is slow: a 16 MiB ``write()`` into new page cache then runs at ~0.4 GB/s instead of
+~4 GB/s (1 MiB writes ~1.1 GB/s; 128 KiB writes and the kernel's own copies, ``shutil.copyfile``, are
+unaffected). Without the wait a case is fast or slow depending on how long ago the previous one freed its
+output; with it, every case starts from the same settled ("cold") state, the one a real save meets after
+the machine was busy with something else for a few seconds.
 """
 
 from __future__ import annotations
@@ -12,11 +20,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,11 +36,13 @@ from ._dataset import Dataset
 from ._operations import Case, applies
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-#: How often the temp-disk watcher scans its folders.
-DISK_SAMPLE_SECONDS = 0.05
+#: How often the temp-disk watcher scans its folders (less often when a scan is slow).
+DISK_SAMPLE_SECONDS = 0.01
 #: A worker taking longer than this is stopped and reported as failed.
 WORKER_TIMEOUT_SECONDS = 900
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+#: Cores of CPU that other processes (other people's test suites) may use before the machine counts as busy.
+BUSY_CORES = 0.25
 
 
 @dataclass
@@ -44,6 +56,9 @@ class Options:
     level: int | None
     work_dir: Path
     profile_dir: Path | None = None
+    settle: float = 2.0
+    max_quiet_wait: float = 30.0
+    moto_fast_ranges: bool = False
     log: Any = print
 
 
@@ -79,6 +94,7 @@ class CaseResult:
             rss_extra_bytes=max(r["rss_extra_bytes"] for r in ok),
             rss_idle_bytes=statistics.median(r["rss_idle_bytes"] for r in ok),
             temp_extra_bytes=max(r["temp_extra_bytes"] for r in ok),
+            other_cores=max(r.get("other_cores", 0.0) for r in ok),
         )
         if self.op == "save":
             out["stored_bytes"] = ok[-1]["stored_bytes"]
@@ -113,8 +129,11 @@ class DiskWatch:
         return max(0, self.peak - max(self.final, self.start))
 
     def _loop(self) -> None:
-        while not self._stop.wait(DISK_SAMPLE_SECONDS):
+        pause = DISK_SAMPLE_SECONDS
+        while not self._stop.wait(pause):
+            t0 = time.perf_counter()
             self.peak = max(self.peak, self._scan())
+            pause = max(DISK_SAMPLE_SECONDS, 4 * (time.perf_counter() - t0))  # at most ~20% of a core
 
     def _scan(self) -> int:
         total = 0
@@ -134,6 +153,38 @@ class DiskWatch:
             except (FileNotFoundError, NotADirectoryError):
                 pass
         return total
+
+
+def _py_spy() -> str:
+    """py-spy beside this interpreter (a venv's bin is often not on PATH), else on PATH."""
+    beside = Path(sys.executable).parent / "py-spy"
+    found = str(beside) if beside.exists() else shutil.which("py-spy")
+    if found is None:
+        raise RuntimeError("--profile needs py-spy: pip install py-spy")
+    return found
+
+
+class OtherLoad:
+    """CPU seconds used on this machine by processes other than the benchmark's own (runner, workers, server)."""
+
+    def __init__(self, server_pid: int | None) -> None:
+        self.server_pid = server_pid
+        self._mark = self._read()
+
+    def _read(self) -> tuple[float, float]:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f.readline().split()[1:9])
+        busy = (user + nice + system + irq + softirq + steal) / _CLOCK_TICKS
+        own = sum(getattr(resource.getrusage(w), a) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+                  for a in ("ru_utime", "ru_stime"))
+        return time.monotonic(), busy - own - _process_cpu_seconds(self.server_pid)
+
+    def cores_since_mark(self, reset: bool = True) -> float:
+        """Average cores other processes used since the last mark."""
+        (t0, o0), (t1, o1) = self._mark, self._read()
+        if reset:
+            self._mark = (t1, o1)
+        return max(0.0, (o1 - o0) / max(t1 - t0, 1e-6))
 
 
 def _process_cpu_seconds(pid: int | None) -> float:
@@ -174,7 +225,7 @@ class Store:
 
 
 @contextlib.contextmanager
-def open_store(kind: str, work: Path, log: Any) -> Iterator[Store]:
+def open_store(kind: str, work: Path, log: Any, fast_ranges: bool = False) -> Iterator[Store]:
     if kind == "local":
         root = work / "store"
         root.mkdir(parents=True, exist_ok=True)
@@ -190,7 +241,8 @@ def open_store(kind: str, work: Path, log: Any) -> Iterator[Store]:
     server_tmp = work / "moto-tmp"  # moto spools large objects to disk: keep them out of the cases' TMPDIR
     server_tmp.mkdir(parents=True, exist_ok=True)
     env = _environment(server_tmp)
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks._s3server"], cwd=REPO_ROOT, env=env,
+    argv = [sys.executable, "-m", "benchmarks._s3server", *(["--fast-ranges"] if fast_ranges else [])]
+    proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
@@ -198,7 +250,8 @@ def open_store(kind: str, work: Path, log: Any) -> Iterator[Store]:
         if not line:
             raise RuntimeError("the moto S3 server did not start (see its output above)")
         info = json.loads(line)
-        log(f"s3: moto on {info['endpoint']} (pid {proc.pid})")
+        log(f"s3: moto on {info['endpoint']} (pid {proc.pid}; ranged GETs "
+            f"{'read only their bytes (--moto-fast-ranges)' if fast_ranges else 'read the whole object (stock moto)'})")
         options = info["storage_options"]
         fs = fsspec.filesystem("s3", skip_instance_cache=True, **options)
         yield Store("s3", f"s3://{info['bucket']}/bench", options, proc.pid, fs)
@@ -242,10 +295,10 @@ def run_all(dataset: Dataset, opts: Options) -> list[CaseResult]:
     results: list[CaseResult] = []
     try:
         for kind in opts.stores:
-            with open_store(kind, work, opts.log) as store:
+            with open_store(kind, work, opts.log, opts.moto_fast_ranges) as store:
                 for payload in opts.payloads:
                     for method in opts.methods:
-                        if applies(method, payload):
+                        if applies(method, payload, kind):
                             results.extend(_run_method(store, dataset, payload, method, opts))
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -280,6 +333,19 @@ def _run_method(store: Store, dataset: Dataset, payload: str, method: str, opts:
     return [save, load]
 
 
+def _settle(store: Store, opts: Options) -> float:
+    """Wait ``opts.settle`` seconds, then on until other processes use under BUSY_CORES (at most
+    ``opts.max_quiet_wait`` seconds more); return the seconds waited."""
+    start = time.monotonic()
+    others = OtherLoad(store.server_pid)
+    time.sleep(opts.settle)
+    busy = others.cores_since_mark()
+    while busy > BUSY_CORES and time.monotonic() - start < opts.settle + opts.max_quiet_wait:
+        time.sleep(1.0)
+        busy = others.cores_since_mark()
+    return time.monotonic() - start
+
+
 def _run_once(result: CaseResult, case: Case, store: Store, opts: Options, label: str) -> None:
     work = opts.work_dir
     tmpdir = work / "tmp"
@@ -290,9 +356,10 @@ def _run_once(result: CaseResult, case: Case, store: Store, opts: Options, label
     result_path.unlink(missing_ok=True)
     argv = [sys.executable, "-m", "benchmarks._worker", str(spec_path), str(result_path)]
     name = f"{case.store}-{case.payload}-{case.op}-{case.method}"
+    profile = None
     if opts.profile_dir is not None and case.method.startswith("taskpoint"):
         profile = opts.profile_dir / f"{name}.txt"
-        argv = [shutil.which("py-spy") or "py-spy", "record", "--format", "raw", "--rate", "200", "--threads",
+        argv = [_py_spy(), "record", "--format", "raw", "--rate", "200", "--threads",
                 "--idle", "--nonblocking", "--output", str(profile), "--", *argv]
     watched = [tmpdir]
     if case.op == "load":
@@ -300,22 +367,34 @@ def _run_once(result: CaseResult, case: Case, store: Store, opts: Options, label
     elif case.store == "local":
         watched.append(Path(case.prefix))
     os.sync()
+    waited = _settle(store, opts)
     server_cpu0 = _process_cpu_seconds(store.server_pid)
+    others = OtherLoad(store.server_pid)
     with DiskWatch(watched) as disk:
         proc = subprocess.run(argv, cwd=REPO_ROOT, env=_environment(tmpdir), capture_output=True, text=True,
                               timeout=WORKER_TIMEOUT_SECONDS, check=False)
     server_cpu = _process_cpu_seconds(store.server_pid) - server_cpu0
+    other_cores = others.cores_since_mark()
     if proc.returncode != 0 or not result_path.exists():
         tail = "\n".join((proc.stderr or "").strip().splitlines()[-15:])
         result.error = f"worker failed (exit {proc.returncode}): {tail}"
         opts.log(f"  {name:<40} run {label}: FAILED\n{tail}")
         return
     run = json.loads(result_path.read_text())
+    if profile is not None and profile.exists():
+        from ._profiles import summarize
+
+        profile.with_suffix(".top.txt").write_text(summarize(profile) + "\n")
+        run["profile"] = str(profile)
     run["temp_extra_bytes"] = disk.extra
     run["server_cpu_s"] = server_cpu
     run["loadavg_1m"] = os.getloadavg()[0]
+    run["other_cores"] = other_cores
+    run["waited_for_quiet_s"] = waited
     result.runs.append(run)
     mbps = result.logical_bytes / run["seconds"] / 1e6
+    note = f" (waited {waited:.0f} s for quiet)" if waited > opts.settle + 1 else ""
     opts.log(f"  {name:<40} run {label}: {run['seconds']:8.3f} s  {mbps:8.1f} MB/s  "
-             f"rss +{run['rss_extra_bytes'] / 2**20:6.1f} MiB  temp +{disk.extra / 2**20:6.1f} MiB")
+             f"rss +{run['rss_extra_bytes'] / 2**20:6.1f} MiB  temp +{disk.extra / 2**20:6.1f} MiB  "
+             f"others {other_cores:.2f} cores{note}")
     shutil.rmtree(tmpdir, ignore_errors=True)

@@ -210,3 +210,17 @@ def test_archive_with_safe_links_inside_is_accepted(tmp_path):
     assert (loaded / "top").read_text() == "data"
     assert (loaded / "hard").read_text() == "data"
     assert os.stat(loaded / "hard").st_ino == os.stat(loaded / "d" / "f.txt").st_ino
+
+
+def test_truncation_at_a_gzip_member_boundary_is_detected_even_without_a_record(tmp_path):
+    """Concatenated gzip members end cleanly between members; the missing tar end marker still gives it away."""
+    from taskpoint._pgzip import labelled_length
+
+    Checkpoint(tmp_path / "ckpt").save_sync(make_tree(tmp_path / "src", big=9 << 20))
+    blob = (tmp_path / "ckpt").read_bytes()
+    first = labelled_length(blob[:64])
+    assert first is not None and first < len(blob)  # several members
+    (tmp_path / "ckpt").write_bytes(blob[:first])
+    (tmp_path / "ckpt.taskpoint.json").unlink()  # no record: only the archive itself can tell
+    with pytest.raises(CheckpointCorruptError, match="end-of-archive"):
+        _load_local(tmp_path)

@@ -101,6 +101,10 @@ def _add_tree(tar: tarfile.TarFile, root: str, path: str, arcname: str) -> None:
             _add_tree(tar, root, os.path.join(path, entry), f"{arcname}/{entry}")
 
 
+#: Piece size for writing extracted files (see ``_storage.WRITE_PIECE`` for why it is small).
+_WRITE_PIECE = 128 << 10
+
+
 class _TarReader:
     """Reads a tar stream member by member, handing regular files' data straight to the caller.
 
@@ -139,7 +143,7 @@ class _TarReader:
         """Move ``size`` bytes of member data (plus padding) to ``out``, or drop them when ``out`` is None."""
         remaining = size
         while remaining > 0:
-            got = self._readinto(self._view[: min(remaining, BLOCK_SIZE)])
+            got = self._readinto(self._view[: min(remaining, _WRITE_PIECE)])
             if got == 0:
                 raise EOFError("the archive ends inside a file")
             if out is not None:
@@ -153,9 +157,11 @@ class _TarReader:
         long_name = long_link = None
         while True:
             block = self._source.read(512)
+            if not block:
+                raise EOFError("the archive ends without its end-of-archive marker (truncated)")
             if len(block) < 512:
-                block += self._exact(512 - len(block)) if block else b""
-            if not block or block == bytes(512):
+                block += self._exact(512 - len(block))
+            if block == bytes(512):
                 return None
             info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
             if info.type in (tarfile.XHDTYPE, tarfile.SOLARIS_XHDTYPE):

@@ -96,7 +96,7 @@ class BytesPayload(Payload):
     @classmethod
     def materialize(cls, source: IO[bytes], staging: Path, uri: str) -> None:
         with open(staging / RAW_RESULT_NAME, "wb") as out:
-            shutil.copyfileobj(source, out, BLOCK_SIZE)
+            shutil.copyfileobj(source, out, 128 << 10)  # small writes: see _storage.WRITE_PIECE
 
     @classmethod
     def publish(cls, staging: Path, workspace: Path) -> Path:
