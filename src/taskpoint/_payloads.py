@@ -41,6 +41,10 @@ class Payload(ABC):
         """The stored size in bytes when known before writing (raw kinds), else None."""
         return None
 
+    def local_file(self) -> Path | None:
+        """A local file whose bytes are exactly the stored form, if any: saved to local disk by the kernel."""
+        return None
+
     @abstractmethod
     def write(self, sink: IO[bytes], codec: Codec, level: int | None) -> None:
         """Stream the stored form into ``sink``."""

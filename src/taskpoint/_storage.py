@@ -237,7 +237,7 @@ class Location:
         os.makedirs(folder, exist_ok=True)
         tmp = os.path.join(folder, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
         try:
-            with open(tmp, "xb", buffering=0) as raw:
+            with open(tmp, "xb+", buffering=0) as raw:
                 f = _EarlyWriteback(raw)
                 yield f
                 f.flush()
@@ -510,6 +510,37 @@ class _EarlyWriteback(io.BufferedWriter):
         if self.raw.tell() - self._kicked >= self._KICK:
             self.flush()
         return view.nbytes
+
+
+def copy_file_in_kernel(source: str | os.PathLike[str], dest_fd: int) -> int:
+    """Copy a whole file into ``dest_fd`` (at its position) without passing the bytes through Python."""
+    copied = 0
+    with open(source, "rb") as src:
+        try:
+            while n := os.copy_file_range(src.fileno(), dest_fd, 1 << 30):
+                copied += n
+            return copied
+        except (AttributeError, OSError):  # no copy_file_range here, or not between these filesystems
+            src.seek(copied)
+            while chunk := src.read(WRITE_PIECE):
+                copied += os.write(dest_fd, chunk)
+    return copied
+
+
+#: Window of a file mapped at once while hashing it (bounds the resident memory the mapping adds).
+_HASH_WINDOW = 64 << 20
+
+
+def digest_of_fd(fd: int, size: int, hasher: Any) -> Any:
+    """Feed the first ``size`` bytes of an open file to ``hasher`` through memory maps (no copies)."""
+    import mmap
+
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # fault the window in at once
+    for offset in range(0, size, _HASH_WINDOW):
+        length = min(_HASH_WINDOW, size - offset)
+        with mmap.mmap(fd, length, flags=flags, prot=mmap.PROT_READ, offset=offset) as view:
+            hasher.update(view)
+    return hasher
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:
