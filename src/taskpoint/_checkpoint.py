@@ -208,7 +208,7 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
     record_loc.write_small(Manifest(committed=committed_before, pending=pending).to_bytes(),
                            action="save a checkpoint to")
     try:
-        size, digest = write_payload(dest, payload, codec, level, digest="crc32")
+        size, digest = write_payload(dest, payload, codec, level, digest="crc32", size_hint=payload.size())
     except BaseException:
         _restore_manifest(record_loc, committed_before)
         raise
@@ -219,17 +219,16 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
     except StorageError as exc:
         raise StorageError(f"the checkpoint at {dest.uri} was written, but its record could not be updated "
                            f"({exc}); it will load without checksum verification. Save again to fix it.") from exc
-    dest.sweep_leftovers(started_before=started)
+    if previous is None or previous.needs_sweep:
+        dest.sweep_leftovers(started_before=started)
     return record
 
 
 def _restore_manifest(record_loc: Location, committed: ObjectRecord | None) -> None:
+    """After a failed save: the previous record again, marked so that the next save sweeps leftovers."""
     try:
-        if committed is None:
-            record_loc.remove()
-        else:
-            record_loc.write_small(Manifest(committed=committed).to_bytes())
-    except Exception:  # best effort: a leftover pending entry is harmless
+        record_loc.write_small(Manifest(committed=committed, interrupted=True).to_bytes())
+    except Exception:  # best effort: a leftover pending entry is harmless, and also triggers the sweep
         pass
 
 

@@ -47,17 +47,27 @@ class ObjectRecord:
 class Manifest:
     committed: ObjectRecord | None = None
     pending: ObjectRecord | None = None
+    #: A save failed after it started writing: the next save sweeps what it may have left (S3 parts).
+    interrupted: bool = False
 
     def to_bytes(self) -> bytes:
         doc: dict[str, Any] = {"format": FORMAT, "version": FORMAT_VERSION,
                                "committed": self.committed and asdict(self.committed),
                                "pending": self.pending and asdict(self.pending)}
+        if self.interrupted:
+            doc["interrupted"] = True
         return json.dumps(doc, sort_keys=True).encode()
+
+    @property
+    def needs_sweep(self) -> bool:
+        """True when a save was killed or failed here since the last good one."""
+        return self.pending is not None or self.interrupted
 
     @classmethod
     def from_bytes(cls, data: bytes, uri: str) -> Manifest:
         def build(doc: dict[str, Any]) -> Manifest:
-            return cls(committed=_record(doc.get("committed")), pending=_record(doc.get("pending")))
+            return cls(committed=_record(doc.get("committed")), pending=_record(doc.get("pending")),
+                       interrupted=bool(doc.get("interrupted", False)))
 
         return _parse(data, FORMAT, uri, build,
                       "delete it to load the checkpoint without verification, or save a new checkpoint")

@@ -216,16 +216,17 @@ class Location:
     # -- writes ------------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def open_write(self) -> Iterator[IO[bytes]]:
+    def open_write(self, size_hint: int | None = None) -> Iterator[IO[bytes]]:
         """A writer whose bytes appear at this location all at once when the block exits cleanly.
 
         If the block raises, or the process dies, the previous object (if any) is left untouched.
+        ``size_hint`` (the size when known in advance) lets small objects go up as one request.
         """
         if self.is_local:
             with self._write_local() as f:
                 yield f
         elif self.is_object_store:
-            with self._write_object_store() as f:
+            with self._write_object_store(size_hint) as f:
                 yield f
         else:
             with self._write_via_move() as f:
@@ -250,9 +251,11 @@ class Location:
         _fsync_dir(folder)
 
     @contextlib.contextmanager
-    def _write_object_store(self) -> Iterator[IO[bytes]]:
+    def _write_object_store(self, size_hint: int | None = None) -> Iterator[IO[bytes]]:
         if "s3" in _protocols(self.fs) and hasattr(self.fs, "call_s3"):
-            writer = S3MultipartWriter(self.fs, self.path)
+            single = size_hint is not None and size_hint <= SINGLE_PUT_MAX
+            writer = S3MultipartWriter(self.fs, self.path, part_size=SINGLE_PUT_MAX + 1 if single
+                                       else UPLOAD_PART_SIZE)
             try:
                 yield writer  # type: ignore[misc]
                 writer.close()
@@ -391,6 +394,8 @@ class ConcurrentRangeReader(OrderedFutureReader):
 #: Size of the parts of taskpoint's own S3 multipart uploads (S3 allows 10,000 parts: 80 GB at this size;
 #: the part size doubles every 1,000 parts so that any checkpoint fits).
 UPLOAD_PART_SIZE = 8 << 20
+#: Objects of known size up to this go up as one PUT (fewer requests than a multipart upload).
+SINGLE_PUT_MAX = 64 << 20
 #: Parts of a multipart upload in flight at once (memory: this x the part size).
 PARTS_IN_FLIGHT = 4
 

@@ -133,7 +133,7 @@ class HashingReader:
 
 
 def write_payload(dest: Location, payload: Payload, codec: Codec, level: int | None,
-                  digest: str = "sha256") -> tuple[int, str]:
+                  digest: str = "sha256", size_hint: int | None = None) -> tuple[int, str]:
     """Stream ``payload`` into ``dest`` atomically; return the stored size and its ``digest`` (hex).
 
     Transient storage failures are retried by rewriting the whole object; a failure to read the data being
@@ -141,7 +141,7 @@ def write_payload(dest: Location, payload: Payload, codec: Codec, level: int | N
     """
 
     def write() -> tuple[int, str]:
-        with dest.open_write() as f:
+        with dest.open_write(size_hint=size_hint) as f:
             local_source = payload.local_file() if dest.is_local else None
             if local_source is not None:
                 return _copy_local(local_source, f, payload.size(), digest)
