@@ -1,7 +1,7 @@
 # taskpoint: two commands on a fresh machine.
 #   make demo   set up .venv, then run the quick-start example on the local default root
 #   make test   set up .venv and the object-store servers, then run the whole suite
-#   make bench  the speed benchmark of issue 3 (BENCH_ARGS="--size 0.0625 --runs 1" for a quick run)
+#   make bench  the speed benchmark of issues 3 and 5 (BENCH_ARGS="--size 0.0625 --runs 1" for a quick run)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python

@@ -5,6 +5,7 @@ Examples::
     python -m benchmarks                                  # full size (about 1.3 GiB of data), median of 3
     python -m benchmarks --size 0.0625 --runs 1           # a quick run while developing
     python -m benchmarks --stores s3 --payloads directory --methods taskpoint,raw --profile
+    python -m benchmarks --payloads directory --methods manager   # only issue 5's background saves
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from . import _dataset, _report
+from . import _background, _dataset, _report
 from ._operations import METHODS, PAYLOADS, STORES
 from ._runner import REPO_ROOT, Options, run_all
 
@@ -57,7 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--payloads", type=_choices(PAYLOADS), default=list(PAYLOADS),
                    help="comma list: directory,file,bytes")
     p.add_argument("--methods", type=_choices(METHODS), default=list(METHODS),
-                   help="comma list: taskpoint,taskpoint-async,baseline,raw")
+                   help="comma list: taskpoint,taskpoint-async,baseline,raw,raw-fsync,manager (manager: issue 5's "
+                   "background saves through CheckpointManager, directory only; see benchmarks/_background.py)")
     p.add_argument("--codec", default="gzip", help="taskpoint's codec (default gzip, the targets' default)")
     p.add_argument("--level", type=int, default=None, help="taskpoint's compression level (default: its own)")
     p.add_argument("--data-dir", type=Path, default=BENCH_DIR / "data", help="where the data set is built")
@@ -72,11 +74,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="do not patch moto's ranged GETs. By default the benchmark's moto reads only a range's "
                    "bytes, as S3, GCS and Azure do; stock moto reads the whole object for every range, which "
                    "punishes any ranged or parallel reader (see benchmarks/_s3server.py)")
+    p.add_argument("--train-iterations", type=int, default=4, metavar="K",
+                   help="manager: iterations of the 'training' loop, each followed by a background save (default 4)")
+    p.add_argument("--train-work", choices=_background.WORKS, default="numpy",
+                   help="manager: the loop's single-threaded CPU work, numpy matrix products (release the GIL) or "
+                   "a pure-Python loop (holds it); default numpy")
     p.add_argument("--profile", action="store_true",
                    help="record taskpoint's workers with py-spy (threads, idle included) into RESULTS/profiles/")
     args = p.parse_args(argv)
     if args.runs < 1 or args.baseline_runs < 1:
         p.error("--runs and --baseline-runs must be at least 1")
+    if args.train_iterations < 1:
+        p.error("--train-iterations must be at least 1")
     return args
 
 
@@ -117,27 +126,42 @@ def main(argv: list[str] | None = None) -> int:
                    baseline_runs=min(args.runs, args.baseline_runs), codec=args.codec, level=args.level,
                    work_dir=args.data_dir / "work", profile_dir=profile_dir, settle=args.settle,
                    max_quiet_wait=args.max_quiet_wait, moto_fast_ranges=args.moto_fast_ranges,
+                   train_iterations=args.train_iterations, train_work=args.train_work,
                    log=lambda msg: print(msg, flush=True))
     results = run_all(dataset, opts)
-    rows = _report.add_ratios([r.summary() for r in results])
-    goals = _report.targets(rows)
+    summaries = [r.summary() for r in results]
+    rows = _report.add_ratios([r for r in summaries if r["method"] != _background.METHOD])
+    background = _report.add_background_ratios([r for r in summaries if r["method"] == _background.METHOD])
+    goals = _report.targets(rows) + _report.background_targets(background)
     title = (f"taskpoint benchmark, size {args.size:g} (directory {mib['directory']:.0f} MiB), "
              f"median of {args.runs} (baseline {opts.baseline_runs}), codec {args.codec}, {os.cpu_count()} cores"
              + (", moto with fast ranges" if args.moto_fast_ranges and "s3" in args.stores else ""))
-    text = "\n".join([title, "", _report.table(rows), "", _report.targets_table(goals)])
+    sections = [title, ""]
+    if rows:
+        sections += [_report.table(rows), ""]
+    if background:
+        sections += [f"background saves (issue 5): CheckpointManager, directory {mib['directory']:.0f} MiB, codec "
+                     f"{args.codec}, loop of K = {args.train_iterations} iterations of single-threaded "
+                     f"{args.train_work} work", "", _report.background_table(background), ""]
+    text = "\n".join([*sections, _report.targets_table(goals)])
     text += ("\n\ncolumns: RSS+ = peak RSS above the idle worker; tmp+ = peak extra temp disk; cpu s = the worker's "
              "CPU during the operation; srv cpu s = the S3 server's CPU; others = cores used by other processes "
              "meanwhile ('!' = busy machine, the row is less reliable); MB = 10^6 bytes")
+    if background:
+        text += ("\nbackground saves: committed s = from the first call until the last save was committed "
+                 "(wait_until_finished returned); tmp+ = the snapshot's copy of the data; the loop's ratio is "
+                 "taken when its last save call returns, its wait for that save is in committed s")
     if args.size != 1:
         text += "\n\n(scaled run: the targets are stated for size 1; RSS and ratios at other sizes are indicative)"
     print("\n" + text)
-    failed = [r for r in rows if r.get("error")]
+    failed = [r for r in rows + background if r.get("error")]
     for r in failed:
         print(f"\nERROR {r['store']}/{r['payload']}/{r['op']}/{r['method']}: {r['error']}")
     meta = {
         "argv": sys.argv, "size": args.size, "runs": args.runs, "baseline_runs": opts.baseline_runs,
         "codec": args.codec, "level": args.level, "stores": args.stores, "settle_s": args.settle,
         "moto_fast_ranges": args.moto_fast_ranges,
+        "train_iterations": args.train_iterations, "train_work": args.train_work,
         "cpus": os.cpu_count(),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "wall_seconds": time.time() - started, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
@@ -146,13 +170,14 @@ def main(argv: list[str] | None = None) -> int:
         "mb": "10^6 bytes", "notes": "RSS+ is peak RSS above the idle worker (libraries imported, case prepared); "
         "tmp+ is the peak of bytes in TMPDIR, the load workspace and the local store folder minus what remains",
     }
-    _report.write_json(args.results_dir / f"{stem}.json", meta, rows, goals, text)
+    _report.write_json(args.results_dir / f"{stem}.json", meta, rows + background, goals, text)
     (args.results_dir / f"{stem}.txt").write_text(text + "\n")
     try:
-        _report.plot(args.results_dir / f"{stem}.png", rows, title)
+        if rows:  # the plot shows MB/s of saves and loads; the background saves have no such bars
+            _report.plot(args.results_dir / f"{stem}.png", rows, title)
     except ImportError:
         print("(no PNG: matplotlib is not installed; pip install matplotlib)")
-    print(f"\nwrote {args.results_dir / stem}.{{txt,json,png}} in {time.time() - started:.0f} s")
+    print(f"\nwrote {args.results_dir / stem}.{{txt,json{',png' if rows else ''}}} in {time.time() - started:.0f} s")
     return 1 if failed else 0
 
 

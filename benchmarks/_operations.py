@@ -12,7 +12,9 @@ Methods:
   directory); on local disk a plain copy (``shutil.copytree``/``copyfile``, which Linux serves with
   in-kernel copies from the page cache) with no fsync;
 * ``raw-fsync`` (local disk only, for reference): the same copy, then an fsync of every file and folder
-  written, the durability taskpoint's atomic local save pays for.
+  written, the durability taskpoint's atomic local save pays for;
+* ``manager`` (directory only): issue 5's background saves through ``CheckpointManager``, four operations of
+  their own instead of save and load (``benchmarks/_background.py``).
 
 Every object of a case lives under one prefix (``<store root>/<method>/<payload>/``) that the runner
 deletes between runs.
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-METHODS = ("taskpoint", "taskpoint-async", "baseline", "raw", "raw-fsync")
+METHODS = ("taskpoint", "taskpoint-async", "baseline", "raw", "raw-fsync", "manager")
 PAYLOADS = ("directory", "file", "bytes")
 OPS = ("save", "load")
 STORES = ("local", "s3")
@@ -46,8 +48,9 @@ _COPY_BLOCK = 1 << 20
 
 
 def applies(method: str, payload: str, store: str) -> bool:
-    """The async twin is only compared on the directory (the issue's async target); raw-fsync is local only."""
-    if method == "taskpoint-async":
+    """The async twin is only compared on the directory (the issue's async target), and so is the manager's
+    background save (issue 5's target, ``benchmarks/_background.py``); raw-fsync is local only."""
+    if method in ("taskpoint-async", "manager"):
         return payload == "directory"
     if method == "raw-fsync":
         return store == "local"
@@ -68,6 +71,12 @@ class Case:
     storage_options: dict[str, Any]
     codec: str = "gzip"
     level: int | None = None
+    # The manager's training loop (benchmarks/_background.py): iterations, kind of work, units of work per
+    # iteration (0: calibrate to ``iteration_seconds``, the blocking save's time).
+    iterations: int = 0
+    work: str = "numpy"
+    work_units: int = 0
+    iteration_seconds: float = 0.0
 
     @property
     def remote(self) -> bool:
@@ -245,6 +254,12 @@ class Operation:
         return run
 
     # -- after the clock -------------------------------------------------------------------------------
+
+    def report(self) -> dict[str, Any]:
+        """What the worker records after the clock: the stored bytes of a save, the loaded bytes of a load."""
+        if self.case.op == "save":
+            return {"stored_bytes": self.stored_bytes()}
+        return {"loaded_bytes": self.loaded_bytes()}
 
     def stored_bytes(self) -> int:
         """Bytes now stored under the case's prefix (the archive, or the raw copy), manifests excluded."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -144,9 +145,120 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def targets_table(rows: list[dict[str, Any]]) -> str:
-    lines = [["target (issue 3)", "case", "measured", "result", "note"]]
+    lines = [["target (issue 3, or as marked)", "case", "measured", "result", "note"]]
     lines += [[t["target"], t["case"], t["measured"], t["result"], t["note"]] for t in rows]
     return _align(lines, numeric_from=2, left_from=4)
+
+
+# -- background saves (issue 5) ------------------------------------------------------------------------
+
+#: The manager's operations (benchmarks/_background.py), in table order, with what each row is.
+BACKGROUND_CASES = {
+    "save": "save(dir, step), blocking",
+    "save-bg": "save(dir, step, blocking=False): the call",
+    "train": "loop: K x work, no saves",
+    "train-bg": "loop: K x (work, then save(blocking=False))",
+}
+
+
+def add_background_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The manager's rows gain the ratios of issue 5's targets; returned in table order."""
+    index = {(r["store"], r["op"]): r for r in rows}
+    for r in rows:
+        if "seconds" not in r:
+            continue
+        blocking = index.get((r["store"], "save"), {})
+        plain = index.get((r["store"], "train"), {})
+        if r["op"] == "save-bg" and "seconds" in blocking:
+            r["ratio"], r["ratio_is"] = r["seconds"] / blocking["seconds"], "call / blocking save"
+            if "total_seconds" in r:
+                r["total_vs_blocking"] = r["total_seconds"] / blocking["seconds"]
+        if r["op"] == "train-bg" and "seconds" in plain:
+            r["ratio"], r["ratio_is"] = r["seconds"] / plain["seconds"], "loop / loop without saves"
+            if "total_seconds" in r:
+                r["total_vs_no_saves"] = r["total_seconds"] / plain["seconds"]
+            if plain.get("compute_seconds") and r.get("compute_seconds"):
+                r["compute_vs_no_saves"] = r["compute_seconds"] / plain["compute_seconds"]
+    order = list(BACKGROUND_CASES)
+    return sorted(rows, key=lambda r: (r["store"], order.index(r["op"]) if r["op"] in order else 99))
+
+
+def background_table(rows: list[dict[str, Any]]) -> str:
+    """The manager's rows: one table, and a line per store on the loop's calibration and where time went."""
+    header = ["store", "case", "median s", "ratio", "ratio is", "committed s", "stored MiB", "RSS+ MiB",
+              "tmp+ MiB", "cpu s", "srv cpu s", "others", "runs"]
+    lines = [header]
+    for r in rows:
+        name = BACKGROUND_CASES.get(r["op"], r["op"])
+        if "seconds" not in r:
+            lines.append([r["store"], name, "FAILED", *[""] * 9, "0"])
+            continue
+        committed = r.get("total_seconds", r["seconds"]) if r["op"] != "train" else None
+        stored = r.get("stored_bytes")
+        lines.append([
+            r["store"], name, _fmt(r["seconds"], ".3f"), _fmt(r.get("ratio"), ".3f", "x"), r.get("ratio_is", ""),
+            _fmt(committed, ".3f"), _fmt(stored / MIB if stored is not None else None, ".1f"),
+            _fmt(r["rss_extra_bytes"] / MIB, ".1f"), _fmt(r["temp_extra_bytes"] / MIB, ".1f"),
+            _fmt(r["cpu_s"], ".2f"), _fmt(r["server_cpu_s"], ".2f"),
+            _fmt(r.get("other_cores"), ".2f") + ("!" if r.get("other_cores", 0) > BUSY_CORES else " "),
+            str(r["runs"]),
+        ])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = []
+    for n, line in enumerate(lines):
+        out.append("  ".join(c.ljust(w) if i in (0, 1, 4) else c.rjust(w)
+                             for i, (c, w) in enumerate(zip(line, widths, strict=True))).rstrip())
+        if n == 0:
+            out.append("  ".join("-" * w for w in widths))
+    text = "\n".join(out)
+    notes = []
+    index = {(r["store"], r["op"]): r for r in rows}
+    for store in sorted({r["store"] for r in rows}):
+        plain, saving = index.get((store, "train"), {}), index.get((store, "train-bg"), {})
+        if "seconds" not in plain:
+            continue
+        k = plain.get("iterations") or 1
+        note = (f"{store}: K = {k:g} iterations of {plain.get('work_units', 0):.0f} units of {plain.get('work')} work, "
+                f"calibrated to the blocking save ({plain.get('iteration_target_seconds', 0):.2f} s); without saves "
+                f"one iteration took {plain['seconds'] / k:.2f} s")
+        if "seconds" in saving:
+            note += (f"; with saves the work took {saving.get('compute_seconds', 0):.2f} s "
+                     f"({saving.get('compute_vs_no_saves', 0):.2f}x), the save calls "
+                     f"{saving.get('save_call_seconds', 0):.2f} s "
+                     f"(snapshots, and waits for the previous save); the work's thread waited "
+                     f"{saving.get('work_thread_wait_seconds', 0):.2f} s for a core (without saves "
+                     f"{plain.get('work_thread_wait_seconds', 0):.2f} s) while the saves' threads used "
+                     f"{saving.get('other_threads_cpu_seconds', 0):.2f} s of CPU; the last save committed "
+                     f"{saving.get('drain_seconds', 0):.2f} s after the loop "
+                     f"({saving.get('total_vs_no_saves', 0):.2f}x the loop without saves, that wait included)")
+        notes.append(textwrap.fill(note, 120, subsequent_indent="  "))
+    return text + ("\n\n" + "\n".join(notes) if notes else "")
+
+
+def background_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 5's two targets per store, with PASS, FAIL or n/a (case not run)."""
+    index = {(r["store"], r["op"]): r for r in rows}
+    out: list[dict[str, Any]] = []
+    store_name = {"local": "local disk", "s3": "S3 server"}
+    for store in ("local", "s3"):
+        r = index.get((store, "save-bg"), {})
+        value = r.get("ratio")
+        note = "" if r.get("total_vs_blocking") is None else \
+            f"committed after {r['total_vs_blocking']:.2f}x the blocking save"
+        out.append({"target": f"issue 5: background save call <= 0.15x a blocking save ({store_name[store]})",
+                    "case": f"{store}/directory/save-bg", "value": value,
+                    "measured": "-" if value is None else f"{value:.3f}x",
+                    "result": "n/a" if value is None else ("PASS" if value <= 0.15 else "FAIL"), "note": note})
+    for store in ("local", "s3"):
+        r = index.get((store, "train-bg"), {})
+        value = r.get("ratio")
+        note = "" if r.get("total_vs_no_saves") is None else \
+            f"{r['total_vs_no_saves']:.2f}x until the last save committed"
+        out.append({"target": f"issue 5: loop with background saves <= 1.2x without ({store_name[store]})",
+                    "case": f"{store}/directory/train-bg", "value": value,
+                    "measured": "-" if value is None else f"{value:.3f}x",
+                    "result": "n/a" if value is None else ("PASS" if value <= 1.2 else "FAIL"), "note": note})
+    return out
 
 
 # -- files ---------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import _background
 from ._dataset import Dataset
 from ._operations import Case, applies
 
@@ -59,6 +60,8 @@ class Options:
     settle: float = 2.0
     max_quiet_wait: float = 30.0
     moto_fast_ranges: bool = False
+    train_iterations: int = 4
+    train_work: str = "numpy"
     log: Any = print
 
 
@@ -96,11 +99,25 @@ class CaseResult:
             temp_extra_bytes=max(r["temp_extra_bytes"] for r in ok),
             other_cores=max(r.get("other_cores", 0.0) for r in ok),
         )
-        if self.op == "save":
-            out["stored_bytes"] = ok[-1]["stored_bytes"]
-        else:
-            out["loaded_bytes"] = ok[-1]["loaded_bytes"]
+        for key in ("stored_bytes", "loaded_bytes"):
+            if key in ok[-1]:
+                out[key] = ok[-1][key]
+        if self.method == _background.METHOD:
+            for key in _MANAGER_MEDIANS:
+                values = [r[key] for r in ok if key in r]
+                if values:
+                    out[key] = statistics.median(values)
+            out["work"] = ok[-1].get("work")
+            out["run_details"] = [{k: v for k, v in r.items() if k not in _RUN_KEYS_IN_SUMMARY} for r in ok]
         return out
+
+
+#: Measurements of the manager's runs (benchmarks/_background.py) summarised by their median.
+_MANAGER_MEDIANS = ("total_seconds", "compute_seconds", "save_call_seconds", "drain_seconds", "work_units",
+                    "iterations", "iteration_target_seconds", "work_thread_cpu_seconds", "work_thread_wait_seconds",
+                    "other_threads_cpu_seconds")
+#: What the summary already holds, left out of a manager row's per-run details.
+_RUN_KEYS_IN_SUMMARY = ("rss_idle_bytes", "rss_peak_bytes")
 
 
 class DiskWatch:
@@ -306,6 +323,8 @@ def run_all(dataset: Dataset, opts: Options) -> list[CaseResult]:
 
 
 def _run_method(store: Store, dataset: Dataset, payload: str, method: str, opts: Options) -> list[CaseResult]:
+    if method == _background.METHOD:
+        return _run_manager(store, dataset, payload, opts)
     logical = dataset.sizes[payload]
     save = CaseResult(store.kind, payload, "save", method, logical)
     load = CaseResult(store.kind, payload, "load", method, logical)
@@ -333,6 +352,41 @@ def _run_method(store: Store, dataset: Dataset, payload: str, method: str, opts:
     return [save, load]
 
 
+def _run_manager(store: Store, dataset: Dataset, payload: str, opts: Options) -> list[CaseResult]:
+    """Issue 5's background saves: per run a blocking save, a background save, then the "training" loop
+    without and with a background save per iteration. The loop's work is calibrated in the first run to
+    last one blocking save per iteration; later runs repeat the same work."""
+    method = _background.METHOD
+    logical = dataset.sizes[payload]
+    results = {op: CaseResult(store.kind, payload, op, method, logical) for op in _background.OPS}
+    prefix = store.prefix(method, payload)
+    units, target = 0, 0.0  # the loop's work per iteration, calibrated once to ``target`` seconds
+    for i in range(opts.runs):
+        label = f"{i + 1}/{opts.runs}"
+        for op in _background.OPS:
+            result = results[op]
+            if op.startswith("train") and not units:
+                blocking = results["save"].ok_runs
+                if not blocking:
+                    break
+                target = statistics.median(r["seconds"] for r in blocking)
+            store.clear(prefix)
+            case = Case(method=method, payload=payload, op=op, store=store.kind, source=str(dataset.source(payload)),
+                        prefix=prefix, workspace="", storage_options=store.storage_options, codec=opts.codec,
+                        level=opts.level, iterations=opts.train_iterations if op.startswith("train") else 0,
+                        work=opts.train_work, work_units=units,
+                        iteration_seconds=target if op.startswith("train") else 0.0)
+            _run_once(result, case, store, opts, label)
+            if result.error:
+                break
+            if op == "train" and not units:
+                units = result.ok_runs[-1]["work_units"]
+        if any(r.error for r in results.values()):
+            break
+    store.clear(prefix)
+    return list(results.values())
+
+
 def _settle(store: Store, opts: Options) -> float:
     """Wait ``opts.settle`` seconds, then on until other processes use under BUSY_CORES (at most
     ``opts.max_quiet_wait`` seconds more); return the seconds waited."""
@@ -357,21 +411,24 @@ def _run_once(result: CaseResult, case: Case, store: Store, opts: Options, label
     argv = [sys.executable, "-m", "benchmarks._worker", str(spec_path), str(result_path)]
     name = f"{case.store}-{case.payload}-{case.op}-{case.method}"
     profile = None
-    if opts.profile_dir is not None and case.method.startswith("taskpoint"):
+    if opts.profile_dir is not None and (case.method.startswith("taskpoint") or case.method == _background.METHOD):
         profile = opts.profile_dir / f"{name}.txt"
         argv = [_py_spy(), "record", "--format", "raw", "--rate", "200", "--threads",
                 "--idle", "--nonblocking", "--output", str(profile), "--", *argv]
     watched = [tmpdir]
     if case.op == "load":
         watched.append(Path(case.workspace))
-    elif case.store == "local":
-        watched.append(Path(case.prefix))
+    elif case.store == "local" and not case.op.startswith("train"):
+        watched.append(Path(case.prefix))  # (the loop keeps older steps by retention: not temp, not watched)
     os.sync()
     waited = _settle(store, opts)
     server_cpu0 = _process_cpu_seconds(store.server_pid)
     others = OtherLoad(store.server_pid)
+    env = _environment(tmpdir)
+    if case.method == _background.METHOD:
+        env.update(_background.ENVIRONMENT)  # one BLAS thread: the "training" work uses one core
     with DiskWatch(watched) as disk:
-        proc = subprocess.run(argv, cwd=REPO_ROOT, env=_environment(tmpdir), capture_output=True, text=True,
+        proc = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                               timeout=WORKER_TIMEOUT_SECONDS, check=False)
     server_cpu = _process_cpu_seconds(store.server_pid) - server_cpu0
     other_cores = others.cores_since_mark()
@@ -394,7 +451,28 @@ def _run_once(result: CaseResult, case: Case, store: Store, opts: Options, label
     result.runs.append(run)
     mbps = result.logical_bytes / run["seconds"] / 1e6
     note = f" (waited {waited:.0f} s for quiet)" if waited > opts.settle + 1 else ""
+    if case.method == _background.METHOD:
+        note += _background_note(run)
     opts.log(f"  {name:<40} run {label}: {run['seconds']:8.3f} s  {mbps:8.1f} MB/s  "
              f"rss +{run['rss_extra_bytes'] / 2**20:6.1f} MiB  temp +{disk.extra / 2**20:6.1f} MiB  "
              f"others {other_cores:.2f} cores{note}")
     shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _background_note(run: dict[str, Any]) -> str:
+    """The progress line's details of a manager run: until committed, and where a loop spent its time."""
+    parts = []
+    if "work_units" in run:
+        parts.append(f"{run['work_units']} units of {run['work']} work per iteration"
+                     + (" (calibrated)" if run.get("calibrated") else ""))
+    if "compute_seconds" in run:
+        parts.append(f"compute {run['compute_seconds']:.2f} s")
+    if "save_call_seconds" in run:
+        parts.append(f"save calls {run['save_call_seconds']:.2f} s")
+    if "work_thread_wait_seconds" in run:
+        parts.append(f"work thread waited {run['work_thread_wait_seconds']:.2f} s for a core")
+    if run.get("other_threads_cpu_seconds", 0) > 0.05:
+        parts.append(f"save threads' cpu {run['other_threads_cpu_seconds']:.2f} s")
+    if "total_seconds" in run:
+        parts.append(f"until committed {run['total_seconds']:.2f} s")
+    return f"  [{'; '.join(parts)}]" if parts else ""

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ._background import METHOD as MANAGER_METHOD
+from ._background import ManagerOperation
 from ._operations import Case, Operation
 
 
@@ -58,7 +60,7 @@ class _PeakRss:
 
 
 def measure(case: Case) -> dict[str, Any]:
-    op = Operation(case)
+    op: Operation | ManagerOperation = ManagerOperation(case) if case.method == MANAGER_METHOD else Operation(case)
     gc.collect()
     idle_kib = _status_kib("VmRSS")
     cpu0 = os.times()
@@ -73,10 +75,7 @@ def measure(case: Case) -> dict[str, Any]:
         "rss_peak_bytes": rss.peak_kib * 1024,
         "rss_extra_bytes": max(0, rss.peak_kib - idle_kib) * 1024,
     }
-    if case.op == "save":
-        result["stored_bytes"] = op.stored_bytes()
-    else:
-        result["loaded_bytes"] = op.loaded_bytes()
+    result.update(op.report())
     return result
 
 
