@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import re
 import shutil
@@ -226,10 +227,9 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
 
 def _restore_manifest(record_loc: Location, committed: ObjectRecord | None) -> None:
     """After a failed save: the previous record again, marked so that the next save sweeps leftovers."""
-    try:
+    # Best effort: if this write fails too, the pending entry left in place is harmless and also triggers it.
+    with contextlib.suppress(Exception):
         record_loc.write_small(Manifest(committed=committed, interrupted=True).to_bytes())
-    except Exception:  # best effort: a leftover pending entry is harmless, and also triggers the sweep
-        pass
 
 
 def read_manifest(record_loc: Location, *, tolerate_corrupt: bool = False) -> Manifest | None:
