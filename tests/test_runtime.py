@@ -361,3 +361,25 @@ def test_public_names_are_exported():
                  "BaseCheckpoint", "CheckpointError", "CheckpointCorruptError", "UnsafeArchiveError",
                  "StorageError"):
         assert hasattr(taskpoint, name), name
+
+
+def test_checkpoints_manager_is_shared_by_attempts_and_takes_task_options(tmp_path):
+    @task(retries=1, root=str(tmp_path), run_name="steps", checkpoints={"keep": 2})
+    def train() -> list[int]:
+        c = ctx()
+        mgr = c.checkpoints
+        start = (mgr.latest_step() or 0) + 1
+        for step in range(start, start + 3):
+            mgr.save(f"state {step}".encode(), step)
+        if c.attempt == 1:
+            raise RuntimeError("preempted after step 3")
+        return mgr.steps()
+
+    assert train() == [5, 6]  # attempt 2 resumed at step 4 from attempt 1's steps; keep=2 pruned the rest
+
+
+def test_checkpoints_option_of_the_wrong_shape_is_refused():
+    with pytest.raises(TypeError, match="checkpoints"):
+        task(checkpoints=["keep"])(lambda: None)
+    with pytest.raises(ValueError, match="directory"):
+        task(checkpoints={"directory": "x"})(lambda: None)

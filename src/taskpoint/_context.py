@@ -36,6 +36,8 @@ class TaskContext:
     checkpoint: Checkpoint | None = None
     root: str | None = None
     storage_options: dict[str, Any] | None = None
+    #: Options for the manager behind :attr:`checkpoints` (``@task(checkpoints={...})``).
+    manager_options: dict[str, Any] = field(default_factory=dict)
     _manager: CheckpointManager | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -50,7 +52,8 @@ class TaskContext:
                 from ._runtime import STEPS_FOLDER
 
                 uri = f"{self.root}/{self.run_name}/{self.action_name}/{STEPS_FOLDER}"
-                self._manager = CheckpointManager(uri, storage_options=self.storage_options)
+                self._manager = CheckpointManager(uri, storage_options=self.storage_options,
+                                                  **self.manager_options)
             return self._manager
 
 

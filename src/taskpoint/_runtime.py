@@ -84,7 +84,9 @@ def env_storage_options() -> dict[str, Any] | None:
 class ActionStore:
     """The storage of one run and action: its attempt folders and what they hold."""
 
-    def __init__(self, root: str, run_name: str, action_name: str, storage_options: dict[str, Any] | None):
+    def __init__(self, root: str, run_name: str, action_name: str, storage_options: dict[str, Any] | None,
+                 manager_options: dict[str, Any] | None = None):
+        self.manager_options = dict(manager_options or {})
         self.root = root.rstrip("/") if "://" in root else os.path.abspath(root)
         self.run_name = run_name
         self.action_name = action_name
@@ -126,7 +128,7 @@ class ActionStore:
                                 storage_options=self.storage_options)
         return TaskContext(run_name=self.run_name, action_name=self.action_name, attempt=attempt,
                            max_attempts=max_attempts, checkpoint=checkpoint, root=self.root,
-                           storage_options=self.storage_options)
+                           storage_options=self.storage_options, manager_options=self.manager_options)
 
 
 # -- the decorator --------------------------------------------------------------------------------------
@@ -154,7 +156,14 @@ def _new_run_name(action: str) -> str:
 class _TaskSpec:
     def __init__(self, fn: Callable[..., Any], retries: int, retry_on: tuple[type[BaseException], ...],
                  name: str | None, root: str | None, run_name: str | None,
-                 storage_options: dict[str, Any] | None) -> None:
+                 storage_options: dict[str, Any] | None, checkpoints: dict[str, Any] | None = None) -> None:
+        if checkpoints is not None and not isinstance(checkpoints, dict):
+            raise TypeError("checkpoints must be a dict of CheckpointManager options, not "
+                            f"{type(checkpoints).__name__}")
+        if checkpoints and ("directory" in checkpoints or "storage_options" in checkpoints):
+            raise ValueError("checkpoints= sets manager options (keep, keep_every, codec, async_save, ...); the "
+                             "directory and storage options come from the task's root")
+        self.checkpoints = checkpoints
         if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
             raise ValueError(f"retries must be an int >= 0, got {retries!r}")
         if isinstance(retry_on, type):
@@ -181,7 +190,7 @@ class _TaskSpec:
                                    "run_name")
             options = self.storage_options if self.storage_options is not None else env_storage_options()
             action = self.name  # a top-level call with a known run name continues that run's action
-        return ActionStore(root, run_name, action, options)
+        return ActionStore(root, run_name, action, options, self.checkpoints)
 
     def attempts(self, store: ActionStore) -> range:
         first = (max(store.attempts(), default=0)) + 1
@@ -272,7 +281,7 @@ def task(fn: F, /) -> F: ...
 def task(
     *, retries: int = 3, retry_on: type[BaseException] | tuple[type[BaseException], ...] = (Exception,),
     name: str | None = None, root: str | None = None, run_name: str | None = None,
-    storage_options: dict[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None, checkpoints: dict[str, Any] | None = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -280,7 +289,7 @@ def task(
     fn: Callable[..., Any] | None = None, /, *, retries: int = 3,
     retry_on: type[BaseException] | tuple[type[BaseException], ...] = (Exception,),
     name: str | None = None, root: str | None = None, run_name: str | None = None,
-    storage_options: dict[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None, checkpoints: dict[str, Any] | None = None,
 ) -> Any:
     """Make a function (plain or ``async def``) a task: each call runs it with retries and checkpoints.
 
@@ -297,12 +306,14 @@ def task(
         run_name: names the run; calling again (or a restarted process) with the same name continues it.
             Default ``$TASKPOINT_RUN_NAME``, else a new name per call.
         storage_options: fsspec options for ``root`` (default ``$TASKPOINT_STORAGE_OPTIONS``, JSON).
+        checkpoints: options of the versioned manager behind ``ctx().checkpoints`` (``keep``,
+            ``keep_every``, ``codec``, ``async_save``, ...), as for :class:`CheckpointManager`.
     """
     def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
         if not callable(f):
             raise TypeError(f"@task decorates functions, not {type(f).__name__}")
         return _wrap(_TaskSpec(f, retries, retry_on if isinstance(retry_on, tuple) else (retry_on,),
-                               name, root, run_name, storage_options))
+                               name, root, run_name, storage_options, checkpoints))
 
     if fn is not None:
         return decorate(fn)
