@@ -303,6 +303,7 @@ def test_flipped_byte_is_caught_naming_the_step_and_fallback_restores_the_older_
             m.restore(2)
         with pytest.warns(UserWarning, match=r"step 2 .*older step"):
             restored = m.restore(fallback=True)
+        assert m.restored_step == 1
         if kind == "directory":
             assert snapshot(restored) == snapshot(older)
         else:

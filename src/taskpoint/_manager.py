@@ -135,6 +135,8 @@ class CheckpointManager:
         self._root = Location(uri, storage_options, retry)
         self._claims = _Claims((str(self._root.fs.protocol), self._root.path))
         self._lock = threading.RLock()  # save, delete, gc, close and wait_until_finished, one at a time
+        #: The step the last successful :meth:`restore` returned (useful with ``fallback=True``).
+        self.restored_step: int | None = None
         self._restore_lock = threading.Lock()  # restores into the manager's own workspace
         self._workspace: _Workspace | None = None
         self._closed = False
@@ -311,6 +313,7 @@ class CheckpointManager:
         verified while streaming, and nothing lands before it matches: a mismatch raises
         CheckpointCorruptError naming the step. With ``fallback=True`` a damaged step is skipped with a
         warning for the newest older one that verifies; storage errors are raised, never skipped.
+        :attr:`restored_step` says which step the last successful restore returned.
         """
         if step is None:
             candidates = list(reversed(self.steps()))
@@ -325,7 +328,9 @@ class CheckpointManager:
         first_error: Exception | None = None
         for index, candidate in enumerate(candidates):
             try:
-                return self._restore_step(candidate, target)
+                result = self._restore_step(candidate, target)
+                self.restored_step = candidate
+                return result
             except (CheckpointCorruptError, FileNotFoundError) as exc:
                 missing_request = index == 0 and step is not None and isinstance(exc, FileNotFoundError)
                 if not fallback or missing_request:
