@@ -240,24 +240,21 @@ def background_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     index = {(r["store"], r["op"]): r for r in rows}
     out: list[dict[str, Any]] = []
     store_name = {"local": "local disk", "s3": "S3 server"}
-    for store in ("local", "s3"):
-        r = index.get((store, "save-bg"), {})
-        value = r.get("ratio")
-        note = "" if r.get("total_vs_blocking") is None else \
-            f"committed after {r['total_vs_blocking']:.2f}x the blocking save"
-        out.append({"target": f"issue 5: background save call <= 0.15x a blocking save ({store_name[store]})",
-                    "case": f"{store}/directory/save-bg", "value": value,
-                    "measured": "-" if value is None else f"{value:.3f}x",
-                    "result": "n/a" if value is None else ("PASS" if value <= 0.15 else "FAIL"), "note": note})
-    for store in ("local", "s3"):
-        r = index.get((store, "train-bg"), {})
-        value = r.get("ratio")
-        note = "" if r.get("total_vs_no_saves") is None else \
-            f"{r['total_vs_no_saves']:.2f}x until the last save committed"
-        out.append({"target": f"issue 5: loop with background saves <= 1.2x without ({store_name[store]})",
-                    "case": f"{store}/directory/train-bg", "value": value,
-                    "measured": "-" if value is None else f"{value:.3f}x",
-                    "result": "n/a" if value is None else ("PASS" if value <= 1.2 else "FAIL"), "note": note})
+    specs = [  # (op, target text, bound, key of the "until committed" ratio, note for it)
+        ("save-bg", "background save call <= 0.15x a blocking save", 0.15, "total_vs_blocking",
+         "committed after {:.2f}x the blocking save"),
+        ("train-bg", "loop with background saves <= 1.2x without", 1.2, "total_vs_no_saves",
+         "{:.2f}x until the last save committed"),
+    ]
+    for op, text, bound, total_key, note_text in specs:
+        for store in ("local", "s3"):
+            r = index.get((store, op), {})
+            value = r.get("ratio")
+            note = "" if r.get(total_key) is None else note_text.format(r[total_key])
+            out.append({"target": f"issue 5: {text} ({store_name[store]})",
+                        "case": f"{store}/directory/{op}", "value": value,
+                        "measured": "-" if value is None else f"{value:.3f}x",
+                        "result": "n/a" if value is None else ("PASS" if value <= bound else "FAIL"), "note": note})
     return out
 
 

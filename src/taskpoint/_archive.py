@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import IO
 
 from ._codecs import BLOCK_SIZE, DECODE_ERRORS, Codec
+from ._storage import WRITE_PIECE
 from .errors import CheckpointCorruptError, UnsafeArchiveError
 
 
@@ -101,10 +102,6 @@ def _add_tree(tar: tarfile.TarFile, root: str, path: str, arcname: str) -> None:
             _add_tree(tar, root, os.path.join(path, entry), f"{arcname}/{entry}")
 
 
-#: Piece size for writing extracted files (see ``_storage.WRITE_PIECE`` for why it is small).
-_WRITE_PIECE = 128 << 10
-
-
 class _TarReader:
     """Reads a tar stream member by member, handing regular files' data straight to the caller.
 
@@ -143,7 +140,7 @@ class _TarReader:
         """Move ``size`` bytes of member data (plus padding) to ``out``, or drop them when ``out`` is None."""
         remaining = size
         while remaining > 0:
-            got = self._readinto(self._view[: min(remaining, _WRITE_PIECE)])
+            got = self._readinto(self._view[: min(remaining, WRITE_PIECE)])
             if got == 0:
                 raise EOFError("the archive ends inside a file")
             if out is not None:

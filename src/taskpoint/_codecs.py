@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gzip
 import io
-import os
 import zlib
 from abc import ABC, abstractmethod
 from typing import IO, Any, ClassVar
@@ -23,10 +22,6 @@ BLOCK_SIZE = 1 << 20
 _GZIP_MAGIC = b"\x1f\x8b"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _TAR_MAGIC_OFFSET = 257
-
-
-def _threads() -> int:
-    return max(1, min(os.cpu_count() or 1, 8))
 
 
 class _NonClosing(io.RawIOBase):
@@ -176,9 +171,16 @@ def detect_codec(head: bytes, uri: str) -> Codec:
     )
 
 
-def is_archive(head: bytes) -> bool:
-    """True when ``head`` starts a gzip, zstd or tar stream (used only for checkpoints of unknown kind)."""
-    return any(codec.matches(head) for codec in CODECS.values())
+def holds_tar(head: bytes) -> bool:
+    """True when ``head`` starts a tar archive, plain or compressed; for objects whose kind is not recorded."""
+    if CODECS["zstd"].matches(head):
+        return True
+    if CODECS["gzip"].matches(head):
+        try:
+            head = zlib.decompressobj(wbits=31).decompress(head, 512)
+        except zlib.error:
+            return False
+    return CODECS["none"].matches(head)
 
 
-__all__ = ["BLOCK_SIZE", "CODECS", "DECODE_ERRORS", "Codec", "detect_codec", "get_codec", "is_archive"]
+__all__ = ["BLOCK_SIZE", "CODECS", "DECODE_ERRORS", "Codec", "detect_codec", "get_codec", "holds_tar"]

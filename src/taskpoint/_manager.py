@@ -43,7 +43,7 @@ from ._manifest import ObjectRecord, StepManifest
 from ._payloads import Payload, payload_class, payload_for
 from ._storage import LEFTOVER_GRACE_SECONDS, Location, RetryPolicy, normalize_uri
 from ._transfer import read_payload, write_payload
-from .errors import CheckpointCorruptError, CheckpointError, StorageError
+from .errors import CheckpointCorruptError, CheckpointError, StorageError, add_note
 
 #: Name of a step's manifest inside its folder; its presence is the step's commit.
 MANIFEST_NAME = "taskpoint.json"
@@ -339,7 +339,7 @@ class CheckpointManager:
                 warnings.warn(f"step {candidate} in {self.directory} could not be restored ({exc}); trying the "
                               "next older step", stacklevel=2)
         assert first_error is not None
-        _note(first_error, "no older step could be restored either")
+        add_note(first_error, "no older step could be restored either")
         raise first_error
 
     def _restore_step(self, step: int, into: Path | None) -> Path:
@@ -667,7 +667,7 @@ class _Background:
                 return  # another caller settled it
             self._thread, error, self._error = None, self._error, None
         if error is not None:
-            _note(error, f"raised here because the background save of step {self._step} failed")
+            add_note(error, f"raised here because the background save of step {self._step} failed")
             raise error
 
     def report_unclaimed(self, directory: str) -> None:
@@ -751,11 +751,6 @@ def _modified(info: dict[str, Any]) -> float | None:
             except ValueError:
                 continue
     return None
-
-
-def _note(exc: BaseException, text: str) -> None:
-    if hasattr(exc, "add_note"):  # Python >= 3.11
-        exc.add_note(text)
 
 
 def _quietly(action: Callable[[], object]) -> None:

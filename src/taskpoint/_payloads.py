@@ -16,13 +16,13 @@ from typing import IO, Any, ClassVar
 
 from ._archive import extract_tar, skip_special, write_tar
 from ._codecs import BLOCK_SIZE, Codec
+from ._storage import WRITE_PIECE, copy_file_in_kernel
 
 #: Name of the file that holds a bytes or file checkpoint after load (Flyte's convention).
 RAW_RESULT_NAME = "payload"
 
 ACCEPTED = "bytes, bytearray, memoryview, or a str or os.PathLike naming a file or directory"
 #: Largest single in-kernel copy when snapshotting a file.
-_COPY_CHUNK = 1 << 30
 
 
 class Payload(ABC):
@@ -100,7 +100,7 @@ class BytesPayload(Payload):
     @classmethod
     def materialize(cls, source: IO[bytes], staging: Path, uri: str) -> None:
         with open(staging / RAW_RESULT_NAME, "wb") as out:
-            shutil.copyfileobj(source, out, 128 << 10)  # small writes: see _storage.WRITE_PIECE
+            shutil.copyfileobj(source, out, WRITE_PIECE)
 
     @classmethod
     def publish(cls, staging: Path, workspace: Path) -> Path:
@@ -169,12 +169,8 @@ class DirectoryPayload(Payload):
 
 def copy_file(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
     """Copy a file's bytes and metadata; in the kernel (reflinked where the filesystem can) when possible."""
-    try:
-        with open(src, "rb") as fin, open(dst, "wb") as fout:
-            while os.copy_file_range(fin.fileno(), fout.fileno(), _COPY_CHUNK):
-                pass
-    except (AttributeError, OSError):  # no copy_file_range, or not between these filesystems
-        shutil.copyfile(src, dst)
+    with open(dst, "wb") as fout:
+        copy_file_in_kernel(src, fout.fileno())
     shutil.copystat(src, dst)
 
 

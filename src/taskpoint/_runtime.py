@@ -29,6 +29,7 @@ import fsspec
 from ._checkpoint import Checkpoint
 from ._context import TaskContext, _current, _reset_context, _set_context
 from ._storage import Location
+from .errors import add_note
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -201,7 +202,7 @@ class _TaskSpec:
         retry = isinstance(exc, self.retry_on) and attempt < last
         note = (f"taskpoint: attempt {attempt} of {last} of task {context.action_name!r} "
                 f"(run {context.run_name!r}) failed" + ("; retrying" if retry else ""))
-        _add_note(exc, note)
+        add_note(exc, note)
         return retry
 
 
@@ -214,14 +215,6 @@ def _end_attempt(context: TaskContext, token: Any) -> None:
     manager = context._manager
     if manager is not None:
         manager.close()
-
-
-def _add_note(exc: BaseException, note: str) -> None:
-    add = getattr(exc, "add_note", None)
-    if add is not None:
-        add(note)
-    else:  # Python 3.10: keep the note where 3.11 would
-        exc.__notes__ = [*getattr(exc, "__notes__", []), note]
 
 
 class _Attempt:

@@ -8,6 +8,7 @@ Every write becomes visible whole or not at all:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import os
@@ -421,6 +422,7 @@ class S3MultipartWriter(io.RawIOBase):
         self._buf = bytearray()
         self._upload_id: str | None = None
         self._parts: list[Any] = []
+        self._unsettled: collections.deque[Any] = collections.deque()
 
     def writable(self) -> bool:
         return True
@@ -442,12 +444,13 @@ class S3MultipartWriter(io.RawIOBase):
             started = self._fs.call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key)
             self._upload_id = started["UploadId"]
         number = len(self._parts) + 1
-        # Bounded: wait for the oldest part before another one leaves memory's reach.
-        while sum(1 for f in self._parts if not f.done()) >= self._in_flight:
-            next(f for f in self._parts if not f.done()).result()
-        for done in (f for f in self._parts if f.done()):
-            done.result()  # raise a failed part's error now
-        self._parts.append(self._pool.submit(self._upload_part, number, data))
+        # Bounded: settle the oldest parts (raising a failed one's error) until another may leave memory's
+        # reach. A deque of the unsettled ones keeps this O(1) per part, also for 10,000-part uploads.
+        while self._unsettled and (self._unsettled[0].done() or len(self._unsettled) >= self._in_flight):
+            self._unsettled.popleft().result()
+        future = self._pool.submit(self._upload_part, number, data)
+        self._parts.append(future)
+        self._unsettled.append(future)
 
     def _upload_part(self, number: int, data: bytes) -> dict[str, Any]:
         answer = self._fs.call_s3("upload_part", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id,

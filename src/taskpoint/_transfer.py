@@ -12,12 +12,11 @@ import hashlib
 import os
 import shutil
 import tempfile
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from ._codecs import BLOCK_SIZE, Codec, detect_codec
+from ._codecs import BLOCK_SIZE, Codec, detect_codec, holds_tar
 from ._payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, Payload
 from ._pgzip import crc32
 from ._storage import Location, copy_file_in_kernel, digest_of_fd, permanent_error
@@ -239,12 +238,4 @@ def object_size(raw: IO[bytes]) -> int | None:
 
 def guess_kind(head: bytes) -> type[Payload]:
     """Kind of an object with no record (written by Flyte or by hand): a tar archive is a directory."""
-    probe = head
-    if head.startswith(b"\x1f\x8b"):
-        try:
-            probe = zlib.decompressobj(wbits=31).decompress(head, 512)
-        except zlib.error:
-            return BytesPayload
-    elif head.startswith(b"\x28\xb5\x2f\xfd"):
-        return DirectoryPayload
-    return DirectoryPayload if probe[257:262] == b"ustar" else BytesPayload
+    return DirectoryPayload if holds_tar(head) else BytesPayload

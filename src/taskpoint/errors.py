@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+__all__ = ["CheckpointCorruptError", "CheckpointError", "StorageError", "UnsafeArchiveError"]
+
 
 class CheckpointError(Exception):
     """Base class of every error taskpoint raises on purpose."""
@@ -17,3 +19,12 @@ class UnsafeArchiveError(CheckpointCorruptError):
 
 class StorageError(CheckpointError):
     """Storage kept failing after bounded retries (network, permissions, missing bucket)."""
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``, also on Python 3.10 (where the note is kept in ``__notes__`` for tools to show)."""
+    add = getattr(exc, "add_note", None)
+    if add is not None:
+        add(note)
+    else:
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]
