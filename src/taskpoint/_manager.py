@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import functools
 import json
 import operator
@@ -648,6 +649,8 @@ class _Background:
                 upload()
             except BaseException as exc:  # kept for the next call, or reported at exit: never lost
                 self._error = exc
+            finally:
+                release_freed_memory()
 
         self._step, self._error = step, None
         # Not a daemon: an interpreter that exits without close() still finishes the upload first.
@@ -679,6 +682,26 @@ class _Background:
         if thread is not None and not thread.is_alive() and error is not None:
             warnings.warn(f"the background save of step {self._step} to {directory} failed and no later call "
                           f"reported it: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=1)
+
+
+def release_freed_memory() -> None:
+    """Hand memory that a finished save freed back to the OS.
+
+    Each background save runs on a new thread, and glibc gives threads their own malloc arenas, whose freed
+    buffers (parts and members of several MiB) it keeps: without this, peak RSS grew by ~50 MiB per save over
+    a training loop of background saves to S3. A no-op where the C library has no ``malloc_trim``.
+    """
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
 
 
 def _positive_or_none(value: int | None, name: str) -> int | None:

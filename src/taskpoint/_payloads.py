@@ -7,6 +7,7 @@ Each kind is a small class behind one registry (the pattern of Orbax's handlers)
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import shutil
@@ -16,7 +17,7 @@ from typing import IO, Any, ClassVar
 
 from ._archive import extract_tar, skip_special, write_tar
 from ._codecs import BLOCK_SIZE, Codec
-from ._storage import WRITE_PIECE, copy_file_in_kernel
+from ._storage import WRITE_PIECE, ParallelCopy
 
 #: Name of the file that holds a bytes or file checkpoint after load (Flyte's convention).
 RAW_RESULT_NAME = "payload"
@@ -128,7 +129,9 @@ class FilePayload(BytesPayload):
 
     def snapshot(self, scratch: Path) -> Payload:
         copy = scratch / self._path.name
-        copy_file(self._path, copy)
+        copier = ParallelCopy()
+        copier(self._path, copy)
+        copier.finish()
         return FilePayload(copy)
 
     def write(self, sink: IO[bytes], codec: Codec, level: int | None) -> None:
@@ -159,19 +162,19 @@ class DirectoryPayload(Payload):
 
     def snapshot(self, scratch: Path) -> Payload:
         copy = scratch / "tree"
-        shutil.copytree(self._path, copy, symlinks=True, ignore=_special_entries, copy_function=copy_file)
+        copier = ParallelCopy()
+        try:
+            shutil.copytree(self._path, copy, symlinks=True, ignore=_special_entries, copy_function=copier)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                copier.finish()  # no copy may still be writing when the caller removes the scratch folder
+            raise
+        copier.finish()
         return DirectoryPayload(copy)
 
     @classmethod
     def materialize(cls, source: IO[bytes], staging: Path, uri: str) -> None:
         extract_tar(source, staging, uri)
-
-
-def copy_file(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
-    """Copy a file's bytes and metadata; in the kernel (reflinked where the filesystem can) when possible."""
-    with open(dst, "wb") as fout:
-        copy_file_in_kernel(src, fout.fileno())
-    shutil.copystat(src, dst)
 
 
 def _special_entries(folder: str, names: list[str]) -> set[str]:
