@@ -144,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"{args.codec}, loop of K = {args.train_iterations} iterations of single-threaded "
                      f"{args.train_work} work", "", _report.background_table(background), ""]
     text = "\n".join([*sections, _report.targets_table(goals)])
-    text += ("\n\ncolumns: RSS+ = peak RSS above the idle worker; tmp+ = peak extra temp disk; cpu s = the worker's "
-             "CPU during the operation; srv cpu s = the S3 server's CPU; others = cores used by other processes "
+    text += ("\n\ncolumns: RSS+ = peak RSS above the idle worker (plus the whole peak of taskpoint's save process, "
+             "for background saves); tmp+ = peak extra temp disk; cpu s = the worker's CPU during the operation "
+             "(and its save process's); srv cpu s = the S3 server's CPU; others = cores used by other processes "
              "meanwhile ('!' = busy machine, the row is less reliable); MB = 10^6 bytes")
     if background:
         text += ("\nbackground saves: committed s = from the first call until the last save was committed "

@@ -12,6 +12,11 @@ Four operations (``Case.op``), each in its own worker process like every other c
   Its time is the loop's, up to the return of the last save call (the job goes on training); the wait for
   that last save (``drain_seconds``, nothing left to overlap it with) is recorded apart and in
   ``total_seconds``.
+* ``train-bg-paced`` and ``train-paced``: the same two loops with the work per iteration calibrated (before
+  the clock) to last as long as one *background* save takes while the work runs beside it: the issue's
+  "saves no more frequent than the upload time", read as the upload time of the save being measured. A
+  blocking save has both cores; a background one shares them with the work, so it takes longer, and at the
+  blocking save's pace (``train-bg``) each save call waits for the previous upload.
 
 The work is single-threaded, so one core of the two stays free for the background save:
 
@@ -23,6 +28,7 @@ The work is single-threaded, so one core of the two stays free for the backgroun
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +38,9 @@ from ._operations import Case
 
 #: The method name on the command line, and the operations it runs, in the order the runner runs them.
 METHOD = "manager"
-OPS = ("save", "save-bg", "train", "train-bg")
+OPS = ("save", "save-bg", "train", "train-bg", "train-bg-paced", "train-paced")
+#: Step of the calibration save of the paced loop (deleted before the loop starts).
+CALIBRATION_STEP = 10**9
 WORKS = ("numpy", "python")
 #: Where the manager's steps live under the case's prefix.
 MANAGER_DIRECTORY = "steps"
@@ -106,10 +114,36 @@ class ManagerOperation:
         self.unit: Callable[[], None] = lambda: None
         if case.op.startswith("train"):
             self.unit = work_unit(case.work)
-            self.units = case.work_units or calibrate(self.unit, case.iteration_seconds)
+            if case.work_units:
+                self.units = case.work_units
+            elif case.op == "train-bg-paced":
+                self.units, upload = self._calibrate_to_upload()
+                self.extras.update(upload_beside_work_seconds=upload)
+            else:
+                self.units = calibrate(self.unit, case.iteration_seconds)
             self.extras.update(work=case.work, work_units=self.units, iterations=case.iterations,
                                iteration_target_seconds=case.iteration_seconds,
                                calibrated=not case.work_units)
+
+    def _calibrate_to_upload(self) -> tuple[int, float]:
+        """Units of work done while one background save runs beside them, and that save's seconds."""
+        import threading
+
+        for _ in range(10):
+            self.unit()
+        done = threading.Event()
+        t0 = time.perf_counter()
+        self.manager.save(self.source, CALIBRATION_STEP, blocking=False)
+        waiter = threading.Thread(target=lambda: (self.manager.wait_until_finished(), done.set()))
+        waiter.start()
+        units = 0
+        while not done.is_set():
+            self.unit()
+            units += 1
+        seconds = time.perf_counter() - t0
+        waiter.join()
+        self.manager.delete(CALIBRATION_STEP)
+        return max(1, units), seconds
 
     def run(self) -> float:
         op = self.case.op
@@ -124,13 +158,13 @@ class ManagerOperation:
             self.manager.wait_until_finished()
             self.extras.update(total_seconds=time.perf_counter() - t0)
             return call
-        return self._loop(save=op == "train-bg")
+        return self._loop(save=op.startswith("train-bg"))
 
     def _loop(self, save: bool) -> float:
         compute: list[float] = []
         calls: list[float] = []
         unit, units = self.unit, self.units
-        sched0, cpu0 = _thread_schedstat(), time.process_time()
+        sched0, cpu0, helper0 = _thread_schedstat(), time.process_time(), children_cpu_seconds()
         t0 = time.perf_counter()
         for step in range(self.case.iterations):
             a = time.perf_counter()
@@ -145,7 +179,8 @@ class ManagerOperation:
         sched1 = _thread_schedstat()
         self.manager.wait_until_finished()
         total = time.perf_counter() - t0
-        sched2, cpu2 = _thread_schedstat(), time.process_time()
+        sched2, cpu2, helper2 = _thread_schedstat(), time.process_time(), children_cpu_seconds()
+        self.extras.update(helper_loop_cpu_seconds=helper2 - helper0)
         self.extras.update(compute_seconds=sum(compute), iteration_seconds=compute, total_seconds=total)
         if sched0 is not None and sched1 is not None and sched2 is not None:
             # The loop's thread: CPU it got, and time it was runnable but waited for a core (the run queue),
@@ -173,6 +208,29 @@ class ManagerOperation:
         self.fs.invalidate_cache()
         sizes = self.fs.du(self.directory, total=False)
         return sum(n for path, n in sizes.items() if not path.endswith("/taskpoint.json"))
+
+
+def children() -> dict[int, tuple[float, int]]:
+    """This process's live children (the manager's save process): pid -> (CPU seconds, peak RSS in KiB)."""
+    me, out = os.getpid(), {}
+    ticks = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) != me:
+                continue
+            status = Path(f"/proc/{entry}/status").read_text()
+        except (OSError, IndexError, ValueError):
+            continue
+        hwm = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
+        out[int(entry)] = ((int(fields[11]) + int(fields[12])) / ticks, hwm)
+    return out
+
+
+def children_cpu_seconds() -> float:
+    return sum(cpu for cpu, _ in children().values())
 
 
 def _thread_schedstat() -> tuple[float, float] | None:

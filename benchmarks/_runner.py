@@ -92,7 +92,7 @@ class CaseResult:
             seconds=seconds,
             seconds_all=[r["seconds"] for r in ok],
             mb_per_s=self.logical_bytes / seconds / 1e6,
-            cpu_s=statistics.median(r["cpu_user_s"] + r["cpu_system_s"] for r in ok),
+            cpu_s=statistics.median(r["cpu_user_s"] + r["cpu_system_s"] + r.get("helper_cpu_s", 0.0) for r in ok),
             server_cpu_s=statistics.median(r.get("server_cpu_s", 0.0) for r in ok),
             rss_extra_bytes=max(r["rss_extra_bytes"] for r in ok),
             rss_idle_bytes=statistics.median(r["rss_idle_bytes"] for r in ok),
@@ -115,6 +115,7 @@ class CaseResult:
 #: Measurements of the manager's runs (benchmarks/_background.py) summarised by their median.
 _MANAGER_MEDIANS = ("total_seconds", "compute_seconds", "save_call_seconds", "drain_seconds", "work_units",
                     "iterations", "iteration_target_seconds", "work_thread_cpu_seconds", "work_thread_wait_seconds",
+                    "helper_cpu_s", "helper_loop_cpu_seconds", "upload_beside_work_seconds",
                     "other_threads_cpu_seconds")
 #: What the summary already holds, left out of a manager row's per-run details.
 _RUN_KEYS_IN_SUMMARY = ("rss_idle_bytes", "rss_peak_bytes")
@@ -361,11 +362,12 @@ def _run_manager(store: Store, dataset: Dataset, payload: str, opts: Options) ->
     results = {op: CaseResult(store.kind, payload, op, method, logical) for op in _background.OPS}
     prefix = store.prefix(method, payload)
     units, target = 0, 0.0  # the loop's work per iteration, calibrated once to ``target`` seconds
+    paced_units = 0  # the paced loops' work per iteration, calibrated once to one background save
     for i in range(opts.runs):
         label = f"{i + 1}/{opts.runs}"
         for op in _background.OPS:
             result = results[op]
-            if op.startswith("train") and not units:
+            if op in ("train", "train-bg") and not units:
                 blocking = results["save"].ok_runs
                 if not blocking:
                     break
@@ -374,13 +376,15 @@ def _run_manager(store: Store, dataset: Dataset, payload: str, opts: Options) ->
             case = Case(method=method, payload=payload, op=op, store=store.kind, source=str(dataset.source(payload)),
                         prefix=prefix, workspace="", storage_options=store.storage_options, codec=opts.codec,
                         level=opts.level, iterations=opts.train_iterations if op.startswith("train") else 0,
-                        work=opts.train_work, work_units=units,
+                        work=opts.train_work, work_units=paced_units if op.endswith("paced") else units,
                         iteration_seconds=target if op.startswith("train") else 0.0)
             _run_once(result, case, store, opts, label)
             if result.error:
                 break
             if op == "train" and not units:
                 units = result.ok_runs[-1]["work_units"]
+            if op == "train-bg-paced" and not paced_units:
+                paced_units = result.ok_runs[-1]["work_units"]
         if any(r.error for r in results.values()):
             break
     store.clear(prefix)
@@ -471,8 +475,12 @@ def _background_note(run: dict[str, Any]) -> str:
         parts.append(f"save calls {run['save_call_seconds']:.2f} s")
     if "work_thread_wait_seconds" in run:
         parts.append(f"work thread waited {run['work_thread_wait_seconds']:.2f} s for a core")
+    if "upload_beside_work_seconds" in run:
+        parts.append(f"one background save beside the work took {run['upload_beside_work_seconds']:.2f} s")
     if run.get("other_threads_cpu_seconds", 0) > 0.05:
         parts.append(f"save threads' cpu {run['other_threads_cpu_seconds']:.2f} s")
+    if run.get("helper_loop_cpu_seconds", 0) > 0.05:
+        parts.append(f"save process cpu {run['helper_loop_cpu_seconds']:.2f} s")
     if "total_seconds" in run:
         parts.append(f"until committed {run['total_seconds']:.2f} s")
     return f"  [{'; '.join(parts)}]" if parts else ""

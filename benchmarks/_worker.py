@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ._background import METHOD as MANAGER_METHOD
-from ._background import ManagerOperation
+from ._background import ManagerOperation, children
 from ._operations import Case, Operation
 
 
@@ -63,17 +63,23 @@ def measure(case: Case) -> dict[str, Any]:
     op: Operation | ManagerOperation = ManagerOperation(case) if case.method == MANAGER_METHOD else Operation(case)
     gc.collect()
     idle_kib = _status_kib("VmRSS")
-    cpu0 = os.times()
+    cpu0, children0 = os.times(), children()
     with _PeakRss() as rss:
         seconds = op.run()
-    cpu1 = os.times()
+    cpu1, children1 = os.times(), children()  # before report(): the manager's save process is still alive
+    # A background save's work happens in the manager's save process: its CPU during the operation, and its
+    # peak RSS since it started (whole: an upper bound, as the two peaks need not coincide), count too.
+    helper_cpu = sum(cpu - children0.get(pid, (0.0, 0))[0] for pid, (cpu, _) in children1.items())
+    helper_kib = sum(hwm for _, hwm in children1.values())
     result: dict[str, Any] = {
         "seconds": seconds,
         "cpu_user_s": cpu1.user - cpu0.user,
         "cpu_system_s": cpu1.system - cpu0.system,
+        "helper_cpu_s": helper_cpu,
+        "helper_rss_peak_bytes": helper_kib * 1024,
         "rss_idle_bytes": idle_kib * 1024,
         "rss_peak_bytes": rss.peak_kib * 1024,
-        "rss_extra_bytes": max(0, rss.peak_kib - idle_kib) * 1024,
+        "rss_extra_bytes": (max(0, rss.peak_kib - idle_kib) + helper_kib) * 1024,
     }
     result.update(op.report())
     return result

@@ -42,8 +42,10 @@ from ._codecs import Codec, get_codec
 from ._context import ctx
 from ._manifest import ObjectRecord, StepManifest
 from ._payloads import Payload, payload_class, payload_for
+from ._saver import SaverProcess, SaverUnavailable, can_write_elsewhere
 from ._storage import LEFTOVER_GRACE_SECONDS, Location, RetryPolicy, normalize_uri
-from ._transfer import read_payload, write_payload
+from ._transfer import read_payload
+from ._transfer import write_payload as write_here
 from .errors import CheckpointCorruptError, CheckpointError, StorageError, add_note
 
 #: Name of a step's manifest inside its folder; its presence is the step's commit.
@@ -101,6 +103,10 @@ class CheckpointManager:
         snapshot_dir: where background saves copy files and directories before uploading them (the
             system temp folder by default). The copy needs as much space as the data; on the source's
             filesystem it is fastest (in-kernel, or reflinked where the filesystem supports it).
+        background_process: background saves to local disk and object stores write the snapshot from a
+            helper process (True, the default) so they never hold this process's GIL; False writes it
+            from a thread of this process. ``memory://`` and payloads that cannot be pickled always use
+            a thread. Blocking saves always run in the caller's thread.
     """
 
     def __init__(
@@ -116,6 +122,7 @@ class CheckpointManager:
         retry: RetryPolicy | None = None,
         grace_seconds: float = LEFTOVER_GRACE_SECONDS,
         snapshot_dir: str | os.PathLike[str] | None = None,
+        background_process: bool = True,
     ) -> None:
         uri = normalize_uri(directory, "directory").strip()
         if not uri:
@@ -144,6 +151,10 @@ class CheckpointManager:
         self._container_seen = False  # the bucket or container is known to exist
         self._background = _Background()
         weakref.finalize(self, self._background.report_unclaimed, uri)
+        #: The helper process of background saves: started by the first one, None until then or when off.
+        self._saver: SaverProcess | None = None
+        self._use_saver = bool(background_process) and can_write_elsewhere(self._root)
+        self._saver_lock = threading.Lock()
 
     # -- properties and lifecycle --------------------------------------------------------------------------
 
@@ -181,6 +192,10 @@ class CheckpointManager:
             finally:
                 if self._workspace is not None:
                     self._workspace.close()
+                with self._saver_lock:
+                    saver, self._saver, self._use_saver = self._saver, None, False
+                if saver is not None:
+                    saver.close()
 
     def wait_until_finished(self) -> None:
         """Block until the background save (if any) has committed; raise its error if it failed."""
@@ -221,7 +236,7 @@ class CheckpointManager:
                 self._start_background(step, payload, job)
         return self._step_uri(step)
 
-    def _start_background(self, step: int, payload: Payload, job: Callable[[Payload], None]) -> None:
+    def _start_background(self, step: int, payload: Payload, job: Callable[..., None]) -> None:
         scratch = Path(tempfile.mkdtemp(prefix="taskpoint-snapshot-", dir=self._snapshot_dir))
         try:
             snapshot = payload.snapshot(scratch)
@@ -237,20 +252,35 @@ class CheckpointManager:
 
         def upload() -> None:
             try:
-                job(snapshot)
+                job(snapshot, self._helper_process())
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
 
         self._background.start(step, upload)
 
+    def _helper_process(self) -> SaverProcess | None:
+        """The helper process for background saves, started on first use; None when off or unavailable."""
+        with self._saver_lock:
+            if self._saver is not None and not self._saver.alive():
+                self._saver.close()
+                self._saver = None  # it died (killed, out of memory): start a new one
+            if self._saver is None and self._use_saver:
+                try:
+                    self._saver = SaverProcess()
+                except SaverUnavailable as exc:
+                    self._use_saver = False
+                    warnings.warn(f"taskpoint could not start its save process ({exc}); background saves of "
+                                  f"{self.directory} run in a thread of this process", RuntimeWarning, stacklevel=2)
+            return self._saver
+
     def _write_step(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: str | None,
-                    payload: Payload) -> None:
+                    payload: Payload, saver: SaverProcess | None = None) -> None:
         """Upload the payload under a fresh name, then commit it with the manifest; then tidy up."""
         save_id = uuid.uuid4().hex
         name = f"payload-{save_id}"
         payload_loc = self._object(step, name)
         created = time.time()
-        size, digest = write_payload(payload_loc, payload, self._codec, self._level)
+        size, digest = write_payload(payload_loc, payload, self._codec, self._level, saver)
         record = ObjectRecord(kind=payload.kind, codec=self._codec.name if payload.archived else "raw",
                               save_id=save_id, created=created, size=size, sha256=digest)
         manifest = StepManifest(step=step, payload=name, record=record, attempt=attempt, metadata=metadata)
@@ -682,6 +712,21 @@ class _Background:
         if thread is not None and not thread.is_alive() and error is not None:
             warnings.warn(f"the background save of step {self._step} to {directory} failed and no later call "
                           f"reported it: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=1)
+
+
+def write_payload(location: Location, payload: Payload, codec: Codec, level: int | None,
+                  saver: SaverProcess | None = None) -> tuple[int, str]:
+    """Write a step's payload to ``location``: from ``saver``'s process when given and it can reach the
+    location, else from this thread. A save process that dies or cannot take the payload is never fatal:
+    the payload (under its unique name) is written again from here; a killed process's partial object has
+    no manifest and is swept like any leftover."""
+    if saver is not None and can_write_elsewhere(location):
+        try:
+            return saver.write_payload(location, payload, codec.name, level)
+        except SaverUnavailable as exc:
+            warnings.warn(f"{exc}; taskpoint writes {location.uri} from this process instead", RuntimeWarning,
+                          stacklevel=2)
+    return write_here(location, payload, codec, level)
 
 
 def release_freed_memory() -> None:

@@ -94,6 +94,10 @@ class BytesPayload(Payload):
     def snapshot(self, scratch: Path) -> Payload:
         return self  # the constructor already copied anything mutable
 
+    def __reduce__(self) -> tuple[Any, ...]:  # a memoryview does not pickle; its bytes do
+        whole = isinstance(self._view.obj, bytes) and len(self._view.obj) == self._view.nbytes
+        return BytesPayload, (self._view.obj if whole else self._view.tobytes(),)
+
     def write(self, sink: IO[bytes], codec: Codec, level: int | None) -> None:
         for start in range(0, self._view.nbytes, BLOCK_SIZE * 8):
             sink.write(self._view[start:start + BLOCK_SIZE * 8])
@@ -118,6 +122,9 @@ class FilePayload(BytesPayload):
     def __init__(self, path: Path) -> None:
         self._path = path
         self._size = path.stat().st_size
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return FilePayload, (self._path,)
 
     @classmethod
     def claim(cls, data: object) -> Payload | None:

@@ -1,0 +1,141 @@
+"""Background saves from the manager's helper process: where the work runs, and what happens when it dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+
+from helpers import make_tree, snapshot
+from taskpoint import CheckpointManager, StorageError, _saver
+
+LOCAL_AND_S3 = pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
+TIMEOUT = 60
+
+
+def manager(store, **kwargs) -> CheckpointManager:
+    return CheckpointManager(store.url("ckpts"), storage_options=store.storage_options, **kwargs)
+
+
+def _refuse_here(*args, **kwargs):
+    raise AssertionError("the payload was written from the caller's process")
+
+
+def _gone(pid: int, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@LOCAL_AND_S3
+def test_background_payloads_are_written_by_the_helper_process(store, tmp_path, monkeypatch):
+    tree = make_tree(tmp_path / "tree", big=1 << 20)
+    weights = tmp_path / "w.bin"
+    weights.write_bytes(os.urandom(200_000))
+    # The caller's own writer is broken on purpose: every background payload must go through the child.
+    monkeypatch.setattr("taskpoint._manager.write_here", _refuse_here)
+    with manager(store) as m:
+        for step, data in ((1, tree), (2, weights), (3, bytearray(b"abc" * 1000))):
+            m.save(data, step, blocking=False)
+            m.wait_until_finished()
+        pid = m._saver.pid
+        assert m._saver.alive()
+        assert snapshot(m.restore(1)) == snapshot(tree)
+        assert m.restore(2).read_bytes() == weights.read_bytes()
+        assert m.restore(3).read_bytes() == b"abc" * 1000
+        assert m.steps() == [1, 2, 3]
+    assert _gone(pid, TIMEOUT)  # close() ends it
+
+
+def test_background_process_false_and_memory_urls_use_a_thread(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(_saver.SaverProcess, "__init__", lambda self: started.append(1) or None)
+    for directory, options in ((tmp_path / "off", {"background_process": False}),
+                               (f"memory://{uuid.uuid4().hex}/ckpts", {})):
+        with CheckpointManager(directory, **options) as m:
+            m.save(b"x" * 100, 1, blocking=False)
+            m.wait_until_finished()
+            assert m.restore(1).read_bytes() == b"x" * 100
+    assert started == []
+
+
+def test_an_error_in_the_helper_process_keeps_its_type_and_tells_where(s3_store):
+    m = CheckpointManager(f"s3://no-such-bucket-{uuid.uuid4().hex[:12]}/ckpts",
+                          storage_options=s3_store.storage_options)
+    m.save(b"x", 1, blocking=False)
+    with pytest.raises(StorageError, match="does not exist") as info:
+        m.wait_until_finished()
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "raised in taskpoint's save process" in notes and "step 1" in notes
+    m.close()
+
+
+@LOCAL_AND_S3
+def test_a_helper_killed_in_the_middle_of_a_save_loses_nothing(store, tmp_path, monkeypatch):
+    tree = make_tree(tmp_path / "tree", big=2 << 20)
+    real = _saver.SaverProcess.write_payload
+    killed = []
+
+    def kill_then_write(self, *args):
+        if not killed:  # a real SIGKILL of the real child, at the moment its request is about to be sent
+            os.kill(self.pid, signal.SIGKILL)
+            self._process.wait(TIMEOUT)
+            killed.append(self.pid)
+        return real(self, *args)
+
+    monkeypatch.setattr(_saver.SaverProcess, "write_payload", kill_then_write)
+    with manager(store) as m:
+        with pytest.warns(RuntimeWarning, match="died"):
+            m.save(tree, 1, blocking=False)
+            m.wait_until_finished()
+        assert m.steps() == [1]
+        assert snapshot(m.restore(1)) == snapshot(tree)
+        m.save(b"after", 2, blocking=False)  # a new helper takes the next save
+        m.wait_until_finished()
+        assert m._saver.pid != killed[0]
+        assert m.restore(2).read_bytes() == b"after"
+
+
+def test_a_helper_that_cannot_start_falls_back_to_a_thread(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))
+    with CheckpointManager(tmp_path / "ckpts") as m:
+        with pytest.warns(RuntimeWarning, match="could not start its save process"):
+            m.save(b"x", 1, blocking=False)
+            m.wait_until_finished()
+        m.save(b"y", 2, blocking=False)  # no second attempt, no second warning
+        m.wait_until_finished()
+        assert [m.restore(s).read_bytes() for s in (1, 2)] == [b"x", b"y"]
+
+
+def test_the_helper_exits_when_its_parent_is_killed(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys, time
+        from taskpoint import CheckpointManager
+        m = CheckpointManager({str(tmp_path / "ckpts")!r})
+        m.save(b"x", 1, blocking=False)
+        m.wait_until_finished()
+        print(m._saver.pid, flush=True)
+        time.sleep(120)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        helper = int(parent.stdout.readline())
+        os.kill(helper, 0)  # alive while its parent is
+        parent.kill()
+        parent.wait(TIMEOUT)
+        assert _gone(helper, 10), "the save process outlived its killed parent"
+    finally:
+        parent.kill()
+        parent.wait(TIMEOUT)
+    assert CheckpointManager(tmp_path / "ckpts").steps() == [1]
