@@ -536,6 +536,42 @@ def copy_file_in_kernel(source: str | os.PathLike[str], dest_fd: int) -> int:
     return copied
 
 
+def digest_by_reading(fd: int, size: int, hasher: Any) -> int:
+    """Feed up to ``size`` bytes of an open file to ``hasher`` with positional reads into one small buffer;
+    return how many there were. For files others could truncate meanwhile: a memory map would crash the
+    process with SIGBUS, a read just comes up short."""
+    buffer = bytearray(1 << 20)
+    view = memoryview(buffer)
+    done = 0
+    while done < size:
+        n = os.preadv(fd, [view[:min(len(buffer), size - done)]], done)
+        if n == 0:
+            break
+        hasher.update(view[:n])
+        done += n
+    return done
+
+
+def copy_fd_in_kernel(source_fd: int, dest_fd: int, size: int) -> int:
+    """Copy the first ``size`` bytes of ``source_fd`` (by offset: its position is left alone) to ``dest_fd``
+    at its position; return how many bytes there were (fewer when the source is shorter)."""
+    copied = 0
+    try:
+        while copied < size:
+            n = os.copy_file_range(source_fd, dest_fd, size - copied, copied)
+            if n == 0:
+                return copied
+            copied += n
+        return copied
+    except (AttributeError, OSError):  # no copy_file_range here, or not between these filesystems
+        while copied < size:
+            chunk = os.pread(source_fd, min(WRITE_PIECE, size - copied), copied)
+            if not chunk:
+                break
+            copied += os.write(dest_fd, chunk)
+    return copied
+
+
 def _copy_with_metadata(source: str, dest: str) -> None:
     """``shutil.copy2`` with the bytes copied in the kernel, and an error if the source changes size meanwhile."""
     size = os.stat(source).st_size

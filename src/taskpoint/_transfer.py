@@ -8,6 +8,7 @@ and digest passes. The checkpoint record protocol (:mod:`._checkpoint`) and the 
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import os
 import shutil
@@ -19,7 +20,8 @@ from typing import IO, Any
 from ._codecs import BLOCK_SIZE, Codec, detect_codec, holds_tar
 from ._payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, Payload
 from ._pgzip import crc32
-from ._storage import Location, copy_file_in_kernel, digest_of_fd, permanent_error
+from ._storage import Location, copy_fd_in_kernel, copy_file_in_kernel, digest_by_reading, digest_of_fd, permanent_error
+from .errors import CheckpointCorruptError
 
 #: Prefix of the folders where a load is staged until it is verified; they live inside the workspace.
 STAGING_PREFIX = ".taskpoint-staging-"
@@ -211,10 +213,20 @@ def _read_once(src: Location, workspace: Path, choose: KindChooser, verify: Veri
                 finally:
                     stream.close()
             elif src.is_local:
-                # A raw checkpoint on local disk: copied by the kernel; the copy is what gets verified.
-                with open(staging / RAW_RESULT_NAME, "xb+", buffering=0) as out:
-                    size = copy_file_in_kernel(src.path, out.fileno())
-                    verify(cls.kind, size, str(digest_of_fd(out.fileno(), size, DIGESTS[digest]()).hexdigest()))
+                # A raw checkpoint on local disk: copied by the kernel while a second thread hashes the
+                # stored object. Both read the same open file, whose inode saves never write into (they
+                # replace it by rename), so the hash covers the bytes copied; a short read or copy (the file
+                # truncated by someone else meanwhile) fails the size check.
+                fd = raw.fileno()
+                size = os.fstat(fd).st_size
+                hasher = DIGESTS[digest]()
+                with concurrent.futures.ThreadPoolExecutor(1) as pool, \
+                        open(staging / RAW_RESULT_NAME, "xb", buffering=0) as out:
+                    hashed = pool.submit(digest_by_reading, fd, size, hasher)
+                    copied = copy_fd_in_kernel(fd, out.fileno(), size)
+                    if hashed.result() != copied:
+                        raise CheckpointCorruptError(f"{src.uri} changed while it was being loaded; load it again")
+                verify(cls.kind, copied, str(hasher.hexdigest()))
                 return cls.publish(staging, workspace)
             else:
                 cls.materialize(reader, staging, src.uri)  # type: ignore[arg-type]
