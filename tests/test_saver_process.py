@@ -139,3 +139,41 @@ def test_the_helper_exits_when_its_parent_is_killed(tmp_path):
         parent.kill()
         parent.wait(TIMEOUT)
     assert CheckpointManager(tmp_path / "ckpts").steps() == [1]
+
+
+def test_a_payload_that_does_not_pickle_is_refused_before_anything_is_sent(tmp_path):
+    import threading
+
+    from taskpoint._payloads import DirectoryPayload
+    from taskpoint._storage import Location
+
+    class Locked(DirectoryPayload):
+        def __init__(self, path):
+            super().__init__(path)
+            self.lock = threading.Lock()  # locks do not pickle
+
+    saver = _saver.SaverProcess()
+    try:
+        with pytest.raises(_saver.NotTransferable):
+            saver.write_payload(Location(str(tmp_path / "x")), Locked(tmp_path), "gzip", None)
+        assert saver.alive()
+        assert not (tmp_path / "x").exists()
+    finally:
+        saver.close()
+
+
+def test_a_pytree_background_save_goes_to_the_helper_without_importing_jax_there(tmp_path, recwarn):
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from taskpoint.jax import PyTree, load_pytree_sync
+
+    tree = {"w": jnp.arange(12.0).reshape(3, 4), "step": 7}
+    with CheckpointManager(tmp_path / "ckpts") as m:
+        m.save(PyTree(tree), 1, blocking=False)
+        m.wait_until_finished()
+        with open(f"/proc/{m._saver.pid}/maps") as f:
+            assert "jaxlib" not in f.read()
+        restored = load_pytree_sync(m.restore(1))
+    assert restored["step"] == 7 and (restored["w"] == tree["w"]).all()
+    assert [w for w in recwarn if issubclass(w.category, RuntimeWarning)] == []

@@ -42,7 +42,7 @@ from ._codecs import Codec, get_codec
 from ._context import ctx
 from ._manifest import ObjectRecord, StepManifest
 from ._payloads import Payload, payload_class, payload_for
-from ._saver import SaverProcess, SaverUnavailable, can_write_elsewhere
+from ._saver import NotTransferable, SaverProcess, SaverUnavailable, can_write_elsewhere
 from ._storage import LEFTOVER_GRACE_SECONDS, Location, RetryPolicy, normalize_uri
 from ._transfer import read_payload
 from ._transfer import write_payload as write_here
@@ -723,6 +723,8 @@ def write_payload(location: Location, payload: Payload, codec: Codec, level: int
     if saver is not None and can_write_elsewhere(location):
         try:
             return saver.write_payload(location, payload, codec.name, level)
+        except NotTransferable:
+            pass
         except SaverUnavailable as exc:
             warnings.warn(f"{exc}; taskpoint writes {location.uri} from this process instead", RuntimeWarning,
                           stacklevel=2)

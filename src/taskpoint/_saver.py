@@ -71,6 +71,10 @@ class SaverUnavailable(RuntimeError):
     """The helper process could not start or died; the caller saves in its own process instead."""
 
 
+class NotTransferable(SaverUnavailable):
+    """This payload cannot be pickled to the helper process; the caller writes it itself (no warning)."""
+
+
 class SaverProcess:
     """The caller's end of one helper process. One request at a time (the manager has one save in flight)."""
 
@@ -108,7 +112,7 @@ class SaverProcess:
             request = pickle.dumps(("write", location.uri, location.storage_options, location.retry, payload,
                                     codec, level), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:
-            raise SaverUnavailable(f"this payload cannot be sent to the save process ({exc})") from exc
+            raise NotTransferable(f"this payload cannot be sent to the save process ({exc})") from exc
         with self._lock:
             stdin, stdout = self._process.stdin, self._process.stdout
             assert stdin is not None and stdout is not None

@@ -47,6 +47,12 @@ class PyTreePayload(DirectoryPayload):
     def snapshot(self, scratch: Path) -> Payload:
         return self  # serialized into a folder of its own when it was claimed
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled only to send the upload to the manager's save process, where the folder's bytes are all
+        # that is needed: a plain directory payload there, so that process never imports jax. The folder
+        # stays until this object (held by the background save) is gone.
+        return DirectoryPayload, (self._path,)
+
 
 register_payload(PyTreePayload)
 
