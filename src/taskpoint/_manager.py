@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import functools
 import json
 import operator
@@ -42,7 +41,7 @@ from ._codecs import Codec, get_codec
 from ._context import ctx
 from ._manifest import ObjectRecord, StepManifest
 from ._payloads import Payload, payload_class, payload_for
-from ._saver import NotTransferable, SaverProcess, SaverUnavailable, can_write_elsewhere
+from ._saver import NotTransferable, SaverProcess, SaverUnavailable, can_write_elsewhere, release_freed_memory
 from ._storage import LEFTOVER_GRACE_SECONDS, Location, RetryPolicy, normalize_uri
 from ._transfer import read_payload
 from ._transfer import write_payload as write_here
@@ -729,26 +728,6 @@ def write_payload(location: Location, payload: Payload, codec: Codec, level: int
             warnings.warn(f"{exc}; taskpoint writes {location.uri} from this process instead", RuntimeWarning,
                           stacklevel=2)
     return write_here(location, payload, codec, level)
-
-
-def release_freed_memory() -> None:
-    """Hand memory that a finished save freed back to the OS.
-
-    Each background save runs on a new thread, and glibc gives threads their own malloc arenas, whose freed
-    buffers (parts and members of several MiB) it keeps: without this, peak RSS grew by ~50 MiB per save over
-    a training loop of background saves to S3. A no-op where the C library has no ``malloc_trim``.
-    """
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            _malloc_trim = ctypes.CDLL(None).malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim: Any = None
 
 
 def _positive_or_none(value: int | None, name: str) -> int | None:

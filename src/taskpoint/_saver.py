@@ -18,6 +18,7 @@ child runs at a lower CPU priority, and exits when the pipe closes or within a s
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import pickle
 import signal
@@ -149,6 +150,27 @@ class SaverProcess:
             self._process.wait()
 
 
+def release_freed_memory() -> None:
+    """Hand memory that a finished save freed back to the OS.
+
+    Each save runs its pools on new threads, and glibc gives threads their own malloc arenas, whose freed
+    buffers (upload parts and gzip members of several MiB) it keeps. In the benchmark's S3 training loop of
+    background saves in threads, peak RSS reached 280 MiB, against 187 MiB for one save. A no-op where the C
+    library has no ``malloc_trim``.
+    """
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
+
+
 # -- the child --------------------------------------------------------------------------------------------
 
 
@@ -204,3 +226,5 @@ def serve(parent: int) -> None:
                 reply = ("error", (_portable_error(exc), traceback.format_exc()), None)
         seen = [(w.category, str(w.message)) for w in caught]
         _send(replies, (reply[0], reply[1], seen))
+        del message, reply
+        release_freed_memory()
