@@ -76,3 +76,25 @@ def test_a_failed_snapshot_saves_nothing_and_leaves_no_scratch(tmp_path, monkeyp
         manager.save(source, 2, blocking=False)
         manager.wait_until_finished()
         assert _listing(manager.restore(2)) == _listing(source)
+
+
+@pytest.mark.parametrize("platform_has_preadv", [True, False])
+def test_hashing_by_reading_stops_at_the_real_end_of_a_file_that_got_shorter(tmp_path, monkeypatch,
+                                                                             platform_has_preadv):
+    import hashlib
+
+    from taskpoint._storage import digest_by_reading
+
+    if not platform_has_preadv:
+        monkeypatch.delattr(os, "preadv")  # as on platforms without it
+    data = os.urandom(3 * (1 << 20) + 123)
+    path = tmp_path / "object"
+    path.write_bytes(data)
+    with open(path, "rb") as f:
+        whole = hashlib.sha256()
+        assert digest_by_reading(f.fileno(), len(data), whole) == len(data)
+        assert whole.hexdigest() == hashlib.sha256(data).hexdigest()
+        os.truncate(path, 1 << 20)  # someone else shortens the stored object while it is open
+        short = hashlib.sha256()
+        assert digest_by_reading(f.fileno(), len(data), short) == 1 << 20
+        assert short.hexdigest() == hashlib.sha256(data[:1 << 20]).hexdigest()

@@ -543,11 +543,16 @@ def digest_by_reading(fd: int, size: int, hasher: Any) -> int:
     """Feed up to ``size`` bytes of an open file to ``hasher`` with positional reads into one small buffer;
     return how many there were. For files others could truncate meanwhile: a memory map would crash the
     process with SIGBUS, a read just comes up short."""
-    buffer = bytearray(1 << 20)
-    view = memoryview(buffer)
+    piece = 1 << 20
     done = 0
+    if not hasattr(os, "preadv"):  # e.g. macOS before 11: a new bytes object per piece
+        while done < size and (chunk := os.pread(fd, min(piece, size - done), done)):
+            hasher.update(chunk)
+            done += len(chunk)
+        return done
+    view = memoryview(bytearray(piece))
     while done < size:
-        n = os.preadv(fd, [view[:min(len(buffer), size - done)]], done)
+        n = os.preadv(fd, [view[:min(piece, size - done)]], done)
         if n == 0:
             break
         hasher.update(view[:n])
