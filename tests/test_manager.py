@@ -709,3 +709,33 @@ def test_leftovers_older_than_the_grace_period_go_with_the_next_save(tmp_path):
 def test_manager_is_exported():
     assert taskpoint.CheckpointManager is CheckpointManager
     assert "CheckpointManager" in taskpoint.__all__
+
+
+def test_unfinished_uploads_of_killed_payload_saves_are_aborted_after_the_grace_period(s3_store):
+    fs, root = fsspec.core.url_to_fs(s3_store.url("ckpts"), **s3_store.storage_options)
+    bucket, _, prefix = root.partition("/")
+
+    def start_upload(key: str) -> str:  # what a save killed in the middle of its multipart upload leaves
+        upload = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+        fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload["UploadId"], PartNumber=1,
+                   Body=os.urandom(1000))
+        return upload["UploadId"]
+
+    def open_uploads() -> set[str]:
+        listing = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
+        return {u["Key"] for u in listing.get("Uploads", [])}
+
+    orphan = f"{prefix}/ckpt-3/{leftover_name()}"
+    foreign = f"{prefix}/ckpt-3/not-ours.bin"  # a name taskpoint never writes: never touched
+    start_upload(orphan)
+    start_upload(foreign)
+    with manager(s3_store) as m:
+        m.save(b"one", 1)  # saves never abort uploads: only gc() does (see _sweep_uploads)
+        assert open_uploads() == {orphan, foreign}
+        # The grace period cannot be shown here: moto reports every upload as begun in 2010.
+        assert m.gc(grace_seconds=0) == [f"s3://{bucket}/{orphan}"]
+        assert open_uploads() == {foreign}
+        assert m.steps() == [1]
+    fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=foreign,
+               UploadId=next(u["UploadId"] for u in fs.call_s3("list_multipart_uploads", Bucket=bucket,
+                                                              Prefix=foreign)["Uploads"]))

@@ -455,13 +455,14 @@ class CheckpointManager:
         """Remove leftovers of interrupted or superseded saves older than the grace period; return their URIs.
 
         Committed steps are never touched (retention is applied by :meth:`save`), nor anything whose name
-        taskpoint would not write. ``grace_seconds`` overrides the manager's for this call.
+        taskpoint would not write. On S3 this also aborts the unfinished multipart uploads of payloads (saves
+        killed in the middle of an upload). ``grace_seconds`` overrides the manager's for this call.
         """
         grace = self._grace if grace_seconds is None else _check_grace(grace_seconds)
         with self._lock:
             self._check_open()
             self._settle(wait=True)
-            return self._sweep(self._scan(), grace)
+            return self._sweep(self._scan(), grace) + self._sweep_uploads(grace)
 
     def _retain(self, folders: dict[int, _Folder]) -> None:
         if self._keep is None:
@@ -502,6 +503,35 @@ class CheckpointManager:
                     continue  # never guess what an unreadable manifest commits
                 keep = {MANIFEST_NAME, manifest.payload}
             removed += self._sweep_folder(step, folder, grace, keep)
+        return removed
+
+    def _sweep_uploads(self, grace: float) -> list[str]:
+        """S3: abort the unfinished multipart uploads of payloads that saves killed mid-upload left behind
+        (invisible as objects, but billed). Only our payload names, only older than ``grace`` by the server's
+        initiation time. Run by :meth:`gc` only, not after every save: a server whose clock (or whose fake
+        initiation time: moto's is always 2010) is off would otherwise abort another writer's upload in
+        flight. Best effort and quiet: a role may lack the ListBucketMultipartUploads permission."""
+        if not self._root.is_object_store:
+            return []
+        root = self._root.path.rstrip("/")
+        bucket = root.partition("/")[0]
+        now, removed = time.time(), []
+        try:
+            uploads = self._root.unfinished_uploads()
+        except Exception:
+            return []
+        for key, upload_id, initiated in uploads:
+            relative = f"{bucket}/{key}"[len(root) + 1:] if f"{bucket}/{key}".startswith(root + "/") else ""
+            folder, _, name = relative.partition("/")
+            if not (_STEP_FOLDER.fullmatch(folder) and _PAYLOAD_NAME.fullmatch(name)):
+                continue  # not a payload of ours
+            if grace > 0 and now - initiated < grace:
+                continue  # maybe a save still in progress
+            try:
+                self._root.abort_upload(key, upload_id)
+            except Exception:
+                continue
+            removed.append(f"{self._root.uri.split('://', 1)[0]}://{bucket}/{key}")
         return removed
 
     def _sweep_folder(self, step: int, folder: _Folder, grace: float, keep: set[str]) -> list[str]:

@@ -343,6 +343,25 @@ class Location:
         except Exception:
             pass
 
+    def unfinished_uploads(self) -> list[tuple[str, str, float]]:
+        """S3 only: the multipart uploads begun under this location's path (as a prefix) and never completed
+        or aborted, as (key, upload id, initiation time); [] elsewhere. Not retried: callers sweep best-effort."""
+        if "s3" not in _protocols(self.fs):
+            return []
+        bucket, _, prefix = self.path.partition("/")
+        found: list[tuple[str, str, float]] = []
+        markers: dict[str, str] = {}
+        while True:
+            listing = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
+            found += [(u["Key"], u["UploadId"], u["Initiated"].timestamp()) for u in listing.get("Uploads", [])]
+            if not listing.get("IsTruncated"):
+                return found
+            markers = {"KeyMarker": listing["NextKeyMarker"], "UploadIdMarker": listing["NextUploadIdMarker"]}
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        """S3 only: abort one unfinished multipart upload in this location's bucket."""
+        self.fs.abort_mpu(self.path.partition("/")[0], key, upload_id)
+
     def remove(self) -> None:
         """Delete the object; a missing object is fine."""
         def rm() -> None:
