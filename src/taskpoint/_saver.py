@@ -83,6 +83,10 @@ class SaverProcess:
         env = dict(os.environ)
         # The child imports this same taskpoint (an editable install, a path added at run time...).
         env["PYTHONPATH"] = os.pathsep.join(p for p in [*sys.path, env.get("PYTHONPATH", "")] if p)
+        # Two malloc arenas (unless the caller chose): each save runs new pool threads, and with an arena per
+        # thread glibc kept their freed buffers; measured over five 1 GiB saves to S3, the process's peak RSS
+        # grew 238 -> 323 MiB without this and 233 -> 261 MiB with it (RSS between saves 134-203 vs 64-86).
+        env.setdefault("MALLOC_ARENA_MAX", "2")
         try:
             self._process = subprocess.Popen(
                 [sys.executable, "-c", _CHILD, str(os.getpid())], stdin=subprocess.PIPE,
