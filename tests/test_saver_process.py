@@ -177,3 +177,38 @@ def test_a_pytree_background_save_goes_to_the_helper_without_importing_jax_there
         restored = load_pytree_sync(m.restore(1))
     assert restored["step"] == 7 and (restored["w"] == tree["w"]).all()
     assert [w for w in recwarn if issubclass(w.category, RuntimeWarning)] == []
+
+
+def test_snapshots_that_killed_processes_left_are_swept_by_a_later_background_save(tmp_path):
+    from taskpoint import _manager
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    host = _manager._host_tag()
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait(TIMEOUT)  # a pid with no process behind it any more
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    old = time.time() - _manager.LEFTOVER_GRACE_SECONDS - 60
+
+    def leftover(name: str, age: float | None = old):
+        folder = scratch / name
+        (folder / "tree").mkdir(parents=True)
+        (folder / "tree" / "weights.bin").write_bytes(b"w" * 1000)
+        if age is not None:
+            os.utime(folder, (age, age))
+        return folder
+
+    dead = leftover(f"{_manager.SNAPSHOT_PREFIX}{host}-{finished.pid}-abc")
+    young_dead = leftover(f"{_manager.SNAPSHOT_PREFIX}{host}-{finished.pid}-def", age=None)
+    alive = leftover(f"{_manager.SNAPSHOT_PREFIX}{host}-{sleeper.pid}-ghi")
+    other_host = leftover(f"{_manager.SNAPSHOT_PREFIX}00000000-{finished.pid}-jkl")
+    not_ours = leftover("taskpoint-snapshot-by-hand")
+    try:
+        with CheckpointManager(tmp_path / "ckpts", snapshot_dir=scratch) as m:
+            m.save(b"x", 1, blocking=False)
+            m.wait_until_finished()
+        assert not dead.exists()
+        assert young_dead.exists() and alive.exists() and other_host.exists() and not_ours.exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait(TIMEOUT)

@@ -22,12 +22,14 @@ import operator
 import os
 import re
 import shutil
+import socket
 import tempfile
 import threading
 import time
 import uuid
 import warnings
 import weakref
+import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -236,7 +238,9 @@ class CheckpointManager:
         return self._step_uri(step)
 
     def _start_background(self, step: int, payload: Payload, job: Callable[..., None]) -> None:
-        scratch = Path(tempfile.mkdtemp(prefix="taskpoint-snapshot-", dir=self._snapshot_dir))
+        scratch = Path(tempfile.mkdtemp(prefix=f"{SNAPSHOT_PREFIX}{_host_tag()}-{os.getpid()}-",
+                                        dir=self._snapshot_dir))
+        _sweep_dead_snapshots(scratch.parent)
         try:
             snapshot = payload.snapshot(scratch)
         except BaseException:
@@ -741,6 +745,46 @@ class _Background:
         if thread is not None and not thread.is_alive() and error is not None:
             warnings.warn(f"the background save of step {self._step} to {directory} failed and no later call "
                           f"reported it: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=1)
+
+
+#: Start of the names of background-save snapshot folders: ``taskpoint-snapshot-<host>-<pid>-<random>``.
+SNAPSHOT_PREFIX = "taskpoint-snapshot-"
+_SNAPSHOT_NAME = re.compile(re.escape(SNAPSHOT_PREFIX) + r"(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[^/]+")
+
+
+def _host_tag() -> str:
+    return f"{zlib.crc32(socket.gethostname().encode()):08x}"
+
+
+def _sweep_dead_snapshots(folder: Path) -> None:
+    """Remove snapshot folders that killed processes of this host left in ``folder`` (each as large as the
+    data it copied). Only folders whose process is gone and that are older than the leftover grace period:
+    a pid namespace that shares this folder but not our view of its processes keeps its live snapshots."""
+    host, me, cutoff = _host_tag(), os.getpid(), time.time() - LEFTOVER_GRACE_SECONDS
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        match = _SNAPSHOT_NAME.fullmatch(entry.name)
+        if match is None or match["host"] != host or int(match["pid"]) == me:
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_mtime > cutoff or _process_alive(int(match["pid"])):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 def write_payload(location: Location, payload: Payload, codec: Codec, level: int | None,
