@@ -180,8 +180,8 @@ class ManagerOperation:
         self.manager.wait_until_finished()
         total = time.perf_counter() - t0
         sched2, cpu2, helper2 = _thread_schedstat(), time.process_time(), children_cpu_seconds()
-        self.extras.update(helper_loop_cpu_seconds=helper2 - helper0)
-        self.extras.update(compute_seconds=sum(compute), iteration_seconds=compute, total_seconds=total)
+        self.extras.update(compute_seconds=sum(compute), iteration_seconds=compute, total_seconds=total,
+                           helper_loop_cpu_seconds=helper2 - helper0)
         if sched0 is not None and sched1 is not None and sched2 is not None:
             # The loop's thread: CPU it got, and time it was runnable but waited for a core (the run queue),
             # up to the last save call; every other thread's CPU (the saves) until the last save committed.
@@ -210,22 +210,31 @@ class ManagerOperation:
         return sum(n for path, n in sizes.items() if not path.endswith("/taskpoint.json"))
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def process_stat(pid: int | str) -> tuple[int, float] | None:
+    """A process's parent pid and CPU seconds so far (Linux ``/proc/PID/stat``), or None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[1]), (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def children() -> dict[int, tuple[float, int]]:
     """This process's live children (the manager's save process): pid -> (CPU seconds, peak RSS in KiB)."""
     me, out = os.getpid(), {}
-    ticks = os.sysconf("SC_CLK_TCK")
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+        stat = process_stat(entry) if entry.isdigit() else None
+        if stat is None or stat[0] != me:
             continue
         try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) != me:
-                continue
             status = Path(f"/proc/{entry}/status").read_text()
-        except (OSError, IndexError, ValueError):
+        except OSError:
             continue
         hwm = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
-        out[int(entry)] = ((int(fields[11]) + int(fields[12])) / ticks, hwm)
+        out[int(entry)] = (stat[1], hwm)
     return out
 
 

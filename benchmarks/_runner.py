@@ -206,13 +206,8 @@ class OtherLoad:
 
 
 def _process_cpu_seconds(pid: int | None) -> float:
-    if pid is None:
-        return 0.0
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    stat = None if pid is None else _background.process_stat(pid)
+    return 0.0 if stat is None else stat[1]
 
 
 # -- stores --------------------------------------------------------------------------------------------

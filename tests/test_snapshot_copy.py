@@ -67,7 +67,7 @@ def test_a_failed_snapshot_saves_nothing_and_leaves_no_scratch(tmp_path, monkeyp
 
     with CheckpointManager(tmp_path / "steps", snapshot_dir=scratch) as manager:
         # A mock: a disk that fills up exactly during the snapshot.
-        monkeypatch.setattr("taskpoint._storage._copy_with_metadata", failing_copy)
+        monkeypatch.setattr("taskpoint._storage.copy_with_metadata", failing_copy)
         with pytest.raises(OSError, match="No space left"):
             manager.save(source, 1, blocking=False)
         monkeypatch.undo()

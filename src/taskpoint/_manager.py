@@ -517,7 +517,7 @@ class CheckpointManager:
         flight. Best effort and quiet: a role may lack the ListBucketMultipartUploads permission."""
         if not self._root.is_object_store:
             return []
-        root = self._root.path.rstrip("/")
+        root = self._root.path.rstrip("/") + "/"
         bucket = root.partition("/")[0]
         now, removed = time.time(), []
         try:
@@ -525,9 +525,10 @@ class CheckpointManager:
         except Exception:
             return []
         for key, upload_id, initiated in uploads:
-            relative = f"{bucket}/{key}"[len(root) + 1:] if f"{bucket}/{key}".startswith(root + "/") else ""
-            folder, _, name = relative.partition("/")
-            if not (_STEP_FOLDER.fullmatch(folder) and _PAYLOAD_NAME.fullmatch(name)):
+            path = f"{bucket}/{key}"
+            folder, _, name = path[len(root):].partition("/") if path.startswith(root) else ("", "", "")
+            step = _STEP_FOLDER.fullmatch(folder)
+            if step is None or not _PAYLOAD_NAME.fullmatch(name):
                 continue  # not a payload of ours
             if grace > 0 and now - initiated < grace:
                 continue  # maybe a save still in progress
@@ -535,7 +536,7 @@ class CheckpointManager:
                 self._root.abort_upload(key, upload_id)
             except Exception:
                 continue
-            removed.append(f"{self._root.uri.split('://', 1)[0]}://{bucket}/{key}")
+            removed.append(self._object(int(step.group(1)), name).uri)
         return removed
 
     def _sweep_folder(self, step: int, folder: _Folder, grace: float, keep: set[str]) -> list[str]:
@@ -790,10 +791,11 @@ def _process_alive(pid: int) -> bool:
 def write_payload(location: Location, payload: Payload, codec: Codec, level: int | None,
                   saver: SaverProcess | None = None) -> tuple[int, str]:
     """Write a step's payload to ``location``: from ``saver``'s process when given and it can reach the
-    location, else from this thread. A save process that dies or cannot take the payload is never fatal:
-    the payload (under its unique name) is written again from here; a killed process's partial object has
-    no manifest and is swept like any leftover."""
-    if saver is not None and can_write_elsewhere(location):
+    location (the manager starts one only for a directory other processes can reach), else from this thread.
+    A save process that dies or cannot take the payload is never fatal: the payload (under its unique name)
+    is written again from here; a killed process's partial object has no manifest and is swept like any
+    leftover."""
+    if saver is not None:
         try:
             return saver.write_payload(location, payload, codec.name, level)
         except NotTransferable:

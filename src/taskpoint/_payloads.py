@@ -7,7 +7,6 @@ Each kind is a small class behind one registry (the pattern of Orbax's handlers)
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
 import shutil
@@ -17,7 +16,7 @@ from typing import IO, Any, ClassVar
 
 from ._archive import extract_tar, skip_special, write_tar
 from ._codecs import BLOCK_SIZE, Codec
-from ._storage import WRITE_PIECE, ParallelCopy
+from ._storage import WRITE_PIECE, ParallelCopy, copy_with_metadata
 
 #: Name of the file that holds a bytes or file checkpoint after load (Flyte's convention).
 RAW_RESULT_NAME = "payload"
@@ -136,9 +135,7 @@ class FilePayload(BytesPayload):
 
     def snapshot(self, scratch: Path) -> Payload:
         copy = scratch / self._path.name
-        copier = ParallelCopy()
-        copier(self._path, copy)
-        copier.finish()
+        copy_with_metadata(self._path, copy)
         return FilePayload(copy)
 
     def write(self, sink: IO[bytes], codec: Codec, level: int | None) -> None:
@@ -169,14 +166,8 @@ class DirectoryPayload(Payload):
 
     def snapshot(self, scratch: Path) -> Payload:
         copy = scratch / "tree"
-        copier = ParallelCopy()
-        try:
+        with ParallelCopy() as copier:  # waits for every copy, even when copytree raises
             shutil.copytree(self._path, copy, symlinks=True, ignore=_special_entries, copy_function=copier)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                copier.finish()  # no copy may still be writing when the caller removes the scratch folder
-            raise
-        copier.finish()
         return DirectoryPayload(copy)
 
     @classmethod

@@ -33,7 +33,7 @@ from typing import IO, Any
 
 from ._codecs import get_codec
 from ._payloads import Payload
-from ._storage import Location, RetryPolicy
+from ._storage import Location
 from ._transfer import write_payload
 from .errors import add_note
 
@@ -45,8 +45,12 @@ _CHILD = "import sys; from taskpoint._saver import serve; serve(int(sys.argv[1])
 NICENESS = 10
 
 
-def _send(stream: IO[bytes], message: Any) -> None:
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+def _pickle(message: Any) -> bytes:
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _send(stream: IO[bytes], data: bytes) -> None:
+    """One message: its length, then its pickled bytes."""
     stream.write(_LENGTH.pack(len(data)))
     stream.write(data)
     stream.flush()
@@ -114,17 +118,14 @@ class SaverProcess:
         cannot be sent (the payload does not pickle) or the child died; nothing was committed then.
         """
         try:
-            request = pickle.dumps(("write", location.uri, location.storage_options, location.retry, payload,
-                                    codec, level), protocol=pickle.HIGHEST_PROTOCOL)
+            request = _pickle((location.uri, location.storage_options, location.retry, payload, codec, level))
         except Exception as exc:
             raise NotTransferable(f"this payload cannot be sent to the save process ({exc})") from exc
         with self._lock:
             stdin, stdout = self._process.stdin, self._process.stdout
             assert stdin is not None and stdout is not None
             try:
-                stdin.write(_LENGTH.pack(len(request)))
-                stdin.write(request)
-                stdin.flush()
+                _send(stdin, request)
                 status, value, caught = _receive(stdout)
             except (OSError, EOFError, pickle.UnpicklingError) as exc:
                 code = self._process.poll()
@@ -212,7 +213,7 @@ def serve(parent: int) -> None:
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     requests = sys.stdin.buffer
-    _send(replies, "ready")
+    _send(replies, _pickle("ready"))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal is for the parent to handle
     while True:
         try:
@@ -221,14 +222,12 @@ def serve(parent: int) -> None:
             return
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            value: Any
             try:
-                _, uri, options, retry, payload, codec, level = message
-                assert isinstance(retry, RetryPolicy)
-                result = write_payload(Location(uri, options, retry), payload, get_codec(codec), level)
-                reply: tuple[str, Any, Any] = ("ok", result, None)
+                uri, options, retry, payload, codec, level = message
+                status, value = "ok", write_payload(Location(uri, options, retry), payload, get_codec(codec), level)
             except BaseException as exc:
-                reply = ("error", (_portable_error(exc), traceback.format_exc()), None)
-        seen = [(w.category, str(w.message)) for w in caught]
-        _send(replies, (reply[0], reply[1], seen))
-        del message, reply
+                status, value = "error", (_portable_error(exc), traceback.format_exc())
+        _send(replies, _pickle((status, value, [(w.category, str(w.message)) for w in caught])))
+        message = payload = value = None  # the payload (bytes can be large) is not kept until the next request
         release_freed_memory()
