@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import IO
 
 from ._codecs import BLOCK_SIZE, DECODE_ERRORS, Codec
+from ._prefetch import read_up_to
 from ._storage import WRITE_PIECE
 from .errors import CheckpointCorruptError, UnsafeArchiveError
 
@@ -124,13 +125,10 @@ class _TarReader:
         return len(data)
 
     def _exact(self, n: int) -> bytes:
-        out = bytearray()
-        while len(out) < n:
-            chunk = self._source.read(n - len(out))
-            if not chunk:
-                raise EOFError("the archive ends inside a header or record")
-            out += chunk
-        return bytes(out)
+        data = read_up_to(self._source, n)
+        if len(data) < n:
+            raise EOFError("the archive ends inside a header or record")
+        return data
 
     def _skip_padding(self, size: int) -> None:
         if size % 512:

@@ -21,7 +21,7 @@ import zlib
 from collections.abc import Callable
 from typing import IO, Any
 
-from ._prefetch import OrderedFutureReader
+from ._prefetch import OrderedFutureReader, read_up_to
 
 #: Input bytes per member: large enough that headers and lost dictionary cost nothing, small enough to
 #: keep memory bounded (members in flight x 2 x this).
@@ -178,10 +178,7 @@ class ParallelGzipWriter(io.RawIOBase):
             if self._buf or self._members == 0:
                 self._submit()
         finally:
-            self._ordered.put(None)
-            self._emitter.join()
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            super().close()
+            self._stop()
         self._raise_error()
 
     def abort(self) -> None:
@@ -190,6 +187,10 @@ class ParallelGzipWriter(io.RawIOBase):
             return
         self._error = self._error or RuntimeError("gzip stream aborted")
         self._buf = bytearray()
+        self._stop()
+
+    def _stop(self) -> None:
+        """End the writer thread after the members already queued, then the pool, then this stream."""
         self._ordered.put(None)
         self._emitter.join()
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -206,25 +207,15 @@ class ParallelGzipReader(OrderedFutureReader):
         self._ahead = threads * 2
         self._eof = False
 
-    def _read_exactly(self, n: int) -> bytes:
-        parts, got = [], 0
-        while got < n:
-            chunk = self._source.read(n - got)
-            if not chunk:
-                break
-            parts.append(chunk)
-            got += len(chunk)
-        return b"".join(parts)
-
     def _next_member(self) -> bytes | None:
-        head = self._read_exactly(_HEADER_SIZE)
+        head = read_up_to(self._source, _HEADER_SIZE)
         if not head:
             return None
         total = labelled_length(head)
         if total is None or total < _HEADER_SIZE + _TRAILER.size:
             raise GzipFormatError("gzip member without taskpoint's length label in a labelled stream, or "
                                   "data after the end of the stream")
-        rest = self._read_exactly(total - _HEADER_SIZE)
+        rest = read_up_to(self._source, total - _HEADER_SIZE)
         if len(rest) != total - _HEADER_SIZE:
             raise EOFError("compressed stream ended inside a member")
         return head + rest

@@ -1,11 +1,24 @@
-"""A readable stream fed by futures resolved in order: the shape shared by parallel inflate and ranged GETs."""
+"""Stream helpers shared by the readers: a stream fed by futures resolved in order (the shape of parallel
+inflate and ranged GETs), and a loop over short reads."""
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
 import io
-from typing import Any
+from typing import IO, Any
+
+
+def read_up_to(source: IO[bytes], n: int) -> bytes:
+    """``n`` bytes of ``source``, fewer only at its end (a single ``read`` may return less at any time)."""
+    parts, got = [], 0
+    while got < n:
+        chunk = source.read(n - got)
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
 
 
 class OrderedFutureReader(io.RawIOBase):

@@ -20,6 +20,7 @@ from typing import IO, Any
 from ._codecs import BLOCK_SIZE, Codec, detect_codec, holds_tar
 from ._payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, Payload
 from ._pgzip import crc32
+from ._prefetch import read_up_to
 from ._storage import Location, copy_fd_in_kernel, copy_file_in_kernel, digest_by_reading, digest_of_fd, permanent_error
 from .errors import CheckpointCorruptError
 
@@ -93,11 +94,8 @@ class HashingReader:
         self.size = 0
 
     def peek_head(self, n: int) -> bytes:
-        while len(self._head) < n:
-            chunk = self._source.read(n - len(self._head))
-            if not chunk:
-                break
-            self._head += chunk
+        if len(self._head) < n:
+            self._head += read_up_to(self._source, n - len(self._head))
         return self._head
 
     def readable(self) -> bool:
