@@ -1,6 +1,6 @@
 # taskpoint: two commands on a fresh machine.
 #   make demo   set up .venv, then run the quick-start example on the local default root
-#   make test   set up .venv and the object-store servers, then run the whole suite
+#   make test   set up .venv and the object-store servers, check the import layers, then run the whole suite
 #   make bench  the speed benchmark of issues 3 and 5 (BENCH_ARGS="--size 0.0625 --runs 1" for a quick run)
 PYTHON ?= python3
 VENV   := .venv
@@ -45,6 +45,7 @@ demo: $(STAMP)
 	TASKPOINT_ROOT="$(ROOT)" $(PY) examples/quickstart.py
 
 test: $(STAMP) $(NPM_STAMP) $(FLYTE_STAMP)
+	$(VENV)/bin/lint-imports --no-cache
 	TASKPOINT_FLYTE_PYTHON=$(FLYTE_VENV)/bin/python $(PY) -m pytest
 
 $(BENCH_STAMP): pyproject.toml $(STAMP)
@@ -58,6 +59,7 @@ lint: $(STAMP)
 	$(PIP) install --quiet -e ".[dev]"
 	$(PY) -m ruff check src tests examples benchmarks
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports --no-cache
 
 clean:
 	rm -rf $(VENV) $(FLYTE_VENV) $(NPM_DIR)/node_modules .taskpoint

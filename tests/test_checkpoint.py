@@ -332,7 +332,7 @@ def test_load_of_foreign_raw_object_without_record_returns_payload(store):
 
 
 def test_large_checkpoint_round_trips_through_concurrent_ranged_reads(remote_store, tmp_path, monkeypatch):
-    from taskpoint import _storage
+    from taskpoint.storage import streams as _storage
 
     opened = []
     real = _storage.ConcurrentRangeReader.__init__

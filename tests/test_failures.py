@@ -122,7 +122,7 @@ class _FailingPayloadError(RuntimeError):
 @pytest.mark.parametrize("at", [0, 5 << 20, 33 << 20])
 def test_source_failing_midway_aborts_the_upload_and_keeps_previous(store, s3_server, tmp_path, at):
     """A payload that fails after ``at`` bytes: nothing partial is published, no multipart parts remain."""
-    from taskpoint._payloads import BytesPayload
+    from taskpoint.payloads import BytesPayload
 
     class Failing(BytesPayload):
         def write(self, sink, codec, level):
@@ -131,9 +131,9 @@ def test_source_failing_midway_aborts_the_upload_and_keeps_previous(store, s3_se
 
     dest = store.url("ckpt")
     Checkpoint(dest, storage_options=store.storage_options).save_sync(b"previous")
-    from taskpoint._checkpoint import save_object
-    from taskpoint._codecs import get_codec
-    from taskpoint._storage import Location
+    from taskpoint.checkpoint import save_object
+    from taskpoint.format.codecs import get_codec
+    from taskpoint.storage import Location
 
     with pytest.raises(_FailingPayloadError):
         save_object(Location(dest, store.storage_options), Failing(b""), get_codec("gzip"), None)

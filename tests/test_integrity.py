@@ -214,7 +214,7 @@ def test_archive_with_safe_links_inside_is_accepted(tmp_path):
 
 def test_truncation_at_a_gzip_member_boundary_is_detected_even_without_a_record(tmp_path):
     """Concatenated gzip members end cleanly between members; the missing tar end marker still gives it away."""
-    from taskpoint._pgzip import labelled_length
+    from taskpoint.format.pgzip import labelled_length
 
     Checkpoint(tmp_path / "ckpt").save_sync(make_tree(tmp_path / "src", big=9 << 20))
     blob = (tmp_path / "ckpt").read_bytes()

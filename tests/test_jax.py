@@ -369,7 +369,7 @@ def test_async_checkpointing_snapshots_at_save_and_wait_until_finished_commits(t
 _KILLED_SAVE = """
     import os, signal, sys
     import numpy as np
-    import taskpoint._payloads as payloads
+    import taskpoint.payloads as payloads
     from taskpoint.jax import OrbaxCheckpointHandler
 
     directory = sys.argv[1]

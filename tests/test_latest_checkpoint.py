@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from taskpoint._latest import latest_checkpoint
+from taskpoint.latest import latest_checkpoint
 
 SAME_MTIME = 1_700_000_000
 

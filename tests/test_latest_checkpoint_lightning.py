@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from taskpoint._latest import latest_checkpoint
+from taskpoint.latest import latest_checkpoint
 
 pytestmark = pytest.mark.slow
 

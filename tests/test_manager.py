@@ -22,8 +22,11 @@ import pytest
 
 import taskpoint
 from helpers import make_tree, read_object, snapshot, write_object
-from taskpoint import CheckpointCorruptError, CheckpointError, CheckpointManager, StorageError, TaskContext, _manager
-from taskpoint._context import _reset_context, _set_context
+from taskpoint import CheckpointCorruptError, CheckpointError, CheckpointManager, StorageError, TaskContext
+from taskpoint.manager import manager as _manager
+from taskpoint.manager import restore as _restore
+from taskpoint.runtime.state import reset_context as _reset_context
+from taskpoint.runtime.state import set_context as _set_context
 
 LOCAL_AND_S3 = pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
 #: Bounds every wait on another thread or process, so a bug fails the test instead of hanging it.
@@ -68,11 +71,15 @@ class Gate:
     """
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, function: str) -> None:
-        self._real = getattr(_manager, function)
+        # Where the manager looks each transfer up: uploads (through its save process, when it has one) in
+        # the manager module, downloads in the restore module.
+        module, function = {"write_payload": (_manager, "store_payload"),
+                            "read_payload": (_restore, "read_payload")}[function]
+        self._real = getattr(module, function)
         self._held: dict[int, tuple[threading.Event, threading.Event]] = {}
         #: Called with the step as each transfer starts (tests record what they need to see then).
         self.on_start: Callable[[int], object] = lambda step: None
-        monkeypatch.setattr(_manager, function, self._transfer)
+        monkeypatch.setattr(module, function, self._transfer)
 
     def _transfer(self, location, *args):
         match = re.search(r"/ckpt-(\d+)/", location.uri)
@@ -324,14 +331,14 @@ def test_fallback_never_skips_a_step_because_storage_failed(tmp_path, monkeypatc
     with CheckpointManager(tmp_path / "d") as m:
         m.save(b"older", 1)
         m.save(b"newer", 2)
-        real = _manager.read_payload
+        real = _restore.read_payload
 
         def outage(src, *args):
             if "/ckpt-2/" in src.uri:
                 raise StorageError(f"could not load {src.uri}: storage kept failing")
             return real(src, *args)
 
-        monkeypatch.setattr(_manager, "read_payload", outage)
+        monkeypatch.setattr(_restore, "read_payload", outage)
         with pytest.raises(StorageError):
             m.restore(fallback=True)  # resuming from step 1 would silently lose progress
 

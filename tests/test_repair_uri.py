@@ -7,8 +7,10 @@ from typing import Any
 
 import pytest
 
-from taskpoint._context import TaskContext, _reset_context, _set_context
-from taskpoint._repair import ATTEMPT_ENV, repair_prev_checkpoint_uri
+from taskpoint import TaskContext, repair_prev_checkpoint_uri
+from taskpoint.runtime.repair import ATTEMPT_ENV
+from taskpoint.runtime.state import reset_context as _reset_context
+from taskpoint.runtime.state import set_context as _set_context
 
 RUN = {"run_name": "r1", "action_name": "a0"}
 

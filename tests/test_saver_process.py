@@ -13,7 +13,8 @@ import uuid
 import pytest
 
 from helpers import make_tree, snapshot
-from taskpoint import CheckpointManager, StorageError, _saver
+from taskpoint import CheckpointManager, StorageError
+from taskpoint.manager import saver as _saver
 
 LOCAL_AND_S3 = pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
 TIMEOUT = 60
@@ -44,13 +45,13 @@ def test_background_payloads_are_written_by_the_helper_process(store, tmp_path, 
     weights = tmp_path / "w.bin"
     weights.write_bytes(os.urandom(200_000))
     # The caller's own writer is broken on purpose: every background payload must go through the child.
-    monkeypatch.setattr("taskpoint._manager.write_here", _refuse_here)
+    monkeypatch.setattr("taskpoint.manager.background.write_payload", _refuse_here)
     with manager(store) as m:
         for step, data in ((1, tree), (2, weights), (3, bytearray(b"abc" * 1000))):
             m.save(data, step, blocking=False)
             m.wait_until_finished()
-        pid = m._saver.pid
-        assert m._saver.alive()
+        pid = m._background.saver.pid
+        assert m._background.saver.alive()
         assert snapshot(m.restore(1)) == snapshot(tree)
         assert m.restore(2).read_bytes() == weights.read_bytes()
         assert m.restore(3).read_bytes() == b"abc" * 1000
@@ -84,7 +85,7 @@ def test_an_error_in_the_helper_process_keeps_its_type_and_tells_where(s3_store)
 @LOCAL_AND_S3
 def test_a_helper_killed_in_the_middle_of_a_save_loses_nothing(store, tmp_path, monkeypatch):
     tree = make_tree(tmp_path / "tree", big=2 << 20)
-    real = _saver.SaverProcess.write_payload
+    real = _saver.SaverProcess.store_payload
     killed = []
 
     def kill_then_write(self, *args):
@@ -94,7 +95,7 @@ def test_a_helper_killed_in_the_middle_of_a_save_loses_nothing(store, tmp_path, 
             killed.append(self.pid)
         return real(self, *args)
 
-    monkeypatch.setattr(_saver.SaverProcess, "write_payload", kill_then_write)
+    monkeypatch.setattr(_saver.SaverProcess, "store_payload", kill_then_write)
     with manager(store) as m:
         with pytest.warns(RuntimeWarning, match="died"):
             m.save(tree, 1, blocking=False)
@@ -103,7 +104,7 @@ def test_a_helper_killed_in_the_middle_of_a_save_loses_nothing(store, tmp_path, 
         assert snapshot(m.restore(1)) == snapshot(tree)
         m.save(b"after", 2, blocking=False)  # a new helper takes the next save
         m.wait_until_finished()
-        assert m._saver.pid != killed[0]
+        assert m._background.saver.pid != killed[0]
         assert m.restore(2).read_bytes() == b"after"
 
 
@@ -125,7 +126,7 @@ def test_the_helper_exits_when_its_parent_is_killed(tmp_path):
         m = CheckpointManager({str(tmp_path / "ckpts")!r})
         m.save(b"x", 1, blocking=False)
         m.wait_until_finished()
-        print(m._saver.pid, flush=True)
+        print(m._background.saver.pid, flush=True)
         time.sleep(120)
     """)
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
@@ -144,8 +145,8 @@ def test_the_helper_exits_when_its_parent_is_killed(tmp_path):
 def test_a_payload_that_does_not_pickle_is_refused_before_anything_is_sent(tmp_path):
     import threading
 
-    from taskpoint._payloads import DirectoryPayload
-    from taskpoint._storage import Location
+    from taskpoint.payloads import DirectoryPayload
+    from taskpoint.storage import Location
 
     class Locked(DirectoryPayload):
         def __init__(self, path):
@@ -155,7 +156,7 @@ def test_a_payload_that_does_not_pickle_is_refused_before_anything_is_sent(tmp_p
     saver = _saver.SaverProcess()
     try:
         with pytest.raises(_saver.NotTransferable):
-            saver.write_payload(Location(str(tmp_path / "x")), Locked(tmp_path), "gzip", None)
+            saver.store_payload(Location(str(tmp_path / "x")), Locked(tmp_path), "gzip", None)
         assert saver.alive()
         assert not (tmp_path / "x").exists()
     finally:
@@ -172,7 +173,7 @@ def test_a_pytree_background_save_goes_to_the_helper_without_importing_jax_there
     with CheckpointManager(tmp_path / "ckpts") as m:
         m.save(PyTree(tree), 1, blocking=False)
         m.wait_until_finished()
-        with open(f"/proc/{m._saver.pid}/maps") as f:
+        with open(f"/proc/{m._background.saver.pid}/maps") as f:
             assert "jaxlib" not in f.read()
         restored = load_pytree_sync(m.restore(1))
     assert restored["step"] == 7 and (restored["w"] == tree["w"]).all()
@@ -180,7 +181,7 @@ def test_a_pytree_background_save_goes_to_the_helper_without_importing_jax_there
 
 
 def test_snapshots_that_killed_processes_left_are_swept_by_a_later_background_save(tmp_path):
-    from taskpoint import _manager
+    from taskpoint.manager import background as _manager
 
     scratch = tmp_path / "scratch"
     scratch.mkdir()

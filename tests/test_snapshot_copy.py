@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from taskpoint import CheckpointManager
-from taskpoint._storage import ParallelCopy
+from taskpoint.storage import ParallelCopy
 
 
 def _tree(root, files=40):
@@ -67,7 +67,7 @@ def test_a_failed_snapshot_saves_nothing_and_leaves_no_scratch(tmp_path, monkeyp
 
     with CheckpointManager(tmp_path / "steps", snapshot_dir=scratch) as manager:
         # A mock: a disk that fills up exactly during the snapshot.
-        monkeypatch.setattr("taskpoint._storage.copy_with_metadata", failing_copy)
+        monkeypatch.setattr("taskpoint.storage._localio.copy_with_metadata", failing_copy)
         with pytest.raises(OSError, match="No space left"):
             manager.save(source, 1, blocking=False)
         monkeypatch.undo()
@@ -83,7 +83,7 @@ def test_hashing_by_reading_stops_at_the_real_end_of_a_file_that_got_shorter(tmp
                                                                              platform_has_preadv):
     import hashlib
 
-    from taskpoint._storage import digest_by_reading
+    from taskpoint.storage import digest_by_reading
 
     if not platform_has_preadv:
         monkeypatch.delattr(os, "preadv")  # as on platforms without it

@@ -6,16 +6,25 @@ up on the next attempt::
     cp = taskpoint.Checkpoint("s3://bucket/run/1/ckpt", "s3://bucket/run/0/ckpt")
     state = cp.load_sync()          # None on the first attempt
     cp.save_sync(b"step=42")
+
+This module holds the public names only; docs/design.md describes the layers behind them.
 """
 
-from ._checkpoint import BaseCheckpoint, Checkpoint
-from ._context import TaskContext, ctx
-from ._latest import latest_checkpoint
-from ._manager import CheckpointManager
-from ._repair import repair_prev_checkpoint_uri
-from ._runtime import task
-from ._storage import RetryPolicy
-from .errors import CheckpointCorruptError, CheckpointError, StorageError, UnsafeArchiveError
+from .checkpoint import BaseCheckpoint, Checkpoint
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    StorageAccessDenied,
+    StorageError,
+    StorageFull,
+    StorageNotFound,
+    StorageUnavailable,
+    UnsafeArchiveError,
+)
+from .latest import latest_checkpoint
+from .manager import CheckpointManager
+from .runtime import TaskContext, ctx, repair_prev_checkpoint_uri, task
+from .storage import RetryPolicy
 
 __all__ = [
     "BaseCheckpoint",
@@ -24,7 +33,11 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "RetryPolicy",
+    "StorageAccessDenied",
     "StorageError",
+    "StorageFull",
+    "StorageNotFound",
+    "StorageUnavailable",
     "TaskContext",
     "UnsafeArchiveError",
     "ctx",

@@ -7,14 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ._runtime import (
-    ENV_ACTION_NAME,
-    ENV_ATTEMPT,
-    ENV_CHECKPOINT_PATH,
-    ENV_PREV_CHECKPOINT,
-    ENV_ROOT,
-    ENV_RUN_NAME,
-)
+from .runtime import layout
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,15 +53,16 @@ def _run(args: argparse.Namespace) -> int:
         print("taskpoint run: --attempt counts from 1", file=sys.stderr)
         return 2
     env = dict(os.environ)
-    for name, value in ((ENV_CHECKPOINT_PATH, args.checkpoint_path), (ENV_PREV_CHECKPOINT, args.prev_checkpoint),
-                        (ENV_ROOT, args.root), (ENV_RUN_NAME, args.run_name),
-                        (ENV_ACTION_NAME, args.action_name),
-                        (ENV_ATTEMPT, None if args.attempt is None else str(args.attempt))):
+    for name, value in ((layout.ENV_CHECKPOINT_PATH, args.checkpoint_path),
+                        (layout.ENV_PREV_CHECKPOINT, args.prev_checkpoint), (layout.ENV_ROOT, args.root),
+                        (layout.ENV_RUN_NAME, args.run_name),
+                        (layout.ENV_ACTION_NAME, args.action_name),
+                        (layout.ENV_ATTEMPT, None if args.attempt is None else str(args.attempt))):
         if value is not None:
             env[name] = value
-    if env.get(ENV_ROOT) and env.get(ENV_RUN_NAME) and not env.get(ENV_ACTION_NAME):
-        env[ENV_ACTION_NAME] = "main"
-    if not env.get(ENV_CHECKPOINT_PATH) and not (env.get(ENV_ROOT) and env.get(ENV_RUN_NAME)):
+    if env.get(layout.ENV_ROOT) and env.get(layout.ENV_RUN_NAME) and not env.get(layout.ENV_ACTION_NAME):
+        env[layout.ENV_ACTION_NAME] = "main"
+    if not env.get(layout.ENV_CHECKPOINT_PATH) and not (env.get(layout.ENV_ROOT) and env.get(layout.ENV_RUN_NAME)):
         print("taskpoint run: give --checkpoint-path, or --root with --run-name", file=sys.stderr)
         return 2
     sys.stdout.flush()
@@ -81,7 +75,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    from ._manager import CheckpointManager
+    from .manager import CheckpointManager
 
     with CheckpointManager(args.directory) as manager:
         removed = manager.gc(grace_seconds=args.grace) if args.grace is not None else manager.gc()

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointCorruptError", "CheckpointError", "StorageError", "UnsafeArchiveError"]
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "StorageAccessDenied",
+    "StorageError",
+    "StorageFull",
+    "StorageNotFound",
+    "StorageUnavailable",
+    "UnsafeArchiveError",
+]
 
 
 class CheckpointError(Exception):
@@ -18,7 +27,25 @@ class UnsafeArchiveError(CheckpointCorruptError):
 
 
 class StorageError(CheckpointError):
-    """Storage kept failing after bounded retries (network, permissions, missing bucket)."""
+    """Storage could not do what was asked. The subclasses say why; anything else (a parent path that is a
+    file, a name the store refuses) is a plain StorageError. Never raised for "there is no checkpoint"."""
+
+
+class StorageUnavailable(StorageError):
+    """Storage kept failing transiently (network, timeouts, throttling, 5xx) after the retries ran out."""
+
+
+class StorageAccessDenied(StorageError):
+    """Credentials are missing or were rejected, or permissions forbid the operation. Not retried; the
+    message names the credential source that was tried, never a credential's value."""
+
+
+class StorageNotFound(StorageError):
+    """The bucket or container (or, for a save, a folder the store will not create) does not exist."""
+
+
+class StorageFull(StorageError):
+    """No space left: on the destination, or on the local disk a load extracts to. Not retried."""
 
 
 def add_note(exc: BaseException, note: str) -> None:

@@ -20,8 +20,8 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
-from .._manager import CheckpointManager
 from ..errors import CheckpointError
+from ..manager import CheckpointManager
 from ._payload import load_pytree_sync
 from ._pytree import PyTree
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import anyio.to_thread
 
-from .._checkpoint import BaseCheckpoint
-from .._payloads import DirectoryPayload, Payload, register_payload
+from ..checkpoint import BaseCheckpoint
+from ..payloads import DirectoryPayload, Payload, register_payload
 from ._pytree import PyTree, read_tree, write_tree
 
 #: Prefix of the temp folders where trees are serialized before upload (below ``$TMPDIR``).

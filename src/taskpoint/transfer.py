@@ -2,8 +2,9 @@
 
 ``write_payload`` streams a payload into an object atomically and returns its size and digest;
 ``read_payload`` streams an object back into a workspace, staging it until the caller's check of the size
-and digest passes. The checkpoint record protocol (:mod:`._checkpoint`) and the versioned manager
-(:mod:`._manager`) are both built on these two functions.
+and digest passes. The checkpoint record protocol (:mod:`taskpoint.checkpoint`) and the versioned manager
+(:mod:`taskpoint.manager`) are both built on these two functions; the manager's save process calls
+``write_payload`` too.
 """
 
 from __future__ import annotations
@@ -17,15 +18,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from ._codecs import BLOCK_SIZE, Codec, detect_codec, holds_tar
-from ._payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, Payload
-from ._pgzip import crc32
-from ._prefetch import read_up_to
-from ._storage import Location, copy_fd_in_kernel, copy_file_in_kernel, digest_by_reading, digest_of_fd, permanent_error
-from .errors import CheckpointCorruptError
+from .errors import CheckpointCorruptError, CheckpointError
+from .format.codecs import BLOCK_SIZE, Codec, detect_codec, holds_tar
+from .format.pgzip import crc32
+from .payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, Payload
+from .storage import Location, copy_fd_in_kernel, copy_file_in_kernel, digest_by_reading, digest_of_fd
+from .storage.streams import read_up_to
+from .workspace import STAGING_PREFIX
 
-#: Prefix of the folders where a load is staged until it is verified; they live inside the workspace.
-STAGING_PREFIX = ".taskpoint-staging-"
 _HEAD_SIZE = 1024
 
 #: Picks the payload class of an object from its first bytes and its size (None when unknown).
@@ -34,8 +34,9 @@ KindChooser = Callable[[bytes, "int | None"], type[Payload]]
 Verifier = Callable[[str, int, str], None]
 
 
-class _SourceFailure(Exception):
-    """Reading the data to save failed (not storage): report the original error, do not retry."""
+class _SourceFailure(CheckpointError):
+    """Reading the data to save failed (not storage): report the original error, do not retry. A
+    CheckpointError so that the storage error map passes it through untouched."""
 
 
 class _Crc32:
@@ -136,7 +137,7 @@ def write_payload(dest: Location, payload: Payload, codec: Codec, level: int | N
     """Stream ``payload`` into ``dest`` atomically; return the stored size and its ``digest`` (hex).
 
     Transient storage failures are retried by rewriting the whole object; a failure to read the data being
-    saved is raised as it is, without retrying; permission and missing-bucket errors become StorageError.
+    saved is raised as it is, without retrying; other storage failures become the matching StorageError.
     """
 
     def write() -> tuple[int, str]:
@@ -154,14 +155,9 @@ def write_payload(dest: Location, payload: Payload, codec: Codec, level: int | N
         return out.size, out.hexdigest()
 
     try:
-        return dest.retry.call(write, action="save a checkpoint to", uri=dest.uri)
+        return dest.run(write, action="save a checkpoint to", writing=True)
     except _SourceFailure as failure:
         raise failure.__cause__ from None  # type: ignore[misc]
-    except Exception as exc:
-        mapped = permanent_error(exc, "save a checkpoint to", dest.uri)
-        if mapped is exc:
-            raise
-        raise mapped from exc
 
 
 def _copy_local(source: Path, sink: Any, expected: int | None, digest: str) -> tuple[int, str]:
@@ -187,8 +183,7 @@ def read_payload(src: Location, workspace: Path, choose: KindChooser, verify: Ve
     Nothing reaches the workspace until ``verify`` accepted the whole object; transient failures restart
     the download.
     """
-    return src.retry.call(lambda: _read_once(src, workspace, choose, verify, digest),
-                          action="load the checkpoint from", uri=src.uri)
+    return src.run(lambda: _read_once(src, workspace, choose, verify, digest), action="load the checkpoint from")
 
 
 def _read_once(src: Location, workspace: Path, choose: KindChooser, verify: Verifier,

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import re
-import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -18,12 +15,13 @@ from typing import Any
 
 import anyio.to_thread
 
-from ._codecs import Codec, get_codec
-from ._manifest import MANIFEST_SUFFIX, Manifest, ObjectRecord
-from ._payloads import Payload, payload_class, payload_for
-from ._storage import Location, RetryPolicy, normalize_uri
-from ._transfer import STAGING_PREFIX, guess_kind, read_payload, write_payload
-from .errors import CheckpointCorruptError, CheckpointError, StorageError
+from .errors import CheckpointCorruptError, CheckpointError, StorageError, StorageNotFound
+from .format.codecs import Codec, get_codec
+from .format.records import MANIFEST_SUFFIX, Manifest, ObjectRecord
+from .payloads import Payload, payload_class, payload_for
+from .storage import Location, RetryPolicy, normalize_uri
+from .transfer import guess_kind, read_payload, write_payload
+from .workspace import Workspace
 
 _TEMPLATE = re.compile(r"\{\{.*?\}\}")
 
@@ -105,7 +103,7 @@ class Checkpoint(BaseCheckpoint):
         self._lock = threading.Lock()
         self._loaded: Path | None = None
         self._closed = False
-        self._workspace = _Workspace(workspace)
+        self._workspace = Workspace(workspace)
 
     # -- properties --------------------------------------------------------------------------------------
 
@@ -265,7 +263,7 @@ def load_object(src: Location, workspace: Path) -> Path | None:
                 f"the checkpoint at {src.uri} is recorded as saved but its object is missing; it was deleted "
                 f"or moved. Restore the object, or delete its record ({MANIFEST_SUFFIX}) to start over.")
         if src.container_missing():
-            raise StorageError(f"could not load {src.uri}: the bucket or container does not exist. "
+            raise StorageNotFound(f"could not load {src.uri}: the bucket or container does not exist. "
                                "Create it, or fix the URI.")
     return result
 
@@ -295,51 +293,3 @@ def _verify(manifest: Manifest | None, kind: str, size: int, digest: str, uri: s
         f"the checkpoint at {uri} does not match the checksum recorded when it was saved "
         f"(size {size}, expected {expected}); it is truncated or damaged. Save a new checkpoint, or load "
         "an older one.")
-
-
-class _Workspace:
-    """The local folder of one Checkpoint: private temp folder, or one the caller chose."""
-
-    _in_use: set[str] = set()
-    _to_remove: set[str] = set()
-    _guard = threading.Lock()
-    _exit_hook = False
-
-    def __init__(self, folder: str | os.PathLike[str] | None) -> None:
-        if folder is None:
-            self.path = Path(tempfile.mkdtemp(prefix="taskpoint-"))
-            self.owned = True
-        else:
-            self.path = Path(normalize_uri(folder, "workspace")).absolute()
-            self.path.mkdir(parents=True, exist_ok=True)
-            self.owned = False
-        key = str(self.path.resolve())
-        with self._guard:
-            if not _Workspace._exit_hook:
-                atexit.register(_Workspace.remove_all)
-                _Workspace._exit_hook = True
-            if key in self._in_use:
-                raise ValueError(f"workspace {self.path} is already used by another open Checkpoint")
-            self._in_use.add(key)
-            if self.owned:
-                self._to_remove.add(key)
-        self._key = key
-
-    def close(self) -> None:
-        with self._guard:
-            self._in_use.discard(self._key)
-            self._to_remove.discard(self._key)
-        if self.owned:
-            shutil.rmtree(self.path, ignore_errors=True)
-        else:
-            for leftover in self.path.glob(STAGING_PREFIX + "*"):
-                shutil.rmtree(leftover, ignore_errors=True)
-
-    @classmethod
-    def remove_all(cls) -> None:
-        with cls._guard:
-            paths, cls._to_remove = list(cls._to_remove), set()
-        for path in paths:
-            shutil.rmtree(path, ignore_errors=True)
-
-

@@ -1,15 +1,16 @@
-"""The task context: who is running (run, action, attempt) and where its checkpoints live."""
+"""The task context as a value, and where the running one is kept: who is running (run, action, attempt) and
+where its checkpoints live. Imports nothing of the runtime but its layout names."""
 
 from __future__ import annotations
 
 import contextvars
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from ._checkpoint import Checkpoint
-    from ._manager import CheckpointManager
+from ..checkpoint import Checkpoint
+from ..manager import CheckpointManager
+from .layout import STEPS_FOLDER
 
 _current: contextvars.ContextVar[TaskContext | None] = contextvars.ContextVar("taskpoint_ctx", default=None)
 
@@ -48,34 +49,49 @@ class TaskContext:
             return None
         with self._lock:
             if self._manager is None:
-                from ._manager import CheckpointManager
-                from ._runtime import STEPS_FOLDER
-
                 uri = f"{self.root}/{self.run_name}/{self.action_name}/{STEPS_FOLDER}"
                 self._manager = CheckpointManager(uri, storage_options=self.storage_options,
                                                   **self.manager_options)
             return self._manager
 
 
-def ctx() -> TaskContext | None:
-    """The context of the task this code runs in, or ``None`` outside a task.
-
-    Inside ``@taskpoint.task`` it is the attempt's context (also in asyncio and trio tasks and in threads
-    started through ``contextvars``-aware helpers; a plain thread sees it while only one task runs in the
-    process). Outside, a process started by ``taskpoint run`` or given the ``TASKPOINT_*`` environment
-    variables gets a context built from them.
-    """
-    current = _current.get()
-    if current is not None:
-        return current
-    from ._runtime import _active, environment_context
-
-    return _active.only() or environment_context()
-
-
-def _set_context(value: TaskContext | None) -> contextvars.Token[TaskContext | None]:
+def set_context(value: TaskContext | None) -> contextvars.Token[TaskContext | None]:
     return _current.set(value)
 
 
-def _reset_context(token: contextvars.Token[TaskContext | None]) -> None:
+def reset_context(token: contextvars.Token[TaskContext | None]) -> None:
     _current.reset(token)
+
+
+class ActiveContexts:
+    """Contexts of tasks running in this process, for threads started without copying context variables."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stack: list[TaskContext] = []
+
+    def push(self, context: TaskContext) -> None:
+        with self._lock:
+            self._stack.append(context)
+
+    def pop(self, context: TaskContext) -> None:
+        with self._lock:
+            if context in self._stack:
+                self._stack.remove(context)
+
+    def only(self) -> TaskContext | None:
+        """The innermost context when all running tasks form one chain (one root task); else None."""
+        with self._lock:
+            if not self._stack:
+                return None
+            runs = {c.run_name for c in self._stack}
+            return self._stack[-1] if len(runs) == 1 else None
+
+
+active = ActiveContexts()
+
+
+def running() -> TaskContext | None:
+    """The context of the task running here (this context, or the only chain of tasks in the process);
+    None outside a task. Unlike :func:`taskpoint.ctx`, never builds a context from the environment."""
+    return _current.get() or active.only()

@@ -16,10 +16,10 @@ import warnings
 from pathlib import Path
 from typing import IO
 
-from ._codecs import BLOCK_SIZE, DECODE_ERRORS, Codec
-from ._prefetch import read_up_to
-from ._storage import WRITE_PIECE
-from .errors import CheckpointCorruptError, UnsafeArchiveError
+from ..errors import CheckpointCorruptError, UnsafeArchiveError
+from ..storage import WRITE_PIECE
+from ..storage.streams import read_up_to
+from .codecs import BLOCK_SIZE, DECODE_ERRORS, Codec
 
 
 class _TellingWriter:

@@ -7,7 +7,7 @@ it *committed* with its size and CRC32. A crash between the object and the final
 pending entry that still tells load the kind; a good checkpoint therefore never becomes unloadable, and
 outside that window every byte is verified against the recorded CRC32 and size.
 
-The versioned manager (:mod:`._manager`) keeps a :class:`StepManifest` in each step's folder instead: it is
+The versioned manager (:mod:`taskpoint.manager`) keeps a :class:`StepManifest` in each step's folder instead: it is
 written once, after the payload, and is the step's commit.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
-from .errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError
 
 MANIFEST_SUFFIX = ".taskpoint.json"
 FORMAT = "taskpoint.checkpoint"

@@ -9,7 +9,7 @@ saves for the same reason.
 
 :class:`SaverProcess` runs :func:`serve` in a plain child process (``python -c``) (not ``multiprocessing``:
 its spawn mode would import the caller's ``__main__`` again, running an unguarded training script twice).
-It writes payloads as :func:`taskpoint._transfer.write_payload` does, one request at a time, over a pipe of
+It writes payloads as :func:`taskpoint.transfer.write_payload` does, one request at a time, over a pipe of
 length-prefixed pickles. Only the payload's bytes travel this way: the manager still commits (writes the
 manifest) and applies retention in its own process, where it knows which steps are being restored. The
 child runs at a lower CPU priority, and exits when the pipe closes or within a second of its parent's death.
@@ -31,16 +31,16 @@ import traceback
 import warnings
 from typing import IO, Any
 
-from ._codecs import get_codec
-from ._payloads import Payload
-from ._storage import Location
-from ._transfer import write_payload
-from .errors import add_note
+from ..errors import add_note
+from ..format.codecs import get_codec
+from ..payloads import Payload
+from ..storage import Location
+from ..transfer import write_payload
 
 _LENGTH = struct.Struct("<Q")
-#: What the child runs (not ``-m taskpoint._saver``: the package imports this module, and runpy would
+#: What the child runs (not ``-m taskpoint.manager.saver``: the package imports this module, and runpy would
 #: then run a second copy of it).
-_CHILD = "import sys; from taskpoint._saver import serve; serve(int(sys.argv[1]))"
+_CHILD = "import sys; from taskpoint.manager.saver import serve; serve(int(sys.argv[1]))"
 #: How much lower the child's CPU priority is than its parent's (``nice``): a training loop keeps its core.
 NICENESS = 10
 
@@ -65,11 +65,6 @@ def _receive(stream: IO[bytes]) -> Any:
     if len(data) < length:
         raise EOFError("the pipe closed in the middle of a message")
     return pickle.loads(data)
-
-
-def can_write_elsewhere(location: Location) -> bool:
-    """True when another process can write to ``location``: local disk and object stores, not ``memory://``."""
-    return location.is_local or location.is_object_store
 
 
 class SaverUnavailable(RuntimeError):
@@ -111,8 +106,8 @@ class SaverProcess:
     def pid(self) -> int:
         return self._process.pid
 
-    def write_payload(self, location: Location, payload: Payload, codec: str, level: int | None) -> tuple[int, str]:
-        """What :func:`taskpoint._transfer.write_payload` does, done by the helper process.
+    def store_payload(self, location: Location, payload: Payload, codec: str, level: int | None) -> tuple[int, str]:
+        """What :func:`taskpoint.transfer.write_payload` does, done by the helper process.
 
         Raises what the child raised (with its traceback as a note), or SaverUnavailable when the request
         cannot be sent (the payload does not pickle) or the child died; nothing was committed then.

@@ -7,22 +7,21 @@ Each kind is a small class behind one registry (the pattern of Orbax's handlers)
 
 from __future__ import annotations
 
-import importlib
 import os
 import shutil
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
-from ._archive import extract_tar, skip_special, write_tar
-from ._codecs import BLOCK_SIZE, Codec
-from ._storage import WRITE_PIECE, ParallelCopy, copy_with_metadata
+from .errors import CheckpointError
+from .format.archive import extract_tar, skip_special, write_tar
+from .format.codecs import BLOCK_SIZE, Codec
+from .storage import WRITE_PIECE, ParallelCopy, copy_with_metadata
 
 #: Name of the file that holds a bytes or file checkpoint after load (Flyte's convention).
 RAW_RESULT_NAME = "payload"
 
 ACCEPTED = "bytes, bytearray, memoryview, or a str or os.PathLike naming a file or directory"
-#: Largest single in-kernel copy when snapshotting a file.
 
 
 class Payload(ABC):
@@ -217,23 +216,25 @@ def payload_for(data: Any) -> Payload:
     raise TypeError(f"save() accepts {ACCEPTED}; got {type(data).__name__}")
 
 
-#: Payload kinds that extras register, with the module that registers each and the extra that installs it.
-#: Loading such a checkpoint imports the module, so a process need not import the extra before loading.
-EXTRA_KINDS = {"pytree": ("taskpoint.jax", "jax")}
+#: Entry-point group of payload kinds that extras provide (``pytree = "taskpoint.jax:PyTree"`` in pyproject.toml).
+#: Loading such a checkpoint imports the module that registers the kind, so a process need not import the
+#: extra first; the core never names an extra's module.
+ENTRY_POINT_GROUP = "taskpoint.payloads"
 
 
 def payload_class(kind: str, uri: str) -> type[Payload]:
     """The payload class recorded as ``kind``; imports the extra that provides it when needed."""
-    from .errors import CheckpointError
-
     cls = _registered(kind)
-    if cls is None and kind in EXTRA_KINDS:
-        module, extra = EXTRA_KINDS[kind]
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            raise CheckpointError(f"the checkpoint at {uri} holds a payload of kind {kind!r}; loading it needs "
-                                  f'pip install "taskpoint[{extra}]" ({exc})') from exc
+    if cls is None:
+        from importlib.metadata import entry_points
+
+        for point in entry_points(group=ENTRY_POINT_GROUP, name=kind):
+            try:
+                point.load()
+            except ImportError as exc:
+                extra = point.module.split(".")[-1]  # taskpoint's extras are named after their module
+                raise CheckpointError(f"the checkpoint at {uri} holds a payload of kind {kind!r}; loading it needs "
+                                      f'pip install "taskpoint[{extra}]" ({exc})') from exc
         cls = _registered(kind)
     if cls is None:
         raise CheckpointError(f"the checkpoint at {uri} holds a payload of kind {kind!r}, which this taskpoint "

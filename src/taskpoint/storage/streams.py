@@ -1,5 +1,5 @@
 """Stream helpers shared by the readers: a stream fed by futures resolved in order (the shape of parallel
-inflate and ranged GETs), and a loop over short reads."""
+inflate and ranged GETs), a loop over short reads, and the concurrent ranged reader of large remote objects."""
 
 from __future__ import annotations
 
@@ -58,3 +58,39 @@ class OrderedFutureReader(io.RawIOBase):
                 future.cancel()
             self._pool.shutdown(wait=True, cancel_futures=True)
         super().close()
+
+
+#: Size of one ranged GET when a large object is read with several requests in flight.
+RANGE_SIZE = 8 << 20
+#: Ranged GETs in flight at once (memory: this x RANGE_SIZE).
+RANGES_IN_FLIGHT = 6
+
+
+class ConcurrentRangeReader(OrderedFutureReader):
+    """Reads a large object as ranged GETs, several in flight, handed out in order; memory stays bounded.
+
+    One GET stream runs at the speed of one TCP connection and one server thread; a few in parallel reach
+    what the network and the server can give. A change of the object during the read shows up as a
+    checksum mismatch in the caller, which then starts over.
+    """
+
+    def __init__(self, fs: Any, path: str, size: int, *, range_size: int = RANGE_SIZE,
+                 in_flight: int = RANGES_IN_FLIGHT) -> None:
+        super().__init__(in_flight, "taskpoint-get")
+        self.size = size
+        self._fs, self._path = fs, path
+        self._range = range_size
+        self._in_flight = in_flight
+        self._next = 0
+
+    def _fetch(self, start: int, end: int) -> bytes:
+        data = self._fs.cat_file(self._path, start=start, end=end)
+        if len(data) != end - start:
+            raise OSError(f"short ranged read of {self._path}: {len(data)} of {end - start} bytes")
+        return data  # type: ignore[no-any-return]
+
+    def _fill(self) -> None:
+        while self._next < self.size and len(self._pending) < self._in_flight:
+            end = min(self._next + self._range, self.size)
+            self._pending.append(self._pool.submit(self._fetch, self._next, end))
+            self._next = end

@@ -21,7 +21,7 @@ import zlib
 from collections.abc import Callable
 from typing import IO, Any
 
-from ._prefetch import OrderedFutureReader, read_up_to
+from ..storage.streams import OrderedFutureReader, read_up_to
 
 #: Input bytes per member: large enough that headers and lost dictionary cost nothing, small enough to
 #: keep memory bounded (members in flight x 2 x this).

@@ -13,8 +13,8 @@ import zlib
 from abc import ABC, abstractmethod
 from typing import IO, Any, ClassVar
 
-from ._pgzip import GzipFormatError, ParallelGzipReader, ParallelGzipWriter, labelled_length
-from .errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError
+from .pgzip import GzipFormatError, ParallelGzipReader, ParallelGzipWriter, labelled_length
 
 #: Size of the blocks the codecs hand to their compressors and to storage.
 BLOCK_SIZE = 1 << 20
@@ -61,7 +61,7 @@ class Codec(ABC):
 
 
 class GzipCodec(Codec):
-    """Standard gzip, compressed and inflated on every core (see :mod:`._pgzip`); any gzip reader opens it.
+    """Standard gzip, compressed and inflated on every core (see :mod:`.pgzip`); any gzip reader opens it.
 
     ISA-L when the ``isal`` package is present (same format, about 20x faster than zlib). ``level`` uses
     zlib's 1-9 scale; ISA-L maps 1-3, 4-6 and 7-9 to its levels 1, 2 and 3. Streams written by other tools

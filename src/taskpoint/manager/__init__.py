@@ -1,0 +1,15 @@
+"""The manager layer: numbered steps in one directory, each committed by a manifest written last.
+
+Owns: :class:`CheckpointManager` (the orchestrator), the step layout and sweeping of leftovers (``steps``),
+retention as a policy (``retention``), verified restores (``restore``), background saves with snapshots
+(``background``) and the process they upload from (``saver``), and the per-process claims on steps
+being restored or deleted (``claims``).
+
+May import: :mod:`taskpoint.checkpoint`'s layer and everything below it (``transfer``, ``payloads``,
+``workspace``, ``format``, ``storage``, ``errors``). It never imports :mod:`taskpoint.runtime`: the runtime
+tells it the running attempt through :func:`set_attempt_source`.
+"""
+
+from .manager import CheckpointManager, set_attempt_source
+
+__all__ = ["CheckpointManager", "set_attempt_source"]

@@ -1,0 +1,52 @@
+"""Checks of the manager's arguments: each returns the value to use or raises a TypeError or ValueError."""
+
+from __future__ import annotations
+
+import json
+import operator
+from typing import Any
+
+
+def positive_or_none(value: int | None, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int or None, not {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+    return value
+
+
+def check_grace(seconds: Any) -> float:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
+        raise ValueError(f"grace_seconds must be a number of seconds >= 0, got {seconds!r}")
+    return float(seconds)
+
+
+def check_step(step: Any) -> int:
+    if isinstance(step, bool):
+        raise TypeError("step must be an int, not bool")
+    try:
+        value = operator.index(step)
+    except TypeError:
+        raise TypeError(f"step must be an int, not {type(step).__name__}") from None
+    if value < 0:
+        raise ValueError(f"step must be >= 0, got {value}")
+    return value
+
+
+def check_metadata(metadata: Any) -> dict[str, Any]:
+    """A private copy of ``metadata`` after checking that JSON gives it back exactly as passed."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise TypeError(f"metadata must be a dict of JSON values, not {type(metadata).__name__}")
+    try:
+        copy = json.loads(json.dumps(metadata, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"metadata must hold only JSON values (dict, list, str, int, float, bool, None): {exc}. "
+                        "Convert numpy numbers, paths or datetimes first; nothing was saved.") from exc
+    if copy != metadata:
+        raise TypeError("metadata would not come back as passed: use str keys and lists rather than tuples; "
+                        "nothing was saved.")
+    return copy  # type: ignore[no-any-return]

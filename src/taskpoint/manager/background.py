@@ -1,0 +1,205 @@
+"""Background saves: the one save in flight, the snapshot it uploads, and the process it uploads from.
+
+A background save copies the caller's data into a snapshot folder (so the caller may change it at once),
+then uploads it on a thread of its own, from the manager's save process when there is one (see
+:mod:`.saver`). Its error is kept until the next call of the manager, or reported at exit: never lost.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import warnings
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+from ..errors import add_note
+from ..format.codecs import Codec
+from ..payloads import Payload
+from ..storage import LEFTOVER_GRACE_SECONDS, Location
+from ..transfer import write_payload
+from .saver import NotTransferable, SaverProcess, SaverUnavailable, release_freed_memory
+
+
+class BackgroundSave:
+    """The one background save of a manager, and its error until someone has been told about it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._step = -1
+        self._error: BaseException | None = None
+
+    def start(self, step: int, upload: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                upload()
+            except BaseException as exc:  # kept for the next call, or reported at exit: never lost
+                self._error = exc
+            finally:
+                release_freed_memory()
+
+        self._step, self._error = step, None
+        # Not a daemon: an interpreter that exits without close() still finishes the upload first.
+        self._thread = threading.Thread(target=run, name=f"taskpoint-save-step-{step}")
+        self._thread.start()
+
+    def settle(self, *, wait: bool) -> None:
+        thread = self._thread
+        if thread is None:
+            return
+        if wait:
+            thread.join()
+        elif thread.is_alive():
+            return
+        with self._lock:
+            if self._thread is not thread:
+                return  # another caller settled it
+            self._thread, error, self._error = None, self._error, None
+        if error is not None:
+            add_note(error, f"raised here because the background save of step {self._step} failed")
+            raise error
+
+    def report_unclaimed(self, directory: str) -> None:
+        """At exit (or garbage collection): say so if a background error was never raised to anyone.
+
+        The error's traceback holds the manager, so a manager with an unreported error lives until exit.
+        """
+        thread, error = self._thread, self._error
+        if thread is not None and not thread.is_alive() and error is not None:
+            warnings.warn(f"the background save of step {self._step} to {directory} failed and no later call "
+                          f"reported it: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=1)
+
+
+#: Start of the names of background-save snapshot folders: ``taskpoint-snapshot-<host>-<pid>-<random>``.
+SNAPSHOT_PREFIX = "taskpoint-snapshot-"
+_SNAPSHOT_NAME = re.compile(re.escape(SNAPSHOT_PREFIX) + r"(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[^/]+")
+
+
+def _host_tag() -> str:
+    return f"{zlib.crc32(socket.gethostname().encode()):08x}"
+
+
+def _sweep_dead_snapshots(folder: Path) -> None:
+    """Remove snapshot folders that killed processes of this host left in ``folder`` (each as large as the
+    data it copied). Only folders whose process is gone and that are older than the leftover grace period:
+    a pid namespace that shares this folder but not our view of its processes keeps its live snapshots."""
+    host, me, cutoff = _host_tag(), os.getpid(), time.time() - LEFTOVER_GRACE_SECONDS
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        match = _SNAPSHOT_NAME.fullmatch(entry.name)
+        if match is None or match["host"] != host or int(match["pid"]) == me:
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_mtime > cutoff or _process_alive(int(match["pid"])):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def store_payload(location: Location, payload: Payload, codec: Codec, level: int | None,
+                  saver: SaverProcess | None = None) -> tuple[int, str]:
+    """Write a step's payload to ``location``: from ``saver``'s process when given and it can reach the
+    location (the manager starts one only for a directory other processes can reach), else from this thread.
+    A save process that dies or cannot take the payload is never fatal: the payload (under its unique name)
+    is written again from here; a killed process's partial object has no manifest and is swept like any
+    leftover."""
+    if saver is not None:
+        try:
+            return saver.store_payload(location, payload, codec.name, level)
+        except NotTransferable:
+            pass
+        except SaverUnavailable as exc:
+            warnings.warn(f"{exc}; taskpoint writes {location.uri} from this process instead", RuntimeWarning,
+                          stacklevel=2)
+    return write_payload(location, payload, codec, level)
+
+
+class Background:
+    """The background machinery of one manager: snapshots, the one save in flight, and the save process."""
+
+    def __init__(self, directory: str, snapshot_dir: str | None, use_process: bool) -> None:
+        self._directory = directory
+        self._snapshot_dir = snapshot_dir
+        self.slot = BackgroundSave()
+        #: The save process: started by the first background save, None until then or when off.
+        self._saver: SaverProcess | None = None
+        self._use_saver = use_process
+        self._saver_lock = threading.Lock()
+
+    def start(self, step: int, payload: Payload, job: Callable[..., None]) -> None:
+        """Snapshot ``payload``, then run ``job(snapshot, save_process)`` in the background; a kind that
+        cannot be snapshotted runs ``job(payload)`` here, with a warning."""
+        scratch = Path(tempfile.mkdtemp(prefix=f"{SNAPSHOT_PREFIX}{_host_tag()}-{os.getpid()}-",
+                                        dir=self._snapshot_dir))
+        _sweep_dead_snapshots(scratch.parent)
+        try:
+            snapshot = payload.snapshot(scratch)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        if snapshot is None:
+            shutil.rmtree(scratch, ignore_errors=True)
+            warnings.warn(f"payloads of kind {payload.kind!r} cannot be snapshotted; step {step} is saved in "
+                          "the foreground", stacklevel=3)
+            job(payload)
+            return
+
+        def upload() -> None:
+            try:
+                job(snapshot, self._helper_process())
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+
+        self.slot.start(step, upload)
+
+    def settle(self, *, wait: bool) -> None:
+        """Raise the error of a finished background save; with ``wait``, first let it finish."""
+        self.slot.settle(wait=wait)
+
+    def _helper_process(self) -> SaverProcess | None:
+        """The save process, started on first use; None when off or unavailable."""
+        with self._saver_lock:
+            if self._saver is not None and not self._saver.alive():
+                self._saver.close()
+                self._saver = None  # it died (killed, out of memory): start a new one
+            if self._saver is None and self._use_saver:
+                try:
+                    self._saver = SaverProcess()
+                except SaverUnavailable as exc:
+                    self._use_saver = False
+                    warnings.warn(f"taskpoint could not start its save process ({exc}); background saves of "
+                                  f"{self._directory} run in a thread of this process", RuntimeWarning, stacklevel=2)
+            return self._saver
+
+    def close(self) -> None:
+        """Stop the save process (after the request it may be serving); later saves use no process."""
+        with self._saver_lock:
+            saver, self._saver, self._use_saver = self._saver, None, False
+        if saver is not None:
+            saver.close()
+
+    @property
+    def saver(self) -> SaverProcess | None:
+        """The save process while one runs."""
+        return self._saver

@@ -1,0 +1,368 @@
+"""CheckpointManager: numbered steps in one directory, each committed by a manifest written last.
+
+The manager orchestrates; the parts live beside it: :mod:`.steps` (layout, manifests, listing, sweeping),
+:mod:`.retention` (which steps to keep), :mod:`.restore` (verified reads that follow concurrent writers),
+:mod:`.background` and :mod:`.saver` (background saves and their process), :mod:`.claims` (steps being
+restored or deleted in this process).
+
+Every save writes its payload under a name of its own and the manifest names the payload it commits, so two
+writers of the same step never mix their data: the last manifest wins, and it names one writer's complete
+payload.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+import uuid
+import warnings
+import weakref
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+import anyio.to_thread
+
+from ..errors import CheckpointError
+from ..format.codecs import Codec, get_codec
+from ..format.records import ObjectRecord, StepManifest
+from ..payloads import Payload, payload_for
+from ..storage import LEFTOVER_GRACE_SECONDS, Location, RetryPolicy, normalize_uri
+from ._checks import check_grace, check_metadata, check_step
+from .background import Background, store_payload
+from .claims import Claims
+from .restore import StepReader
+from .retention import KeepPolicy
+from .saver import SaverProcess
+from .steps import MANIFEST_NAME, StepStore, quietly
+
+P = ParamSpec("P")
+R = TypeVar("R")
+M = TypeVar("M")
+
+#: Says which task attempt is running (None outside a task), for the manifest. The runtime layer above
+#: installs its lookup with :func:`set_attempt_source`, so that this layer never imports it.
+def _no_attempt() -> int | None:
+    return None
+
+
+_attempt_source: Callable[[], int | None] = _no_attempt
+
+
+def set_attempt_source(source: Callable[[], int | None]) -> None:
+    """Install the function that tells the running task attempt (the runtime calls this once)."""
+    global _attempt_source
+    _attempt_source = source
+
+
+def _in_thread(method: Callable[Concatenate[M, P], R]) -> Callable[Concatenate[M, P], Awaitable[R]]:
+    """The async twin of a blocking method: the same call, run in a worker thread (asyncio and trio)."""
+
+    async def twin(self: M, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return await anyio.to_thread.run_sync(functools.partial(method, self, *args, **kwargs))
+
+    twin.__name__ = twin.__qualname__ = f"{method.__name__}_async"
+    twin.__doc__ = f"Async twin of :meth:`{method.__name__}`: the same call, run in a worker thread."
+    return twin
+
+
+class CheckpointManager:
+    """Numbered checkpoints ("steps") in one directory, with commits, checksums, retention and metadata.
+
+    ``directory`` is any fsspec URL or local path. ``save`` accepts what :meth:`Checkpoint.save
+    <taskpoint.Checkpoint.save>` accepts (bytes-like data, or a path naming a file or directory). A step is
+    visible to :meth:`steps`, :meth:`latest_step` and :meth:`restore` only once its manifest is written,
+    after the payload; :meth:`restore` verifies the sha256 recorded there while it streams.
+
+    The blocking methods carry the plain names; each has an async twin named ``<name>_async`` (as
+    :meth:`Checkpoint.prev_exists_async <taskpoint.Checkpoint.prev_exists_async>`) that runs it in a worker
+    thread, and the manager is both a context manager and an async context manager.
+
+    Args:
+        directory: where the steps live; created on first save.
+        keep: keep the ``keep`` newest committed steps and delete older ones after each save; None (the
+            default) keeps everything.
+        keep_every: with ``keep``, also keep every step divisible by ``keep_every``.
+        storage_options: passed to fsspec (credentials, endpoint_url, ...).
+        codec: archive codec for directories: ``"gzip"`` (default), ``"zstd"`` or ``"none"``.
+        level: compression level for the codec; None picks a fast default.
+        async_save: when True, :meth:`save` returns once the data is snapshotted and uploads in the
+            background (``save(..., blocking=...)`` overrides it per call).
+        retry: how storage failures are retried; see :class:`~taskpoint.RetryPolicy`.
+        grace_seconds: age after which an object that no manifest names (left by a killed or superseded
+            save) is removed by later saves and :meth:`gc`. It must exceed the time between a payload's
+            upload and its manifest; 0 removes leftovers at once and is safe only with a single writer.
+        snapshot_dir: where background saves copy files and directories before uploading them (the
+            system temp folder by default). The copy needs as much space as the data; on the source's
+            filesystem it is fastest (in-kernel, or reflinked where the filesystem supports it).
+        background_process: background saves to local disk and object stores write the snapshot from a
+            helper process (True, the default) so they never hold this process's GIL; False writes it
+            from a thread of this process. ``memory://`` and payloads that cannot be pickled always use
+            a thread. Blocking saves always run in the caller's thread.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        keep: int | None = None,
+        keep_every: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        codec: str = "gzip",
+        level: int | None = None,
+        async_save: bool = False,
+        retry: RetryPolicy | None = None,
+        grace_seconds: float = LEFTOVER_GRACE_SECONDS,
+        snapshot_dir: str | os.PathLike[str] | None = None,
+        background_process: bool = True,
+    ) -> None:
+        uri = normalize_uri(directory, "directory").strip()
+        if not uri:
+            raise ValueError("directory must be a URI or path, got an empty string")
+        if not uri.endswith("://"):
+            uri = uri.rstrip("/") or "/"
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(f"storage_options must be a dict, not {type(storage_options).__name__}")
+        self._retention = KeepPolicy(keep, keep_every)
+        self._grace = check_grace(grace_seconds)
+        snapshots = None if snapshot_dir is None else os.fspath(normalize_uri(snapshot_dir, "snapshot_dir"))
+        if level is not None and (not isinstance(level, int) or isinstance(level, bool)):
+            raise TypeError(f"level must be an int or None, not {type(level).__name__}")
+        self._codec: Codec = get_codec(codec)
+        self._level = level
+        self._async_save = bool(async_save)
+        root = Location(uri, storage_options, retry)
+        self._claims = Claims((str(root.fs.protocol), root.path))
+        self._steps = StepStore(root, self._claims)
+        self._reader = StepReader(self._steps, self._claims)
+        self._lock = threading.RLock()  # save, delete, gc, close and wait_until_finished, one at a time
+        #: The step the last successful :meth:`restore` returned (useful with ``fallback=True``).
+        self.restored_step: int | None = None
+        self._closed = False
+        self._background = Background(uri, snapshots, bool(background_process) and root.backend.shared)
+        weakref.finalize(self, self._background.slot.report_unclaimed, uri)
+
+    # -- properties and lifecycle --------------------------------------------------------------------------
+
+    @property
+    def directory(self) -> str:
+        """The URI of the directory that holds the steps."""
+        return self._steps.directory
+
+    def __repr__(self) -> str:
+        policy = self._retention
+        return f"CheckpointManager({self.directory!r}, keep={policy.keep}, keep_every={policy.keep_every})"
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> CheckpointManager:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close_async()
+
+    def close(self) -> None:
+        """Wait for a background save, delete the restore workspace, and raise a background error if any.
+
+        Safe to call twice. Paths returned by :meth:`restore` without ``into`` are gone afterwards.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._background.settle(wait=True)
+            finally:
+                self._reader.close()
+                self._background.close()
+
+    def wait_until_finished(self) -> None:
+        """Block until the background save (if any) has committed; raise its error if it failed."""
+        with self._lock:
+            self._background.settle(wait=True)
+
+    # -- save ----------------------------------------------------------------------------------------------
+
+    def save(self, data: Any, step: int, *, metadata: dict[str, Any] | None = None, overwrite: bool = False,
+             blocking: bool | None = None) -> str:
+        """Save ``data`` as ``step``; return the URI of the step's folder.
+
+        ``metadata`` is a dict of JSON values, given back exactly by :meth:`metadata`. Saving a step that
+        exists raises FileExistsError unless ``overwrite=True`` (two writers checking at the same moment
+        can both pass the check; the last to commit wins, with its own complete data). With
+        ``blocking=False`` (or ``async_save=True``) the call returns once the data is snapshotted: the caller
+        may change or delete it at once. At most one save is in flight; the next call waits for it, and an
+        error it met is raised by the next call instead of doing anything else.
+        """
+        step = check_step(step)
+        record_metadata = check_metadata(metadata)
+        attempt = _attempt_source()
+        background = self._async_save if blocking is None else not blocking
+        with self._lock:
+            self._check_open()
+            self._background.settle(wait=True)
+            exists, replaced = self._steps.committed_payload(step)
+            if exists and not overwrite:
+                raise FileExistsError(f"step {step} already exists in {self.directory}; pass overwrite=True to "
+                                      "replace it, or save under a new step")
+            payload = payload_for(data)  # after the existence check: some kinds (PyTree) serialize here
+            job = functools.partial(self._write_step, step, record_metadata, attempt, replaced)
+            if not background:
+                job(payload)
+            else:
+                self._background.start(step, payload, job)
+        return self._steps.step_uri(step)
+
+    def _write_step(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: str | None,
+                    payload: Payload, saver: SaverProcess | None = None) -> None:
+        """Upload the payload under a fresh name, then commit it with the manifest; then tidy up."""
+        save_id = uuid.uuid4().hex
+        name = f"payload-{save_id}"
+        payload_loc = self._steps.object(step, name)
+        created = time.time()
+        size, digest = store_payload(payload_loc, payload, self._codec, self._level, saver)
+        record = ObjectRecord(kind=payload.kind, codec=self._codec.name if payload.archived else "raw",
+                              save_id=save_id, created=created, size=size, sha256=digest)
+        manifest = StepManifest(step=step, payload=name, record=record, attempt=attempt, metadata=metadata)
+        try:
+            self._steps.object(step, MANIFEST_NAME).write_small(manifest.to_bytes(),
+                                                                action="commit the checkpoint at")
+        except BaseException:
+            quietly(payload_loc.remove)
+            raise
+        if replaced is not None and replaced != name and not self._claims.is_restoring(step):
+            quietly(self._steps.object(step, replaced).remove)
+        self._tidy()
+
+    def _tidy(self) -> None:
+        """After a commit: apply retention and remove old leftovers. Never fails the save that committed."""
+        try:
+            folders = self._steps.scan()
+            committed = [step for step, folder in folders.items() if folder.committed]
+            self._steps.let_go(self._retention.to_delete(committed), folders, self._grace)
+            self._steps.sweep(folders, self._grace)
+        except Exception as exc:
+            warnings.warn(f"taskpoint saved the new step but could not tidy {self.directory} ({exc}); old steps "
+                          "and leftovers will be removed by a later save or gc()", RuntimeWarning, stacklevel=2)
+
+    # -- queries -------------------------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """The committed steps, oldest first. A background save appears once it has committed."""
+        self._ready()
+        return sorted(step for step, folder in self._steps.scan().items() if folder.committed)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None when there is none."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def list_checkpoints(self) -> dict[int, str]:
+        """Each committed step with the URI of its folder, oldest first."""
+        return {step: self._steps.step_uri(step) for step in self.steps()}
+
+    def metadata(self, step: int | None = None) -> dict[str, Any]:
+        """The metadata saved with ``step`` (the newest when None), read without downloading the payload."""
+        if step is None:
+            step = self._newest()
+        else:
+            self._ready()
+        manifest = self._steps.manifest(check_step(step))
+        if manifest is None:
+            raise FileNotFoundError(f"step {step} does not exist in {self.directory}")
+        return manifest.metadata
+
+    # -- restore -------------------------------------------------------------------------------------------
+
+    def restore(self, step: int | None = None, *, into: str | os.PathLike[str] | None = None,
+                fallback: bool = False) -> Path:
+        """Restore ``step`` (the newest when None) and return it as :meth:`Checkpoint.load
+        <taskpoint.Checkpoint.load>` does: a folder for directories, ``<folder>/payload`` for bytes and files.
+
+        Without ``into`` the result lands in a folder of the manager's own, removed by :meth:`close`; with
+        it, the checkpoint's entries replace same-named entries in ``into``. The sha256 recorded at save is
+        verified while streaming, and nothing lands before it matches: a mismatch raises
+        CheckpointCorruptError naming the step. With ``fallback=True`` a damaged step is skipped with a
+        warning for the newest older one that verifies; storage errors are raised, never skipped.
+        :attr:`restored_step` says which step the last successful restore returned.
+        """
+        if step is None:
+            candidates = list(reversed(self.steps()))
+            if not candidates:
+                raise FileNotFoundError(f"there is no committed checkpoint in {self.directory}")
+        else:
+            self._ready()
+            step = check_step(step)
+            candidates = [step, *(s for s in reversed(self.steps()) if s < step)] if fallback else [step]
+        target = None if into is None else Path(normalize_uri(into, "into"))
+        self.restored_step, result = self._reader.read_first(candidates, target, fallback=fallback,
+                                                             requested=step is not None)
+        return result
+
+    # -- delete and garbage collection ---------------------------------------------------------------------
+
+    def delete(self, step: int) -> None:
+        """Delete a committed step: its manifest first (so it stops existing at once), then its payload."""
+        step = check_step(step)
+        with self._lock:
+            self._check_open()
+            self._background.settle(wait=True)
+            folder = self._steps.scan(step).get(step)
+            if folder is None or not folder.committed:
+                raise FileNotFoundError(f"step {step} does not exist in {self.directory}")
+            if not self._claims.start_delete(step):
+                raise CheckpointError(f"step {step} in {self.directory} is being restored; delete it once the "
+                                      "restore has finished")
+            try:
+                self._steps.delete_step(step, folder, self._grace)
+            finally:
+                self._claims.end_delete(step)
+
+    def gc(self, grace_seconds: float | None = None) -> list[str]:
+        """Remove leftovers of interrupted or superseded saves older than the grace period; return their URIs.
+
+        Committed steps are never touched (retention is applied by :meth:`save`), nor anything whose name
+        taskpoint would not write. On S3 this also aborts the unfinished multipart uploads of payloads (saves
+        killed in the middle of an upload). ``grace_seconds`` overrides the manager's for this call.
+        """
+        grace = self._grace if grace_seconds is None else check_grace(grace_seconds)
+        with self._lock:
+            self._check_open()
+            self._background.settle(wait=True)
+            return self._steps.sweep(self._steps.scan(), grace) + self._steps.sweep_uploads(grace)
+
+    # -- internals -----------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"the CheckpointManager for {self.directory} is closed; create a new one")
+
+    def _ready(self) -> None:
+        """Before a query: the manager is open, and a finished background save's error is raised."""
+        self._check_open()
+        self._background.settle(wait=False)
+
+    def _newest(self) -> int:
+        latest = self.latest_step()
+        if latest is None:
+            raise FileNotFoundError(f"there is no committed checkpoint in {self.directory}")
+        return latest
+
+    # -- async twins ---------------------------------------------------------------------------------------
+
+    save_async = _in_thread(save)
+    restore_async = _in_thread(restore)
+    metadata_async = _in_thread(metadata)
+    steps_async = _in_thread(steps)
+    latest_step_async = _in_thread(latest_step)
+    list_checkpoints_async = _in_thread(list_checkpoints)
+    delete_async = _in_thread(delete)
+    gc_async = _in_thread(gc)
+    wait_until_finished_async = _in_thread(wait_until_finished)
+    close_async = _in_thread(close)

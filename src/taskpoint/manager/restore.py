@@ -1,0 +1,119 @@
+"""Restoring one step: verified against its manifest, following a writer that overwrites it meanwhile."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import warnings
+from pathlib import Path
+
+from ..errors import CheckpointCorruptError, CheckpointError, add_note
+from ..format.records import StepManifest
+from ..payloads import Payload, payload_class
+from ..transfer import read_payload
+from ..workspace import Workspace
+from .claims import Claims
+from .steps import StepStore
+
+#: How often restore follows a step that another writer overwrites while it is being read.
+RESTORE_ATTEMPTS = 5
+
+
+class StepReader:
+    """Reads steps of one directory into a folder of the caller's, or into a workspace of its own."""
+
+    def __init__(self, steps: StepStore, claims: Claims) -> None:
+        self._steps = steps
+        self._claims = claims
+        self._lock = threading.Lock()  # restores into the reader's own workspace
+        self._workspace: Workspace | None = None
+
+    @property
+    def directory(self) -> str:
+        return self._steps.directory
+
+    def close(self) -> None:
+        """Delete the reader's own workspace (and the results in it)."""
+        if self._workspace is not None:
+            self._workspace.close()
+
+    def read_first(self, candidates: list[int], into: Path | None, *, fallback: bool,
+                   requested: bool) -> tuple[int, Path]:
+        """The first of ``candidates`` that restores, and where. Without ``fallback`` only the first is tried;
+        with it, a damaged or vanished step is skipped with a warning, but a ``requested`` step that does not
+        exist is an error at once, and storage errors are raised, never skipped."""
+        first_error: Exception | None = None
+        for index, candidate in enumerate(candidates):
+            try:
+                return candidate, self.read(candidate, into)
+            except (CheckpointCorruptError, FileNotFoundError) as exc:
+                missing_request = index == 0 and requested and isinstance(exc, FileNotFoundError)
+                if not fallback or missing_request:
+                    raise
+                first_error = first_error or exc
+                warnings.warn(f"step {candidate} in {self.directory} could not be restored ({exc}); trying the "
+                              "next older step", stacklevel=3)
+        assert first_error is not None
+        add_note(first_error, "no older step could be restored either")
+        raise first_error
+
+    def read(self, step: int, into: Path | None) -> Path:
+        """Restore ``step`` into ``into``, or into ``<own workspace>/ckpt-<step>`` when None."""
+        if not self._claims.start_restore(step):
+            raise FileNotFoundError(f"step {step} in {self.directory} is being deleted")
+        try:
+            if into is not None:
+                return self._read_step(step, into)
+            with self._lock:
+                if self._workspace is None:
+                    self._workspace = Workspace(None)
+                folder = self._workspace.path / f"ckpt-{step}"
+                shutil.rmtree(folder, ignore_errors=True)
+                try:
+                    return self._read_step(step, folder)
+                except BaseException:
+                    shutil.rmtree(folder, ignore_errors=True)
+                    raise
+        finally:
+            self._claims.end_restore(step)
+
+    def _read_step(self, step: int, workspace: Path) -> Path:
+        """Stream the payload the manifest names into ``workspace``, following concurrent overwrites."""
+        manifest = self._steps.manifest(step)
+        for _ in range(RESTORE_ATTEMPTS):
+            if manifest is None:
+                raise FileNotFoundError(f"step {step} does not exist in {self.directory} (or was just deleted)")
+            result = self._read_payload(step, manifest, workspace)
+            if result is not None:
+                return result
+            now = self._steps.manifest(step)
+            if now is not None and now.payload == manifest.payload:
+                raise CheckpointCorruptError(
+                    f"step {step} in {self.directory} is committed but its payload {manifest.payload} is missing; "
+                    "it was deleted outside taskpoint. Restore an older step (fallback=True), or delete this one.")
+            manifest = now  # overwritten or deleted while we read: follow it
+        raise CheckpointError(f"step {step} in {self.directory} kept being overwritten while it was restored; "
+                              "try again once the other writer has finished")
+
+    def _read_payload(self, step: int, manifest: StepManifest, workspace: Path) -> Path | None:
+        src = self._steps.object(step, manifest.payload)
+        record = manifest.record
+
+        def choose(head: bytes, size: int | None) -> type[Payload]:
+            return payload_class(record.kind, src.uri)
+
+        def verify(kind: str, size: int, digest: str) -> None:
+            if (kind, size, digest) != (record.kind, record.size, record.sha256):
+                raise CheckpointCorruptError(
+                    f"step {step} in {self.directory} does not match the sha256 recorded when it was saved "
+                    f"(read {size} bytes, expected {record.size}); it is damaged. Restore an older step "
+                    "(fallback=True), or save it again.")
+
+        try:
+            return read_payload(src, workspace, choose, verify)
+        except FileNotFoundError:  # deleted under a streaming read (object stores): check the manifest
+            return None
+        except CheckpointCorruptError as exc:
+            if f"step {step} " in str(exc):
+                raise
+            raise type(exc)(f"step {step} in {self.directory} is damaged: {exc}") from exc

@@ -1,0 +1,227 @@
+"""The steps of one manager directory as stored: names, manifests, listings, and sweeping what saves left.
+
+Layout under the manager's directory (any fsspec URL)::
+
+    ckpt-{step}/payload-{save_id}   the payload, stored as a Checkpoint stores it (raw, or a tar archive)
+    ckpt-{step}/taskpoint.json      the step's manifest, written after the payload: the commit
+
+A step exists when, and only when, its manifest does. Objects in a step folder that no manifest names are
+leftovers of interrupted or superseded saves; they are removed once older than a grace period, so that a
+save still in progress elsewhere is never disturbed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from ..errors import CheckpointCorruptError, StorageNotFound
+from ..format.records import StepManifest
+from ..storage import Location
+from .claims import Claims
+
+#: Name of a step's manifest inside its folder; its presence is the step's commit.
+MANIFEST_NAME = "taskpoint.json"
+
+STEP_FOLDER = re.compile(r"ckpt-(0|[1-9][0-9]*)")
+PAYLOAD_NAME = re.compile(r"payload-[0-9a-f]{32}")
+#: What a save of ours can leave in a step folder: payloads, and the temp files of atomic writes.
+_OURS = re.compile(r"\.?(?:payload-[0-9a-f]{32}|taskpoint\.json)(?:\.[0-9a-f]{12}\.tmp)?")
+
+
+@dataclass
+class Folder:
+    """One ``ckpt-N`` folder as listed: its objects' names and modification times (None when unknown)."""
+
+    objects: dict[str, float | None] = field(default_factory=dict)
+
+    @property
+    def committed(self) -> bool:
+        return MANIFEST_NAME in self.objects
+
+
+class StepStore:
+    """The steps of the directory ``root``: where each object lives, what the listing holds, what may go."""
+
+    def __init__(self, root: Location, claims: Claims) -> None:
+        self.root = root
+        self._claims = claims
+        self._container_seen = False  # the bucket or container is known to exist
+
+    @property
+    def directory(self) -> str:
+        return self.root.uri
+
+    def step_uri(self, step: int) -> str:
+        return f"{self.directory}/ckpt-{step}"
+
+    def object(self, step: int, name: str) -> Location:
+        return self.root.child(f"ckpt-{step}/{name}")
+
+    # -- manifests -----------------------------------------------------------------------------------------
+
+    def manifest(self, step: int, *, tolerate_corrupt: bool = False) -> StepManifest | None:
+        """The manifest of ``step``; None when the step is not committed (or, tolerated, unreadable)."""
+        location = self.object(step, MANIFEST_NAME)
+        data = location.read_small()
+        if data is None:
+            return None
+        try:
+            manifest = StepManifest.from_bytes(data, location.uri)
+            if manifest.step != step or not PAYLOAD_NAME.fullmatch(manifest.payload):
+                raise CheckpointCorruptError(f"the checkpoint record {location.uri} does not describe step "
+                                             f"{step}; delete the step, or save it again with overwrite=True")
+        except CheckpointCorruptError as exc:
+            if tolerate_corrupt:
+                return None
+            raise CheckpointCorruptError(f"step {step} in {self.directory}: {exc}") from exc
+        return manifest
+
+    def committed_payload(self, step: int) -> tuple[bool, str | None]:
+        """Whether ``step`` is committed, and the payload its manifest names (None when unreadable)."""
+        location = self.object(step, MANIFEST_NAME)
+        data = location.read_small()
+        if data is None:
+            return False, None
+        try:
+            name = StepManifest.from_bytes(data, location.uri).payload
+        except CheckpointCorruptError:
+            return True, None
+        return True, name if PAYLOAD_NAME.fullmatch(name) else None
+
+    # -- listing -------------------------------------------------------------------------------------------
+
+    def scan(self, step: int | None = None) -> dict[int, Folder]:
+        """Every ``ckpt-N`` folder (or only ``step``'s) with its objects, from one recursive listing."""
+        root = self.root.path.rstrip("/")
+        found = (self.root if step is None else self.root.child(f"ckpt-{step}")).list_tree()
+        folders: dict[int, Folder] = {}
+        for path, info in found.items():
+            parts = path[len(root) + 1:].split("/") if path.startswith(root + "/") else []
+            match = STEP_FOLDER.fullmatch(parts[0]) if parts else None
+            if match is None:
+                continue
+            folder = folders.setdefault(int(match.group(1)), Folder())
+            if len(parts) == 2 and parts[1] and info.get("type") != "directory":
+                folder.objects[parts[1]] = _modified(info)
+        if folders or step is not None or self._container_seen:
+            self._container_seen = self._container_seen or bool(folders)
+            return folders
+        # Nothing listed: a missing bucket must not read as "no checkpoint". Asked until it once exists.
+        if self.root.container_missing():
+            raise StorageNotFound(f"could not list {self.directory}: the bucket or container does not exist. "
+                               "Create it, or fix the URI.")
+        self._container_seen = True
+        return folders
+
+    # -- deleting and sweeping -----------------------------------------------------------------------------
+
+    def let_go(self, steps: list[int], folders: dict[int, Folder], grace: float) -> None:
+        """Delete ``steps`` (retention's choice), taking each out of ``folders``; a step being restored in this
+        process is skipped (a later save deletes it)."""
+        for step in steps:
+            if not self._claims.start_delete(step):
+                continue
+            try:
+                self.delete_step(step, folders.pop(step), grace)
+            finally:
+                self._claims.end_delete(step)
+
+    def delete_step(self, step: int, folder: Folder, grace: float) -> None:
+        """Delete a step: its manifest first (so it stops existing at once), then its payload and leftovers."""
+        manifest = self.manifest(step, tolerate_corrupt=True)
+        self.object(step, MANIFEST_NAME).remove()
+        keep = {MANIFEST_NAME}
+        if manifest is not None and PAYLOAD_NAME.fullmatch(manifest.payload):
+            self.object(step, manifest.payload).remove()
+            keep.add(manifest.payload)
+        self.sweep_folder(step, folder, grace, keep)
+
+    def sweep(self, folders: dict[int, Folder], grace: float) -> list[str]:
+        """Remove the leftovers in ``folders`` older than ``grace``; return their URIs."""
+        removed: list[str] = []
+        for step, folder in sorted(folders.items()):
+            keep: set[str] = set()
+            if folder.committed:
+                if self._claims.is_restoring(step):
+                    continue
+                extras = [name for name in folder.objects if name != MANIFEST_NAME and _OURS.fullmatch(name)]
+                if len(extras) <= 1:
+                    continue  # the usual committed step: its manifest and its payload
+                manifest = self.manifest(step, tolerate_corrupt=True)
+                if manifest is None:
+                    continue  # never guess what an unreadable manifest commits
+                keep = {MANIFEST_NAME, manifest.payload}
+            removed += self.sweep_folder(step, folder, grace, keep)
+        return removed
+
+    def sweep_folder(self, step: int, folder: Folder, grace: float, keep: set[str]) -> list[str]:
+        """Remove our objects in ``folder`` that are not in ``keep`` and older than ``grace``."""
+        now = time.time()
+        removed: list[str] = []
+        for name, mtime in folder.objects.items():
+            if name in keep or not _OURS.fullmatch(name):
+                continue
+            if grace > 0 and (mtime is None or now - mtime < grace):
+                continue  # maybe a save still in progress
+            target = self.object(step, name)
+            target.remove()
+            removed.append(target.uri)
+        # Object stores have no folders; elsewhere an empty one goes (rmdir refuses a non-empty folder).
+        self.root.child(f"ckpt-{step}").remove_empty_folder()
+        return removed
+
+    def sweep_uploads(self, grace: float) -> list[str]:
+        """S3: abort the unfinished multipart uploads of payloads that saves killed mid-upload left behind
+        (invisible as objects, but billed). Only our payload names, only older than ``grace`` by the server's
+        initiation time. Run by ``gc()`` only, not after every save: a server whose clock (or whose fake
+        initiation time: moto's is always 2010) is off would otherwise abort another writer's upload in
+        flight. Best effort and quiet: a role may lack the ListBucketMultipartUploads permission."""
+        root = self.root.path.rstrip("/") + "/"
+        bucket = root.partition("/")[0]
+        now, removed = time.time(), []
+        try:
+            uploads = self.root.unfinished_uploads()
+        except Exception:
+            return []
+        for key, upload_id, initiated in uploads:
+            path = f"{bucket}/{key}"
+            folder, _, name = path[len(root):].partition("/") if path.startswith(root) else ("", "", "")
+            step = STEP_FOLDER.fullmatch(folder)
+            if step is None or not PAYLOAD_NAME.fullmatch(name):
+                continue  # not a payload of ours
+            if grace > 0 and now - initiated < grace:
+                continue  # maybe a save still in progress
+            try:
+                self.root.abort_upload(key, upload_id)
+            except Exception:
+                continue
+            removed.append(self.object(int(step.group(1)), name).uri)
+        return removed
+
+
+def _modified(info: dict[str, Any]) -> float | None:
+    """An object's modification time in seconds since the epoch, from any fsspec backend's listing."""
+    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        value = info.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, datetime):
+            return value.timestamp()
+        if isinstance(value, str):
+            try:
+                return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return None
+
+
+def quietly(action: Callable[[], object]) -> None:
+    """Best-effort cleanup: whatever it leaves is a leftover that gc removes later."""
+    with contextlib.suppress(Exception):
+        action()

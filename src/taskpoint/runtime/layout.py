@@ -1,0 +1,79 @@
+"""Names that the runtime's storage layout and environment use, and how they are read.
+
+Layout under a root (any fsspec URL)::
+
+    {root}/{run_name}/{action_name}/{attempt}/attempt.json   written when the attempt starts
+    {root}/{run_name}/{action_name}/{attempt}/checkpoint     the attempt's checkpoint object (+ its record)
+    {root}/{run_name}/{action_name}/steps/                   the versioned manager shared by all attempts
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+#: Name of the checkpoint object inside an attempt folder.
+CHECKPOINT_NAME = "checkpoint"
+#: Name of the marker written when an attempt starts (so numbering survives attempts that never saved).
+ATTEMPT_MARKER = "attempt.json"
+#: Folder of the versioned manager shared by all attempts of an action.
+STEPS_FOLDER = "steps"
+DEFAULT_ROOT = ".taskpoint"
+
+ENV_ROOT = "TASKPOINT_ROOT"
+ENV_RUN_NAME = "TASKPOINT_RUN_NAME"
+ENV_ACTION_NAME = "TASKPOINT_ACTION_NAME"
+ENV_ATTEMPT = "TASKPOINT_ATTEMPT"
+ENV_CHECKPOINT_PATH = "TASKPOINT_CHECKPOINT_PATH"
+ENV_PREV_CHECKPOINT = "TASKPOINT_PREV_CHECKPOINT"
+ENV_STORAGE_OPTIONS = "TASKPOINT_STORAGE_OPTIONS"
+#: Restart counters of orchestrators, each counting from 0 for the first run: attempt = counter + 1.
+RESTART_COUNTERS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", "FLYTE_ATTEMPT_NUMBER")
+
+_NAME_OK = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def clean_name(name: str, what: str) -> str:
+    """``name`` made safe as one path segment (runs of other characters become ``-``)."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"{what} must be a non-empty str, got {name!r}")
+    cleaned = _NAME_OK.sub("-", name.strip()).strip("-.")
+    if not cleaned:
+        raise ValueError(f"{what} {name!r} has no usable characters (letters, digits, '.', '_', '-')")
+    return cleaned
+
+
+def default_root() -> str:
+    """``$TASKPOINT_ROOT``, else ``.taskpoint`` in the working directory (as an absolute path)."""
+    root = os.environ.get(ENV_ROOT, "").strip()
+    return root if root else os.path.abspath(DEFAULT_ROOT)
+
+
+def env_storage_options() -> dict[str, Any] | None:
+    """``$TASKPOINT_STORAGE_OPTIONS`` as a dict (JSON object); None when unset."""
+    raw = os.environ.get(ENV_STORAGE_OPTIONS, "").strip()
+    if not raw:
+        return None
+    try:
+        options = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"${ENV_STORAGE_OPTIONS} must be a JSON object: {exc}") from exc
+    if not isinstance(options, dict):
+        raise ValueError(f"${ENV_STORAGE_OPTIONS} must be a JSON object, got {type(options).__name__}")
+    return options
+
+
+def attempt_from_environment() -> int | None:
+    """``$TASKPOINT_ATTEMPT`` (from 1), else an orchestrator's restart counter + 1, else None."""
+    raw = os.environ.get(ENV_ATTEMPT, "").strip()
+    if raw:
+        if not raw.isdigit() or int(raw) < 1:
+            raise ValueError(f"${ENV_ATTEMPT} must be an integer >= 1, got {raw!r}")
+        return int(raw)
+    for name in RESTART_COUNTERS:
+        raw = os.environ.get(name, "").strip()
+        if raw.isdigit():
+            return int(raw) + 1
+    return None

@@ -1,0 +1,42 @@
+"""The storage layer: where bytes live, and everything that can go wrong on the way there.
+
+Owns: :class:`Location` (a URI as a value object), the retry policy, the typed error map that turns each
+client's exceptions into :mod:`taskpoint.errors`' storage errors, one backend per kind of store (local disk,
+S3, other object stores, write-then-move), S3 multipart uploads (``_s3``), kernel copies and fsync on local
+disk (``_localio``), and stream helpers (``streams``).
+
+May import: the standard library, fsspec, and :mod:`taskpoint.errors`. Nothing here knows what a
+checkpoint, a payload or an archive is.
+"""
+
+from ._localio import (
+    WRITE_PIECE,
+    ParallelCopy,
+    copy_fd_in_kernel,
+    copy_file_in_kernel,
+    copy_with_metadata,
+    digest_by_reading,
+    digest_of_fd,
+)
+from .backends import LEFTOVER_GRACE_SECONDS
+from .errormap import Failure, classify, is_transient, map_errors
+from .location import Location, normalize_uri
+from .retry import RetryPolicy
+
+__all__ = [
+    "LEFTOVER_GRACE_SECONDS",
+    "WRITE_PIECE",
+    "Failure",
+    "Location",
+    "ParallelCopy",
+    "RetryPolicy",
+    "classify",
+    "copy_fd_in_kernel",
+    "copy_file_in_kernel",
+    "copy_with_metadata",
+    "digest_by_reading",
+    "digest_of_fd",
+    "is_transient",
+    "map_errors",
+    "normalize_uri",
+]

@@ -1,0 +1,186 @@
+"""Local disk I/O in the kernel: copies by ``copy_file_range``, durable writes, and hashing by position.
+
+Everything here works on file descriptors and paths of this machine; the local backend, payload snapshots and
+local loads use it. Nothing here knows about URIs or remote stores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import sys
+from typing import Any
+
+#: Buffer of local reads. Readers ask for whole gzip members or pieces of a MiB, which bypass it; larger
+#: buffers only cost a first read that is mostly thrown away (a 16 MiB one took 30% of a 64 MiB bytes load).
+LOCAL_READ_BUFFER = 1 << 20
+
+#: Largest single write() to a local file. Large writes into fresh page-cache memory run several times
+#: slower than 128 KiB ones on VMs that return freed memory to the host (measured: 16 MiB ~0.4 GB/s,
+#: 128 KiB ~4 GB/s).
+WRITE_PIECE = 128 << 10
+
+
+class EarlyWriteback(io.BufferedWriter):
+    """A buffered file that asks the kernel to start writing each flushed stretch to disk right away.
+
+    Without it, gigabytes sit dirty in the page cache and the final fsync writes them all while the save
+    waits; with it, the disk works while the data is still being compressed, and the fsync finds little.
+    """
+
+    _KICK = 32 << 20
+
+    def __init__(self, raw: Any) -> None:
+        super().__init__(raw, buffer_size=WRITE_PIECE)
+        self._fd = raw.fileno()
+        self._kicked = 0
+
+    def flush(self) -> None:
+        super().flush()
+        written = self.raw.tell()
+        if written - self._kicked >= self._KICK and hasattr(os, "posix_fadvise"):
+            # POSIX_FADV_DONTNEED starts writeback of the range's dirty pages without waiting for it.
+            os.posix_fadvise(self._fd, self._kicked, written - self._kicked, os.POSIX_FADV_DONTNEED)
+            self._kicked = written
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        for start in range(0, view.nbytes, WRITE_PIECE):
+            super().write(view[start:start + WRITE_PIECE])
+        if self.raw.tell() - self._kicked >= self._KICK:
+            self.flush()
+        return view.nbytes
+
+
+def copy_file_in_kernel(source: str | os.PathLike[str], dest_fd: int) -> int:
+    """Copy a whole file (to its end, even if it grows meanwhile) into ``dest_fd`` at its position, without
+    passing the bytes through Python; return how many bytes were copied."""
+    with open(source, "rb") as src:
+        return copy_fd_in_kernel(src.fileno(), dest_fd)
+
+
+def digest_by_reading(fd: int, size: int, hasher: Any) -> int:
+    """Feed up to ``size`` bytes of an open file to ``hasher`` with positional reads into one small buffer;
+    return how many there were. For files others could truncate meanwhile: a memory map would crash the
+    process with SIGBUS, a read just comes up short."""
+    piece = 1 << 20
+    done = 0
+    if not hasattr(os, "preadv"):  # e.g. macOS before 11: a new bytes object per piece
+        while done < size and (chunk := os.pread(fd, min(piece, size - done), done)):
+            hasher.update(chunk)
+            done += len(chunk)
+        return done
+    view = memoryview(bytearray(piece))
+    while done < size:
+        n = os.preadv(fd, [view[:min(piece, size - done)]], done)
+        if n == 0:
+            break
+        hasher.update(view[:n])
+        done += n
+    return done
+
+
+def copy_fd_in_kernel(source_fd: int, dest_fd: int, size: int | None = None) -> int:
+    """Copy the first ``size`` bytes of ``source_fd`` (all of it when None), read by offset so its position
+    is left alone, to ``dest_fd`` at its position; return how many bytes there were (fewer when the source
+    is shorter)."""
+    limit = sys.maxsize if size is None else size
+    copied = 0
+    try:
+        while copied < limit:
+            n = os.copy_file_range(source_fd, dest_fd, min(limit - copied, 1 << 30), copied)
+            if n == 0:
+                return copied
+            copied += n
+        return copied
+    except (AttributeError, OSError):  # no copy_file_range here, or not between these filesystems
+        while copied < limit:
+            chunk = os.pread(source_fd, min(WRITE_PIECE, limit - copied), copied)
+            if not chunk:
+                break
+            copied += os.write(dest_fd, chunk)
+    return copied
+
+
+def copy_with_metadata(source: str | os.PathLike[str], dest: str | os.PathLike[str]) -> None:
+    """``shutil.copy2`` with the bytes copied in the kernel, and an error if the source changes size meanwhile."""
+    size = os.stat(source).st_size
+    with open(dest, "wb") as out:
+        copied = copy_file_in_kernel(source, out.fileno())
+    if copied != size or os.stat(source).st_size != size:
+        raise RuntimeError(f"{source} changed size while it was being copied; save it again once it is complete")
+    shutil.copystat(source, dest)
+
+
+class ParallelCopy:
+    """Copies files on a few threads at once: a 1 GiB folder of four files in ~0.26 s instead of ~0.37 s.
+
+    Use it as ``shutil.copytree``'s ``copy_function`` (each call only queues the copy), inside a ``with``
+    block or followed by :meth:`finish`: both wait for every copy and raise the first error (a ``with``
+    block that is already raising only waits, so no copy still writes once it is left). Copies get the
+    source's metadata, as with ``shutil.copy2``, and are made in the kernel (``copy_file_range``: a reflink
+    where the filesystem can). Files are copied whole: parallel writes into one file serialize on its inode
+    lock (ext4, xfs).
+    """
+
+    def __init__(self, threads: int | None = None) -> None:
+        import concurrent.futures
+
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads or max(1, min(os.cpu_count() or 1, 4)),
+                                                           thread_name_prefix="taskpoint-copy")
+        self._jobs: list[concurrent.futures.Future[None]] = []
+
+    def __call__(self, source: str | os.PathLike[str], dest: str | os.PathLike[str]) -> str:
+        self._jobs.append(self._pool.submit(copy_with_metadata, source, dest))
+        return os.fspath(dest)
+
+    def finish(self) -> None:
+        """Wait for every queued copy and raise the first error."""
+        try:
+            for job in self._jobs:
+                job.result()
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> ParallelCopy:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            with contextlib.suppress(Exception):
+                self.finish()
+
+
+#: Window of a file mapped at once while hashing it (bounds the resident memory the mapping adds).
+_HASH_WINDOW = 64 << 20
+
+
+def digest_of_fd(fd: int, size: int, hasher: Any) -> Any:
+    """Feed the first ``size`` bytes of an open file to ``hasher`` through memory maps (no copies)."""
+    import mmap
+
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # fault the window in at once
+    for offset in range(0, size, _HASH_WINDOW):
+        length = min(_HASH_WINDOW, size - offset)
+        with mmap.mmap(fd, length, flags=flags, prot=mmap.PROT_READ, offset=offset) as view:
+            hasher.update(view)
+    return hasher
+
+
+
+def fsync_dir(folder: str) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+

@@ -1,0 +1,302 @@
+"""One backend class per kind of store: how each does an atomic write, a streaming read, an existence check.
+
+- :class:`LocalBackend`: a temp file in the same folder, fsync, rename, fsync of the folder.
+- :class:`ObjectStoreBackend` (GCS, Azure, and any store whose protocol says it uploads in parts): the
+  client's own upload, discarded when anything fails; large objects come down as concurrent ranged GETs.
+- :class:`S3Backend`: taskpoint's own multipart writer (parts in flight, aborted on failure), and the
+  listing and aborting of unfinished uploads.
+- :class:`MovingBackend` (``memory://`` and any other filesystem): a temp object beside the destination,
+  then a move.
+
+Backends take paths of their filesystem and raise what the client raises; the :class:`~taskpoint.storage.
+Location` above them retries and maps errors. :func:`backend_for` picks one by the filesystem's class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from typing import IO, Any, ClassVar
+
+from fsspec.implementations.local import LocalFileSystem
+
+from . import _s3
+from ._localio import LOCAL_READ_BUFFER, EarlyWriteback, fsync_dir
+from .streams import RANGE_SIZE, ConcurrentRangeReader
+
+#: Read-ahead blocks of remote streams, and the block size of client uploads.
+PART_SIZE = 16 << 20
+#: Age after which a temp object or unfinished upload of a killed save is swept by a later save. A writer
+#: that is still alive keeps touching its temp file, so this never disturbs a concurrent save.
+LEFTOVER_GRACE_SECONDS = 15 * 60
+#: Protocols of object stores whose writers upload in parts and can abort them (``discard``).
+_OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"})
+
+
+def protocols(fs: Any) -> tuple[str, ...]:
+    return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+
+
+class Backend:
+    """The operations of one kind of store on paths of its filesystem ``fs``."""
+
+    #: Another process can write here with the same URI and options (the manager's save process).
+    shared: bool = True
+    #: The store has real folders (removed when empty) rather than key prefixes.
+    has_folders: ClassVar[bool] = True
+
+    def __init__(self, fs: Any, options: dict[str, Any]) -> None:
+        self.fs = fs
+        self.options = options
+
+    def credentials(self) -> str | None:
+        """Which credentials this store uses, in words (never their values); None where none apply."""
+        return credential_source(protocols(self.fs), self.options)
+
+    def exists(self, path: str) -> bool:
+        # Not fs.isfile(): it answers False for any error, which would report an outage as "nothing here".
+        self.fs.invalidate_cache(path)
+        try:
+            return self.fs.info(path).get("type") == "file"  # type: ignore[no-any-return]
+        except FileNotFoundError:
+            return False
+
+    def read_small(self, path: str) -> bytes:
+        self.fs.invalidate_cache(path)
+        return self.fs.cat_file(path)  # type: ignore[no-any-return]
+
+    def open_read(self, path: str) -> IO[bytes]:
+        self.fs.invalidate_cache(path)
+        return self.fs.open(path, "rb", block_size=PART_SIZE, cache_type="readahead")  # type: ignore[no-any-return]
+
+    def open_write(self, path: str, size_hint: int | None) -> contextlib.AbstractContextManager[IO[bytes]]:
+        raise NotImplementedError
+
+    def remove(self, path: str) -> None:
+        self.fs.rm_file(path)
+
+    def list_tree(self, path: str) -> dict[str, dict[str, Any]]:
+        """Every object and folder below ``path`` with its listing details; FileNotFoundError when none."""
+        self.fs.invalidate_cache(path)
+        found = self.fs.find(path, withdirs=True, detail=True)
+        return found if isinstance(found, dict) else {}
+
+    def list_names(self, path: str) -> list[str]:
+        """The names directly inside ``path``; FileNotFoundError when it does not exist."""
+        self.fs.invalidate_cache(path)
+        return [str(name).rstrip("/").rsplit("/", 1)[-1] for name in self.fs.ls(path, detail=False)]
+
+    def remove_empty_folder(self, path: str) -> None:
+        """Remove the folder ``path`` if it is empty (stores without folders: nothing to do)."""
+        if self.has_folders:
+            self.fs.rmdir(path)
+
+    def container_missing(self, path: str) -> bool:
+        """True when ``path``'s bucket or container definitely does not exist (stores without them: False)."""
+        return False
+
+    def sweep_leftovers(self, path: str, started_before: float) -> None:
+        """Remove what killed saves of ``path`` left, where this store can see it."""
+
+    def unfinished_uploads(self, path: str) -> list[tuple[str, str, float]]:
+        """Uploads begun under ``path`` and never completed, as (key, upload id, initiation time)."""
+        return []
+
+    def abort_upload(self, path: str, key: str, upload_id: str) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no unfinished uploads to abort")
+
+
+class LocalBackend(Backend):
+    """Local disk: durable atomic writes by temp file, fsync and rename; reads straight from the file."""
+
+    def exists(self, path: str) -> bool:
+        return os.path.isfile(path)
+
+    def read_small(self, path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    def open_read(self, path: str) -> IO[bytes]:
+        return open(path, "rb", buffering=LOCAL_READ_BUFFER)
+
+    @contextlib.contextmanager
+    def open_write(self, path: str, size_hint: int | None) -> Iterator[IO[bytes]]:
+        folder, name = os.path.split(path)
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
+        try:
+            with open(tmp, "xb+", buffering=0) as raw:
+                f = EarlyWriteback(raw)
+                yield f
+                f.flush()
+                os.fsync(raw.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        fsync_dir(folder)
+
+    def remove(self, path: str) -> None:
+        os.unlink(path)
+
+    def sweep_leftovers(self, path: str, started_before: float) -> None:
+        """Temp files of killed saves, once older than :data:`LEFTOVER_GRACE_SECONDS` (a live writer keeps
+        touching its own)."""
+        folder, name = os.path.split(path)
+        cutoff = time.time() - LEFTOVER_GRACE_SECONDS
+        for entry in os.scandir(folder):
+            leftover = entry.name.startswith(f".{name}.") and entry.name.endswith(".tmp")
+            if leftover and entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                os.unlink(entry.path)
+
+
+class ObjectStoreBackend(Backend):
+    """GCS, Azure and other object stores: the client's upload (discarded on failure), ranged reads."""
+
+    has_folders = False
+
+    def open_read(self, path: str) -> IO[bytes]:
+        self.fs.invalidate_cache(path)
+        size = int(self.fs.info(path)["size"])
+        if size > 2 * RANGE_SIZE:
+            return ConcurrentRangeReader(self.fs, path, size)  # type: ignore[return-value]
+        return self.fs.open(path, "rb", block_size=PART_SIZE, cache_type="readahead")  # type: ignore[no-any-return]
+
+    @contextlib.contextmanager
+    def open_write(self, path: str, size_hint: int | None) -> Iterator[IO[bytes]]:
+        f = self.fs.open(path, "wb", block_size=PART_SIZE)
+        try:
+            yield f
+            f.close()
+        except BaseException:
+            # fsspec files commit in close() and __del__: discard the upload and mark the file closed so
+            # that neither ever runs.
+            try:
+                f.discard()
+            except Exception:  # the upload's own error is the one to report
+                pass
+            finally:
+                f.closed = True
+            raise
+        finally:
+            self.fs.invalidate_cache(path)
+
+    def container_missing(self, path: str) -> bool:
+        # Not fs.exists(): it answers False for any error, which would turn an outage into "no bucket".
+        bucket = path.split("/", 1)[0]
+        self.fs.invalidate_cache(bucket)
+        try:
+            self.fs.info(bucket)
+        except FileNotFoundError:
+            return True
+        return False
+
+
+class S3Backend(ObjectStoreBackend):
+    """S3: taskpoint's multipart writer (parts in flight, one PUT up to 64 MiB), upload listing and abort."""
+
+    @contextlib.contextmanager
+    def open_write(self, path: str, size_hint: int | None) -> Iterator[IO[bytes]]:
+        single = size_hint is not None and size_hint <= _s3.SINGLE_PUT_MAX
+        writer = _s3.S3MultipartWriter(self.fs, path, part_size=_s3.SINGLE_PUT_MAX + 1 if single
+                                       else _s3.UPLOAD_PART_SIZE)
+        try:
+            yield writer  # type: ignore[misc]
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        finally:
+            self.fs.invalidate_cache(path)
+
+    def sweep_leftovers(self, path: str, started_before: float) -> None:
+        """Multipart uploads of this exact key that began before ``started_before`` (the caller's own save has
+        committed by then). GCS resumable uploads and Azure uncommitted blocks are invisible and expire on
+        their own after a week."""
+        key = path.partition("/")[2]
+        for upload_key, upload_id, initiated in self.unfinished_uploads(path):
+            if upload_key == key and initiated < started_before:
+                self.abort_upload(path, upload_key, upload_id)
+
+    def unfinished_uploads(self, path: str) -> list[tuple[str, str, float]]:
+        return _s3.unfinished_uploads(self.fs, path)
+
+    def abort_upload(self, path: str, key: str, upload_id: str) -> None:
+        self.fs.abort_mpu(path.partition("/")[0], key, upload_id)
+
+
+class MovingBackend(Backend):
+    """Any other filesystem (``memory://``, ...): write a temp object beside the destination, then move it."""
+
+    def __init__(self, fs: Any, options: dict[str, Any]) -> None:
+        super().__init__(fs, options)
+        self.shared = "memory" not in protocols(fs)  # a memory filesystem lives in one process
+
+    @contextlib.contextmanager
+    def open_write(self, path: str, size_hint: int | None) -> Iterator[IO[bytes]]:
+        tmp = f"{path}.{uuid.uuid4().hex[:12]}.tmp"
+        parent = self.fs._parent(path)
+        if parent:
+            with contextlib.suppress(Exception):
+                self.fs.makedirs(parent, exist_ok=True)
+        try:
+            with self.fs.open(tmp, "wb") as f:
+                yield f
+            self.fs.mv(tmp, path)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.fs.rm(tmp)
+            raise
+        finally:
+            self.fs.invalidate_cache(path)
+
+
+def _is_instance(fs: Any, module: str, name: str) -> bool:
+    """``isinstance(fs, module.name)`` without importing ``module`` (an instance implies it is loaded)."""
+    cls = getattr(sys.modules.get(module), name, None)
+    return isinstance(cls, type) and isinstance(fs, cls)
+
+
+def backend_for(fs: Any, options: dict[str, Any]) -> Backend:
+    """The backend for a filesystem, by its class (and, for other object stores, by its protocol)."""
+    if isinstance(fs, LocalFileSystem):
+        return LocalBackend(fs, options)
+    if _is_instance(fs, "s3fs", "S3FileSystem"):
+        return S3Backend(fs, options)
+    if _OBJECT_STORES.intersection(protocols(fs)):
+        return ObjectStoreBackend(fs, options)
+    return MovingBackend(fs, options)
+
+
+def credential_source(names: tuple[str, ...], options: dict[str, Any]) -> str | None:
+    """Which credentials a store of these protocols uses with these options, in words: for messages that must
+    say what was tried without ever showing a key. None for local disk and memory."""
+    found = set(names)
+    if found & {"file", "local", "memory"}:
+        return None
+    if options.get("anon") or options.get("token") == "anon":
+        return "anonymous access (anon=True or token='anon' in storage_options)"
+    if found & {"s3", "s3a"}:
+        if options.get("key") or options.get("secret"):
+            return "the key and secret given in storage_options"
+        if options.get("profile"):
+            return "the AWS profile named in storage_options"
+        return ("botocore's default chain (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, "
+                "~/.aws/credentials, then an instance or pod role)")
+    if found & {"gs", "gcs"}:
+        if options.get("token") in (None, "google_default", "cloud"):
+            return ("Google application default credentials (GOOGLE_APPLICATION_CREDENTIALS, gcloud's login, "
+                    "then the metadata server)")
+        return "the token given in storage_options"
+    if found & {"az", "abfs", "abfss", "adl"}:
+        for key, words in (("connection_string", "the connection string"), ("account_key", "the account key"),
+                           ("sas_token", "the SAS token"), ("credential", "the credential object")):
+            if options.get(key):
+                return f"{words} given in storage_options"
+        return "the AZURE_STORAGE_* environment variables, then azure-identity's DefaultAzureCredential"
+    return "the credentials in storage_options and the environment"

@@ -1,0 +1,177 @@
+"""Location: one object on an fsspec filesystem, with the operations a checkpoint needs.
+
+A Location is a value: a URI, its storage options and a retry policy, with the filesystem and the backend
+that fsspec and :func:`~taskpoint.storage.backends.backend_for` pick for it. Every operation runs through
+the retry policy and the typed error map, so a caller sees a result, ``FileNotFoundError`` for an object
+that is absent where absence has a meaning, or a :class:`~taskpoint.errors.StorageError` subclass.
+Every write becomes visible whole or not at all (see the backends).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from typing import IO, Any, TypeVar
+
+import fsspec
+
+from ..errors import StorageError
+from .backends import Backend, LocalBackend, backend_for, credential_source
+from .errormap import map_errors
+from .retry import RetryPolicy
+
+T = TypeVar("T")
+
+
+class Location:
+    """One object (file) on an fsspec filesystem, with the operations a checkpoint needs."""
+
+    def __init__(self, uri: str, storage_options: dict[str, Any] | None = None,
+                 retry: RetryPolicy | None = None) -> None:
+        options = dict(storage_options or {})
+        if options.get("asynchronous"):
+            raise ValueError("storage_options may not set asynchronous=True; taskpoint manages async itself")
+        self.uri = uri
+        self.storage_options = options
+        self.retry = retry or RetryPolicy()
+        scheme = uri.partition("://")[0] if "://" in uri else "file"
+        try:
+            # Some clients check credentials as they connect (gcsfs with token="google_default").
+            with map_errors("connect to", uri, credential_source((scheme,), options)):
+                self.fs, self.path = fsspec.core.url_to_fs(uri, **options)
+        except ImportError as exc:
+            raise ImportError(f"{uri}: {exc}. Install the matching extra, e.g. pip install 'taskpoint[s3]', "
+                              "'taskpoint[gcs]' or 'taskpoint[azure]'.") from exc
+        self.backend: Backend = backend_for(self.fs, options)
+
+    def _moved(self, uri: str, path: str) -> Location:
+        other = object.__new__(Location)
+        other.__dict__.update(self.__dict__)
+        other.uri, other.path = uri, path
+        return other
+
+    def sibling(self, suffix: str) -> Location:
+        """The object whose name is this one's plus ``suffix`` (``ckpt`` -> ``ckpt.taskpoint.json``)."""
+        return self._moved(self.uri + suffix, self.path + suffix)
+
+    def child(self, relative: str) -> Location:
+        """The object ``relative`` (``a/b``) below this location, taken as a folder."""
+        relative = relative.strip("/")
+        return self._moved(f"{self.uri.rstrip('/')}/{relative}", f"{self.path.rstrip('/')}/{relative}")
+
+    @property
+    def is_local(self) -> bool:
+        """True on local disk, where transfers may use file descriptors and kernel copies."""
+        return isinstance(self.backend, LocalBackend)
+
+    def run(self, fn: Callable[[], T], *, action: str, writing: bool = False) -> T:
+        """``fn`` with this location's retries and error map (for transfers that span several calls).
+        ``writing``: ``fn`` writes here, so "not found" means a missing bucket, container or folder."""
+        with map_errors(action, self.uri, self.backend.credentials(), writing=writing):
+            return self.retry.call(fn, action=action, uri=self.uri)
+
+    # -- reads -------------------------------------------------------------------------------------------
+
+    def exists(self) -> bool:
+        return self.run(lambda: self.backend.exists(self.path), action="check")
+
+    def read_small(self) -> bytes | None:
+        """The whole object, or None when it does not exist (nor its bucket: callers that must tell the two
+        apart ask :meth:`container_missing`). For manifests, not payloads."""
+        def read() -> bytes | None:
+            try:
+                return self.backend.read_small(self.path)
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+        return self.run(read, action="read")
+
+    def open_read(self) -> IO[bytes]:
+        """A streaming reader; FileNotFoundError when the object does not exist. Not retried here: call it
+        inside :meth:`run`."""
+        return self.backend.open_read(self.path)
+
+    def list_tree(self) -> dict[str, dict[str, Any]]:
+        """Every object and folder below this location, with listing details; {} when there is none."""
+        def find() -> dict[str, dict[str, Any]]:
+            try:
+                return self.backend.list_tree(self.path.rstrip("/"))
+            except FileNotFoundError:
+                return {}
+        return self.run(find, action="list")
+
+    def list_names(self) -> list[str]:
+        """The names of the entries directly below this location; [] when there is none."""
+        def names() -> list[str]:
+            try:
+                return self.backend.list_names(self.path)
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+        return self.run(names, action="list")
+
+    def container_missing(self) -> bool:
+        """True when this object's bucket or container definitely does not exist (object stores only)."""
+        try:
+            return self.run(lambda: self.backend.container_missing(self.path), action="check")
+        except (PermissionError, StorageError):
+            return False
+
+    # -- writes ------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def open_write(self, size_hint: int | None = None) -> Iterator[IO[bytes]]:
+        """A writer whose bytes appear at this location all at once when the block exits cleanly.
+
+        If the block raises, or the process dies, the previous object (if any) is left untouched.
+        ``size_hint`` (the size when known in advance) lets small objects go up as one request. Not retried
+        here: call it inside :meth:`run`.
+        """
+        with self.backend.open_write(self.path, size_hint) as f:
+            yield f
+
+    def write_small(self, data: bytes, *, action: str = "write") -> None:
+        """Write ``data`` atomically, with retries. For manifests, not payloads."""
+        def write() -> None:
+            with self.open_write() as f:
+                f.write(data)
+        self.run(write, action=action, writing=True)
+
+    def remove(self) -> None:
+        """Delete the object; a missing object is fine."""
+        def rm() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                self.backend.remove(self.path)
+        self.run(rm, action="delete")
+
+    def remove_empty_folder(self) -> None:
+        """Remove this location if it is an empty folder. Best effort: a folder that is not empty stays."""
+        with contextlib.suppress(Exception):
+            self.backend.remove_empty_folder(self.path.rstrip("/"))
+
+    # -- leftovers of killed saves -----------------------------------------------------------------------
+
+    def sweep_leftovers(self, started_before: float) -> None:
+        """Remove what killed saves of this object left: temp files (local) and unfinished uploads (S3).
+
+        Best effort: see the backends for what each store can see and when it is old enough to go.
+        """
+        with contextlib.suppress(Exception):
+            self.backend.sweep_leftovers(self.path, started_before)
+
+    def unfinished_uploads(self) -> list[tuple[str, str, float]]:
+        """S3 only: the multipart uploads begun under this location's path (as a prefix) and never completed
+        or aborted, as (key, upload id, initiation time); [] elsewhere. Not retried: callers sweep best-effort."""
+        return self.backend.unfinished_uploads(self.path)
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        """S3 only: abort one unfinished multipart upload in this location's bucket."""
+        self.backend.abort_upload(self.path, key, upload_id)
+
+
+def normalize_uri(value: str | os.PathLike[str], what: str) -> str:
+    """A URI string from a str or PathLike; a TypeError names ``what`` for anything else."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str URI or an os.PathLike, not {type(value).__name__}")
+    return value

@@ -1,0 +1,274 @@
+"""The typed storage errors: each StorageError subclass, raised by the real servers and by local disk.
+
+``StorageUnavailable`` after retries, ``StorageAccessDenied`` (not retried, naming the credential source and
+never its value), ``StorageNotFound`` for a missing bucket or container, ``StorageFull`` for a full
+destination or a full local disk under a load, and a plain ``StorageError`` for what no retry can fix. A full
+disk is a real tmpfs of 1 MiB mounted by the test (skipped where this process may not mount one).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import errno
+import os
+import re
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from _faults import closed_port_url
+from taskpoint import (
+    Checkpoint,
+    CheckpointCorruptError,
+    CheckpointManager,
+    RetryPolicy,
+    StorageAccessDenied,
+    StorageError,
+    StorageFull,
+    StorageNotFound,
+    StorageUnavailable,
+)
+from taskpoint.storage import Failure, Location, classify
+from taskpoint.storage.errormap import describe
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class CountingRetry(RetryPolicy):
+    """A retry policy that counts how often it runs the operation (to prove what is not retried)."""
+
+    runs: list[str] = field(default_factory=list, compare=False)
+
+    def call(self, fn: Callable[[], T], *, action: str, uri: str) -> T:
+        def counted() -> T:
+            self.runs.append(action)
+            return fn()
+        return super().call(counted, action=action, uri=uri)
+
+
+def fast_counting() -> CountingRetry:
+    return CountingRetry(attempts=3, initial_delay=0.01, max_delay=0.02)
+
+
+# -- unavailable: transient, retried, then raised -----------------------------------------------------------
+
+
+def test_an_unreachable_server_is_storage_unavailable_after_every_retry(s3_store):
+    options = {**s3_store.storage_options, "endpoint_url": closed_port_url(),
+               "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2}}
+    retry = fast_counting()
+    with pytest.raises(StorageUnavailable, match="3 attempts") as info:
+        Checkpoint(s3_store.url("d"), storage_options=options, retry=retry).save_sync(b"x")
+    assert isinstance(info.value, StorageError)
+    assert len(retry.runs) == 3
+
+
+# -- access denied: not retried, the credential source named, never a value ---------------------------------
+
+
+def test_missing_s3_credentials_are_access_denied_naming_the_default_chain(s3_store, monkeypatch, tmp_path):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    options = {k: v for k, v in s3_store.storage_options.items() if k not in ("key", "secret")}
+    retry = fast_counting()
+    cp = Checkpoint(s3_store.url("d"), s3_store.url("prev"), storage_options=options, retry=retry)
+    with pytest.raises(StorageAccessDenied, match="botocore's default chain") as info:
+        cp.save_sync(b"x")
+    assert len(retry.runs) == 1  # not retried
+    assert "NoCredentialsError" in str(info.value)
+    with pytest.raises(StorageAccessDenied):
+        cp.load_sync()  # never "no checkpoint"
+
+
+def test_a_rejected_azure_key_is_access_denied_and_the_key_is_never_shown(azure_server):
+    good = azure_server.storage_options["connection_string"]
+    wrong_key = base64.b64encode(b"not-the-key-of-this-account" * 2).decode()
+    options = {"connection_string": re.sub(r"AccountKey=[^;]+", f"AccountKey={wrong_key}", good)}
+    retry = fast_counting()
+    with pytest.raises(StorageAccessDenied, match="the connection string given in storage_options") as info:
+        Checkpoint("az://taskpoint-tests/denied/ckpt", storage_options=options, retry=retry).save_sync(b"x")
+    assert len(retry.runs) == 1
+    assert wrong_key not in str(info.value) and wrong_key[:20] not in str(info.value)
+
+
+def test_missing_google_default_credentials_are_access_denied(gcs_server, monkeypatch, tmp_path):
+    monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "no-gcloud"))
+    monkeypatch.setenv("NO_GCE_CHECK", "true")
+    options = {**gcs_server.storage_options, "token": "google_default"}
+    with pytest.raises(StorageAccessDenied, match="Google application default credentials"):
+        Checkpoint("gs://taskpoint-tests/denied/ckpt", storage_options=options).save_sync(b"x")
+
+
+def test_a_read_only_local_disk_is_access_denied_and_names_no_credentials(tmp_path):
+    with mounted_tmpfs(tmp_path / "ro", "ro,size=1m") as folder, \
+            pytest.raises(StorageAccessDenied, match="Read-only file system") as info:
+        Checkpoint(folder / "ckpt").save_sync(b"x")
+    assert "credentials" not in str(info.value)
+
+
+# -- not found: the bucket or container -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["s3", "gcs", "azure"])
+def test_saving_to_a_missing_bucket_is_storage_not_found(request, kind):
+    server = request.getfixturevalue({"s3": "s3_server", "gcs": "gcs_server", "azure": "azure_server"}[kind])
+    scheme = {"s3": "s3", "gcs": "gs", "azure": "az"}[kind]
+    retry = fast_counting()
+    with pytest.raises(StorageNotFound, match="does not exist"):
+        Checkpoint(f"{scheme}://no-such-bucket-{os.getpid()}/run/ckpt", storage_options=server.storage_options,
+                   retry=retry).save_sync(b"data")
+    assert len(retry.runs) <= 2  # the record read finds nothing, the first write fails: no retries
+
+
+def test_loading_from_and_listing_a_missing_bucket_is_storage_not_found(s3_server):
+    missing = f"s3://no-such-bucket-{os.getpid()}"
+    cp = Checkpoint(f"{missing}/x", f"{missing}/run/ckpt", storage_options=s3_server.storage_options)
+    with pytest.raises(StorageNotFound):
+        cp.load_sync()
+    with CheckpointManager(f"{missing}/steps", storage_options=s3_server.storage_options) as m, \
+            pytest.raises(StorageNotFound):
+        m.steps()
+
+
+# -- full: the destination, or the local disk a load extracts to ----------------------------------------------
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(folder: Path, options: str) -> Iterator[Path]:
+    """A real tmpfs at ``folder`` with mount ``options``; skips the test where mounting is not allowed."""
+    folder.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True,
+                             text=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip() or 'mount failed'}); run as root to test "
+                    "a full or read-only disk")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def test_a_full_destination_is_storage_full_and_the_previous_checkpoint_survives(tmp_path):
+    with mounted_tmpfs(tmp_path / "small", "size=1m") as folder:
+        Checkpoint(folder / "ckpt").save_sync(b"good")
+        retry = fast_counting()
+        with pytest.raises(StorageFull, match="no space left") as info:
+            Checkpoint(folder / "ckpt", retry=retry).save_sync(os.urandom(2 << 20))
+        # The record read, the pending record, the payload once (not retried), the previous record put back.
+        assert retry.runs == ["read", "save a checkpoint to", "save a checkpoint to", "write"]
+        assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
+        with Checkpoint(tmp_path / "next", folder / "ckpt") as cp:
+            assert cp.load_sync().read_bytes() == b"good"
+        assert [p.name for p in folder.iterdir() if p.name.endswith(".tmp")] == []  # no partial temp file left
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_a_load_into_a_full_local_disk_is_storage_full_not_an_outage(kind, request, tmp_path):
+    if kind == "local":
+        src, options = str(tmp_path / "store" / "ckpt"), None
+    else:
+        store = request.getfixturevalue("s3_server").new_location()
+        src, options = store.url("ckpt"), store.storage_options
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "weights.bin").write_bytes(os.urandom(2 << 20))
+    Checkpoint(src, storage_options=options).save_sync(tree)
+    with mounted_tmpfs(tmp_path / "small", "size=1m") as workspace:
+        retry = fast_counting()
+        with Checkpoint(tmp_path / "next", src, storage_options=options, workspace=workspace, retry=retry) as cp, \
+                pytest.raises(StorageFull, match="local disk a load extracts to"):
+            cp.load_sync()
+        assert retry.runs.count("load the checkpoint from") == 1
+        assert list(workspace.iterdir()) == []  # the staged part was removed
+
+
+# -- broken: what retrying cannot fix --------------------------------------------------------------------------
+
+
+def test_a_source_that_is_a_folder_is_a_storage_error_not_a_raw_os_error(tmp_path):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    with Checkpoint(tmp_path / "d", folder) as cp, pytest.raises(StorageError, match="IsADirectoryError"):
+        cp.load_sync()
+    with pytest.raises(StorageError, match="IsADirectoryError"):
+        Checkpoint(folder).save_sync(b"x")
+
+
+# -- the map itself, on the clients' own exception objects ------------------------------------------------------
+
+
+def _client_error(code: str, status: int) -> Exception:
+    from botocore.exceptions import ClientError
+
+    return ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                       "PutObject")
+
+
+def _wrapped(outer: BaseException, inner: BaseException) -> BaseException:
+    outer.__cause__ = inner
+    return outer
+
+
+@pytest.mark.parametrize(("make", "expected"), [
+    (lambda: _client_error("SlowDown", 503), Failure.TRANSIENT),
+    (lambda: _client_error("InternalError", 500), Failure.TRANSIENT),
+    (lambda: _client_error("AccessDenied", 403), Failure.DENIED),
+    (lambda: _client_error("NoSuchBucket", 404), Failure.NO_CONTAINER),
+    (lambda: _client_error("NoSuchKey", 404), Failure.ABSENT),
+    (lambda: _wrapped(PermissionError("denied"), _client_error("InvalidAccessKeyId", 403)), Failure.DENIED),
+    (lambda: _wrapped(FileNotFoundError("gone"), _client_error("NoSuchBucket", 404)), Failure.NO_CONTAINER),
+    (lambda: _wrapped(OSError(errno.EBUSY, "slow down"), _client_error("SlowDown", 503)), Failure.TRANSIENT),
+    (lambda: __import__("botocore.exceptions").exceptions.NoCredentialsError(), Failure.DENIED),
+    (lambda: __import__("botocore.exceptions").exceptions.ParamValidationError(report="bad"), Failure.BROKEN),
+    (lambda: __import__("google.auth.exceptions").auth.exceptions.DefaultCredentialsError("none"), Failure.DENIED),
+    (lambda: _azure("HttpResponseError", 503, "ServerBusy"), Failure.TRANSIENT),
+    (lambda: _azure("ResourceNotFoundError", 404, "ContainerNotFound"), Failure.NO_CONTAINER),
+    (lambda: _azure("ResourceNotFoundError", 404, "BlobNotFound"), Failure.ABSENT),
+    (lambda: _azure("ClientAuthenticationError", 403, "AuthenticationFailed"), Failure.DENIED),
+    (lambda: _wrapped(RuntimeError("Failed to upload block"), _azure("HttpResponseError", 400, "InvalidBlockList")),
+     Failure.TRANSIENT),  # two writers racing on one blob: an unknown client error is retried
+    (lambda: OSError(errno.ENOSPC, "No space left on device"), Failure.FULL),
+    (lambda: OSError(errno.EDQUOT, "Disk quota exceeded"), Failure.FULL),
+    (lambda: OSError(errno.EIO, "Input/output error"), Failure.TRANSIENT),
+    (lambda: OSError(errno.ESTALE, "Stale file handle"), Failure.TRANSIENT),
+    (lambda: OSError(errno.EACCES, "Permission denied"), Failure.DENIED),
+    (lambda: IsADirectoryError(errno.EISDIR, "Is a directory"), Failure.BROKEN),
+    (lambda: ConnectionResetError(), Failure.TRANSIENT),
+    (lambda: TimeoutError(), Failure.TRANSIENT),
+    (lambda: _wrapped(CheckpointCorruptError("bad gzip"), OSError(errno.EIO, "x")), Failure.PASS),
+    (lambda: ValueError("programming error"), Failure.PASS),
+])
+def test_the_error_map_classifies_by_type_and_by_code(make: Callable[[], BaseException], expected: Failure):
+    assert classify(make()) is expected
+
+
+def _azure(name: str, status: int, code: str) -> Exception:
+    import azure.core.exceptions as azure_errors
+
+    exc = getattr(azure_errors, name)(message=f"{code} happened")
+    exc.status_code, exc.error_code = status, code
+    return exc  # type: ignore[no-any-return]
+
+
+def test_messages_cut_signed_url_queries():
+    exc = OSError("GET http://127.0.0.1:1/c/b?sv=2021&sig=SECRETSIGNATURE failed")
+    assert "SECRETSIGNATURE" not in describe(exc)
+
+
+def test_every_location_operation_maps_errors(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"")
+    below_a_file = Location(str(blocker / "child"))
+    with pytest.raises(StorageError):
+        below_a_file.write_small(b"x")
+    assert below_a_file.read_small() is None  # nothing can be there: absent, not an error
+    assert below_a_file.list_names() == []
