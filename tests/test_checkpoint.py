@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import io
+import json
 import os
 import subprocess
 import sys
@@ -354,3 +355,40 @@ def test_large_checkpoint_round_trips_through_concurrent_ranged_reads(remote_sto
     with Checkpoint(remote_store.url("n2"), dest, storage_options=remote_store.storage_options) as nxt, \
             pytest.raises(taskpoint.CheckpointCorruptError):
         nxt.load_sync()
+
+
+def test_a_file_saved_to_local_disk_is_copied_by_the_kernel_and_recorded_with_its_crc32(tmp_path, monkeypatch):
+    import zlib
+
+    from taskpoint import transfer
+
+    copied = []
+    real = transfer.copy_fd_in_kernel
+
+    def spy(source_fd, dest_fd, size=None):  # calls through: only records that the kernel path ran
+        copied.append(os.readlink(f"/proc/self/fd/{source_fd}"))
+        return real(source_fd, dest_fd, size)
+
+    monkeypatch.setattr(transfer, "copy_fd_in_kernel", spy)
+    weights = tmp_path / "weights.bin"
+    weights.write_bytes(os.urandom(3 << 20))
+    with Checkpoint(tmp_path / "store" / "ckpt") as cp:
+        cp.save_sync(weights)
+    assert copied == [str(weights)]
+    record = json.loads((tmp_path / "store" / "ckpt.taskpoint.json").read_bytes())["committed"]
+    assert record["crc32"] == f"{zlib.crc32(weights.read_bytes()):08x}" and record["size"] == 3 << 20
+    with Checkpoint(tmp_path / "d2", tmp_path / "store" / "ckpt") as cp:
+        assert cp.load_sync().read_bytes() == weights.read_bytes()
+
+
+def test_a_local_file_that_changes_size_while_saved_is_refused_and_the_old_checkpoint_stays(tmp_path):
+    dest = tmp_path / "store" / "ckpt"
+    with Checkpoint(dest) as cp:
+        cp.save_sync(b"good")
+    proc_file = Path("/proc/self/status")  # stat says 0 bytes, reading gives more: a file that "grew"
+    if not proc_file.is_file():
+        pytest.skip("no /proc here")
+    with Checkpoint(dest) as cp, pytest.raises(RuntimeError, match="changed size"):
+        cp.save_sync(proc_file)
+    with Checkpoint(tmp_path / "d2", dest) as cp:
+        assert cp.load_sync().read_bytes() == b"good"

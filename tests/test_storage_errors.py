@@ -171,6 +171,13 @@ def test_a_full_destination_is_storage_full_and_the_previous_checkpoint_survives
         assert [p.name for p in folder.iterdir() if p.name.endswith(".tmp")] == []  # no partial temp file left
 
 
+def test_a_file_copied_by_the_kernel_into_a_full_destination_is_storage_full(tmp_path):
+    weights = tmp_path / "weights.bin"
+    weights.write_bytes(os.urandom(2 << 20))
+    with mounted_tmpfs(tmp_path / "small", "size=1m") as folder, pytest.raises(StorageFull):
+        Checkpoint(folder / "ckpt", retry=fast_counting()).save_sync(weights)
+
+
 @pytest.mark.parametrize("kind", ["local", "s3"])
 def test_a_load_into_a_full_local_disk_is_storage_full_not_an_outage(kind, request, tmp_path):
     if kind == "local":

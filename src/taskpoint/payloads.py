@@ -132,6 +132,9 @@ class FilePayload(BytesPayload):
     def size(self) -> int:
         return self._size
 
+    def local_file(self) -> Path:
+        return self._path
+
     def snapshot(self, scratch: Path) -> Payload:
         copy = scratch / self._path.name
         copy_with_metadata(self._path, copy)

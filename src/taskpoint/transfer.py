@@ -22,7 +22,7 @@ from .errors import CheckpointCorruptError, CheckpointError
 from .format.codecs import BLOCK_SIZE, Codec, detect_codec, holds_tar
 from .format.pgzip import crc32
 from .payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, Payload
-from .storage import Location, copy_fd_in_kernel, copy_file_in_kernel, digest_by_reading, digest_of_fd
+from .storage import Location, copy_fd_in_kernel, digest_by_reading, digest_of_fd
 from .storage.streams import read_up_to
 from .workspace import STAGING_PREFIX
 
@@ -37,6 +37,10 @@ Verifier = Callable[[str, int, str], None]
 class _SourceFailure(CheckpointError):
     """Reading the data to save failed (not storage): report the original error, do not retry. A
     CheckpointError so that the storage error map passes it through untouched."""
+
+    def __init__(self, original: BaseException) -> None:
+        super().__init__(str(original))
+        self.original = original
 
 
 class _Crc32:
@@ -157,7 +161,7 @@ def write_payload(dest: Location, payload: Payload, codec: Codec, level: int | N
     try:
         return dest.run(write, action="save a checkpoint to", writing=True)
     except _SourceFailure as failure:
-        raise failure.__cause__ from None  # type: ignore[misc]
+        raise failure.original from None
 
 
 def _copy_local(source: Path, sink: Any, expected: int | None, digest: str) -> tuple[int, str]:
@@ -166,9 +170,11 @@ def _copy_local(source: Path, sink: Any, expected: int | None, digest: str) -> t
     fd = sink.raw.fileno()
     start = os.lseek(fd, 0, os.SEEK_CUR)
     try:
-        size = copy_file_in_kernel(source, fd)
+        src = open(source, "rb")  # noqa: SIM115 - closed below; a failure here is the source's, not storage's
     except OSError as exc:
         raise _SourceFailure(exc) from exc
+    with src:  # a failure while copying may be the destination's (a full disk): the storage error map decides
+        size = copy_fd_in_kernel(src.fileno(), fd)
     if expected is not None and size != expected:
         raise _SourceFailure(RuntimeError(f"{source} changed size while it was being saved ({expected} -> "
                                           f"{size} bytes); save it again once it is complete"))
