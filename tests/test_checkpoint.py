@@ -375,7 +375,7 @@ def test_a_file_saved_to_local_disk_is_copied_by_the_kernel_and_recorded_with_it
     with Checkpoint(tmp_path / "store" / "ckpt") as cp:
         cp.save_sync(weights)
     assert copied == [str(weights)]
-    record = json.loads((tmp_path / "store" / "ckpt.taskpoint.json").read_bytes())["committed"]
+    record = json.loads((tmp_path / "store" / "ckpt.taskpoint.json").read_bytes())["objects"][0]
     assert record["crc32"] == f"{zlib.crc32(weights.read_bytes()):08x}" and record["size"] == 3 << 20
     with Checkpoint(tmp_path / "d2", tmp_path / "store" / "ckpt") as cp:
         assert cp.load_sync().read_bytes() == weights.read_bytes()

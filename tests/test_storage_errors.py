@@ -126,7 +126,7 @@ def test_saving_to_a_missing_bucket_is_storage_not_found(request, kind):
     with pytest.raises(StorageNotFound, match="does not exist"):
         Checkpoint(f"{scheme}://no-such-bucket-{os.getpid()}/run/ckpt", storage_options=server.storage_options,
                    retry=retry).save_sync(b"data")
-    assert len(retry.runs) <= 2  # the record read finds nothing, the first write fails: no retries
+    assert len(retry.runs) == len(set(retry.runs)), retry.runs  # each operation ran once: no retries
 
 
 def test_loading_from_and_listing_a_missing_bucket_is_storage_not_found(s3_server):
@@ -163,8 +163,7 @@ def test_a_full_destination_is_storage_full_and_the_previous_checkpoint_survives
         retry = fast_counting()
         with pytest.raises(StorageFull, match="no space left") as info:
             Checkpoint(folder / "ckpt", retry=retry).save_sync(os.urandom(2 << 20))
-        # The record read, the pending record, the payload once (not retried), the previous record put back.
-        assert retry.runs == ["read", "save a checkpoint to", "save a checkpoint to", "write"]
+        assert retry.runs.count("save a checkpoint to") == 1, retry.runs  # the payload: not retried
         assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
         with Checkpoint(tmp_path / "next", folder / "ckpt") as cp:
             assert cp.load_sync().read_bytes() == b"good"

@@ -10,14 +10,15 @@ import time
 import uuid
 import warnings
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import anyio.to_thread
 
-from .errors import CheckpointCorruptError, CheckpointError, StorageError, StorageNotFound
+from .errors import CheckpointCorruptError, CheckpointError, StorageNotFound
 from .format.codecs import Codec, get_codec
-from .format.records import MANIFEST_SUFFIX, Manifest, ObjectRecord
+from .format.records import MANIFEST_SUFFIX, ObjectRecord, Record
 from .payloads import Payload, payload_class, payload_for
 from .storage import Location, RetryPolicy, normalize_uri
 from .transfer import guess_kind, read_payload, write_payload
@@ -195,101 +196,148 @@ def clean_source_uri(value: str | os.PathLike[str] | None) -> str | None:
 
 # -- the record protocol, shared with the runtime's lineage search -------------------------------------
 
+#: The record this process last wrote beside each destination (key: filesystem protocol and record path). A
+#: later save there starts from it instead of reading the record again: a small save then takes two requests
+#: (the record, the object). Another process saving the same destination meanwhile is not seen; its object
+#: is listed again by its own next save, and a load that meets an unlisted object re-reads the record.
+_written: dict[tuple[str, str], Record] = {}
+_written_lock = threading.Lock()
+#: Pauses before a load re-reads the record when the object it read is not (yet) listed: a save of another
+#: process may have written the record just after this load read it, or be between its record and its
+#: commit. Only a damaged object waits them all (1.55 s) before CheckpointCorruptError.
+_RECORD_REREADS = (0.0, 0.05, 0.1, 0.2, 0.4, 0.8)
+
+
+def _record_key(record_loc: Location) -> tuple[str, str]:
+    return str(record_loc.fs.protocol), record_loc.path
+
 
 def save_object(dest: Location, payload: Payload, codec: Codec, level: int | None) -> ObjectRecord:
-    """Write ``payload`` to ``dest`` atomically and record its kind, size and CRC32 beside it."""
+    """Write ``payload`` to ``dest`` atomically; its kind, size and CRC32 are recorded beside it before it
+    becomes visible, next to the objects that may still be there (see :mod:`taskpoint.format.records`)."""
     record_loc = dest.sibling(MANIFEST_SUFFIX)
-    started = time.time()
-    previous = read_manifest(record_loc, tolerate_corrupt=True)
-    pending = ObjectRecord(kind=payload.kind, codec=codec.name if payload.archived else "raw",
-                           save_id=uuid.uuid4().hex, created=time.time(), size=payload.size())
-    committed_before = previous.committed if previous else None
-    record_loc.write_small(Manifest(committed=committed_before, pending=pending).to_bytes(),
-                           action="save a checkpoint to")
+    key = _record_key(record_loc)
+    with _written_lock:
+        known = _written.pop(key, None)
+    previous = known if known is not None else (read_record(record_loc, tolerate_corrupt=True) or Record())
+    if previous.sweep or (known is None and dest.is_local):
+        dest.sweep_leftovers(started_before=time.time())  # what killed or failed saves left
+    entry = ObjectRecord(kind=payload.kind, codec=codec.name if payload.archived else "raw",
+                         save_id=uuid.uuid4().hex, created=time.time(), size=payload.size())
+    state = _SaveState(previous)
+
+    def on_partial() -> None:  # a multipart upload begins: if this process dies, the next save sweeps it
+        if not state.partial:
+            state.partial = True
+            state.record = replace(state.record, sweep=True)
+            record_loc.write_small(state.record.to_bytes(), action="save a checkpoint to")
+
+    def before_commit(size: int, digest: str) -> None:
+        state.record = previous.with_new(replace(entry, size=size, crc32=digest), sweep=state.partial)
+        record_loc.write_small(state.record.to_bytes(), action="record the checkpoint at")
+
     try:
-        size, digest = write_payload(dest, payload, codec, level, digest="crc32", size_hint=payload.size())
+        size, digest = write_payload(dest, payload, codec, level, digest="crc32", size_hint=payload.size(),
+                                     before_commit=before_commit, on_partial=on_partial)
     except BaseException:
-        _restore_manifest(record_loc, committed_before)
+        _mark_failed(record_loc, state.record)
         raise
-    record = ObjectRecord(kind=pending.kind, codec=pending.codec, save_id=pending.save_id,
-                          created=pending.created, size=size, crc32=digest)
-    try:
-        record_loc.write_small(Manifest(committed=record).to_bytes(), action="record the checkpoint at")
-    except StorageError as exc:
-        raise StorageError(f"the checkpoint at {dest.uri} was written, but its record could not be updated "
-                           f"({exc}); it will load without checksum verification. Save again to fix it.") from exc
-    if previous is None or previous.needs_sweep:
-        dest.sweep_leftovers(started_before=started)
-    return record
+    with _written_lock:
+        _written[key] = replace(state.record, confirmed=entry.save_id, sweep=False)
+    return replace(entry, size=size, crc32=digest)
 
 
-def _restore_manifest(record_loc: Location, committed: ObjectRecord | None) -> None:
-    """After a failed save: the previous record again, marked so that the next save sweeps leftovers."""
-    # Best effort: if this write fails too, the pending entry left in place is harmless and also triggers it.
-    with contextlib.suppress(Exception):
-        record_loc.write_small(Manifest(committed=committed, interrupted=True).to_bytes())
+@dataclass
+class _SaveState:
+    """What one save has written to the record so far."""
+
+    record: Record
+    partial: bool = False
 
 
-def read_manifest(record_loc: Location, *, tolerate_corrupt: bool = False) -> Manifest | None:
+def _mark_failed(record_loc: Location, record: Record) -> None:
+    """After a failed save: the record keeps every object it listed (the failed save's object may have become
+    visible if only the answer was lost) and asks the next save to sweep what this one may have left."""
+    with contextlib.suppress(Exception):  # best effort: the record already lists everything that may be visible
+        record_loc.write_small(replace(record, sweep=True).to_bytes())
+
+
+def read_record(record_loc: Location, *, tolerate_corrupt: bool = False) -> Record | None:
     """The record beside a checkpoint object, or None when there is none."""
     data = record_loc.read_small()
     if data is None:
         return None
     try:
-        return Manifest.from_bytes(data, record_loc.uri)
+        return Record.from_bytes(data, record_loc.uri)
     except CheckpointCorruptError:
         if tolerate_corrupt:
             return None
         raise
 
 
+class _Unlisted(CheckpointCorruptError):
+    """The object read is none of those the record lists (maybe a save that listed it has not been seen)."""
+
+
 def load_object(src: Location, workspace: Path) -> Path | None:
     """Load the checkpoint at ``src`` into ``workspace``; None when nothing was ever saved there."""
-    manifest = read_manifest(src.sibling(MANIFEST_SUFFIX))
-
-    def choose(head: bytes, size: int | None) -> type[Payload]:
-        record = _choose_record(manifest, size)
-        return payload_class(record.kind, src.uri) if record else guess_kind(head)
-
-    def verify(kind: str, size: int, digest: str) -> None:
-        _verify(manifest, kind, size, digest, src.uri)
-
-    committed = manifest.committed if manifest is not None else None
-    digest = "sha256" if committed is not None and committed.crc32 is None and committed.sha256 else "crc32"
-    result = read_payload(src, workspace, choose, verify, digest)
+    record_loc = src.sibling(MANIFEST_SUFFIX)
+    record = read_record(record_loc)
+    for delay in (*_RECORD_REREADS, None):
+        try:
+            result = _load_listed(src, workspace, record)
+            break
+        except _Unlisted:
+            if delay is None:
+                raise
+            # A save may have listed its object after this load read the record, or be about to make the one
+            # its record lists visible: read the record again (after a pause) and follow it.
+            time.sleep(delay)
+            record = read_record(record_loc)
     if result is None:
-        if manifest is not None and manifest.committed is not None:
+        if record is not None and record.objects:
             raise CheckpointCorruptError(
                 f"the checkpoint at {src.uri} is recorded as saved but its object is missing; it was deleted "
                 f"or moved. Restore the object, or delete its record ({MANIFEST_SUFFIX}) to start over.")
         if src.container_missing():
             raise StorageNotFound(f"could not load {src.uri}: the bucket or container does not exist. "
-                               "Create it, or fix the URI.")
+                                  "Create it, or fix the URI.")
     return result
 
 
-def _choose_record(manifest: Manifest | None, size: int | None) -> ObjectRecord | None:
-    if manifest is None:
-        return None
-    committed, pending = manifest.committed, manifest.pending
-    if committed is not None and (pending is None or size == committed.size):
-        return committed
-    return pending or committed
+def _load_listed(src: Location, workspace: Path, record: Record | None) -> Path | None:
+    """One load of ``src``, verified against ``record`` (objects without a record are Flyte's: unverified)."""
+
+    def choose(head: bytes, size: int | None) -> type[Payload]:
+        if record is None:
+            return guess_kind(head)
+        listed = record.of_size(size) or record.unverified or record.of_size(None)
+        if listed is None:
+            raise _Unlisted(f"the checkpoint at {src.uri} has a record that lists no object")
+        if size is not None and listed.size not in (None, size) and record.unverified is None:
+            raise _Unlisted(f"the checkpoint at {src.uri} holds an object of {size} bytes, which its record "
+                            "does not list")
+        return payload_class(listed.kind, src.uri)
+
+    def verify(kind: str, size: int, digest: str) -> None:
+        _verify(record, kind, size, digest, src.uri)
+
+    newest = record.of_size(None) if record is not None else None
+    digest = "sha256" if newest is not None and newest.crc32 is None and newest.sha256 else "crc32"
+    return read_payload(src, workspace, choose, verify, digest, size_hint=newest.size if newest else None)
 
 
-def _verify(manifest: Manifest | None, kind: str, size: int, digest: str, uri: str) -> None:
-    if manifest is None:
+def _verify(record: Record | None, kind: str, size: int, digest: str, uri: str) -> None:
+    if record is None or record.matching(kind, size, digest) is not None:
         return
-    committed, pending = manifest.committed, manifest.pending
-    if committed is not None and committed.size == size and digest in (committed.crc32, committed.sha256):
-        return
-    if pending is not None and pending.kind == kind and pending.size in (None, size):
+    legacy = record.unverified
+    if legacy is not None and legacy.kind == kind and legacy.size in (None, size):
         warnings.warn(
-            f"the checkpoint at {uri} was written by a save that stopped before recording its checksum; "
-            "it was loaded with the archive's own checks only.", stacklevel=2)
+            f"the checkpoint at {uri} was written by a save (of an older taskpoint) that stopped before recording "
+            "its checksum; it was loaded with the archive's own checks only.", stacklevel=2)
         return
-    expected = committed.size if committed else None
-    raise CheckpointCorruptError(
+    expected = ", ".join(str(o.size) for o in record.objects) or "none"
+    raise _Unlisted(
         f"the checkpoint at {uri} does not match the checksum recorded when it was saved "
-        f"(size {size}, expected {expected}); it is truncated or damaged. Save a new checkpoint, or load "
+        f"(size {size}, recorded sizes {expected}); it is truncated or damaged. Save a new checkpoint, or load "
         "an older one.")

@@ -22,7 +22,7 @@ from .errors import CheckpointCorruptError, CheckpointError
 from .format.codecs import BLOCK_SIZE, Codec, detect_codec, holds_tar
 from .format.pgzip import crc32
 from .payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, Payload
-from .storage import Location, copy_fd_in_kernel, digest_by_reading, digest_of_fd
+from .storage import Location, WriteHooks, copy_fd_in_kernel, digest_by_reading, digest_of_fd
 from .storage.streams import read_up_to
 from .workspace import STAGING_PREFIX
 
@@ -137,26 +137,40 @@ class HashingReader:
 
 
 def write_payload(dest: Location, payload: Payload, codec: Codec, level: int | None,
-                  digest: str = "sha256", size_hint: int | None = None) -> tuple[int, str]:
+                  digest: str = "sha256", size_hint: int | None = None,
+                  before_commit: Callable[[int, str], None] | None = None,
+                  on_partial: Callable[[], None] | None = None) -> tuple[int, str]:
     """Stream ``payload`` into ``dest`` atomically; return the stored size and its ``digest`` (hex).
 
-    Transient storage failures are retried by rewriting the whole object; a failure to read the data being
-    saved is raised as it is, without retrying; other storage failures become the matching StorageError.
+    ``before_commit(size, digest)`` runs once every byte is written and hashed and none is visible yet (the
+    checkpoint record is written there, so that every visible object has a digest); ``on_partial`` when a
+    killed writer could leave parts behind. Transient storage failures are retried by rewriting the whole
+    object; a failure to read the data being saved is raised as it is, without retrying; other storage
+    failures become the matching StorageError.
     """
 
     def write() -> tuple[int, str]:
-        with dest.open_write(size_hint=size_hint) as f:
+        done: list[tuple[int, str]] = []
+
+        def commit() -> None:
+            if before_commit is not None:
+                before_commit(*done[0])
+
+        hooks = WriteHooks(before_commit=commit, on_partial=on_partial or WriteHooks().on_partial)
+        with dest.open_write(size_hint=size_hint, hooks=hooks) as f:
             local_source = payload.local_file() if dest.is_local else None
             if local_source is not None:
-                return _copy_local(local_source, f, payload.size(), digest)
-            out = HashingWriter(f, digest)
-            try:
-                payload.write(out, codec, level)  # type: ignore[arg-type]
-            except BaseException as exc:
-                if out.failed or not isinstance(exc, Exception):
-                    raise
-                raise _SourceFailure(exc) from exc
-        return out.size, out.hexdigest()
+                done.append(_copy_local(local_source, f, payload.size(), digest))
+            else:
+                out = HashingWriter(f, digest)
+                try:
+                    payload.write(out, codec, level)  # type: ignore[arg-type]
+                except BaseException as exc:
+                    if out.failed or not isinstance(exc, Exception):
+                        raise
+                    raise _SourceFailure(exc) from exc
+                done.append((out.size, out.hexdigest()))
+        return done[0]
 
     try:
         return dest.run(write, action="save a checkpoint to", writing=True)
@@ -183,19 +197,20 @@ def _copy_local(source: Path, sink: Any, expected: int | None, digest: str) -> t
 
 
 def read_payload(src: Location, workspace: Path, choose: KindChooser, verify: Verifier,
-                 digest: str = "sha256") -> Path | None:
+                 digest: str = "sha256", size_hint: int | None = None) -> Path | None:
     """Stream ``src`` into ``workspace`` and return what load returns; None when the object does not exist.
 
     Nothing reaches the workspace until ``verify`` accepted the whole object; transient failures restart
-    the download.
+    the download. ``size_hint``: the size the caller expects (a small remote object comes in one request).
     """
-    return src.run(lambda: _read_once(src, workspace, choose, verify, digest), action="load the checkpoint from")
+    return src.run(lambda: _read_once(src, workspace, choose, verify, digest, size_hint),
+                   action="load the checkpoint from")
 
 
 def _read_once(src: Location, workspace: Path, choose: KindChooser, verify: Verifier,
-               digest: str) -> Path | None:
+               digest: str, size_hint: int | None) -> Path | None:
     try:
-        raw = src.open_read()
+        raw = src.open_read(size_hint)
     except FileNotFoundError:
         return None
     with raw:

@@ -1,14 +1,15 @@
 """The small record kept beside each checkpoint object: what kind it is and its checksum.
 
 The checkpoint object itself stays in Flyte's format (raw bytes, or a tar.gz), so other tools can read it.
-The record lives in a second object, ``<destination>.taskpoint.json``. A save writes the record twice:
-before the object, naming the save as *pending* (kind, codec and, when known, size), and after it, naming
-it *committed* with its size and CRC32. A crash between the object and the final record leaves a
-pending entry that still tells load the kind; a good checkpoint therefore never becomes unloadable, and
-outside that window every byte is verified against the recorded CRC32 and size.
+The record lives in a second object, ``<destination>.taskpoint.json``. Format 2 lists every object that may
+be visible at the destination, newest first, each with kind, size and CRC32. A save computes the new
+object's digest while it writes the object's temp file or parts, and writes the record listing the new
+object beside the previous ones *before* the object becomes visible (the rename, the PUT, the multipart
+completion). So every object a reader can see has a digest to check, whenever the saver is killed; a load
+accepts whichever listed object it finds, verified. Format 1 (``committed`` and ``pending``) is still read.
 
-The versioned manager (:mod:`taskpoint.manager`) keeps a :class:`StepManifest` in each step's folder instead: it is
-written once, after the payload, and is the step's commit.
+The versioned manager (:mod:`taskpoint.manager`) keeps a :class:`StepManifest` in each step's folder instead: it
+is written once, after the payload, and is the step's commit.
 """
 
 from __future__ import annotations
@@ -22,8 +23,14 @@ from ..errors import CheckpointCorruptError
 
 MANIFEST_SUFFIX = ".taskpoint.json"
 FORMAT = "taskpoint.checkpoint"
+#: Version of the checkpoint record written now (format 1 is still read).
+RECORD_VERSION = 2
+#: Version of a manager step's manifest.
 FORMAT_VERSION = 1
-#: The format name of a manager step's manifest; it shares :data:`FORMAT_VERSION`.
+#: Objects a record keeps besides the confirmed one: the newest few, in case saves failed after their
+#: object may have become visible (a lost answer to the final PUT).
+RECORD_KEEPS = 3
+#: The format name of a manager step's manifest (version :data:`FORMAT_VERSION`).
 STEP_FORMAT = "taskpoint.step"
 
 T = TypeVar("T")
@@ -44,32 +51,56 @@ class ObjectRecord:
 
 
 @dataclass(frozen=True)
-class Manifest:
-    committed: ObjectRecord | None = None
-    pending: ObjectRecord | None = None
-    #: A save failed after it started writing: the next save sweeps what it may have left (S3 parts).
-    interrupted: bool = False
+class Record:
+    """The record beside one checkpoint object: every object that may be visible there, newest first."""
+
+    objects: tuple[ObjectRecord, ...] = ()
+    #: The save id of the newest object known to have become visible (its save returned); always kept.
+    confirmed: str | None = None
+    #: A save may have left parts or temp files (a multipart upload began, or a save failed): the next save
+    #: sweeps them.
+    sweep: bool = False
+    #: Format 1 only: a save that stopped before recording its digest (a checkpoint written by an older
+    #: taskpoint); its object can only be checked by the archive's own checksums.
+    unverified: ObjectRecord | None = None
 
     def to_bytes(self) -> bytes:
-        doc: dict[str, Any] = {"format": FORMAT, "version": FORMAT_VERSION,
-                               "committed": self.committed and asdict(self.committed),
-                               "pending": self.pending and asdict(self.pending)}
-        if self.interrupted:
-            doc["interrupted"] = True
+        doc: dict[str, Any] = {"format": FORMAT, "version": RECORD_VERSION,
+                               "objects": [asdict(o) for o in self.objects], "confirmed": self.confirmed}
+        if self.sweep:
+            doc["sweep"] = True
         return json.dumps(doc, sort_keys=True).encode()
 
-    @property
-    def needs_sweep(self) -> bool:
-        """True when a save was killed or failed here since the last good one."""
-        return self.pending is not None or self.interrupted
+    def with_new(self, entry: ObjectRecord, *, sweep: bool) -> Record:
+        """This record with ``entry`` first; older entries beyond :data:`RECORD_KEEPS` go, never the confirmed."""
+        older = [o for o in self.objects if o.save_id != entry.save_id]
+        kept = older[:RECORD_KEEPS - 1]
+        kept += [o for o in older[RECORD_KEEPS - 1:] if o.save_id == self.confirmed]
+        return Record(objects=(entry, *kept), confirmed=self.confirmed, sweep=sweep)
+
+    def matching(self, kind: str, size: int, digest: str) -> ObjectRecord | None:
+        """The listed object with this kind, size and digest (CRC32, or sha256 in old records), if any."""
+        return next((o for o in self.objects
+                     if (o.kind, o.size) == (kind, size) and digest in (o.crc32, o.sha256)), None)
+
+    def of_size(self, size: int | None) -> ObjectRecord | None:
+        """The newest listed object of ``size`` (of any size when None)."""
+        return next((o for o in self.objects if size is None or o.size == size), None)
 
     @classmethod
-    def from_bytes(cls, data: bytes, uri: str) -> Manifest:
-        def build(doc: dict[str, Any]) -> Manifest:
-            return cls(committed=_record(doc.get("committed")), pending=_record(doc.get("pending")),
-                       interrupted=bool(doc.get("interrupted", False)))
+    def from_bytes(cls, data: bytes, uri: str) -> Record:
+        def build(doc: dict[str, Any]) -> Record:
+            if int(doc.get("version", 0)) < 2:  # format 1: committed and pending
+                committed, pending = _record(doc.get("committed")), _record(doc.get("pending"))
+                return cls(objects=(committed,) if committed else (),
+                           confirmed=committed.save_id if committed else None,
+                           sweep=pending is not None or bool(doc.get("interrupted", False)), unverified=pending)
+            objects = tuple(_record(o) for o in doc["objects"])
+            confirmed = doc.get("confirmed")
+            return cls(objects=tuple(o for o in objects if o is not None),
+                       confirmed=None if confirmed is None else str(confirmed), sweep=bool(doc.get("sweep", False)))
 
-        return _parse(data, FORMAT, uri, build,
+        return _parse(data, FORMAT, uri, build, RECORD_VERSION,
                       "delete it to load the checkpoint without verification, or save a new checkpoint")
 
 
@@ -100,19 +131,21 @@ class StepManifest:
             return cls(step=int(doc["step"]), payload=str(doc["payload"]), record=record,
                        attempt=None if attempt is None else int(attempt), metadata=metadata)
 
-        return _parse(data, STEP_FORMAT, uri, build, "delete the step, or save it again with overwrite=True")
+        return _parse(data, STEP_FORMAT, uri, build, FORMAT_VERSION,
+                      "delete the step, or save it again with overwrite=True")
 
 
-def _parse(data: bytes, fmt: str, uri: str, build: Callable[[dict[str, Any]], T], what_to_do: str) -> T:
+def _parse(data: bytes, fmt: str, uri: str, build: Callable[[dict[str, Any]], T], newest: int,
+           what_to_do: str) -> T:
     """``build`` applied to the ``fmt`` document in ``data``; anything unreadable is CheckpointCorruptError."""
     try:
         doc = json.loads(data)
         if not isinstance(doc, dict) or doc.get("format") != fmt:
             raise ValueError("not a taskpoint manifest")
-        if int(doc.get("version", 0)) > FORMAT_VERSION:
+        if int(doc.get("version", 0)) > newest:
             raise CheckpointCorruptError(
                 f"the checkpoint record {uri} has format version {doc['version']}, newer than this "
-                f"taskpoint understands ({FORMAT_VERSION}); upgrade taskpoint to load it.")
+                f"taskpoint understands ({newest}); upgrade taskpoint to load it.")
         return build(doc)
     except CheckpointCorruptError:
         raise

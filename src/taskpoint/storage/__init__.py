@@ -17,7 +17,7 @@ from ._localio import (
     digest_by_reading,
     digest_of_fd,
 )
-from .backends import LEFTOVER_GRACE_SECONDS
+from .backends import LEFTOVER_GRACE_SECONDS, WriteHooks
 from .errormap import Failure, classify, is_transient, map_errors
 from .location import Location, normalize_uri
 from .retry import RetryPolicy
@@ -29,6 +29,7 @@ __all__ = [
     "Location",
     "ParallelCopy",
     "RetryPolicy",
+    "WriteHooks",
     "classify",
     "copy_fd_in_kernel",
     "copy_with_metadata",

@@ -6,6 +6,7 @@ import collections
 import concurrent.futures
 import contextlib
 import io
+from collections.abc import Callable
 from typing import Any
 
 #: Size of the parts of taskpoint's own S3 multipart uploads (S3 allows 10,000 parts: 80 GB at this size;
@@ -26,8 +27,9 @@ class S3MultipartWriter(io.RawIOBase):
     """
 
     def __init__(self, fs: Any, path: str, *, part_size: int = UPLOAD_PART_SIZE,
-                 in_flight: int = PARTS_IN_FLIGHT):
+                 in_flight: int = PARTS_IN_FLIGHT, on_upload_started: Callable[[], None] | None = None):
         super().__init__()
+        self._on_upload_started = on_upload_started
         self._fs = fs
         self._bucket, _, self._key = path.partition("/")
         self._part_size = part_size
@@ -55,6 +57,8 @@ class S3MultipartWriter(io.RawIOBase):
 
     def _send(self, data: bytes) -> None:
         if self._upload_id is None:
+            if self._on_upload_started is not None:
+                self._on_upload_started()
             started = self._fs.call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key)
             self._upload_id = started["UploadId"]
         number = len(self._parts) + 1
@@ -71,16 +75,21 @@ class S3MultipartWriter(io.RawIOBase):
                                   PartNumber=number, Body=data)
         return {"PartNumber": number, "ETag": answer["ETag"]}
 
-    def close(self) -> None:
+    def close(self, before_commit: Callable[[], None] | None = None) -> None:
+        """Send what is left and make the object visible; ``before_commit`` runs just before that moment."""
         if self.closed:
             return
         try:
             if self._upload_id is None:
+                if before_commit is not None:
+                    before_commit()
                 self._fs.call_s3("put_object", Bucket=self._bucket, Key=self._key, Body=bytes(self._buf))
             else:
                 if self._buf:
                     self._send(bytes(self._buf))
                 parts = [f.result() for f in self._parts]
+                if before_commit is not None:
+                    before_commit()
                 self._fs.call_s3("complete_multipart_upload", Bucket=self._bucket, Key=self._key,
                                  UploadId=self._upload_id, MultipartUpload={"Parts": parts})
         finally:
@@ -115,3 +124,33 @@ def unfinished_uploads(fs: Any, path: str) -> list[tuple[str, str, float]]:
         if not listing.get("IsTruncated"):
             return found
         markers = {"KeyMarker": listing["NextKeyMarker"], "UploadIdMarker": listing["NextUploadIdMarker"]}
+
+
+def get_object(fs: Any, path: str, *, limit: int | None) -> tuple[bytes, bool]:
+    """One GET of ``path``: its bytes (at most ``limit`` + 1 of them) and whether that was the whole object.
+
+    ``fs.cat_file`` asks for the size first (a HEAD, and a listing when the key is missing): two more
+    requests for every small object.
+    """
+    from fsspec.asyn import sync
+
+    bucket, _, key = path.partition("/")
+
+    async def get() -> tuple[bytes, bool]:
+        answer = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+        body = answer["Body"]
+        try:
+            if limit is None:
+                return await body.read(), True
+            parts, got = [], 0
+            while got <= limit:  # a read may return less than asked at any time
+                chunk = await body.read(limit + 1 - got)
+                if not chunk:
+                    break
+                parts.append(chunk)
+                got += len(chunk)
+            return b"".join(parts), got <= limit
+        finally:
+            body.close()
+
+    return sync(fs.loop, get)  # type: ignore[no-any-return]

@@ -15,11 +15,13 @@ Location` above them retries and maps errors. :func:`backend_for` picks one by t
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import IO, Any, ClassVar
 
 from fsspec.implementations.local import LocalFileSystem
@@ -30,11 +32,38 @@ from .streams import RANGE_SIZE, ConcurrentRangeReader
 
 #: Read-ahead blocks of remote streams, and the block size of client uploads.
 PART_SIZE = 16 << 20
+#: Objects expected to be at most this large are read with one request.
+SMALL_READ = 2 * RANGE_SIZE
 #: Age after which a temp object or unfinished upload of a killed save is swept by a later save. A writer
 #: that is still alive keeps touching its temp file, so this never disturbs a concurrent save.
 LEFTOVER_GRACE_SECONDS = 15 * 60
 #: Protocols of object stores whose writers upload in parts and can abort them (``discard``).
 _OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"})
+
+
+class WholeObject(io.BytesIO):
+    """An object read whole, as a stream that knows its size."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.size = len(data)
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class WriteHooks:
+    """What a writer's caller wants to do at two moments of an atomic write."""
+
+    #: Every byte is written and durable, none is visible yet (before the rename, PUT or completion).
+    before_commit: Callable[[], None] = _nothing
+    #: Something that a killed process would leave behind is about to exist (an S3 multipart upload).
+    on_partial: Callable[[], None] = _nothing
+
+
+NO_HOOKS = WriteHooks()
 
 
 def protocols(fs: Any) -> tuple[str, ...]:
@@ -69,11 +98,13 @@ class Backend:
         self.fs.invalidate_cache(path)
         return self.fs.cat_file(path)  # type: ignore[no-any-return]
 
-    def open_read(self, path: str) -> IO[bytes]:
+    def open_read(self, path: str, size_hint: int | None = None) -> IO[bytes]:
         self.fs.invalidate_cache(path)
         return self.fs.open(path, "rb", block_size=PART_SIZE, cache_type="readahead")  # type: ignore[no-any-return]
 
-    def open_write(self, path: str, size_hint: int | None) -> contextlib.AbstractContextManager[IO[bytes]]:
+    def open_write(self, path: str, size_hint: int | None, hooks: WriteHooks
+                   ) -> contextlib.AbstractContextManager[IO[bytes]]:
+        """An atomic writer; ``hooks.before_commit`` runs when every byte is written and none is visible yet."""
         raise NotImplementedError
 
     def remove(self, path: str) -> None:
@@ -120,11 +151,11 @@ class LocalBackend(Backend):
         with open(path, "rb") as f:
             return f.read()
 
-    def open_read(self, path: str) -> IO[bytes]:
+    def open_read(self, path: str, size_hint: int | None = None) -> IO[bytes]:
         return open(path, "rb", buffering=LOCAL_READ_BUFFER)
 
     @contextlib.contextmanager
-    def open_write(self, path: str, size_hint: int | None) -> Iterator[IO[bytes]]:
+    def open_write(self, path: str, size_hint: int | None, hooks: WriteHooks) -> Iterator[IO[bytes]]:
         folder, name = os.path.split(path)
         os.makedirs(folder, exist_ok=True)
         tmp = os.path.join(folder, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
@@ -134,6 +165,7 @@ class LocalBackend(Backend):
                 yield f
                 f.flush()
                 os.fsync(raw.fileno())
+            hooks.before_commit()
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
@@ -160,7 +192,7 @@ class ObjectStoreBackend(Backend):
 
     has_folders = False
 
-    def open_read(self, path: str) -> IO[bytes]:
+    def open_read(self, path: str, size_hint: int | None = None) -> IO[bytes]:
         self.fs.invalidate_cache(path)
         size = int(self.fs.info(path)["size"])
         if size > 2 * RANGE_SIZE:
@@ -168,10 +200,11 @@ class ObjectStoreBackend(Backend):
         return self.fs.open(path, "rb", block_size=PART_SIZE, cache_type="readahead")  # type: ignore[no-any-return]
 
     @contextlib.contextmanager
-    def open_write(self, path: str, size_hint: int | None) -> Iterator[IO[bytes]]:
+    def open_write(self, path: str, size_hint: int | None, hooks: WriteHooks) -> Iterator[IO[bytes]]:
         f = self.fs.open(path, "wb", block_size=PART_SIZE)
         try:
             yield f
+            hooks.before_commit()
             f.close()
         except BaseException:
             # fsspec files commit in close() and __del__: discard the upload and mark the file closed so
@@ -201,18 +234,30 @@ class S3Backend(ObjectStoreBackend):
     """S3: taskpoint's multipart writer (parts in flight, one PUT up to 64 MiB), upload listing and abort."""
 
     @contextlib.contextmanager
-    def open_write(self, path: str, size_hint: int | None) -> Iterator[IO[bytes]]:
+    def open_write(self, path: str, size_hint: int | None, hooks: WriteHooks) -> Iterator[IO[bytes]]:
         single = size_hint is not None and size_hint <= _s3.SINGLE_PUT_MAX
         writer = _s3.S3MultipartWriter(self.fs, path, part_size=_s3.SINGLE_PUT_MAX + 1 if single
-                                       else _s3.UPLOAD_PART_SIZE)
+                                       else _s3.UPLOAD_PART_SIZE, on_upload_started=hooks.on_partial)
         try:
             yield writer  # type: ignore[misc]
-            writer.close()
+            writer.close(before_commit=hooks.before_commit)
         except BaseException:
             writer.abort()
             raise
         finally:
             self.fs.invalidate_cache(path)
+
+    def read_small(self, path: str) -> bytes:
+        return _s3.get_object(self.fs, path, limit=None)[0]
+
+    def open_read(self, path: str, size_hint: int | None = None) -> IO[bytes]:
+        if size_hint is not None and size_hint <= SMALL_READ:
+            # Expected small: one GET instead of a HEAD and a GET. If the object turns out larger than that, it
+            # is not the one expected: read it the usual way.
+            data, complete = _s3.get_object(self.fs, path, limit=SMALL_READ)
+            if complete:
+                return WholeObject(data)
+        return super().open_read(path, size_hint)
 
     def sweep_leftovers(self, path: str, started_before: float) -> None:
         """Multipart uploads of this exact key that began before ``started_before`` (the caller's own save has
@@ -238,7 +283,7 @@ class MovingBackend(Backend):
         self.shared = "memory" not in protocols(fs)  # a memory filesystem lives in one process
 
     @contextlib.contextmanager
-    def open_write(self, path: str, size_hint: int | None) -> Iterator[IO[bytes]]:
+    def open_write(self, path: str, size_hint: int | None, hooks: WriteHooks) -> Iterator[IO[bytes]]:
         tmp = f"{path}.{uuid.uuid4().hex[:12]}.tmp"
         parent = self.fs._parent(path)
         if parent:
@@ -247,6 +292,7 @@ class MovingBackend(Backend):
         try:
             with self.fs.open(tmp, "wb") as f:
                 yield f
+            hooks.before_commit()
             self.fs.mv(tmp, path)
         except BaseException:
             with contextlib.suppress(Exception):

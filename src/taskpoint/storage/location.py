@@ -17,7 +17,7 @@ from typing import IO, Any, TypeVar
 import fsspec
 
 from ..errors import StorageError
-from .backends import Backend, LocalBackend, backend_for, credential_source
+from .backends import NO_HOOKS, Backend, LocalBackend, WriteHooks, backend_for, credential_source
 from .errormap import map_errors
 from .retry import RetryPolicy
 
@@ -86,10 +86,11 @@ class Location:
                 return None
         return self.run(read, action="read")
 
-    def open_read(self) -> IO[bytes]:
-        """A streaming reader; FileNotFoundError when the object does not exist. Not retried here: call it
+    def open_read(self, size_hint: int | None = None) -> IO[bytes]:
+        """A streaming reader; FileNotFoundError when the object does not exist. ``size_hint``, the size the
+        caller expects, lets a small remote object come down in one request. Not retried here: call it
         inside :meth:`run`."""
-        return self.backend.open_read(self.path)
+        return self.backend.open_read(self.path, size_hint)
 
     def list_tree(self) -> dict[str, dict[str, Any]]:
         """Every object and folder below this location, with listing details; {} when there is none."""
@@ -119,14 +120,15 @@ class Location:
     # -- writes ------------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def open_write(self, size_hint: int | None = None) -> Iterator[IO[bytes]]:
+    def open_write(self, size_hint: int | None = None, hooks: WriteHooks = NO_HOOKS) -> Iterator[IO[bytes]]:
         """A writer whose bytes appear at this location all at once when the block exits cleanly.
 
         If the block raises, or the process dies, the previous object (if any) is left untouched.
-        ``size_hint`` (the size when known in advance) lets small objects go up as one request. Not retried
-        here: call it inside :meth:`run`.
+        ``size_hint`` (the size when known in advance) lets small objects go up as one request; ``hooks``
+        run just before the object becomes visible and when a killed writer could leave parts behind.
+        Not retried here: call it inside :meth:`run`.
         """
-        with self.backend.open_write(self.path, size_hint) as f:
+        with self.backend.open_write(self.path, size_hint, hooks) as f:
             yield f
 
     def write_small(self, data: bytes, *, action: str = "write") -> None:
