@@ -81,7 +81,7 @@ class Gate:
         self.on_start: Callable[[int], object] = lambda step: None
         monkeypatch.setattr(module, function, self._transfer)
 
-    def _transfer(self, location, *args):
+    def _transfer(self, location, *args, **kwargs):
         match = re.search(r"/ckpt-(\d+)/", location.uri)
         step = int(match.group(1)) if match else -1
         self.on_start(step)
@@ -89,7 +89,7 @@ class Gate:
         if events is not None:
             events[0].set()
             assert events[1].wait(TIMEOUT), "the test never released the gate"
-        return self._real(location, *args)
+        return self._real(location, *args, **kwargs)
 
     def hold(self, step: int) -> None:
         self._held[step] = (threading.Event(), threading.Event())
@@ -333,10 +333,10 @@ def test_fallback_never_skips_a_step_because_storage_failed(tmp_path, monkeypatc
         m.save(b"newer", 2)
         real = _restore.read_payload
 
-        def outage(src, *args):
+        def outage(src, *args, **kwargs):
             if "/ckpt-2/" in src.uri:
                 raise StorageError(f"could not load {src.uri}: storage kept failing")
-            return real(src, *args)
+            return real(src, *args, **kwargs)
 
         monkeypatch.setattr(_restore, "read_payload", outage)
         with pytest.raises(StorageError):

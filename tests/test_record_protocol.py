@@ -211,3 +211,28 @@ def test_small_saves_and_loads_take_few_requests(s3_store, tmp_path):
     assert len(first) <= 3, first
     assert len(second) <= 2, second
     assert len(load) <= 2, load
+
+
+def test_a_small_manager_save_takes_three_requests_and_a_restore_two(s3_store):
+    """Issue 11 item 19: the existence check, the payload, the manifest; no listing between two listings."""
+    from taskpoint import CheckpointManager
+
+    with CheckpointManager(s3_store.url("steps"), storage_options=s3_store.storage_options) as m:
+        m.save(b"first", 1)  # lists the directory once (retention, leftovers)
+        counter = _RequestCounter(Location(s3_store.url("steps"), s3_store.storage_options).fs)
+        m.save(b"x" * 100, 2)
+        save = list(counter.requests)
+        counter.requests.clear()
+        assert m.restore(2).read_bytes() == b"x" * 100
+        restore = list(counter.requests)
+    assert len(save) <= 3, save
+    assert len(restore) <= 2, restore
+
+
+def test_retention_between_listings_still_keeps_only_the_newest_steps(s3_store):
+    from taskpoint import CheckpointManager
+
+    with CheckpointManager(s3_store.url("steps"), keep=2, storage_options=s3_store.storage_options) as m:
+        for step in range(1, 6):
+            m.save(str(step).encode(), step)
+        assert m.steps() == [4, 5]

@@ -233,6 +233,7 @@ class CheckpointManager:
         try:
             self._steps.object(step, MANIFEST_NAME).write_small(manifest.to_bytes(),
                                                                 action="commit the checkpoint at")
+            self._steps.committed(step)
         except BaseException:
             quietly(payload_loc.remove)
             raise
@@ -243,10 +244,7 @@ class CheckpointManager:
     def _tidy(self) -> None:
         """After a commit: apply retention and remove old leftovers. Never fails the save that committed."""
         try:
-            folders = self._steps.scan()
-            committed = [step for step, folder in folders.items() if folder.committed]
-            self._steps.let_go(self._retention.to_delete(committed), folders, self._grace)
-            self._steps.sweep(folders, self._grace)
+            self._steps.tidy(self._retention, self._grace)
         except Exception as exc:
             warnings.warn(f"taskpoint saved the new step but could not tidy {self.directory} ({exc}); old steps "
                           "and leftovers will be removed by a later save or gc()", RuntimeWarning, stacklevel=2)

@@ -110,7 +110,7 @@ class StepReader:
                     "(fallback=True), or save it again.")
 
         try:
-            return read_payload(src, workspace, choose, verify)
+            return read_payload(src, workspace, choose, verify, size_hint=record.size)
         except FileNotFoundError:  # deleted under a streaming read (object stores): check the manifest
             return None
         except CheckpointCorruptError as exc:

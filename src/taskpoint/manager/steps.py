@@ -24,6 +24,7 @@ from ..errors import CheckpointCorruptError, StorageNotFound
 from ..format.records import StepManifest
 from ..storage import Location
 from .claims import Claims
+from .retention import KeepPolicy
 
 #: Name of a step's manifest inside its folder; its presence is the step's commit.
 MANIFEST_NAME = "taskpoint.json"
@@ -52,6 +53,9 @@ class StepStore:
         self.root = root
         self._claims = claims
         self._container_seen = False  # the bucket or container is known to exist
+        #: Committed steps as last listed, plus those committed here since; None before the first listing.
+        self._known: set[int] | None = None
+        self._listed_at = 0.0
 
     @property
     def directory(self) -> str:
@@ -121,6 +125,30 @@ class StepStore:
 
     # -- deleting and sweeping -----------------------------------------------------------------------------
 
+    def committed(self, step: int) -> None:
+        """Note that this manager committed ``step`` (for retention between listings)."""
+        if self._known is not None:
+            self._known.add(step)
+
+    def tidy(self, retention: KeepPolicy, grace: float) -> None:
+        """After a commit: apply retention and sweep leftovers.
+
+        The directory is listed on the first save, and again once the grace period has passed since the last
+        listing (leftovers can only be swept once older than it; with ``grace`` 0, every time). In between,
+        retention works from the steps listed plus those committed here, so a small save costs no listing:
+        steps that other writers added meanwhile wait for the next listing.
+        """
+        if self._known is None or time.time() - self._listed_at >= grace:
+            self._listed_at = time.time()
+            folders = self.scan()
+            self._known = {step for step, folder in folders.items() if folder.committed}
+            self.let_go(retention.to_delete(self._known), folders, grace)
+            self.sweep(folders, grace)
+            return
+        gone = retention.to_delete(self._known)
+        self.let_go(gone, {step: Folder() for step in gone}, grace)
+
+
     def let_go(self, steps: list[int], folders: dict[int, Folder], grace: float) -> None:
         """Delete ``steps`` (retention's choice), taking each out of ``folders``; a step being restored in this
         process is skipped (a later save deletes it)."""
@@ -136,6 +164,8 @@ class StepStore:
         """Delete a step: its manifest first (so it stops existing at once), then its payload and leftovers."""
         manifest = self.manifest(step, tolerate_corrupt=True)
         self.object(step, MANIFEST_NAME).remove()
+        if self._known is not None:
+            self._known.discard(step)
         keep = {MANIFEST_NAME}
         if manifest is not None and PAYLOAD_NAME.fullmatch(manifest.payload):
             self.object(step, manifest.payload).remove()
