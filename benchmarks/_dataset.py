@@ -5,9 +5,10 @@ At ``size=1`` (the issue's sizes):
 * ``checkpoint/``: 4 files of 224 MiB of float32 values drawn from a normal distribution, 1,000 JSON files
   of about 1 KiB under ``metadata/``, and a 64 MiB text training log;
 * ``file/model.bin``: one 256 MiB file of float32 normal values;
-* ``bytes/payload.bin``: the 64 MiB read into memory as the ``bytes`` payload.
+* ``bytes/payload.bin``: the 64 MiB read into memory as the ``bytes`` payload;
+* ``small/payload.bin``: 4 KiB read into memory as the ``small`` payload (not scaled).
 
-``size`` scales every byte count and the number of JSON files.
+``size`` scales every byte count but the small payload's, and the number of JSON files.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ JSON_BYTES = 1024
 LOG_BYTES = 64 * MIB
 FILE_BYTES = 256 * MIB
 BYTES_PAYLOAD = 64 * MIB
+#: The small-save payload (issue 11 item 19: latency of frequent small saves), the same at every size.
+SMALL_PAYLOAD = 4 << 10
 
 _FLOATS_PER_CHUNK = 4 * MIB  # 16 MiB of float32 per generator call
 MANIFEST = "manifest.json"
@@ -50,7 +53,8 @@ class Dataset:
     files: dict[str, int]
 
     def source(self, payload: str) -> Path:
-        return {"directory": self.directory, "file": self.file, "bytes": self.bytes_file}[payload]
+        return {"directory": self.directory, "file": self.file, "bytes": self.bytes_file,
+                "small": self.root / "small" / "payload.bin"}[payload]
 
 
 def spec_for(size: float) -> dict[str, Any]:
@@ -69,6 +73,7 @@ def spec_for(size: float) -> dict[str, Any]:
         "log_bytes": scaled(LOG_BYTES, 1),
         "file_bytes": scaled(FILE_BYTES),
         "bytes_payload": scaled(BYTES_PAYLOAD),
+        "small_payload": SMALL_PAYLOAD,
     }
 
 
@@ -111,7 +116,8 @@ def _dataset(root: Path, files: dict[str, int]) -> Dataset:
     def total(prefix: str) -> int:
         return sum(n for rel, n in files.items() if rel.startswith(prefix + "/"))
 
-    sizes = {"directory": total("checkpoint"), "file": total("file"), "bytes": total("bytes")}
+    sizes = {"directory": total("checkpoint"), "file": total("file"), "bytes": total("bytes"),
+             "small": total("small")}
     return Dataset(root, root / "checkpoint", root / "file" / "model.bin", root / "bytes" / "payload.bin",
                    sizes, files)
 
@@ -129,6 +135,8 @@ def _build(root: Path, spec: dict[str, Any]) -> None:
     _write_normals(root / "file" / "model.bin", spec["file_bytes"], stream=100)
     (root / "bytes").mkdir()
     _write_normals(root / "bytes" / "payload.bin", spec["bytes_payload"], stream=200)
+    (root / "small").mkdir()
+    _write_normals(root / "small" / "payload.bin", spec["small_payload"], stream=300)
 
 
 def _write_normals(path: Path, nbytes: int, stream: int) -> None:

@@ -36,7 +36,7 @@ def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if r["op"] == "save" and base.get("stored_bytes") and r["method"] != "baseline":
             r["stored_vs_baseline"] = r["stored_bytes"] / base["stored_bytes"]
     order = {m: i for i, m in enumerate(METHOD_ORDER)}
-    return sorted(rows, key=lambda r: (r["store"], ("directory", "file", "bytes").index(r["payload"]),
+    return sorted(rows, key=lambda r: (r["store"], ("directory", "file", "bytes", "small").index(r["payload"]),
                                        ("save", "load").index(r["op"]), order.get(r["method"], 99)))
 
 
@@ -120,6 +120,11 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 r = get(store, payload, op)
                 check("file and bytes save/load: within 1.2x of raw put/get", f"{store}/{payload}/{op}",
                       r.get("time_vs_raw"), lambda v: v <= 1.2, "{:.2f}x", vs_durable(r))
+    for op in ("save", "load"):
+        r = get("s3", "small", op)
+        check("issue 11: small (4 KiB) save/load on S3 vs Flyte's one object: <= 2x its time (2 requests vs 1)",
+              f"s3/small/{op}", None if "speedup_vs_baseline" not in r else 1 / r["speedup_vs_baseline"],
+              lambda v: v <= 2.0, "{:.2f}x")
     for store in ("local", "s3"):
         check("archive size at the default level: <= 1.02x the baseline's", f"{store}/directory/save",
               get(store, "directory", "save").get("stored_vs_baseline"), lambda v: v <= 1.02, "{:.4f}x")
@@ -287,7 +292,7 @@ def plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
     import matplotlib.pyplot as plt
 
     stores = sorted({r["store"] for r in rows}, key=lambda s: ("local", "s3").index(s) if s in ("local", "s3") else 9)
-    groups = [(p, o) for p in ("directory", "file", "bytes") for o in ("save", "load")
+    groups = [(p, o) for p in ("directory", "file", "bytes", "small") for o in ("save", "load")
               if any(r["payload"] == p and r["op"] == o for r in rows)]
     methods = [m for m in METHOD_ORDER if any(r["method"] == m for r in rows)]
     colors = {"taskpoint": "#1f77b4", "taskpoint-async": "#7fb2dc", "baseline": "#d62728", "raw": "#7f7f7f",
