@@ -36,7 +36,8 @@ class TaskContext:
     max_attempts: int | None
     checkpoint: Checkpoint | None = None
     root: str | None = None
-    storage_options: dict[str, Any] | None = None
+    #: Not in the repr: options hold credentials, and reprs end up in logs and error reports.
+    storage_options: dict[str, Any] | None = field(default=None, repr=False)
     #: Options for the manager behind :attr:`checkpoints` (``@task(checkpoints={...})``).
     manager_options: dict[str, Any] = field(default_factory=dict)
     _manager: CheckpointManager | None = field(default=None, repr=False)
