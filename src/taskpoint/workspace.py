@@ -82,9 +82,9 @@ def process_alive(pid: int) -> bool:
 class Workspace:
     """The local folder of one Checkpoint: private temp folder, or one the caller chose.
 
-    Created when :attr:`path` is first read, not before: a Checkpoint that only saves never makes one. A
-    private folder is made in the temp folder, after removing the workspaces that killed processes of this
-    host left there (:func:`sweep_dead_folders`).
+    A private folder is created when :attr:`path` is first read, not before: a Checkpoint that only saves
+    never makes one. It is made in the temp folder, after removing the workspaces that killed processes of
+    this host left there (:func:`sweep_dead_folders`). A folder the caller chose is made at once.
     """
 
     _in_use: set[str] = set()
@@ -98,12 +98,13 @@ class Workspace:
         self._path: Path | None = None
         self._closed = False
         self.owned = folder is None
-        self._chosen: Path | None = None
         self._key: str | None = None
         if folder is not None:
+            # The caller's own folder: made at once (it is kept after close, and never piles up).
             chosen = Path(normalize_uri(folder, "workspace")).absolute()
-            self._claim(str(chosen.resolve()))  # refused at once when another open Checkpoint uses it
-            self._chosen = chosen
+            chosen.mkdir(parents=True, exist_ok=True)
+            self._claim(str(chosen.resolve()))  # refused when another open Checkpoint uses it
+            self._path = chosen
 
     @property
     def created(self) -> bool:
@@ -121,9 +122,6 @@ class Workspace:
             return self._path
 
     def _create(self) -> Path:
-        if self._chosen is not None:
-            self._chosen.mkdir(parents=True, exist_ok=True)
-            return self._chosen
         parent = tempfile.gettempdir()
         self._sweep(parent)
         path = owned_folder(WORKSPACE_PREFIX, parent)
