@@ -115,3 +115,31 @@ def test_storage_errors_reprs_warnings_and_log_records_never_show_the_options(s3
     _assert_clean([r.getMessage() for r in caplog.records if r.name.startswith("taskpoint")], "a log record")
     assert any("attempt 1 of 2" in r.getMessage() for r in caplog.records)  # the log was really captured
     assert len(shown) == 9 and all(shown)  # the background manager, then four per attempt
+
+
+def test_a_rejected_key_is_access_denied_naming_its_source_never_its_value(azure_server):
+    """azurite checks signatures: a wrong account key is refused, and the error says which credential was
+    tried (the connection string) without showing it."""
+    import base64
+
+    from _servers import AZURITE_ACCOUNT
+    from taskpoint import StorageAccessDenied
+
+    wrong_key = base64.b64encode(b"tp-secret-azure-account-key-5b1f").decode()
+    connection = (f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={wrong_key};"
+                  f"BlobEndpoint={azure_server.endpoint}/{AZURITE_ACCOUNT};")
+    options = {"connection_string": connection}
+    location = azure_server.new_location()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        errors = [_provoke(lambda: Checkpoint(location.url("a"), storage_options=options, retry=FAST).save_sync(b"x")),
+                  _provoke(lambda: Checkpoint(location.url("b"), location.url("a"), storage_options=options,
+                                              retry=FAST).load_sync()),
+                  _provoke(lambda: CheckpointManager(location.url("m"), storage_options=options).steps())]
+    assert all(isinstance(e, StorageAccessDenied) for e in errors), [repr(e) for e in errors]
+    assert all("connection string given in storage_options" in str(e) for e in errors)
+    for error in errors:
+        for text in _texts(error):
+            assert wrong_key not in text and connection not in text, text[:2000]
+    for w in caught:
+        assert wrong_key not in str(w.message)
