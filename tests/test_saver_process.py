@@ -181,15 +181,16 @@ def test_a_pytree_background_save_goes_to_the_helper_without_importing_jax_there
 
 
 def test_snapshots_that_killed_processes_left_are_swept_by_a_later_background_save(tmp_path):
+    from taskpoint import workspace
     from taskpoint.manager import background as _manager
 
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    host = _manager._host_tag()
+    host = workspace.host_tag()
     finished = subprocess.Popen([sys.executable, "-c", "pass"])
     finished.wait(TIMEOUT)  # a pid with no process behind it any more
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    old = time.time() - _manager.LEFTOVER_GRACE_SECONDS - 60
+    old = time.time() - workspace.LEFTOVER_GRACE_SECONDS - 60
 
     def leftover(name: str, age: float | None = old):
         folder = scratch / name

@@ -110,6 +110,8 @@ class Checkpoint(BaseCheckpoint):
 
     @property
     def path(self) -> Path:
+        """The local workspace folder where loads land, created when first read (a checkpoint that only
+        saves never makes one); it exists while the checkpoint is open."""
         return self._workspace.path
 
     @property
@@ -138,7 +140,10 @@ class Checkpoint(BaseCheckpoint):
         self.close()
 
     def __repr__(self) -> str:
-        return f"Checkpoint(dest={self.remote_destination!r}, src={self.remote_source!r}, path={str(self.path)!r})"
+        # Never the storage options (credentials); and the workspace only once it exists (reading
+        # ``path`` would create it).
+        path = str(self._workspace.path) if self._workspace.created else None
+        return f"Checkpoint(dest={self.remote_destination!r}, src={self.remote_source!r}, path={path!r})"
 
     def _check_open(self) -> None:
         if self._closed:

@@ -25,7 +25,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--action-name", help="action name (sets TASKPOINT_ACTION_NAME; default 'main' in root mode)")
     run.add_argument("--attempt", type=int, help="attempt number from 1 (sets TASKPOINT_ATTEMPT)")
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
-    gc = sub.add_parser("gc", help="remove leftovers of interrupted saves under a CheckpointManager directory")
+    gc = sub.add_parser("gc", help="remove leftovers of interrupted saves under a CheckpointManager directory",
+                        description="Remove leftovers of interrupted saves under a CheckpointManager directory. "
+                                    "Storage options (credentials, endpoint_url, ...) come from "
+                                    f"${layout.ENV_STORAGE_OPTIONS} (a JSON object), as for tasks.")
     gc.add_argument("directory", help="the manager's directory (any fsspec URL)")
     gc.add_argument("--grace", type=float, default=None,
                     help="only remove leftovers older than this many seconds (default: the manager's)")
@@ -77,7 +80,12 @@ def _run(args: argparse.Namespace) -> int:
 def _gc(args: argparse.Namespace) -> int:
     from .manager import CheckpointManager
 
-    with CheckpointManager(args.directory) as manager:
+    try:
+        options = layout.env_storage_options()  # credentials, endpoint_url...: as the saving task had them
+    except ValueError as exc:
+        print(f"taskpoint gc: {exc}", file=sys.stderr)
+        return 2
+    with CheckpointManager(args.directory, storage_options=options) as manager:
         removed = manager.gc(grace_seconds=args.grace) if args.grace is not None else manager.gc()
     for uri in removed:
         print(f"removed {uri}")

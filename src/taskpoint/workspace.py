@@ -1,56 +1,170 @@
-"""The local folder where loads land: a private temp folder, or one the caller chose, never shared."""
+"""The local folder where loads land: a private temp folder, or one the caller chose, never shared.
+
+Also the one place that knows how taskpoint names the temp folders a process owns
+(``<prefix><host>-<pid>-<random>``) and how to remove those that killed processes left behind
+(:func:`sweep_dead_folders`): private workspaces here, background-save snapshots in the manager.
+"""
 
 from __future__ import annotations
 
 import atexit
 import os
+import re
 import shutil
+import socket
 import tempfile
 import threading
+import time
+import zlib
 from pathlib import Path
 
-from .storage import normalize_uri
+from .errors import CheckpointError
+from .storage import LEFTOVER_GRACE_SECONDS, normalize_uri
 
 #: Prefix of the folders where a load is staged until it is verified; they live inside the workspace.
 STAGING_PREFIX = ".taskpoint-staging-"
+#: Start of the names of private workspaces in the temp folder: ``taskpoint-<host>-<pid>-<random>``.
+WORKSPACE_PREFIX = "taskpoint-"
+#: A process sweeps a temp folder for dead processes' workspaces at most this often (a listing of it).
+SWEEP_INTERVAL_SECONDS = 60.0
+
+
+def host_tag() -> str:
+    """This host, as 8 hex digits in the names of the folders its processes own."""
+    return f"{zlib.crc32(socket.gethostname().encode()):08x}"
+
+
+def owned_folder(prefix: str, parent: str | os.PathLike[str] | None = None) -> Path:
+    """A new private folder ``<prefix><host>-<pid>-<random>`` in ``parent`` (the temp folder by default),
+    named so that :func:`sweep_dead_folders` can tell whether its process is gone."""
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{host_tag()}-{os.getpid()}-", dir=parent))
+
+
+def sweep_dead_folders(folder: str | os.PathLike[str], prefix: str,
+                       grace: float = LEFTOVER_GRACE_SECONDS) -> list[Path]:
+    """Remove the folders named by :func:`owned_folder` with ``prefix`` in ``folder`` that killed processes of
+    this host left; return them. Only folders whose process is gone and that are older than ``grace``
+    seconds: a pid namespace that shares the folder but not our view of its processes keeps its live ones.
+    Best effort: what cannot be listed or removed stays."""
+    pattern = re.compile(re.escape(prefix) + r"(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[^/]+")
+    host, me, cutoff = host_tag(), os.getpid(), time.time() - grace
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return []
+    removed: list[Path] = []
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match is None or match["host"] != host or int(match["pid"]) == me:
+            continue
+        try:
+            if (not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_mtime > cutoff
+                    or process_alive(int(match["pid"]))):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(Path(entry.path))
+    return removed
+
+
+def process_alive(pid: int) -> bool:
+    """True when a process ``pid`` exists (ours or someone else's)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 class Workspace:
-    """The local folder of one Checkpoint: private temp folder, or one the caller chose."""
+    """The local folder of one Checkpoint: private temp folder, or one the caller chose.
+
+    A private folder is created when :attr:`path` is first read, not before: a Checkpoint that only saves
+    never makes one. It is made in the temp folder, after removing the workspaces that killed processes of
+    this host left there (:func:`sweep_dead_folders`). A folder the caller chose is made at once.
+    """
 
     _in_use: set[str] = set()
     _to_remove: set[str] = set()
+    _swept: dict[str, float] = {}
     _guard = threading.Lock()
     _exit_hook = False
 
     def __init__(self, folder: str | os.PathLike[str] | None) -> None:
-        if folder is None:
-            self.path = Path(tempfile.mkdtemp(prefix="taskpoint-"))
-            self.owned = True
-        else:
-            self.path = Path(normalize_uri(folder, "workspace")).absolute()
-            self.path.mkdir(parents=True, exist_ok=True)
-            self.owned = False
-        key = str(self.path.resolve())
+        self._lock = threading.Lock()
+        self._path: Path | None = None
+        self._closed = False
+        self.owned = folder is None
+        self._key: str | None = None
+        if folder is not None:
+            # The caller's own folder: made at once (it is kept after close, and never piles up).
+            chosen = Path(normalize_uri(folder, "workspace")).absolute()
+            chosen.mkdir(parents=True, exist_ok=True)
+            self._claim(str(chosen.resolve()))  # refused when another open Checkpoint uses it
+            self._path = chosen
+
+    @property
+    def created(self) -> bool:
+        """True once the folder exists (once :attr:`path` was read)."""
+        return self._path is not None
+
+    @property
+    def path(self) -> Path:
+        """The folder, created on first use. CheckpointError when closed before it was ever used."""
+        with self._lock:
+            if self._path is None:
+                if self._closed:
+                    raise CheckpointError("this workspace was closed before it was used; it has no folder")
+                self._path = self._create()
+            return self._path
+
+    def _create(self) -> Path:
+        parent = tempfile.gettempdir()
+        self._sweep(parent)
+        path = owned_folder(WORKSPACE_PREFIX, parent)
+        self._claim(str(path.resolve()), remove_at_exit=True)
+        return path
+
+    @classmethod
+    def _sweep(cls, parent: str) -> None:
+        """Remove dead processes' workspaces from ``parent``, at most every SWEEP_INTERVAL_SECONDS."""
+        now = time.monotonic()
+        with cls._guard:
+            last = cls._swept.get(parent)
+            if last is not None and now - last < SWEEP_INTERVAL_SECONDS:
+                return
+            cls._swept[parent] = now
+        sweep_dead_folders(parent, WORKSPACE_PREFIX)
+
+    def _claim(self, key: str, *, remove_at_exit: bool = False) -> None:
         with self._guard:
             if not Workspace._exit_hook:
                 atexit.register(Workspace.remove_all)
                 Workspace._exit_hook = True
             if key in self._in_use:
-                raise ValueError(f"workspace {self.path} is already used by another open Checkpoint")
+                raise ValueError(f"workspace {key} is already used by another open Checkpoint")
             self._in_use.add(key)
-            if self.owned:
+            if remove_at_exit:
                 self._to_remove.add(key)
         self._key = key
 
     def close(self) -> None:
-        with self._guard:
-            self._in_use.discard(self._key)
-            self._to_remove.discard(self._key)
+        with self._lock:
+            self._closed = True
+            path = self._path
+        if self._key is not None:
+            with self._guard:
+                self._in_use.discard(self._key)
+                self._to_remove.discard(self._key)
+        if path is None:
+            return
         if self.owned:
-            shutil.rmtree(self.path, ignore_errors=True)
+            shutil.rmtree(path, ignore_errors=True)
         else:
-            for leftover in self.path.glob(STAGING_PREFIX + "*"):
+            for leftover in path.glob(STAGING_PREFIX + "*"):
                 shutil.rmtree(leftover, ignore_errors=True)
 
     @classmethod
@@ -59,5 +173,3 @@ class Workspace:
             paths, cls._to_remove = list(cls._to_remove), set()
         for path in paths:
             shutil.rmtree(path, ignore_errors=True)
-
-

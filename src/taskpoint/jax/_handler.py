@@ -14,6 +14,7 @@ background saves as the versioned ones. Each step holds a ``taskpoint.jax.PyTree
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -22,6 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ..errors import CheckpointError
 from ..manager import CheckpointManager
+from ..manager._checks import check_step
 from ._payload import load_pytree_sync
 from ._pytree import PyTree
 
@@ -48,6 +50,91 @@ class Checkpointable(Protocol):
         """Replace the object's state with a restored one."""
 
 
+class Checkpointer:
+    """What :attr:`OrbaxCheckpointHandler.checkpointer` is: the calls Datarax code makes on Orbax's
+    checkpointer (``save``, ``restore``, ``wait_until_finished``, ``close``), on taskpoint's managers.
+
+    The handler makes every save and restore through it, so code that reaches for ``handler.checkpointer``
+    reads and writes the same checkpoints as the handler. A ``directory`` whose last segment is ``ckpt-N``
+    is step ``N`` of a :class:`~taskpoint.CheckpointManager` at its parent (``handler.save(d, t, step=N)``
+    writes ``d/ckpt-N``); any other directory is the only step (0) of a manager rooted there, the layout of
+    ``handler.save(d, t)`` at ``d/checkpoint``. ``state`` is a PyTree, saved as :class:`~taskpoint.jax.PyTree`.
+    """
+
+    def __init__(self, async_save: bool, storage_options: dict[str, Any] | None) -> None:
+        self._async_save = async_save
+        self._storage_options = storage_options
+        self._lock = threading.Lock()
+        self._managers: dict[str, tuple[CheckpointManager, int | None]] = {}
+        self._closed = False
+
+    def save(self, directory: str | os.PathLike[str], state: Any, force: bool = False, *,
+             keep: int | None = None, metadata: dict[str, Any] | None = None) -> str:
+        """Save ``state`` at ``directory`` (``.../ckpt-N`` or an unversioned folder); ``force`` overwrites.
+        ``keep`` (steps only) keeps the ``keep`` newest steps; ``metadata`` is a dict of JSON values. Returns
+        the checkpoint's URI. With ``async_checkpointing``, returns once the state is on local disk."""
+        parent, step = _split(directory)
+        payload = state if isinstance(state, PyTree) else PyTree(state)
+        if step is None:
+            manager = self.manager(directory, None)
+            manager.save(payload, UNVERSIONED_STEP, metadata=metadata, overwrite=force)
+            return manager.directory
+        return self.manager(parent, keep).save(payload, step, metadata=metadata, overwrite=force)
+
+    def restore(self, directory: str | os.PathLike[str], item: Any = None) -> Any:
+        """The tree saved at ``directory``, shaped like ``item`` when given (see
+        :func:`~taskpoint.jax.load_pytree`); waits for a save in flight there first. FileNotFoundError when
+        nothing was saved there."""
+        manager, step = self._located(directory)
+        manager.wait_until_finished()
+        with tempfile.TemporaryDirectory(prefix="taskpoint-restore-") as scratch:
+            return load_pytree_sync(manager.restore(step, into=scratch), target=item)
+
+    def metadata(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
+        """The metadata saved with the checkpoint at ``directory``, read without its payload."""
+        manager, step = self._located(directory)
+        manager.wait_until_finished()
+        return manager.metadata(step)
+
+    def wait_until_finished(self) -> None:
+        """Block until every background save has committed; raise the first error one of them met."""
+        _each(manager.wait_until_finished for manager in self.all_managers())
+
+    def close(self) -> None:
+        """Wait for background saves and release the managers; raise a background error. Safe to call twice."""
+        with self._lock:
+            self._closed = True
+            managers, self._managers = [m for m, _ in self._managers.values()], {}
+        _each(manager.close for manager in managers)
+
+    def _located(self, directory: str | os.PathLike[str]) -> tuple[CheckpointManager, int]:
+        parent, step = _split(directory)
+        if step is None:
+            return self.manager(directory), UNVERSIONED_STEP
+        return self.manager(parent), step
+
+    def manager(self, directory: str | os.PathLike[str], keep: int | _Unset | None = _UNSET) -> CheckpointManager:
+        """The manager of ``directory``; a new one when ``keep`` (if given) differs from its retention."""
+        key = _key(directory)
+        with self._lock:
+            if self._closed:
+                raise CheckpointError("this OrbaxCheckpointHandler is closed; create a new one")
+            current = self._managers.get(key)
+            if current is not None and (isinstance(keep, _Unset) or current[1] == keep):
+                return current[0]
+            wanted = None if isinstance(keep, _Unset) else keep
+            manager = CheckpointManager(directory, keep=wanted, storage_options=self._storage_options,
+                                        async_save=self._async_save)
+            self._managers[key] = (manager, wanted)
+        if current is not None:
+            current[0].close()  # waits for its background save; a later save there goes through the new one
+        return manager
+
+    def all_managers(self) -> list[CheckpointManager]:
+        with self._lock:
+            return [manager for manager, _ in self._managers.values()]
+
+
 class OrbaxCheckpointHandler:
     """Save and restore Checkpointable objects, ``flax.nnx`` modules and PyTrees by step, on any store.
 
@@ -55,22 +142,26 @@ class OrbaxCheckpointHandler:
     ``directory`` is any fsspec URL or local path; retention keeps everything unless ``keep`` says
     otherwise and never counts a save that has not committed; leftovers of interrupted saves are removed by
     later saves once older than the manager's grace period; ``metadata_only`` reads only the metadata.
+    As in Datarax, a target that is a :class:`Checkpointable` is saved and restored through its
+    ``get_state``/``set_state`` even when it is also an ``nnx.Module`` (every Datarax module is both).
 
     Args:
         async_checkpointing: when True, :meth:`save` returns once the state is serialized to local disk and
             uploads in the background (one save in flight per directory); :meth:`wait_until_finished`,
             :meth:`close` or leaving the ``with`` block waits, and raises a background error.
         storage_options: passed to fsspec for every directory (credentials, endpoint_url, ...).
+
+    Attributes:
+        checkpointer: the :class:`Checkpointer` every save and restore goes through (Datarax's handler
+            exposes its Orbax checkpointer under this name).
     """
 
     def __init__(self, async_checkpointing: bool = False, *, storage_options: dict[str, Any] | None = None) -> None:
         if storage_options is not None and not isinstance(storage_options, dict):
             raise TypeError(f"storage_options must be a dict, not {type(storage_options).__name__}")
         self.async_checkpointing = bool(async_checkpointing)
-        self._storage_options = dict(storage_options) if storage_options is not None else None
-        self._lock = threading.Lock()
-        self._managers: dict[str, tuple[CheckpointManager, int | None]] = {}
-        self._closed = False
+        self.checkpointer = Checkpointer(self.async_checkpointing,
+                                         dict(storage_options) if storage_options is not None else None)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -82,14 +173,11 @@ class OrbaxCheckpointHandler:
 
     def wait_until_finished(self) -> None:
         """Block until every background save has committed; raise the first error one of them met."""
-        _each(manager.wait_until_finished for manager in self._all_managers())
+        self.checkpointer.wait_until_finished()
 
     def close(self) -> None:
         """Wait for background saves and release the managers; raise a background error. Safe to call twice."""
-        with self._lock:
-            self._closed = True
-            managers, self._managers = [m for m, _ in self._managers.values()], {}
-        _each(manager.close for manager in managers)
+        self.checkpointer.close()
 
     # -- save --------------------------------------------------------------------------------------------
 
@@ -103,12 +191,12 @@ class OrbaxCheckpointHandler:
         ``overwrite=True``. ``metadata`` is a dict of JSON values, given back by
         ``restore(..., metadata_only=True)``. Returns the URI of the checkpoint.
         """
-        payload = PyTree(_state_of(target))
+        state = _state_of(target)
         if step is None:
-            manager = self._manager(_join(directory, UNVERSIONED_FOLDER), None)
-            manager.save(payload, UNVERSIONED_STEP, metadata=metadata, overwrite=overwrite)
-            return manager.directory
-        return self._manager(directory, keep).save(payload, step, metadata=metadata, overwrite=overwrite)
+            return self.checkpointer.save(_join(directory, UNVERSIONED_FOLDER), state, force=overwrite,
+                                          metadata=metadata)
+        return self.checkpointer.save(_step_path(directory, check_step(step)), state, force=overwrite, keep=keep,
+                                      metadata=metadata)
 
     save_to_directory = save
 
@@ -125,20 +213,22 @@ class OrbaxCheckpointHandler:
         the metadata dict saved with the checkpoint and reads nothing else. Background saves to
         ``directory`` are waited for first. FileNotFoundError when there is nothing to restore.
         """
-        manager = self._newest(directory) if step is None else self._manager(directory)
-        manager.wait_until_finished()
+        path = self._newest(directory) if step is None else _step_path(directory, check_step(step))
         if metadata_only:
-            return manager.metadata(step)
-        with tempfile.TemporaryDirectory(prefix="taskpoint-restore-") as scratch:
-            folder = manager.restore(step, into=scratch)
-            return _apply(folder, target)
+            return self.checkpointer.metadata(path)
+        return _apply(self.checkpointer, path, target)
 
-    def _newest(self, directory: str | os.PathLike[str]) -> CheckpointManager:
-        """The versioned manager when ``directory`` has a committed step, else the unversioned checkpoint's."""
-        for manager in (self._manager(directory), self._manager(_join(directory, UNVERSIONED_FOLDER))):
-            manager.wait_until_finished()
-            if manager.latest_step() is not None:
-                return manager
+    def _newest(self, directory: str | os.PathLike[str]) -> str:
+        """The newest committed step's path when ``directory`` has one, else the unversioned checkpoint's."""
+        versioned = self.checkpointer.manager(directory)
+        versioned.wait_until_finished()
+        latest = versioned.latest_step()
+        if latest is not None:
+            return _step_path(directory, latest)
+        unversioned = self.checkpointer.manager(_join(directory, UNVERSIONED_FOLDER))
+        unversioned.wait_until_finished()
+        if unversioned.latest_step() is not None:
+            return _join(directory, UNVERSIONED_FOLDER)
         raise FileNotFoundError(f"no checkpoint in {os.fspath(directory)}: no committed ckpt-{{step}} and no "
                                 f"{UNVERSIONED_FOLDER}/")
 
@@ -146,63 +236,40 @@ class OrbaxCheckpointHandler:
 
     def get_checkpoint_steps(self, directory: str | os.PathLike[str]) -> list[int]:
         """The committed steps in ``directory``, oldest first (a background save counts once committed)."""
-        return self._manager(directory).steps()
+        return self.checkpointer.manager(directory).steps()
 
     def latest_step(self, directory: str | os.PathLike[str]) -> int | None:
         """The newest committed step in ``directory``, or None."""
-        return self._manager(directory).latest_step()
+        return self.checkpointer.manager(directory).latest_step()
 
     def list_checkpoints(self, directory: str | os.PathLike[str]) -> dict[int, str]:
         """Each committed step in ``directory`` with the URI of its folder, oldest first."""
-        return self._manager(directory).list_checkpoints()
-
-    # -- managers ----------------------------------------------------------------------------------------
-
-    def _manager(self, directory: str | os.PathLike[str], keep: int | _Unset | None = _UNSET) -> CheckpointManager:
-        """The manager of ``directory``; a new one when ``keep`` (if given) differs from its retention."""
-        key = _key(directory)
-        with self._lock:
-            if self._closed:
-                raise CheckpointError("this OrbaxCheckpointHandler is closed; create a new one")
-            current = self._managers.get(key)
-            if current is not None and (isinstance(keep, _Unset) or current[1] == keep):
-                return current[0]
-            wanted = None if isinstance(keep, _Unset) else keep
-            manager = CheckpointManager(directory, keep=wanted, storage_options=self._storage_options,
-                                        async_save=self.async_checkpointing)
-            self._managers[key] = (manager, wanted)
-        if current is not None:
-            current[0].close()  # waits for its background save; a later save there goes through the new one
-        return manager
-
-    def _all_managers(self) -> list[CheckpointManager]:
-        with self._lock:
-            return [manager for manager, _ in self._managers.values()]
+        return self.checkpointer.manager(directory).list_checkpoints()
 
 
 def _state_of(target: Any) -> Any:
     """What is saved for ``target``: an nnx module's state as a pure dict, a Checkpointable's get_state()."""
+    if isinstance(target, Checkpointable):  # first, as Datarax does: its modules are nnx modules too
+        return target.get_state()
     nnx = _nnx()
     if nnx is not None and isinstance(target, nnx.Module):
         return nnx.to_pure_dict(nnx.state(target))
-    if isinstance(target, Checkpointable):
-        return target.get_state()
     return target
 
 
-def _apply(folder: Any, target: Any) -> Any:
-    """Restore the tree in ``folder`` into ``target`` as :meth:`OrbaxCheckpointHandler.restore` describes."""
+def _apply(checkpointer: Checkpointer, path: str, target: Any) -> Any:
+    """Restore the tree at ``path`` into ``target`` as :meth:`OrbaxCheckpointHandler.restore` describes."""
+    if isinstance(target, Checkpointable):  # first, as Datarax does (and as _state_of saved it)
+        target.set_state(checkpointer.restore(path))
+        return target
     nnx = _nnx()
     if nnx is not None and isinstance(target, nnx.Module):
         state = nnx.state(target)
-        restored = load_pytree_sync(folder, target=nnx.to_pure_dict(state))
+        restored = checkpointer.restore(path, item=nnx.to_pure_dict(state))
         nnx.replace_by_pure_dict(state, restored)
         nnx.update(target, state)
         return target
-    if isinstance(target, Checkpointable):
-        target.set_state(load_pytree_sync(folder))
-        return target
-    return load_pytree_sync(folder, target=target)
+    return checkpointer.restore(path, item=target)
 
 
 def _nnx() -> Any:
@@ -219,6 +286,23 @@ def _key(directory: str | os.PathLike[str]) -> str:
 
 def _join(directory: str | os.PathLike[str], name: str) -> str:
     return f"{os.fspath(directory).rstrip('/')}/{name}"
+
+
+def _step_path(directory: str | os.PathLike[str], step: int) -> str:
+    return _join(directory, f"ckpt-{step}")
+
+
+_STEP_FOLDER = re.compile(r"ckpt-(\d+)")
+
+
+def _split(directory: str | os.PathLike[str]) -> tuple[str, int | None]:
+    """``(parent, N)`` for a path ending in ``ckpt-N``; ``(path, None)`` for any other."""
+    text = os.fspath(directory).rstrip("/")
+    parent, _, last = text.rpartition("/")
+    match = _STEP_FOLDER.fullmatch(last)
+    if match is None or not parent:
+        return text, None
+    return parent, int(match.group(1))
 
 
 def _each(actions: Iterable[Callable[[], object]]) -> None:

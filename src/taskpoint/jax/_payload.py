@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import weakref
 from pathlib import Path
 from typing import Any
@@ -18,9 +17,11 @@ import anyio.to_thread
 
 from ..checkpoint import BaseCheckpoint
 from ..payloads import DirectoryPayload, Payload, register_payload
+from ..workspace import owned_folder, sweep_dead_folders
 from ._pytree import PyTree, read_tree, write_tree
 
-#: Prefix of the temp folders where trees are serialized before upload (below ``$TMPDIR``).
+#: Prefix of the temp folders where trees are serialized before upload (below ``$TMPDIR``), followed by
+#: ``<host>-<pid>-`` so that those of killed processes can be swept.
 SERIALIZE_PREFIX = "taskpoint-pytree-"
 
 
@@ -30,7 +31,9 @@ class PyTreePayload(DirectoryPayload):
     kind = "pytree"
 
     def __init__(self, tree: PyTree) -> None:
-        folder = Path(tempfile.mkdtemp(prefix=SERIALIZE_PREFIX))
+        folder = owned_folder(SERIALIZE_PREFIX)
+        # Each is as large as the tree: those that killed saving processes left must not pile up.
+        sweep_dead_folders(folder.parent, SERIALIZE_PREFIX)
         # The folder lives as long as the payload (through retried uploads and background saves).
         self._remove = weakref.finalize(self, shutil.rmtree, folder, ignore_errors=True)
         try:

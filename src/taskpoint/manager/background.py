@@ -7,23 +7,17 @@ then uploads it on a thread of its own, from the manager's save process when the
 
 from __future__ import annotations
 
-import os
-import re
 import shutil
-import socket
-import tempfile
 import threading
-import time
 import warnings
-import zlib
 from collections.abc import Callable
-from pathlib import Path
 
-from ..errors import add_note
+from ..errors import CheckpointError, add_note
 from ..format.codecs import Codec
 from ..payloads import Payload
-from ..storage import LEFTOVER_GRACE_SECONDS, Location
+from ..storage import Location
 from ..transfer import write_payload
+from ..workspace import owned_folder, sweep_dead_folders
 from .saver import NotTransferable, SaverProcess, SaverUnavailable, release_freed_memory
 
 
@@ -64,6 +58,7 @@ class BackgroundSave:
             self._thread, error, self._error = None, self._error, None
         if error is not None:
             add_note(error, f"raised here because the background save of step {self._step} failed")
+            _say_in_message(error, f"background save of step {self._step}")
             raise error
 
     def report_unclaimed(self, directory: str) -> None:
@@ -77,44 +72,16 @@ class BackgroundSave:
                           f"reported it: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=1)
 
 
+def _say_in_message(error: BaseException, what: str) -> None:
+    """Put ``what`` in the message of one of taskpoint's errors, for Python 3.10, which does not print notes:
+    an error raised by a later call (a save, close, wait_until_finished) must say that it comes from a
+    background save. Other exceptions are left as they are (their arguments may mean something else)."""
+    if isinstance(error, CheckpointError) and len(error.args) == 1 and isinstance(error.args[0], str):
+        error.args = (f"{error.args[0]} [{what}]",)
+
+
 #: Start of the names of background-save snapshot folders: ``taskpoint-snapshot-<host>-<pid>-<random>``.
 SNAPSHOT_PREFIX = "taskpoint-snapshot-"
-_SNAPSHOT_NAME = re.compile(re.escape(SNAPSHOT_PREFIX) + r"(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[^/]+")
-
-
-def _host_tag() -> str:
-    return f"{zlib.crc32(socket.gethostname().encode()):08x}"
-
-
-def _sweep_dead_snapshots(folder: Path) -> None:
-    """Remove snapshot folders that killed processes of this host left in ``folder`` (each as large as the
-    data it copied). Only folders whose process is gone and that are older than the leftover grace period:
-    a pid namespace that shares this folder but not our view of its processes keeps its live snapshots."""
-    host, me, cutoff = _host_tag(), os.getpid(), time.time() - LEFTOVER_GRACE_SECONDS
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return
-    for entry in entries:
-        match = _SNAPSHOT_NAME.fullmatch(entry.name)
-        if match is None or match["host"] != host or int(match["pid"]) == me:
-            continue
-        try:
-            if entry.stat(follow_symlinks=False).st_mtime > cutoff or _process_alive(int(match["pid"])):
-                continue
-        except OSError:
-            continue
-        shutil.rmtree(entry.path, ignore_errors=True)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
 
 
 def store_payload(location: Location, payload: Payload, codec: Codec, level: int | None,
@@ -150,9 +117,9 @@ class Background:
     def start(self, step: int, payload: Payload, job: Callable[..., None]) -> None:
         """Snapshot ``payload``, then run ``job(snapshot, save_process)`` in the background; a kind that
         cannot be snapshotted runs ``job(payload)`` here, with a warning."""
-        scratch = Path(tempfile.mkdtemp(prefix=f"{SNAPSHOT_PREFIX}{_host_tag()}-{os.getpid()}-",
-                                        dir=self._snapshot_dir))
-        _sweep_dead_snapshots(scratch.parent)
+        scratch = owned_folder(SNAPSHOT_PREFIX, self._snapshot_dir)
+        # Each snapshot is as large as the data it copied: those of killed processes must not pile up.
+        sweep_dead_folders(scratch.parent, SNAPSHOT_PREFIX)
         try:
             snapshot = payload.snapshot(scratch)
         except BaseException:

@@ -230,13 +230,12 @@ class CheckpointManager:
         record = ObjectRecord(kind=payload.kind, codec=self._codec.name if payload.archived else "raw",
                               save_id=save_id, created=created, size=size, sha256=digest)
         manifest = StepManifest(step=step, payload=name, record=record, attempt=attempt, metadata=metadata)
-        try:
-            self._steps.object(step, MANIFEST_NAME).write_small(manifest.to_bytes(),
-                                                                action="commit the checkpoint at")
-            self._steps.committed(step)
-        except BaseException:
-            quietly(payload_loc.remove)
-            raise
+        # A failed commit leaves the payload in place: the write may have landed although it raised (a lost
+        # response, an interrupt after the PUT), and then the manifest names this payload. Deleting it would
+        # leave a committed step naming nothing; if the manifest did not land, the payload is a leftover
+        # that no manifest names, removed by a later save or gc() once older than the grace period.
+        self._steps.object(step, MANIFEST_NAME).write_small(manifest.to_bytes(), action="commit the checkpoint at")
+        self._steps.committed(step)
         if replaced is not None and replaced != name and not self._claims.is_restoring(step):
             quietly(self._steps.object(step, replaced).remove)
         self._tidy()

@@ -67,6 +67,10 @@ def _receive(stream: IO[bytes]) -> Any:
     return pickle.loads(data)
 
 
+class SaveProcessTraceback(Exception):
+    """The traceback, in the save process, of an error that the save process raised (set as its cause)."""
+
+
 class SaverUnavailable(RuntimeError):
     """The helper process could not start or died; the caller saves in its own process instead."""
 
@@ -131,7 +135,14 @@ class SaverProcess:
         if status == "ok":
             return value  # type: ignore[no-any-return]
         error, remote_traceback = value
-        add_note(error, f"raised in taskpoint's save process (pid {self.pid}):\n{remote_traceback}")
+        where = f"raised in taskpoint's save process (pid {self.pid})"
+        if error.__cause__ is None:  # never set: a cause does not survive pickling
+            # As ProcessPoolExecutor does: the child's traceback as the cause, which every Python version
+            # prints (notes are not printed before 3.11).
+            error.__cause__ = SaveProcessTraceback(f"{where}; its traceback there:\n{remote_traceback}")
+            add_note(error, f"{where}; its traceback there is the cause shown above")
+        else:
+            add_note(error, f"{where}:\n{remote_traceback}")
         raise error
 
     def alive(self) -> bool:

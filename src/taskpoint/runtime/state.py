@@ -36,7 +36,8 @@ class TaskContext:
     max_attempts: int | None
     checkpoint: Checkpoint | None = None
     root: str | None = None
-    storage_options: dict[str, Any] | None = None
+    #: Not in the repr: options hold credentials, and reprs end up in logs and error reports.
+    storage_options: dict[str, Any] | None = field(default=None, repr=False)
     #: Options for the manager behind :attr:`checkpoints` (``@task(checkpoints={...})``).
     manager_options: dict[str, Any] = field(default_factory=dict)
     _manager: CheckpointManager | None = field(default=None, repr=False)
@@ -64,31 +65,51 @@ def reset_context(token: contextvars.Token[TaskContext | None]) -> None:
 
 
 class ActiveContexts:
-    """Contexts of tasks running in this process, for threads started without copying context variables."""
+    """Contexts of tasks running in this process, for threads started without copying context variables.
+
+    Each is kept with its parent (the task whose context variable it was called in, or None), so that a
+    plain thread is given a context only when the running tasks form one chain of nested calls: with two
+    sibling subtasks running, a plain thread could belong to either, and it gets none.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._stack: list[TaskContext] = []
+        self._stack: list[tuple[TaskContext, TaskContext | None]] = []
 
-    def push(self, context: TaskContext) -> None:
+    def push(self, context: TaskContext, parent: TaskContext | None = None) -> None:
         with self._lock:
-            self._stack.append(context)
+            self._stack.append((context, parent))
 
     def pop(self, context: TaskContext) -> None:
         with self._lock:
-            if context in self._stack:
-                self._stack.remove(context)
+            self._stack = [entry for entry in self._stack if entry[0] is not context]
+
+    def busy(self) -> bool:
+        """True while any task runs in this process."""
+        with self._lock:
+            return bool(self._stack)
 
     def only(self) -> TaskContext | None:
-        """The innermost context when all running tasks form one chain (one root task); else None."""
+        """The innermost context when the running tasks form one chain, each called inside the one before
+        (one root task, no siblings); else None."""
         with self._lock:
             if not self._stack:
                 return None
-            runs = {c.run_name for c in self._stack}
-            return self._stack[-1] if len(runs) == 1 else None
+            outer: TaskContext | None = None
+            for context, parent in self._stack:
+                if parent is not outer:
+                    return None
+                outer = context
+            return outer
 
 
 active = ActiveContexts()
+
+
+def current() -> TaskContext | None:
+    """The context in this thread's or async task's context variables; None outside a task and in threads
+    started without copying them."""
+    return _current.get()
 
 
 def running() -> TaskContext | None:

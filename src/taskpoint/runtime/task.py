@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar, overload
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar, overload
+
+import anyio
+import anyio.to_thread
 
 from ..errors import add_note
 from .layout import ENV_RUN_NAME, clean_name, default_root, env_storage_options
 from .lineage import ActionStore
-from .state import TaskContext, active, reset_context, running, set_context
+from .state import TaskContext, active, current, reset_context, set_context
+
+_log = logging.getLogger("taskpoint")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -64,68 +70,127 @@ class _TaskSpec:
         self.run_name = run_name
         self.storage_options = storage_options
 
-    def store(self) -> ActionStore:
-        parent = running()  # a running task, not a context from the environment
+    def place(self, parent: TaskContext | None) -> _Place:
+        """Where this call runs (root, run, action, options), decided where it was called: no storage I/O,
+        and in call order (async calls: before their first ``await``), so that the action names of the same
+        program are the same on every run. ``parent`` is the task in the caller's context variables."""
+        if parent is None and self.root is None and active.busy():
+            raise RuntimeError(
+                f"task {self.name!r} was called in a thread that does not carry the context of the task that "
+                "called it (a plain threading.Thread or ThreadPoolExecutor worker) while tasks run in this "
+                "process: which task it belongs to, and so its action name and the checkpoint it resumes, "
+                "would depend on thread timing. To run it as a subtask, start the thread with the caller's "
+                "context (executor.submit(contextvars.copy_context().run, fn, ...), asyncio.to_thread or "
+                "anyio.to_thread.run_sync) and give calls that run at the same time names of their own "
+                "(taskpoint.task(name=f'shard-{i}')(fn)); to run it as a task of its own, give it root=.")
         if parent is not None and parent.root is not None and self.root is None:
-            root, run_name = parent.root, parent.run_name
             options = self.storage_options if self.storage_options is not None else parent.storage_options
-            action = _action_for(run_name, parent.action_name, f"{parent.action_name}.{self.name}")
-        else:
-            root = self.root or default_root()
-            run_name = clean_name(self.run_name or os.environ.get(ENV_RUN_NAME, "") or _new_run_name(self.name),
-                                   "run_name")
-            options = self.storage_options if self.storage_options is not None else env_storage_options()
-            action = self.name  # a top-level call with a known run name continues that run's action
-        return ActionStore(root, run_name, action, options, self.checkpoints)
+            action = _action_for(parent.run_name, parent.action_name, f"{parent.action_name}.{self.name}")
+            return _Place(parent.root, parent.run_name, action, options)
+        root = self.root or default_root()
+        run_name = clean_name(self.run_name or os.environ.get(ENV_RUN_NAME, "") or _new_run_name(self.name),
+                              "run_name")
+        options = self.storage_options if self.storage_options is not None else env_storage_options()
+        return _Place(root, run_name, self.name, options)  # a top-level call with a known run name continues it
+
+    def store(self, place: _Place) -> ActionStore:
+        """The storage of the call's action (opens its filesystem)."""
+        return ActionStore(place.root, place.run_name, place.action, place.options, self.checkpoints)
 
     def attempts(self, store: ActionStore) -> range:
+        """The attempt numbers this call may use: after those in storage (a listing)."""
         first = (max(store.attempts(), default=0)) + 1
         return range(first, first + self.retries + 1)
 
-    def failed(self, exc: BaseException, attempt: int, last: int, context: TaskContext) -> bool:
-        """Annotate ``exc``; True when another attempt should follow."""
+    def failed(self, exc: BaseException, attempt: int, last: int, context: TaskContext,
+               cleanup: list[Exception]) -> bool:
+        """Annotate ``exc`` (and log the failure); True when another attempt should follow."""
         retry = isinstance(exc, self.retry_on) and attempt < last
-        note = (f"taskpoint: attempt {attempt} of {last} of task {context.action_name!r} "
-                f"(run {context.run_name!r}) failed" + ("; retrying" if retry else ""))
-        add_note(exc, note)
+        what = (f"taskpoint: attempt {attempt} of {last} of task {context.action_name!r} "
+                f"(run {context.run_name!r}) failed")
+        add_note(exc, what + ("; retrying" if retry else ""))
+        for error in cleanup:
+            add_note(exc, f"taskpoint: ending attempt {attempt} also failed: {type(error).__name__}: {error}")
+        # Notes are not printed before Python 3.11, and a retried attempt's exception is never raised: the
+        # log says which attempt failed, with what, and what happens next, on every version.
+        also = "".join(f"; ending it also failed: {type(error).__name__}: {error}" for error in cleanup)
+        _log.warning("%s: %s: %s%s%s", what, type(exc).__name__, exc, also,
+                     "; retrying" if retry else "; not retrying")
         return retry
 
 
-def _end_attempt(context: TaskContext, token: Any) -> None:
-    """Leave the attempt's context and remove its workspace: a long-lived worker must not pile them up."""
-    active.pop(context)
-    reset_context(token)
-    if context.checkpoint is not None:
-        context.checkpoint.close()
-    manager = context._manager
-    if manager is not None:
-        manager.close()
+class _Place(NamedTuple):
+    root: str
+    run_name: str
+    action: str
+    options: dict[str, Any] | None
 
 
 class _Attempt:
-    """One attempt as a context manager: enters its context; on exit, ends it and says whether to retry."""
+    """One attempt. Its steps are split by where they run: :meth:`open` and :meth:`release` do storage I/O
+    (a worker thread for async tasks), :meth:`enter` and :meth:`leave` set the context variable (the
+    caller's thread or async task). As a context manager it runs them all, and on exit says whether to
+    retry."""
 
-    def __init__(self, spec: _TaskSpec, store: ActionStore, number: int, numbers: range) -> None:
+    def __init__(self, spec: _TaskSpec, store: ActionStore, number: int, numbers: range,
+                 parent: TaskContext | None) -> None:
         self._spec, self._store, self._number, self._numbers = spec, store, number, numbers
+        self._parent = parent
+
+    def open(self) -> TaskContext:
+        """Write the attempt's marker and find the checkpoint it resumes (storage I/O)."""
+        self._store.begin(self._number)
+        return self._store.context(self._number, len(self._numbers))
+
+    def enter(self, context: TaskContext) -> TaskContext:
+        self._context = context
+        self._token = set_context(context)
+        active.push(context, self._parent)
+        return context
+
+    def leave(self) -> None:
+        active.pop(self._context)
+        reset_context(self._token)
+
+    def release(self) -> list[Exception]:
+        """Remove the attempt's workspace and close its manager (waiting for a background save); return what
+        failed. A long-lived worker must not pile workspaces up."""
+        errors: list[Exception] = []
+        for close in (self._context.checkpoint, self._context._manager):
+            if close is None:
+                continue
+            try:
+                close.close()
+            except Exception as exc:
+                errors.append(exc)
+        return errors
+
+    def decide(self, exc: BaseException | None, cleanup: list[Exception]) -> bool:
+        """True to start the next attempt. A failed attempt's cleanup errors become notes on its exception,
+        and the retry is decided as if there were none. After an attempt that returned, a cleanup error (a
+        background save that failed) is raised: the result is not returned, and the function is not run
+        again."""
+        if exc is not None:
+            return self._spec.failed(exc, self._number, self._numbers[-1], self._context, cleanup)
+        if not cleanup:
+            return False
+        error = cleanup[0]
+        for other in cleanup[1:]:
+            add_note(error, f"taskpoint: ending the attempt also failed: {type(other).__name__}: {other}")
+        what = (f"taskpoint: attempt {self._number} of task {self._context.action_name!r} (run "
+                f"{self._context.run_name!r}) returned, but ending it failed; its result is not returned and "
+                "it is not run again")
+        add_note(error, what)
+        _log.warning("%s: %s: %s", what, type(error).__name__, error)
+        raise error
 
     def __enter__(self) -> TaskContext:
-        self._store.begin(self._number)
-        self._context = self._store.context(self._number, len(self._numbers))
-        self._token = set_context(self._context)
-        active.push(self._context)
-        return self._context
+        return self.enter(self.open())
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> bool:
-        _end_attempt(self._context, self._token)
+        self.leave()
         # True swallows the exception, and the caller's loop starts the next attempt.
-        return exc is not None and self._spec.failed(exc, self._number, self._numbers[-1], self._context)
-
-
-def _attempts(spec: _TaskSpec) -> Iterator[_Attempt]:
-    store = spec.store()
-    numbers = spec.attempts(store)
-    for number in numbers:
-        yield _Attempt(spec, store, number, numbers)
+        return self.decide(exc, self.release())
 
 
 def _wrap(spec: _TaskSpec) -> Callable[..., Any]:
@@ -134,17 +199,39 @@ def _wrap(spec: _TaskSpec) -> Callable[..., Any]:
 
         @functools.wraps(fn)
         async def run_async(*args: Any, **kwargs: Any) -> Any:
-            for attempt in _attempts(spec):
-                with attempt:
-                    return await fn(*args, **kwargs)
+            parent = current()
+            place = spec.place(parent)  # here, in call order: the action name must not depend on threads
+            # Storage I/O runs in worker threads (as the checkpoint calls do): the event loop keeps running.
+            store = await anyio.to_thread.run_sync(spec.store, place)
+            numbers = await anyio.to_thread.run_sync(spec.attempts, store)
+            for number in numbers:
+                attempt = _Attempt(spec, store, number, numbers, parent)
+                attempt.enter(await anyio.to_thread.run_sync(attempt.open))
+                try:
+                    result = await fn(*args, **kwargs)
+                except BaseException as exc:
+                    attempt.leave()
+                    with anyio.CancelScope(shield=True):  # a cancelled task still releases its attempt
+                        cleanup = await anyio.to_thread.run_sync(attempt.release)
+                    if attempt.decide(exc, cleanup):
+                        continue
+                    raise
+                attempt.leave()
+                with anyio.CancelScope(shield=True):
+                    cleanup = await anyio.to_thread.run_sync(attempt.release)
+                attempt.decide(None, cleanup)
+                return result
             raise AssertionError("unreachable: the last attempt returns or raises")  # pragma: no cover
 
         return run_async
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        for attempt in _attempts(spec):
-            with attempt:
+        parent = current()
+        store = spec.store(spec.place(parent))
+        numbers = spec.attempts(store)
+        for number in numbers:
+            with _Attempt(spec, store, number, numbers, parent):
                 return fn(*args, **kwargs)
         raise AssertionError("unreachable: the last attempt returns or raises")  # pragma: no cover
 
@@ -174,7 +261,12 @@ def task(
     Each attempt gets a fresh :class:`TaskContext` (``taskpoint.ctx()``) whose ``checkpoint`` saves to this
     attempt's folder and loads from the newest earlier attempt that saved. An exception listed in
     ``retry_on`` starts the next attempt; after the last one the original exception propagates, with a
-    note naming the attempt.
+    note naming the attempt. Each failed attempt is also logged (logger ``taskpoint``, WARNING). Errors met
+    while ending an attempt (a failed background save of ``ctx().checkpoints``) become notes on a failed
+    attempt's exception and never stop the retries; after an attempt that returned, such an error is
+    raised and the function is not run again. An ``async def`` task does its storage I/O in worker
+    threads. Called from a plain thread (no copied context) while tasks run, a task without ``root=``
+    raises RuntimeError: its parent, and so its action name, cannot be told.
 
     Args:
         retries: attempts after the first (``retries + 1`` in all, per call or per rerun of a run).
