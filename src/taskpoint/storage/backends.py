@@ -15,7 +15,10 @@ Location` above them retries and maps errors. :func:`backend_for` picks one by t
 from __future__ import annotations
 
 import contextlib
+import enum
+import errno
 import os
+import stat
 import sys
 import time
 import uuid
@@ -26,6 +29,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from . import _s3
 from ._localio import LOCAL_READ_BUFFER, EarlyWriteback, fsync_dir
+from .errormap import Failure, classify
 from .streams import RANGE_SIZE, ConcurrentRangeReader
 
 #: Read-ahead blocks of remote streams, and the block size of client uploads.
@@ -35,6 +39,28 @@ PART_SIZE = 16 << 20
 LEFTOVER_GRACE_SECONDS = 15 * 60
 #: Protocols of object stores whose writers upload in parts and can abort them (``discard``).
 _OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"})
+
+
+class Kind(enum.Enum):
+    """What a location holds: an object (a file), a folder (local) or prefix with objects under it, nothing."""
+
+    OBJECT = "object"
+    FOLDER = "folder"
+    NOTHING = "nothing"
+
+
+#: errno values that mean "not there" (the path, or a parent that is a file): the only absence. Anything else
+#: (EACCES, EIO, ESTALE on NFS or Lustre) is an error, never "nothing here".
+ABSENT_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR})
+
+
+def _is_absent(exc: OSError) -> bool:
+    return isinstance(exc, (FileNotFoundError, NotADirectoryError)) or exc.errno in ABSENT_ERRNOS
+
+
+def folder_error(path: str) -> IsADirectoryError:
+    """The error of a read of a folder or prefix as if it were one object (a load turns it into a folder load)."""
+    return IsADirectoryError(errno.EISDIR, "a folder, not an object", path)
 
 
 def protocols(fs: Any) -> tuple[str, ...]:
@@ -57,13 +83,22 @@ class Backend:
         """Which credentials this store uses, in words (never their values); None where none apply."""
         return credential_source(protocols(self.fs), self.options)
 
-    def exists(self, path: str) -> bool:
-        # Not fs.isfile(): it answers False for any error, which would report an outage as "nothing here".
+    def kind(self, path: str) -> Kind:
+        """What ``path`` holds. Only "not found" is :attr:`Kind.NOTHING`; any other failure is raised."""
+        # Not fs.isfile() or fs.exists(): they answer False for any error, which would report an outage or a
+        # denial as "nothing here".
         self.fs.invalidate_cache(path)
         try:
-            return self.fs.info(path).get("type") == "file"  # type: ignore[no-any-return]
-        except FileNotFoundError:
-            return False
+            found = self.fs.info(path).get("type")
+        except FileNotFoundError as exc:
+            if classify(exc) is Failure.NO_CONTAINER:
+                raise  # no bucket is no "nothing here": the error map makes it StorageNotFound
+            return Kind.NOTHING
+        return Kind.OBJECT if found == "file" else Kind.FOLDER if found == "directory" else Kind.NOTHING
+
+    def exists(self, path: str) -> bool:
+        """True when ``path`` is an object (a folder or prefix is not); errors other than "not found" raise."""
+        return self.kind(path) is Kind.OBJECT
 
     def read_small(self, path: str) -> bytes:
         self.fs.invalidate_cache(path)
@@ -71,7 +106,12 @@ class Backend:
 
     def open_read(self, path: str) -> IO[bytes]:
         self.fs.invalidate_cache(path)
-        return self.fs.open(path, "rb", block_size=PART_SIZE, cache_type="readahead")  # type: ignore[no-any-return]
+        try:
+            return self.fs.open(path, "rb", block_size=PART_SIZE, cache_type="readahead")  # type: ignore[no-any-return]
+        except FileNotFoundError:
+            if self.kind(path) is Kind.FOLDER:  # keys under path/ but none at path (memory://)
+                raise folder_error(path) from None
+            raise
 
     def open_write(self, path: str, size_hint: int | None) -> contextlib.AbstractContextManager[IO[bytes]]:
         raise NotImplementedError
@@ -113,8 +153,49 @@ class Backend:
 class LocalBackend(Backend):
     """Local disk: durable atomic writes by temp file, fsync and rename; reads straight from the file."""
 
-    def exists(self, path: str) -> bool:
-        return os.path.isfile(path)
+    def kind(self, path: str) -> Kind:
+        # Not os.path.isfile(): it answers False on EACCES, EIO or ESTALE.
+        try:
+            mode = os.stat(path).st_mode
+        except OSError as exc:
+            if _is_absent(exc):
+                return Kind.NOTHING
+            raise
+        if stat.S_ISREG(mode):
+            return Kind.OBJECT
+        if stat.S_ISDIR(mode):
+            return Kind.FOLDER
+        raise OSError(errno.EINVAL, "neither a file nor a folder (a fifo, socket or device)", path)
+
+    def list_tree(self, path: str) -> dict[str, dict[str, Any]]:
+        """Like fsspec's ``find`` (folders included, symlinks not followed), but a folder that cannot be read
+        raises instead of being left out (fsspec's walk omits it silently, as if it were empty). An entry that
+        vanishes while the tree is walked is left out; the root missing is FileNotFoundError."""
+        root = self.fs._strip_protocol(path)
+        info = self.fs.info(root)
+        if info["type"] != "directory":
+            return {root: info}
+        found: dict[str, dict[str, Any]] = {root: info}
+        folders = [root]
+        while folders:
+            folder = folders.pop()
+            try:
+                entries = list(os.scandir(folder))
+            except OSError as exc:
+                if folder != root and _is_absent(exc):
+                    continue  # removed meanwhile
+                raise
+            for entry in entries:
+                try:
+                    details = self.fs.info(entry)
+                except OSError as exc:
+                    if _is_absent(exc):
+                        continue
+                    raise
+                found[details["name"]] = details
+                if details["type"] == "directory":
+                    folders.append(entry.path)
+        return dict(sorted(found.items()))
 
     def read_small(self, path: str) -> bytes:
         with open(path, "rb") as f:
@@ -159,13 +240,25 @@ class ObjectStoreBackend(Backend):
     """GCS, Azure and other object stores: the client's upload (discarded on failure), ranged reads."""
 
     has_folders = False
+    #: The reader of large objects (ranged GETs in parallel); S3's pins every range to the object's ETag.
+    range_reader: ClassVar[type[ConcurrentRangeReader]] = ConcurrentRangeReader
 
     def open_read(self, path: str) -> IO[bytes]:
         self.fs.invalidate_cache(path)
-        size = int(self.fs.info(path)["size"])
+        info = self.fs.info(path)
+        if info.get("type") != "file":
+            # A prefix with objects under it: never read it as an empty object.
+            raise folder_error(path)
+        size = int(info["size"])
         if size > 2 * RANGE_SIZE:
-            return ConcurrentRangeReader(self.fs, path, size)  # type: ignore[return-value]
+            return self.range_reader(self.fs, path, size, version=self.version_of(info))  # type: ignore[return-value]
         return self.fs.open(path, "rb", block_size=PART_SIZE, cache_type="readahead")  # type: ignore[no-any-return]
+
+    def version_of(self, info: dict[str, Any]) -> str | None:
+        """The version of an object (its ETag, generation) that reads can be pinned to; None where the store's
+        client cannot pin reads (GCS and Azure through gcsfs and adlfs: a change shows as a checksum
+        mismatch there)."""
+        return None
 
     @contextlib.contextmanager
     def open_write(self, path: str, size_hint: int | None) -> Iterator[IO[bytes]]:
@@ -198,7 +291,14 @@ class ObjectStoreBackend(Backend):
 
 
 class S3Backend(ObjectStoreBackend):
-    """S3: taskpoint's multipart writer (parts in flight, one PUT up to 64 MiB), upload listing and abort."""
+    """S3: taskpoint's multipart writer (parts in flight, one PUT up to 64 MiB), upload listing and abort; large
+    objects are read as ranged GETs pinned to the ETag seen when the read began (``If-Match``)."""
+
+    range_reader = _s3.S3RangeReader
+
+    def version_of(self, info: dict[str, Any]) -> str | None:
+        etag = info.get("ETag")
+        return etag if isinstance(etag, str) and etag else None
 
     @contextlib.contextmanager
     def open_write(self, path: str, size_hint: int | None) -> Iterator[IO[bytes]]:
