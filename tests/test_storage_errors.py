@@ -25,6 +25,7 @@ from _faults import closed_port_url
 from taskpoint import (
     Checkpoint,
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointManager,
     RetryPolicy,
     StorageAccessDenied,
@@ -126,7 +127,7 @@ def test_saving_to_a_missing_bucket_is_storage_not_found(request, kind):
     with pytest.raises(StorageNotFound, match="does not exist"):
         Checkpoint(f"{scheme}://no-such-bucket-{os.getpid()}/run/ckpt", storage_options=server.storage_options,
                    retry=retry).save_sync(b"data")
-    assert len(retry.runs) <= 2  # the record read finds nothing, the first write fails: no retries
+    assert len(retry.runs) <= 3  # the destination check, the record read, the first write: no retries
 
 
 def test_loading_from_and_listing_a_missing_bucket_is_storage_not_found(s3_server):
@@ -163,8 +164,9 @@ def test_a_full_destination_is_storage_full_and_the_previous_checkpoint_survives
         retry = fast_counting()
         with pytest.raises(StorageFull, match="no space left") as info:
             Checkpoint(folder / "ckpt", retry=retry).save_sync(os.urandom(2 << 20))
-        # The record read, the pending record, the payload once (not retried), the previous record put back.
-        assert retry.runs == ["read", "save a checkpoint to", "save a checkpoint to", "write"]
+        # The destination check (not a folder), the record read, the pending record, the payload once (not
+        # retried), the previous record put back.
+        assert retry.runs == ["check", "read", "save a checkpoint to", "save a checkpoint to", "write"]
         assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
         with Checkpoint(tmp_path / "next", folder / "ckpt") as cp:
             assert cp.load_sync().read_bytes() == b"good"
@@ -201,13 +203,17 @@ def test_a_load_into_a_full_local_disk_is_storage_full_not_an_outage(kind, reque
 # -- broken: what retrying cannot fix --------------------------------------------------------------------------
 
 
-def test_a_source_that_is_a_folder_is_a_storage_error_not_a_raw_os_error(tmp_path):
+def test_a_folder_is_no_raw_os_error_as_source_or_destination(tmp_path):
+    # A folder source loads as a directory checkpoint (tests/test_folder_sources.py); a folder destination is
+    # refused with a CheckpointError before anything is written.
     folder = tmp_path / "folder"
     folder.mkdir()
-    with Checkpoint(tmp_path / "d", folder) as cp, pytest.raises(StorageError, match="IsADirectoryError"):
-        cp.load_sync()
-    with pytest.raises(StorageError, match="IsADirectoryError"):
+    (folder / "f").write_bytes(b"x")
+    with Checkpoint(tmp_path / "d", folder) as cp:
+        assert (cp.load_sync() / "f").read_bytes() == b"x"
+    with pytest.raises(CheckpointError, match="is a folder"):
         Checkpoint(folder).save_sync(b"x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
 
 
 # -- the map itself, on the clients' own exception objects ------------------------------------------------------

@@ -16,11 +16,12 @@ from typing import Any
 import anyio.to_thread
 
 from .errors import CheckpointCorruptError, CheckpointError, StorageError, StorageNotFound
+from .folders import load_folder, refuse_folder_destination, source_exists
 from .format.codecs import Codec, get_codec
 from .format.records import MANIFEST_SUFFIX, Manifest, ObjectRecord
 from .payloads import Payload, payload_class, payload_for
 from .storage import Location, RetryPolicy, normalize_uri
-from .transfer import guess_kind, read_payload, write_payload
+from .transfer import SourceIsFolder, guess_kind, read_payload, write_payload
 from .workspace import Workspace
 
 _TEMPLATE = re.compile(r"\{\{.*?\}\}")
@@ -159,7 +160,7 @@ class Checkpoint(BaseCheckpoint):
 
     def prev_exists(self) -> bool:
         self._check_open()
-        return self._src is not None and self._src.exists()
+        return self._src is not None and source_exists(self._src)  # an object, or a folder (folders.py)
 
     # -- save --------------------------------------------------------------------------------------------
 
@@ -167,6 +168,7 @@ class Checkpoint(BaseCheckpoint):
         payload = payload_for(data)
         with self._lock:
             self._check_open()
+            refuse_folder_destination(self._dest)  # a folder or prefix is refused before anything is written
             save_object(self._dest, payload, self._codec, self._level)
 
     # -- load --------------------------------------------------------------------------------------------
@@ -178,7 +180,10 @@ class Checkpoint(BaseCheckpoint):
                 return self._loaded
             if self._src is None:
                 return None
-            result = load_object(self._src, self.path)
+            try:
+                result = load_object(self._src, self.path)
+            except SourceIsFolder:  # a folder or prefix (flytekit 1.x's layout): a directory checkpoint
+                result = load_folder(self._src, self.path)
             self._loaded = result
             return result
 
