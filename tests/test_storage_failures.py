@@ -223,28 +223,31 @@ def test_a_part_failing_in_flight_at_close_aborts_the_upload(s3_store, s3_server
 # -- 9. reads pinned to the version they began with ----------------------------------------------------------
 
 
-class _GatedReader(_s3.S3RangeReader):
-    """Holds every range after the first until a second writer has replaced the object."""
+def _gated(reader: type[Any]) -> type[Any]:
+    """A subclass of a backend's ranged reader that holds every range after the first until a second writer has
+    replaced the object, and records the version each reader was pinned to."""
 
-    first_done: threading.Event
-    replaced: threading.Event
-    opened: list[str | None]
+    class Gated(reader):  # type: ignore[misc, valid-type]
+        first_done, replaced, opened = threading.Event(), threading.Event(), []
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.opened.append(self.version)
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.opened.append(self.version)
 
-    def _fetch(self, start: int, end: int) -> bytes:
-        if start > 0:
-            assert self.replaced.wait(60)
-        data = super()._fetch(start, end)
-        if start == 0:
-            self.first_done.set()
-        return data
+        def _fetch(self, start: int, end: int) -> bytes:
+            if start > 0:
+                assert self.replaced.wait(60)
+            data: bytes = super()._fetch(start, end)
+            if start == 0:
+                self.first_done.set()
+            return data
+
+    return Gated
 
 
+@pytest.mark.parametrize("store", ["s3", "gcs"], indirect=True)
 @pytest.mark.parametrize("form", ["raw bytes", "archive"])
-def test_an_object_replaced_during_a_ranged_read_loads_as_one_version(s3_store, tmp_path, monkeypatch, form):
+def test_an_object_replaced_during_a_ranged_read_loads_as_one_version(store, tmp_path, monkeypatch, form):
     size = 40 << 20  # > 2 ranges of 8 MiB: read by the concurrent ranged reader
     if form == "raw bytes":
         versions = [os.urandom(size), os.urandom(size)]
@@ -254,24 +257,23 @@ def test_an_object_replaced_during_a_ranged_read_loads_as_one_version(s3_store, 
             tree = tmp_path / name
             tree.mkdir()
             (tree / "weights.bin").write_bytes(os.urandom(size))
-            Checkpoint(s3_store.url(name), storage_options=s3_store.storage_options).save_sync(tree)
-            versions.append(s3_store.fs().cat_file(s3_store.fs()._strip_protocol(s3_store.url(name))))
-    src = s3_store.url("foreign")
-    write_object(src, s3_store.storage_options, versions[0])
-
-    class Gated(_GatedReader):
-        first_done, replaced, opened = threading.Event(), threading.Event(), []
+            Checkpoint(store.url(name), storage_options=store.storage_options).save_sync(tree)
+            versions.append(store.fs().cat_file(store.fs()._strip_protocol(store.url(name))))
+    src = store.url("foreign")
+    write_object(src, store.storage_options, versions[0])
+    backend = {"s3": backends.S3Backend, "gcs": backends.GCSBackend}[store.kind]
+    gated = _gated(backend.range_reader)
 
     def second_writer() -> None:
-        Gated.first_done.wait(60)
-        write_object(src, s3_store.storage_options, versions[1])
-        Gated.replaced.set()
+        gated.first_done.wait(60)
+        write_object(src, store.storage_options, versions[1])
+        gated.replaced.set()
 
-    monkeypatch.setattr(backends.S3Backend, "range_reader", Gated)
+    monkeypatch.setattr(backend, "range_reader", gated)
     writer = threading.Thread(target=second_writer)
     writer.start()
     try:
-        with Checkpoint(s3_store.url("d"), src, storage_options=s3_store.storage_options) as cp:
+        with Checkpoint(store.url("d"), src, storage_options=store.storage_options) as cp:
             loaded = cp.load_sync()
             if form == "raw bytes":
                 got = loaded.read_bytes()
@@ -281,9 +283,9 @@ def test_an_object_replaced_during_a_ranged_read_loads_as_one_version(s3_store, 
                 want = (tmp_path / "b" / "weights.bin").read_bytes()
                 assert (loaded / "weights.bin").read_bytes() == want
     finally:
-        Gated.replaced.set()
+        gated.replaced.set()
         writer.join()
-    assert len(Gated.opened) == 2 and Gated.opened[0] != Gated.opened[1]  # restarted once, from the new ETag
+    assert len(gated.opened) == 2 and gated.opened[0] != gated.opened[1]  # restarted once, from the new version
 
 
 # -- 17. an overall deadline ---------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 - :class:`LocalBackend`: a temp file in the same folder, fsync, rename, fsync of the folder.
 - :class:`ObjectStoreBackend` (GCS, Azure, and any store whose protocol says it uploads in parts): the
-  client's own upload, discarded when anything fails; large objects come down as concurrent ranged GETs.
+  client's own upload, discarded when anything fails; large objects come down as concurrent ranged GETs
+  (:class:`GCSBackend` pins them to the object's generation).
 - :class:`S3Backend`: taskpoint's own multipart writer (parts in flight, aborted on failure), and the
   listing and aborting of unfinished uploads.
 - :class:`MovingBackend` (``memory://`` and any other filesystem): a temp object beside the destination,
@@ -30,7 +31,7 @@ from fsspec.implementations.local import LocalFileSystem
 from . import _s3
 from ._localio import LOCAL_READ_BUFFER, EarlyWriteback, fsync_dir
 from .errormap import Failure, classify
-from .streams import RANGE_SIZE, ConcurrentRangeReader
+from .streams import RANGE_SIZE, ConcurrentRangeReader, ObjectChanged
 
 #: Read-ahead blocks of remote streams, and the block size of client uploads.
 PART_SIZE = 16 << 20
@@ -255,8 +256,8 @@ class ObjectStoreBackend(Backend):
         return self.fs.open(path, "rb", block_size=PART_SIZE, cache_type="readahead")  # type: ignore[no-any-return]
 
     def version_of(self, info: dict[str, Any]) -> str | None:
-        """The version of an object (its ETag, generation) that reads can be pinned to; None where the store's
-        client cannot pin reads (GCS and Azure through gcsfs and adlfs: a change shows as a checksum
+        """The version of an object (S3's ETag, GCS's generation) that reads can be pinned to; None where the
+        store's client cannot pin ranged reads (Azure through adlfs: a change shows as a size or checksum
         mismatch there)."""
         return None
 
@@ -288,6 +289,33 @@ class ObjectStoreBackend(Backend):
         except FileNotFoundError:
             return True
         return False
+
+
+class GenerationRangeReader(ConcurrentRangeReader):
+    """GCS: ranged GETs of the object's generation seen when the read began (``generation=``). Once the object
+    is replaced that generation is gone (404, unless the bucket keeps versions: then the read stays on it),
+    and :class:`ObjectChanged` starts the read over from the new one."""
+
+    def _fetch(self, start: int, end: int) -> bytes:
+        if self.version is None:
+            return super()._fetch(start, end)
+        try:
+            data: bytes = self._fs.cat_file(self._path, start=start, end=end, generation=self.version)
+        except FileNotFoundError as exc:
+            raise ObjectChanged(self._path, self.version) from exc
+        if len(data) != end - start:
+            raise OSError(f"short ranged read of {self._path}: {len(data)} of {end - start} bytes")
+        return data
+
+
+class GCSBackend(ObjectStoreBackend):
+    """GCS: large objects are read as ranged GETs pinned to the generation seen when the read began."""
+
+    range_reader = GenerationRangeReader
+
+    def version_of(self, info: dict[str, Any]) -> str | None:
+        generation = info.get("generation")
+        return str(generation) if generation not in (None, "") else None
 
 
 class S3Backend(ObjectStoreBackend):
@@ -368,6 +396,8 @@ def backend_for(fs: Any, options: dict[str, Any]) -> Backend:
         return LocalBackend(fs, options)
     if _is_instance(fs, "s3fs", "S3FileSystem"):
         return S3Backend(fs, options)
+    if _is_instance(fs, "gcsfs", "GCSFileSystem"):
+        return GCSBackend(fs, options)
     if _OBJECT_STORES.intersection(protocols(fs)):
         return ObjectStoreBackend(fs, options)
     return MovingBackend(fs, options)
