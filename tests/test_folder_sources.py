@@ -54,6 +54,18 @@ def test_a_prefix_of_objects_loads_as_a_directory_checkpoint(store, tmp_path):
         assert cp.load_sync() == loaded  # loaded once
 
 
+def test_bytes_written_by_flytekit_load_from_their_prefix(store, tmp_path):
+    # flytekit 1.x's SyncCheckpoint.write(b) uploads one object named _dst_cp under the prefix.
+    fs = store.fs()
+    prefix = store.url("attempt-1")
+    fs.makedirs(fs._strip_protocol(prefix), exist_ok=True)  # local disk needs the folder; object stores ignore it
+    fs.pipe_file(fs._strip_protocol(store.url("attempt-1", "_dst_cp")), b"step=41")
+    fs.invalidate_cache()
+    with Checkpoint(store.url("attempt-2"), prefix, storage_options=store.storage_options) as cp:
+        assert cp.prev_exists()
+        assert (cp.load_sync() / "_dst_cp").read_bytes() == b"step=41"
+
+
 def test_a_local_folder_loads_with_modes_links_and_empty_folders(tmp_path):
     src = make_tree(tmp_path / "src")
     with Checkpoint(tmp_path / "dest", src) as cp:
