@@ -26,11 +26,13 @@ import uuid
 from collections.abc import Iterator
 from typing import IO, Any, ClassVar
 
+from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from . import _s3
 from ._localio import LOCAL_READ_BUFFER, EarlyWriteback, fsync_dir
 from .errormap import Failure, classify
+from .retry import time_left
 from .streams import RANGE_SIZE, ConcurrentRangeReader, ObjectChanged
 
 #: Read-ahead blocks of remote streams, and the block size of client uploads.
@@ -57,6 +59,20 @@ ABSENT_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR})
 
 def _is_absent(exc: OSError) -> bool:
     return isinstance(exc, (FileNotFoundError, NotADirectoryError)) or exc.errno in ABSENT_ERRNOS
+
+
+#: The shortest timeout given to a call when a deadline is near or past (the call then fails at once, as
+#: transient, and the retry policy reports the deadline).
+_MIN_CALL_TIMEOUT = 0.5
+
+
+def bounded(fs: Any) -> dict[str, Any]:
+    """``timeout=`` for one call of an async fsspec client: the time left before the running operation's retry
+    deadline. fsspec's sync wrappers cancel the call when it runs out. Nothing for other filesystems."""
+    left = time_left()
+    if left is None or not isinstance(fs, AsyncFileSystem):
+        return {}
+    return {"timeout": max(left, _MIN_CALL_TIMEOUT)}
 
 
 def folder_error(path: str) -> IsADirectoryError:
@@ -90,7 +106,7 @@ class Backend:
         # denial as "nothing here".
         self.fs.invalidate_cache(path)
         try:
-            found = self.fs.info(path).get("type")
+            found = self.fs.info(path, **bounded(self.fs)).get("type")
         except FileNotFoundError as exc:
             if classify(exc) is Failure.NO_CONTAINER:
                 raise  # no bucket is no "nothing here": the error map makes it StorageNotFound
@@ -103,7 +119,7 @@ class Backend:
 
     def read_small(self, path: str) -> bytes:
         self.fs.invalidate_cache(path)
-        return self.fs.cat_file(path)  # type: ignore[no-any-return]
+        return self.fs.cat_file(path, **bounded(self.fs))  # type: ignore[no-any-return]
 
     def open_read(self, path: str) -> IO[bytes]:
         self.fs.invalidate_cache(path)
@@ -123,13 +139,14 @@ class Backend:
     def list_tree(self, path: str) -> dict[str, dict[str, Any]]:
         """Every object and folder below ``path`` with its listing details; FileNotFoundError when none."""
         self.fs.invalidate_cache(path)
-        found = self.fs.find(path, withdirs=True, detail=True)
+        found = self.fs.find(path, withdirs=True, detail=True, **bounded(self.fs))
         return found if isinstance(found, dict) else {}
 
     def list_names(self, path: str) -> list[str]:
         """The names directly inside ``path``; FileNotFoundError when it does not exist."""
         self.fs.invalidate_cache(path)
-        return [str(name).rstrip("/").rsplit("/", 1)[-1] for name in self.fs.ls(path, detail=False)]
+        names = self.fs.ls(path, detail=False, **bounded(self.fs))
+        return [str(name).rstrip("/").rsplit("/", 1)[-1] for name in names]
 
     def remove_empty_folder(self, path: str) -> None:
         """Remove the folder ``path`` if it is empty (stores without folders: nothing to do)."""
@@ -246,7 +263,7 @@ class ObjectStoreBackend(Backend):
 
     def open_read(self, path: str) -> IO[bytes]:
         self.fs.invalidate_cache(path)
-        info = self.fs.info(path)
+        info = self.fs.info(path, **bounded(self.fs))
         if info.get("type") != "file":
             # A prefix with objects under it: never read it as an empty object.
             raise folder_error(path)
@@ -285,7 +302,7 @@ class ObjectStoreBackend(Backend):
         bucket = path.split("/", 1)[0]
         self.fs.invalidate_cache(bucket)
         try:
-            self.fs.info(bucket)
+            self.fs.info(bucket, **bounded(self.fs))
         except FileNotFoundError:
             return True
         return False

@@ -4,6 +4,7 @@ exponential backoff."""
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +18,15 @@ T = TypeVar("T")
 #: Default of :attr:`RetryPolicy.deadline`, in seconds.
 DEFAULT_DEADLINE = 120.0
 
+_running = threading.local()
+
+
+def time_left() -> float | None:
+    """Seconds left before the deadline of the retried operation running in this thread (negative once it has
+    passed); None outside one, or without a deadline. Backends pass it to the client as the timeout of a call."""
+    end: float | None = getattr(_running, "end", None)
+    return None if end is None else end - time.monotonic()
+
 
 @dataclass(frozen=True)
 class RetryPolicy:
@@ -27,10 +37,11 @@ class RetryPolicy:
         initial_delay, max_delay, multiplier: the pause before each retry (jittered, growing exponentially).
         deadline: seconds, measured from the start of an operation's first attempt, after which no new attempt
             starts (a retry whose pause would end after it is not made either); then
-            :class:`~taskpoint.errors.StorageUnavailable` names the deadline. None: no deadline. A running
-            attempt cannot be interrupted from Python; each is bounded by the client's own timeouts (taskpoint
-            sets S3's connect and read timeouts to at most the deadline, see
-            :class:`~taskpoint.storage.Location`). Default 120 s.
+            :class:`~taskpoint.errors.StorageUnavailable` names the deadline. None: no deadline. Single calls
+            of the async clients (s3fs, gcsfs, adlfs: checks, record reads, listings) are given the time left
+            and cancelled when it runs out; a streaming transfer cannot be interrupted from Python, and is
+            bounded only by the client's own timeouts (lowered to the deadline when it is under 60 s, see
+            :func:`~taskpoint.storage.location.client_timeouts`). Default 120 s.
     """
 
     attempts: int = 4
@@ -49,8 +60,18 @@ class RetryPolicy:
         """Run ``fn``; retry transient failures with jittered exponential backoff, then raise
         :class:`~taskpoint.errors.StorageUnavailable` (after :attr:`attempts` attempts, or once
         :attr:`deadline` has passed). Other failures are raised at once, unchanged."""
-        delay = self.initial_delay
         started = time.monotonic()
+        outer: float | None = getattr(_running, "end", None)
+        if self.deadline is not None:
+            end = started + self.deadline
+            _running.end = end if outer is None else min(end, outer)
+        try:
+            return self._attempts(fn, action, uri, started)
+        finally:
+            _running.end = outer
+
+    def _attempts(self, fn: Callable[[], T], action: str, uri: str, started: float) -> T:
+        delay = self.initial_delay
         for attempt in range(1, self.attempts + 1):
             try:
                 return fn()
