@@ -80,9 +80,10 @@ class ConcurrentRangeReader(OrderedFutureReader):
     """Reads a large object as ranged GETs, several in flight, handed out in order; memory stays bounded.
 
     One GET stream runs at the speed of one TCP connection and one server thread; a few in parallel reach
-    what the network and the server can give. ``version`` is the object's version when the read began (an
-    ETag); subclasses for stores that can pin ranged reads to it (S3) raise :class:`ObjectChanged` when the
-    object changed, and the read starts over. Elsewhere a change shows up as a size or checksum mismatch.
+    what the network and the server can give. ``version`` is the object's version when the read began;
+    subclasses for stores that can pin ranged reads to it (S3's ETag, GCS's generation: see the backends)
+    raise :class:`ObjectChanged` when the object changed, and the read starts over. Elsewhere (Azure) a change
+    shows up as a size or checksum mismatch.
     """
 
     def __init__(self, fs: Any, path: str, size: int, *, version: str | None = None, range_size: int = RANGE_SIZE,
