@@ -25,6 +25,7 @@ from _faults import closed_port_url
 from taskpoint import (
     Checkpoint,
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointManager,
     RetryPolicy,
     StorageAccessDenied,
@@ -200,13 +201,17 @@ def test_a_load_into_a_full_local_disk_is_storage_full_not_an_outage(kind, reque
 # -- broken: what retrying cannot fix --------------------------------------------------------------------------
 
 
-def test_a_source_that_is_a_folder_is_a_storage_error_not_a_raw_os_error(tmp_path):
+def test_a_folder_is_no_raw_os_error_as_source_or_destination(tmp_path):
+    # A folder source loads as a directory checkpoint (tests/test_folder_sources.py); a folder destination is
+    # refused with a CheckpointError before anything is written.
     folder = tmp_path / "folder"
     folder.mkdir()
-    with Checkpoint(tmp_path / "d", folder) as cp, pytest.raises(StorageError, match="IsADirectoryError"):
-        cp.load_sync()
-    with pytest.raises(StorageError, match="IsADirectoryError"):
+    (folder / "f").write_bytes(b"x")
+    with Checkpoint(tmp_path / "d", folder) as cp:
+        assert (cp.load_sync() / "f").read_bytes() == b"x"
+    with pytest.raises(CheckpointError, match="is a folder"):
         Checkpoint(folder).save_sync(b"x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
 
 
 # -- the map itself, on the clients' own exception objects ------------------------------------------------------

@@ -17,11 +17,12 @@ from typing import Any
 import anyio.to_thread
 
 from .errors import CheckpointCorruptError, CheckpointError, StorageNotFound
+from .folders import load_folder, refuse_folder_destination, source_exists
 from .format.codecs import Codec, get_codec
 from .format.records import MANIFEST_SUFFIX, ObjectRecord, Record
 from .payloads import Payload, payload_class, payload_for
 from .storage import Location, RetryPolicy, normalize_uri
-from .transfer import guess_kind, read_payload, write_payload
+from .transfer import SourceIsFolder, guess_kind, read_payload, write_payload
 from .workspace import Workspace
 
 _TEMPLATE = re.compile(r"\{\{.*?\}\}")
@@ -165,7 +166,7 @@ class Checkpoint(BaseCheckpoint):
 
     def prev_exists(self) -> bool:
         self._check_open()
-        return self._src is not None and self._src.exists()
+        return self._src is not None and source_exists(self._src)  # an object, or a folder (folders.py)
 
     # -- save --------------------------------------------------------------------------------------------
 
@@ -184,7 +185,10 @@ class Checkpoint(BaseCheckpoint):
                 return self._loaded
             if self._src is None:
                 return None
-            result = load_object(self._src, self.path)
+            try:
+                result = load_object(self._src, self.path)
+            except SourceIsFolder:  # a folder or prefix (flytekit 1.x's layout): a directory checkpoint
+                result = load_folder(self._src, self.path)
             self._loaded = result
             return result
 
@@ -225,6 +229,10 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
     with _written_lock:
         known = _written.pop(key, None)
     previous = known if known is not None else (read_record(record_loc, tolerate_corrupt=True) or Record())
+    if dest.is_local or not previous.objects:
+        # A folder or prefix is refused before anything is written (folders.py). A destination with a record
+        # was saved to as an object before: on object stores that spares the first save a HEAD and a listing.
+        refuse_folder_destination(dest)
     if previous.sweep or (known is None and dest.is_local):
         dest.sweep_leftovers(started_before=time.time())  # what killed or failed saves left
     entry = ObjectRecord(kind=payload.kind, codec=codec.name if payload.archived else "raw",

@@ -43,6 +43,16 @@ class _SourceFailure(CheckpointError):
         self.original = original
 
 
+class SourceIsFolder(CheckpointError):
+    """The source is a folder (local disk) or a prefix with objects under it, not one object. A checkpoint
+    loads it as a directory checkpoint (:func:`taskpoint.folders.load_folder`); it is never read as an empty
+    payload. A CheckpointError, so that retries and the storage error map pass it through."""
+
+    def __init__(self, uri: str) -> None:
+        super().__init__(f"{uri} is a folder (or a prefix with objects under it), not one stored object")
+        self.uri = uri
+
+
 class _Crc32:
     """CRC32 of a stream (ISA-L: ~10 GB/s). With the size, it catches every truncation and every burst of
     damage up to 32 bits for certain, other random damage with probability 1 - 2**-32."""
@@ -211,8 +221,10 @@ def _read_once(src: Location, workspace: Path, choose: KindChooser, verify: Veri
                digest: str, size_hint: int | None) -> Path | None:
     try:
         raw = src.open_read(size_hint)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # not there, or a parent is a file: absent
         return None
+    except IsADirectoryError as exc:  # a folder or prefix: the caller loads it as a folder checkpoint
+        raise SourceIsFolder(src.uri) from exc
     with raw:
         reader = HashingReader(raw, digest)
         head = reader.peek_head(_HEAD_SIZE)

@@ -17,7 +17,7 @@ from ._localio import (
     digest_by_reading,
     digest_of_fd,
 )
-from .backends import LEFTOVER_GRACE_SECONDS, WriteHooks
+from .backends import LEFTOVER_GRACE_SECONDS, Kind, WriteHooks
 from .errormap import Failure, classify, is_transient, map_errors
 from .location import Location, normalize_uri
 from .retry import RetryPolicy
@@ -26,6 +26,7 @@ __all__ = [
     "LEFTOVER_GRACE_SECONDS",
     "WRITE_PIECE",
     "Failure",
+    "Kind",
     "Location",
     "ParallelCopy",
     "RetryPolicy",

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import io
+import time
 from collections.abc import Callable
 from typing import Any
+
+from .errormap import chain, code_and_status
+from .streams import ConcurrentRangeReader, ObjectChanged
 
 #: Size of the parts of taskpoint's own S3 multipart uploads (S3 allows 10,000 parts: 80 GB at this size;
 #: the part size doubles every 1,000 parts so that any checkpoint fits).
@@ -16,6 +19,12 @@ UPLOAD_PART_SIZE = 8 << 20
 SINGLE_PUT_MAX = 64 << 20
 #: Parts of a multipart upload in flight at once (memory: this x the part size).
 PARTS_IN_FLIGHT = 4
+#: Tries of the abort of a failed upload (each with the client's own retries), and the pause between them: a
+#: failure that cut the network for a moment must not leave a billed upload behind. Only two: against a
+#: network that stays down each try waits out the client's timeouts. A later save's sweep, or ``taskpoint gc``,
+#: removes what could not be aborted.
+ABORT_TRIES = 2
+ABORT_PAUSE = 0.5
 
 
 class S3MultipartWriter(io.RawIOBase):
@@ -76,7 +85,9 @@ class S3MultipartWriter(io.RawIOBase):
         return {"PartNumber": number, "ETag": answer["ETag"]}
 
     def close(self, before_commit: Callable[[], None] | None = None) -> None:
-        """Send what is left and make the object visible; ``before_commit`` runs just before that moment."""
+        """Send what is left and make the object visible; ``before_commit`` runs just before that moment. If that
+        fails, whether a part still in flight failed or the completion itself, the upload is aborted before the
+        error is raised: never left open and billed."""
         if self.closed:
             return
         try:
@@ -92,24 +103,84 @@ class S3MultipartWriter(io.RawIOBase):
                     before_commit()
                 self._fs.call_s3("complete_multipart_upload", Bucket=self._bucket, Key=self._key,
                                  UploadId=self._upload_id, MultipartUpload={"Parts": parts})
+        except BaseException:
+            self.abort()
+            raise
         finally:
-            self._buf = bytearray()
-            self._pool.shutdown(wait=True)
-            super().close()
+            self._finish(cancel=False)
 
     def abort(self) -> None:
-        """Drop the upload; nothing becomes visible and no parts are kept."""
+        """Drop the upload; nothing becomes visible and no parts are kept. Never raises: the caller's error is
+        the one to report."""
         if self.closed:
             return
-        for f in self._parts:
-            f.cancel()
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        if self._upload_id is not None:
-            with contextlib.suppress(Exception):  # the caller's error is the one to report
+        try:
+            self._finish(cancel=True)
+            if self._upload_id is not None:
+                self._abort_upload()
+        finally:
+            super().close()
+
+    def _finish(self, *, cancel: bool) -> None:
+        if cancel:
+            for f in self._parts:
+                f.cancel()
+        self._pool.shutdown(wait=True, cancel_futures=cancel)
+        self._buf = bytearray()
+        if not cancel:
+            super().close()
+
+    def _abort_upload(self) -> None:
+        for attempt in range(ABORT_TRIES):
+            try:
                 self._fs.call_s3("abort_multipart_upload", Bucket=self._bucket, Key=self._key,
                                  UploadId=self._upload_id)
-        self._buf = bytearray()
-        super().close()
+                return
+            except Exception as exc:
+                if _code(exc) == "NoSuchUpload":
+                    return  # already gone
+                if attempt + 1 < ABORT_TRIES:
+                    time.sleep(ABORT_PAUSE)
+
+
+def _code(exc: BaseException) -> str | None:
+    """The S3 error code (or HTTP status) anywhere in an exception's chain (s3fs wraps botocore's ClientError)."""
+    for each in chain(exc):
+        code, status = code_and_status(each)
+        if code or status:
+            return code or str(status)
+    return None
+
+
+class S3RangeReader(ConcurrentRangeReader):
+    """Ranged GETs pinned to the ETag the object had when the read began (``If-Match``): if the object is
+    replaced meanwhile, the next range fails with 412 and :class:`ObjectChanged` is raised (a transient error:
+    the retry policy starts the read over, from the new version) instead of two versions being mixed."""
+
+    def _fetch(self, start: int, end: int) -> bytes:
+        if self.version is None:
+            return super()._fetch(start, end)
+        from fsspec.asyn import sync
+
+        bucket, _, key = self._path.partition("/")
+        try:
+            data: bytes = sync(self._fs.loop, self._get, bucket, key, start, end)
+        except Exception as exc:
+            if _code(exc) in ("PreconditionFailed", "412"):
+                raise ObjectChanged(self._path, self.version) from exc
+            raise
+        if len(data) != end - start:
+            raise OSError(f"short ranged read of {self._path}: {len(data)} of {end - start} bytes")
+        return data
+
+    async def _get(self, bucket: str, key: str, start: int, end: int) -> bytes:
+        answer = await self._fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
+                                         IfMatch=self.version)
+        body = answer["Body"]
+        try:
+            return await body.read()  # type: ignore[no-any-return]
+        finally:
+            body.close()
 
 
 def unfinished_uploads(fs: Any, path: str) -> list[tuple[str, str, float]]:

@@ -2,7 +2,8 @@
 
 - :class:`LocalBackend`: a temp file in the same folder, fsync, rename, fsync of the folder.
 - :class:`ObjectStoreBackend` (GCS, Azure, and any store whose protocol says it uploads in parts): the
-  client's own upload, discarded when anything fails; large objects come down as concurrent ranged GETs.
+  client's own upload, discarded when anything fails; large objects come down as concurrent ranged GETs
+  (:class:`GCSBackend` pins them to the object's generation).
 - :class:`S3Backend`: taskpoint's own multipart writer (parts in flight, aborted on failure), and the
   listing and aborting of unfinished uploads.
 - :class:`MovingBackend` (``memory://`` and any other filesystem): a temp object beside the destination,
@@ -15,8 +16,11 @@ Location` above them retries and maps errors. :func:`backend_for` picks one by t
 from __future__ import annotations
 
 import contextlib
+import enum
+import errno
 import io
 import os
+import stat
 import sys
 import time
 import uuid
@@ -24,11 +28,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any, ClassVar
 
+from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from . import _s3
 from ._localio import LOCAL_READ_BUFFER, EarlyWriteback, fsync_dir
-from .streams import RANGE_SIZE, ConcurrentRangeReader
+from .errormap import Failure, classify
+from .retry import time_left
+from .streams import RANGE_SIZE, ConcurrentRangeReader, ObjectChanged
 
 #: Read-ahead blocks of remote streams, and the block size of client uploads.
 PART_SIZE = 16 << 20
@@ -66,6 +73,42 @@ class WriteHooks:
 NO_HOOKS = WriteHooks()
 
 
+class Kind(enum.Enum):
+    """What a location holds: an object (a file), a folder (local) or prefix with objects under it, nothing."""
+
+    OBJECT = "object"
+    FOLDER = "folder"
+    NOTHING = "nothing"
+
+
+#: errno values that mean "not there" (the path, or a parent that is a file): the only absence. Anything else
+#: (EACCES, EIO, ESTALE on NFS or Lustre) is an error, never "nothing here".
+ABSENT_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR})
+
+
+def _is_absent(exc: OSError) -> bool:
+    return isinstance(exc, (FileNotFoundError, NotADirectoryError)) or exc.errno in ABSENT_ERRNOS
+
+
+#: The shortest timeout given to a call when a deadline is near or past (the call then fails at once, as
+#: transient, and the retry policy reports the deadline).
+_MIN_CALL_TIMEOUT = 0.5
+
+
+def bounded(fs: Any) -> dict[str, Any]:
+    """``timeout=`` for one call of an async fsspec client: the time left before the running operation's retry
+    deadline. fsspec's sync wrappers cancel the call when it runs out. Nothing for other filesystems."""
+    left = time_left()
+    if left is None or not isinstance(fs, AsyncFileSystem):
+        return {}
+    return {"timeout": max(left, _MIN_CALL_TIMEOUT)}
+
+
+def folder_error(path: str) -> IsADirectoryError:
+    """The error of a read of a folder or prefix as if it were one object (a load turns it into a folder load)."""
+    return IsADirectoryError(errno.EISDIR, "a folder, not an object", path)
+
+
 def protocols(fs: Any) -> tuple[str, ...]:
     return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
 
@@ -86,21 +129,35 @@ class Backend:
         """Which credentials this store uses, in words (never their values); None where none apply."""
         return credential_source(protocols(self.fs), self.options)
 
-    def exists(self, path: str) -> bool:
-        # Not fs.isfile(): it answers False for any error, which would report an outage as "nothing here".
+    def kind(self, path: str) -> Kind:
+        """What ``path`` holds. Only "not found" is :attr:`Kind.NOTHING`; any other failure is raised."""
+        # Not fs.isfile() or fs.exists(): they answer False for any error, which would report an outage or a
+        # denial as "nothing here".
         self.fs.invalidate_cache(path)
         try:
-            return self.fs.info(path).get("type") == "file"  # type: ignore[no-any-return]
-        except FileNotFoundError:
-            return False
+            found = self.fs.info(path, **bounded(self.fs)).get("type")
+        except FileNotFoundError as exc:
+            if classify(exc) is Failure.NO_CONTAINER:
+                raise  # no bucket is no "nothing here": the error map makes it StorageNotFound
+            return Kind.NOTHING
+        return Kind.OBJECT if found == "file" else Kind.FOLDER if found == "directory" else Kind.NOTHING
+
+    def exists(self, path: str) -> bool:
+        """True when ``path`` is an object (a folder or prefix is not); errors other than "not found" raise."""
+        return self.kind(path) is Kind.OBJECT
 
     def read_small(self, path: str) -> bytes:
         self.fs.invalidate_cache(path)
-        return self.fs.cat_file(path)  # type: ignore[no-any-return]
+        return self.fs.cat_file(path, **bounded(self.fs))  # type: ignore[no-any-return]
 
     def open_read(self, path: str, size_hint: int | None = None) -> IO[bytes]:
         self.fs.invalidate_cache(path)
-        return self.fs.open(path, "rb", block_size=PART_SIZE, cache_type="readahead")  # type: ignore[no-any-return]
+        try:
+            return self.fs.open(path, "rb", block_size=PART_SIZE, cache_type="readahead")  # type: ignore[no-any-return]
+        except FileNotFoundError:
+            if self.kind(path) is Kind.FOLDER:  # keys under path/ but none at path (memory://)
+                raise folder_error(path) from None
+            raise
 
     def open_write(self, path: str, size_hint: int | None, hooks: WriteHooks
                    ) -> contextlib.AbstractContextManager[IO[bytes]]:
@@ -113,13 +170,14 @@ class Backend:
     def list_tree(self, path: str) -> dict[str, dict[str, Any]]:
         """Every object and folder below ``path`` with its listing details; FileNotFoundError when none."""
         self.fs.invalidate_cache(path)
-        found = self.fs.find(path, withdirs=True, detail=True)
+        found = self.fs.find(path, withdirs=True, detail=True, **bounded(self.fs))
         return found if isinstance(found, dict) else {}
 
     def list_names(self, path: str) -> list[str]:
         """The names directly inside ``path``; FileNotFoundError when it does not exist."""
         self.fs.invalidate_cache(path)
-        return [str(name).rstrip("/").rsplit("/", 1)[-1] for name in self.fs.ls(path, detail=False)]
+        names = self.fs.ls(path, detail=False, **bounded(self.fs))
+        return [str(name).rstrip("/").rsplit("/", 1)[-1] for name in names]
 
     def remove_empty_folder(self, path: str) -> None:
         """Remove the folder ``path`` if it is empty (stores without folders: nothing to do)."""
@@ -144,8 +202,49 @@ class Backend:
 class LocalBackend(Backend):
     """Local disk: durable atomic writes by temp file, fsync and rename; reads straight from the file."""
 
-    def exists(self, path: str) -> bool:
-        return os.path.isfile(path)
+    def kind(self, path: str) -> Kind:
+        # Not os.path.isfile(): it answers False on EACCES, EIO or ESTALE.
+        try:
+            mode = os.stat(path).st_mode
+        except OSError as exc:
+            if _is_absent(exc):
+                return Kind.NOTHING
+            raise
+        if stat.S_ISREG(mode):
+            return Kind.OBJECT
+        if stat.S_ISDIR(mode):
+            return Kind.FOLDER
+        raise OSError(errno.EINVAL, "neither a file nor a folder (a fifo, socket or device)", path)
+
+    def list_tree(self, path: str) -> dict[str, dict[str, Any]]:
+        """Like fsspec's ``find`` (folders included, symlinks not followed), but a folder that cannot be read
+        raises instead of being left out (fsspec's walk omits it silently, as if it were empty). An entry that
+        vanishes while the tree is walked is left out; the root missing is FileNotFoundError."""
+        root = self.fs._strip_protocol(path)
+        info = self.fs.info(root)
+        if info["type"] != "directory":
+            return {root: info}
+        found: dict[str, dict[str, Any]] = {root: info}
+        folders = [root]
+        while folders:
+            folder = folders.pop()
+            try:
+                entries = list(os.scandir(folder))
+            except OSError as exc:
+                if folder != root and _is_absent(exc):
+                    continue  # removed meanwhile
+                raise
+            for entry in entries:
+                try:
+                    details = self.fs.info(entry)
+                except OSError as exc:
+                    if _is_absent(exc):
+                        continue
+                    raise
+                found[details["name"]] = details
+                if details["type"] == "directory":
+                    folders.append(entry.path)
+        return dict(sorted(found.items()))
 
     def read_small(self, path: str) -> bytes:
         with open(path, "rb") as f:
@@ -191,13 +290,25 @@ class ObjectStoreBackend(Backend):
     """GCS, Azure and other object stores: the client's upload (discarded on failure), ranged reads."""
 
     has_folders = False
+    #: The reader of large objects (ranged GETs in parallel); S3's pins every range to the object's ETag.
+    range_reader: ClassVar[type[ConcurrentRangeReader]] = ConcurrentRangeReader
 
     def open_read(self, path: str, size_hint: int | None = None) -> IO[bytes]:
         self.fs.invalidate_cache(path)
-        size = int(self.fs.info(path)["size"])
+        info = self.fs.info(path, **bounded(self.fs))
+        if info.get("type") != "file":
+            # A prefix with objects under it: never read it as an empty object.
+            raise folder_error(path)
+        size = int(info["size"])
         if size > 2 * RANGE_SIZE:
-            return ConcurrentRangeReader(self.fs, path, size)  # type: ignore[return-value]
+            return self.range_reader(self.fs, path, size, version=self.version_of(info))  # type: ignore[return-value]
         return self.fs.open(path, "rb", block_size=PART_SIZE, cache_type="readahead")  # type: ignore[no-any-return]
+
+    def version_of(self, info: dict[str, Any]) -> str | None:
+        """The version of an object (S3's ETag, GCS's generation) that reads can be pinned to; None where the
+        store's client cannot pin ranged reads (Azure through adlfs: a change shows as a size or checksum
+        mismatch there)."""
+        return None
 
     @contextlib.contextmanager
     def open_write(self, path: str, size_hint: int | None, hooks: WriteHooks) -> Iterator[IO[bytes]]:
@@ -224,14 +335,48 @@ class ObjectStoreBackend(Backend):
         bucket = path.split("/", 1)[0]
         self.fs.invalidate_cache(bucket)
         try:
-            self.fs.info(bucket)
+            self.fs.info(bucket, **bounded(self.fs))
         except FileNotFoundError:
             return True
         return False
 
 
+class GenerationRangeReader(ConcurrentRangeReader):
+    """GCS: ranged GETs of the object's generation seen when the read began (``generation=``). Once the object
+    is replaced that generation is gone (404, unless the bucket keeps versions: then the read stays on it),
+    and :class:`ObjectChanged` starts the read over from the new one."""
+
+    def _fetch(self, start: int, end: int) -> bytes:
+        if self.version is None:
+            return super()._fetch(start, end)
+        try:
+            data: bytes = self._fs.cat_file(self._path, start=start, end=end, generation=self.version)
+        except FileNotFoundError as exc:
+            raise ObjectChanged(self._path, self.version) from exc
+        if len(data) != end - start:
+            raise OSError(f"short ranged read of {self._path}: {len(data)} of {end - start} bytes")
+        return data
+
+
+class GCSBackend(ObjectStoreBackend):
+    """GCS: large objects are read as ranged GETs pinned to the generation seen when the read began."""
+
+    range_reader = GenerationRangeReader
+
+    def version_of(self, info: dict[str, Any]) -> str | None:
+        generation = info.get("generation")
+        return str(generation) if generation not in (None, "") else None
+
+
 class S3Backend(ObjectStoreBackend):
-    """S3: taskpoint's multipart writer (parts in flight, one PUT up to 64 MiB), upload listing and abort."""
+    """S3: taskpoint's multipart writer (parts in flight, one PUT up to 64 MiB), upload listing and abort; large
+    objects are read as ranged GETs pinned to the ETag seen when the read began (``If-Match``)."""
+
+    range_reader = _s3.S3RangeReader
+
+    def version_of(self, info: dict[str, Any]) -> str | None:
+        etag = info.get("ETag")
+        return etag if isinstance(etag, str) and etag else None
 
     @contextlib.contextmanager
     def open_write(self, path: str, size_hint: int | None, hooks: WriteHooks) -> Iterator[IO[bytes]]:
@@ -314,6 +459,8 @@ def backend_for(fs: Any, options: dict[str, Any]) -> Backend:
         return LocalBackend(fs, options)
     if _is_instance(fs, "s3fs", "S3FileSystem"):
         return S3Backend(fs, options)
+    if _is_instance(fs, "gcsfs", "GCSFileSystem"):
+        return GCSBackend(fs, options)
     if _OBJECT_STORES.intersection(protocols(fs)):
         return ObjectStoreBackend(fs, options)
     return MovingBackend(fs, options)

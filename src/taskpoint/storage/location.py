@@ -16,8 +16,8 @@ from typing import IO, Any, TypeVar
 
 import fsspec
 
-from ..errors import StorageError
-from .backends import NO_HOOKS, Backend, LocalBackend, WriteHooks, backend_for, credential_source
+from ..errors import StorageAccessDenied
+from .backends import NO_HOOKS, Backend, Kind, LocalBackend, WriteHooks, backend_for, credential_source
 from .errormap import map_errors
 from .retry import RetryPolicy
 
@@ -39,7 +39,8 @@ class Location:
         try:
             # Some clients check credentials as they connect (gcsfs with token="google_default").
             with map_errors("connect to", uri, credential_source((scheme,), options)):
-                self.fs, self.path = fsspec.core.url_to_fs(uri, **options)
+                self.fs, self.path = fsspec.core.url_to_fs(uri, **client_timeouts(scheme, options,
+                                                                                   self.retry.deadline))
         except ImportError as exc:
             raise ImportError(f"{uri}: {exc}. Install the matching extra, e.g. pip install 'taskpoint[s3]', "
                               "'taskpoint[gcs]' or 'taskpoint[azure]'.") from exc
@@ -74,7 +75,14 @@ class Location:
     # -- reads -------------------------------------------------------------------------------------------
 
     def exists(self) -> bool:
+        """True when an object is here (a folder or prefix is not one). Only "not found" is False: a location
+        that cannot be read (denied, I/O error, stale handle, outage) raises the matching StorageError."""
         return self.run(lambda: self.backend.exists(self.path), action="check")
+
+    def kind(self) -> Kind:
+        """What is here: an object, a folder (local) or a prefix with objects under it, or nothing. Only "not
+        found" is :attr:`Kind.NOTHING`; a location that cannot be read raises the matching StorageError."""
+        return self.run(lambda: self.backend.kind(self.path.rstrip("/") or self.path), action="check")
 
     def read_small(self) -> bytes | None:
         """The whole object, or None when it does not exist (nor its bucket: callers that must tell the two
@@ -97,7 +105,7 @@ class Location:
         def find() -> dict[str, dict[str, Any]]:
             try:
                 return self.backend.list_tree(self.path.rstrip("/"))
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):  # not there, or a parent is a file
                 return {}
         return self.run(find, action="list")
 
@@ -111,10 +119,13 @@ class Location:
         return self.run(names, action="list")
 
     def container_missing(self) -> bool:
-        """True when this object's bucket or container definitely does not exist (object stores only)."""
+        """True when this object's bucket or container definitely does not exist (object stores only).
+
+        False when the bucket may not be inspected (a role allowed to read objects but not to look at the bucket
+        is common); an outage or any other failure raises: it never answers "the bucket is there"."""
         try:
             return self.run(lambda: self.backend.container_missing(self.path), action="check")
-        except (PermissionError, StorageError):
+        except StorageAccessDenied:
             return False
 
     # -- writes ------------------------------------------------------------------------------------------
@@ -168,6 +179,33 @@ class Location:
     def abort_upload(self, key: str, upload_id: str) -> None:
         """S3 only: abort one unfinished multipart upload in this location's bucket."""
         self.backend.abort_upload(self.path, key, upload_id)
+
+
+#: Client timeouts (seconds) that a retry deadline shorter than this lowers, so that one attempt cannot outlast
+#: it by much (botocore's connect and read timeouts are 60 s by default).
+_CLIENT_TIMEOUT = 60.0
+
+
+def client_timeouts(scheme: str, options: dict[str, Any], deadline: float | None) -> dict[str, Any]:
+    """``options`` with the client's per-request timeouts lowered to ``deadline`` where it is shorter than
+    :data:`_CLIENT_TIMEOUT` and the caller set none: s3fs's ``config_kwargs`` connect and read timeouts,
+    gcsfs's ``requests_timeout``, adlfs's ``connection_timeout`` and ``read_timeout``. Clients fix them when the
+    filesystem is created, so they cannot shrink with the time left; the clients' own retries (botocore's,
+    s3fs's) still multiply them."""
+    if deadline is None or deadline >= _CLIENT_TIMEOUT:
+        return options
+    out = dict(options)
+    if scheme in ("s3", "s3a"):
+        config = dict(out.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", deadline)
+        config.setdefault("read_timeout", deadline)
+        out["config_kwargs"] = config
+    elif scheme in ("gs", "gcs"):
+        out.setdefault("requests_timeout", deadline)
+    elif scheme in ("az", "abfs", "abfss"):
+        out.setdefault("connection_timeout", deadline)
+        out.setdefault("read_timeout", deadline)
+    return out
 
 
 def normalize_uri(value: str | os.PathLike[str], what: str) -> str:

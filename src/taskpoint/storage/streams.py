@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import errno
 import io
 from typing import IO, Any
 
@@ -66,18 +67,30 @@ RANGE_SIZE = 8 << 20
 RANGES_IN_FLIGHT = 6
 
 
+class ObjectChanged(OSError):
+    """The object was replaced while it was being read (its version no longer matches the one the read was
+    pinned to). Transient (``ESTALE``): the retry policy starts the read over, from the new version."""
+
+    def __init__(self, path: str, version: str) -> None:
+        super().__init__(errno.ESTALE, f"{path} was replaced while it was being read (it was version {version}); "
+                                       "reading it again from the start")
+
+
 class ConcurrentRangeReader(OrderedFutureReader):
     """Reads a large object as ranged GETs, several in flight, handed out in order; memory stays bounded.
 
     One GET stream runs at the speed of one TCP connection and one server thread; a few in parallel reach
-    what the network and the server can give. A change of the object during the read shows up as a
-    checksum mismatch in the caller, which then starts over.
+    what the network and the server can give. ``version`` is the object's version when the read began;
+    subclasses for stores that can pin ranged reads to it (S3's ETag, GCS's generation: see the backends)
+    raise :class:`ObjectChanged` when the object changed, and the read starts over. Elsewhere (Azure) a change
+    shows up as a size or checksum mismatch.
     """
 
-    def __init__(self, fs: Any, path: str, size: int, *, range_size: int = RANGE_SIZE,
+    def __init__(self, fs: Any, path: str, size: int, *, version: str | None = None, range_size: int = RANGE_SIZE,
                  in_flight: int = RANGES_IN_FLIGHT) -> None:
         super().__init__(in_flight, "taskpoint-get")
         self.size = size
+        self.version = version
         self._fs, self._path = fs, path
         self._range = range_size
         self._in_flight = in_flight
