@@ -197,11 +197,11 @@ def unfinished_uploads(fs: Any, path: str) -> list[tuple[str, str, float]]:
         markers = {"KeyMarker": listing["NextKeyMarker"], "UploadIdMarker": listing["NextUploadIdMarker"]}
 
 
-def get_object(fs: Any, path: str, *, limit: int | None) -> tuple[bytes, bool]:
+def get_object(fs: Any, path: str, *, limit: int | None, timeout: float | None = None) -> tuple[bytes, bool]:
     """One GET of ``path``: its bytes (at most ``limit`` + 1 of them) and whether that was the whole object.
 
     ``fs.cat_file`` asks for the size first (a HEAD, and a listing when the key is missing): two more
-    requests for every small object.
+    requests for every small object. ``timeout`` cancels the call (fsspec's FSTimeoutError).
     """
     from fsspec.asyn import sync
 
@@ -224,4 +224,4 @@ def get_object(fs: Any, path: str, *, limit: int | None) -> tuple[bytes, bool]:
         finally:
             body.close()
 
-    return sync(fs.loop, get)  # type: ignore[no-any-return]
+    return sync(fs.loop, get, timeout=timeout)  # type: ignore[no-any-return]

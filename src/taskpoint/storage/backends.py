@@ -393,13 +393,13 @@ class S3Backend(ObjectStoreBackend):
             self.fs.invalidate_cache(path)
 
     def read_small(self, path: str) -> bytes:
-        return _s3.get_object(self.fs, path, limit=None)[0]
+        return _s3.get_object(self.fs, path, limit=None, **bounded(self.fs))[0]
 
     def open_read(self, path: str, size_hint: int | None = None) -> IO[bytes]:
         if size_hint is not None and size_hint <= SMALL_READ:
             # Expected small: one GET instead of a HEAD and a GET. If the object turns out larger than that, it
             # is not the one expected: read it the usual way.
-            data, complete = _s3.get_object(self.fs, path, limit=SMALL_READ)
+            data, complete = _s3.get_object(self.fs, path, limit=SMALL_READ, **bounded(self.fs))
             if complete:
                 return WholeObject(data)
         return super().open_read(path, size_hint)
