@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from .._log import logger, safe_uri
 from ..errors import StorageUnavailable
 from .errormap import describe, is_transient
 
@@ -43,6 +44,9 @@ class RetryPolicy:
                         f"({describe(exc)}). Check the network and the storage service, then "
                         "run again; no checkpoint was lost or reported missing."
                     ) from exc
-                time.sleep(delay * random.uniform(0.5, 1.0))
+                pause = delay * random.uniform(0.5, 1.0)
+                logger.debug("retrying %s %s in %.2f s (attempt %d of %d failed: %s)", action, safe_uri(uri), pause,
+                             attempt, self.attempts, describe(exc))
+                time.sleep(pause)
                 delay = min(delay * self.multiplier, self.max_delay)
         raise AssertionError("unreachable")  # pragma: no cover
