@@ -344,18 +344,21 @@ class CheckpointManager:
             finally:
                 self._claims.end_delete(step)
 
-    def gc(self, grace_seconds: float | None = None) -> list[str]:
+    def gc(self, grace_seconds: float | None = None, *, dry_run: bool = False) -> list[str]:
         """Remove leftovers of interrupted or superseded saves older than the grace period; return their URIs.
 
         Committed steps are never touched (retention is applied by :meth:`save`), nor anything whose name
         taskpoint would not write. On S3 this also aborts the unfinished multipart uploads of payloads (saves
-        killed in the middle of an upload). ``grace_seconds`` overrides the manager's for this call.
+        killed in the middle of an upload). ``grace_seconds`` overrides the manager's for this call; with
+        ``dry_run`` nothing is removed, and the URIs that would be are returned.
         """
         grace = self._grace if grace_seconds is None else check_grace(grace_seconds)
         with self._lock:
             self._check_open()
             self._background.settle(wait=True)
-            return self._steps.sweep(self._steps.scan(), grace) + self._steps.sweep_uploads(grace)
+            folders = self._steps.scan()
+            return (self._steps.sweep(folders, grace, dry_run=dry_run)
+                    + self._steps.sweep_uploads(grace, dry_run=dry_run))
 
     # -- internals -----------------------------------------------------------------------------------------
 

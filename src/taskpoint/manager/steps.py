@@ -142,8 +142,9 @@ class StepStore:
             keep.add(manifest.payload)
         self.sweep_folder(step, folder, grace, keep)
 
-    def sweep(self, folders: dict[int, Folder], grace: float) -> list[str]:
-        """Remove the leftovers in ``folders`` older than ``grace``; return their URIs."""
+    def sweep(self, folders: dict[int, Folder], grace: float, *, dry_run: bool = False) -> list[str]:
+        """Remove the leftovers in ``folders`` older than ``grace``; return their URIs (``dry_run``: only
+        return them)."""
         removed: list[str] = []
         for step, folder in sorted(folders.items()):
             keep: set[str] = set()
@@ -157,10 +158,11 @@ class StepStore:
                 if manifest is None:
                     continue  # never guess what an unreadable manifest commits
                 keep = {MANIFEST_NAME, manifest.payload}
-            removed += self.sweep_folder(step, folder, grace, keep)
+            removed += self.sweep_folder(step, folder, grace, keep, dry_run=dry_run)
         return removed
 
-    def sweep_folder(self, step: int, folder: Folder, grace: float, keep: set[str]) -> list[str]:
+    def sweep_folder(self, step: int, folder: Folder, grace: float, keep: set[str], *,
+                     dry_run: bool = False) -> list[str]:
         """Remove our objects in ``folder`` that are not in ``keep`` and older than ``grace``."""
         now = time.time()
         removed: list[str] = []
@@ -170,13 +172,16 @@ class StepStore:
             if grace > 0 and (mtime is None or now - mtime < grace):
                 continue  # maybe a save still in progress
             target = self.object(step, name)
-            target.remove()
+            if not dry_run:
+                target.remove()
             removed.append(target.uri)
+        if dry_run:
+            return removed
         # Object stores have no folders; elsewhere an empty one goes (rmdir refuses a non-empty folder).
         self.root.child(f"ckpt-{step}").remove_empty_folder()
         return removed
 
-    def sweep_uploads(self, grace: float) -> list[str]:
+    def sweep_uploads(self, grace: float, *, dry_run: bool = False) -> list[str]:
         """S3: abort the unfinished multipart uploads of payloads that saves killed mid-upload left behind
         (invisible as objects, but billed). Only our payload names, only older than ``grace`` by the server's
         initiation time. Run by ``gc()`` only, not after every save: a server whose clock (or whose fake
@@ -198,7 +203,8 @@ class StepStore:
             if grace > 0 and now - initiated < grace:
                 continue  # maybe a save still in progress
             try:
-                self.root.abort_upload(key, upload_id)
+                if not dry_run:
+                    self.root.abort_upload(key, upload_id)
             except Exception:
                 continue
             removed.append(self.object(int(step.group(1)), name).uri)
