@@ -85,7 +85,8 @@ class _State:
         for pair in self.pairs:
             key, sep, raw = pair.partition("=")
             if not sep or not key.strip():
-                raise _Failed(ERROR, f"--storage-option takes KEY=VALUE, got {pair.partition('=')[0]!r}=...")
+                raise _Failed(ERROR, "--storage-option takes KEY=VALUE; one has no '=' or no key (not shown: it "
+                                     "may hold a credential)")
             try:
                 value: Any = json.loads(raw)
             except ValueError:
