@@ -76,7 +76,7 @@ def test_checkpoint_object_push_ls_show_verify_pull(capsys, where, tmp_path):
     stored = size_of(uri, options)
     assert code == 0 and (view["type"], view["state"], view["kind"], view["size"]) == ("checkpoint", "saved",
                                                                                       "directory", stored)
-    assert [o["visible"] for o in view["objects"]] == [True] and view["record"] == f"{uri}.taskpoint.json"
+    assert [o["size_matches"] for o in view["objects"]] == [True] and view["record"] == f"{uri}.taskpoint.json"
     code, out, _ = tp(capsys, "ls", uri, *opts)
     assert code == 0 and out.startswith(f"{uri}  saved  directory")
 

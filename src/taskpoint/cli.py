@@ -271,11 +271,11 @@ def _checkpoint_view(loc: Location) -> dict[str, Any] | None:
     size = _object_size(loc)
     if record is None and size is None:
         return None
-    objects = []
+    # The entry a load verifies the object against: the newest listed one of the stored size.
     visible = record.of_size(size) if record is not None and size is not None else None
-    for entry in record.objects if record is not None else ():
-        objects.append({**asdict(entry), "confirmed": entry.save_id == record.confirmed,  # type: ignore[union-attr]
-                        "visible": entry is visible})
+    confirmed = record.confirmed if record is not None else None
+    objects = [{**asdict(entry), "confirmed": entry.save_id == confirmed, "size_matches": entry.size == size}
+               for entry in (record.objects if record is not None else ())]
     if record is None:
         state = "unrecorded"  # Flyte's, or written by hand: only the archive's own checks apply
     elif size is None:
@@ -404,12 +404,9 @@ def ls_command(uri: str, as_json: bool) -> int:
     if as_json:
         _print_json(view)
     elif view["type"] == "checkpoint":
+        listed = len(view["objects"])
         click.echo(f"{view['uri']}  {view['state']}  {view['kind'] or '-'}  {_human(view['size'])}  "
-                   f"saved {_time(view['created'])} UTC")
-        for entry in view["objects"]:
-            flags = ",".join(f for f in ("visible", "confirmed") if entry[f]) or "-"
-            click.echo(f"  {entry['save_id'][:12]}  {entry['kind']:<9}  {_human(entry['size']):>10}  "
-                       f"{_time(entry['created'])}  {flags}")
+                   f"saved {_time(view['created'])} UTC  ({listed} object(s) in its record)")
     elif view["type"] == "manager":
         click.echo(f"{view['uri']}: {sum(r['state'] == 'committed' for r in view['steps'])} committed step(s)")
         click.echo(f"{'STEP':>6}  {'STATE':<10}  {'KIND':<9}  {'SIZE':>10}  {'SAVED (UTC)':<19}  ATTEMPT  METADATA")
