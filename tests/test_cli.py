@@ -308,3 +308,17 @@ def test_pull_into_a_folder_is_the_api_load(capsys, tmp_path):
     code, out, _ = tp(capsys, "pull", tmp_path / "ck", tmp_path / "dest")
     assert code == 0 and (tmp_path / "dest" / "payload").read_bytes() == b"raw bytes"
     assert Path(out.split(" -> ")[1].split(" (")[0]) == tmp_path / "dest" / "payload"
+
+
+def test_run_keeps_its_flags_and_usage_exit_code(capsys, tmp_path):
+    """Its behaviour is tested in test_runtime.py (as ``python -m taskpoint.cli run``); here, parsing."""
+    for args in (["run", "--bogus", "--", "true"], ["run", "--attempt", "x", "--", "true"], ["run", "--"],
+                 ["run", "--prev-checkpoint", "p", "--", "true"]):
+        code, _, err = tp(capsys, *args)
+        assert code == 2 and err.startswith("taskpoint run"), (args, err)
+    child = "import taskpoint; print(taskpoint.ctx().checkpoint.remote_destination)"
+    out = subprocess.run([sys.executable, "-m", "taskpoint", "run", "--checkpoint-path", str(tmp_path / "c"),
+                          sys.executable, "-c", child, "--not-an-option-of-run"],
+                         capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("TASKPOINT_")})
+    assert out.returncode == 0 and out.stdout.strip() == str(tmp_path / "c"), out.stderr

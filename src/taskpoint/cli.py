@@ -784,7 +784,7 @@ def gc_command(directory: str, grace: float | None, dry_run: bool) -> int:
 # -- run ------------------------------------------------------------------------------------------------------
 
 
-@cli.command("run", context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
+@cli.command("run", context_settings={"allow_interspersed_args": False})
 @click.option("--checkpoint-path", help="where this attempt saves (any fsspec URL)")
 @click.option("--prev-checkpoint", help="where the previous attempt saved")
 @click.option("--root", help="storage root for root mode (sets TASKPOINT_ROOT)")
