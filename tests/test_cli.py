@@ -322,3 +322,21 @@ def test_run_keeps_its_flags_and_usage_exit_code(capsys, tmp_path):
                          capture_output=True, text=True, timeout=120,
                          env={k: v for k, v in os.environ.items() if not k.startswith("TASKPOINT_")})
     assert out.returncode == 0 and out.stdout.strip() == str(tmp_path / "c"), out.stderr
+
+
+def test_secrets_are_redacted_also_when_a_client_quotes_them_into_a_message(monkeypatch):
+    """gcsfs puts a token it could not use into a URL (``tokeninfo?access_token=%2F...``) in its error."""
+    from taskpoint.cli import _redact, _secret_values, _State
+
+    secret = "/keys/tp-SECRET q+7.json"
+    monkeypatch.setenv("TASKPOINT_STORAGE_OPTIONS", json.dumps({"client_kwargs": {"password": "env-SECRET-77"}}))
+    state = _State()
+    state.pairs = [f"token={secret}", "endpoint_url=http://127.0.0.1:9000"]
+    secrets = _secret_values(state)
+    from urllib.parse import quote, quote_plus
+
+    message = (f"no access with {secret}: tokeninfo?access_token={quote(secret, safe='')}&q={quote_plus(secret)} "
+               f"{json.dumps({'token': secret})} env-SECRET-77 at http://127.0.0.1:9000")
+    redacted = _redact(message, secrets)
+    assert "SECRET" not in redacted and redacted.count("***") == 5
+    assert "http://127.0.0.1:9000" in redacted  # plain settings stay readable

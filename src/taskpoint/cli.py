@@ -26,6 +26,7 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any, TypeVar
+from urllib.parse import quote, quote_plus
 
 import click
 
@@ -186,7 +187,10 @@ def _secret_values(state: _State) -> list[str]:
     import fsspec.config
 
     collect(fsspec.config.conf)
-    return sorted(set(found), key=len, reverse=True)
+    # Clients quote values into URLs and JSON in their messages (gcsfs: ...tokeninfo?access_token=%2F...).
+    forms = {form for value in found
+             for form in (value, quote(value, safe=""), quote_plus(value), json.dumps(value)[1:-1])}
+    return sorted(forms, key=len, reverse=True)
 
 
 def _redact(text: str, secrets: list[str]) -> str:
