@@ -340,3 +340,22 @@ def test_secrets_are_redacted_also_when_a_client_quotes_them_into_a_message(monk
     redacted = _redact(message, secrets)
     assert "SECRET" not in redacted and redacted.count("***") == 5
     assert "http://127.0.0.1:9000" in redacted  # plain settings stay readable
+
+
+def test_ls_tells_committed_damaged_and_incomplete_steps_apart(capsys, tmp_path):
+    steps = tmp_path / "steps"
+    for step in (1, 2, 3):
+        assert tp(capsys, "push", make_tree(tmp_path / f"m{step}"), steps, "--step", step)[0] == 0
+    payload = next((steps / "ckpt-2").glob("payload-*"))
+    payload.write_bytes(payload.read_bytes()[:-10])  # truncated: the listing's size differs from the manifest's
+    next((steps / "ckpt-3").glob("payload-*")).unlink()  # deleted outside taskpoint
+    (steps / "ckpt-4").mkdir()
+    (steps / "ckpt-4" / ("payload-" + "cd" * 16)).write_bytes(b"a save in progress, or killed")
+    code, out, _ = tp(capsys, "ls", steps, "--json")
+    rows = {row["step"]: row for row in json.loads(out)["steps"]}
+    assert code == 0 and {n: r["state"] for n, r in rows.items()} == {1: "committed", 2: "damaged", 3: "damaged",
+                                                                      4: "incomplete"}
+    assert "holds" in rows[2]["problem"] and "missing" in rows[3]["problem"]
+    assert rows[4]["leftovers"] == ["payload-" + "cd" * 16]
+    code, out, _ = tp(capsys, "ls", steps)
+    assert "1 committed step(s)" in out and out.count("damaged") == 2 and "incomplete" in out
