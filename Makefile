@@ -1,5 +1,5 @@
 # taskpoint: two commands on a fresh machine.
-#   make demo   set up .venv, then run the quick-start example on the local default root
+#   make demo   set up .venv with the core only (no extras), then run the quick-start example on the local default root
 #   make test   set up .venv and the object-store servers, check the import layers, then run the whole suite
 #   make bench  the speed benchmark of issues 3 and 5 (BENCH_ARGS="--size 0.0625 --runs 1" for a quick run)
 PYTHON ?= python3
@@ -7,6 +7,10 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
+# The demo needs only the core: its own stamp, so a fresh clone installs a few MB, not the test stack.
+DEMO_STAMP := $(VENV)/.installed-core
+# ...plus the one extra a remote ROOT needs (make demo ROOT=s3://bucket/prefix).
+DEMO_EXTRA = $(if $(filter s3://%,$(ROOT)),s3,$(if $(filter gs://% gcs://%,$(ROOT)),gcs,$(if $(filter az://% abfs://% abfss://%,$(ROOT)),azure,)))
 NPM_DIR := tests/servers
 NPM_STAMP := $(NPM_DIR)/node_modules/.installed
 # The real flyte package, for the format-compatibility tests; its pins clash with ours, so it has its own venv.
@@ -27,6 +31,10 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 	$(PIP) install --quiet -e ".[test]"
 	touch $(STAMP)
 
+$(DEMO_STAMP): pyproject.toml | $(VENV)/bin/python
+	$(PIP) install --quiet --disable-pip-version-check -e .
+	touch $(DEMO_STAMP)
+
 $(NPM_STAMP): $(NPM_DIR)/package.json
 	cd $(NPM_DIR) && npm install --no-audit --no-fund --loglevel=error
 	touch $(NPM_STAMP)
@@ -41,7 +49,8 @@ venv: $(STAMP)
 
 servers: $(NPM_STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
+	$(if $(DEMO_EXTRA),$(PIP) install --quiet --disable-pip-version-check -e ".[$(DEMO_EXTRA)]")
 	TASKPOINT_ROOT="$(ROOT)" $(PY) examples/quickstart.py
 
 test: $(STAMP) $(NPM_STAMP) $(FLYTE_STAMP)

@@ -1,22 +1,56 @@
-"""taskpoint in one minute: a task with retries works through 100 steps and survives failures.
+"""taskpoint in one minute: a retried task saves its model folder and survives preemptions.
 
-Run it with ``make demo`` (or ``python examples/quickstart.py``). The first attempts fail at random, as a
-preempted job would; each attempt loads the newest checkpoint, says where it resumed and how long loading
-and saving took, and the last attempt finishes the work. Checkpoints go to ``./.taskpoint`` unless
-``TASKPOINT_ROOT`` (or ``make demo ROOT=s3://bucket/prefix``) points elsewhere.
+Run it with ``make demo`` (or ``python examples/quickstart.py``). A task works through 100 steps and saves
+its state, a small model folder (weights, optimizer state, a JSON file), every 10 steps. The first attempts
+are "preempted" at random; each new attempt loads the newest checkpoint, says where it resumed and how fast
+saving and loading went, and the last attempt finishes the work with the same result as an uninterrupted
+run. At the end, ``taskpoint ls`` shows what the run left in storage. Checkpoints go to ``./.taskpoint``
+unless ``TASKPOINT_ROOT`` (or ``make demo ROOT=s3://bucket/prefix``) points elsewhere.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import random
-import time
+import tempfile
+from pathlib import Path
 
 import taskpoint
+from taskpoint.cli import main as taskpoint_command
 
 STEPS = 100
 SAVE_EVERY = 10
+WEIGHTS = 4 << 20  # bytes of "weights"; the optimizer state is half as large
+
+
+class Figures(logging.Handler):
+    """Collects the figures taskpoint logs for each save and load (``record.transfer``)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.saves: list = []
+        self.loads: list = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        stats = getattr(record, "transfer", None)
+        if stats is not None:
+            (self.saves if stats.operation == "save" else self.loads).append(stats)
+
+
+def mib(n: float) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def write_model(folder: Path, state: dict) -> None:
+    """The model folder of ``state``: its weights depend on the step, so a resume can be checked byte for byte."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(state["step"])
+    (folder / "weights.bin").write_bytes(rng.randbytes(WEIGHTS))
+    (folder / "optimizer").mkdir(exist_ok=True)
+    (folder / "optimizer" / "moments.bin").write_bytes(rng.randbytes(WEIGHTS // 2))
+    (folder / "state.json").write_text(json.dumps(state))
 
 
 def parse_args() -> argparse.Namespace:
@@ -29,38 +63,62 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     chaos = random.Random(args.seed)
+    figures = Figures()
+    logging.getLogger("taskpoint").addHandler(figures)
+    logging.getLogger("taskpoint").setLevel(logging.INFO)
+    print(f"taskpoint demo: a task runs {STEPS} steps and saves its model folder ({mib(WEIGHTS * 1.5)}) every "
+          f"{SAVE_EVERY} steps; {args.failing_attempts} attempts get preempted.", flush=True)
 
     @taskpoint.task(retries=3)
-    def sum_of_squares() -> int:
+    def train() -> tuple[int, str]:
         c = taskpoint.ctx()
         assert c is not None and c.checkpoint is not None
-        started = time.perf_counter()
-        prev = c.checkpoint.load_sync()
-        load_ms = (time.perf_counter() - started) * 1000
-        state = json.loads(prev.read_bytes()) if prev else {"step": 0, "total": 0}
-        where = f"resumed at step {state['step']}" if prev else "started from scratch"
-        print(f"attempt {c.attempt}/{c.max_attempts}: {where} (load {load_ms:.1f} ms)")
+        figures.saves.clear()
+        prev = c.checkpoint.load_sync()  # a folder, or None on the first attempt
+        if prev is None:
+            state = {"step": 0, "total": 0}
+            print(f"attempt {c.attempt}/{c.max_attempts}: started from scratch")
+        else:
+            state = json.loads((prev / "state.json").read_text())
+            intact = (prev / "weights.bin").read_bytes() == random.Random(state["step"]).randbytes(WEIGHTS)
+            load = figures.loads[-1]
+            print(f"attempt {c.attempt}/{c.max_attempts}: resumed at step {state['step']} (loaded "
+                  f"{mib(load.bytes)} in {load.total_seconds * 1000:.0f} ms, {load.mb_per_s:.0f} MB/s; weights "
+                  f"{'intact' if intact else 'DIFFERENT'})")
 
         fail_at = chaos.randrange(state["step"] + 1, STEPS) if c.attempt <= args.failing_attempts else None
-        save_ms = []
-        for step in range(state["step"], STEPS):
-            if step == fail_at:
-                print(f"  attempt {c.attempt} crashes at step {step} "
-                      f"(saves took {sum(save_ms):.1f} ms in all, {len(save_ms)} saves)")
-                raise RuntimeError(f"simulated preemption at step {step}")
-            state["total"] += step * step
-            state["step"] = step + 1
-            if state["step"] % SAVE_EVERY == 0:
-                t = time.perf_counter()
-                c.checkpoint.save_sync(json.dumps(state).encode())
-                save_ms.append((time.perf_counter() - t) * 1000)
-        print(f"  attempt {c.attempt} finished ({len(save_ms)} saves, {sum(save_ms):.1f} ms in all)")
-        print(f"  checkpoints of this run: {c.checkpoint.remote_destination.rsplit('/', 3)[0]}")
-        return int(state["total"])
+        with tempfile.TemporaryDirectory() as scratch:
+            model = Path(scratch) / "model"
+            for step in range(state["step"], STEPS):
+                if step == fail_at:
+                    print(f"  preempted at step {step} after {summary(figures.saves)}")
+                    raise RuntimeError(f"simulated preemption at step {step}")
+                state["total"] += step * step
+                state["step"] = step + 1
+                if state["step"] % SAVE_EVERY == 0:
+                    write_model(model, state)
+                    c.checkpoint.save_sync(model)  # atomic, checksummed, to this attempt's folder
+            print(f"  finished after {summary(figures.saves)}")
+        return int(state["total"]), c.checkpoint.remote_destination
 
-    result = sum_of_squares()
+    result, last = train()
+    run_folder = last.rsplit("/", 3)[0]
     expected = sum(i * i for i in range(STEPS))
     print(f"result: {result} (expected {expected}) {'OK' if result == expected else 'MISMATCH'}")
+    for uri in (run_folder, last):
+        print(f"\n$ taskpoint ls {uri}")
+        taskpoint_command(["ls", uri])
+    print(f"\nMore: taskpoint show, verify or pull {last} (taskpoint --help, docs/cli.md)")
+
+
+def summary(saves: list) -> str:
+    if not saves:
+        return "no save"
+    stored = sum(s.bytes for s in saves)
+    seconds = sum(s.total_seconds for s in saves)
+    plural = "s" if len(saves) > 1 else ""
+    return (f"{len(saves)} save{plural} of {mib(stored / len(saves))}, {seconds / len(saves) * 1000:.0f} ms each "
+            f"({stored / 1e6 / seconds:.0f} MB/s)")
 
 
 if __name__ == "__main__":

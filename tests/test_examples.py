@@ -26,6 +26,14 @@ def test_quickstart_survives_random_failures_on_the_local_default_root(tmp_path)
     assert len(resumed) == 2 and 0 < resumed[0] <= resumed[1]
     assert "result: 328350 (expected 328350) OK" in out
     assert (tmp_path / ".taskpoint").is_dir()
+    # The model folder came back byte for byte, with the figures of each load and of the saves.
+    assert len(re.findall(r"\(loaded 6\.0 MiB in \d+ ms, \d+ MB/s; weights intact\)", out)) == 2
+    assert len(re.findall(r"saves? of 6\.0 MiB, \d+ ms each \(\d+ MB/s\)", out)) == 3
+    # Then taskpoint ls shows the run's three attempts, each with its checkpoint, and the last checkpoint.
+    [run] = [p for p in (tmp_path / ".taskpoint").iterdir()]
+    assert f"$ taskpoint ls {run}\n" in out
+    assert re.search(r"\n  train  attempts 1\(6\.0 MiB\) 2\(6\.0 MiB\) 3\(6\.0 MiB\)\n", out)
+    assert re.search(rf"\n{re.escape(str(run))}/train/3/checkpoint  saved  directory  6\.0 MiB  saved ", out)
 
 
 def test_quickstart_with_root_from_environment(tmp_path):

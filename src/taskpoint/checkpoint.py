@@ -16,6 +16,7 @@ from typing import Any
 
 import anyio.to_thread
 
+from . import _log
 from .errors import CheckpointCorruptError, CheckpointError, StorageNotFound
 from .folders import load_folder, refuse_folder_destination, source_exists
 from .format.codecs import Codec, get_codec
@@ -171,10 +172,12 @@ class Checkpoint(BaseCheckpoint):
     # -- save --------------------------------------------------------------------------------------------
 
     def save_sync(self, data: Any) -> None:
+        clock = _log.Clock()
         payload = payload_for(data)
         with self._lock:
             self._check_open()
-            save_object(self._dest, payload, self._codec, self._level)
+            saved = save_object(self._dest, payload, self._codec, self._level)
+        _log.transferred("save", self._dest.uri, saved.kind, saved.size, clock)
 
     # -- load --------------------------------------------------------------------------------------------
 
@@ -185,10 +188,13 @@ class Checkpoint(BaseCheckpoint):
                 return self._loaded
             if self._src is None:
                 return None
+            clock = _log.Clock()
             try:
                 result = load_object(self._src, self.path)
             except SourceIsFolder:  # a folder or prefix (flytekit 1.x's layout): a directory checkpoint
                 result = load_folder(self._src, self.path)
+            if result is not None:
+                _log.transferred("load", self._src.uri, *_log.take_verified(), clock)
             self._loaded = result
             return result
 
@@ -234,6 +240,7 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
         # was saved to as an object before: on object stores that spares the first save a HEAD and a listing.
         refuse_folder_destination(dest)
     if previous.sweep or (known is None and dest.is_local):
+        _log.logger.debug("sweeping leftovers of interrupted saves at %s", _log.safe_uri(dest.uri))
         dest.sweep_leftovers(started_before=time.time())  # what killed or failed saves left
     entry = ObjectRecord(kind=payload.kind, codec=codec.name if payload.archived else "raw",
                          save_id=uuid.uuid4().hex, created=time.time(), size=payload.size())
@@ -334,6 +341,7 @@ def _load_listed(src: Location, workspace: Path, record: Record | None) -> Path 
 
     def verify(kind: str, size: int, digest: str) -> None:
         _verify(record, kind, size, digest, src.uri)
+        _log.note_verified(kind, size)
 
     newest = record.of_size(None) if record is not None else None
     digest = "sha256" if newest is not None and newest.crc32 is None and newest.sha256 else "crc32"

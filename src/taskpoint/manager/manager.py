@@ -25,6 +25,8 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import anyio.to_thread
 
+from .. import _log
+from .._log import TransferStats
 from ..errors import CheckpointError
 from ..format.codecs import Codec, get_codec
 from ..format.records import ObjectRecord, StepManifest
@@ -140,6 +142,8 @@ class CheckpointManager:
         self._lock = threading.RLock()  # save, delete, gc, close and wait_until_finished, one at a time
         #: The step the last successful :meth:`restore` returned (useful with ``fallback=True``).
         self.restored_step: int | None = None
+        #: The figures of the last save that committed (bytes, seconds blocked and in all, MB/s); None before.
+        self.last_save: TransferStats | None = None
         self._closed = False
         self._background = Background(uri, snapshots, bool(background_process) and root.backend.shared)
         weakref.finalize(self, self._background.slot.report_unclaimed, uri)
@@ -200,6 +204,7 @@ class CheckpointManager:
         may change or delete it at once. At most one save is in flight; the next call waits for it, and an
         error it met is raised by the next call instead of doing anything else.
         """
+        clock = _log.Clock()
         step = check_step(step)
         record_metadata = check_metadata(metadata)
         attempt = _attempt_source()
@@ -212,15 +217,16 @@ class CheckpointManager:
                 raise FileExistsError(f"step {step} already exists in {self.directory}; pass overwrite=True to "
                                       "replace it, or save under a new step")
             payload = payload_for(data)  # after the existence check: some kinds (PyTree) serialize here
-            job = functools.partial(self._write_step, step, record_metadata, attempt, replaced)
+            job = functools.partial(self._write_step, step, record_metadata, attempt, replaced, clock=clock)
             if not background:
                 job(payload)
             else:
                 self._background.start(step, payload, job)
+        clock.release()  # a background save's record, at its commit, counts the caller's wait until here
         return self._steps.step_uri(step)
 
     def _write_step(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: str | None,
-                    payload: Payload, saver: SaverProcess | None = None) -> None:
+                    payload: Payload, saver: SaverProcess | None = None, *, clock: _log.Clock) -> None:
         """Upload the payload under a fresh name, then commit it with the manifest; then tidy up."""
         save_id = uuid.uuid4().hex
         name = f"payload-{save_id}"
@@ -239,11 +245,15 @@ class CheckpointManager:
         if replaced is not None and replaced != name and not self._claims.is_restoring(step):
             quietly(self._steps.object(step, replaced).remove)
         self._tidy()
+        self.last_save = _log.transferred("save", self._steps.step_uri(step), payload.kind, size, clock, step)
 
     def _tidy(self) -> None:
         """After a commit: apply retention and remove old leftovers. Never fails the save that committed."""
         try:
-            self._steps.tidy(self._retention, self._grace)
+            removed = self._steps.tidy(self._retention, self._grace)
+            if removed:
+                _log.logger.debug("swept %d leftover(s) in %s: %s", len(removed), _log.safe_uri(self.directory),
+                                  [_log.safe_uri(uri) for uri in removed])
         except Exception as exc:
             warnings.warn(f"taskpoint saved the new step but could not tidy {self.directory} ({exc}); old steps "
                           "and leftovers will be removed by a later save or gc()", RuntimeWarning, stacklevel=2)
@@ -289,6 +299,7 @@ class CheckpointManager:
         warning for the newest older one that verifies; storage errors are raised, never skipped.
         :attr:`restored_step` says which step the last successful restore returned.
         """
+        clock = _log.Clock()
         if step is None:
             candidates = list(reversed(self.steps()))
             if not candidates:
@@ -300,7 +311,17 @@ class CheckpointManager:
         target = None if into is None else Path(normalize_uri(into, "into"))
         self.restored_step, result = self._reader.read_first(candidates, target, fallback=fallback,
                                                              requested=step is not None)
+        self._log_restore(self.restored_step, clock)
         return result
+
+    def _log_restore(self, step: int, clock: _log.Clock) -> None:
+        """The INFO record of a restore; the size and kind come from the step's manifest (read again, and
+        only when the record is wanted: a concurrent overwrite may have changed it since)."""
+        if _log.logger.isEnabledFor(_log.INFO):
+            manifest = self._steps.manifest(step, tolerate_corrupt=True)
+            record = manifest.record if manifest is not None else None
+            _log.transferred("load", self._steps.step_uri(step), record.kind if record else "unknown",
+                             record.size if record else None, clock, step)
 
     # -- delete and garbage collection ---------------------------------------------------------------------
 
@@ -321,18 +342,21 @@ class CheckpointManager:
             finally:
                 self._claims.end_delete(step)
 
-    def gc(self, grace_seconds: float | None = None) -> list[str]:
+    def gc(self, grace_seconds: float | None = None, *, dry_run: bool = False) -> list[str]:
         """Remove leftovers of interrupted or superseded saves older than the grace period; return their URIs.
 
         Committed steps are never touched (retention is applied by :meth:`save`), nor anything whose name
         taskpoint would not write. On S3 this also aborts the unfinished multipart uploads of payloads (saves
-        killed in the middle of an upload). ``grace_seconds`` overrides the manager's for this call.
+        killed in the middle of an upload). ``grace_seconds`` overrides the manager's for this call; with
+        ``dry_run`` nothing is removed, and the URIs that would be are returned.
         """
         grace = self._grace if grace_seconds is None else check_grace(grace_seconds)
         with self._lock:
             self._check_open()
             self._background.settle(wait=True)
-            return self._steps.sweep(self._steps.scan(), grace) + self._steps.sweep_uploads(grace)
+            folders = self._steps.scan()
+            return (self._steps.sweep(folders, grace, dry_run=dry_run)
+                    + self._steps.sweep_uploads(grace, dry_run=dry_run))
 
     # -- internals -----------------------------------------------------------------------------------------
 

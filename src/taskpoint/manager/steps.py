@@ -130,23 +130,23 @@ class StepStore:
         if self._known is not None:
             self._known.add(step)
 
-    def tidy(self, retention: KeepPolicy, grace: float) -> None:
+    def tidy(self, retention: KeepPolicy, grace: float) -> list[str]:
         """After a commit: apply retention and sweep leftovers.
 
         The directory is listed on the first save, and again once the grace period has passed since the last
         listing (leftovers can only be swept once older than it; with ``grace`` 0, every time). In between,
         retention works from the steps listed plus those committed here, so a small save costs no listing:
-        steps that other writers added meanwhile wait for the next listing.
+        steps that other writers added meanwhile wait for the next listing. Returns the leftovers swept.
         """
         if self._known is None or time.time() - self._listed_at >= grace:
             self._listed_at = time.time()
             folders = self.scan()
             self._known = {step for step, folder in folders.items() if folder.committed}
             self.let_go(retention.to_delete(self._known), folders, grace)
-            self.sweep(folders, grace)
-            return
+            return self.sweep(folders, grace)
         gone = retention.to_delete(self._known)
         self.let_go(gone, {step: Folder() for step in gone}, grace)
+        return []
 
 
     def let_go(self, steps: list[int], folders: dict[int, Folder], grace: float) -> None:
@@ -172,8 +172,9 @@ class StepStore:
             keep.add(manifest.payload)
         self.sweep_folder(step, folder, grace, keep)
 
-    def sweep(self, folders: dict[int, Folder], grace: float) -> list[str]:
-        """Remove the leftovers in ``folders`` older than ``grace``; return their URIs."""
+    def sweep(self, folders: dict[int, Folder], grace: float, *, dry_run: bool = False) -> list[str]:
+        """Remove the leftovers in ``folders`` older than ``grace``; return their URIs (``dry_run``: only
+        return them)."""
         removed: list[str] = []
         for step, folder in sorted(folders.items()):
             keep: set[str] = set()
@@ -187,10 +188,11 @@ class StepStore:
                 if manifest is None:
                     continue  # never guess what an unreadable manifest commits
                 keep = {MANIFEST_NAME, manifest.payload}
-            removed += self.sweep_folder(step, folder, grace, keep)
+            removed += self.sweep_folder(step, folder, grace, keep, dry_run=dry_run)
         return removed
 
-    def sweep_folder(self, step: int, folder: Folder, grace: float, keep: set[str]) -> list[str]:
+    def sweep_folder(self, step: int, folder: Folder, grace: float, keep: set[str], *,
+                     dry_run: bool = False) -> list[str]:
         """Remove our objects in ``folder`` that are not in ``keep`` and older than ``grace``."""
         now = time.time()
         removed: list[str] = []
@@ -200,13 +202,16 @@ class StepStore:
             if grace > 0 and (mtime is None or now - mtime < grace):
                 continue  # maybe a save still in progress
             target = self.object(step, name)
-            target.remove()
+            if not dry_run:
+                target.remove()
             removed.append(target.uri)
+        if dry_run:
+            return removed
         # Object stores have no folders; elsewhere an empty one goes (rmdir refuses a non-empty folder).
         self.root.child(f"ckpt-{step}").remove_empty_folder()
         return removed
 
-    def sweep_uploads(self, grace: float) -> list[str]:
+    def sweep_uploads(self, grace: float, *, dry_run: bool = False) -> list[str]:
         """S3: abort the unfinished multipart uploads of payloads that saves killed mid-upload left behind
         (invisible as objects, but billed). Only our payload names, only older than ``grace`` by the server's
         initiation time. Run by ``gc()`` only, not after every save: a server whose clock (or whose fake
@@ -228,7 +233,8 @@ class StepStore:
             if grace > 0 and now - initiated < grace:
                 continue  # maybe a save still in progress
             try:
-                self.root.abort_upload(key, upload_id)
+                if not dry_run:
+                    self.root.abort_upload(key, upload_id)
             except Exception:
                 continue
             removed.append(self.object(int(step.group(1)), name).uri)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from .._log import logger, safe_uri
 from ..errors import StorageUnavailable
 from .errormap import describe, is_transient
 
@@ -92,6 +93,8 @@ class RetryPolicy:
                         "network and the storage service (an endpoint that accepts connections and never "
                         "answers looks like this), then run again; no checkpoint was lost or reported missing."
                     ) from exc
+                logger.debug("retrying %s %s in %.2f s (attempt %d of %d failed: %s)", action, safe_uri(uri), pause,
+                             attempt, self.attempts, describe(exc))
                 time.sleep(pause)
                 delay = min(delay * self.multiplier, self.max_delay)
         raise AssertionError("unreachable")  # pragma: no cover

@@ -1,0 +1,361 @@
+"""The ``taskpoint`` command line, run as a user runs it, against local disk and the S3 server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from helpers import make_tree, read_object, snapshot, write_object
+from taskpoint import CheckpointManager, ctx, task
+from taskpoint.cli import main
+
+SECRET = "tp-CLI-SECRET-4b7e19d0"
+COMMANDS = ("ls", "show", "verify", "pull", "push", "rm", "gc", "run")
+
+
+def tp(capsys, *args: str) -> tuple[int, str, str]:
+    """Run the command line in this process (the S3 server is a thread of it); exit code, stdout, stderr."""
+    capsys.readouterr()
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def option_args(options: dict) -> list[str]:
+    """``-o KEY=VALUE`` for each storage option (JSON for anything but a string)."""
+    args: list[str] = []
+    for key, value in options.items():
+        args += ["-o", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
+    return args
+
+
+@pytest.fixture(params=["local", "s3"])
+def where(request, tmp_path):
+    """(base URI, -o arguments, storage options) on local disk or on the S3 server."""
+    if request.param == "local":
+        return str(tmp_path / "store"), [], {}
+    location = request.getfixturevalue("s3_server").new_location()
+    return location.base, option_args(location.storage_options), location.storage_options
+
+
+def size_of(url: str, options: dict) -> int:
+    fs, path = fsspec.core.url_to_fs(url, **options)
+    fs.invalidate_cache()
+    return int(fs.size(path))
+
+
+def flip_byte(url: str, options: dict, offset: int = 100) -> None:
+    data = bytearray(read_object(url, options))
+    data[offset] ^= 0x01
+    write_object(url, options, bytes(data))
+
+
+def payload_url(base: str, step: int, options: dict) -> str:
+    fs, path = fsspec.core.url_to_fs(f"{base}/ckpt-{step}", **options)
+    fs.invalidate_cache()
+    name = next(p.rsplit("/", 1)[1] for p in fs.ls(path, detail=False) if "/payload-" in p)
+    return f"{base}/ckpt-{step}/{name}"
+
+
+def test_checkpoint_object_push_ls_show_verify_pull(capsys, where, tmp_path):
+    base, opts, options = where
+    model = make_tree(tmp_path / "model", big=200_000)
+    uri = f"{base}/run/1/checkpoint"
+    code, out, err = tp(capsys, "push", model, uri, *opts)
+    assert code == 0, err
+    assert out.startswith(f"pushed {model} -> {uri} (directory,") and "MB/s" in out
+
+    code, out, _ = tp(capsys, "ls", uri, "--json", *opts)
+    view = json.loads(out)
+    stored = size_of(uri, options)
+    assert code == 0 and (view["type"], view["state"], view["kind"], view["size"]) == ("checkpoint", "saved",
+                                                                                      "directory", stored)
+    assert [o["size_matches"] for o in view["objects"]] == [True] and view["record"] == f"{uri}.taskpoint.json"
+    code, out, _ = tp(capsys, "ls", uri, *opts)
+    assert code == 0 and out.startswith(f"{uri}  saved  directory")
+
+    code, out, _ = tp(capsys, "show", uri, "--json", *opts)
+    record = json.loads(out)
+    assert code == 0 and record["objects"][0]["crc32"] and record["objects"][0]["size"] == stored
+
+    code, out, _ = tp(capsys, "verify", uri, *opts)
+    assert code == 0 and out.strip() == f"{uri}: healthy ({_human(stored)}, crc32 matches its record)"
+
+    code, out, err = tp(capsys, "pull", uri, tmp_path / "restored", *opts)
+    assert code == 0, err
+    assert snapshot(tmp_path / "restored") == snapshot(model)
+
+
+def _human(size: int) -> str:
+    from taskpoint.cli import _human as human
+
+    return human(size)
+
+
+def test_manager_directory_push_ls_show_verify_pull_rm_gc(capsys, where, tmp_path):
+    base, opts, options = where
+    model = make_tree(tmp_path / "model")
+    steps = f"{base}/steps"
+    assert tp(capsys, "push", model, steps, "--step", 1, "--metadata", '{"loss": 0.5, "lr": 0.1}', *opts)[0] == 0
+    assert tp(capsys, "push", tmp_path / "model" / "state.json", steps, "--step", 2, *opts)[0] == 0
+
+    code, out, _ = tp(capsys, "ls", steps, "--json", *opts)
+    view = json.loads(out)
+    assert code == 0 and view["type"] == "manager"
+    rows = {row["step"]: row for row in view["steps"]}
+    assert sorted(rows) == [1, 2] and {r["state"] for r in rows.values()} == {"committed"}
+    assert rows[1]["metadata_keys"] == ["loss", "lr"] and rows[1]["kind"] == "directory"
+    assert rows[2]["kind"] == "file" and rows[2]["size"] == (model / "state.json").stat().st_size
+    assert rows[1]["size"] == size_of(payload_url(steps, 1, options), options)
+    code, out, _ = tp(capsys, "ls", steps, *opts)
+    assert code == 0 and "2 committed step(s)" in out and "loss,lr" in out
+
+    code, out, _ = tp(capsys, "show", steps, "--step", 1, "--json", *opts)
+    assert code == 0 and json.loads(out)["metadata"] == {"loss": 0.5, "lr": 0.1}
+    code, out, _ = tp(capsys, "show", steps, *opts)  # the newest step
+    assert code == 0 and "step: 2" in out and "kind: file" in out
+
+    code, out, _ = tp(capsys, "verify", steps, *opts)
+    assert code == 0 and "step 1: healthy" in out and "step 2: healthy" in out and "2 step(s) healthy" in out
+    assert tp(capsys, "verify", steps, "--step", 2, *opts)[0] == 0
+
+    code, out, err = tp(capsys, "pull", steps, tmp_path / "one", "--step", 1, *opts)
+    assert code == 0, err
+    assert snapshot(tmp_path / "one") == snapshot(model)
+    code, out, err = tp(capsys, "pull", steps, tmp_path / "newest", *opts)
+    assert code == 0 and (tmp_path / "newest" / "payload").read_bytes() == (model / "state.json").read_bytes()
+
+    assert tp(capsys, "rm", steps, "--step", 2, *opts)[:2] == (0, f"deleted step 2 of {steps}\n")
+    with CheckpointManager(steps, storage_options=options) as manager:
+        assert manager.steps() == [1]
+    code, _, err = tp(capsys, "rm", steps, "--step", 2, *opts)
+    assert code == 3 and err.strip() == f"taskpoint rm: step 2 does not exist in {steps}"
+
+    leftover = f"{steps}/ckpt-1/payload-{'ab' * 16}"
+    write_object(leftover, options, b"left by a killed save")
+    code, out, _ = tp(capsys, "gc", steps, "--grace", 0, "--dry-run", *opts)
+    assert code == 0 and f"would remove {leftover}" in out
+    assert read_object(leftover, options)  # still there
+    code, out, _ = tp(capsys, "gc", steps, "--grace", 0, *opts)
+    assert code == 0 and f"removed {leftover}" in out and "1 leftover(s) removed" in out
+    with pytest.raises(FileNotFoundError):
+        read_object(leftover, options)
+
+
+def test_task_root_lists_runs_actions_attempts_and_steps(capsys, tmp_path):
+    root = tmp_path / "root"
+
+    @task(retries=2, root=str(root), run_name="job7")
+    def train() -> None:
+        c = ctx()
+        assert c is not None and c.checkpoint is not None
+        c.checkpoint.save_sync(b"state of attempt %d" % c.attempt)
+        c.checkpoints.save(b"step", c.attempt)
+        if c.attempt < 2:
+            raise RuntimeError("preempted")
+
+    train()
+    code, out, _ = tp(capsys, "ls", root, "--json")
+    view = json.loads(out)
+    assert code == 0 and view["type"] == "task-root"
+    [action] = view["actions"]
+    assert (action["run"], action["action"], action["steps"]) == ("job7", "train", [1, 2])
+    assert action["attempts"] == [{"attempt": 1, "checkpoint_size": len(b"state of attempt 1")},
+                                  {"attempt": 2, "checkpoint_size": len(b"state of attempt 2")}]
+    code, out, _ = tp(capsys, "ls", root)
+    assert code == 0 and "job7/train  attempts 1(18 B) 2(18 B)  steps 1..2 (2)" in out
+
+
+def test_exit_codes_damaged_not_found_and_errors(capsys, where, tmp_path):
+    base, opts, options = where
+    uri, steps = f"{base}/ckpt", f"{base}/steps"
+    assert tp(capsys, "push", make_tree(tmp_path / "model", big=100_000), uri, *opts)[0] == 0
+    assert tp(capsys, "push", tmp_path / "model", steps, "--step", 4, *opts)[0] == 0
+    assert tp(capsys, "verify", uri, *opts)[0] == 0
+
+    flip_byte(uri, options, offset=50_000)
+    code, out, err = tp(capsys, "verify", uri, *opts)
+    assert code == 2 and err.startswith(f"taskpoint verify: {uri} is damaged") and err.count("\n") == 1
+    assert tp(capsys, "pull", uri, tmp_path / "out", *opts)[0] == 2
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+    flip_byte(payload_url(steps, 4, options), options)
+    code, out, err = tp(capsys, "verify", steps, *opts)
+    assert code == 2 and "step 4: DAMAGED" in out and "damaged: 4" in err
+    code, _, err = tp(capsys, "verify", steps, "--step", 4, *opts)
+    assert code == 2 and f"step 4 in {steps} is damaged" in err
+
+    for args in (["verify", f"{base}/nothing"], ["verify", steps, "--step", 9], ["ls", f"{base}/nothing"],
+                 ["show", f"{base}/nothing"], ["pull", f"{base}/nothing", tmp_path / "o"]):
+        code, _, err = tp(capsys, *args, *opts)
+        assert code == 3, (args, err)
+        assert err.startswith(f"taskpoint {args[0]}: ") and err.count("\n") == 1
+
+    for args in (["verify"], ["verify", uri, "--step", "x"], ["ls", uri, "--no-such-flag"],
+                 ["ls", uri, "-o", "no-equals-sign"], ["push", tmp_path / "absent", uri]):
+        code, _, err = tp(capsys, *args)
+        assert code == 1 and err.startswith("taskpoint") and err.count("\n") == 1, (args, err)
+
+
+def test_storage_errors_exit_1_in_one_line_and_a_traceback_only_with_debug(capsys, s3_server):
+    location = s3_server.new_location()
+    dead = {**location.storage_options, "endpoint_url": "http://127.0.0.1:9",
+            "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}}
+    code, out, err = tp(capsys, "verify", location.url("x"), *option_args(dead))
+    assert code == 1 and out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"taskpoint verify: could not read {location.url('x')}")
+    code, _, err = tp(capsys, "--debug", "ls", location.url("x"), *option_args(dead))
+    assert code == 1 and "Traceback (most recent call last)" in err and "StorageUnavailable" in err
+    code, _, err = tp(capsys, "ls", location.url("x"), "--debug", *option_args(dead))
+    assert code == 1 and "Traceback (most recent call last)" in err
+
+
+def test_help_of_every_command_has_an_example(capsys):
+    code, out, _ = tp(capsys, "--help")
+    assert code == 0 and all(name in out for name in COMMANDS)
+    for name in COMMANDS:
+        code, out, _ = tp(capsys, name, "--help")
+        assert code == 0 and out.startswith(f"Usage: taskpoint {name}") and "Example" in out, name
+        assert f"taskpoint {name} " in out.split("Example", 1)[1], name
+
+
+def test_console_entry_points_version_and_import_without_click():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TASKPOINT_")}
+    for module in ("taskpoint", "taskpoint.cli"):
+        out = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, env=env,
+                             timeout=120)
+        assert (out.returncode, out.stdout) == (0, "taskpoint 0.1.0\n"), out.stderr
+    out = subprocess.run([sys.executable, "-c", "import sys, taskpoint; print('click' in sys.modules)"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_a_secret_storage_option_is_never_printed(capsys, s3_server, tmp_path, monkeypatch):
+    """moto takes any key: the secret is in use while every command runs, succeeds and fails."""
+    location = s3_server.new_location()
+    options = {**location.storage_options, "secret": SECRET}
+    opts = option_args(options)
+    model = make_tree(tmp_path / "model")
+    uri, steps = location.url("ckpt"), location.url("steps")
+    runs = [("push", model, uri), ("ls", uri), ("ls", uri, "--json"), ("show", uri), ("verify", uri),
+            ("pull", uri, tmp_path / "a"), ("push", model, steps, "--step", 1), ("ls", steps, "--json"),
+            ("show", steps, "--json"), ("verify", steps), ("gc", steps, "--dry-run")]
+    outputs = []
+    for args in runs:
+        code, out, err = tp(capsys, "-v", *args, *opts)
+        assert code == 0, (args, err)
+        outputs.append(out + err)
+    flip_byte(uri, location.storage_options, offset=300)
+    dead = option_args({**options, "endpoint_url": "http://127.0.0.1:9",
+                        "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}})
+    for args in (["verify", uri, *opts], ["--debug", "pull", uri, tmp_path / "b", *opts], ["--debug", "ls", uri, *dead],
+                 ["ls", uri, "-o", f"secret{SECRET}"], ["ls", uri, "-o", f"key={SECRET}", "-o", "client_kwargs={"]):
+        code, out, err = tp(capsys, *args)
+        assert code != 0
+        outputs.append(out + err)
+    monkeypatch.setenv("TASKPOINT_STORAGE_OPTIONS", json.dumps({**options, "endpoint_url": "http://127.0.0.1:9",
+                                                                "config_kwargs": {"connect_timeout": 1}}))
+    code, out, err = tp(capsys, "--debug", "verify", steps)
+    assert code == 1
+    outputs.append(out + err)
+    for text in outputs:
+        assert SECRET not in text, text
+    import logging
+
+    logger = logging.getLogger("taskpoint")
+    for handler in list(logger.handlers):  # -v added stream handlers in this process
+        if not isinstance(handler, logging.NullHandler):
+            logger.removeHandler(handler)
+    logger.setLevel(logging.NOTSET)
+
+
+def test_storage_options_from_the_environment_and_from_fsspec_config(capsys, s3_server, tmp_path, monkeypatch):
+    location = s3_server.new_location()
+    uri = location.url("ckpt")
+    assert tp(capsys, "push", make_tree(tmp_path / "model"), uri, *option_args(location.storage_options))[0] == 0
+    monkeypatch.setenv("TASKPOINT_STORAGE_OPTIONS", json.dumps(location.storage_options))
+    assert tp(capsys, "verify", uri)[0] == 0
+    # A --storage-option overrides the same key from the environment.
+    code, _, err = tp(capsys, "verify", uri, "-o", "endpoint_url=http://127.0.0.1:9", "-o",
+                      'config_kwargs={"connect_timeout": 1, "retries": {"max_attempts": 1}}')
+    assert code == 1 and "127.0.0.1:9" in err
+    monkeypatch.setenv("TASKPOINT_STORAGE_OPTIONS", "not json")
+    code, _, err = tp(capsys, "verify", uri)
+    assert code == 1 and "TASKPOINT_STORAGE_OPTIONS must be a JSON object" in err
+    # fsspec's own configuration: FSSPEC_S3 (JSON), read by fsspec in a fresh process.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TASKPOINT_", "FSSPEC_"))}
+    env["FSSPEC_S3"] = json.dumps(location.storage_options)
+    out = subprocess.run([sys.executable, "-m", "taskpoint", "ls", uri, "--json"], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["state"] == "saved"
+    env.pop("FSSPEC_S3")
+    env["FSSPEC_S3_ENDPOINT_URL"] = "http://127.0.0.1:9"  # and the variables are really what it used
+    out = subprocess.run([sys.executable, "-m", "taskpoint", "ls", uri, "-o", 'config_kwargs={"connect_timeout": 1}'],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 1 and "127.0.0.1:9" in out.stderr
+
+
+def test_pull_into_a_folder_is_the_api_load(capsys, tmp_path):
+    (tmp_path / "blob").write_bytes(b"raw bytes")
+    assert tp(capsys, "push", tmp_path / "blob", tmp_path / "ck")[0] == 0
+    code, out, _ = tp(capsys, "pull", tmp_path / "ck", tmp_path / "dest")
+    assert code == 0 and (tmp_path / "dest" / "payload").read_bytes() == b"raw bytes"
+    assert Path(out.split(" -> ")[1].split(" (")[0]) == tmp_path / "dest" / "payload"
+
+
+def test_run_keeps_its_flags_and_usage_exit_code(capsys, tmp_path):
+    """Its behaviour is tested in test_runtime.py (as ``python -m taskpoint.cli run``); here, parsing."""
+    for args in (["run", "--bogus", "--", "true"], ["run", "--attempt", "x", "--", "true"], ["run", "--"],
+                 ["run", "--prev-checkpoint", "p", "--", "true"]):
+        code, _, err = tp(capsys, *args)
+        assert code == 2 and err.startswith("taskpoint run"), (args, err)
+    child = "import taskpoint; print(taskpoint.ctx().checkpoint.remote_destination)"
+    out = subprocess.run([sys.executable, "-m", "taskpoint", "run", "--checkpoint-path", str(tmp_path / "c"),
+                          sys.executable, "-c", child, "--not-an-option-of-run"],
+                         capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("TASKPOINT_")})
+    assert out.returncode == 0 and out.stdout.strip() == str(tmp_path / "c"), out.stderr
+
+
+def test_secrets_are_redacted_also_when_a_client_quotes_them_into_a_message(monkeypatch):
+    """gcsfs puts a token it could not use into a URL (``tokeninfo?access_token=%2F...``) in its error."""
+    from taskpoint.cli import _redact, _secret_values, _State
+
+    secret = "/keys/tp-SECRET q+7.json"
+    monkeypatch.setenv("TASKPOINT_STORAGE_OPTIONS", json.dumps({"client_kwargs": {"password": "env-SECRET-77"}}))
+    state = _State()
+    state.pairs = [f"token={secret}", "endpoint_url=http://127.0.0.1:9000"]
+    secrets = _secret_values(state)
+    from urllib.parse import quote, quote_plus
+
+    message = (f"no access with {secret}: tokeninfo?access_token={quote(secret, safe='')}&q={quote_plus(secret)} "
+               f"{json.dumps({'token': secret})} env-SECRET-77 at http://127.0.0.1:9000")
+    redacted = _redact(message, secrets)
+    assert "SECRET" not in redacted and redacted.count("***") == 5
+    assert "http://127.0.0.1:9000" in redacted  # plain settings stay readable
+
+
+def test_ls_tells_committed_damaged_and_incomplete_steps_apart(capsys, tmp_path):
+    steps = tmp_path / "steps"
+    for step in (1, 2, 3):
+        assert tp(capsys, "push", make_tree(tmp_path / f"m{step}"), steps, "--step", step)[0] == 0
+    payload = next((steps / "ckpt-2").glob("payload-*"))
+    payload.write_bytes(payload.read_bytes()[:-10])  # truncated: the listing's size differs from the manifest's
+    next((steps / "ckpt-3").glob("payload-*")).unlink()  # deleted outside taskpoint
+    (steps / "ckpt-4").mkdir()
+    (steps / "ckpt-4" / ("payload-" + "cd" * 16)).write_bytes(b"a save in progress, or killed")
+    code, out, _ = tp(capsys, "ls", steps, "--json")
+    rows = {row["step"]: row for row in json.loads(out)["steps"]}
+    assert code == 0 and {n: r["state"] for n, r in rows.items()} == {1: "committed", 2: "damaged", 3: "damaged",
+                                                                      4: "incomplete"}
+    assert "holds" in rows[2]["problem"] and "missing" in rows[3]["problem"]
+    assert rows[4]["leftovers"] == ["payload-" + "cd" * 16]
+    code, out, _ = tp(capsys, "ls", steps)
+    assert "1 committed step(s)" in out and out.count("damaged") == 2 and "incomplete" in out
