@@ -5,7 +5,10 @@ The record lives in a second object, ``<destination>.taskpoint.json``. A save wr
 before the object, naming the save as *pending* (kind, codec and, when known, size), and after it, naming
 it *committed* with its size and CRC32. A crash between the object and the final record leaves a
 pending entry that still tells load the kind; a good checkpoint therefore never becomes unloadable, and
-outside that window every byte is verified against the recorded CRC32 and size.
+outside that window every byte is verified against the recorded CRC32 and size. The record guards itself
+too: each entry carries a ``check``, the CRC32 of the fields that the object's digest does not cover (kind,
+codec, save id, time), and a record with a field it does not know, or a version below 1, is refused as
+damaged; so any flipped byte of a record is detected (records written before the check load as before).
 
 The versioned manager (:mod:`taskpoint.manager`) keeps a :class:`StepManifest` in each step's folder instead: it is
 written once, after the payload, and is the step's commit.
@@ -14,8 +17,9 @@ written once, after the payload, and is the step's commit.
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, TypeVar
 
 from ..errors import CheckpointCorruptError
@@ -52,8 +56,7 @@ class Manifest:
 
     def to_bytes(self) -> bytes:
         doc: dict[str, Any] = {"format": FORMAT, "version": FORMAT_VERSION,
-                               "committed": self.committed and asdict(self.committed),
-                               "pending": self.pending and asdict(self.pending)}
+                               "committed": _sealed(self.committed), "pending": _sealed(self.pending)}
         if self.interrupted:
             doc["interrupted"] = True
         return json.dumps(doc, sort_keys=True).encode()
@@ -66,7 +69,11 @@ class Manifest:
     @classmethod
     def from_bytes(cls, data: bytes, uri: str) -> Manifest:
         def build(doc: dict[str, Any]) -> Manifest:
-            return cls(committed=_record(doc.get("committed")), pending=_record(doc.get("pending")),
+            unknown = set(doc) - _MANIFEST_KEYS
+            if unknown or int(doc["version"]) < 1:
+                raise ValueError(f"unknown fields {sorted(unknown)} or version {doc['version']!r}")
+            return cls(committed=_record(doc.get("committed"), sealed=True),
+                       pending=_record(doc.get("pending"), sealed=True),
                        interrupted=bool(doc.get("interrupted", False)))
 
         return _parse(data, FORMAT, uri, build,
@@ -120,9 +127,33 @@ def _parse(data: bytes, fmt: str, uri: str, build: Callable[[dict[str, Any]], T]
         raise CheckpointCorruptError(f"the checkpoint record {uri} is unreadable ({exc}); {what_to_do}.") from exc
 
 
-def _record(value: Any) -> ObjectRecord | None:
+#: The fields of a checkpoint's record; any other is damage (a format change bumps FORMAT_VERSION).
+_MANIFEST_KEYS = frozenset({"format", "version", "committed", "pending", "interrupted"})
+#: The fields of an entry; ``check`` is the CRC32 of those in _CHECKED.
+_ENTRY_KEYS = frozenset({f.name for f in fields(ObjectRecord)} | {"check"})
+#: The fields of an entry that the stored object's size and digest do not vouch for.
+_CHECKED = ("kind", "codec", "save_id", "created")
+
+
+def _check(value: dict[str, Any]) -> str:
+    return f"{zlib.crc32(json.dumps([value.get(k) for k in _CHECKED]).encode()):08x}"
+
+
+def _sealed(record: ObjectRecord | None) -> dict[str, Any] | None:
+    if record is None:
+        return None
+    value = asdict(record)
+    return {**value, "check": _check(value)}
+
+
+def _record(value: Any, *, sealed: bool = False) -> ObjectRecord | None:
+    """The entry ``value``; with ``sealed``, unknown fields or a ``check`` that does not match are damage."""
     if value is None:
         return None
+    if sealed:
+        unknown = set(value) - _ENTRY_KEYS
+        if unknown or ("check" in value and value["check"] != _check(value)):
+            raise ValueError(f"an entry fails its check (fields {sorted(value)})")
     return ObjectRecord(kind=str(value["kind"]), codec=str(value["codec"]), save_id=str(value["save_id"]),
                         created=float(value["created"]), size=value.get("size"), sha256=value.get("sha256"),
                         crc32=value.get("crc32"))
