@@ -529,6 +529,30 @@ def test_a_decompression_bomb_stops_before_the_disk_fills(arena, tmp_path, codec
     assert retry.runs.count("load the checkpoint from") == 1
 
 
+def test_an_archive_of_more_entries_than_free_inodes_stops_before_they_run_out(arena, tmp_path):
+    blob = compressed([(entry(f"e{i:04d}"), b"") for i in range(1000)])
+    with mounted_tmpfs(tmp_path / "few", "size=64m,nr_inodes=500") as folder:
+        with pytest.raises(StorageFull, match="no inode is left") as err, \
+                Checkpoint(tmp_path / "dest", _stored(arena, blob), workspace=folder) as cp:
+            cp.load_sync()
+        assert err.value.__cause__ is None
+        assert list(folder.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["bytes", "file"])
+def test_a_raw_payload_larger_than_the_free_space_is_refused_before_copying(tmp_path, kind):
+    data = os.urandom(4 << 20)
+    if kind == "file":
+        (tmp_path / "model.bin").write_bytes(data)
+    Checkpoint(tmp_path / "ckpt").save_sync(data if kind == "bytes" else tmp_path / "model.bin")
+    with mounted_tmpfs(tmp_path / "small", "size=2m") as folder:
+        with pytest.raises(StorageFull, match="stopped before filling the disk") as err, \
+                Checkpoint(tmp_path / "dest", tmp_path / "ckpt", workspace=folder) as cp:
+            cp.load_sync()
+        assert err.value.__cause__ is None  # refused by the check, not by a failed write
+        assert list(folder.iterdir()) == []
+
+
 def _stored(arena: Arena, blob: bytes, codec: str = "gzip") -> Path:
     (arena.store / "ckpt").write_bytes(blob)
     (arena.store / "ckpt.taskpoint.json").write_bytes(record_for(blob, "directory", RECORD_CODEC[codec]))

@@ -269,11 +269,13 @@ class SpaceBudget:
         self.expanded = 0  # bytes of content charged so far
         self._block = 4096
         self._room: int | None = None  # bytes that may still be used, None when unknown
-        self._inodes: int | None = None
+        self._inodes: int | None = None  # entries that may still be created, None when unknown
         self._since = 0  # bytes charged since the free space was read
+        self._entries = 0  # entries charged since then
         self._refresh()
 
     def _refresh(self) -> None:
+        self._since = self._entries = 0
         try:
             st = os.statvfs(self.folder)
         except OSError:  # no figures (an odd file system): only max_expand applies
@@ -283,7 +285,10 @@ class SpaceBudget:
         total = st.f_blocks * self._block
         self._room = st.f_bavail * self._block - min(total // 100, 64 << 20)
         self._inodes = st.f_favail - min(st.f_files // 100, 1000) if st.f_files else None
-        self._since = 0
+
+    def _over(self) -> bool:
+        return (self._room is not None and self._since > self._room) or (
+            self._inodes is not None and self._entries > self._inodes)
 
     def charge(self, size: int, *, what: str = "", folder: bool = False) -> None:
         """Account for one new entry holding ``size`` bytes (a ``folder`` takes a block); StorageFull when it
@@ -297,17 +302,17 @@ class SpaceBudget:
         self.expanded += size
         used = -(-size // self._block) * self._block + (self._block if folder else 0)
         self._since += used
-        if self._room is not None and (self._since > self._room or self._since > self.REFRESH):
+        self._entries += 1
+        if self._since > self.REFRESH or self._over():
+            # What was charged before is written by now: the file system's own figures replace the estimate.
             self._refresh()
-            self._since = used
-        if self._inodes is not None:
-            self._inodes -= 1
-        if (self._room is not None and self._since > self._room) or (self._inodes is not None and self._inodes < 0):
-            raise StorageFull(
-                f"could not load {self.uri}: no space left on the local disk a load extracts to "
-                f"({self.folder}): {what or 'the next entry'} needs {used} bytes and {max(self._room or 0, 0)} "
-                "are free (less a reserve); stopped before filling the disk. Free some space, or load into a "
-                "folder on a larger disk; nothing was lost.")
+            self._since, self._entries = used, 1
+            if self._over():
+                raise StorageFull(
+                    f"could not load {self.uri}: no space left on the local disk a load extracts to "
+                    f"({self.folder}): {what or 'the next entry'} needs {used} bytes and "
+                    f"{max(self._room or 0, 0)} are free (less a reserve), or no inode is left; stopped before "
+                    "filling the disk. Free some space, or load into a folder on a larger disk; nothing was lost.")
 
 
 def check_room(folder: str | os.PathLike[str], size: int, uri: str) -> None:
