@@ -553,6 +553,16 @@ def test_a_raw_payload_larger_than_the_free_space_is_refused_before_copying(tmp_
         assert list(folder.iterdir()) == []
 
 
+def test_a_zstd_frame_asking_for_a_window_over_128_mib_is_refused(arena):
+    """The memory a zstd reader may take is its window; a frame that asks for 256 MiB is damaged, not obeyed."""
+    params = zstandard.ZstdCompressionParameters.from_level(3, window_log=28)
+    c = zstandard.ZstdCompressor(compression_params=params).compressobj()  # streamed: the header names the window
+    blob = c.compress(tar([(entry("ok.txt"), b"fine")])) + c.flush()
+    assert zstandard.get_frame_parameters(blob).window_size == 1 << 28
+    with pytest.raises(CheckpointCorruptError, match="too much memory"):
+        arena.load(blob, record=True, codec="zstd")
+
+
 def _stored(arena: Arena, blob: bytes, codec: str = "gzip") -> Path:
     (arena.store / "ckpt").write_bytes(blob)
     (arena.store / "ckpt.taskpoint.json").write_bytes(record_for(blob, "directory", RECORD_CODEC[codec]))
