@@ -217,10 +217,9 @@ def clean_source_uri(value: str | os.PathLike[str] | None) -> str | None:
 #: is listed again by its own next save, and a load that meets an unlisted object re-reads the record.
 _written: dict[tuple[str, str], Record] = {}
 _written_lock = threading.Lock()
-#: Pauses before a load re-reads the record when the object it read is not (yet) listed: a save of another
-#: process may have written the record just after this load read it, or be between its record and its
-#: commit. Only a damaged object waits them all (1.55 s) before CheckpointCorruptError.
-_RECORD_REREADS = (0.0, 0.05, 0.1, 0.2, 0.4, 0.8)
+#: How often a load re-reads the record and follows it when the object it read is not listed (each time, a
+#: save of another process wrote the record after this load read it).
+_RECORD_REREADS = 4
 
 
 def _record_key(record_loc: Location) -> tuple[str, str]:
@@ -303,17 +302,18 @@ def load_object(src: Location, workspace: Path) -> Path | None:
     """Load the checkpoint at ``src`` into ``workspace``; None when nothing was ever saved there."""
     record_loc = src.sibling(MANIFEST_SUFFIX)
     record = read_record(record_loc)
-    for delay in (*_RECORD_REREADS, None):
+    for reread in range(_RECORD_REREADS + 1):
         try:
             result = _load_listed(src, workspace, record)
             break
         except _Unlisted:
-            if delay is None:
+            # A save writes its record before its object becomes visible: a reader that meets an object its
+            # copy of the record does not list finds it listed when it reads the record again. An unchanged
+            # record means the object is damaged.
+            newer = read_record(record_loc)
+            if newer == record or reread == _RECORD_REREADS:
                 raise
-            # A save may have listed its object after this load read the record, or be about to make the one
-            # its record lists visible: read the record again (after a pause) and follow it.
-            time.sleep(delay)
-            record = read_record(record_loc)
+            record = newer
     if result is None:
         if record is not None and record.objects:
             raise CheckpointCorruptError(

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from .errors import CheckpointCorruptError, CheckpointError
+from .format.archive import check_room
 from .format.codecs import BLOCK_SIZE, Codec, detect_codec, holds_tar
 from .format.pgzip import crc32
 from .payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, Payload
@@ -228,10 +229,13 @@ def _read_once(src: Location, workspace: Path, choose: KindChooser, verify: Veri
     with raw:
         reader = HashingReader(raw, digest)
         head = reader.peek_head(_HEAD_SIZE)
-        cls = choose(head, object_size(raw))
+        stored_size = object_size(raw)
+        cls = choose(head, stored_size)
         workspace.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=workspace))
         try:
+            if not cls.archived and stored_size is not None:
+                check_room(staging, stored_size, src.uri)  # StorageFull before a raw object fills the disk
             if cls.archived:
                 stream = detect_codec(head, src.uri).reader(reader, head)  # type: ignore[arg-type]
                 try:

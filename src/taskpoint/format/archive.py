@@ -2,24 +2,54 @@
 
 Writing walks the tree itself (rather than ``TarFile.add``) so that it can refuse symlinks that leave the
 tree and skip sockets and fifos with a warning. Reading checks every member before anything touches the
-disk: absolute names, ``..``, links pointing outside, and device or fifo members raise
-:class:`~taskpoint.errors.UnsafeArchiveError`; all writes go below the staging folder given by the caller.
+disk, and extracts relative to open folder descriptors, one path component at a time, never following a
+symlink (``openat`` with ``O_NOFOLLOW``): absolute names, ``..``, a path through any symlink, links that
+resolve outside, device or fifo members raise :class:`~taskpoint.errors.UnsafeArchiveError`, and nothing
+is created outside the staging folder given by the caller, folders included. What an archive may expand
+to is bounded by the free space of that folder's file system and by :data:`MAX_EXPAND`
+(:class:`~taskpoint.errors.StorageFull` before the disk fills); memory stays bounded whatever the headers
+claim (:data:`MAX_HEADER_BYTES`, :data:`MAX_TRAILING`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import tarfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, NoReturn, TypeVar
 
-from ..errors import CheckpointCorruptError, UnsafeArchiveError
+from ..errors import CheckpointCorruptError, CheckpointError, StorageFull, UnsafeArchiveError
 from ..storage import WRITE_PIECE
 from ..storage.streams import read_up_to
 from .codecs import BLOCK_SIZE, DECODE_ERRORS, Codec
+
+#: Largest number of bytes a directory checkpoint may expand to when it is loaded (the sum of its files'
+#: sizes), or None for no fixed limit. Whatever this says, a load also stops with StorageFull before it
+#: would fill the file system it extracts to. The default of ``extract_tar(max_expand=...)``, read at
+#: each call, so setting ``taskpoint.format.archive.MAX_EXPAND`` applies to every later load.
+MAX_EXPAND: int | None = None
+#: Most path components a member may have; deeper trees are refused on save and on load.
+MAX_DEPTH = 256
+#: Longest member path or link target, in bytes (Linux's PATH_MAX).
+MAX_PATH_BYTES = 4096
+#: Most bytes of pax and GNU long-name records that may precede one member.
+MAX_HEADER_BYTES = 1 << 20
+#: Most bytes (all zero: tar's padding to its record size) that may follow the end-of-archive marker.
+MAX_TRAILING = 16 << 20
+#: Symlinks followed while checking where one link leads (the kernel's limit); more is refused.
+MAX_LINK_HOPS = 40
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+_DENIED_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+
+T = TypeVar("T")
 
 
 class _TellingWriter:
@@ -79,6 +109,10 @@ def skip_special(path: str, mode: int, *, stacklevel: int) -> bool:
 
 
 def _add_tree(tar: tarfile.TarFile, root: str, path: str, arcname: str) -> None:
+    if arcname.count("/") >= MAX_DEPTH or len(os.fsencode(arcname)) > MAX_PATH_BYTES:
+        raise ValueError(f"{path!r} is nested deeper than {MAX_DEPTH} folders or its path below the saved "
+                         f"directory is longer than {MAX_PATH_BYTES} bytes; a checkpoint cannot hold it (a load "
+                         "would refuse it). Flatten the tree.")
     st = os.lstat(path)
     mode = st.st_mode
     if stat.S_ISLNK(mode):
@@ -108,7 +142,8 @@ class _TarReader:
 
     ``tarfile``'s stream mode copies every byte four to six times on its way through; this reader parses
     headers with ``TarInfo.frombuf`` (checksums included), follows pax (``x``) and GNU long-name (``L``,
-    ``K``) records, and moves file data with ``readinto`` into one reused buffer.
+    ``K``) records, at most :data:`MAX_HEADER_BYTES` of them per member, and moves file data with
+    ``readinto`` into one reused buffer.
     """
 
     def __init__(self, source: IO[bytes]) -> None:
@@ -130,26 +165,29 @@ class _TarReader:
             raise EOFError("the archive ends inside a header or record")
         return data
 
-    def _skip_padding(self, size: int) -> None:
+    def skip_padding(self, size: int) -> None:
         if size % 512:
             self._exact(512 - size % 512)
 
-    def copy(self, size: int, out: IO[bytes] | None) -> None:
-        """Move ``size`` bytes of member data (plus padding) to ``out``, or drop them when ``out`` is None."""
+    def chunk(self, size: int) -> memoryview:
+        """The next up to ``size`` bytes of member data (at least one), in a buffer reused by the next call."""
+        got = self._readinto(self._view[: min(size, WRITE_PIECE)])
+        if got == 0:
+            raise EOFError("the archive ends inside a file")
+        return self._view[:got]
+
+    def skip(self, size: int) -> None:
+        """Drop ``size`` bytes of member data, and the padding after them."""
         remaining = size
         while remaining > 0:
-            got = self._readinto(self._view[: min(remaining, WRITE_PIECE)])
-            if got == 0:
-                raise EOFError("the archive ends inside a file")
-            if out is not None:
-                out.write(self._view[:got])
-            remaining -= got
-        self._skip_padding(size)
+            remaining -= len(self.chunk(remaining))
+        self.skip_padding(size)
 
     def next(self) -> tarfile.TarInfo | None:
         """The next member, or None at the end-of-archive marker."""
         pax: dict[str, str] = {}
         long_name = long_link = None
+        extended = 0
         while True:
             block = self._source.read(512)
             if not block:
@@ -159,14 +197,22 @@ class _TarReader:
             if block == bytes(512):
                 return None
             info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+            if info.size < 0:
+                raise tarfile.ReadError(f"member {info.name!r} has a negative size")
+            if info.type in (tarfile.XHDTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.XGLTYPE,
+                             tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK):
+                extended += info.size
+                if extended > MAX_HEADER_BYTES:
+                    raise tarfile.ReadError(f"more than {MAX_HEADER_BYTES} bytes of extended headers before "
+                                            "one member")
             if info.type in (tarfile.XHDTYPE, tarfile.SOLARIS_XHDTYPE):
                 pax.update(_parse_pax(self._exact(info.size)))
-                self._skip_padding(info.size)
+                self.skip_padding(info.size)
             elif info.type == tarfile.XGLTYPE:
-                self.copy(info.size, None)
+                self.skip(info.size)
             elif info.type in (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK):
                 text = self._exact(info.size).rstrip(b"\0").decode("utf-8", "surrogateescape")
-                self._skip_padding(info.size)
+                self.skip_padding(info.size)
                 if info.type == tarfile.GNUTYPE_LONGNAME:
                     long_name = text
                 else:
@@ -178,6 +224,8 @@ class _TarReader:
                 info.linkname = pax.get("linkpath", long_link or info.linkname)
                 if "size" in pax:
                     info.size = int(pax["size"])
+                    if info.size < 0:
+                        raise tarfile.ReadError(f"member {info.name!r} has a negative size")
                 if "mtime" in pax:
                     info.mtime = float(pax["mtime"])
                 if info.isdir():
@@ -200,33 +248,278 @@ def _parse_pax(data: bytes) -> dict[str, str]:
     return out
 
 
-def extract_tar(source: IO[bytes], staging: Path, uri: str) -> None:
+# -- the space a load may use -------------------------------------------------------------------------------
+
+
+class SpaceBudget:
+    """What a load may still write below ``folder``: the free space and free inodes of its file system (less
+    a small reserve), and at most ``max_expand`` bytes of content.
+
+    Charges are made before anything is written. The free space is read again every
+    :attr:`REFRESH` bytes and before refusing, so that other writers on the same disk are taken into account.
+    File sizes are rounded up to the file system's block size, and each folder counts one block.
+    """
+
+    REFRESH = 256 << 20
+
+    def __init__(self, folder: str | os.PathLike[str], uri: str, max_expand: int | None = None) -> None:
+        self.folder = os.fspath(folder)
+        self.uri = uri
+        self.max_expand = max_expand
+        self.expanded = 0  # bytes of content charged so far
+        self._block = 4096
+        self._room: int | None = None  # bytes that may still be used, None when unknown
+        self._inodes: int | None = None  # entries that may still be created, None when unknown
+        self._since = 0  # bytes charged since the free space was read
+        self._entries = 0  # entries charged since then
+        self._refresh()
+
+    def _refresh(self) -> None:
+        self._since = self._entries = 0
+        try:
+            st = os.statvfs(self.folder)
+        except OSError:  # no figures (an odd file system): only max_expand applies
+            self._room = self._inodes = None
+            return
+        self._block = st.f_frsize or st.f_bsize or 4096
+        total = st.f_blocks * self._block
+        self._room = st.f_bavail * self._block - min(total // 100, 64 << 20)
+        self._inodes = st.f_favail - min(st.f_files // 100, 1000) if st.f_files else None
+
+    def _over(self) -> bool:
+        return (self._room is not None and self._since > self._room) or (
+            self._inodes is not None and self._entries > self._inodes)
+
+    def charge(self, size: int, *, what: str = "", folder: bool = False) -> None:
+        """Account for one new entry holding ``size`` bytes (a ``folder`` takes a block); StorageFull when it
+        would not fit."""
+        if self.max_expand is not None and self.expanded + size > self.max_expand:
+            raise StorageFull(
+                f"could not load {self.uri}: it expands to more than max_expand={self.max_expand} bytes "
+                f"({self.expanded} so far, then {size} for {what or 'the next entry'}); stopped before writing "
+                "it. Raise taskpoint.format.archive.MAX_EXPAND if this checkpoint is genuine, or load an older "
+                "one.")
+        self.expanded += size
+        used = -(-size // self._block) * self._block + (self._block if folder else 0)
+        self._since += used
+        self._entries += 1
+        if self._since > self.REFRESH or self._over():
+            # What was charged before is written by now: the file system's own figures replace the estimate.
+            self._refresh()
+            self._since, self._entries = used, 1
+            if self._over():
+                raise StorageFull(
+                    f"could not load {self.uri}: no space left on the local disk a load extracts to "
+                    f"({self.folder}): {what or 'the next entry'} needs {used} bytes and "
+                    f"{max(self._room or 0, 0)} are free (less a reserve), or no inode is left; stopped before "
+                    "filling the disk. Free some space, or load into a folder on a larger disk; nothing was lost.")
+
+
+def check_room(folder: str | os.PathLike[str], size: int, uri: str) -> None:
+    """StorageFull when a file of ``size`` bytes would not fit in ``folder``'s file system (see SpaceBudget)."""
+    SpaceBudget(folder, uri).charge(size, what="the payload")
+
+
+# -- extraction -----------------------------------------------------------------------------------------------
+
+
+class _Blocked(Exception):
+    """A component of a member's path exists and is not a folder (``link``: it is a symlink)."""
+
+    def __init__(self, parts: tuple[str, ...], link: bool) -> None:
+        super().__init__("/".join(parts))
+        self.parts = parts
+        self.link = link
+
+
+class _Folders:
+    """Descriptors of the folders below the extraction root, opened one component at a time with
+    ``O_NOFOLLOW``, creating missing ones; the most recent :attr:`KEEP` stay open for the next members."""
+
+    KEEP = 64
+
+    def __init__(self, root_fd: int) -> None:
+        self.root = root_fd
+        self._open: dict[tuple[str, ...], int] = {}
+
+    def get(self, parts: tuple[str, ...], *, create: bool = True) -> int:
+        """The descriptor of the folder ``parts`` below the root. _Blocked when a component is a symlink or
+        not a folder; FileNotFoundError when one is missing and not ``create``."""
+        if not parts:
+            return self.root
+        fd = self._open.get(parts)
+        if fd is not None:
+            return fd
+        depth = len(parts) - 1
+        while depth and parts[:depth] not in self._open:
+            depth -= 1
+        fd = self._open[parts[:depth]] if depth else self.root
+        for i in range(depth, len(parts)):
+            fd = self._child(fd, parts[: i + 1], create)
+            self._open[parts[: i + 1]] = fd
+        return fd
+
+    @staticmethod
+    def _child(parent: int, parts: tuple[str, ...], create: bool) -> int:
+        name = parts[-1]
+        try:
+            return os.open(name, _DIR_FLAGS, dir_fd=parent)
+        except FileNotFoundError:
+            if not create:
+                raise
+            os.mkdir(name, 0o777, dir_fd=parent)
+            return os.open(name, _DIR_FLAGS, dir_fd=parent)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            mode = os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode
+            raise _Blocked(parts, stat.S_ISLNK(mode)) from None
+
+    def forget(self, parts: tuple[str, ...]) -> None:
+        """Close the descriptors of ``parts`` and of everything below it (it was removed)."""
+        n = len(parts)
+        for key in [k for k in self._open if k[:n] == parts]:
+            os.close(self._open.pop(key))
+
+    def trim(self) -> None:
+        if len(self._open) > self.KEEP:
+            for key in list(self._open)[: len(self._open) - self.KEEP // 2]:
+                os.close(self._open.pop(key))
+
+    def close(self) -> None:
+        for fd in self._open.values():
+            os.close(fd)
+        self._open.clear()
+        os.close(self.root)
+
+
+def _remove_at(parent: int, name: str) -> None:
+    """Remove the entry ``name`` of the folder ``parent`` and, for a folder, everything below it (no links
+    followed; the depth is bounded by MAX_DEPTH)."""
+    if not stat.S_ISDIR(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode):
+        os.unlink(name, dir_fd=parent)
+        return
+    fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    try:
+        with os.scandir(fd) as entries:
+            names = [entry.name for entry in entries]
+        for child in names:
+            _remove_at(fd, child)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=parent)
+
+
+def _raise_local(exc: OSError, uri: str, what: str) -> NoReturn:
+    """Raise what a failure of the local disk while extracting is: StorageFull for a full disk or quota; the
+    error itself for permissions (the storage error map makes it StorageAccessDenied); otherwise a
+    CheckpointError. None of them is retried or reported as trouble with the network."""
+    if exc.errno in _DENIED_ERRNOS:
+        raise exc
+    if exc.errno in _FULL_ERRNOS:
+        raise StorageFull(f"could not load {uri}: no space left on the local disk a load extracts to while "
+                          f"writing {what!r} ({type(exc).__name__}: {exc.strerror}). Free some space and try "
+                          "again; nothing was lost.") from exc
+    raise CheckpointError(f"could not extract {what!r} of the checkpoint at {uri} into the local workspace "
+                          f"({type(exc).__name__}: {exc}); the local file system cannot hold it.") from exc
+
+
+def extract_tar(source: IO[bytes], staging: Path, uri: str, *, max_expand: int | None = None) -> None:
     """Extract the tar stream ``source`` (already decompressed) below ``staging``, refusing unsafe members.
 
+    Nothing is created outside ``staging``: every member is written relative to a descriptor of its folder,
+    opened one component at a time without following links; a member whose path passes through a symlink
+    (even one that stays inside) is refused. ``max_expand`` (default :data:`MAX_EXPAND`) caps the bytes
+    the archive may expand to; the free space of ``staging``'s file system caps them too (StorageFull).
     The stream is read to its end, so that the codec verifies its trailing checksums.
     """
     root = os.path.realpath(staging)
-    dir_modes: list[tuple[str, int, float]] = []
-    links: list[str] = []
+    budget = SpaceBudget(root, uri, MAX_EXPAND if max_expand is None else max_expand)
+    folders = _Folders(os.open(root, _DIR_FLAGS))
+    dir_modes: list[tuple[tuple[str, ...], int, float]] = []
+    links: list[tuple[str, ...]] = []
     try:
         reader = _TarReader(source)
         while (member := reader.next()) is not None:
-            _extract_member(reader, member, root, uri, dir_modes, links)
-        while source.read(BLOCK_SIZE):
-            pass
-    except (tarfile.TarError, ValueError, *DECODE_ERRORS) as exc:  # type: ignore[misc]
+            folders.trim()
+            _extract_member(reader, member, folders, uri, budget, dir_modes, links)
+        _check_trailing(source)
+        try:
+            # A link created early can point through a link created later; check where each one ends up now.
+            for parts in links:
+                if not _resolves_inside(root, parts):
+                    raise UnsafeArchiveError(
+                        f"the checkpoint at {uri} holds a symlink {'/'.join(parts)!r} that resolves outside the "
+                        "workspace (or through more than 40 links); nothing was extracted outside, and the "
+                        "archive was refused")
+            _apply_dir_modes(folders, dir_modes)
+        except OSError as exc:
+            _raise_local(exc, uri, "the extracted tree")
+    except (tarfile.TarError, ValueError, OverflowError, RecursionError, *DECODE_ERRORS) as exc:  # type: ignore[misc]
         raise CheckpointCorruptError(
             f"the checkpoint at {uri} is damaged ({type(exc).__name__}: {exc}); it could not be extracted. "
             "Save a new checkpoint, or load an older one."
         ) from exc
-    # A link created early can point through a link created later; check where each one ends up now.
-    for link in links:
-        if not _inside(root, os.path.realpath(link)):
-            raise UnsafeArchiveError(f"the checkpoint at {uri} holds a symlink {link!r} that resolves outside "
-                                     "the workspace; nothing was extracted")
-    for path, mode, mtime in reversed(dir_modes):
-        os.chmod(path, mode)
-        os.utime(path, (mtime, mtime))
+    finally:
+        folders.close()
+
+
+def _check_trailing(source: IO[bytes]) -> None:
+    """Read to the end of the stream (the codec checks its checksums): only zeros, at most MAX_TRAILING."""
+    seen = 0
+    while data := source.read(BLOCK_SIZE):
+        seen += len(data)
+        if seen > MAX_TRAILING or data.strip(b"\0"):
+            raise tarfile.ReadError("data after the end-of-archive marker")
+
+
+def _apply_dir_modes(folders: _Folders, dir_modes: list[tuple[tuple[str, ...], int, float]]) -> None:
+    """Folders get their modes and times last (deepest first), so that a read-only folder could be filled."""
+    for parts, mode, mtime in reversed(dir_modes):
+        try:
+            fd = os.open(parts[-1], _DIR_FLAGS, dir_fd=folders.get(parts[:-1], create=False))
+        except (_Blocked, FileNotFoundError, NotADirectoryError):
+            continue  # replaced by a later member
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            continue
+        try:
+            os.chmod(fd, mode)
+            os.utime(fd, (mtime, mtime))
+        finally:
+            os.close(fd)
+
+
+def _resolves_inside(root: str, parts: tuple[str, ...]) -> bool:
+    """Whether the symlink ``parts`` below ``root`` leads to a place below ``root``, resolving every link on
+    the way as the kernel would (a missing component leaves the rest lexical); False beyond MAX_LINK_HOPS."""
+    todo = list(reversed(parts))
+    done: list[str] = []
+    hops = 0
+    while todo:
+        part = todo.pop()
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not done:
+                return False
+            done.pop()
+            continue
+        path = os.path.join(root, *done, part)
+        try:
+            is_link = stat.S_ISLNK(os.lstat(path).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            is_link = False
+        if not is_link:
+            done.append(part)
+            continue
+        hops += 1
+        target = os.readlink(path)
+        if hops > MAX_LINK_HOPS or target.startswith("/"):
+            return False
+        todo.extend(reversed(target.split("/")))
+    return True
 
 
 def _unsafe(uri: str, member: tarfile.TarInfo, why: str) -> UnsafeArchiveError:
@@ -236,61 +529,126 @@ def _unsafe(uri: str, member: tarfile.TarInfo, why: str) -> UnsafeArchiveError:
     )
 
 
-def _extract_member(tar: _TarReader, member: tarfile.TarInfo, root: str, uri: str,
-                    dir_modes: list[tuple[str, int, float]], links: list[str]) -> None:
+def _member_parts(uri: str, member: tarfile.TarInfo) -> tuple[str, ...]:
     name = member.name
     if name.startswith(("/", "\\")) or os.path.isabs(name) or (len(name) > 1 and name[1] == ":"):
         raise _unsafe(uri, member, "absolute path")
-    parts = [p for p in name.replace("\\", "/").split("/") if p not in ("", ".")]
+    parts = tuple(p for p in name.replace("\\", "/").split("/") if p not in ("", "."))
     if ".." in parts:
         raise _unsafe(uri, member, "'..' in its path")
-    if not parts:
-        return  # the archive's root folder itself
-    if member.ischr() or member.isblk() or member.isfifo() or not (
-        member.isreg() or member.isdir() or member.issym() or member.islnk()
-    ):
+    if len(parts) > MAX_DEPTH or len(name) > MAX_PATH_BYTES or len(os.fsencode(name)) > MAX_PATH_BYTES:
+        raise _unsafe(uri, member, f"its path is deeper than {MAX_DEPTH} folders or longer than {MAX_PATH_BYTES} "
+                                   "bytes")
+    return parts
+
+
+def _extract_member(tar: _TarReader, member: tarfile.TarInfo, folders: _Folders, uri: str, budget: SpaceBudget,
+                    dir_modes: list[tuple[tuple[str, ...], int, float]], links: list[tuple[str, ...]]) -> None:
+    parts = _member_parts(uri, member)
+    if not (member.isreg() or member.isdir() or member.issym() or member.islnk()):
         raise _unsafe(uri, member, "device, fifo or special file")
-    target = os.path.join(root, *parts)
-    parent = os.path.dirname(target)
-    os.makedirs(parent, exist_ok=True)
-    if not _inside(root, os.path.realpath(parent)):
-        raise _unsafe(uri, member, "its folder is a link that leads outside")
-    if os.path.lexists(target) and not (member.isdir() and os.path.isdir(target)
-                                        and not os.path.islink(target)):
-        _remove(target)
-    if member.isdir():
-        os.makedirs(target, exist_ok=True)
-        dir_modes.append((target, member.mode & 0o777, member.mtime))
-    elif member.issym():
+    if not parts:
+        if member.isdir():
+            return  # the archive's root folder itself
+        raise _unsafe(uri, member, "it names the workspace folder itself")
+    name, parent_parts = parts[-1], parts[:-1]
+    if member.issym():
         link = member.linkname
-        if os.path.isabs(link) or link.startswith(("/", "\\")):
-            raise _unsafe(uri, member, f"symlink to absolute path {link!r}")
-        if not _inside(root, os.path.normpath(os.path.join(parent, link))) or not _inside(
-            root, os.path.realpath(os.path.join(parent, link))
-        ):
-            raise _unsafe(uri, member, f"symlink {link!r} leads outside")
-        os.symlink(link, target)
-        links.append(target)
-    elif member.islnk():
-        link_parts = [p for p in member.linkname.split("/") if p not in ("", ".")]
-        if member.linkname.startswith("/") or ".." in link_parts or not link_parts:
-            raise _unsafe(uri, member, f"hard link to {member.linkname!r} outside the archive")
-        source = os.path.realpath(os.path.join(root, *link_parts))
-        if not _inside(root, source) or not os.path.isfile(source):
-            raise _unsafe(uri, member, f"hard link to {member.linkname!r}, which is not a file in the archive")
-        os.link(source, target, follow_symlinks=False)
-    else:
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-        with os.fdopen(fd, "wb", buffering=0) as out:
-            tar.copy(member.size, out)
-        os.chmod(target, member.mode & 0o777)
-        os.utime(target, (member.mtime, member.mtime))
+        if not link or link.startswith(("/", "\\")) or os.path.isabs(link) or len(link) > MAX_PATH_BYTES:
+            raise _unsafe(uri, member, f"symlink to an absolute or empty path {link!r}")
+        depth = len(parent_parts)
+        for piece in link.split("/"):
+            depth += -1 if piece == ".." else 0 if piece in ("", ".") else 1
+            if depth < 0:
+                raise _unsafe(uri, member, f"symlink {link!r} leads outside")
+    budget.charge(member.size if member.isreg() else 0, what=member.name, folder=member.isdir())
+    try:
+        parent = folders.get(parent_parts)
+        if member.isdir():
+            _make_dir(parent, name, parts, folders)
+            dir_modes.append((parts, member.mode & 0o777, member.mtime))
+            return
+        if member.issym():
+            _place(lambda: os.symlink(member.linkname, name, dir_fd=parent), parent, parts, folders)
+            links.append(parts)
+            return
+        if member.islnk():
+            _hard_link(member, uri, parent, parts, folders)
+            return
+        fd = _place(lambda: os.open(name, _FILE_FLAGS, 0o600, dir_fd=parent), parent, parts, folders)
+    except _Blocked as blocked:
+        where = "/".join(blocked.parts)
+        if blocked.link:
+            raise _unsafe(uri, member, f"its path goes through the symlink {where!r}; nothing is written "
+                                       "through a link") from None
+        raise CheckpointCorruptError(f"the checkpoint at {uri} is damaged: member {member.name!r} lies below "
+                                     f"{where!r}, which is not a folder") from None
+    except OSError as exc:
+        _raise_local(exc, uri, member.name)
+    try:
+        _copy_data(tar, fd, member.size, uri, member.name)
+        try:
+            os.fchmod(fd, member.mode & 0o777)  # setuid, setgid and sticky bits are dropped
+            os.utime(fd, (member.mtime, member.mtime))
+        except OSError as exc:
+            _raise_local(exc, uri, member.name)
+    finally:
+        os.close(fd)
 
 
-def _remove(path: str) -> None:
-    import shutil
+def _copy_data(tar: _TarReader, fd: int, size: int, uri: str, what: str) -> None:
+    """Move ``size`` bytes of member data into ``fd``: storage errors while reading pass unchanged (the
+    caller retries them), local disk errors while writing go through :func:`_raise_local`."""
+    remaining = size
+    while remaining > 0:
+        view = tar.chunk(remaining)
+        remaining -= len(view)
+        try:
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError as exc:
+            _raise_local(exc, uri, what)
+    tar.skip_padding(size)
 
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    else:
-        os.unlink(path)
+
+def _place(create: Callable[[], T], parent: int, parts: tuple[str, ...], folders: _Folders) -> T:
+    """``create()`` the entry ``parts`` in ``parent``; whatever a previous member left under that name is
+    removed first (a later member replaces an earlier one, as tar does)."""
+    try:
+        return create()
+    except FileExistsError:
+        _remove_at(parent, parts[-1])
+        folders.forget(parts)
+        return create()
+
+
+def _make_dir(parent: int, name: str, parts: tuple[str, ...], folders: _Folders) -> None:
+    try:
+        os.mkdir(name, 0o700, dir_fd=parent)
+    except FileExistsError:
+        if stat.S_ISDIR(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode):
+            return  # a folder listed twice, or created for an earlier member below it
+        _remove_at(parent, name)
+        folders.forget(parts)
+        os.mkdir(name, 0o700, dir_fd=parent)
+
+
+def _hard_link(member: tarfile.TarInfo, uri: str, parent: int, parts: tuple[str, ...], folders: _Folders) -> None:
+    link = member.linkname
+    link_parts = tuple(p for p in link.split("/") if p not in ("", "."))
+    if link.startswith("/") or ".." in link_parts or not link_parts or len(link_parts) > MAX_DEPTH:
+        raise _unsafe(uri, member, f"hard link to {link!r} outside the archive")
+
+    def create() -> None:
+        # Resolved again after a removal: the source's folder may have been below the replaced entry.
+        try:
+            source_dir = folders.get(link_parts[:-1], create=False)
+            is_file = stat.S_ISREG(os.stat(link_parts[-1], dir_fd=source_dir, follow_symlinks=False).st_mode)
+        except (FileNotFoundError, _Blocked):
+            is_file = False
+        if not is_file:
+            raise _unsafe(uri, member, f"hard link to {link!r}, which is not a file extracted before it (through "
+                                       "no symlink)")
+        os.link(link_parts[-1], parts[-1], src_dir_fd=source_dir, dst_dir_fd=parent, follow_symlinks=False)
+
+    _place(create, parent, parts, folders)

@@ -2,7 +2,9 @@
 
 Each codec wraps a binary sink for writing and a binary source for reading. Readers verify the codec's own
 checksums to the end of the stream (gzip CRC32 and length of every member, zstd frame checksums), so a
-flipped byte or a cut-off object is an error rather than silently short data.
+flipped byte or a cut-off object is an error rather than silently short data. Readers hand out the
+decompressed bytes in bounded pieces, so memory stays bounded whatever a stream claims (see :mod:`.pgzip`
+and :data:`ZSTD_MAX_WINDOW`); what the archive may expand to on disk is bounded by the extraction.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ BLOCK_SIZE = 1 << 20
 _GZIP_MAGIC = b"\x1f\x8b"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _TAR_MAGIC_OFFSET = 257
+#: Largest zstd window a reader accepts (zstd's own default limit, 128 MiB; what level 22 writes): the memory
+#: one zstd reader may use. A frame asking for more is refused as damaged.
+ZSTD_MAX_WINDOW = 1 << 27
 
 
 class _NonClosing(io.RawIOBase):
@@ -108,7 +113,7 @@ class ZstdCodec(Codec):
 
     def reader(self, source: IO[bytes], head: bytes = b"") -> IO[bytes]:
         zstd = self._module()
-        decompressor = zstd.ZstdDecompressor()
+        decompressor = zstd.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
         return decompressor.stream_reader(source, read_across_frames=True, closefd=False)  # type: ignore[no-any-return]
 
     def matches(self, head: bytes) -> bool:

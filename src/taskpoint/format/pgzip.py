@@ -6,6 +6,11 @@ own (no shared dictionary), and carries in its header's extra field a ``TP`` sub
 total length, as BGZF does. A reader that knows the label can cut the stream into members without
 inflating it, and inflate them on several threads; any other gzip stream is inflated sequentially.
 
+Whatever a stream says, a reader's memory stays bounded: a labelled member longer than
+:data:`MAX_MEMBER_LENGTH`, or whose trailer (ISIZE) claims more than :data:`MEMBER_SIZE` bytes, is refused
+before it is read or inflated, and a member is inflated into at most ISIZE + 1 bytes, so one that inflates
+beyond what its trailer says fails at once.
+
 Uses ISA-L (``isal``) when installed, stdlib zlib otherwise; both release the GIL while they work.
 """
 
@@ -29,8 +34,11 @@ MEMBER_SIZE = 4 << 20
 _SUBFIELD = b"TP"
 # magic, CM=deflate, FLG=FEXTRA, MTIME=0, XFL=0, OS=255 (unknown), XLEN=8, "TP", LEN=4
 _HEADER = struct.Struct("<2sBBIBBH2sHI")
-_HEADER_SIZE = _HEADER.size  # 22
+_HEADER_SIZE = _HEADER.size  # 20
 _TRAILER = struct.Struct("<II")
+#: Longest labelled member a reader accepts: deflate adds only a few bytes per block to the
+#: :data:`MEMBER_SIZE` bytes of input a member holds, even when they do not compress (a generous bound).
+MAX_MEMBER_LENGTH = MEMBER_SIZE + (MEMBER_SIZE >> 6) + 4096
 
 
 def _workers() -> int:
@@ -43,8 +51,14 @@ try:
     def _deflate(data: bytes | memoryview, level: int) -> bytes:
         return _z.compress(data, level, wbits=-15)
 
-    def _inflate(data: bytes | memoryview) -> bytes:
-        return _z.decompress(data, wbits=-15)
+    def _inflate(data: bytes | memoryview, limit: int) -> bytes:
+        d = _z.decompressobj(wbits=-15)
+        out = d.decompress(data, limit + 1)
+        if len(out) > limit:
+            raise GzipFormatError(f"gzip member inflates to more than the {limit} bytes its trailer says")
+        if not d.eof or d.unused_data:
+            raise GzipFormatError("deflate stream is truncated or followed by garbage")
+        return out
 
     crc32: Callable[[Any, int], int] = _z.crc32
     DEFAULT_LEVEL = 2  # ISA-L's levels run 0-3
@@ -59,11 +73,13 @@ except ImportError:  # pragma: no cover - isal is a dependency; this keeps the f
         c = zlib.compressobj(level, zlib.DEFLATED, -15)
         return c.compress(data) + c.flush()
 
-    def _inflate(data: bytes | memoryview) -> bytes:
+    def _inflate(data: bytes | memoryview, limit: int) -> bytes:
         d = zlib.decompressobj(-15)
-        out = d.decompress(data)
+        out = d.decompress(data, limit + 1)
+        if len(out) > limit:
+            raise GzipFormatError(f"gzip member inflates to more than the {limit} bytes its trailer says")
         if not d.eof or d.unused_data:
-            raise zlib.error("deflate stream is truncated or followed by garbage")
+            raise GzipFormatError("deflate stream is truncated or followed by garbage")
         return out
 
     crc32 = zlib.crc32
@@ -86,12 +102,15 @@ def member(data: bytes | memoryview, level: int) -> bytes:
 
 
 def _open_member(blob: bytes) -> bytes:
-    """Inflate one labelled member and check its CRC32 and length."""
+    """Inflate one labelled member into at most its ISIZE bytes, and check its CRC32 and length."""
     if len(blob) < _HEADER_SIZE + _TRAILER.size:
         raise GzipFormatError("gzip member is truncated")
-    out = _inflate(memoryview(blob)[_HEADER_SIZE:-_TRAILER.size])
     crc, isize = _TRAILER.unpack_from(blob, len(blob) - _TRAILER.size)
-    if crc32(out, 0) & 0xFFFFFFFF != crc or len(out) & 0xFFFFFFFF != isize:
+    if isize > MEMBER_SIZE:
+        raise GzipFormatError(f"a labelled gzip member says it holds {isize} bytes, more than the {MEMBER_SIZE} "
+                              "that taskpoint puts in one")
+    out = _inflate(memoryview(blob)[_HEADER_SIZE:-_TRAILER.size], isize)
+    if crc32(out, 0) & 0xFFFFFFFF != crc or len(out) != isize:
         raise GzipFormatError("gzip member fails its CRC32 or length check")
     return out
 
@@ -215,6 +234,9 @@ class ParallelGzipReader(OrderedFutureReader):
         if total is None or total < _HEADER_SIZE + _TRAILER.size:
             raise GzipFormatError("gzip member without taskpoint's length label in a labelled stream, or "
                                   "data after the end of the stream")
+        if total > MAX_MEMBER_LENGTH:
+            raise GzipFormatError(f"a gzip member's label says it is {total} bytes long, more than a taskpoint "
+                                  f"member can be ({MAX_MEMBER_LENGTH})")
         rest = read_up_to(self._source, total - _HEADER_SIZE)
         if len(rest) != total - _HEADER_SIZE:
             raise EOFError("compressed stream ended inside a member")

@@ -7,6 +7,8 @@ object's digest while it writes the object's temp file or parts, and writes the 
 object beside the previous ones *before* the object becomes visible (the rename, the PUT, the multipart
 completion). So every object a reader can see has a digest to check, whenever the saver is killed; a load
 accepts whichever listed object it finds, verified. Format 1 (``committed`` and ``pending``) is still read.
+The record guards itself too: it carries a ``check``, the CRC32 of the rest of the document, and a field it
+does not know is damage, so any flipped byte of a record is detected.
 
 The versioned manager (:mod:`taskpoint.manager`) keeps a :class:`StepManifest` in each step's folder instead: it
 is written once, after the payload, and is the step's commit.
@@ -15,8 +17,9 @@ is written once, after the payload, and is the step's commit.
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, TypeVar
 
 from ..errors import CheckpointCorruptError
@@ -69,6 +72,7 @@ class Record:
                                "objects": [asdict(o) for o in self.objects], "confirmed": self.confirmed}
         if self.sweep:
             doc["sweep"] = True
+        doc["check"] = _check(doc)
         return json.dumps(doc, sort_keys=True).encode()
 
     def with_new(self, entry: ObjectRecord, *, sweep: bool) -> Record:
@@ -90,7 +94,16 @@ class Record:
     @classmethod
     def from_bytes(cls, data: bytes, uri: str) -> Record:
         def build(doc: dict[str, Any]) -> Record:
-            if int(doc.get("version", 0)) < 2:  # format 1: committed and pending
+            version = int(doc["version"])
+            unknown = set(doc) - (_RECORD_KEYS if version >= 2 else _RECORD_1_KEYS)
+            if unknown or version < 1:
+                raise ValueError(f"unknown fields {sorted(unknown)} or version {version}")
+            if version >= 2 and doc.get("check") != _check({k: v for k, v in doc.items() if k != "check"}):
+                raise ValueError("the record fails its check (a damaged byte)")
+            entries = doc["objects"] if version >= 2 else [doc.get("committed"), doc.get("pending")]
+            if any(e is not None and set(e) - _ENTRY_KEYS for e in entries):
+                raise ValueError("an entry has fields this taskpoint does not know")
+            if version < 2:  # format 1: committed and pending
                 committed, pending = _record(doc.get("committed")), _record(doc.get("pending"))
                 return cls(objects=(committed,) if committed else (),
                            confirmed=committed.save_id if committed else None,
@@ -151,6 +164,18 @@ def _parse(data: bytes, fmt: str, uri: str, build: Callable[[dict[str, Any]], T]
         raise
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise CheckpointCorruptError(f"the checkpoint record {uri} is unreadable ({exc}); {what_to_do}.") from exc
+
+
+#: The fields of a checkpoint's record (format 2, and format 1); any other is damage.
+_RECORD_KEYS = frozenset({"format", "version", "objects", "confirmed", "sweep", "check"})
+_RECORD_1_KEYS = frozenset({"format", "version", "committed", "pending", "interrupted"})
+#: The fields of an entry (``check``: written by one development version of format 1, accepted).
+_ENTRY_KEYS = frozenset({f.name for f in fields(ObjectRecord)} | {"check"})
+
+
+def _check(doc: dict[str, Any]) -> str:
+    """CRC32 of a record document without its own check, canonically serialized."""
+    return f"{zlib.crc32(json.dumps(doc, sort_keys=True).encode()):08x}"
 
 
 def _record(value: Any) -> ObjectRecord | None:
