@@ -93,7 +93,7 @@ def test_checkpoint_object_push_ls_show_verify_pull(capsys, where, tmp_path):
 
 
 def _human(size: int) -> str:
-    from taskpoint.cli import _human as human
+    from taskpoint.cli.views import _human as human
 
     return human(size)
 
@@ -326,7 +326,7 @@ def test_run_keeps_its_flags_and_usage_exit_code(capsys, tmp_path):
 
 def test_secrets_are_redacted_also_when_a_client_quotes_them_into_a_message(monkeypatch):
     """gcsfs puts a token it could not use into a URL (``tokeninfo?access_token=%2F...``) in its error."""
-    from taskpoint.cli import _redact, _secret_values, _State
+    from taskpoint.cli._app import _redact, _secret_values, _State
 
     secret = "/keys/tp-SECRET q+7.json"
     monkeypatch.setenv("TASKPOINT_STORAGE_OPTIONS", json.dumps({"client_kwargs": {"password": "env-SECRET-77"}}))

@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 import pytest
 import zstandard
 
-import taskpoint.format.archive as archive
+import taskpoint.format.extract as archive
 from helpers import make_tree, snapshot, write_object
 from taskpoint import (
     Checkpoint,

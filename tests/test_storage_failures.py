@@ -26,7 +26,7 @@ import pytest
 from _faults import cuttable_proxy
 from helpers import write_object
 from taskpoint import Checkpoint, RetryPolicy, StorageError, StorageUnavailable
-from taskpoint.storage import Kind, Location, _s3, backends
+from taskpoint.storage import Kind, Location, _s3, objectstores
 
 T = TypeVar("T")
 SRC = str(Path(__file__).resolve().parent.parent / "src")
@@ -261,7 +261,7 @@ def test_an_object_replaced_during_a_ranged_read_loads_as_one_version(store, tmp
             versions.append(store.fs().cat_file(store.fs()._strip_protocol(store.url(name))))
     src = store.url("foreign")
     write_object(src, store.storage_options, versions[0])
-    backend = {"s3": backends.S3Backend, "gcs": backends.GCSBackend}[store.kind]
+    backend = {"s3": objectstores.S3Backend, "gcs": objectstores.GCSBackend}[store.kind]
     gated = _gated(backend.range_reader)
 
     def second_writer() -> None:

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import IO, Any, ClassVar
 
 from .errors import CheckpointError
-from .format.archive import extract_tar, skip_special, write_tar
+from .format.archive import skip_special, write_tar
 from .format.codecs import BLOCK_SIZE, Codec
+from .format.extract import extract_tar
 from .storage import WRITE_PIECE, ParallelCopy, copy_with_metadata
 
 #: Name of the file that holds a bytes or file checkpoint after load (Flyte's convention).

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from .errors import CheckpointCorruptError, CheckpointError
-from .format.archive import check_room
 from .format.codecs import BLOCK_SIZE, Codec, detect_codec, holds_tar
 from .format.pgzip import crc32
+from .format.space import check_room
 from .payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, Payload
 from .storage import Location, WriteHooks, copy_fd_in_kernel, digest_by_reading, digest_of_fd
 from .storage.streams import read_up_to

@@ -1,7 +1,7 @@
 """Location: one object on an fsspec filesystem, with the operations a checkpoint needs.
 
 A Location is a value: a URI, its storage options and a retry policy, with the filesystem and the backend
-that fsspec and :func:`~taskpoint.storage.backends.backend_for` pick for it. Every operation runs through
+that fsspec and :func:`backend_for` pick for it. Every operation runs through
 the retry policy and the typed error map, so a caller sees a result, ``FileNotFoundError`` for an object
 that is absent where absence has a meaning, or a :class:`~taskpoint.errors.StorageError` subclass.
 Every write becomes visible whole or not at all (see the backends).
@@ -11,14 +11,27 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import IO, Any, TypeVar
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from ..errors import StorageAccessDenied
-from .backends import NO_HOOKS, Backend, Kind, LocalBackend, WriteHooks, backend_for, credential_source
+from .backends import (
+    _OBJECT_STORES,
+    NO_HOOKS,
+    Backend,
+    Kind,
+    LocalBackend,
+    MovingBackend,
+    WriteHooks,
+    credential_source,
+    protocols,
+)
 from .errormap import map_errors
+from .objectstores import GCSBackend, ObjectStoreBackend, S3Backend
 from .retry import RetryPolicy
 
 T = TypeVar("T")
@@ -215,3 +228,22 @@ def normalize_uri(value: str | os.PathLike[str], what: str) -> str:
     if not isinstance(value, str):
         raise TypeError(f"{what} must be a str URI or an os.PathLike, not {type(value).__name__}")
     return value
+
+
+def _is_instance(fs: Any, module: str, name: str) -> bool:
+    """``isinstance(fs, module.name)`` without importing ``module`` (an instance implies it is loaded)."""
+    cls = getattr(sys.modules.get(module), name, None)
+    return isinstance(cls, type) and isinstance(fs, cls)
+
+
+def backend_for(fs: Any, options: dict[str, Any]) -> Backend:
+    """The backend for a filesystem, by its class (and, for other object stores, by its protocol)."""
+    if isinstance(fs, LocalFileSystem):
+        return LocalBackend(fs, options)
+    if _is_instance(fs, "s3fs", "S3FileSystem"):
+        return S3Backend(fs, options)
+    if _is_instance(fs, "gcsfs", "GCSFileSystem"):
+        return GCSBackend(fs, options)
+    if _OBJECT_STORES.intersection(protocols(fs)):
+        return ObjectStoreBackend(fs, options)
+    return MovingBackend(fs, options)

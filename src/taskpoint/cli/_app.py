@@ -1,0 +1,234 @@
+"""The ``taskpoint`` command line: look at, check, move and clean checkpoints; run a command with locations.
+
+Commands: ``ls``, ``show``, ``verify``, ``pull``, ``push``, ``rm``, ``gc`` and ``run`` (see docs/cli.md). The top
+layer: it imports the library and reads records and manifests with the library's own code. click is imported
+here only, so ``import taskpoint`` does not load it.
+
+Exit codes: 0 success (healthy), 1 error (storage, usage, anything unexpected), 2 damaged (names the object or
+step), 3 not found. ``taskpoint run`` keeps its own: 2 for its usage errors, 127 for a command not found, else
+the command's.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+import traceback
+from collections.abc import Callable
+from contextlib import suppress
+from typing import Any, TypeVar
+from urllib.parse import quote, quote_plus
+
+import click
+
+from .. import __version__
+from .._log import logger
+from ..errors import CheckpointCorruptError, CheckpointError, StorageError
+from ..runtime import layout
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Exit codes of every command but ``run``.
+OK, ERROR, DAMAGED, NOT_FOUND = 0, 1, 2, 3
+
+#: Storage option keys whose values are not secret (they stay readable in error messages).
+_PLAIN_OPTIONS = frozenset({"endpoint_url", "region_name", "region", "project", "anon", "account_name",
+                            "use_ssl", "requester_pays", "default_block_size"})
+
+
+class _Missing(Exception):
+    """Nothing is stored at the URI (exit code 3)."""
+
+
+class _Failed(Exception):
+    """A command's failure, already described: ``code`` and a one-line message."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# -- options shared by the commands ---------------------------------------------------------------------------
+
+
+class _State:
+    """What the options of one invocation decided: storage options, debug, where messages go."""
+
+    def __init__(self) -> None:
+        self.pairs: list[str] = []
+        self.debug = False
+
+    def storage_options(self) -> dict[str, Any]:
+        """``$TASKPOINT_STORAGE_OPTIONS`` (JSON), overridden key by key by ``--storage-option``; fsspec adds
+        its own configuration (``FSSPEC_<PROTOCOL>_*`` variables, config files) when it builds the filesystem."""
+        try:
+            options = dict(layout.env_storage_options() or {})
+        except ValueError as exc:
+            raise _Failed(ERROR, str(exc)) from None
+        for pair in self.pairs:
+            key, sep, raw = pair.partition("=")
+            if not sep or not key.strip():
+                raise _Failed(ERROR, "--storage-option takes KEY=VALUE; one has no '=' or no key (not shown: it "
+                                     "may hold a credential)")
+            try:
+                value: Any = json.loads(raw)
+            except ValueError:
+                value = raw
+            options[key.strip()] = value
+        return options
+
+
+def _state() -> _State:
+    ctx = click.get_current_context()
+    state = ctx.find_object(_State)
+    if state is None:
+        state = ctx.ensure_object(_State)
+    return state
+
+
+def _add_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
+    ctx.ensure_object(_State).pairs.extend(value)
+    return value
+
+
+def _set_debug(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+    if value:
+        ctx.ensure_object(_State).debug = True
+    return value
+
+
+_storage_option = click.option(
+    "--storage-option", "-o", "storage_option", multiple=True, metavar="KEY=VALUE", expose_value=False,
+    callback=_add_pairs,
+    help="fsspec storage option (repeatable); VALUE is parsed as JSON when it parses, else kept as a string. "
+         "Overrides $TASKPOINT_STORAGE_OPTIONS key by key.")
+_debug = click.option("--debug", is_flag=True, expose_value=False, callback=_set_debug,
+                      help="show the traceback of an error")
+
+
+def _command(fn: F) -> F:
+    """A command's common options, and its errors as one line on stderr with the matching exit code."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> int:
+        state = _state()
+        name = click.get_current_context().info_name
+        try:
+            result = fn(*args, **kwargs)
+            return int(result or OK)
+        except Exception as exc:
+            code, message = _describe(exc)
+            secrets = _secret_values(state)
+            if state.debug:
+                click.echo(_redact("".join(traceback.format_exception(exc)), secrets), err=True, nl=False)
+            hint = "" if state.debug or code != ERROR or isinstance(exc, (_Failed, StorageError)) \
+                else " (run with --debug for the traceback)"
+            click.echo(f"taskpoint {name}: {_redact(message, secrets)}{hint}", err=True)
+            return code
+
+    return _storage_option(_debug(run))  # type: ignore[return-value]
+
+
+def _describe(exc: BaseException) -> tuple[int, str]:
+    """The exit code and the one-line message for an error."""
+    if isinstance(exc, _Failed):
+        code = exc.code
+    elif isinstance(exc, _Missing):
+        code = NOT_FOUND
+    elif isinstance(exc, CheckpointCorruptError):
+        code = DAMAGED
+    elif isinstance(exc, FileNotFoundError) and not isinstance(exc, StorageError):
+        code = NOT_FOUND
+    else:
+        code = ERROR
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if not isinstance(exc, (CheckpointError, _Missing, _Failed, FileNotFoundError, ValueError)):
+        text = f"{type(exc).__name__}: {text}"
+    return code, text
+
+
+def _secret_values(state: _State) -> list[str]:
+    """String values of the storage options in effect (given, from the environment, from fsspec's config) that
+    could be credentials; messages never show them."""
+    found: list[str] = []
+
+    def collect(value: Any, key: str = "") -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                collect(v, str(k))
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                collect(v, key)
+        elif isinstance(value, str) and len(value) >= 4 and key.lower() not in _PLAIN_OPTIONS:
+            found.append(value)
+
+    with suppress(_Failed):
+        collect(state.storage_options())
+    for pair in state.pairs:  # also a pair that did not parse
+        collect(pair.partition("=")[2], pair.partition("=")[0])
+    import fsspec.config
+
+    collect(fsspec.config.conf)
+    # Clients quote values into URLs and JSON in their messages (gcsfs: ...tokeninfo?access_token=%2F...).
+    forms = {form for value in found
+             for form in (value, quote(value, safe=""), quote_plus(value), json.dumps(value)[1:-1])}
+    return sorted(forms, key=len, reverse=True)
+
+
+def _redact(text: str, secrets: list[str]) -> str:
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
+
+
+# -- the group ----------------------------------------------------------------------------------------------
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(__version__, "--version", prog_name="taskpoint", message="%(prog)s %(version)s")
+@click.option("-v", "--verbose", count=True, help="log taskpoint's saves and loads to stderr (-vv: retries too)")
+@_debug
+def cli(verbose: int) -> None:
+    """Checkpoints of retried tasks: look at them, check them, move them, clean up after them.
+
+    URIs are anything fsspec opens: local paths, file://, memory://, s3://, gs://, az://. Storage options
+    (credentials, endpoint_url, ...) come from --storage-option KEY=VALUE, $TASKPOINT_STORAGE_OPTIONS (JSON)
+    and fsspec's own configuration (FSSPEC_S3_* variables, ~/.config/fsspec); see docs/cli.md.
+
+    \b
+    Examples:
+      taskpoint ls s3://bucket/runs/train/steps
+      taskpoint verify s3://bucket/runs/train/steps --step 1200
+      taskpoint pull ./.taskpoint/job/main/3/checkpoint ./restored
+    """
+    if verbose:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG if verbose > 1 else logging.INFO)
+
+
+# -- what a URI holds -----------------------------------------------------------------------------------------
+
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The console script: run the command line and return its exit code."""
+    try:
+        result = cli.main(args=argv, prog_name="taskpoint", standalone_mode=False)
+    except click.exceptions.UsageError as exc:
+        name = exc.ctx.info_name if exc.ctx is not None and exc.ctx.parent is not None else None
+        where = f"taskpoint {name}" if name else "taskpoint"
+        click.echo(f"{where}: {' '.join(exc.format_message().split())} (see '{where} --help')", err=True)
+        return 2 if name == "run" else ERROR  # run keeps the conventional 2; elsewhere 2 means damaged
+    except click.exceptions.Abort:
+        click.echo("taskpoint: interrupted", err=True)
+        return 130
+    except click.exceptions.ClickException as exc:
+        click.echo(f"taskpoint: {exc.format_message()}", err=True)
+        return ERROR
+    return result if isinstance(result, int) else OK
+

@@ -1,0 +1,168 @@
+"""``taskpoint pull``, ``push``, ``rm`` and ``gc``: move checkpoints and clean up, with the API's guarantees."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import click
+
+from .._log import TransferStats, logger, safe_uri
+from ..checkpoint import Checkpoint, read_record
+from ..format.records import MANIFEST_SUFFIX
+from ..manager import CheckpointManager
+from ._app import ERROR, OK, _command, _Failed, _Missing, cli
+from .views import _human, _location, _object_size
+
+
+@contextmanager
+def _transfers() -> Iterator[list[TransferStats]]:
+    """The figures of the saves and loads inside the block, from taskpoint's own log records."""
+    found: list[TransferStats] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            stats = getattr(record, "transfer", None)
+            if isinstance(stats, TransferStats):
+                found.append(stats)
+
+    handler, level = Collect(logging.INFO), logger.level
+    logger.addHandler(handler)
+    if not logger.isEnabledFor(logging.INFO):
+        logger.setLevel(logging.INFO)
+    try:
+        yield found
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _figures(stats: TransferStats) -> str:
+    return f"{stats.kind}, {_human(stats.bytes)} in {stats.total_seconds:.2f} s, {stats.mb_per_s:.1f} MB/s"
+
+
+@cli.command("pull")
+@click.argument("uri")
+@click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--step", type=click.IntRange(min=0), default=None,
+              help="the step of a manager directory (default: the newest)")
+@_command
+def pull_command(uri: str, dest: Path, step: int | None) -> int:
+    """Load a checkpoint (or a manager's step) into the folder DEST, verified as the API loads it.
+
+    A directory checkpoint's entries replace same-named entries in DEST; bytes and file checkpoints land as
+    DEST/payload. Nothing lands before the checksum matches.
+
+    \b
+    Examples:
+      taskpoint pull s3://bucket/runs/job7/train/3/checkpoint ./restored
+      taskpoint pull s3://bucket/runs/steps ./restored --step 1200
+    """
+    loc = _location(uri)
+    with _transfers() as seen:
+        if step is None and (read_record(loc.sibling(MANIFEST_SUFFIX)) is not None
+                             or _object_size(loc) is not None):
+            with Checkpoint(loc.uri, loc.uri, storage_options=loc.storage_options, workspace=dest) as cp:
+                result = cp.load_sync()
+            if result is None:
+                raise _Missing(f"nothing taskpoint saved is at {loc.uri}")
+        else:
+            with CheckpointManager(loc.uri, storage_options=loc.storage_options) as manager:
+                if step is None and manager.latest_step() is None:
+                    raise _Missing(f"nothing taskpoint saved is at {loc.uri}")
+                result = manager.restore(step, into=dest)
+    click.echo(f"pulled {safe_uri(loc.uri)} -> {result}" + (f" ({_figures(seen[-1])})" if seen else ""))
+    return OK
+
+
+@cli.command("push")
+@click.argument("src", type=click.Path(exists=True, path_type=Path))
+@click.argument("uri")
+@click.option("--step", type=click.IntRange(min=0), default=None,
+              help="save as this step of a manager directory (URI is then the directory)")
+@click.option("--metadata", default=None, metavar="JSON", help="with --step: the step's metadata, a JSON object")
+@click.option("--overwrite", is_flag=True, help="with --step: replace the step if it exists")
+@click.option("--codec", type=click.Choice(["gzip", "zstd", "none"]), default="gzip", show_default=True,
+              help="archive codec for folders")
+@_command
+def push_command(src: Path, uri: str, step: int | None, metadata: str | None, overwrite: bool, codec: str) -> int:
+    """Save the file or folder SRC to URI (atomic, checksummed, as the API saves).
+
+    \b
+    Examples:
+      taskpoint push ./model s3://bucket/runs/job7/train/1/checkpoint
+      taskpoint push ./model s3://bucket/runs/steps --step 1200 --metadata '{"loss": 0.31}'
+    """
+    loc = _location(uri)
+    if step is None and (metadata is not None or overwrite):
+        raise _Failed(ERROR, "--metadata and --overwrite go with --step (a manager directory)")
+    with _transfers() as seen:
+        if step is None:
+            with Checkpoint(loc.uri, storage_options=loc.storage_options, codec=codec) as cp:
+                cp.save_sync(src)
+            where = loc.uri
+        else:
+            try:
+                meta = json.loads(metadata) if metadata is not None else None
+            except ValueError as exc:
+                raise _Failed(ERROR, f"--metadata must be a JSON object: {exc}") from None
+            with CheckpointManager(loc.uri, storage_options=loc.storage_options, codec=codec) as manager:
+                where = manager.save(src, step, metadata=meta, overwrite=overwrite)
+    click.echo(f"pushed {src} -> {safe_uri(where)}" + (f" ({_figures(seen[-1])})" if seen else ""))
+    return OK
+
+
+# -- rm and gc ------------------------------------------------------------------------------------------------
+
+
+@cli.command("rm")
+@click.argument("uri")
+@click.option("--step", type=click.IntRange(min=0), required=True, help="the step to delete")
+@_command
+def rm_command(uri: str, step: int) -> int:
+    """Delete one step of a CheckpointManager directory (its manifest first, so it stops existing at once).
+
+    \b
+    Example:
+      taskpoint rm s3://bucket/runs/steps --step 1100
+    """
+    loc = _location(uri)
+    with CheckpointManager(loc.uri, storage_options=loc.storage_options) as manager:
+        manager.delete(step)
+    click.echo(f"deleted step {step} of {safe_uri(loc.uri)}")
+    return OK
+
+
+@cli.command("gc")
+@click.argument("directory")
+@click.option("--grace", type=click.FloatRange(min=0), default=None,
+              help="only remove leftovers older than this many seconds (default: the manager's)")
+@click.option("--dry-run", is_flag=True, help="list what would be removed, remove nothing")
+@_command
+def gc_command(directory: str, grace: float | None, dry_run: bool) -> int:
+    """Remove leftovers of interrupted saves under a CheckpointManager directory (committed steps stay).
+
+    On S3 this also aborts unfinished multipart uploads of payloads. Storage options come from
+    --storage-option and $TASKPOINT_STORAGE_OPTIONS (a JSON object), as for tasks.
+
+    \b
+    Examples:
+      taskpoint gc s3://bucket/runs/steps --dry-run
+      taskpoint gc ./checkpoints --grace 0
+    """
+    loc = _location(directory)
+    with CheckpointManager(loc.uri, storage_options=loc.storage_options) as manager:
+        removed = manager.gc(grace_seconds=grace, dry_run=dry_run)
+    verb = "would remove" if dry_run else "removed"
+    for found in removed:
+        click.echo(f"{verb} {safe_uri(found)}")
+    click.echo(f"taskpoint gc: {len(removed)} leftover(s) {verb.replace('would remove', 'would be removed')}")
+    return OK
+
+
+# -- run ------------------------------------------------------------------------------------------------------
+
+

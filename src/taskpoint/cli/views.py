@@ -1,0 +1,276 @@
+"""``taskpoint ls`` and ``taskpoint show``: what a URI holds, read with the library's own code."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from datetime import datetime, timezone
+from typing import Any
+
+import click
+
+from ..checkpoint import read_record
+from ..errors import CheckpointCorruptError
+from ..format.records import MANIFEST_SUFFIX
+from ..manager import CheckpointManager
+from ..manager.claims import Claims
+from ..manager.steps import MANIFEST_NAME, STEP_FOLDER, StepStore
+from ..runtime import layout
+from ..storage import Location
+from ._app import ERROR, OK, _command, _Failed, _Missing, _state, cli
+
+
+def _location(uri: str) -> Location:
+    return Location(uri.rstrip("/") if not uri.endswith("://") else uri, _state().storage_options())
+
+
+def _object_size(loc: Location) -> int | None:
+    """The size of the object at ``loc``; None when there is none (or it is a folder)."""
+
+    def info() -> int | None:
+        try:
+            found = loc.fs.info(loc.path)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if found.get("type") == "directory":
+            return None
+        return int(found.get("size") or 0)
+
+    return loc.run(info, action="check")
+
+
+def _steps(loc: Location) -> StepStore:
+    return StepStore(loc, Claims((str(loc.fs.protocol), loc.path)))
+
+
+def _time(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _human(size: int | None) -> str:
+    if size is None:
+        return "-"
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _checkpoint_view(loc: Location) -> dict[str, Any] | None:
+    """A checkpoint object and its record (``<uri>.taskpoint.json``); None when neither is there."""
+    record = read_record(loc.sibling(MANIFEST_SUFFIX))
+    size = _object_size(loc)
+    if record is None and size is None:
+        return None
+    # The entry a load verifies the object against: the newest listed one of the stored size.
+    visible = record.of_size(size) if record is not None and size is not None else None
+    confirmed = record.confirmed if record is not None else None
+    objects = [{**asdict(entry), "confirmed": entry.save_id == confirmed, "size_matches": entry.size == size}
+               for entry in (record.objects if record is not None else ())]
+    if record is None:
+        state = "unrecorded"  # Flyte's, or written by hand: only the archive's own checks apply
+    elif size is None:
+        state = "missing"
+    elif visible is None:
+        state = "damaged"
+    else:
+        state = "saved"
+    return {"type": "checkpoint", "uri": loc.uri, "state": state, "size": size,
+            "kind": visible.kind if visible else (objects[0]["kind"] if objects else None),
+            "created": visible.created if visible else None, "objects": objects,
+            "record": None if record is None else loc.sibling(MANIFEST_SUFFIX).uri}
+
+
+def _manager_view(loc: Location) -> dict[str, Any] | None:
+    """The steps of a CheckpointManager directory; None when it holds no ``ckpt-N`` folder."""
+    root = loc.path.rstrip("/")
+    listing = loc.list_tree()
+    sizes: dict[int, dict[str, int]] = {}
+    for path, info in listing.items():
+        parts = path[len(root) + 1:].split("/") if path.startswith(root + "/") else []
+        match = STEP_FOLDER.fullmatch(parts[0]) if parts else None
+        if match is None:
+            continue
+        names = sizes.setdefault(int(match.group(1)), {})
+        if len(parts) == 2 and parts[1] and info.get("type") != "directory":
+            names[parts[1]] = int(info.get("size") or 0)
+    if not sizes:
+        return None
+    steps = _steps(loc)
+    rows = []
+    for step, names in sorted(sizes.items()):
+        row: dict[str, Any] = {"step": step, "uri": steps.step_uri(step), "state": "incomplete", "size": None,
+                               "created": None, "attempt": None, "kind": None, "metadata_keys": [],
+                               "leftovers": sorted(n for n in names if n != MANIFEST_NAME)}
+        if MANIFEST_NAME in names:
+            try:
+                manifest = steps.manifest(step)
+            except CheckpointCorruptError as exc:
+                row.update(state="damaged", problem=" ".join(str(exc).split()))
+                rows.append(row)
+                continue
+            assert manifest is not None
+            record = manifest.record
+            stored = names.get(manifest.payload)
+            row.update(size=record.size, created=record.created, attempt=manifest.attempt, kind=record.kind,
+                       metadata_keys=sorted(manifest.metadata), payload=manifest.payload,
+                       leftovers=sorted(n for n in names if n not in (MANIFEST_NAME, manifest.payload)))
+            if stored is None:
+                row.update(state="damaged", problem=f"its payload {manifest.payload} is missing")
+            elif stored != record.size:
+                row.update(state="damaged", problem=f"its payload holds {stored} bytes, the manifest records "
+                                                    f"{record.size}")
+            else:
+                row["state"] = "committed"
+        rows.append(row)
+    return {"type": "manager", "uri": loc.uri, "steps": rows}
+
+
+def _task_root_view(loc: Location) -> dict[str, Any] | None:
+    """Runs, actions and attempts under a task root (or a run's or an action's folder); None when none."""
+    root = loc.path.rstrip("/")
+    actions: dict[str, dict[str, Any]] = {}
+    for path, info in loc.list_tree().items():
+        parts = path[len(root) + 1:].split("/") if path.startswith(root + "/") else []
+        if info.get("type") == "directory" or len(parts) < 2:
+            continue
+        if parts[-1] in (layout.ATTEMPT_MARKER, layout.CHECKPOINT_NAME) and parts[-2].isdigit():
+            prefix, attempt = "/".join(parts[:-2]), int(parts[-2])
+            entry = actions.setdefault(prefix, {"attempts": {}, "steps": []})
+            slot = entry["attempts"].setdefault(attempt, {"attempt": attempt, "checkpoint_size": None})
+            if parts[-1] == layout.CHECKPOINT_NAME:
+                slot["checkpoint_size"] = int(info.get("size") or 0)
+        elif (len(parts) >= 3 and parts[-1] == MANIFEST_NAME and parts[-3] == layout.STEPS_FOLDER
+              and STEP_FOLDER.fullmatch(parts[-2])):
+            prefix = "/".join(parts[:-3])
+            entry = actions.setdefault(prefix, {"attempts": {}, "steps": []})
+            entry["steps"].append(int(parts[-2][len("ckpt-"):]))
+    if not actions:
+        return None
+    rows = []
+    for prefix, entry in sorted(actions.items()):
+        names = prefix.split("/") if prefix else []
+        rows.append({"path": prefix, "run": names[0] if len(names) >= 2 else None,
+                     "action": "/".join(names[1:]) if len(names) >= 2 else (names[0] if names else None),
+                     "attempts": [entry["attempts"][n] for n in sorted(entry["attempts"])],
+                     "steps": sorted(entry["steps"])})
+    return {"type": "task-root", "uri": loc.uri, "actions": rows}
+
+
+def _what(loc: Location) -> dict[str, Any]:
+    """What the URI holds: a checkpoint object, a manager directory or a task root; _Missing otherwise."""
+    view = _checkpoint_view(loc) or _manager_view(loc) or _task_root_view(loc)
+    if view is None:
+        if loc.container_missing():
+            raise _Failed(ERROR, f"{loc.uri}: the bucket or container does not exist. Create it, or fix the URI.")
+        raise _Missing(f"nothing taskpoint saved is at {loc.uri}")
+    return view
+
+
+def _print_json(value: Any) -> None:
+    click.echo(json.dumps(value, indent=2, sort_keys=True))
+
+
+# -- ls -------------------------------------------------------------------------------------------------------
+
+
+@cli.command("ls")
+@click.argument("uri")
+@click.option("--json", "as_json", is_flag=True, help="print JSON for machines")
+@_command
+def ls_command(uri: str, as_json: bool) -> int:
+    """List what URI holds: a checkpoint object, a CheckpointManager directory, or a task root.
+
+    A checkpoint object shows its record (<uri>.taskpoint.json); a manager directory its steps (state, size,
+    save time, attempt, metadata keys); a task root its runs, actions and attempts. States come from the
+    listing and the manifests (sizes checked); `taskpoint verify` checks every byte.
+
+    \b
+    Examples:
+      taskpoint ls ./.taskpoint
+      taskpoint ls s3://bucket/runs/job7/train/steps --json
+      taskpoint ls gs://bucket/ckpt -o token=anon
+    """
+    view = _what(_location(uri))
+    if as_json:
+        _print_json(view)
+    elif view["type"] == "checkpoint":
+        listed = len(view["objects"])
+        click.echo(f"{view['uri']}  {view['state']}  {view['kind'] or '-'}  {_human(view['size'])}  "
+                   f"saved {_time(view['created'])} UTC  ({listed} object(s) in its record)")
+    elif view["type"] == "manager":
+        click.echo(f"{view['uri']}: {sum(r['state'] == 'committed' for r in view['steps'])} committed step(s)")
+        click.echo(f"{'STEP':>6}  {'STATE':<10}  {'KIND':<9}  {'SIZE':>10}  {'SAVED (UTC)':<19}  ATTEMPT  METADATA")
+        for row in view["steps"]:
+            attempt = "-" if row["attempt"] is None else str(row["attempt"])
+            click.echo(f"{row['step']:>6}  {row['state']:<10}  {row['kind'] or '-':<9}  {_human(row['size']):>10}  "
+                       f"{_time(row['created']):<19}  {attempt:>7}  {','.join(row['metadata_keys']) or '-'}")
+    else:
+        click.echo(f"{view['uri']}: {len(view['actions'])} action(s)")
+        for row in view["actions"]:
+            attempts = " ".join(f"{a['attempt']}" + (f"({_human(a['checkpoint_size'])})"
+                                                     if a["checkpoint_size"] is not None else "")
+                                for a in row["attempts"]) or "-"
+            steps = f"  steps {row['steps'][0]}..{row['steps'][-1]} ({len(row['steps'])})" if row["steps"] else ""
+            click.echo(f"  {row['path'] or '.'}  attempts {attempts}{steps}")
+    return OK
+
+
+# -- show -----------------------------------------------------------------------------------------------------
+
+
+@cli.command("show")
+@click.argument("uri")
+@click.option("--step", type=click.IntRange(min=0), default=None,
+              help="the step of a manager directory (default: the newest)")
+@click.option("--json", "as_json", is_flag=True, help="print JSON for machines")
+@_command
+def show_command(uri: str, step: int | None, as_json: bool) -> int:
+    """Show the record of a checkpoint object, or the manifest and user metadata of one step.
+
+    \b
+    Examples:
+      taskpoint show ./.taskpoint/job7/train/3/checkpoint
+      taskpoint show s3://bucket/runs/steps --step 1200 --json
+    """
+    loc = _location(uri)
+    view = None if step is not None else _checkpoint_view(loc)
+    if view is None:
+        with CheckpointManager(loc.uri, storage_options=loc.storage_options) as manager:
+            chosen = step if step is not None else manager.latest_step()
+            if chosen is None:
+                if _task_root_view(loc) is not None:
+                    raise _Failed(ERROR, f"{loc.uri} is a task root: give one attempt's checkpoint or a steps "
+                                         "folder (taskpoint ls lists them)")
+                raise _Missing(f"nothing taskpoint saved is at {loc.uri}")
+        manifest = _steps(loc).manifest(chosen)
+        if manifest is None:
+            raise _Missing(f"step {chosen} does not exist in {loc.uri}")
+        view = {"type": "step", "uri": _steps(loc).step_uri(chosen), "step": manifest.step,
+                "payload": manifest.payload, "attempt": manifest.attempt, **asdict(manifest.record),
+                "metadata": manifest.metadata}
+    if as_json:
+        _print_json(view)
+        return OK
+    for key, value in view.items():
+        if key == "objects":
+            click.echo("objects:")
+            for entry in value:
+                click.echo("  - " + ", ".join(f"{k}={_time(v) + ' UTC' if k == 'created' else v}"
+                                              for k, v in entry.items()))
+        elif key == "metadata":
+            click.echo("metadata: " + json.dumps(value, indent=2, sort_keys=True).replace("\n", "\n  "))
+        elif key == "created":
+            click.echo(f"created: {_time(value)} UTC")
+        else:
+            click.echo(f"{key}: {value}")
+    return OK
+
+
+# -- verify ---------------------------------------------------------------------------------------------------
+
+
