@@ -51,14 +51,8 @@ try:
     def _deflate(data: bytes | memoryview, level: int) -> bytes:
         return _z.compress(data, level, wbits=-15)
 
-    def _inflate(data: bytes | memoryview, limit: int) -> bytes:
-        d = _z.decompressobj(wbits=-15)
-        out = d.decompress(data, limit + 1)
-        if len(out) > limit:
-            raise GzipFormatError(f"gzip member inflates to more than the {limit} bytes its trailer says")
-        if not d.eof or d.unused_data:
-            raise GzipFormatError("deflate stream is truncated or followed by garbage")
-        return out
+    def _raw_inflater() -> Any:
+        return _z.decompressobj(wbits=-15)
 
     crc32: Callable[[Any, int], int] = _z.crc32
     DEFAULT_LEVEL = 2  # ISA-L's levels run 0-3
@@ -73,20 +67,25 @@ except ImportError:  # pragma: no cover - isal is a dependency; this keeps the f
         c = zlib.compressobj(level, zlib.DEFLATED, -15)
         return c.compress(data) + c.flush()
 
-    def _inflate(data: bytes | memoryview, limit: int) -> bytes:
-        d = zlib.decompressobj(-15)
-        out = d.decompress(data, limit + 1)
-        if len(out) > limit:
-            raise GzipFormatError(f"gzip member inflates to more than the {limit} bytes its trailer says")
-        if not d.eof or d.unused_data:
-            raise GzipFormatError("deflate stream is truncated or followed by garbage")
-        return out
+    def _raw_inflater() -> Any:
+        return zlib.decompressobj(-15)
 
     crc32 = zlib.crc32
     DEFAULT_LEVEL = 6
 
     def isal_level(level: int | None) -> int:
         return DEFAULT_LEVEL if level is None else level
+
+
+def _inflate(data: bytes | memoryview, limit: int) -> bytes:
+    """One raw deflate stream, inflated into at most ``limit`` bytes: a member that says less is corrupt."""
+    d = _raw_inflater()
+    out: bytes = d.decompress(data, limit + 1)
+    if len(out) > limit:
+        raise GzipFormatError(f"gzip member inflates to more than the {limit} bytes its trailer says")
+    if not d.eof or d.unused_data:
+        raise GzipFormatError("deflate stream is truncated or followed by garbage")
+    return out
 
 
 class GzipFormatError(ValueError):
