@@ -35,6 +35,7 @@ from ..storage import LEFTOVER_GRACE_SECONDS, Location, RetryPolicy, normalize_u
 from ._checks import check_grace, check_metadata, check_step
 from .background import Background, store_payload
 from .claims import Claims
+from .emergency import PreemptionPolicy
 from .restore import StepReader
 from .retention import KeepPolicy
 from .saver import SaverProcess
@@ -103,6 +104,11 @@ class CheckpointManager:
             helper process (True, the default) so they never hold this process's GIL; False writes it
             from a thread of this process. ``memory://`` and payloads that cannot be pickled always use
             a thread. Blocking saves always run in the caller's thread.
+        preemption: install the preemption handlers (from the main thread; ``SIGTERM`` by default) and react
+            to notices: :meth:`reached_preemption`, and the emergency save of ``on_preemption``. False opts out.
+        on_preemption: a function returning the state to save when a notice arrives: the next :meth:`save`
+            (or :meth:`checkpoint_if_preempted`) finishes the save in flight, saves that state as the next step,
+            waits for its commit and raises :class:`~taskpoint.Preempted`. See docs/manager.md, "Preemption".
     """
 
     def __init__(
@@ -119,6 +125,8 @@ class CheckpointManager:
         grace_seconds: float = LEFTOVER_GRACE_SECONDS,
         snapshot_dir: str | os.PathLike[str] | None = None,
         background_process: bool = True,
+        preemption: bool = True,
+        on_preemption: Callable[[], Any] | None = None,
     ) -> None:
         uri = normalize_uri(directory, "directory").strip()
         if not uri:
@@ -146,6 +154,7 @@ class CheckpointManager:
         self.last_save: TransferStats | None = None
         self._closed = False
         self._background = Background(uri, snapshots, bool(background_process) and root.backend.shared)
+        self._preemption = PreemptionPolicy(preemption, on_preemption)
         weakref.finalize(self, self._background.slot.report_unclaimed, uri)
 
     # -- properties and lifecycle --------------------------------------------------------------------------
@@ -209,6 +218,7 @@ class CheckpointManager:
         record_metadata = check_metadata(metadata)
         attempt = _attempt_source()
         background = self._async_save if blocking is None else not blocking
+        self.checkpoint_if_preempted()  # a safe point: with on_preemption, a notice ends the attempt here
         with self._lock:
             self._check_open()
             self._background.settle(wait=True)
@@ -257,6 +267,18 @@ class CheckpointManager:
         except Exception as exc:
             warnings.warn(f"taskpoint saved the new step but could not tidy {self.directory} ({exc}); old steps "
                           "and leftovers will be removed by a later save or gc()", RuntimeWarning, stacklevel=2)
+
+    # -- preemption ----------------------------------------------------------------------------------------
+
+    def reached_preemption(self) -> bool:
+        """True once a preemption notice (a signal of :mod:`taskpoint.preemption`) has arrived."""
+        return self._preemption.reached()
+
+    def checkpoint_if_preempted(self) -> None:
+        """With ``on_preemption`` and a notice: the emergency save, then :class:`~taskpoint.Preempted`."""
+        if self._preemption.due():
+            self._preemption.run(self.wait_until_finished, lambda: (self.latest_step() or 0) + 1,
+                                 lambda data, step, meta: self.save(data, step, metadata=meta, blocking=True))
 
     # -- queries -------------------------------------------------------------------------------------------
 
