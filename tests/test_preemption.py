@@ -343,3 +343,88 @@ def test_a_second_sigterm_outside_an_emergency_save_ends_the_process(tmp_path: P
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=60)
     assert proc.stdout == b"noticed\n", proc.stderr.decode()
     assert proc.returncode == -signal.SIGTERM
+
+
+# -- a background save outlives the trainer ------------------------------------------------------------------
+
+KILLED_TRAINER = """
+import json, random, sys, time
+import taskpoint
+opts = json.loads(sys.argv[1])
+mgr = taskpoint.CheckpointManager(opts["dir"], storage_options=opts["storage_options"], async_save=True)
+start = (mgr.latest_step() or 0) + 1
+print(json.dumps({"latest": mgr.latest_step()}), flush=True)
+for step in range(start, start + 1000):
+    mgr.save(step.to_bytes(8, "big") + random.Random(step).randbytes(opts["size"]), step)
+    # the save of `step` is in flight once save() returned (the first one starts the save process)
+    while mgr._background.saver is None:
+        time.sleep(0.002)
+    print(json.dumps({"in_flight": step, "helper": mgr._background.saver.pid}), flush=True)
+    time.sleep(opts["pause"])
+"""
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "Z":
+                    return True  # a zombie: it has exited (its parent may not have reaped it yet)
+        except FileNotFoundError:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _sigkill_trials(s3_store: Any, trials: int, seed: int, grace: float = 10.0) -> dict[str, int]:
+    rng = random.Random(seed)
+    directory = f"{s3_store.base}/killed"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TASKPOINT_GRACE_SECONDS": str(grace)}
+    outcomes = {"committed by the helper": 0, "absent": 0}
+    newest: int | None = None
+    with taskpoint.CheckpointManager(directory, storage_options=s3_store.storage_options,
+                                     preemption=False) as mgr:
+        for _ in range(trials):
+            opts = {"dir": directory, "storage_options": s3_store.storage_options, "size": SIZE, "pause": 0.05}
+            proc = subprocess.Popen([sys.executable, "-c", KILLED_TRAINER, json.dumps(opts)], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            assert proc.stdout is not None
+            first = json.loads(proc.stdout.readline() or b"null")
+            assert first == {"latest": newest}, proc.communicate()[1].decode()  # resumes from the newest step
+            lines = [json.loads(proc.stdout.readline()) for _ in range(rng.randint(1, 3))]
+            time.sleep(rng.uniform(0.0, 0.15))  # the last save is uploading, or has just committed
+            proc.kill()
+            proc.wait(30)
+            in_flight, helper = lines[-1]["in_flight"], lines[-1]["helper"]
+            assert _gone(helper, grace + 2), "the save process outlived the grace period"
+            steps = mgr.steps()
+            # Never half-visible: every committed step verifies, and nothing past the step in flight exists.
+            assert all(s <= in_flight for s in steps)
+            for step in steps[-2:]:
+                data = mgr.restore(step).read_bytes()  # the sha256 of the manifest is checked while streaming
+                assert data[:8] == step.to_bytes(8, "big")
+            if in_flight in steps:
+                outcomes["committed by the helper"] += 1
+            else:
+                outcomes["absent"] += 1
+            newest = mgr.latest_step()
+            proc.stdout.close()
+            assert proc.stderr is not None
+            proc.stderr.close()
+    return outcomes
+
+
+def test_a_background_save_in_flight_when_the_trainer_is_killed_is_committed_or_absent(s3_store: Any) -> None:
+    outcomes = _sigkill_trials(s3_store, trials=10, seed=3)
+    print(f"\nSIGKILL during a background save: {outcomes}")
+    # The kill lands while the last save uploads: the helper finishing and committing it is the common case
+    # (before, the helper died with its parent and the step was always lost).
+    assert outcomes["committed by the helper"] >= 5
+
+
+@pytest.mark.slow
+def test_a_background_save_in_flight_when_the_trainer_is_killed_many_trials(s3_store: Any) -> None:
+    outcomes = _sigkill_trials(s3_store, trials=30, seed=33)
+    print(f"\nSIGKILL during a background save: {outcomes}")
+    assert outcomes["committed by the helper"] >= 15

@@ -12,6 +12,7 @@ payload.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -240,17 +241,18 @@ class CheckpointManager:
         """Upload the payload under a fresh name, then commit it with the manifest; then tidy up."""
         save_id = uuid.uuid4().hex
         name = f"payload-{save_id}"
-        payload_loc = self._steps.object(step, name)
-        created = time.time()
-        size, digest = store_payload(payload_loc, payload, self._codec, self._level, saver)
+        payload_loc, manifest_loc = self._steps.object(step, name), self._steps.object(step, MANIFEST_NAME)
         record = ObjectRecord(kind=payload.kind, codec=self._codec.name if payload.archived else "raw",
-                              save_id=save_id, created=created, size=size, sha256=digest)
+                              save_id=save_id, created=time.time())
         manifest = StepManifest(step=step, payload=name, record=record, attempt=attempt, metadata=metadata)
+        # The save process commits this manifest itself (size and digest filled in) if we die meanwhile.
+        size, digest = store_payload(payload_loc, payload, self._codec, self._level, saver, (manifest_loc, manifest))
+        manifest = dataclasses.replace(manifest, record=dataclasses.replace(record, size=size, sha256=digest))
         # A failed commit leaves the payload in place: the write may have landed although it raised (a lost
         # response, an interrupt after the PUT), and then the manifest names this payload. Deleting it would
         # leave a committed step naming nothing; if the manifest did not land, the payload is a leftover
         # that no manifest names, removed by a later save or gc() once older than the grace period.
-        self._steps.object(step, MANIFEST_NAME).write_small(manifest.to_bytes(), action="commit the checkpoint at")
+        manifest_loc.write_small(manifest.to_bytes(), action="commit the checkpoint at")
         self._steps.committed(step)
         if replaced is not None and replaced != name and not self._claims.is_restoring(step):
             quietly(self._steps.object(step, replaced).remove)
