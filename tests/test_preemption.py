@@ -428,3 +428,39 @@ def test_a_background_save_in_flight_when_the_trainer_is_killed_many_trials(s3_s
     outcomes = _sigkill_trials(s3_store, trials=30, seed=33)
     print(f"\nSIGKILL during a background save: {outcomes}")
     assert outcomes["committed by the helper"] >= 15
+
+
+# -- taskpoint run --------------------------------------------------------------------------------------------
+
+RUN_TRAINER = """
+import sys, time, taskpoint
+context = taskpoint.ctx()
+path = context.checkpoint.load_sync()
+position = int(path.read_bytes()) if path is not None else 0
+print(position, flush=True)
+while True:
+    position += 1
+    time.sleep(0.005)
+    context.checkpoint_if_preempted(lambda: (print("saving", position, flush=True), str(position).encode())[1])
+"""
+
+
+def test_taskpoint_run_passes_the_signal_and_the_preemption_status_and_the_rerun_resumes(tmp_path: Path) -> None:
+    """``taskpoint run`` execs its command: the signal reaches the trainer itself, whose emergency save of the
+    environment's context commits, and the status is 143; the same command again resumes from that save."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    command = [sys.executable, "-m", "taskpoint.cli", "run", "--root", str(tmp_path / "root"), "--run-name", "r",
+               "--", sys.executable, "-c", RUN_TRAINER]
+    starts, saved = [], []
+    for _ in range(3):
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert proc.stdout is not None
+        starts.append(int(proc.stdout.readline()))
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signal.SIGTERM, err.decode()
+        word, position = out.decode().split()
+        assert word == "saving" and int(position) > starts[-1]
+        saved.append(int(position))
+    assert starts == [0, *saved[:-1]]  # each run resumed from exactly the previous run's emergency save

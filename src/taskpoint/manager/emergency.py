@@ -33,16 +33,17 @@ class PreemptionPolicy:
     def reached(self) -> bool:
         return self.enabled and preemption.notice() is not None
 
-    def due(self) -> bool:
-        """True when the next safe point must save the emergency state (not while it is being saved)."""
-        return self.fn is not None and not self._saving and self.reached()
+    def due(self, fn: Callable[[], Any] | None = None) -> bool:
+        """True when the next safe point must save the emergency state (``fn``'s, else ``on_preemption``'s),
+        and not while it is being saved."""
+        return (fn or self.fn) is not None and not self._saving and self.reached()
 
     def run(self, settle: Callable[[], None], next_step: Callable[[], int],
-            save: Callable[[Any, int, dict[str, Any]], str]) -> NoReturn:
+            save: Callable[[Any, int, dict[str, Any]], str], fn: Callable[[], Any] | None = None) -> NoReturn:
         """Finish the save in flight, save ``fn()`` as the next step (blocking, to its commit), and raise
         :class:`Preempted`. Repeated signals meanwhile are only counted (:func:`preemption.emergency`)."""
-        notice = preemption.notice()
-        assert notice is not None and self.fn is not None
+        notice, fn = preemption.notice(), fn or self.fn
+        assert notice is not None and fn is not None
         with preemption.emergency():
             self._saving = True
             try:
@@ -52,7 +53,7 @@ class PreemptionPolicy:
                     _log.warning("taskpoint: the background save in flight when %s arrived failed (%s: %s); "
                                  "saving the emergency state all the same", notice.name, type(exc).__name__, exc)
                 step = next_step()
-                data = self.fn()
+                data = fn()
                 meta = {"preempted": {"signal": notice.name, "at": notice.at, "deadline": notice.deadline}}
                 uri = save(data, step, meta)
                 committed = time.time()

@@ -276,11 +276,12 @@ class CheckpointManager:
         """True once a preemption notice (a signal of :mod:`taskpoint.preemption`) has arrived."""
         return self._preemption.reached()
 
-    def checkpoint_if_preempted(self) -> None:
-        """With ``on_preemption`` and a notice: the emergency save, then :class:`~taskpoint.Preempted`."""
-        if self._preemption.due():
+    def checkpoint_if_preempted(self, state: Callable[[], Any] | None = None) -> None:
+        """After a notice, the emergency save of ``state()`` (default ``on_preemption``), then
+        :class:`~taskpoint.Preempted`; without a notice, or without either function, nothing."""
+        if self._preemption.due(state):
             self._preemption.run(self.wait_until_finished, lambda: (self.latest_step() or 0) + 1,
-                                 lambda data, step, meta: self.save(data, step, metadata=meta, blocking=True))
+                                 lambda data, step, meta: self.save(data, step, metadata=meta, blocking=True), state)
 
     # -- queries -------------------------------------------------------------------------------------------
 

@@ -70,22 +70,23 @@ class TaskContext:
         """The preemption notice (``signal``, ``at``, ``deadline``) once one arrived, else None."""
         return _preemption.notice() if self.preemption else None
 
-    def checkpoint_if_preempted(self) -> None:
+    def checkpoint_if_preempted(self, state: Callable[[], Any] | None = None) -> None:
         """A safe point: one line in a training loop. Without a notice it returns at once. With one, it saves
-        the state ``save_on_preemption`` returns (after finishing a save in flight) and raises
+        the state ``state()`` (default: the task's ``save_on_preemption``; a context built from the
+        environment by ``taskpoint run`` has none) returns (after finishing a save in flight) and raises
         :class:`~taskpoint.Preempted` once that save committed: as the next step of :attr:`checkpoints` when
         this attempt used the manager, else as :attr:`checkpoint`. The next attempt resumes from it."""
         notice = self.preempted
         if notice is None:
             return
-        fn = self.save_on_preemption
+        fn = state or self.save_on_preemption
         if fn is None:
             raise TypeError("ctx().checkpoint_if_preempted() needs the state to save: give the task "
-                            "save_on_preemption=fn (a function returning it)")
+                            "save_on_preemption=fn, or pass the function: checkpoint_if_preempted(fn)")
         with self._lock:
             manager = self._manager
         if manager is not None:
-            manager.checkpoint_if_preempted()
+            manager.checkpoint_if_preempted(fn)
         if self.checkpoint is None:
             raise Preempted(notice.signal)  # nowhere to save: the attempt still ends at this safe point
         with _preemption.emergency():
