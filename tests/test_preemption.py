@@ -190,6 +190,21 @@ def test_the_manager_finishes_the_save_in_flight_then_saves_the_next_step(fresh:
         assert mgr.metadata(2)["preempted"]["signal"] == "SIGUSR1"
 
 
+def test_a_program_that_reaches_no_safe_point_ends_by_the_signal_at_the_deadline(tmp_path: Path) -> None:
+    script = ("import os, signal, sys, time, taskpoint\n"
+              "m = taskpoint.CheckpointManager(os.environ['DIR'])\n"
+              "print(time.time(), flush=True)\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\n"
+              "time.sleep(30)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "DIR": str(tmp_path / "m"),
+           "TASKPOINT_GRACE_SECONDS": "1.5"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=60)
+    ended = time.time()
+    assert proc.returncode == -signal.SIGTERM, proc.stderr.decode()
+    signalled = float(proc.stdout.decode())
+    assert 1.5 <= ended - signalled < 10  # not at once, and not after the 30 s sleep
+
+
 # -- trainer processes on S3 ---------------------------------------------------------------------------------
 
 

@@ -8,9 +8,11 @@ installed before it, so torchelastic's, Lightning's or the user's own handler st
 
 What a signal whose previous disposition was the default (terminate) does: the notice is recorded and the
 program carries on to its next safe point (a ``CheckpointManager.save`` or ``ctx().checkpoint_if_preempted()``),
-which saves and ends the process. A *second* such signal while no emergency save runs restores the default
-and delivers the signal again, so a program with no safe point still ends when signalled twice; during an
-emergency save further signals are only counted (the save runs to its commit, then the process ends).
+which saves and ends the process. A program that reaches none still ends by the signal: at the deadline
+(``TASKPOINT_GRACE_SECONDS`` after the notice) a watchdog thread delivers it again, and a *second* such
+signal while no emergency save runs restores the default and delivers it once more. During an emergency
+save further signals are only counted and the deadline waits (the save runs to its commit, then the
+process ends; the platform's ``SIGKILL`` remains the hard limit).
 ``SIG_IGN`` stays ignored (the notice is still recorded).
 
 Handlers are installed only from the main thread (Python's rule), once per signal, and work under asyncio and
@@ -65,8 +67,12 @@ Handler = Callable[[int, FrameType | None], Any] | int | None
 _previous: dict[int, Handler] = {}
 _notice: Notice | None = None
 _count = 0
+_signalled = 0
 _saving = 0
 _install_lock = threading.Lock()
+#: Set by the handler when a signal with the default disposition arrived: the watchdog's deadline starts.
+_armed = threading.Event()
+_watchdog: threading.Thread | None = None
 
 
 def grace_seconds() -> float:
@@ -110,7 +116,24 @@ def install(signals: Iterable[str | int] | None = None) -> bool:
                 continue
             previous = signal.signal(sig, _handle)
             _previous[sig] = previous
+        global _watchdog
+        if _watchdog is None:
+            _watchdog = threading.Thread(target=_watch, name="taskpoint-preemption-deadline", daemon=True)
+            _watchdog.start()
     return True
+
+
+def _watch() -> None:
+    """At the deadline of a notice whose signal had the default disposition, deliver the signal again (our
+    handler then ends the process with it), unless the notice was cleared; never during an emergency save."""
+    while True:
+        _armed.wait()
+        _armed.clear()
+        armed = _notice
+        while armed is not None and _notice is armed and (time.time() < armed.deadline or _saving):
+            time.sleep(0.05)
+        if armed is not None and _notice is armed:
+            os.kill(os.getpid(), armed.signal)
 
 
 def uninstall() -> None:
@@ -151,8 +174,8 @@ def notify(signum: int = signal.SIGTERM) -> Notice:
 
 def clear() -> None:
     """Forget the notice (a new attempt in the same process after an emergency save)."""
-    global _notice, _count
-    _notice, _count = None, 0
+    global _notice, _count, _signalled
+    _notice, _count, _signalled = None, 0, 0
 
 
 @contextlib.contextmanager
@@ -167,14 +190,18 @@ def emergency() -> Iterator[None]:
 
 
 def _handle(signum: int, frame: FrameType | None) -> None:
-    first = _notice is None
+    global _signalled
+    _signalled += 1
+    first = _signalled == 1
     notify(signum)
     previous = _previous.get(signum, signal.SIG_DFL)
     if callable(previous):
         previous(signum, frame)
     elif previous == signal.SIG_IGN:
         return
-    elif not first and not _saving:
+    elif first:
+        _armed.set()  # the default would have ended the process: it ends at the deadline at the latest
+    elif not _saving:
         # The default disposition, signalled again with no emergency save running: end as it would have.
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
