@@ -479,3 +479,35 @@ def test_taskpoint_run_passes_the_signal_and_the_preemption_status_and_the_rerun
         assert word == "saving" and int(position) > starts[-1]
         saved.append(int(position))
     assert starts == [0, *saved[:-1]]  # each run resumed from exactly the previous run's emergency save
+
+
+def test_an_orphaned_helper_never_writes_over_a_manifest_already_there(tmp_path: Path) -> None:
+    """The helper's own commit (what it runs when its parent died) leaves a step another writer committed as
+    it is, and commits a step nobody did, with the size and digest it computed."""
+    import dataclasses
+
+    from taskpoint.manager import saver
+    from taskpoint.manager.steps import MANIFEST_NAME
+
+    with taskpoint.CheckpointManager(tmp_path / "m", preemption=False) as mgr:
+        mgr.save(b"the first writer", 1)
+        first = tmp_path / "m" / "ckpt-1" / MANIFEST_NAME
+        before = first.read_bytes()
+        pending = mgr._steps.manifest(1)
+        assert pending is not None
+        other = dataclasses.replace(pending, payload="payload-other")
+        saver._commit_orphan((str(first), {}, None, other), 5, "0" * 64)
+        assert first.read_bytes() == before  # not replaced
+        assert mgr.restore(1).read_bytes() == b"the first writer"
+        # Step 2: nobody committed it; the helper does, naming the payload it uploaded.
+        mgr.save(b"uploaded by the helper", 2)
+        manifest2 = tmp_path / "m" / "ckpt-2" / MANIFEST_NAME
+        committed = mgr._steps.manifest(2)
+        assert committed is not None
+        manifest2.unlink()
+        assert mgr.steps() == [1]
+        blank = dataclasses.replace(committed.record, size=None, sha256=None)
+        saver._commit_orphan((str(manifest2), {}, None, dataclasses.replace(committed, record=blank)),
+                             committed.record.size or 0, committed.record.sha256 or "")
+        assert mgr.steps() == [1, 2]
+        assert mgr.restore(2).read_bytes() == b"uploaded by the helper"
