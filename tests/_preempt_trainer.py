@@ -44,8 +44,9 @@ def blob(at: int) -> bytes:
 
 
 def emergency_state() -> bytes:
+    called = time.time()  # after the save in flight finished
     data = blob(position)
-    log("emergency", position=position, sha256=hashlib.sha256(data).hexdigest())
+    log("emergency", position=position, sha256=hashlib.sha256(data).hexdigest(), called_at=called)
     if opts.get("marker"):
         with open(opts["marker"], "w") as f:
             f.write("saving\n")
