@@ -73,6 +73,16 @@ def test_a_handler_installed_before_runs_and_the_notice_is_recorded(fresh: None)
     os.kill(os.getpid(), signal.SIGUSR1)
     assert _wait_for(lambda: seen == [signal.SIGUSR1] * 2)
     assert preemption.notices() == 2 and preemption.notice() == notice  # the first notice wins
+    # A handler installed over ours that chains to it (as torchelastic's would) is not replaced by a later
+    # install: replacing it would make the two call each other forever.
+    ours = signal.getsignal(signal.SIGUSR1)
+    assert callable(ours)
+    signal.signal(signal.SIGUSR1, lambda signum, frame: (seen.append(-signum), ours(signum, frame)))
+    assert preemption.install(["USR1"])
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert _wait_for(lambda: len(seen) == 4)
+    assert seen == [signal.SIGUSR1, signal.SIGUSR1, -signal.SIGUSR1, signal.SIGUSR1]
+    assert preemption.notices() == 3
     preemption.uninstall()
     assert signal.getsignal(signal.SIGUSR1) is not preemption._handle  # the user's handler is back
 

@@ -105,14 +105,16 @@ def _signal(name: str | int) -> signal.Signals:
 
 def install(signals: Iterable[str | int] | None = None) -> bool:
     """Install the notice handler on ``signals`` (default :func:`configured_signals`); True when it is
-    installed on all of them. Off the main thread it installs nothing and returns False; a signal that has
-    the handler already is left as it is (installing twice chains nothing twice)."""
+    installed on all of them, or was once. Off the main thread it installs nothing and returns False. A
+    signal it was installed on is left as it is: installing twice chains nothing twice, and a handler
+    installed over ours later (which may chain to ours) is not replaced, which would make each call the
+    other forever."""
     if threading.current_thread() is not threading.main_thread():
         return False
     wanted = configured_signals() if signals is None else tuple(_signal(s) for s in signals)
     with _install_lock:
         for sig in wanted:
-            if sig in _previous and signal.getsignal(sig) is _handle:
+            if sig in _previous:
                 continue
             previous = signal.signal(sig, _handle)
             _previous[sig] = previous
