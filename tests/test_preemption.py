@@ -525,3 +525,34 @@ def test_an_orphaned_helper_never_writes_over_a_manifest_already_there(tmp_path:
                              committed.record.size or 0, committed.record.sha256 or "")
         assert mgr.steps() == [1, 2]
         assert mgr.restore(2).read_bytes() == b"uploaded by the helper"
+
+
+def test_slurm_usr1_before_the_time_limit_saves_with_the_manager_and_exits_138(tmp_path: Path) -> None:
+    """``--signal=USR1@90`` with ``TASKPOINT_PREEMPTION_SIGNALS=TERM,USR1``: a manager-only loop (no task)
+    with ``on_preemption`` saves at its next save and ends with status 138, the status the recipe requeues on."""
+    script = ("import os, sys, time, taskpoint\n"
+              "state = {'n': 0}\n"
+              "m = taskpoint.CheckpointManager(os.environ['DIR'], on_preemption=lambda: b'%d' % state['n'])\n"
+              "start = m.latest_step() or 0\n"
+              "print(start, flush=True)\n"
+              "for step in range(start + 1, start + 100000):\n"
+              "    state['n'] = step\n"
+              "    time.sleep(0.002)\n"
+              "    if step % 50 == 0:\n"
+              "        m.save(b'%d' % step, step)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "DIR": str(tmp_path / "m"),
+           "TASKPOINT_PREEMPTION_SIGNALS": "TERM,USR1", "TASKPOINT_GRACE_SECONDS": "85"}
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == b"0\n"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGUSR1, err.decode()
+    with taskpoint.CheckpointManager(tmp_path / "m", preemption=False) as mgr:
+        step = mgr.latest_step()
+        assert step is not None
+        meta = mgr.metadata(step)["preempted"]
+        assert meta["signal"] == "SIGUSR1" and meta["deadline"] == pytest.approx(meta["at"] + 85)
+        # The safe point is the save of a multiple of 50, S: the state there is S, saved as step S - 50 + 1.
+        assert int(mgr.restore(step).read_bytes()) == step + 49
