@@ -14,6 +14,7 @@ from .checkpoint import BaseCheckpoint, Checkpoint
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
+    Preempted,
     StorageAccessDenied,
     StorageError,
     StorageFull,
@@ -32,6 +33,7 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointManager",
+    "Preempted",
     "RetryPolicy",
     "StorageAccessDenied",
     "StorageError",

@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
+    "Preempted",
     "StorageAccessDenied",
     "StorageError",
     "StorageFull",
@@ -46,6 +47,36 @@ class StorageNotFound(StorageError):
 
 class StorageFull(StorageError):
     """No space left: on the destination, or on the local disk a load extracts to. Not retried."""
+
+
+class Preempted(SystemExit):
+    """The attempt ended at a safe point after a preemption notice, once its emergency save committed.
+
+    A :class:`SystemExit` (not an :class:`Exception`), so that ``except Exception`` in a training loop does not
+    swallow it, and so that, uncaught, it ends the process quietly with exit status ``128 + signal`` (143 for
+    SIGTERM, 138 for SIGUSR1), the status a process killed by that signal reports to shells and runners.
+    ``@task`` never retries it in the process (the process is about to be stopped) and never counts it as a
+    failure; the next attempt (the restarted process) resumes from :attr:`step`.
+
+    Attributes:
+        signal: the signal of the notice.
+        step: the emergency step the manager committed, or None when the task's checkpoint was saved.
+        uri: where the emergency save landed (None when nothing was saved).
+        committed_at: ``time.time()`` when the emergency save had committed (None when nothing was saved).
+    """
+
+    def __init__(self, signal: int, step: int | None = None, uri: str | None = None,
+                 committed_at: float | None = None) -> None:
+        super().__init__(128 + int(signal))
+        self.signal = int(signal)
+        self.step = step
+        self.uri = uri
+        self.committed_at = committed_at
+
+    def __str__(self) -> str:
+        where = f" as step {self.step}" if self.step is not None else ""
+        saved = f"; the emergency save committed{where} at {self.uri}" if self.uri else ""
+        return f"preempted by signal {self.signal}{saved}"
 
 
 def add_note(exc: BaseException, note: str) -> None:

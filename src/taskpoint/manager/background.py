@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from ..errors import CheckpointError, add_note
 from ..format.codecs import Codec
+from ..format.records import StepManifest
 from ..payloads import Payload
 from ..storage import Location
 from ..transfer import write_payload
@@ -85,15 +86,16 @@ SNAPSHOT_PREFIX = "taskpoint-snapshot-"
 
 
 def store_payload(location: Location, payload: Payload, codec: Codec, level: int | None,
-                  saver: SaverProcess | None = None) -> tuple[int, str]:
+                  saver: SaverProcess | None = None,
+                  commit: tuple[Location, StepManifest] | None = None) -> tuple[int, str]:
     """Write a step's payload to ``location``: from ``saver``'s process when given and it can reach the
     location (the manager starts one only for a directory other processes can reach), else from this thread.
     A save process that dies or cannot take the payload is never fatal: the payload (under its unique name)
     is written again from here; a killed process's partial object has no manifest and is swept like any
-    leftover."""
+    leftover. ``commit`` is what the save process commits itself if this process dies during the upload."""
     if saver is not None:
         try:
-            return saver.store_payload(location, payload, codec.name, level)
+            return saver.store_payload(location, payload, codec.name, level, commit)
         except NotTransferable:
             pass
         except SaverUnavailable as exc:

@@ -12,6 +12,7 @@ payload.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -35,6 +36,7 @@ from ..storage import LEFTOVER_GRACE_SECONDS, Location, RetryPolicy, normalize_u
 from ._checks import check_grace, check_metadata, check_step
 from .background import Background, store_payload
 from .claims import Claims
+from .emergency import PreemptionPolicy
 from .restore import StepReader
 from .retention import KeepPolicy
 from .saver import SaverProcess
@@ -103,6 +105,11 @@ class CheckpointManager:
             helper process (True, the default) so they never hold this process's GIL; False writes it
             from a thread of this process. ``memory://`` and payloads that cannot be pickled always use
             a thread. Blocking saves always run in the caller's thread.
+        preemption: install the preemption handlers (from the main thread; ``SIGTERM`` by default) and react
+            to notices: :meth:`reached_preemption`, and the emergency save of ``on_preemption``. False opts out.
+        on_preemption: a function returning the state to save when a notice arrives: the next :meth:`save`
+            (or :meth:`checkpoint_if_preempted`) finishes the save in flight, saves that state as the next step,
+            waits for its commit and raises :class:`~taskpoint.Preempted`. See docs/manager.md, "Preemption".
     """
 
     def __init__(
@@ -119,6 +126,8 @@ class CheckpointManager:
         grace_seconds: float = LEFTOVER_GRACE_SECONDS,
         snapshot_dir: str | os.PathLike[str] | None = None,
         background_process: bool = True,
+        preemption: bool = True,
+        on_preemption: Callable[[], Any] | None = None,
     ) -> None:
         uri = normalize_uri(directory, "directory").strip()
         if not uri:
@@ -146,6 +155,7 @@ class CheckpointManager:
         self.last_save: TransferStats | None = None
         self._closed = False
         self._background = Background(uri, snapshots, bool(background_process) and root.backend.shared)
+        self._preemption = PreemptionPolicy(preemption, on_preemption)
         weakref.finalize(self, self._background.slot.report_unclaimed, uri)
 
     # -- properties and lifecycle --------------------------------------------------------------------------
@@ -209,6 +219,7 @@ class CheckpointManager:
         record_metadata = check_metadata(metadata)
         attempt = _attempt_source()
         background = self._async_save if blocking is None else not blocking
+        self.checkpoint_if_preempted()  # a safe point: with on_preemption, a notice ends the attempt here
         with self._lock:
             self._check_open()
             self._background.settle(wait=True)
@@ -230,17 +241,18 @@ class CheckpointManager:
         """Upload the payload under a fresh name, then commit it with the manifest; then tidy up."""
         save_id = uuid.uuid4().hex
         name = f"payload-{save_id}"
-        payload_loc = self._steps.object(step, name)
-        created = time.time()
-        size, digest = store_payload(payload_loc, payload, self._codec, self._level, saver)
+        payload_loc, manifest_loc = self._steps.object(step, name), self._steps.object(step, MANIFEST_NAME)
         record = ObjectRecord(kind=payload.kind, codec=self._codec.name if payload.archived else "raw",
-                              save_id=save_id, created=created, size=size, sha256=digest)
+                              save_id=save_id, created=time.time())
         manifest = StepManifest(step=step, payload=name, record=record, attempt=attempt, metadata=metadata)
+        # The save process commits this manifest itself (size and digest filled in) if we die meanwhile.
+        size, digest = store_payload(payload_loc, payload, self._codec, self._level, saver, (manifest_loc, manifest))
+        manifest = dataclasses.replace(manifest, record=dataclasses.replace(record, size=size, sha256=digest))
         # A failed commit leaves the payload in place: the write may have landed although it raised (a lost
         # response, an interrupt after the PUT), and then the manifest names this payload. Deleting it would
         # leave a committed step naming nothing; if the manifest did not land, the payload is a leftover
         # that no manifest names, removed by a later save or gc() once older than the grace period.
-        self._steps.object(step, MANIFEST_NAME).write_small(manifest.to_bytes(), action="commit the checkpoint at")
+        manifest_loc.write_small(manifest.to_bytes(), action="commit the checkpoint at")
         self._steps.committed(step)
         if replaced is not None and replaced != name and not self._claims.is_restoring(step):
             quietly(self._steps.object(step, replaced).remove)
@@ -257,6 +269,19 @@ class CheckpointManager:
         except Exception as exc:
             warnings.warn(f"taskpoint saved the new step but could not tidy {self.directory} ({exc}); old steps "
                           "and leftovers will be removed by a later save or gc()", RuntimeWarning, stacklevel=2)
+
+    # -- preemption ----------------------------------------------------------------------------------------
+
+    def reached_preemption(self) -> bool:
+        """True once a preemption notice (a signal of :mod:`taskpoint.preemption`) has arrived."""
+        return self._preemption.reached()
+
+    def checkpoint_if_preempted(self, state: Callable[[], Any] | None = None) -> None:
+        """After a notice, the emergency save of ``state()`` (default ``on_preemption``), then
+        :class:`~taskpoint.Preempted`; without a notice, or without either function, nothing."""
+        if self._preemption.due(state):
+            self._preemption.run(self.wait_until_finished, lambda: (self.latest_step() or 0) + 1,
+                                 lambda data, step, meta: self.save(data, step, metadata=meta, blocking=True), state)
 
     # -- queries -------------------------------------------------------------------------------------------
 

@@ -12,13 +12,23 @@ its spawn mode would import the caller's ``__main__`` again, running an unguarde
 It writes payloads as :func:`taskpoint.transfer.write_payload` does, one request at a time, over a pipe of
 length-prefixed pickles. Only the payload's bytes travel this way: the manager still commits (writes the
 manifest) and applies retention in its own process, where it knows which steps are being restored. The
-child runs at a lower CPU priority, and exits when the pipe closes or within a second of its parent's death.
+child runs at a lower CPU priority, and exits when the pipe closes.
+
+When the parent dies (SIGKILL, the OOM killer) while the child is uploading, the child outlives it: it
+finishes the upload and commits the step itself, with the manifest the parent sent along with the request
+(completed with the size and digest it computed), unless a manifest for that step exists already (a writer
+of the same step that got there first is never overwritten). It does so within ``$TASKPOINT_GRACE_SECONDS``
+(default 30) of noticing the death (it looks every 0.2 s); when the upload cannot finish in time it exits
+and leaves only an uncommitted payload, which no reader sees and a later save or ``gc()`` sweeps. An idle
+child exits at once. It ignores the preemption signals (``SIGTERM`` by default), which a platform may send to
+every process of the job: the trainer decides, and the child ends with it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import os
 import pickle
 import signal
@@ -31,8 +41,10 @@ import traceback
 import warnings
 from typing import IO, Any
 
+from .. import preemption
 from ..errors import add_note
 from ..format.codecs import get_codec
+from ..format.records import StepManifest
 from ..payloads import Payload
 from ..storage import Location
 from ..transfer import write_payload
@@ -110,14 +122,21 @@ class SaverProcess:
     def pid(self) -> int:
         return self._process.pid
 
-    def store_payload(self, location: Location, payload: Payload, codec: str, level: int | None) -> tuple[int, str]:
+    def store_payload(self, location: Location, payload: Payload, codec: str, level: int | None,
+                      commit: tuple[Location, StepManifest] | None = None) -> tuple[int, str]:
         """What :func:`taskpoint.transfer.write_payload` does, done by the helper process.
+
+        ``commit`` is the manifest's location and the manifest (its size and digest still to fill in) that the
+        child writes itself if this process dies before the upload ends (see the module's docstring).
 
         Raises what the child raised (with its traceback as a note), or SaverUnavailable when the request
         cannot be sent (the payload does not pickle) or the child died; nothing was committed then.
         """
         try:
-            request = _pickle((location.uri, location.storage_options, location.retry, payload, codec, level))
+            orphan = None if commit is None else (commit[0].uri, commit[0].storage_options, commit[0].retry,
+                                                  commit[1])
+            request = _pickle((location.uri, location.storage_options, location.retry, payload, codec, level,
+                               orphan))
         except Exception as exc:
             raise NotTransferable(f"this payload cannot be sent to the save process ({exc})") from exc
         with self._lock:
@@ -185,8 +204,13 @@ _malloc_trim: Any = None
 # -- the child --------------------------------------------------------------------------------------------
 
 
+#: Set while the child serves a request: its parent's death then waits for the grace period.
+_busy = threading.Event()
+
+
 def _die_with_parent(parent: int) -> None:
-    """End this process within a second of its parent's death, even in the middle of a request.
+    """End this process when its parent dies: at once when idle, else once the request in progress ends (it
+    commits the step itself) or the grace period has passed, whichever comes first.
 
     Polls the parent pid (re-parenting changes it) rather than using Linux's PR_SET_PDEATHSIG, which fires
     when the *thread* that started the child ends: here, the background save thread, after every save.
@@ -194,7 +218,10 @@ def _die_with_parent(parent: int) -> None:
 
     def watch() -> None:
         while os.getppid() == parent:
-            time.sleep(1.0)
+            time.sleep(0.2)
+        deadline = time.monotonic() + preemption.grace_seconds()
+        while _busy.is_set() and time.monotonic() < deadline:
+            time.sleep(0.02)
         os._exit(0)
 
     threading.Thread(target=watch, name="taskpoint-saver-watchdog", daemon=True).start()
@@ -209,6 +236,17 @@ def _portable_error(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
 
 
+def _commit_orphan(commit: tuple[str, Any, Any, StepManifest], size: int, digest: str) -> None:
+    """Write the manifest of the step whose payload this child just uploaded for a parent that died; never
+    over a manifest already there (another writer committed the step first)."""
+    uri, options, retry, pending = commit
+    manifest = dataclasses.replace(pending, record=dataclasses.replace(pending.record, size=size, sha256=digest))
+    location = Location(uri, options, retry)
+    if location.exists():
+        return
+    location.write_small(manifest.to_bytes(), action="commit, for a trainer that died, the checkpoint at")
+
+
 def serve(parent: int) -> None:
     """The child's loop: answer write requests until the pipe closes."""
     _die_with_parent(parent)
@@ -221,19 +259,28 @@ def serve(parent: int) -> None:
     requests = sys.stdin.buffer
     _send(replies, _pickle("ready"))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal is for the parent to handle
+    with contextlib.suppress(ValueError):  # and so are preemption notices: the child ends with its parent
+        for sig in preemption.configured_signals():
+            signal.signal(sig, signal.SIG_IGN)
     while True:
         try:
             message = _receive(requests)
         except EOFError:
             return
+        _busy.set()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             value: Any
             try:
-                uri, options, retry, payload, codec, level = message
-                status, value = "ok", write_payload(Location(uri, options, retry), payload, get_codec(codec), level)
+                uri, options, retry, payload, codec, level, orphan = message
+                value = write_payload(Location(uri, options, retry), payload, get_codec(codec), level)
+                if orphan is not None and os.getppid() != parent:
+                    _commit_orphan(orphan, *value)
+                status = "ok"
             except BaseException as exc:
                 status, value = "error", (_portable_error(exc), traceback.format_exc())
+            finally:
+                _busy.clear()
         _send(replies, _pickle((status, value, [(w.category, str(w.message)) for w in caught])))
         message = payload = value = None  # the payload (bytes can be large) is not kept until the next request
         release_freed_memory()

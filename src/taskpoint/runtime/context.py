@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 
+from .. import preemption
 from ..checkpoint import Checkpoint
 from ..manager import set_attempt_source
 from .layout import (
@@ -104,6 +105,8 @@ def environment_context() -> TaskContext | None:
             context = _build_environment_context()
         finally:
             _env_building = False
+        if context is not None:
+            preemption.install()  # as a task does (from the main thread): ctx().preempted works under `taskpoint run`
         _env_cache = (key, context)
         return context
 

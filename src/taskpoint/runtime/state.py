@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import contextvars
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import preemption as _preemption
 from ..checkpoint import Checkpoint
+from ..errors import Preempted
 from ..manager import CheckpointManager
 from .layout import STEPS_FOLDER
 
@@ -28,6 +32,9 @@ class TaskContext:
             has no checkpoint locations.
         root: the storage root of the run (None when the locations came from an orchestrator).
         storage_options: fsspec options for the locations.
+        preemption: whether this task reacts to preemption notices (``@task(preemption=...)``).
+        save_on_preemption: the function returning the state of the emergency save
+            (``@task(save_on_preemption=...)``), or None.
     """
 
     run_name: str
@@ -40,6 +47,8 @@ class TaskContext:
     storage_options: dict[str, Any] | None = field(default=None, repr=False)
     #: Options for the manager behind :attr:`checkpoints` (``@task(checkpoints={...})``).
     manager_options: dict[str, Any] = field(default_factory=dict)
+    preemption: bool = True
+    save_on_preemption: Callable[[], Any] | None = field(default=None, repr=False)
     _manager: CheckpointManager | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -51,9 +60,38 @@ class TaskContext:
         with self._lock:
             if self._manager is None:
                 uri = f"{self.root}/{self.run_name}/{self.action_name}/{STEPS_FOLDER}"
-                self._manager = CheckpointManager(uri, storage_options=self.storage_options,
-                                                  **self.manager_options)
+                options = {"preemption": self.preemption, "on_preemption": self.save_on_preemption,
+                           **self.manager_options}
+                self._manager = CheckpointManager(uri, storage_options=self.storage_options, **options)
             return self._manager
+
+    @property
+    def preempted(self) -> _preemption.Notice | None:
+        """The preemption notice (``signal``, ``at``, ``deadline``) once one arrived, else None."""
+        return _preemption.notice() if self.preemption else None
+
+    def checkpoint_if_preempted(self, state: Callable[[], Any] | None = None) -> None:
+        """A safe point: one line in a training loop. Without a notice it returns at once. With one, it saves
+        the state ``state()`` (default: the task's ``save_on_preemption``; a context built from the
+        environment by ``taskpoint run`` has none) returns (after finishing a save in flight) and raises
+        :class:`~taskpoint.Preempted` once that save committed: as the next step of :attr:`checkpoints` when
+        this attempt used the manager, else as :attr:`checkpoint`. The next attempt resumes from it."""
+        notice = self.preempted
+        if notice is None:
+            return
+        fn = state or self.save_on_preemption
+        if fn is None:
+            raise TypeError("ctx().checkpoint_if_preempted() needs the state to save: give the task "
+                            "save_on_preemption=fn, or pass the function: checkpoint_if_preempted(fn)")
+        with self._lock:
+            manager = self._manager
+        if manager is not None:
+            manager.checkpoint_if_preempted(fn)
+        if self.checkpoint is None:
+            raise Preempted(notice.signal)  # nowhere to save: the attempt still ends at this safe point
+        with _preemption.emergency():
+            self.checkpoint.save_sync(fn())
+        raise Preempted(notice.signal, None, self.checkpoint.remote_destination, time.time())
 
 
 def set_context(value: TaskContext | None) -> contextvars.Token[TaskContext | None]:

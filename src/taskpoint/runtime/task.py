@@ -15,7 +15,8 @@ from typing import Any, NamedTuple, TypeVar, overload
 import anyio
 import anyio.to_thread
 
-from ..errors import add_note
+from .. import preemption
+from ..errors import Preempted, add_note
 from .layout import ENV_RUN_NAME, clean_name, default_root, env_storage_options
 from .lineage import ActionStore
 from .state import TaskContext, active, current, reset_context, set_context
@@ -48,7 +49,14 @@ def _new_run_name(action: str) -> str:
 class _TaskSpec:
     def __init__(self, fn: Callable[..., Any], retries: int, retry_on: tuple[type[BaseException], ...],
                  name: str | None, root: str | None, run_name: str | None,
-                 storage_options: dict[str, Any] | None, checkpoints: dict[str, Any] | None = None) -> None:
+                 storage_options: dict[str, Any] | None, checkpoints: dict[str, Any] | None = None,
+                 preemption: bool = True, save_on_preemption: Callable[[], Any] | None = None) -> None:
+        if save_on_preemption is not None and not callable(save_on_preemption):
+            raise TypeError("save_on_preemption must be a function returning the state to save, not "
+                            f"{type(save_on_preemption).__name__}")
+        self.preemption = bool(preemption)
+        self.save_on_preemption = save_on_preemption
+        self.install()
         if checkpoints is not None and not isinstance(checkpoints, dict):
             raise TypeError("checkpoints must be a dict of CheckpointManager options, not "
                             f"{type(checkpoints).__name__}")
@@ -69,6 +77,11 @@ class _TaskSpec:
         self.root = root
         self.run_name = run_name
         self.storage_options = storage_options
+
+    def install(self) -> None:
+        """Install the preemption handlers (a no-op off the main thread, and once installed)."""
+        if self.preemption:
+            preemption.install()
 
     def place(self, parent: TaskContext | None) -> _Place:
         """Where this call runs (root, run, action, options), decided where it was called: no storage I/O,
@@ -105,6 +118,12 @@ class _TaskSpec:
     def failed(self, exc: BaseException, attempt: int, last: int, context: TaskContext,
                cleanup: list[Exception]) -> bool:
         """Annotate ``exc`` (and log the failure); True when another attempt should follow."""
+        if isinstance(exc, Preempted):  # not a failure, and not retried here: the process is being stopped
+            add_note(exc, f"taskpoint: attempt {attempt} of task {context.action_name!r} (run "
+                          f"{context.run_name!r}) was preempted; the next attempt resumes from its emergency save")
+            _log.warning("taskpoint: attempt %d of task %r (run %r) was preempted: %s", attempt,
+                         context.action_name, context.run_name, exc)
+            return False
         retry = isinstance(exc, self.retry_on) and attempt < last
         what = (f"taskpoint: attempt {attempt} of {last} of task {context.action_name!r} "
                 f"(run {context.run_name!r}) failed")
@@ -140,7 +159,9 @@ class _Attempt:
     def open(self) -> TaskContext:
         """Write the attempt's marker and find the checkpoint it resumes (storage I/O)."""
         self._store.begin(self._number)
-        return self._store.context(self._number, len(self._numbers))
+        context = self._store.context(self._number, len(self._numbers))
+        context.preemption, context.save_on_preemption = self._spec.preemption, self._spec.save_on_preemption
+        return context
 
     def enter(self, context: TaskContext) -> TaskContext:
         self._context = context
@@ -200,6 +221,7 @@ def _wrap(spec: _TaskSpec) -> Callable[..., Any]:
         @functools.wraps(fn)
         async def run_async(*args: Any, **kwargs: Any) -> Any:
             parent = current()
+            spec.install()
             place = spec.place(parent)  # here, in call order: the action name must not depend on threads
             # Storage I/O runs in worker threads (as the checkpoint calls do): the event loop keeps running.
             store = await anyio.to_thread.run_sync(spec.store, place)
@@ -228,6 +250,7 @@ def _wrap(spec: _TaskSpec) -> Callable[..., Any]:
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
         parent = current()
+        spec.install()
         store = spec.store(spec.place(parent))
         numbers = spec.attempts(store)
         for number in numbers:
@@ -247,6 +270,7 @@ def task(
     *, retries: int = 3, retry_on: type[BaseException] | tuple[type[BaseException], ...] = (Exception,),
     name: str | None = None, root: str | None = None, run_name: str | None = None,
     storage_options: dict[str, Any] | None = None, checkpoints: dict[str, Any] | None = None,
+    preemption: bool = True, save_on_preemption: Callable[[], Any] | None = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -255,6 +279,7 @@ def task(
     retry_on: type[BaseException] | tuple[type[BaseException], ...] = (Exception,),
     name: str | None = None, root: str | None = None, run_name: str | None = None,
     storage_options: dict[str, Any] | None = None, checkpoints: dict[str, Any] | None = None,
+    preemption: bool = True, save_on_preemption: Callable[[], Any] | None = None,
 ) -> Any:
     """Make a function (plain or ``async def``) a task: each call runs it with retries and checkpoints.
 
@@ -278,12 +303,19 @@ def task(
         storage_options: fsspec options for ``root`` (default ``$TASKPOINT_STORAGE_OPTIONS``, JSON).
         checkpoints: options of the versioned manager behind ``ctx().checkpoints`` (``keep``,
             ``keep_every``, ``codec``, ``async_save``, ...), as for :class:`CheckpointManager`.
+        preemption: install the preemption handlers (``SIGTERM`` by default, from the main thread) and react
+            to notices (``ctx().preempted``); False opts out.
+        save_on_preemption: a function returning the state to save when a notice arrives. The next safe
+            point (a save of ``ctx().checkpoints``, or ``ctx().checkpoint_if_preempted()``) saves it, waits
+            for its commit and raises :class:`~taskpoint.Preempted`: the attempt ends without counting as a
+            failure and is not retried in this process; the next attempt resumes from that save.
     """
     def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
         if not callable(f):
             raise TypeError(f"@task decorates functions, not {type(f).__name__}")
         return _wrap(_TaskSpec(f, retries, retry_on if isinstance(retry_on, tuple) else (retry_on,),
-                               name, root, run_name, storage_options, checkpoints))
+                               name, root, run_name, storage_options, checkpoints, preemption,
+                               save_on_preemption))
 
     if fn is not None:
         return decorate(fn)

@@ -1,0 +1,209 @@
+"""Noticing preemption: signal handlers that record a notice and chain whatever handler was there before.
+
+A platform about to stop a process says so with a signal: Kubernetes and most clouds send ``SIGTERM`` and
+``SIGKILL`` a grace period later (``terminationGracePeriodSeconds``, 30 s by default); Slurm sends the
+signal of ``--signal=USR1@90`` before the time limit. :func:`install` puts a handler on each signal that
+records a :class:`Notice` (the first one wins; later ones are counted) and then calls the handler that was
+installed before it, so torchelastic's, Lightning's or the user's own handler still runs.
+
+What a signal whose previous disposition was the default (terminate) does: the notice is recorded and the
+program carries on to its next safe point (a ``CheckpointManager.save`` or ``ctx().checkpoint_if_preempted()``),
+which saves and ends the process. A program that reaches none still ends by the signal: at the deadline
+(``TASKPOINT_GRACE_SECONDS`` after the notice) a watchdog thread delivers it again, and a *second* such
+signal while no emergency save runs restores the default and delivers it once more. During an emergency
+save further signals are only counted and the deadline waits (the save runs to its commit, then the
+process ends; the platform's ``SIGKILL`` remains the hard limit).
+``SIG_IGN`` stays ignored (the notice is still recorded).
+
+Handlers are installed only from the main thread (Python's rule), once per signal, and work under asyncio and
+trio: both run Python-level handlers installed with :func:`signal.signal` from the main thread. The handler
+only assigns module globals (no locks: it runs between two bytecodes of the main thread, which may hold any
+lock). This module imports nothing of taskpoint: the manager and the runtime both use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+#: Seconds from the notice to the platform's SIGKILL, when the environment does not say otherwise.
+DEFAULT_GRACE_SECONDS = 30.0
+ENV_GRACE_SECONDS = "TASKPOINT_GRACE_SECONDS"
+#: Comma-separated signal names (``TERM,USR1``) that replace the default set, ``SIGTERM``.
+ENV_SIGNALS = "TASKPOINT_PREEMPTION_SIGNALS"
+DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM,)
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A preemption notice: which signal, when it arrived (``time.time()``), and the deadline it implies
+    (``at`` plus ``TASKPOINT_GRACE_SECONDS``, default 30)."""
+
+    signal: int
+    at: float
+    deadline: float
+
+    @property
+    def name(self) -> str:
+        try:
+            return signal.Signals(self.signal).name
+        except ValueError:
+            return f"signal {self.signal}"
+
+    def remaining(self) -> float:
+        """Seconds left before the deadline (negative once it has passed)."""
+        return self.deadline - time.time()
+
+
+Handler = Callable[[int, FrameType | None], Any] | int | None
+
+_previous: dict[int, Handler] = {}
+_notice: Notice | None = None
+_count = 0
+_signalled = 0
+_saving = 0
+_install_lock = threading.Lock()
+#: Set by the handler when a signal with the default disposition arrived: the watchdog's deadline starts.
+_armed = threading.Event()
+_watchdog: threading.Thread | None = None
+
+
+def grace_seconds() -> float:
+    """``$TASKPOINT_GRACE_SECONDS`` as a float >= 0, else the default (30)."""
+    raw = os.environ.get(ENV_GRACE_SECONDS, "").strip()
+    try:
+        value = float(raw)
+    except ValueError:
+        return DEFAULT_GRACE_SECONDS
+    return value if value >= 0 else DEFAULT_GRACE_SECONDS
+
+
+def configured_signals() -> tuple[signal.Signals, ...]:
+    """The signals from ``$TASKPOINT_PREEMPTION_SIGNALS`` (``TERM,USR1``), else ``SIGTERM``."""
+    raw = os.environ.get(ENV_SIGNALS, "").strip()
+    if not raw:
+        return DEFAULT_SIGNALS
+    return tuple(_signal(name) for name in raw.split(",") if name.strip())
+
+
+def _signal(name: str | int) -> signal.Signals:
+    if isinstance(name, int):
+        return signal.Signals(name)
+    text = name.strip().upper()
+    try:
+        return signal.Signals[text if text.startswith("SIG") else f"SIG{text}"]
+    except KeyError:
+        raise ValueError(f"unknown signal {name!r} (expected a name such as TERM, USR1 or SIGUSR2)") from None
+
+
+def install(signals: Iterable[str | int] | None = None) -> bool:
+    """Install the notice handler on ``signals`` (default :func:`configured_signals`); True when it is
+    installed on all of them, or was once. Off the main thread it installs nothing and returns False. A
+    signal it was installed on is left as it is: installing twice chains nothing twice, and a handler
+    installed over ours later (which may chain to ours) is not replaced, which would make each call the
+    other forever."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    wanted = configured_signals() if signals is None else tuple(_signal(s) for s in signals)
+    with _install_lock:
+        for sig in wanted:
+            if sig in _previous:
+                continue
+            previous = signal.signal(sig, _handle)
+            _previous[sig] = previous
+        global _watchdog
+        if _watchdog is None:
+            _watchdog = threading.Thread(target=_watch, name="taskpoint-preemption-deadline", daemon=True)
+            _watchdog.start()
+    return True
+
+
+def _watch() -> None:
+    """At the deadline of a notice whose signal had the default disposition, deliver the signal again (our
+    handler then ends the process with it), unless the notice was cleared; never during an emergency save."""
+    while True:
+        _armed.wait()
+        _armed.clear()
+        armed = _notice
+        while armed is not None and _notice is armed and (time.time() < armed.deadline or _saving):
+            time.sleep(0.05)
+        if armed is not None and _notice is armed:
+            os.kill(os.getpid(), armed.signal)
+
+
+def uninstall() -> None:
+    """Put back the handlers :func:`install` replaced, where ours is still the one installed (main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    with _install_lock:
+        for sig, previous in list(_previous.items()):
+            if signal.getsignal(sig) is _handle:
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+            del _previous[sig]
+
+
+def installed() -> tuple[int, ...]:
+    """The signals the handler is installed on."""
+    return tuple(sig for sig in _previous if signal.getsignal(sig) is _handle)
+
+
+def notice() -> Notice | None:
+    """The first notice since the process started (or since :func:`clear`), or None."""
+    return _notice
+
+
+def notices() -> int:
+    """How many notices arrived (signals and :func:`notify` calls) since the process started or :func:`clear`."""
+    return _count
+
+
+def notify(signum: int = signal.SIGTERM) -> Notice:
+    """Record a notice as if ``signum`` had arrived (for notices that come another way than a signal)."""
+    global _notice, _count
+    _count += 1
+    if _notice is None:
+        now = time.time()
+        _notice = Notice(signal=int(signum), at=now, deadline=now + grace_seconds())
+    return _notice
+
+
+def clear() -> None:
+    """Forget the notice (a new attempt in the same process after an emergency save)."""
+    global _notice, _count, _signalled
+    _notice, _count, _signalled = None, 0, 0
+
+
+@contextlib.contextmanager
+def emergency() -> Iterator[None]:
+    """While inside, a repeated signal is only counted: the emergency save runs to its commit."""
+    global _saving
+    _saving += 1
+    try:
+        yield
+    finally:
+        _saving -= 1
+
+
+def _handle(signum: int, frame: FrameType | None) -> None:
+    global _signalled
+    _signalled += 1
+    first = _signalled == 1
+    notify(signum)
+    previous = _previous.get(signum, signal.SIG_DFL)
+    if callable(previous):
+        previous(signum, frame)
+    elif previous == signal.SIG_IGN:
+        return
+    elif first:
+        _armed.set()  # the default would have ended the process: it ends at the deadline at the latest
+    elif not _saving:
+        # The default disposition, signalled again with no emergency save running: end as it would have.
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
