@@ -23,7 +23,7 @@ import pytest
 import taskpoint
 from helpers import make_tree, read_object, snapshot, write_object
 from taskpoint import CheckpointCorruptError, CheckpointError, CheckpointManager, StorageError, TaskContext
-from taskpoint.manager import manager as _manager
+from taskpoint.manager import commit as _commit
 from taskpoint.manager import restore as _restore
 from taskpoint.runtime.state import reset_context as _reset_context
 from taskpoint.runtime.state import set_context as _set_context
@@ -72,8 +72,8 @@ class Gate:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, function: str) -> None:
         # Where the manager looks each transfer up: uploads (through its save process, when it has one) in
-        # the manager module, downloads in the restore module.
-        module, function = {"write_payload": (_manager, "store_payload"),
+        # the commit module, downloads in the restore module.
+        module, function = {"write_payload": (_commit, "store_payload"),
                             "read_payload": (_restore, "read_payload")}[function]
         self._real = getattr(module, function)
         self._held: dict[int, tuple[threading.Event, threading.Event]] = {}

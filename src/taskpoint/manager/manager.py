@@ -12,13 +12,9 @@ payload.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import threading
-import time
-import uuid
-import warnings
 import weakref
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -30,17 +26,17 @@ from .. import _log
 from .._log import TransferStats
 from ..errors import CheckpointError
 from ..format.codecs import Codec, get_codec
-from ..format.records import ObjectRecord, StepManifest
 from ..payloads import Payload, payload_for
 from ..storage import LEFTOVER_GRACE_SECONDS, Location, RetryPolicy, normalize_uri
 from ._checks import check_grace, check_metadata, check_step
-from .background import Background, store_payload
+from .background import Background
 from .claims import Claims
+from .commit import StepWriter
 from .emergency import PreemptionPolicy
 from .restore import StepReader
 from .retention import KeepPolicy
 from .saver import SaverProcess
-from .steps import MANIFEST_NAME, StepStore, quietly
+from .steps import StepStore
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -155,6 +151,7 @@ class CheckpointManager:
         self.last_save: TransferStats | None = None
         self._closed = False
         self._background = Background(uri, snapshots, bool(background_process) and root.backend.shared)
+        self._writer = StepWriter(self._steps, self._claims, self._codec, self._level, self._retention, self._grace)
         self._preemption = PreemptionPolicy(preemption, on_preemption)
         weakref.finalize(self, self._background.slot.report_unclaimed, uri)
 
@@ -238,40 +235,9 @@ class CheckpointManager:
 
     def _write_step(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: str | None,
                     payload: Payload, saver: SaverProcess | None = None, *, clock: _log.Clock) -> None:
-        """Upload the payload under a fresh name, then commit it with the manifest; then tidy up."""
-        save_id = uuid.uuid4().hex
-        name = f"payload-{save_id}"
-        payload_loc, manifest_loc = self._steps.object(step, name), self._steps.object(step, MANIFEST_NAME)
-        record = ObjectRecord(kind=payload.kind, codec=self._codec.name if payload.archived else "raw",
-                              save_id=save_id, created=time.time())
-        manifest = StepManifest(step=step, payload=name, record=record, attempt=attempt, metadata=metadata)
-        # The save process commits this manifest itself (size and digest filled in) if we die meanwhile.
-        size, digest = store_payload(payload_loc, payload, self._codec, self._level, saver, (manifest_loc, manifest))
-        manifest = dataclasses.replace(manifest, record=dataclasses.replace(record, size=size, sha256=digest))
-        # A failed commit leaves the payload in place: the write may have landed although it raised (a lost
-        # response, an interrupt after the PUT), and then the manifest names this payload. Deleting it would
-        # leave a committed step naming nothing; if the manifest did not land, the payload is a leftover
-        # that no manifest names, removed by a later save or gc() once older than the grace period.
-        manifest_loc.write_small(manifest.to_bytes(), action="commit the checkpoint at")
-        self._steps.committed(step)
-        if replaced is not None and replaced != name and not self._claims.is_restoring(step):
-            quietly(self._steps.object(step, replaced).remove)
-        self._tidy()
-        self.last_save = _log.transferred("save", self._steps.step_uri(step), payload.kind, size, clock, step)
+        self.last_save = self._writer.write(step, metadata, attempt, replaced, payload, saver, clock=clock)
 
-    def _tidy(self) -> None:
-        """After a commit: apply retention and remove old leftovers. Never fails the save that committed."""
-        try:
-            removed = self._steps.tidy(self._retention, self._grace)
-            if removed:
-                _log.logger.debug("swept %d leftover(s) in %s: %s", len(removed), _log.safe_uri(self.directory),
-                                  [_log.safe_uri(uri) for uri in removed])
-        except Exception as exc:
-            warnings.warn(f"taskpoint saved the new step but could not tidy {self.directory} ({exc}); old steps "
-                          "and leftovers will be removed by a later save or gc()", RuntimeWarning, stacklevel=2)
-
-    # -- preemption ----------------------------------------------------------------------------------------
-
+    # -- preemption: the notice, and the emergency save (emergency.py) --------------------------------------
     def reached_preemption(self) -> bool:
         """True once a preemption notice (a signal of :mod:`taskpoint.preemption`) has arrived."""
         return self._preemption.reached()
@@ -335,18 +301,8 @@ class CheckpointManager:
             candidates = [step, *(s for s in reversed(self.steps()) if s < step)] if fallback else [step]
         target = None if into is None else Path(normalize_uri(into, "into"))
         self.restored_step, result = self._reader.read_first(candidates, target, fallback=fallback,
-                                                             requested=step is not None)
-        self._log_restore(self.restored_step, clock)
+                                                             requested=step is not None, clock=clock)
         return result
-
-    def _log_restore(self, step: int, clock: _log.Clock) -> None:
-        """The INFO record of a restore; the size and kind come from the step's manifest (read again, and
-        only when the record is wanted: a concurrent overwrite may have changed it since)."""
-        if _log.logger.isEnabledFor(_log.INFO):
-            manifest = self._steps.manifest(step, tolerate_corrupt=True)
-            record = manifest.record if manifest is not None else None
-            _log.transferred("load", self._steps.step_uri(step), record.kind if record else "unknown",
-                             record.size if record else None, clock, step)
 
     # -- delete and garbage collection ---------------------------------------------------------------------
 

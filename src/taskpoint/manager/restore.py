@@ -7,6 +7,7 @@ import threading
 import warnings
 from pathlib import Path
 
+from .. import _log
 from ..errors import CheckpointCorruptError, CheckpointError, add_note
 from ..format.records import StepManifest
 from ..payloads import Payload, payload_class
@@ -38,14 +39,17 @@ class StepReader:
             self._workspace.close()
 
     def read_first(self, candidates: list[int], into: Path | None, *, fallback: bool,
-                   requested: bool) -> tuple[int, Path]:
+                   requested: bool, clock: _log.Clock | None = None) -> tuple[int, Path]:
         """The first of ``candidates`` that restores, and where. Without ``fallback`` only the first is tried;
         with it, a damaged or vanished step is skipped with a warning, but a ``requested`` step that does not
         exist is an error at once, and storage errors are raised, never skipped."""
         first_error: Exception | None = None
         for index, candidate in enumerate(candidates):
             try:
-                return candidate, self.read(candidate, into)
+                result = self.read(candidate, into)
+                if clock is not None:
+                    self._log_restore(candidate, clock)
+                return candidate, result
             except (CheckpointCorruptError, FileNotFoundError) as exc:
                 missing_request = index == 0 and requested and isinstance(exc, FileNotFoundError)
                 if not fallback or missing_request:
@@ -56,6 +60,15 @@ class StepReader:
         assert first_error is not None
         add_note(first_error, "no older step could be restored either")
         raise first_error
+
+    def _log_restore(self, step: int, clock: _log.Clock) -> None:
+        """The INFO record of a restore; the size and kind come from the step's manifest (read again, and
+        only when the record is wanted: a concurrent overwrite may have changed it since)."""
+        if _log.logger.isEnabledFor(_log.INFO):
+            manifest = self._steps.manifest(step, tolerate_corrupt=True)
+            record = manifest.record if manifest is not None else None
+            _log.transferred("load", self._steps.step_uri(step), record.kind if record else "unknown",
+                             record.size if record else None, clock, step)
 
     def read(self, step: int, into: Path | None) -> Path:
         """Restore ``step`` into ``into``, or into ``<own workspace>/ckpt-<step>`` when None."""

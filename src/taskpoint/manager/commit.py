@@ -1,0 +1,65 @@
+"""Writing one step: the payload under a fresh name, then the manifest that commits it, then tidying up."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+import warnings
+from typing import Any
+
+from .. import _log
+from .._log import TransferStats
+from ..format.codecs import Codec
+from ..format.records import ObjectRecord, StepManifest
+from ..payloads import Payload
+from .background import store_payload
+from .claims import Claims
+from .retention import KeepPolicy
+from .saver import SaverProcess
+from .steps import MANIFEST_NAME, StepStore, quietly
+
+
+class StepWriter:
+    """Writes the steps of one manager: each a payload of its own name, committed by its manifest."""
+
+    def __init__(self, steps: StepStore, claims: Claims, codec: Codec, level: int | None, retention: KeepPolicy,
+                 grace: float) -> None:
+        self._steps, self._claims = steps, claims
+        self._codec, self._level = codec, level
+        self._retention, self._grace = retention, grace
+
+    def write(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: str | None,
+              payload: Payload, saver: SaverProcess | None = None, *, clock: _log.Clock) -> TransferStats:
+        """Upload the payload under a fresh name, then commit it with the manifest; then tidy up. Returns the
+        save's figures (``CheckpointManager.last_save``)."""
+        save_id = uuid.uuid4().hex
+        name = f"payload-{save_id}"
+        payload_loc, manifest_loc = self._steps.object(step, name), self._steps.object(step, MANIFEST_NAME)
+        record = ObjectRecord(kind=payload.kind, codec=self._codec.name if payload.archived else "raw",
+                              save_id=save_id, created=time.time())
+        manifest = StepManifest(step=step, payload=name, record=record, attempt=attempt, metadata=metadata)
+        # The save process commits this manifest itself (size and digest filled in) if we die meanwhile.
+        size, digest = store_payload(payload_loc, payload, self._codec, self._level, saver, (manifest_loc, manifest))
+        manifest = dataclasses.replace(manifest, record=dataclasses.replace(record, size=size, sha256=digest))
+        # A failed commit leaves the payload in place: the write may have landed although it raised (a lost
+        # response, an interrupt after the PUT), and then the manifest names this payload. Deleting it would
+        # leave a committed step naming nothing; if the manifest did not land, the payload is a leftover
+        # that no manifest names, removed by a later save or gc() once older than the grace period.
+        manifest_loc.write_small(manifest.to_bytes(), action="commit the checkpoint at")
+        self._steps.committed(step)
+        if replaced is not None and replaced != name and not self._claims.is_restoring(step):
+            quietly(self._steps.object(step, replaced).remove)
+        self._tidy()
+        return _log.transferred("save", self._steps.step_uri(step), payload.kind, size, clock, step)
+
+    def _tidy(self) -> None:
+        """After a commit: apply retention and remove old leftovers. Never fails the save that committed."""
+        try:
+            removed = self._steps.tidy(self._retention, self._grace)
+            if removed:
+                _log.logger.debug("swept %d leftover(s) in %s: %s", len(removed), _log.safe_uri(self._steps.directory),
+                                  [_log.safe_uri(uri) for uri in removed])
+        except Exception as exc:
+            warnings.warn(f"taskpoint saved the new step but could not tidy {self._steps.directory} ({exc}); old steps "
+                          "and leftovers will be removed by a later save or gc()", RuntimeWarning, stacklevel=2)
