@@ -33,6 +33,7 @@ Usage::
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import random
@@ -42,6 +43,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 __all__ = ["FAULT_KINDS", "FaultProxy", "fault_proxy"]
@@ -202,6 +204,8 @@ class FaultProxy:
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._counts: dict[str, int] = dict.fromkeys(("requests", "passed", *FAULT_KINDS), 0)
+        #: The last requests, for diagnosis: (method, path without query, fault or None, status or None).
+        self.log: collections.deque[list[Any]] = collections.deque(maxlen=400)
         self._open: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
@@ -282,6 +286,9 @@ class FaultProxy:
                     head = _without_header(head, "expect")
                     client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
                 fault = self._decide()
+                path = request_line.split(" ")[1].split("?")[0] if " " in request_line else "?"
+                entry = [method, path, fault, None]
+                self.log.append(entry)
                 has_body = "content-length" in headers or "transfer-encoding" in headers
                 if fault == "reset":
                     if upstream is None:
@@ -314,7 +321,7 @@ class FaultProxy:
                 upstream.sendall(head)
                 for data in _body(reader, headers, to_eof=False):
                     upstream.sendall(data)
-                if not self._relay_response(client, upstream_reader, method, cut=fault == "cut"):
+                if not self._relay_response(client, upstream_reader, method, cut=fault == "cut", entry=entry):
                     return
                 if headers.get("connection", "").lower() == "close":
                     return
@@ -348,12 +355,15 @@ class FaultProxy:
                 except OSError:
                     return
 
-    def _relay_response(self, client: socket.socket, upstream: _Reader, method: str, *, cut: bool) -> bool:
+    def _relay_response(self, client: socket.socket, upstream: _Reader, method: str, *, cut: bool,
+                        entry: list | None = None) -> bool:
         """Pass one response (after any 1xx) to the client; False when the connection must end."""
         while True:
             head = upstream.head()
             status_line, headers = _parse_head(head)
             status = int(status_line.split(" ", 2)[1])
+            if entry is not None:
+                entry[3] = status
             if 100 <= status < 200:
                 client.sendall(head)
                 continue

@@ -20,7 +20,7 @@ FULL_COUNTS = {
 QUICK_COUNTS = {
     "sigkill": {"local": 3, "s3": 2, "gcs": 1, "azure": 1},
     "fault_cycles": {"s3": 20, "gcs": 20},
-    "outage": {"s3": True, "gcs": False},
+    "outage": {"s3": "no-stall", "gcs": False},
     "roundtrip": {"memory": 20, "local": 20, "s3": 6},
     "resource_cycles": 100,
     "concurrency_seconds": 5.0,

@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> tuple[list[Result], dict]:
                 if scenario == "sigkill":
                     results += sigkill.run(servers, counts["sigkill"], random.Random(seed), sub)
                 elif scenario == "faults":
-                    kinds = {k: (v, bool(counts["outage"].get(k))) for k, v in counts["fault_cycles"].items()}
+                    kinds = {k: (v, counts["outage"].get(k, False)) for k, v in counts["fault_cycles"].items()}
                     results += faults.run(servers, kinds, random.Random(seed), sub)
                 elif scenario == "roundtrip":
                     results += roundtrip.run(servers, counts["roundtrip"], seed, sub)

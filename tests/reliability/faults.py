@@ -97,8 +97,10 @@ def _cycle(i: int, base: str, options: dict[str, Any], retry: taskpoint.RetryPol
     return None
 
 
-def run_store(servers: Servers, kind: str, cycles: int, outage: bool, rng: random.Random,
+def run_store(servers: Servers, kind: str, cycles: int, outage: bool | str, rng: random.Random,
               scratch: Path) -> list[Result]:
+    """``outage``: False, True (every fault kind) or "no-stall" (resets, 500/503 and cut responses only: a
+    stall costs the client's timeout on each of its retries, which the bounded campaign cannot afford)."""
     from _fault_proxy import FaultProxy
 
     cycles_result = Result("Faults on the wire: 10% of requests fail", kind)
@@ -119,13 +121,22 @@ def run_store(servers: Servers, kind: str, cycles: int, outage: bool, rng: rando
             slowest = 0.0
             for i in range(cycles):
                 started = time.monotonic()
-                cycles_result.trial(_cycle(i, location.base, options, retry, rng, scratch))
+                proxy.log.clear()
+                error = _cycle(i, location.base, options, retry, rng, scratch)
+                if error is not None:  # what the wire saw: faults injected and answers other than 2xx
+                    seen = [f"{m} {p.rsplit('/', 1)[-1] or p} {f or ''}{s or ''}" for m, p, f, s in list(proxy.log)
+                            if f or (s is not None and not 200 <= s < 300)]
+                    error += f" [wire: {'; '.join(seen[-6:])}]"
+                cycles_result.trial(error)
                 slowest = max(slowest, time.monotonic() - started)
             stats = proxy.stats()
             faults = {k: v for k, v in stats.items() if k not in ("requests", "passed") and v}
             cycles_result.note(f"{stats['requests']} requests, {sum(faults.values())} faults "
                                f"({', '.join(f'{k} {v}' for k, v in faults.items())}); slowest cycle {slowest:.1f} s")
             if outage:
+                if outage == "no-stall":
+                    proxy.kinds = tuple(k for k in proxy.kinds if k != "stall")
+                    outage_result.note("stalls left out (bounded run)")
                 with timed(outage_result):
                     _outage(location.base, options, proxy, outage_result, rng, scratch)
             else:
@@ -212,8 +223,9 @@ def _outage(base: str, options: dict[str, Any], proxy: Any, result: Result, rng:
     result.note(f"slowest failing operation {slowest:.0f} s")
 
 
-def run(servers: Servers, kinds: dict[str, tuple[int, bool]], rng: random.Random, scratch: Path) -> list[Result]:
-    """``kinds``: store kind -> (cycles at 10%, whether to run the 100% outage too)."""
+def run(servers: Servers, kinds: dict[str, tuple[int, bool | str]], rng: random.Random,
+        scratch: Path) -> list[Result]:
+    """``kinds``: store kind -> (cycles at 10%, whether to run the 100% outage too: see :func:`run_store`)."""
     results: list[Result] = []
     for kind, (cycles, outage) in kinds.items():
         if cycles <= 0 and not outage:
