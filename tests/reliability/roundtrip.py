@@ -128,6 +128,7 @@ def run_store(servers: Servers, kind: str, examples: int, seed: int, scratch: Pa
             return result
         counter = iter(range(10**9))
         features = {"links": 0, "big": 0, "deep>=20": 0, "empty files": 0}
+        causes = {"a name with a backslash": 0, "a name whose 2nd character is ':'": 0, "neither": 0}
 
         @hypothesis_seed(seed)
         @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
@@ -138,8 +139,10 @@ def run_store(servers: Servers, kind: str, examples: int, seed: int, scratch: Pa
             work = scratch / f"roundtrip-{kind}-{n}"
             src = work / "src"
             error = None
+            names: list[str] = [str(spec)]
             try:
                 build(src, spec)
+                names = [p.name for p in src.rglob("*")]
                 dest = location.url(f"example-{n % 3}")
                 taskpoint.Checkpoint(dest, storage_options=location.storage_options).save_sync(src)
                 with taskpoint.Checkpoint(dest, dest, storage_options=location.storage_options,
@@ -165,10 +168,16 @@ def run_store(servers: Servers, kind: str, examples: int, seed: int, scratch: Pa
                 error = describe_exception(exc)
             finally:
                 _remove(work)
+            if error is not None:  # which odd names the failing tree had, to tell the causes apart in the notes
+                cause = ("a name with a backslash" if any("\\" in n for n in names) else
+                         "a name whose 2nd character is ':'" if any(n[1:2] == ":" for n in names) else "neither")
+                causes[cause] += 1
             result.trial(None if error is None else f"{error} — {describe(spec)}")
 
         example()
         result.note(f"{result.trials} trees: {', '.join(f'{v} with {k}' for k, v in features.items())}")
+        if result.failures:
+            result.note("failing trees had " + ", ".join(f"{k}: {v}" for k, v in causes.items()))
         remove_location(location)
     return result
 
