@@ -4,9 +4,9 @@ One trial, for each way of saving (``Checkpoint.save_sync``; ``CheckpointManager
 background with the trainer killed; in the background with the manager's save process killed):
 
 1. a fresh trainer process (``python -c``) saves version *n* completely (the good checkpoint; its duration
-   tells how long a save takes here), then starts version *n+1*;
-2. after a random delay (seeded; uniform over 0 to 1.3 times that duration) the trainer, or its helper save
-   process, gets SIGKILL;
+   tells how long a save takes here);
+2. it writes version *n+1*, then is asked to save it; after a random delay (seeded; uniform over 0 to 1.3
+   times that duration, counted from the request) the trainer, or its helper save process, gets SIGKILL;
 3. a fresh process loads: it must get version *n* or *n+1* (only *n+1* when that save had finished, or when
    only the helper was killed, since the trainer then finishes the save itself), complete, every file's
    sha256 as saved; any exception is a failure, with its text;
@@ -86,8 +86,11 @@ _TRAINER = textwrap.dedent("""
                 manager.close()
             print("bye", flush=True)
             break
-        version, seed = int(words[1]), int(words[2])
-        state = write_state(work / f"v{version}", writer="trainer", version=version, size=size, seed=seed)
+        if words[0] == "prepare":  # the state is written before the save is asked for: kills land in the save
+            version, seed = int(words[1]), int(words[2])
+            state = write_state(work / f"v{version}", writer="trainer", version=version, size=size, seed=seed)
+            print("prepared", flush=True)
+            continue
         started = time.monotonic()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -301,7 +304,9 @@ def run_mode(servers: Servers, kind: str, mode: str, trials: int, rng: random.Ra
             trainer = _Trainer(mode, target, options, work, size, env)
             try:
                 trainer.expect(("ready",), PROCESS_TIMEOUT)
-                trainer.send(f"save {good} {rng.randrange(2**32)}")
+                trainer.send(f"prepare {good} {rng.randrange(2**32)}")
+                trainer.expect(("prepared",), PROCESS_TIMEOUT)
+                trainer.send("save")
                 line = trainer.expect(("done", "error"), PROCESS_TIMEOUT)
                 if line.startswith("error"):
                     raise RuntimeError(f"the uninterrupted save of version {good} failed: {line[6:]}")
@@ -310,7 +315,9 @@ def run_mode(servers: Servers, kind: str, mode: str, trials: int, rng: random.Ra
                 if mode == "background-helper" and helper is None:
                     raise RuntimeError("the manager's save process was not found among the trainer's children")
                 delay = rng.uniform(0, 1.3 * duration)
-                trainer.send(f"save {killed} {rng.randrange(2**32)}")
+                trainer.send(f"prepare {killed} {rng.randrange(2**32)}")
+                trainer.expect(("prepared",), PROCESS_TIMEOUT)
+                trainer.send("save")
                 time.sleep(delay)
                 if mode == "background-helper":
                     assert helper is not None
