@@ -75,6 +75,8 @@ def table(results: list[Result]) -> str:
         trials = "-" if r.skipped else str(r.trials)
         failures = "-" if r.skipped else str(r.failures)
         notes = "; ".join(r.notes)
+        if len(notes) > 420:  # the JSON results keep every note
+            notes = notes[:420] + "… (more in the JSON results)"
         if r.failures:
             notes = ("**FAILS** " + notes).strip()
         rows.append((r.scenario, r.store, trials, failures, notes.replace("|", "/")))
