@@ -46,6 +46,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--trials", type=int, help="one count for everything: trials per store and mode, cycles, "
                                               "examples, and seconds of concurrency (for development)")
     p.add_argument("--sigkill", type=_store_counts, help="SIGKILL trials per mode, e.g. local=50,s3=20,gcs=10,azure=10")
+    p.add_argument("--sigkill-modes", default=",".join(("checkpoint", "manager", "background-trainer",
+                                                        "background-helper")),
+                   help="comma-separated ways of saving for the SIGKILL scenario (default all)")
     p.add_argument("--fault-cycles", type=_store_counts, help="save/load cycles at 10%% faults, e.g. s3=100,gcs=100")
     p.add_argument("--no-outage", action="store_true", help="skip the 100%% fault runs")
     p.add_argument("--roundtrip", type=_store_counts, help="Hypothesis examples, e.g. memory=150,local=150,s3=40")
@@ -104,7 +107,8 @@ def run(args: argparse.Namespace) -> tuple[list[Result], dict]:
                 sub.mkdir()
                 seed = rng.randrange(2**32)
                 if scenario == "sigkill":
-                    results += sigkill.run(servers, counts["sigkill"], random.Random(seed), sub)
+                    modes = tuple(m for m in args.sigkill_modes.split(",") if m)
+                    results += sigkill.run(servers, counts["sigkill"], random.Random(seed), sub, modes)
                 elif scenario == "faults":
                     kinds = {k: (v, counts["outage"].get(k, False)) for k, v in counts["fault_cycles"].items()}
                     results += faults.run(servers, kinds, random.Random(seed), sub)

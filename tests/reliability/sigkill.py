@@ -154,20 +154,27 @@ _CHECKER = textwrap.dedent("""
 
 
 def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid``, by a scan of /proc (the per-thread ``children`` lists miss a child
+    while the thread that started it exits and it moves to another thread of the process)."""
     found: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
-                found += [int(p) for p in f.read().split()]
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError), open(f"/proc/{name}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(name))
     return found
 
 
-def _helper_pid(trainer: int) -> int | None:
-    for child in _children(trainer):
-        with contextlib.suppress(OSError), open(f"/proc/{child}/cmdline", "rb") as f:
-            if b"taskpoint.manager.saver" in f.read():
-                return child
-    return None
+def _helper_pid(trainer: int, within: float = 5.0) -> int | None:
+    deadline = time.monotonic() + within
+    while True:
+        for child in _children(trainer):
+            with contextlib.suppress(OSError), open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"taskpoint.manager.saver" in f.read():
+                    return child
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.1)
 
 
 class _Trainer:
@@ -313,7 +320,9 @@ def run_mode(servers: Servers, kind: str, mode: str, trials: int, rng: random.Ra
                 duration = float(line.split()[2])
                 helper = _helper_pid(trainer.proc.pid) if mode.startswith("background") else None
                 if mode == "background-helper" and helper is None:
-                    raise RuntimeError("the manager's save process was not found among the trainer's children")
+                    said = [line for line in trainer.lines if line.startswith("warning")]
+                    raise RuntimeError("the manager's save process was not found among the trainer's children "
+                                       f"(the trainer's warnings: {said or 'none'})")
                 delay = rng.uniform(0, 1.3 * duration)
                 trainer.send(f"prepare {killed} {rng.randrange(2**32)}")
                 trainer.expect(("prepared",), PROCESS_TIMEOUT)
