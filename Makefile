@@ -1,6 +1,7 @@
 # taskpoint: two commands on a fresh machine.
 #   make demo   set up .venv with the core only (no extras), then run the quick-start example on the local default root
 #   make test   set up .venv and the object-store servers, check the import layers, then run the whole suite
+#   make reliability  the reliability campaign of issue 11 (RELIABILITY_ARGS="--quick" for the bounded run)
 #   make bench  the speed benchmark of issues 3 and 5 (BENCH_ARGS="--size 0.0625 --runs 1" for a quick run)
 PYTHON ?= python3
 VENV   := .venv
@@ -19,9 +20,10 @@ FLYTE_STAMP := $(FLYTE_VENV)/.installed
 FLYTE_VERSION ?= 2.12.1
 ROOT ?=
 BENCH_ARGS ?=
+RELIABILITY_ARGS ?=
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: demo test bench lint typecheck clean venv servers
+.PHONY: demo test bench reliability lint typecheck clean venv servers
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +58,9 @@ demo: $(DEMO_STAMP)
 test: $(STAMP) $(NPM_STAMP) $(FLYTE_STAMP)
 	$(VENV)/bin/lint-imports --no-cache
 	TASKPOINT_FLYTE_PYTHON=$(FLYTE_VENV)/bin/python $(PY) -m pytest
+
+reliability: $(STAMP) $(NPM_STAMP)
+	$(PY) -m tests.reliability $(RELIABILITY_ARGS)
 
 $(BENCH_STAMP): pyproject.toml $(STAMP)
 	$(PIP) install --quiet -e ".[bench]"

@@ -1,0 +1,402 @@
+"""An HTTP-aware TCP proxy on 127.0.0.1 that injects faults into real traffic to a real storage server.
+
+Where :mod:`_faults` cuts the whole network at once, this proxy decides per HTTP request, with a seeded
+random generator, whether to let it through or to fail it in one of these ways:
+
+``reset``
+    the request body is forwarded halfway (or, for a request without a body, not at all), then both
+    connections are reset (TCP RST): a connection dying in the middle of an upload.
+``stall``
+    the request is read but never answered; the connection is held open for :attr:`stall_seconds`
+    (longer than the client's timeout), then closed: a server or load balancer that hangs.
+``500`` / ``503``
+    the proxy answers itself with that status (an S3-style XML or a GCS-style JSON error body, as the
+    client expects) and closes the connection: an overloaded or failing server.
+``cut``
+    the request goes to the server, but its response is cut short: the head and half the body reach
+    the client, then the connection is reset (or, for a response without a body, half of the head).
+
+The server is real and so is every byte that is let through; only the failures are made here. Requests
+and responses are parsed just enough to find where each one ends (``Content-Length``, chunked transfer
+coding, ``HEAD``, 1xx/204/304), so keep-alive connections carry many requests and each is judged on its
+own. ``Expect: 100-continue`` is answered by the proxy (and not forwarded), so clients that wait for it
+send their body to the proxy, which may then fail it.
+
+Usage::
+
+    with fault_proxy(server.endpoint, seed=7, rate=0.1) as proxy:
+        options = {**server.storage_options, "endpoint_url": proxy.url}
+        ...
+        proxy.rate = 1.0        # every request fails from now on
+        proxy.stats()           # {"requests": ..., "passed": ..., "reset": ..., ...}
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import random
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+__all__ = ["FAULT_KINDS", "FaultProxy", "fault_proxy"]
+
+#: Every kind of fault the proxy can inject.
+FAULT_KINDS: tuple[str, ...] = ("reset", "stall", "500", "503", "cut")
+
+_MAX_HEAD = 256 << 10
+_CHUNK = 64 << 10
+
+
+class _Closed(Exception):
+    """A peer closed its connection (at a clean boundary or not); this connection pair is done."""
+
+
+class _Reader:
+    """Buffered reads of lines and exact byte counts from a socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+
+    def _fill(self) -> None:
+        data = self.sock.recv(_CHUNK)
+        if not data:
+            raise _Closed
+        self.buf += data
+
+    def head(self) -> bytes:
+        """Everything up to and including the blank line that ends an HTTP head."""
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end >= 0:
+                out = bytes(self.buf[: end + 4])
+                del self.buf[: end + 4]
+                return out
+            if len(self.buf) > _MAX_HEAD:
+                raise _Closed
+            self._fill()
+
+    def line(self) -> bytes:
+        while True:
+            end = self.buf.find(b"\r\n")
+            if end >= 0:
+                out = bytes(self.buf[: end + 2])
+                del self.buf[: end + 2]
+                return out
+            if len(self.buf) > _MAX_HEAD:
+                raise _Closed
+            self._fill()
+
+    def some(self, limit: int) -> bytes:
+        """Up to ``limit`` bytes (at least one)."""
+        if not self.buf:
+            self._fill()
+        out = bytes(self.buf[:limit])
+        del self.buf[:limit]
+        return out
+
+    def until_eof(self) -> Iterator[bytes]:
+        if self.buf:
+            yield bytes(self.buf)
+            self.buf.clear()
+        while True:
+            data = self.sock.recv(_CHUNK)
+            if not data:
+                return
+            yield data
+
+
+def _parse_head(head: bytes) -> tuple[str, dict[str, str]]:
+    lines = head.decode("latin-1").split("\r\n")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        if ":" in line:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+    return lines[0], headers
+
+
+def _without_header(head: bytes, name: str) -> bytes:
+    lines = head.split(b"\r\n")
+    kept = [line for line in lines if not line.lower().startswith(name.encode() + b":")]
+    return b"\r\n".join(kept)
+
+
+def _body(reader: _Reader, headers: dict[str, str], *, to_eof: bool) -> Iterator[bytes]:
+    """The raw bytes of a message body as they come (chunked framing included, so it can be relayed)."""
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        while True:
+            size_line = reader.line()
+            yield size_line
+            size = int(size_line.split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                while True:  # trailers, then the blank line
+                    trailer = reader.line()
+                    yield trailer
+                    if trailer == b"\r\n":
+                        return
+            remaining = size + 2  # the data and its CRLF
+            while remaining:
+                data = reader.some(remaining)
+                remaining -= len(data)
+                yield data
+    elif "content-length" in headers:
+        remaining = int(headers["content-length"])
+        while remaining > 0:
+            data = reader.some(remaining)
+            remaining -= len(data)
+            yield data
+    elif to_eof:
+        yield from reader.until_eof()
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close with a TCP RST (SO_LINGER 0), as a dying peer or middlebox does."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with contextlib.suppress(OSError):
+        sock.close()
+
+
+def _error_response(status: int, request_headers: dict[str, str]) -> bytes:
+    reason = {500: "Internal Server Error", 503: "Service Unavailable"}[status]
+    s3_style = ("authorization" in request_headers and "aws4" in request_headers["authorization"].lower()) or any(
+        name.startswith("x-amz-") for name in request_headers)
+    if s3_style:
+        code = {500: "InternalError", 503: "SlowDown"}[status]
+        body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+                f"<Message>injected by the fault proxy</Message><RequestId>fault</RequestId></Error>").encode()
+        kind = "application/xml"
+    else:
+        body = json.dumps({"error": {"code": status, "message": "injected by the fault proxy",
+                                     "errors": [{"reason": "backendError", "message": "injected"}]}}).encode()
+        kind = "application/json"
+    return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
+            f"Connection: close\r\n\r\n").encode() + body
+
+
+class FaultProxy:
+    """Forwards ``127.0.0.1:<port>`` to the server at ``upstream_url``, failing requests at :attr:`rate`.
+
+    ``rate`` (0 to 1) and ``kinds`` may be changed at any time; each request draws from one random
+    generator seeded with ``seed`` (under a lock), so a run's sequence of decisions is reproducible for a
+    given order of requests. :meth:`stats` counts requests, those let through, and each fault injected.
+    """
+
+    def __init__(self, upstream_url: str, *, seed: int = 0, rate: float = 0.0,
+                 kinds: Sequence[str] = FAULT_KINDS, stall_seconds: float = 10.0) -> None:
+        unknown = set(kinds) - set(FAULT_KINDS)
+        if unknown:
+            raise ValueError(f"unknown fault kinds {sorted(unknown)}; choose from {FAULT_KINDS}")
+        parts = urlsplit(upstream_url)
+        self._upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
+        self.rate = rate
+        self.kinds = tuple(kinds)
+        self.stall_seconds = stall_seconds
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = dict.fromkeys(("requests", "passed", *FAULT_KINDS), 0)
+        #: The last requests, for diagnosis: (method, path without query, fault or None, status or None).
+        self.log: collections.deque[list[Any]] = collections.deque(maxlen=400)
+        self._open: set[socket.socket] = set()
+        self._threads: list[threading.Thread] = []
+        self._stop = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._accepter = threading.Thread(target=self._accept_loop, name="fault-proxy-accept", daemon=True)
+        self._accepter.start()
+
+    # -- control ---------------------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    def _decide(self) -> str | None:
+        with self._lock:
+            self._counts["requests"] += 1
+            fault = self._rng.choice(self.kinds) if self.kinds and self._rng.random() < self.rate else None
+            self._counts[fault or "passed"] += 1
+            return fault
+
+    def close(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        with self._lock:
+            conns = list(self._open)
+            self._open.clear()
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                conn.close()
+        self._accepter.join(timeout=5)
+        for thread in list(self._threads):
+            thread.join(timeout=5)
+
+    def __enter__(self) -> FaultProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- serving ---------------------------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        self._listener.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with self._lock:
+                self._open.add(client)
+                self._threads = [t for t in self._threads if t.is_alive()]
+            thread = threading.Thread(target=self._serve, args=(client,), name="fault-proxy-conn", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _forget(self, *socks: socket.socket) -> None:
+        with self._lock:
+            for sock in socks:
+                self._open.discard(sock)
+
+    def _serve(self, client: socket.socket) -> None:
+        upstream: socket.socket | None = None
+        try:
+            reader = _Reader(client)
+            upstream_reader: _Reader | None = None
+            while not self._stop.is_set():
+                head = reader.head()
+                request_line, headers = _parse_head(head)
+                method = request_line.split(" ", 1)[0].upper()
+                if headers.get("expect", "").lower() == "100-continue":
+                    head = _without_header(head, "expect")
+                    client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+                fault = self._decide()
+                path = request_line.split(" ")[1].split("?")[0] if " " in request_line else "?"
+                entry = [method, path, fault, None]
+                self.log.append(entry)
+                has_body = "content-length" in headers or "transfer-encoding" in headers
+                if fault == "reset":
+                    if upstream is None:
+                        upstream = self._connect()
+                    upstream.sendall(head)
+                    length = int(headers.get("content-length", "0") or 0)
+                    sent = 0
+                    if has_body and length:
+                        for data in _body(reader, headers, to_eof=False):
+                            if sent + len(data) >= length // 2:
+                                upstream.sendall(data[: max(0, length // 2 - sent)])
+                                break
+                            upstream.sendall(data)
+                            sent += len(data)
+                    _reset(client)
+                    _reset(upstream)
+                    return
+                if fault in ("stall", "500", "503"):
+                    for _ in _body(reader, headers, to_eof=False):
+                        pass  # the whole request is read (the client is done sending) ...
+                    if fault == "stall":  # ... and never answered
+                        self._hold(client)
+                        return
+                    client.sendall(_error_response(int(fault), headers))
+                    return
+                if upstream is None:
+                    upstream = self._connect()
+                    upstream_reader = _Reader(upstream)
+                assert upstream_reader is not None
+                upstream.sendall(head)
+                for data in _body(reader, headers, to_eof=False):
+                    upstream.sendall(data)
+                if not self._relay_response(client, upstream_reader, method, cut=fault == "cut", entry=entry):
+                    return
+                if headers.get("connection", "").lower() == "close":
+                    return
+        except (_Closed, OSError, ValueError):
+            pass
+        finally:
+            for sock in (client, upstream):
+                if sock is not None:
+                    with contextlib.suppress(OSError):
+                        sock.close()
+                    self._forget(sock)
+
+    def _connect(self) -> socket.socket:
+        upstream = socket.create_connection(self._upstream, timeout=60)
+        with self._lock:
+            self._open.add(upstream)
+        return upstream
+
+    def _hold(self, client: socket.socket) -> None:
+        """Keep the connection open and silent until the stall is over or the client gives up."""
+        deadline = time.monotonic() + self.stall_seconds
+        while not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            readable, _, _ = select.select([client], [], [], min(left, 0.2))
+            if readable:
+                try:
+                    if not client.recv(_CHUNK):
+                        return  # the client timed out and closed
+                except OSError:
+                    return
+
+    def _relay_response(self, client: socket.socket, upstream: _Reader, method: str, *, cut: bool,
+                        entry: list | None = None) -> bool:
+        """Pass one response (after any 1xx) to the client; False when the connection must end."""
+        while True:
+            head = upstream.head()
+            status_line, headers = _parse_head(head)
+            status = int(status_line.split(" ", 2)[1])
+            if entry is not None:
+                entry[3] = status
+            if 100 <= status < 200:
+                client.sendall(head)
+                continue
+            break
+        no_body = method == "HEAD" or status in (204, 304)
+        framed = "content-length" in headers or "transfer-encoding" in headers
+        if cut:
+            length = int(headers.get("content-length", "0") or 0) if not no_body else 0
+            if no_body or (framed and length == 0 and "transfer-encoding" not in headers):
+                client.sendall(head[: len(head) // 2])
+            else:
+                client.sendall(head)
+                budget = max(1, length // 2) if length else 1
+                for data in _body(upstream, headers, to_eof=not framed):
+                    client.sendall(data[:budget])
+                    budget -= len(data)
+                    if budget <= 0:
+                        break
+            _reset(client)
+            return False
+        client.sendall(head)
+        if no_body:
+            return headers.get("connection", "").lower() != "close"
+        for data in _body(upstream, headers, to_eof=not framed):
+            client.sendall(data)
+        return framed and headers.get("connection", "").lower() != "close"
+
+
+@contextlib.contextmanager
+def fault_proxy(upstream_url: str, **kwargs: object) -> Iterator[FaultProxy]:
+    """A :class:`FaultProxy` in front of ``upstream_url`` for the duration of the block."""
+    proxy = FaultProxy(upstream_url, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield proxy
+    finally:
+        proxy.close()

@@ -1,0 +1,61 @@
+"""The bounded reliability campaign of issue 11, inside ``make test``: each scenario at small counts, 0 failures.
+
+The full campaign is ``make reliability`` (``python -m tests.reliability``); docs/reliability.md describes
+the scenarios. Here every scenario runs with the ``--quick`` counts of tests/reliability/__main__.py, on the
+suite's session servers' kinds (each scenario starts the servers it needs). The hostile-archive row is left
+out: its module is part of the suite itself.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from reliability import QUICK_COUNTS, concurrency, credentials, faults, resources, roundtrip, sigkill
+from reliability._common import Result, Servers, table
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def servers():
+    with Servers() as running:
+        yield running
+
+
+def _check(results: list[Result]) -> None:
+    text = table(results)
+    print("\n" + text)
+    problems = [f"{r.scenario} [{r.store}]: {e}" for r in results for e in r.errors]
+    problems += [f"{r.scenario} [{r.store}]: {r.failures - len(r.errors)} more failure(s)"
+                 for r in results if r.failures > len(r.errors)]
+    problems += [f"{r.scenario} [{r.store}]: {'; '.join(r.notes)}" for r in results
+                 if r.skipped and any(n.startswith("not run:") for n in r.notes)]
+    assert not problems, "\n".join([text, *problems])
+    assert all(r.trials > 0 for r in results if not r.skipped), text
+
+
+def test_sigkill_during_save(servers, tmp_path):
+    _check(sigkill.run(servers, QUICK_COUNTS["sigkill"], random.Random(1), tmp_path))
+
+
+def test_faults_on_the_wire(servers, tmp_path):
+    kinds = {k: (v, QUICK_COUNTS["outage"].get(k, False)) for k, v in QUICK_COUNTS["fault_cycles"].items()}
+    _check(faults.run(servers, kinds, random.Random(2), tmp_path))
+
+
+def test_round_trips_by_property(servers, tmp_path):
+    _check(roundtrip.run(servers, QUICK_COUNTS["roundtrip"], 3, tmp_path))
+
+
+def test_secrets_stay_out_of_errors_warnings_and_logs(servers, tmp_path):
+    _check(credentials.run(servers, tmp_path))
+
+
+def test_no_resource_leaks(servers, tmp_path):
+    _check(resources.run(servers, QUICK_COUNTS["resource_cycles"], tmp_path))
+
+
+def test_concurrent_writers_and_a_reader(servers, tmp_path):
+    _check(concurrency.run(servers, ("local", "s3"), QUICK_COUNTS["concurrency_seconds"], tmp_path))
