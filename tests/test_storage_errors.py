@@ -135,9 +135,13 @@ def test_loading_from_and_listing_a_missing_bucket_is_storage_not_found(s3_serve
     cp = Checkpoint(f"{missing}/x", f"{missing}/run/ckpt", storage_options=s3_server.storage_options)
     with pytest.raises(StorageNotFound):
         cp.load_sync()
-    with CheckpointManager(f"{missing}/steps", storage_options=s3_server.storage_options) as m, \
-            pytest.raises(StorageNotFound):
-        m.steps()
+    with CheckpointManager(f"{missing}/steps", storage_options=s3_server.storage_options) as m:
+        with pytest.raises(StorageNotFound):
+            m.steps()
+        with pytest.raises(StorageNotFound):
+            m.restore(1)  # a step asked for by number: still no "step 1 does not exist"
+        with pytest.raises(StorageNotFound):
+            m.metadata(1)
 
 
 # -- full: the destination, or the local disk a load extracts to ----------------------------------------------
@@ -247,6 +251,7 @@ def _wrapped(outer: BaseException, inner: BaseException) -> BaseException:
     (lambda: _azure("ClientAuthenticationError", 403, "AuthenticationFailed"), Failure.DENIED),
     (lambda: _wrapped(RuntimeError("Failed to upload block"), _azure("HttpResponseError", 400, "InvalidBlockList")),
      Failure.TRANSIENT),  # two writers racing on one blob: an unknown client error is retried
+    (lambda: OSError("Forbidden: https://storage.googleapis.com/b/o"), Failure.DENIED),  # gcsfs's 403
     (lambda: OSError(errno.ENOSPC, "No space left on device"), Failure.FULL),
     (lambda: OSError(errno.EDQUOT, "Disk quota exceeded"), Failure.FULL),
     (lambda: OSError(errno.EIO, "Input/output error"), Failure.TRANSIENT),

@@ -250,9 +250,11 @@ def _unsafe(uri: str, member: tarfile.TarInfo, why: str) -> UnsafeArchiveError:
 
 def _member_parts(uri: str, member: tarfile.TarInfo) -> tuple[str, ...]:
     name = member.name
-    if name.startswith(("/", "\\")) or os.path.isabs(name) or (len(name) > 1 and name[1] == ":"):
+    # POSIX names: only "/" separates, and only a leading "/" is absolute. A backslash or "C:" is part of a
+    # name here (extraction needs openat and O_NOFOLLOW, so it runs on POSIX only), and escapes nothing.
+    if name.startswith("/") or os.path.isabs(name):
         raise _unsafe(uri, member, "absolute path")
-    parts = tuple(p for p in name.replace("\\", "/").split("/") if p not in ("", "."))
+    parts = tuple(p for p in name.split("/") if p not in ("", "."))
     if ".." in parts:
         raise _unsafe(uri, member, "'..' in its path")
     if len(parts) > MAX_DEPTH or len(name) > MAX_PATH_BYTES or len(os.fsencode(name)) > MAX_PATH_BYTES:

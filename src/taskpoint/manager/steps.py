@@ -74,6 +74,7 @@ class StepStore:
         location = self.object(step, MANIFEST_NAME)
         data = location.read_small()
         if data is None:
+            self._check_container()
             return None
         try:
             manifest = StepManifest.from_bytes(data, location.uri)
@@ -116,12 +117,17 @@ class StepStore:
         if folders or step is not None or self._container_seen:
             self._container_seen = self._container_seen or bool(folders)
             return folders
-        # Nothing listed: a missing bucket must not read as "no checkpoint". Asked until it once exists.
+        self._check_container()  # nothing listed: a missing bucket must not read as "no checkpoint"
+        return folders
+
+    def _check_container(self) -> None:
+        """Raise StorageNotFound when the bucket or container is missing; asked until it once exists."""
+        if self._container_seen:
+            return
         if self.root.container_missing():
             raise StorageNotFound(f"could not list {self.directory}: the bucket or container does not exist. "
-                               "Create it, or fix the URI.")
+                                  "Create it, or fix the URI.")
         self._container_seen = True
-        return folders
 
     # -- deleting and sweeping -----------------------------------------------------------------------------
 

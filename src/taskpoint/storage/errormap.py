@@ -158,6 +158,8 @@ def _by_code(code: str | None, status: int | None) -> Failure | None:
 
 def _by_errno(exc: OSError) -> Failure:
     number = exc.errno
+    if number is None and str(exc).startswith("Forbidden"):
+        return Failure.DENIED  # gcsfs answers a 403 with a bare OSError("Forbidden: ...")
     if isinstance(exc, FileNotFoundError) or number == errno.ENOENT:
         return Failure.ABSENT
     if number in _FULL_ERRNOS:

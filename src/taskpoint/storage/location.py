@@ -10,6 +10,7 @@ Every write becomes visible whole or not at all (see the backends).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -30,7 +31,7 @@ from .backends import (
     credential_source,
     protocols,
 )
-from .errormap import map_errors
+from .errormap import Failure, classify, map_errors
 from .objectstores import GCSBackend, ObjectStoreBackend, S3Backend
 from .retry import RetryPolicy
 
@@ -81,9 +82,20 @@ class Location:
 
     def run(self, fn: Callable[[], T], *, action: str, writing: bool = False) -> T:
         """``fn`` with this location's retries and error map (for transfers that span several calls).
-        ``writing``: ``fn`` writes here, so "not found" means a missing bucket, container or folder."""
+        ``writing``: ``fn`` writes here, so "not found" means a missing bucket, container or folder, unless the
+        bucket is there: then the store lost something of the write in flight (GCS forgets a resumable upload
+        session that a fault interrupted), and the write is retried."""
+        call = fn
+        if writing and not self.is_local:
+            def call() -> T:
+                try:
+                    return fn()
+                except FileNotFoundError as exc:
+                    if classify(exc) is Failure.ABSENT and not self.backend.container_missing(self.path):
+                        raise LostInFlight(errno.EAGAIN, f"the store lost part of the write to {self.uri}") from exc
+                    raise
         with map_errors(action, self.uri, self.backend.credentials(), writing=writing):
-            return self.retry.call(fn, action=action, uri=self.uri)
+            return self.retry.call(call, action=action, uri=self.uri)
 
     # -- reads -------------------------------------------------------------------------------------------
 
@@ -219,6 +231,10 @@ def client_timeouts(scheme: str, options: dict[str, Any], deadline: float | None
         out.setdefault("connection_timeout", deadline)
         out.setdefault("read_timeout", deadline)
     return out
+
+
+class LostInFlight(OSError):
+    """A write's upload session or part vanished while its bucket is there: transient, retried."""
 
 
 def normalize_uri(value: str | os.PathLike[str], what: str) -> str:
