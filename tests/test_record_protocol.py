@@ -192,8 +192,9 @@ class _RequestCounter:
 
 
 def test_small_saves_and_loads_take_few_requests(s3_store, tmp_path):
-    """Issue 11 item 19: a small save takes 3 requests in a process's first save where checkpoints exist, 2 after;
-    a small load 2. The very first save at a new name also checks that it is no prefix (a HEAD and a listing)."""
+    """Issue 11 item 19: a small save takes 3 requests (read the record, write it, write the object: the record is
+    read again each time so that another writer's object stays listed); a small load 2. The very first save at
+    a new name also checks that it is no prefix (a HEAD and a listing)."""
     from taskpoint import checkpoint
 
     dest = s3_store.url("ckpt")
@@ -213,7 +214,7 @@ def test_small_saves_and_loads_take_few_requests(s3_store, tmp_path):
     load = list(counter.requests)
     assert len(very_first) <= 5, very_first
     assert len(first) <= 3, first
-    assert len(second) <= 2, second
+    assert len(second) <= 3, second
     assert len(load) <= 2, load
 
 

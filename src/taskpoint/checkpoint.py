@@ -211,15 +211,17 @@ def clean_source_uri(value: str | os.PathLike[str] | None) -> str | None:
 
 # -- the record protocol, shared with the runtime's lineage search -------------------------------------
 
-#: The record this process last wrote beside each destination (key: filesystem protocol and record path). A
-#: later save there starts from it instead of reading the record again: a small save then takes two requests
-#: (the record, the object). Another process saving the same destination meanwhile is not seen; its object
-#: is listed again by its own next save, and a load that meets an unlisted object re-reads the record.
-_written: dict[tuple[str, str], Record] = {}
+#: The record this process last wrote beside each destination (key: filesystem protocol and record path), with
+#: the local file's identity. A later save starts from it; just before it lists its new object it reads the
+#: record again (on local disk only when a stat says another process replaced it), so that what another
+#: writer made visible stays listed.
+_written: dict[tuple[str, str], tuple[Record, tuple[int, int, int] | None]] = {}
 _written_lock = threading.Lock()
 #: How often a load re-reads the record and follows it when the object it read is not listed (each time, a
 #: save of another process wrote the record after this load read it).
 _RECORD_REREADS = 4
+#: The pause before a load reads the object again under an unchanged record (a damaged object waits it once).
+_RECORD_PAUSE = 0.1
 
 
 def _record_key(record_loc: Location) -> tuple[str, str]:
@@ -232,7 +234,8 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
     record_loc = dest.sibling(MANIFEST_SUFFIX)
     key = _record_key(record_loc)
     with _written_lock:
-        known = _written.pop(key, None)
+        known, stamp = _written.pop(key, (None, None))
+    read_at = time.monotonic()
     previous = known if known is not None else (read_record(record_loc, tolerate_corrupt=True) or Record())
     if dest.is_local or not previous.objects:
         # A folder or prefix is refused before anything is written (folders.py). A destination with a record
@@ -252,7 +255,14 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
             record_loc.write_small(state.record.to_bytes(), action="save a checkpoint to")
 
     def before_commit(size: int, digest: str) -> None:
-        state.record = previous.with_new(replace(entry, size=size, crc32=digest), sweep=state.partial)
+        # Another process may save here too: the record must keep listing the object it made visible. Read the
+        # record again unless it cannot have changed (local: the same file as this process wrote; a record
+        # read a moment ago), and keep what it lists besides what this process knew.
+        base = state.record
+        if (known is not None and not _unchanged(record_loc, stamp)) or \
+                (known is None and time.monotonic() - read_at > _FRESH_SECONDS):
+            base = _merged(read_record(record_loc, tolerate_corrupt=True), base)
+        state.record = base.with_new(replace(entry, size=size, crc32=digest), sweep=state.partial)
         record_loc.write_small(state.record.to_bytes(), action="record the checkpoint at")
 
     try:
@@ -262,8 +272,38 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
         _mark_failed(record_loc, state.record)
         raise
     with _written_lock:
-        _written[key] = replace(state.record, confirmed=entry.save_id, sweep=False)
+        _written[key] = (replace(state.record, confirmed=entry.save_id, sweep=False), _stamp(record_loc))
     return replace(entry, size=size, crc32=digest)
+
+
+#: A record read this recently (seconds) is not read again just before the new object is listed in it.
+_FRESH_SECONDS = 1.0
+
+
+def _stamp(record_loc: Location) -> tuple[int, int, int] | None:
+    """Local disk: what identifies the record file this process just wrote (inode, size, mtime)."""
+    if not record_loc.is_local:
+        return None
+    try:
+        st = os.stat(record_loc.path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _unchanged(record_loc: Location, stamp: tuple[int, int, int] | None) -> bool:
+    """True when the record is still the one this process wrote (local disk: a stat, no read); elsewhere it
+    cannot be known without reading it, so False."""
+    return stamp is not None and _stamp(record_loc) == stamp
+
+
+def _merged(current: Record | None, known: Record) -> Record:
+    """The record as stored, plus the objects this process knew of that it no longer lists (newest first)."""
+    if current is None:
+        return known
+    listed = {o.save_id for o in current.objects}
+    extra = tuple(o for o in known.objects if o.save_id not in listed)
+    return replace(current, objects=current.objects + extra, confirmed=known.confirmed or current.confirmed)
 
 
 @dataclass
@@ -302,17 +342,21 @@ def load_object(src: Location, workspace: Path) -> Path | None:
     """Load the checkpoint at ``src`` into ``workspace``; None when nothing was ever saved there."""
     record_loc = src.sibling(MANIFEST_SUFFIX)
     record = read_record(record_loc)
+    paused = False
     for reread in range(_RECORD_REREADS + 1):
         try:
             result = _load_listed(src, workspace, record)
             break
         except _Unlisted:
             # A save writes its record before its object becomes visible: a reader that meets an object its
-            # copy of the record does not list finds it listed when it reads the record again. An unchanged
-            # record means the object is damaged.
+            # copy of the record does not list finds it listed when it reads the record again (once more after
+            # a short pause: two writers may race). A record that stays the same means the object is damaged.
             newer = read_record(record_loc)
-            if newer == record or reread == _RECORD_REREADS:
+            if reread == _RECORD_REREADS or (newer == record and paused):
                 raise
+            if newer == record:  # another writer may be about to make the object its record lists visible
+                time.sleep(_RECORD_PAUSE)
+                paused = True
             record = newer
     if result is None:
         if record is not None and record.objects:
