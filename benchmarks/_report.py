@@ -122,9 +122,10 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                       r.get("time_vs_raw"), lambda v: v <= 1.2, "{:.2f}x", vs_durable(r))
     for op in ("save", "load"):
         r = get("s3", "small", op)
-        check("issue 11: small (4 KiB) save/load on S3 vs Flyte's one object: <= 2x its time (2 requests vs 1)",
-              f"s3/small/{op}", None if "speedup_vs_baseline" not in r else 1 / r["speedup_vs_baseline"],
-              lambda v: v <= 2.0, "{:.2f}x")
+        limit, requests = (3.0, 3) if op == "save" else (2.0, 2)
+        check(f"issue 11: small (4 KiB) {op} on S3 vs Flyte's one object: <= {limit:g}x its time ({requests} "
+              "requests vs 1)", f"s3/small/{op}", None if "speedup_vs_baseline" not in r
+              else 1 / r["speedup_vs_baseline"], lambda v, limit=limit: v <= limit, "{:.2f}x")
     for store in ("local", "s3"):
         check("archive size at the default level: <= 1.02x the baseline's", f"{store}/directory/save",
               get(store, "directory", "save").get("stored_vs_baseline"), lambda v: v <= 1.02, "{:.4f}x")
