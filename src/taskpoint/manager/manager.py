@@ -12,6 +12,7 @@ payload.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -34,7 +35,9 @@ from ..payloads import Payload, payload_for
 from ..storage import LEFTOVER_GRACE_SECONDS, Location, RetryPolicy, normalize_uri
 from ._checks import check_grace, check_metadata, check_step
 from .background import Background, store_payload
+from .chunks import ChunkStore
 from .claims import Claims
+from .dedup import Dedup, deduplicable
 from .restore import StepReader
 from .retention import KeepPolicy
 from .saver import SaverProcess
@@ -88,7 +91,8 @@ class CheckpointManager:
             default) keeps everything.
         keep_every: with ``keep``, also keep every step divisible by ``keep_every``.
         storage_options: passed to fsspec (credentials, endpoint_url, ...).
-        codec: archive codec for directories: ``"gzip"`` (default), ``"zstd"`` or ``"none"``.
+        codec: ``"gzip"``, ``"zstd"`` or ``"none"``: the archive codec of directories (None: gzip), and the
+            codec of each chunk of deduplicated steps (None: zstd).
         level: compression level for the codec; None picks a fast default.
         async_save: when True, :meth:`save` returns once the data is snapshotted and uploads in the
             background (``save(..., blocking=...)`` overrides it per call).
@@ -103,6 +107,9 @@ class CheckpointManager:
             helper process (True, the default) so they never hold this process's GIL; False writes it
             from a thread of this process. ``memory://`` and payloads that cannot be pickled always use
             a thread. Blocking saves always run in the caller's thread.
+        dedup: save bytes, files and directories as deduplicated steps: files cut into chunks, each stored
+            once in the directory's chunk store and uploaded only when the store lacks it; :meth:`gc` removes
+            the chunks no step names. Background saves then upload from a thread of this process.
     """
 
     def __init__(
@@ -112,13 +119,14 @@ class CheckpointManager:
         keep: int | None = None,
         keep_every: int | None = None,
         storage_options: dict[str, Any] | None = None,
-        codec: str = "gzip",
+        codec: str | None = None,
         level: int | None = None,
         async_save: bool = False,
         retry: RetryPolicy | None = None,
         grace_seconds: float = LEFTOVER_GRACE_SECONDS,
         snapshot_dir: str | os.PathLike[str] | None = None,
         background_process: bool = True,
+        dedup: bool = False,
     ) -> None:
         uri = normalize_uri(directory, "directory").strip()
         if not uri:
@@ -132,13 +140,15 @@ class CheckpointManager:
         snapshots = None if snapshot_dir is None else os.fspath(normalize_uri(snapshot_dir, "snapshot_dir"))
         if level is not None and (not isinstance(level, int) or isinstance(level, bool)):
             raise TypeError(f"level must be an int or None, not {type(level).__name__}")
-        self._codec: Codec = get_codec(codec)
+        self._codec: Codec = get_codec("gzip" if codec is None else codec)
         self._level = level
         self._async_save = bool(async_save)
         root = Location(uri, storage_options, retry)
         self._claims = Claims((str(root.fs.protocol), root.path))
         self._steps = StepStore(root, self._claims)
-        self._reader = StepReader(self._steps, self._claims)
+        self._dedup_on = bool(dedup)
+        self._dedup = Dedup(self._steps, ChunkStore(root, "zstd" if codec is None else codec, level), self._grace)
+        self._reader = StepReader(self._steps, self._claims, self._dedup)
         self._lock = threading.RLock()  # save, delete, gc, close and wait_until_finished, one at a time
         #: The step the last successful :meth:`restore` returned (useful with ``fallback=True``).
         self.restored_step: int | None = None
@@ -228,19 +238,23 @@ class CheckpointManager:
     def _write_step(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: str | None,
                     payload: Payload, saver: SaverProcess | None = None, *, clock: _log.Clock) -> None:
         """Upload the payload under a fresh name, then commit it with the manifest; then tidy up."""
-        save_id = uuid.uuid4().hex
-        name = f"payload-{save_id}"
-        payload_loc = self._steps.object(step, name)
-        created = time.time()
-        size, digest = store_payload(payload_loc, payload, self._codec, self._level, saver)
-        record = ObjectRecord(kind=payload.kind, codec=self._codec.name if payload.archived else "raw",
-                              save_id=save_id, created=created, size=size, sha256=digest)
-        manifest = StepManifest(step=step, payload=name, record=record, attempt=attempt, metadata=metadata)
-        # A failed commit leaves the payload in place: the write may have landed although it raised (a lost
-        # response, an interrupt after the PUT), and then the manifest names this payload. Deleting it would
-        # leave a committed step naming nothing; if the manifest did not land, the payload is a leftover
-        # that no manifest names, removed by a later save or gc() once older than the grace period.
-        self._steps.object(step, MANIFEST_NAME).write_small(manifest.to_bytes(), action="commit the checkpoint at")
+        save_id, created = uuid.uuid4().hex, time.time()
+        chunked = self._dedup_on and deduplicable(payload)  # its chunks, named by a lease until the commit
+        name = "" if chunked else f"payload-{save_id}"
+        with self._dedup.lease() if chunked else contextlib.nullcontext():
+            size, digest, tree = (self._dedup.store(payload) if chunked else (*store_payload(
+                self._steps.object(step, name), payload, self._codec, self._level, saver), None))
+            codec = "chunked" if chunked else self._codec.name if payload.archived else "raw"
+            record = ObjectRecord(kind=payload.kind, codec=codec, save_id=save_id, created=created, size=size,
+                                  sha256=digest)
+            manifest = StepManifest(step=step, payload=name, record=record, attempt=attempt, metadata=metadata,
+                                    tree=tree)
+            # A failed commit leaves the payload in place: the write may have landed although it raised (a
+            # lost response, an interrupt after the PUT), and then the manifest names this payload. Deleting
+            # it would leave a committed step naming nothing; if the manifest did not land, the payload is a
+            # leftover that no manifest names, removed by a later save or gc() once older than the grace.
+            self._steps.object(step, MANIFEST_NAME).write_small(manifest.to_bytes(),
+                                                                action="commit the checkpoint at")
         self._steps.committed(step)
         if replaced is not None and replaced != name and not self._claims.is_restoring(step):
             quietly(self._steps.object(step, replaced).remove)
@@ -343,7 +357,8 @@ class CheckpointManager:
                 self._claims.end_delete(step)
 
     def gc(self, grace_seconds: float | None = None, *, dry_run: bool = False) -> list[str]:
-        """Remove leftovers of interrupted or superseded saves older than the grace period; return their URIs.
+        """Remove leftovers of interrupted or superseded saves older than the grace period, and chunks that no
+        step names (unless a save is in flight); return their URIs.
 
         Committed steps are never touched (retention is applied by :meth:`save`), nor anything whose name
         taskpoint would not write. On S3 this also aborts the unfinished multipart uploads of payloads (saves
@@ -356,7 +371,8 @@ class CheckpointManager:
             self._background.settle(wait=True)
             folders = self._steps.scan()
             return (self._steps.sweep(folders, grace, dry_run=dry_run)
-                    + self._steps.sweep_uploads(grace, dry_run=dry_run))
+                    + self._steps.sweep_uploads(grace, dry_run=dry_run)
+                    + self._dedup.collect(grace, dry_run=dry_run))
 
     # -- internals -----------------------------------------------------------------------------------------
 
