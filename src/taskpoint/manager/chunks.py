@@ -36,6 +36,8 @@ EPOCH_NAME = "epoch"
 CHUNK_CODECS = {"zstd": "zst", "gzip": "gz", "none": "raw"}
 CHUNK_KEY = re.compile(r"([0-9a-f]{64})\.(zst|gz|raw)")
 LEASE_NAME = re.compile(r"(save|gc)-[0-9a-f]{32}")
+#: The temp file of an atomic write of a chunk or lease on local disk, left by a killed writer.
+TEMP_NAME = re.compile(r"\.(?:[0-9a-f]{64}\.(?:zst|gz|raw)|(?:save|gc)-[0-9a-f]{32}|epoch)\.[0-9a-f]{12}\.tmp")
 
 
 def _zstd() -> Any:
@@ -119,12 +121,24 @@ class ChunkStore:
 
     def listing(self) -> dict[str, float | None]:
         """Every stored chunk with its modification time (one recursive listing of ``chunks/``)."""
-        found = self.root.child(CHUNK_FOLDER).list_tree()
+        return self._names(CHUNK_FOLDER, CHUNK_KEY)
+
+    def temp_files(self) -> dict[str, float | None]:
+        """Temp files of chunk and lease writes that killed writers left (local disk), relative to the
+        directory, with their modification times."""
+        found = self._names(CHUNK_FOLDER, TEMP_NAME, relative=True)
+        found.update(self._names(LEASE_FOLDER, TEMP_NAME, relative=True))
+        return found
+
+    def _names(self, folder: str, pattern: re.Pattern[str], *, relative: bool = False) -> dict[str, float | None]:
+        base = self.root.child(folder)
+        found = base.list_tree()
         out: dict[str, float | None] = {}
         for path, info in found.items():
             name = path.rstrip("/").rpartition("/")[2]
-            if info.get("type") != "directory" and CHUNK_KEY.fullmatch(name):
-                out[name] = modified_time(info)
+            if info.get("type") != "directory" and pattern.fullmatch(name):
+                key = path[len(self.root.path.rstrip("/")) + 1:] if relative else name
+                out[key] = modified_time(info)
         return out
 
     # -- leases and the epoch ------------------------------------------------------------------------------
@@ -143,13 +157,7 @@ class ChunkStore:
 
     def leases(self) -> dict[str, float | None]:
         """The leases present, with their modification times."""
-        found = self.root.child(LEASE_FOLDER).list_tree()
-        out: dict[str, float | None] = {}
-        for path, info in found.items():
-            name = path.rstrip("/").rpartition("/")[2]
-            if info.get("type") != "directory" and LEASE_NAME.fullmatch(name):
-                out[name] = modified_time(info)
-        return out
+        return self._names(LEASE_FOLDER, LEASE_NAME)
 
     def read_epoch(self) -> bytes | None:
         return self.root.child(f"{LEASE_FOLDER}/{EPOCH_NAME}").read_small()

@@ -338,7 +338,7 @@ class Dedup:
     def collect(self, grace: float, *, dry_run: bool = False) -> list[str]:
         """Remove the chunks that no committed manifest names, older than ``grace``, unless a save is in flight
         (a fresh save lease); return their URIs. Also removes leases older than ``grace`` (of killed saves)."""
-        if not self.chunks.listing() and not self.chunks.leases():
+        if not self.chunks.listing() and not self.chunks.leases() and not self.chunks.temp_files():
             return []
         lock = None if dry_run else self.chunks.new_lease("gc")
         started = time.time()
@@ -350,6 +350,9 @@ class Dedup:
                 for name, mtime in leases.items():  # of killed saves and sweeps
                     if name != lock and not _fresh(mtime, started, grace):
                         quietly(lambda name=name: self.chunks.remove_lease(name))  # type: ignore[misc]
+                for relative, mtime in self.chunks.temp_files().items():  # of killed writes (local disk)
+                    if not _fresh(mtime, started, grace):
+                        quietly(self.chunks.root.child(relative).remove)
             referenced: set[str] = set()
             for step, folder in sorted(self.steps.scan().items()):
                 if not folder.committed:
