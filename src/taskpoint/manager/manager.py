@@ -259,7 +259,8 @@ class CheckpointManager:
         if replaced is not None and replaced != name and not self._claims.is_restoring(step):
             quietly(self._steps.object(step, replaced).remove)
         self._tidy()
-        self.last_save = _log.transferred("save", self._steps.step_uri(step), payload.kind, size, clock, step)
+        sent = self._dedup.last.uploaded_bytes if chunked and self._dedup.last else size  # what crossed the wire
+        self.last_save = _log.transferred("save", self._steps.step_uri(step), payload.kind, sent, clock, step)
 
     def _tidy(self) -> None:
         """After a commit: apply retention and remove old leftovers. Never fails the save that committed."""
