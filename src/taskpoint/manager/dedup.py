@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, CheckpointError
 from ..format.archive import MAX_DEPTH, check_room, skip_special
 from ..format.records import ChunkedTree, StepManifest, TreeEntry
 from ..payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, FilePayload, Payload, payload_class
@@ -127,6 +127,7 @@ class Dedup:
         self.chunk_size = chunk_size
         self.workers = workers
         self._known_lock = threading.Lock()
+        self._renewed = 0.0  # when the lease of the save in flight was last written
         #: The figures of the last deduplicated save.
         self.last: SaveStats | None = None
 
@@ -136,11 +137,15 @@ class Dedup:
     def lease(self) -> Iterator[None]:
         """Hold a save lease for the block: written first, kept fresh, removed after the block (the commit)."""
         name = self.chunks.new_lease("save")
+        self._renewed = time.time()
         stop = threading.Event()
 
         def heartbeat() -> None:
             while not stop.wait(self.grace / 4):
-                quietly(lambda: self.chunks.write_lease(name))
+                renewing = time.time()
+                with contextlib.suppress(Exception):  # a lease left unrenewed fails the save before its commit
+                    self.chunks.write_lease(name)
+                    self._renewed = renewing
 
         beat = threading.Thread(target=heartbeat, name="taskpoint-lease", daemon=True) if self.grace > 0 else None
         if beat is not None:
@@ -196,6 +201,11 @@ class Dedup:
                 stats.uploaded_chunks += sum(1 for _, sent in results if sent)
                 stats.uploaded_bytes += sum(sent for _, sent in results)
         self.last = stats
+        if self.grace > 0 and time.time() - self._renewed > self.grace / 2:
+            # A sweep may have taken the lease for a dead save's and removed chunks this step names.
+            raise CheckpointError(f"a save to {self.steps.directory} could not renew its lease for "
+                                  f"{time.time() - self._renewed:.0f} s (the grace is {self.grace:g} s); nothing was "
+                                  "committed. Save again.")
         return stats.size, None, ChunkedTree(chunk_size=size, entries=tuple(entries))
 
     def _store_chunk(self, path: Path | None, view: memoryview | None, offset: int, length: int) -> tuple[str, int]:
