@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import make_tree, snapshot
-from taskpoint import CheckpointCorruptError, CheckpointManager
+from taskpoint import CheckpointCorruptError, CheckpointError, CheckpointManager
 
 CHUNK = re.compile(r"[0-9a-f]{64}\.(zst|gz|raw)")
 MEMORY_LOCAL_S3 = pytest.mark.parametrize("store", ["memory", "local", "s3"], indirect=True)
@@ -391,3 +391,68 @@ def test_sigkill_at_random_moments_loses_no_committed_step(store, tmp_path):
             mgr.delete(step)
         mgr.gc()
         assert chunks(store) == {}
+
+
+@pytest.mark.parametrize("store", ["memory", "local"], indirect=True)
+def test_saves_racing_deletes_and_sweeps_never_commit_a_step_naming_a_removed_chunk(store, tmp_path):
+    """Real races, with a grace of a fraction of a second so that leases, locks and ages all matter: one
+    manager saves contents that alternate (every save reuses the chunks of a step the other thread has just
+    deleted), another deletes every step but the newest and sweeps, in a loop. Every step that was ever
+    seen committed restores when it is still there, and the sweeps did remove chunks."""
+    grace = 0.4
+    contents = [weights(tmp_path / f"c{i}", seed=20 + i, files=2, size=100_000) for i in range(3)]
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    removed: list[str] = []
+    saved: list[int] = []
+
+    def saver() -> None:
+        try:
+            with manager(store, grace_seconds=grace) as mgr:
+                for step in range(10_000):
+                    if stop.is_set():
+                        return
+                    mgr.save(contents[step % len(contents)], step)
+                    saved.append(step)
+        except BaseException as exc:  # reported by the test thread
+            errors.append(exc)
+
+    def sweeper() -> None:
+        try:
+            with manager(store, grace_seconds=grace) as mgr:
+                while not stop.is_set():
+                    for step in mgr.steps()[:-1]:
+                        try:
+                            mgr.delete(step)
+                        except CheckpointError as exc:  # the reader is restoring it: skip it this time
+                            assert "is being restored" in str(exc)
+                    removed.extend(mgr.gc())
+                    time.sleep(0.05)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=saver), threading.Thread(target=sweeper)]
+    for thread in threads:
+        thread.start()
+    checked = 0
+    with manager(store, grace_seconds=grace) as reader:
+        deadline = time.time() + 8
+        while time.time() < deadline and not errors:
+            steps = reader.steps()
+            if steps:
+                step = steps[-1]
+                try:
+                    out = reader.restore(step)
+                except FileNotFoundError:
+                    continue  # deleted by the sweeper between the listing and the read
+                assert snapshot(out) == snapshot(contents[step % len(contents)]), step
+                checked += 1
+            time.sleep(0.1)
+    stop.set()
+    for thread in threads:
+        thread.join(TIMEOUT)
+    assert not errors, errors
+    assert len(saved) > 20 and checked > 10 and removed, (len(saved), checked, len(removed))
+    with manager(store, grace_seconds=grace) as mgr:
+        for step in mgr.steps():
+            assert snapshot(mgr.restore(step)) == snapshot(contents[step % len(contents)])

@@ -209,8 +209,10 @@ class StepStore:
             removed.append(target.uri)
         if dry_run:
             return removed
-        # Object stores have no folders; elsewhere an empty one goes (rmdir refuses a non-empty folder).
-        self.root.child(f"ckpt-{step}").remove_empty_folder()
+        # Object stores have no folders; elsewhere an empty one goes (rmdir refuses a non-empty folder). A
+        # folder listed empty is left alone: it may be a deduplicated save's, made just before its manifest.
+        if folder.objects:
+            self.root.child(f"ckpt-{step}").remove_empty_folder()
         return removed
 
     def sweep_uploads(self, grace: float, *, dry_run: bool = False) -> list[str]:
