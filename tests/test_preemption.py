@@ -556,3 +556,16 @@ def test_slurm_usr1_before_the_time_limit_saves_with_the_manager_and_exits_138(t
         assert meta["signal"] == "SIGUSR1" and meta["deadline"] == pytest.approx(meta["at"] + 85)
         # The safe point is the save of a multiple of 50, S: the state there is S, saved as step S - 50 + 1.
         assert int(mgr.restore(step).read_bytes()) == step + 49
+
+
+def test_reinstalling_over_our_own_handler_never_chains_to_itself(fresh: None) -> None:
+    """A test or a library that saved our handler and put it back after an uninstall: installing again must not
+    record our handler as the one to chain (the campaign of this repo hit a RecursionError that way)."""
+    preemption.install(["TERM"])
+    ours = signal.getsignal(signal.SIGTERM)
+    preemption.uninstall()
+    signal.signal(signal.SIGTERM, ours)  # put back by someone who saved it
+    preemption.install(["TERM"])
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert _wait_for(lambda: preemption.notice() is not None)
+    assert preemption.notice().signal == signal.SIGTERM

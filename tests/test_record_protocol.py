@@ -195,13 +195,13 @@ def test_small_saves_and_loads_take_few_requests(s3_store, tmp_path):
     """Issue 11 item 19: a small save takes 3 requests (read the record, write it, write the object: the record is
     read again each time so that another writer's object stays listed); a small load 2. The very first save at
     a new name also checks that it is no prefix (a HEAD and a listing)."""
-    from taskpoint import checkpoint
+    from taskpoint import record
 
     dest = s3_store.url("ckpt")
     counter = _RequestCounter(Location(dest, s3_store.storage_options).fs)
     Checkpoint(dest, storage_options=s3_store.storage_options).save_sync(b"w" * 100)
     very_first = list(counter.requests)
-    checkpoint._written.clear()  # what a new process knows: nothing
+    record._written.clear()  # what a new process knows: nothing
     counter.requests.clear()
     Checkpoint(dest, storage_options=s3_store.storage_options).save_sync(b"x" * 100)
     first = list(counter.requests)

@@ -117,7 +117,9 @@ def install(signals: Iterable[str | int] | None = None) -> bool:
             if sig in _previous:
                 continue
             previous = signal.signal(sig, _handle)
-            _previous[sig] = previous
+            # Never chain to ourselves (our handler put back by someone who saved it, after an uninstall):
+            # that would call this handler forever.
+            _previous[sig] = signal.SIG_DFL if previous is _handle else previous
         global _watchdog
         if _watchdog is None:
             _watchdog = threading.Thread(target=_watch, name="taskpoint-preemption-deadline", daemon=True)

@@ -28,8 +28,11 @@ MANIFEST_SUFFIX = ".taskpoint.json"
 FORMAT = "taskpoint.checkpoint"
 #: Version of the checkpoint record written now (format 1 is still read).
 RECORD_VERSION = 2
-#: Version of a manager step's manifest.
-FORMAT_VERSION = 1
+#: Newest version of a manager step's manifest this taskpoint reads. Version 1 names one payload object;
+#: version 2 (written only for deduplicated steps) lists a tree of files and the chunks that hold them.
+FORMAT_VERSION = 2
+#: The version written for a step with one payload object, so that older taskpoints still read it.
+PAYLOAD_FORMAT_VERSION = 1
 #: Objects a record keeps besides the confirmed one: the newest few, in case saves failed after their
 #: object may have become visible (a lost answer to the final PUT).
 RECORD_KEEPS = 3
@@ -118,6 +121,57 @@ class Record:
 
 
 @dataclass(frozen=True)
+class TreeEntry:
+    """One entry of a deduplicated step: a file (its chunks, in order), a folder, or a symlink.
+
+    ``path`` is relative, ``/``-separated; ``mode`` holds the permission bits (None: the default, for bytes);
+    ``chunks`` are chunk keys ``<sha256 of the plain bytes>.<codec>``, each :attr:`ChunkedTree.chunk_size`
+    bytes of the file but the last.
+    """
+
+    path: str
+    type: str  # "file", "dir" or "link"
+    mode: int | None = None
+    size: int = 0
+    mtime: float | None = None
+    chunks: tuple[str, ...] = ()
+    target: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"path": self.path, "type": self.type}
+        if self.mode is not None:
+            doc["mode"] = self.mode
+        if self.mtime is not None:
+            doc["mtime"] = self.mtime
+        if self.type == "file":
+            doc["size"], doc["chunks"] = self.size, list(self.chunks)
+        if self.type == "link":
+            doc["target"] = self.target
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> TreeEntry:
+        kind, mode, mtime, target = str(doc["type"]), doc.get("mode"), doc.get("mtime"), doc.get("target")
+        if kind not in ("file", "dir", "link") or (kind == "link") != isinstance(target, str):
+            raise ValueError(f"a tree entry of type {kind!r} is malformed")
+        chunks = tuple(str(c) for c in doc.get("chunks", ()))
+        return cls(path=str(doc["path"]), type=kind, mode=None if mode is None else int(mode),
+                   size=int(doc.get("size", 0)), mtime=None if mtime is None else float(mtime), chunks=chunks,
+                   target=target)
+
+
+@dataclass(frozen=True)
+class ChunkedTree:
+    """What a deduplicated step holds: its entries, parents before children, and the chunk size used."""
+
+    chunk_size: int
+    entries: tuple[TreeEntry, ...]
+
+    def chunk_keys(self) -> set[str]:
+        return {key for entry in self.entries for key in entry.chunks}
+
+
+@dataclass(frozen=True)
 class StepManifest:
     """The commit of one manager step: which payload object holds it, its digest, and the user's metadata."""
 
@@ -128,11 +182,16 @@ class StepManifest:
     #: The task attempt that saved it (from ``taskpoint.ctx()``), None outside a task.
     attempt: int | None
     metadata: dict[str, Any]
+    #: A deduplicated step (version 2): its files and their chunks; ``payload`` is then empty.
+    tree: ChunkedTree | None = None
 
     def to_bytes(self) -> bytes:
-        doc: dict[str, Any] = {"format": STEP_FORMAT, "version": FORMAT_VERSION, "step": self.step,
+        version = PAYLOAD_FORMAT_VERSION if self.tree is None else FORMAT_VERSION
+        doc: dict[str, Any] = {"format": STEP_FORMAT, "version": version, "step": self.step,
                                "payload": self.payload, **asdict(self.record), "attempt": self.attempt,
                                "metadata": self.metadata}
+        if self.tree is not None:
+            doc["tree"] = {"chunk_size": self.tree.chunk_size, "entries": [e.to_json() for e in self.tree.entries]}
         return json.dumps(doc, sort_keys=True, allow_nan=False).encode()
 
     @classmethod
@@ -141,8 +200,15 @@ class StepManifest:
             attempt, metadata, record = doc.get("attempt"), doc["metadata"], _record(doc)
             if not isinstance(metadata, dict) or record is None:
                 raise TypeError("metadata is not a JSON object")
+            tree = None
+            if int(doc["version"]) >= 2:
+                raw = doc["tree"]
+                tree = ChunkedTree(chunk_size=int(raw["chunk_size"]),
+                                   entries=tuple(TreeEntry.from_json(e) for e in raw["entries"]))
+                if tree.chunk_size < 1:
+                    raise ValueError("the chunk size is not positive")
             return cls(step=int(doc["step"]), payload=str(doc["payload"]), record=record,
-                       attempt=None if attempt is None else int(attempt), metadata=metadata)
+                       attempt=None if attempt is None else int(attempt), metadata=metadata, tree=tree)
 
         return _parse(data, STEP_FORMAT, uri, build, FORMAT_VERSION,
                       "delete the step, or save it again with overwrite=True")

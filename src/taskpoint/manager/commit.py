@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -15,6 +16,7 @@ from ..format.records import ObjectRecord, StepManifest
 from ..payloads import Payload
 from .background import store_payload
 from .claims import Claims
+from .dedup import Dedup, deduplicable
 from .retention import KeepPolicy
 from .saver import SaverProcess
 from .steps import MANIFEST_NAME, StepStore, quietly
@@ -24,34 +26,43 @@ class StepWriter:
     """Writes the steps of one manager: each a payload of its own name, committed by its manifest."""
 
     def __init__(self, steps: StepStore, claims: Claims, codec: Codec, level: int | None, retention: KeepPolicy,
-                 grace: float) -> None:
-        self._steps, self._claims = steps, claims
+                 grace: float, dedup: Dedup | None = None) -> None:
+        self._steps, self._claims, self._dedup = steps, claims, dedup
         self._codec, self._level = codec, level
         self._retention, self._grace = retention, grace
 
     def write(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: str | None,
               payload: Payload, saver: SaverProcess | None = None, *, clock: _log.Clock) -> TransferStats:
-        """Upload the payload under a fresh name, then commit it with the manifest; then tidy up. Returns the
-        save's figures (``CheckpointManager.last_save``)."""
+        """Upload the payload under a fresh name (or, deduplicated, its missing chunks), then commit it with the
+        manifest; then tidy up. Returns the save's figures (``CheckpointManager.last_save``)."""
         save_id = uuid.uuid4().hex
-        name = f"payload-{save_id}"
-        payload_loc, manifest_loc = self._steps.object(step, name), self._steps.object(step, MANIFEST_NAME)
-        record = ObjectRecord(kind=payload.kind, codec=self._codec.name if payload.archived else "raw",
-                              save_id=save_id, created=time.time())
+        chunked = self._dedup is not None and deduplicable(payload)  # its chunks: named by a lease until the commit
+        name = "" if chunked else f"payload-{save_id}"
+        manifest_loc = self._steps.object(step, MANIFEST_NAME)
+        record = ObjectRecord(kind=payload.kind, codec="chunked" if chunked else
+                              self._codec.name if payload.archived else "raw", save_id=save_id, created=time.time())
         manifest = StepManifest(step=step, payload=name, record=record, attempt=attempt, metadata=metadata)
-        # The save process commits this manifest itself (size and digest filled in) if we die meanwhile.
-        size, digest = store_payload(payload_loc, payload, self._codec, self._level, saver, (manifest_loc, manifest))
-        manifest = dataclasses.replace(manifest, record=dataclasses.replace(record, size=size, sha256=digest))
-        # A failed commit leaves the payload in place: the write may have landed although it raised (a lost
-        # response, an interrupt after the PUT), and then the manifest names this payload. Deleting it would
-        # leave a committed step naming nothing; if the manifest did not land, the payload is a leftover
-        # that no manifest names, removed by a later save or gc() once older than the grace period.
-        manifest_loc.write_small(manifest.to_bytes(), action="commit the checkpoint at")
+        with self._dedup.lease() if chunked and self._dedup is not None else contextlib.nullcontext():
+            if chunked and self._dedup is not None:
+                size, digest, tree = self._dedup.store(payload)
+                sent = self._dedup.last.uploaded_bytes if self._dedup.last else size  # what crossed the wire
+            else:
+                # The save process commits this manifest itself (size and digest filled in) if we die meanwhile.
+                size, digest = store_payload(self._steps.object(step, name), payload, self._codec, self._level,
+                                             saver, (manifest_loc, manifest))
+                tree, sent = None, size
+            manifest = dataclasses.replace(manifest, tree=tree,
+                                           record=dataclasses.replace(record, size=size, sha256=digest))
+            # A failed commit leaves the payload in place: the write may have landed although it raised (a lost
+            # response, an interrupt after the PUT), and then the manifest names this payload. Deleting it would
+            # leave a committed step naming nothing; if the manifest did not land, the payload is a leftover
+            # that no manifest names, removed by a later save or gc() once older than the grace period.
+            manifest_loc.write_small(manifest.to_bytes(), action="commit the checkpoint at")
         self._steps.committed(step)
         if replaced is not None and replaced != name and not self._claims.is_restoring(step):
             quietly(self._steps.object(step, replaced).remove)
         self._tidy()
-        return _log.transferred("save", self._steps.step_uri(step), payload.kind, size, clock, step)
+        return _log.transferred("save", self._steps.step_uri(step), payload.kind, sent, clock, step)
 
     def _tidy(self) -> None:
         """After a commit: apply retention and remove old leftovers. Never fails the save that committed."""

@@ -30,9 +30,12 @@ from ..payloads import Payload, payload_for
 from ..storage import LEFTOVER_GRACE_SECONDS, Location, RetryPolicy, normalize_uri
 from ._checks import check_grace, check_metadata, check_step
 from .background import Background
+from .chunks import ChunkStore
 from .claims import Claims
 from .commit import StepWriter
+from .dedup import Dedup
 from .emergency import PreemptionPolicy
+from .queries import StepQueries
 from .restore import StepReader
 from .retention import KeepPolicy
 from .saver import SaverProcess
@@ -68,7 +71,7 @@ def _in_thread(method: Callable[Concatenate[M, P], R]) -> Callable[Concatenate[M
     return twin
 
 
-class CheckpointManager:
+class CheckpointManager(StepQueries):
     """Numbered checkpoints ("steps") in one directory, with commits, checksums, retention and metadata.
 
     ``directory`` is any fsspec URL or local path. ``save`` accepts what :meth:`Checkpoint.save
@@ -86,7 +89,8 @@ class CheckpointManager:
             default) keeps everything.
         keep_every: with ``keep``, also keep every step divisible by ``keep_every``.
         storage_options: passed to fsspec (credentials, endpoint_url, ...).
-        codec: archive codec for directories: ``"gzip"`` (default), ``"zstd"`` or ``"none"``.
+        codec: ``"gzip"``, ``"zstd"`` or ``"none"``: the archive codec of directories (None: gzip), and the
+            codec of each chunk of deduplicated steps (None: zstd).
         level: compression level for the codec; None picks a fast default.
         async_save: when True, :meth:`save` returns once the data is snapshotted and uploads in the
             background (``save(..., blocking=...)`` overrides it per call).
@@ -106,6 +110,9 @@ class CheckpointManager:
         on_preemption: a function returning the state to save when a notice arrives: the next :meth:`save`
             (or :meth:`checkpoint_if_preempted`) finishes the save in flight, saves that state as the next step,
             waits for its commit and raises :class:`~taskpoint.Preempted`. See docs/manager.md, "Preemption".
+        dedup: save bytes, files and directories as deduplicated steps: files cut into chunks, each stored
+            once in the directory's chunk store and uploaded only when the store lacks it; :meth:`gc` removes
+            the chunks no step names. Background saves then upload from a thread of this process.
     """
 
     def __init__(
@@ -115,7 +122,7 @@ class CheckpointManager:
         keep: int | None = None,
         keep_every: int | None = None,
         storage_options: dict[str, Any] | None = None,
-        codec: str = "gzip",
+        codec: str | None = None,
         level: int | None = None,
         async_save: bool = False,
         retry: RetryPolicy | None = None,
@@ -124,6 +131,7 @@ class CheckpointManager:
         background_process: bool = True,
         preemption: bool = True,
         on_preemption: Callable[[], Any] | None = None,
+        dedup: bool = False,
     ) -> None:
         uri = normalize_uri(directory, "directory").strip()
         if not uri:
@@ -137,13 +145,14 @@ class CheckpointManager:
         snapshots = None if snapshot_dir is None else os.fspath(normalize_uri(snapshot_dir, "snapshot_dir"))
         if level is not None and (not isinstance(level, int) or isinstance(level, bool)):
             raise TypeError(f"level must be an int or None, not {type(level).__name__}")
-        self._codec: Codec = get_codec(codec)
+        self._codec: Codec = get_codec("gzip" if codec is None else codec)
         self._level = level
         self._async_save = bool(async_save)
         root = Location(uri, storage_options, retry)
         self._claims = Claims((str(root.fs.protocol), root.path))
         self._steps = StepStore(root, self._claims)
-        self._reader = StepReader(self._steps, self._claims)
+        self._dedup = Dedup(self._steps, ChunkStore(root, "zstd" if codec is None else codec, level), self._grace)
+        self._reader = StepReader(self._steps, self._claims, self._dedup)
         self._lock = threading.RLock()  # save, delete, gc, close and wait_until_finished, one at a time
         #: The step the last successful :meth:`restore` returned (useful with ``fallback=True``).
         self.restored_step: int | None = None
@@ -151,16 +160,12 @@ class CheckpointManager:
         self.last_save: TransferStats | None = None
         self._closed = False
         self._background = Background(uri, snapshots, bool(background_process) and root.backend.shared)
-        self._writer = StepWriter(self._steps, self._claims, self._codec, self._level, self._retention, self._grace)
+        self._writer = StepWriter(self._steps, self._claims, self._codec, self._level, self._retention, self._grace,
+                                  self._dedup if dedup else None)
         self._preemption = PreemptionPolicy(preemption, on_preemption)
         weakref.finalize(self, self._background.slot.report_unclaimed, uri)
 
     # -- properties and lifecycle --------------------------------------------------------------------------
-
-    @property
-    def directory(self) -> str:
-        """The URI of the directory that holds the steps."""
-        return self._steps.directory
 
     def __repr__(self) -> str:
         policy = self._retention
@@ -249,33 +254,6 @@ class CheckpointManager:
             self._preemption.run(self.wait_until_finished, lambda: (self.latest_step() or 0) + 1,
                                  lambda data, step, meta: self.save(data, step, metadata=meta, blocking=True), state)
 
-    # -- queries -------------------------------------------------------------------------------------------
-
-    def steps(self) -> list[int]:
-        """The committed steps, oldest first. A background save appears once it has committed."""
-        self._ready()
-        return sorted(step for step, folder in self._steps.scan().items() if folder.committed)
-
-    def latest_step(self) -> int | None:
-        """The newest committed step, or None when there is none."""
-        steps = self.steps()
-        return steps[-1] if steps else None
-
-    def list_checkpoints(self) -> dict[int, str]:
-        """Each committed step with the URI of its folder, oldest first."""
-        return {step: self._steps.step_uri(step) for step in self.steps()}
-
-    def metadata(self, step: int | None = None) -> dict[str, Any]:
-        """The metadata saved with ``step`` (the newest when None), read without downloading the payload."""
-        if step is None:
-            step = self._newest()
-        else:
-            self._ready()
-        manifest = self._steps.manifest(check_step(step))
-        if manifest is None:
-            raise FileNotFoundError(f"step {step} does not exist in {self.directory}")
-        return manifest.metadata
-
     # -- restore -------------------------------------------------------------------------------------------
 
     def restore(self, step: int | None = None, *, into: str | os.PathLike[str] | None = None,
@@ -324,7 +302,8 @@ class CheckpointManager:
                 self._claims.end_delete(step)
 
     def gc(self, grace_seconds: float | None = None, *, dry_run: bool = False) -> list[str]:
-        """Remove leftovers of interrupted or superseded saves older than the grace period; return their URIs.
+        """Remove leftovers of interrupted or superseded saves older than the grace period, and chunks that no
+        step names (unless a save is in flight); return their URIs.
 
         Committed steps are never touched (retention is applied by :meth:`save`), nor anything whose name
         taskpoint would not write. On S3 this also aborts the unfinished multipart uploads of payloads (saves
@@ -337,7 +316,8 @@ class CheckpointManager:
             self._background.settle(wait=True)
             folders = self._steps.scan()
             return (self._steps.sweep(folders, grace, dry_run=dry_run)
-                    + self._steps.sweep_uploads(grace, dry_run=dry_run))
+                    + self._steps.sweep_uploads(grace, dry_run=dry_run)
+                    + self._dedup.collect(grace, dry_run=dry_run))
 
     # -- internals -----------------------------------------------------------------------------------------
 
@@ -350,20 +330,14 @@ class CheckpointManager:
         self._check_open()
         self._background.settle(wait=False)
 
-    def _newest(self) -> int:
-        latest = self.latest_step()
-        if latest is None:
-            raise FileNotFoundError(f"there is no committed checkpoint in {self.directory}")
-        return latest
-
     # -- async twins ---------------------------------------------------------------------------------------
 
     save_async = _in_thread(save)
     restore_async = _in_thread(restore)
-    metadata_async = _in_thread(metadata)
-    steps_async = _in_thread(steps)
-    latest_step_async = _in_thread(latest_step)
-    list_checkpoints_async = _in_thread(list_checkpoints)
+    metadata_async = _in_thread(StepQueries.metadata)
+    steps_async = _in_thread(StepQueries.steps)
+    latest_step_async = _in_thread(StepQueries.latest_step)
+    list_checkpoints_async = _in_thread(StepQueries.list_checkpoints)
     delete_async = _in_thread(delete)
     gc_async = _in_thread(gc)
     wait_until_finished_async = _in_thread(wait_until_finished)

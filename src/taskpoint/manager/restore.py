@@ -14,6 +14,7 @@ from ..payloads import Payload, payload_class
 from ..transfer import read_payload
 from ..workspace import Workspace
 from .claims import Claims
+from .dedup import Dedup, MissingChunk
 from .steps import StepStore
 
 #: How often restore follows a step that another writer overwrites while it is being read.
@@ -23,8 +24,9 @@ RESTORE_ATTEMPTS = 5
 class StepReader:
     """Reads steps of one directory into a folder of the caller's, or into a workspace of its own."""
 
-    def __init__(self, steps: StepStore, claims: Claims) -> None:
+    def __init__(self, steps: StepStore, claims: Claims, dedup: Dedup) -> None:
         self._steps = steps
+        self._dedup = dedup
         self._claims = claims
         self._lock = threading.Lock()  # restores into the reader's own workspace
         self._workspace: Workspace | None = None
@@ -100,7 +102,7 @@ class StepReader:
             if result is not None:
                 return result
             now = self._steps.manifest(step)
-            if now is not None and now.payload == manifest.payload:
+            if now is not None and now.record.save_id == manifest.record.save_id:
                 raise CheckpointCorruptError(
                     f"step {step} in {self.directory} is committed but its payload {manifest.payload} is missing; "
                     "it was deleted outside taskpoint. Restore an older step (fallback=True), or delete this one.")
@@ -109,6 +111,16 @@ class StepReader:
                               "try again once the other writer has finished")
 
     def _read_payload(self, step: int, manifest: StepManifest, workspace: Path) -> Path | None:
+        if manifest.tree is not None:  # a deduplicated step: its chunks, each verified
+            try:
+                return self._dedup.restore(step, manifest, workspace)
+            except MissingChunk as missing:
+                now = self._steps.manifest(step)
+                if now is None or now.record.save_id != manifest.record.save_id:
+                    return None  # overwritten or deleted while we read: follow it
+                raise CheckpointCorruptError(
+                    f"step {step} in {self.directory} is damaged: {missing} (deleted outside taskpoint). Restore an "
+                    "older step (fallback=True), or save it again.") from None
         src = self._steps.object(step, manifest.payload)
         record = manifest.record
 

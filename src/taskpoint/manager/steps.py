@@ -4,6 +4,7 @@ Layout under the manager's directory (any fsspec URL)::
 
     ckpt-{step}/payload-{save_id}   the payload, stored as a Checkpoint stores it (raw, or a tar archive)
     ckpt-{step}/taskpoint.json      the step's manifest, written after the payload: the commit
+    chunks/, leases/                the chunk store of deduplicated steps (see :mod:`.chunks`)
 
 A step exists when, and only when, its manifest does. Objects in a step folder that no manifest names are
 leftovers of interrupted or superseded saves; they are removed once older than a grace period, so that a
@@ -78,7 +79,8 @@ class StepStore:
             return None
         try:
             manifest = StepManifest.from_bytes(data, location.uri)
-            if manifest.step != step or not PAYLOAD_NAME.fullmatch(manifest.payload):
+            chunked = manifest.tree is not None and manifest.payload == ""
+            if manifest.step != step or not (chunked or PAYLOAD_NAME.fullmatch(manifest.payload)):
                 raise CheckpointCorruptError(f"the checkpoint record {location.uri} does not describe step "
                                              f"{step}; delete the step, or save it again with overwrite=True")
         except CheckpointCorruptError as exc:
@@ -113,7 +115,7 @@ class StepStore:
                 continue
             folder = folders.setdefault(int(match.group(1)), Folder())
             if len(parts) == 2 and parts[1] and info.get("type") != "directory":
-                folder.objects[parts[1]] = _modified(info)
+                folder.objects[parts[1]] = modified_time(info)
         if folders or step is not None or self._container_seen:
             self._container_seen = self._container_seen or bool(folders)
             return folders
@@ -213,8 +215,10 @@ class StepStore:
             removed.append(target.uri)
         if dry_run:
             return removed
-        # Object stores have no folders; elsewhere an empty one goes (rmdir refuses a non-empty folder).
-        self.root.child(f"ckpt-{step}").remove_empty_folder()
+        # Object stores have no folders; elsewhere an empty one goes (rmdir refuses a non-empty folder). A
+        # folder listed empty is left alone: it may be a deduplicated save's, made just before its manifest.
+        if folder.objects:
+            self.root.child(f"ckpt-{step}").remove_empty_folder()
         return removed
 
     def sweep_uploads(self, grace: float, *, dry_run: bool = False) -> list[str]:
@@ -247,7 +251,7 @@ class StepStore:
         return removed
 
 
-def _modified(info: dict[str, Any]) -> float | None:
+def modified_time(info: dict[str, Any]) -> float | None:
     """An object's modification time in seconds since the epoch, from any fsspec backend's listing."""
     for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
         value = info.get(key)

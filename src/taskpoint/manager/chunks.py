@@ -1,0 +1,175 @@
+"""The chunk store of deduplicated steps, shared by every step of one manager directory.
+
+Layout under the manager's directory::
+
+    chunks/{key[:2]}/{key}     one chunk: ``key`` is ``<sha256 of its plain bytes>.<codec>``, the object
+                               its bytes compressed alone with that codec (``zst``, ``gz`` or ``raw``)
+    leases/save-{id}           a save in flight (written before it relies on any chunk, removed after its
+                               commit); while fresh, no sweep removes a chunk
+    leases/gc-{id}             a sweep in flight; saves that start meanwhile wait for it to finish
+    leases/epoch               rewritten by every sweep before it removes a chunk: a manager that sees it
+                               change forgets which chunks it believed stored and lists the store again
+
+A chunk is written atomically, once, under the name of its content: two writers of the same chunk write the
+same bytes, and a chunk object is complete or absent. The codec is part of the name, so a chunk compressed
+differently is another object and every reader knows how to inflate what it reads.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import re
+import time
+import uuid
+from typing import Any
+
+from ..errors import CheckpointCorruptError
+from ..format.codecs import ZSTD_MAX_WINDOW
+from ..storage import Location
+from .steps import modified_time
+
+CHUNK_FOLDER = "chunks"
+LEASE_FOLDER = "leases"
+EPOCH_NAME = "epoch"
+#: The codecs a chunk may be stored with, by the name its key ends in.
+CHUNK_CODECS = {"zstd": "zst", "gzip": "gz", "none": "raw"}
+CHUNK_KEY = re.compile(r"([0-9a-f]{64})\.(zst|gz|raw)")
+LEASE_NAME = re.compile(r"(save|gc)-[0-9a-f]{32}")
+#: The temp file of an atomic write of a chunk or lease on local disk, left by a killed writer.
+TEMP_NAME = re.compile(r"\.(?:[0-9a-f]{64}\.(?:zst|gz|raw)|(?:save|gc)-[0-9a-f]{32}|epoch)\.[0-9a-f]{12}\.tmp")
+
+
+def _zstd() -> Any:
+    import zstandard
+
+    return zstandard
+
+
+class ChunkStore:
+    """The chunks of one directory: naming, compressing, storing, fetching with verification, leases."""
+
+    def __init__(self, root: Location, codec: str, level: int | None) -> None:
+        if codec not in CHUNK_CODECS:
+            raise ValueError(f"codec must be one of {sorted(CHUNK_CODECS)} for deduplicated steps, got {codec!r}")
+        self.root = root
+        self.ext = CHUNK_CODECS[codec]
+        self.level = level
+        #: Chunk keys known to be stored (None until listed once); valid while :attr:`epoch` is unchanged.
+        self.known: set[str] | None = None
+        self.epoch: bytes | None = None
+
+    # -- chunks --------------------------------------------------------------------------------------------
+
+    def location(self, key: str) -> Location:
+        return self.root.child(f"{CHUNK_FOLDER}/{key[:2]}/{key}")
+
+    def uri(self, key: str) -> str:
+        return self.location(key).uri
+
+    def key_of(self, data: bytes | memoryview) -> str:
+        return f"{hashlib.sha256(data).hexdigest()}.{self.ext}"
+
+    def compress(self, data: bytes | memoryview) -> bytes:
+        if self.ext == "zst":
+            level = 1 if self.level is None else self.level
+            return bytes(_zstd().ZstdCompressor(level=level, write_content_size=True).compress(data))
+        if self.ext == "gz":
+            try:
+                from isal import igzip
+            except ImportError:  # pragma: no cover - isal is a dependency
+                return gzip.compress(data, 1 if self.level is None else self.level)
+            return bytes(igzip.compress(data, min(3, max(0, (1 if self.level is None else self.level) // 3))))
+        return bytes(data)
+
+    def put(self, key: str, blob: bytes) -> None:
+        """Store one chunk atomically (with retries)."""
+        location = self.location(key)
+
+        def write() -> None:
+            with location.open_write(size_hint=len(blob)) as f:
+                f.write(blob)
+
+        location.run(write, action="save a chunk to", writing=True)
+
+    def get(self, key: str, size: int) -> bytes:
+        """The plain bytes of chunk ``key``, which must be ``size`` long and hash to its name.
+
+        FileNotFoundError when it is not stored; CheckpointCorruptError when it does not inflate or match.
+        """
+        match = CHUNK_KEY.fullmatch(key)
+        if match is None:
+            raise CheckpointCorruptError(f"{key!r} is not a chunk name")
+        blob = self.location(key).read_small()
+        if blob is None:
+            raise FileNotFoundError(self.uri(key))
+        try:
+            ext = match.group(2)
+            if ext == "zst":
+                data = _zstd().ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).decompress(
+                    blob, max_output_size=size)
+            elif ext == "gz":
+                data = _inflate(blob, size)
+            else:
+                data = blob
+        except Exception as exc:
+            raise CheckpointCorruptError(f"chunk {self.uri(key)} does not inflate ({exc})") from exc
+        if len(data) != size or hashlib.sha256(data).hexdigest() != match.group(1):
+            raise CheckpointCorruptError(f"chunk {self.uri(key)} does not match its sha256 (read {len(data)} "
+                                         f"bytes, expected {size})")
+        return bytes(data)
+
+    def listing(self) -> dict[str, float | None]:
+        """Every stored chunk with its modification time (one recursive listing of ``chunks/``)."""
+        return self._names(CHUNK_FOLDER, CHUNK_KEY)
+
+    def temp_files(self) -> dict[str, float | None]:
+        """Temp files of chunk and lease writes that killed writers left (local disk), relative to the
+        directory, with their modification times."""
+        found = self._names(CHUNK_FOLDER, TEMP_NAME, relative=True)
+        found.update(self._names(LEASE_FOLDER, TEMP_NAME, relative=True))
+        return found
+
+    def _names(self, folder: str, pattern: re.Pattern[str], *, relative: bool = False) -> dict[str, float | None]:
+        base = self.root.child(folder)
+        found = base.list_tree()
+        out: dict[str, float | None] = {}
+        for path, info in found.items():
+            name = path.rstrip("/").rpartition("/")[2]
+            if info.get("type") != "directory" and pattern.fullmatch(name):
+                key = path[len(self.root.path.rstrip("/")) + 1:] if relative else name
+                out[key] = modified_time(info)
+        return out
+
+    # -- leases and the epoch ------------------------------------------------------------------------------
+
+    def new_lease(self, kind: str) -> str:
+        name = f"{kind}-{uuid.uuid4().hex}"
+        self.write_lease(name)
+        return name
+
+    def write_lease(self, name: str) -> None:
+        self.root.child(f"{LEASE_FOLDER}/{name}").write_small(f'{{"written": {time.time()}}}'.encode(),
+                                                               action="write a lease at")
+
+    def remove_lease(self, name: str) -> None:
+        self.root.child(f"{LEASE_FOLDER}/{name}").remove()
+
+    def leases(self) -> dict[str, float | None]:
+        """The leases present, with their modification times."""
+        return self._names(LEASE_FOLDER, LEASE_NAME)
+
+    def read_epoch(self) -> bytes | None:
+        return self.root.child(f"{LEASE_FOLDER}/{EPOCH_NAME}").read_small()
+
+    def bump_epoch(self) -> None:
+        self.root.child(f"{LEASE_FOLDER}/{EPOCH_NAME}").write_small(uuid.uuid4().hex.encode(),
+                                                                    action="write the chunk epoch at")
+
+
+def _inflate(blob: bytes, size: int) -> bytes:
+    try:
+        from isal import igzip
+    except ImportError:  # pragma: no cover - isal is a dependency
+        return gzip.decompress(blob)
+    return bytes(igzip.decompress(blob))  # type: ignore[no-untyped-call]

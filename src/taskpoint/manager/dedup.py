@@ -1,0 +1,396 @@
+"""Deduplicated steps: a step's files cut into fixed-size chunks, each stored once in the directory's chunk store.
+
+A save walks the payload (a directory; bytes and single files are one-file trees), hashes every chunk,
+uploads in parallel only the chunks the store does not hold, and returns the tree that the step's manifest
+records. A restore fetches the chunks in parallel, verifies each against its name, and rebuilds the tree in a
+staging folder. :meth:`Dedup.collect` removes the chunks that no manifest names.
+
+Why a save never commits a step naming a deleted chunk is argued in docs/manager.md: a save writes its lease
+before it decides which chunks are stored and removes it only after its manifest; a sweep writes its lock
+before it lists the leases, removes nothing while a fresh save lease exists, and rewrites the epoch before
+its first removal, which a save that waited for it reads before trusting what it listed.
+Both write before they list, so of a save and a sweep that overlap, at least one sees the other.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import shutil
+import stat
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ..errors import CheckpointCorruptError, CheckpointError
+from ..format.archive import MAX_DEPTH, skip_special
+from ..format.records import ChunkedTree, StepManifest, TreeEntry
+from ..format.space import check_room
+from ..payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, FilePayload, Payload, payload_class
+from ..workspace import STAGING_PREFIX
+from .chunks import ChunkStore
+from .steps import StepStore, quietly
+
+#: Size of a chunk: 4 MiB (see docs/manager.md for why fixed-size chunks, and why this size).
+CHUNK_SIZE = 4 << 20
+#: Chunks hashed, compressed and uploaded (or fetched and written) at once.
+WORKERS = 8
+#: How often a save waiting for a sweep looks again (seconds).
+POLL = 0.2
+#: Payload kinds a deduplicated step can hold; other kinds (extras) are saved as one payload object.
+KINDS = ("bytes", "file", "directory")
+
+
+@dataclass
+class SaveStats:
+    """What one deduplicated save did: plain bytes in the tree, chunks in it, chunks and bytes uploaded."""
+
+    size: int = 0
+    chunks: int = 0
+    uploaded_chunks: int = 0
+    uploaded_bytes: int = 0
+
+
+def _fresh(mtime: float | None, now: float, grace: float) -> bool:
+    """Whether a lease or lock written at ``mtime`` still counts (with ``grace`` 0, none does)."""
+    return grace > 0 and (mtime is None or now - mtime < grace)
+
+
+class MissingChunk(Exception):
+    """A chunk a step names is not in the store (the caller decides whether the step changed meanwhile)."""
+
+    def __init__(self, path: str, uri: str) -> None:
+        super().__init__(f"file {path!r} needs chunk {uri}, which is missing")
+        self.path = path
+
+
+def _source(payload: Payload) -> tuple[list[TreeEntry], dict[str, Path], memoryview | None]:
+    """The entries of ``payload`` (sizes and modes, no chunks yet), where each file's bytes are, and the
+    bytes of a bytes payload."""
+    if isinstance(payload, FilePayload):
+        path = payload.local_file()
+        return [TreeEntry(RAW_RESULT_NAME, "file", size=path.stat().st_size)], {RAW_RESULT_NAME: path}, None
+    if isinstance(payload, BytesPayload):
+        view = payload._view
+        return [TreeEntry(RAW_RESULT_NAME, "file", size=view.nbytes)], {}, view
+    assert isinstance(payload, DirectoryPayload)
+    root = payload._path
+    entries: list[TreeEntry] = []
+    files: dict[str, Path] = {}
+    real_root = os.path.realpath(root)
+
+    def walk(folder: Path, prefix: str) -> None:
+        for name in sorted(os.listdir(folder)):
+            path, rel = folder / name, f"{prefix}{name}"
+            if rel.count("/") >= MAX_DEPTH:
+                raise ValueError(f"{path!r} is nested deeper than {MAX_DEPTH} folders; flatten the tree")
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                target = os.readlink(path)
+                resolved = os.path.normpath(os.path.join(real_root, os.path.dirname(rel), target))
+                if os.path.isabs(target) or not (resolved == real_root or resolved.startswith(real_root + os.sep)):
+                    raise ValueError(f"symlink {str(path)!r} points outside the directory being saved ({target!r}); "
+                                     "a checkpoint holds only links that stay inside its tree. Replace the link "
+                                     "with a copy, or remove it.")
+                entries.append(TreeEntry(rel, "link", target=target))
+            elif skip_special(str(path), st.st_mode, stacklevel=6):
+                continue
+            elif stat.S_ISDIR(st.st_mode):
+                entries.append(TreeEntry(rel, "dir", mode=stat.S_IMODE(st.st_mode) & 0o777, mtime=st.st_mtime))
+                walk(path, rel + "/")
+            else:
+                entries.append(TreeEntry(rel, "file", mode=stat.S_IMODE(st.st_mode) & 0o777, size=st.st_size,
+                                         mtime=st.st_mtime))
+                files[rel] = path
+
+    walk(root, "")
+    return entries, files, None
+
+
+class Dedup:
+    """Deduplicated saves, restores and chunk collection for one manager directory."""
+
+    def __init__(self, steps: StepStore, chunks: ChunkStore, grace: float, chunk_size: int = CHUNK_SIZE,
+                 workers: int = WORKERS) -> None:
+        self.steps = steps
+        self.chunks = chunks
+        self.grace = grace
+        self.chunk_size = chunk_size
+        self.workers = workers
+        self._known_lock = threading.Lock()
+        self._renewed = 0.0  # when the lease of the save in flight was last written
+        #: The figures of the last deduplicated save.
+        self.last: SaveStats | None = None
+
+    # -- the save's lease ----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[None]:
+        """Hold a save lease for the block: written first, kept fresh, removed after the block (the commit)."""
+        name = self.chunks.new_lease("save")
+        self._renewed = time.time()
+        stop = threading.Event()
+
+        def heartbeat() -> None:
+            while not stop.wait(self.grace / 4):
+                renewing = time.time()
+                with contextlib.suppress(Exception):  # a lease left unrenewed fails the save before its commit
+                    self.chunks.write_lease(name)
+                    self._renewed = renewing
+
+        beat = threading.Thread(target=heartbeat, name="taskpoint-lease", daemon=True) if self.grace > 0 else None
+        if beat is not None:
+            beat.start()
+        try:
+            self._wait_for_sweeps()
+            epoch = self.chunks.read_epoch()
+            if self.chunks.known is None or epoch != self.chunks.epoch:
+                self.chunks.known = set(self.chunks.listing())  # a sweep removed chunks: list the store again
+                self.chunks.epoch = epoch
+            yield
+        finally:
+            stop.set()
+            if beat is not None:
+                beat.join()
+            quietly(lambda: self.chunks.remove_lease(name))
+
+    def _wait_for_sweeps(self) -> None:
+        while True:
+            now = time.time()
+            if not any(name.startswith("gc-") and _fresh(mtime, now, self.grace)
+                       for name, mtime in self.chunks.leases().items()):
+                return
+            time.sleep(POLL)
+
+    # -- saving --------------------------------------------------------------------------------------------
+
+    def store(self, payload: Payload) -> tuple[int, None, ChunkedTree]:
+        """Upload the chunks of ``payload`` that the store lacks (call inside :meth:`lease`); return its size,
+        no digest (each chunk is named by its own), and its tree. :attr:`last` has the figures."""
+        entries, files, view = _source(payload)
+        stats = SaveStats()
+        size = self.chunk_size
+        slots = threading.BoundedSemaphore(2 * self.workers)  # chunks in memory at once
+        with concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="taskpoint-chunk") as pool:
+            pending: list[tuple[int, list[concurrent.futures.Future[tuple[str, int]]]]] = []
+            for index, entry in enumerate(entries):
+                if entry.type != "file":
+                    continue
+                futures = []
+                for offset in range(0, entry.size, size):
+                    length = min(size, entry.size - offset)
+                    slots.acquire()
+                    future = pool.submit(self._store_chunk, files.get(entry.path), view, offset, length)
+                    future.add_done_callback(lambda _: slots.release())
+                    futures.append(future)
+                pending.append((index, futures))
+            for index, futures in pending:
+                results = [future.result() for future in futures]
+                entries[index] = replace(entries[index], chunks=tuple(k for k, _ in results))
+                stats.size += entries[index].size
+                stats.chunks += len(results)
+                stats.uploaded_chunks += sum(1 for _, sent in results if sent)
+                stats.uploaded_bytes += sum(sent for _, sent in results)
+        self.last = stats
+        if self.grace > 0 and time.time() - self._renewed > self.grace / 2:
+            # A sweep may have taken the lease for a dead save's and removed chunks this step names.
+            raise CheckpointError(f"a save to {self.steps.directory} could not renew its lease for "
+                                  f"{time.time() - self._renewed:.0f} s (the grace is {self.grace:g} s); nothing was "
+                                  "committed. Save again.")
+        return stats.size, None, ChunkedTree(chunk_size=size, entries=tuple(entries))
+
+    def _store_chunk(self, path: Path | None, view: memoryview | None, offset: int, length: int) -> tuple[str, int]:
+        """Hash one chunk; upload it when the store lacks it. Returns its key and the bytes uploaded."""
+        if view is not None:
+            data: bytes | memoryview = view[offset:offset + length]
+        else:
+            assert path is not None
+            with open(path, "rb", buffering=0) as f:
+                data = os.pread(f.fileno(), length, offset)
+            if len(data) != length:
+                raise RuntimeError(f"{path} changed size while it was being saved; save it again once it is "
+                                   "complete")
+        key = self.chunks.key_of(data)
+        known = self.chunks.known
+        assert known is not None
+        with self._known_lock:
+            if key in known:
+                return key, 0
+        blob = self.chunks.compress(data)
+        self.chunks.put(key, blob)
+        with self._known_lock:
+            known.add(key)
+        return key, len(blob)
+
+    # -- restoring -----------------------------------------------------------------------------------------
+
+    def restore(self, step: int, manifest: StepManifest, workspace: Path) -> Path:
+        """Rebuild ``manifest``'s tree in a staging folder of ``workspace``, every chunk verified, then publish
+        it as the payload kind does. MissingChunk when a chunk is not stored; CheckpointCorruptError names the
+        step and the file when one does not match."""
+        tree = manifest.tree
+        assert tree is not None
+        cls = payload_class(manifest.record.kind, self.steps.step_uri(step))
+        workspace.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=workspace))
+        try:
+            self._rebuild(step, tree, staging)
+            return cls.publish(staging, workspace)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def _damaged(self, step: int, path: str, why: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"step {step} in {self.steps.directory}: file {path!r} is damaged: {why}. "
+                                      "Restore an older step (fallback=True), or save it again.")
+
+    def _rebuild(self, step: int, tree: ChunkedTree, staging: Path) -> None:
+        seen: dict[str, str] = {}
+        for entry in tree.entries:
+            parts = entry.path.split("/")
+            if entry.path in seen or any(p in ("", ".", "..") for p in parts) or "\\" in entry.path:
+                raise self._damaged(step, entry.path, "its manifest names an unsafe or repeated path")
+            if entry.type == "link":
+                depth = len(parts) - 1
+                for piece in (entry.target or "").split("/"):
+                    depth += -1 if piece == ".." else 0 if piece in ("", ".") else 1
+                    if depth < 0:
+                        break
+                if not entry.target or entry.target.startswith("/") or depth < 0:
+                    raise self._damaged(step, entry.path, f"symlink {entry.target!r} leads outside")
+            expected = -(-entry.size // tree.chunk_size) if entry.type == "file" else 0
+            if len(entry.chunks) != expected:
+                raise self._damaged(step, entry.path, "its manifest lists the wrong number of chunks")
+            seen[entry.path] = entry.type
+            for i in range(1, len(parts)):
+                if seen.get("/".join(parts[:i]), "dir") != "dir":
+                    raise self._damaged(step, entry.path, "it lies below an entry that is not a folder")
+        check_room(staging, sum(e.size for e in tree.entries), self.steps.step_uri(step))
+        # Folders and empty files first; links last, so that nothing is ever written through one.
+        for entry in tree.entries:
+            target = staging / entry.path
+            if entry.type == "dir":
+                target.mkdir(parents=True, exist_ok=True)
+            elif entry.type == "file":
+                target.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600 if entry.mode
+                             is not None else 0o666)
+                try:
+                    os.ftruncate(fd, entry.size)
+                finally:
+                    os.close(fd)
+        self._fetch_all(step, tree, staging)
+        for entry in tree.entries:
+            target = staging / entry.path
+            if entry.type == "file":
+                if entry.mode is not None:
+                    os.chmod(target, entry.mode)
+                if entry.mtime is not None:
+                    os.utime(target, (entry.mtime, entry.mtime))
+            elif entry.type == "link":
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.symlink(entry.target or "", target)
+        for entry in reversed(tree.entries):  # deepest first, so that a read-only folder could be filled
+            if entry.type == "dir":
+                target = staging / entry.path
+                if entry.mode is not None:
+                    os.chmod(target, entry.mode)
+                if entry.mtime is not None:
+                    os.utime(target, (entry.mtime, entry.mtime))
+
+    def _fetch_all(self, step: int, tree: ChunkedTree, staging: Path) -> None:
+        def fetch(entry: TreeEntry, index: int, key: str) -> None:
+            offset = index * tree.chunk_size
+            length = min(tree.chunk_size, entry.size - offset)
+            try:
+                data = self.chunks.get(key, length)
+            except FileNotFoundError:
+                raise MissingChunk(entry.path, self.chunks.uri(key)) from None
+            except CheckpointCorruptError as exc:
+                raise self._damaged(step, entry.path, str(exc)) from exc
+            fd = os.open(staging / entry.path, os.O_WRONLY | os.O_NOFOLLOW)
+            try:
+                os.pwrite(fd, data, offset)
+            finally:
+                os.close(fd)
+
+        slots = threading.BoundedSemaphore(2 * self.workers)  # chunks in memory at once
+        failed = threading.Event()
+
+        def done(future: concurrent.futures.Future[None]) -> None:
+            if future.exception() is not None:
+                failed.set()
+            slots.release()
+
+        with concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="taskpoint-chunk") as pool:
+            futures = []
+            for entry in tree.entries:
+                for index, key in enumerate(entry.chunks):
+                    slots.acquire()
+                    if failed.is_set():
+                        slots.release()
+                        break
+                    futures.append(pool.submit(fetch, entry, index, key))
+                    futures[-1].add_done_callback(done)
+            for future in futures:
+                future.result()
+
+    # -- collecting unreferenced chunks --------------------------------------------------------------------
+
+    def collect(self, grace: float, *, dry_run: bool = False) -> list[str]:
+        """Remove the chunks that no committed manifest names, older than ``grace``, unless a save is in flight
+        (a fresh save lease); return their URIs. Also removes leases older than ``grace`` (of killed saves)."""
+        if not self.chunks.listing() and not self.chunks.leases() and not self.chunks.temp_files():
+            return []
+        lock = None if dry_run else self.chunks.new_lease("gc")
+        started = time.time()
+        try:
+            leases = self.chunks.leases()
+            if any(name.startswith("save-") and _fresh(mtime, started, grace) for name, mtime in leases.items()):
+                return []  # a save may be about to name any chunk: sweep another time
+            if not dry_run:
+                for name, mtime in leases.items():  # of killed saves and sweeps
+                    if name != lock and not _fresh(mtime, started, grace):
+                        quietly(lambda name=name: self.chunks.remove_lease(name))  # type: ignore[misc]
+                for relative, mtime in self.chunks.temp_files().items():  # of killed writes (local disk)
+                    if not _fresh(mtime, started, grace):
+                        quietly(self.chunks.root.child(relative).remove)
+            referenced: set[str] = set()
+            for step, folder in sorted(self.steps.scan().items()):
+                if not folder.committed:
+                    continue
+                try:
+                    manifest = self.steps.manifest(step)
+                except CheckpointCorruptError:
+                    return []  # never guess what an unreadable manifest names
+                if manifest is not None and manifest.tree is not None:
+                    referenced |= manifest.tree.chunk_keys()
+            now = time.time()
+            doomed = [key for key, mtime in sorted(self.chunks.listing().items()) if key not in referenced
+                      and (grace == 0 or (mtime is not None and now - mtime >= grace))]
+            removed = [self.chunks.uri(key) for key in doomed]
+            if dry_run or not doomed:
+                return removed
+            self.chunks.bump_epoch()  # before the first removal: every save lists the store again
+            self.chunks.epoch = self.chunks.read_epoch()
+            removed = []
+            for key in doomed:
+                if grace > 0 and time.time() - started > grace / 2:
+                    break  # saves stop waiting for this sweep once its lock is older than the grace
+                self.chunks.location(key).remove()
+                if self.chunks.known is not None:
+                    self.chunks.known.discard(key)
+                removed.append(self.chunks.uri(key))
+                self.chunks.root.child(f"chunks/{key[:2]}").remove_empty_folder()
+            return removed
+        finally:
+            if lock is not None:
+                quietly(lambda: self.chunks.remove_lease(lock))
+
+
+def deduplicable(payload: Payload) -> bool:
+    return payload.kind in KINDS and isinstance(payload, (BytesPayload, DirectoryPayload))
+

@@ -1,0 +1,218 @@
+"""The record protocol of a checkpoint object: save with the record written before the object is visible,
+load verified against it (see :mod:`taskpoint.format.records` for the format and the argument)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import uuid
+import warnings
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from . import _log
+from .errors import CheckpointCorruptError, StorageNotFound
+from .folders import refuse_folder_destination
+from .format.codecs import Codec
+from .format.records import MANIFEST_SUFFIX, ObjectRecord, Record
+from .payloads import Payload, payload_class
+from .storage import Location
+from .transfer import guess_kind, read_payload, write_payload
+
+#: The record this process last wrote beside each destination (key: filesystem protocol and record path), with
+#: the local file's identity. A later save starts from it; just before it lists its new object it reads the
+#: record again (on local disk only when a stat says another process replaced it), so that what another
+#: writer made visible stays listed.
+_written: dict[tuple[str, str], tuple[Record, tuple[int, int, int] | None]] = {}
+_written_lock = threading.Lock()
+#: How often a load re-reads the record and follows it when the object it read is not listed (each time, a
+#: save of another process wrote the record after this load read it).
+_RECORD_REREADS = 4
+#: The pause before a load reads the object again under an unchanged record (a damaged object waits it once).
+_RECORD_PAUSE = 0.1
+
+
+def _record_key(record_loc: Location) -> tuple[str, str]:
+    return str(record_loc.fs.protocol), record_loc.path
+
+
+def save_object(dest: Location, payload: Payload, codec: Codec, level: int | None) -> ObjectRecord:
+    """Write ``payload`` to ``dest`` atomically; its kind, size and CRC32 are recorded beside it before it
+    becomes visible, next to the objects that may still be there (see :mod:`taskpoint.format.records`)."""
+    record_loc = dest.sibling(MANIFEST_SUFFIX)
+    key = _record_key(record_loc)
+    with _written_lock:
+        known, stamp = _written.pop(key, (None, None))
+    read_at = time.monotonic()
+    previous = known if known is not None else (read_record(record_loc, tolerate_corrupt=True) or Record())
+    if dest.is_local or not previous.objects:
+        # A folder or prefix is refused before anything is written (folders.py). A destination with a record
+        # was saved to as an object before: on object stores that spares the first save a HEAD and a listing.
+        refuse_folder_destination(dest)
+    if previous.sweep or (known is None and dest.is_local):
+        _log.logger.debug("sweeping leftovers of interrupted saves at %s", _log.safe_uri(dest.uri))
+        dest.sweep_leftovers(started_before=time.time())  # what killed or failed saves left
+    entry = ObjectRecord(kind=payload.kind, codec=codec.name if payload.archived else "raw",
+                         save_id=uuid.uuid4().hex, created=time.time(), size=payload.size())
+    state = _SaveState(previous)
+
+    def on_partial() -> None:  # a multipart upload begins: if this process dies, the next save sweeps it
+        if not state.partial:
+            state.partial = True
+            state.record = replace(state.record, sweep=True)
+            record_loc.write_small(state.record.to_bytes(), action="save a checkpoint to")
+
+    def before_commit(size: int, digest: str) -> None:
+        # Another process may save here too: the record must keep listing the object it made visible. Read the
+        # record again unless it cannot have changed (local: the same file as this process wrote; a record
+        # read a moment ago), and keep what it lists besides what this process knew.
+        base = state.record
+        if (known is not None and not _unchanged(record_loc, stamp)) or \
+                (known is None and time.monotonic() - read_at > _FRESH_SECONDS):
+            base = _merged(read_record(record_loc, tolerate_corrupt=True), base)
+        state.record = base.with_new(replace(entry, size=size, crc32=digest), sweep=state.partial)
+        record_loc.write_small(state.record.to_bytes(), action="record the checkpoint at")
+
+    try:
+        size, digest = write_payload(dest, payload, codec, level, digest="crc32", size_hint=payload.size(),
+                                     before_commit=before_commit, on_partial=on_partial)
+    except BaseException:
+        _mark_failed(record_loc, state.record)
+        raise
+    with _written_lock:
+        _written[key] = (replace(state.record, confirmed=entry.save_id, sweep=False), _stamp(record_loc))
+    return replace(entry, size=size, crc32=digest)
+
+
+#: A record read this recently (seconds) is not read again just before the new object is listed in it.
+_FRESH_SECONDS = 1.0
+
+
+def _stamp(record_loc: Location) -> tuple[int, int, int] | None:
+    """Local disk: what identifies the record file this process just wrote (inode, size, mtime)."""
+    if not record_loc.is_local:
+        return None
+    try:
+        st = os.stat(record_loc.path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _unchanged(record_loc: Location, stamp: tuple[int, int, int] | None) -> bool:
+    """True when the record is still the one this process wrote (local disk: a stat, no read); elsewhere it
+    cannot be known without reading it, so False."""
+    return stamp is not None and _stamp(record_loc) == stamp
+
+
+def _merged(current: Record | None, known: Record) -> Record:
+    """The record as stored, plus the objects this process knew of that it no longer lists (newest first)."""
+    if current is None:
+        return known
+    listed = {o.save_id for o in current.objects}
+    extra = tuple(o for o in known.objects if o.save_id not in listed)
+    return replace(current, objects=current.objects + extra, confirmed=known.confirmed or current.confirmed)
+
+
+@dataclass
+class _SaveState:
+    """What one save has written to the record so far."""
+
+    record: Record
+    partial: bool = False
+
+
+def _mark_failed(record_loc: Location, record: Record) -> None:
+    """After a failed save: the record keeps every object it listed (the failed save's object may have become
+    visible if only the answer was lost) and asks the next save to sweep what this one may have left."""
+    with contextlib.suppress(Exception):  # best effort: the record already lists everything that may be visible
+        record_loc.write_small(replace(record, sweep=True).to_bytes())
+
+
+def read_record(record_loc: Location, *, tolerate_corrupt: bool = False) -> Record | None:
+    """The record beside a checkpoint object, or None when there is none."""
+    data = record_loc.read_small()
+    if data is None:
+        return None
+    try:
+        return Record.from_bytes(data, record_loc.uri)
+    except CheckpointCorruptError:
+        if tolerate_corrupt:
+            return None
+        raise
+
+
+class _Unlisted(CheckpointCorruptError):
+    """The object read is none of those the record lists (maybe a save that listed it has not been seen)."""
+
+
+def load_object(src: Location, workspace: Path) -> Path | None:
+    """Load the checkpoint at ``src`` into ``workspace``; None when nothing was ever saved there."""
+    record_loc = src.sibling(MANIFEST_SUFFIX)
+    record = read_record(record_loc)
+    paused = False
+    for reread in range(_RECORD_REREADS + 1):
+        try:
+            result = _load_listed(src, workspace, record)
+            break
+        except _Unlisted:
+            # A save writes its record before its object becomes visible: a reader that meets an object its
+            # copy of the record does not list finds it listed when it reads the record again (once more after
+            # a short pause: two writers may race). A record that stays the same means the object is damaged.
+            newer = read_record(record_loc)
+            if reread == _RECORD_REREADS or (newer == record and paused):
+                raise
+            if newer == record:  # another writer may be about to make the object its record lists visible
+                time.sleep(_RECORD_PAUSE)
+                paused = True
+            record = newer
+    if result is None:
+        if record is not None and record.objects:
+            raise CheckpointCorruptError(
+                f"the checkpoint at {src.uri} is recorded as saved but its object is missing; it was deleted "
+                f"or moved. Restore the object, or delete its record ({MANIFEST_SUFFIX}) to start over.")
+        if src.container_missing():
+            raise StorageNotFound(f"could not load {src.uri}: the bucket or container does not exist. "
+                                  "Create it, or fix the URI.")
+    return result
+
+
+def _load_listed(src: Location, workspace: Path, record: Record | None) -> Path | None:
+    """One load of ``src``, verified against ``record`` (objects without a record are Flyte's: unverified)."""
+
+    def choose(head: bytes, size: int | None) -> type[Payload]:
+        if record is None:
+            return guess_kind(head)
+        listed = record.of_size(size) or record.unverified or record.of_size(None)
+        if listed is None:
+            raise _Unlisted(f"the checkpoint at {src.uri} has a record that lists no object")
+        if size is not None and listed.size not in (None, size) and record.unverified is None:
+            raise _Unlisted(f"the checkpoint at {src.uri} holds an object of {size} bytes, which its record "
+                            "does not list")
+        return payload_class(listed.kind, src.uri)
+
+    def verify(kind: str, size: int, digest: str) -> None:
+        _verify(record, kind, size, digest, src.uri)
+        _log.note_verified(kind, size)
+
+    newest = record.of_size(None) if record is not None else None
+    digest = "sha256" if newest is not None and newest.crc32 is None and newest.sha256 else "crc32"
+    return read_payload(src, workspace, choose, verify, digest, size_hint=newest.size if newest else None)
+
+
+def _verify(record: Record | None, kind: str, size: int, digest: str, uri: str) -> None:
+    if record is None or record.matching(kind, size, digest) is not None:
+        return
+    legacy = record.unverified
+    if legacy is not None and legacy.kind == kind and legacy.size in (None, size):
+        warnings.warn(
+            f"the checkpoint at {uri} was written by a save (of an older taskpoint) that stopped before recording "
+            "its checksum; it was loaded with the archive's own checks only.", stacklevel=2)
+        return
+    expected = ", ".join(str(o.size) for o in record.objects) or "none"
+    raise _Unlisted(
+        f"the checkpoint at {uri} does not match the checksum recorded when it was saved "
+        f"(size {size}, recorded sizes {expected}); it is truncated or damaged. Save a new checkpoint, or load "
+        "an older one.")
