@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
 import stat
 import tarfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import fsspec
+
+from taskpoint import RetryPolicy
+
+T = TypeVar("T")
 
 
 def make_tree(root: Path, *, big: int = 0) -> Path:
@@ -90,3 +97,40 @@ def member(name: str, kind: bytes = tarfile.REGTYPE, *, linkname: str = "", mode
     info.linkname = linkname
     info.mode = mode
     return info
+
+
+@dataclass(frozen=True)
+class CountingRetry(RetryPolicy):
+    """A retry policy that counts how often it runs the operation (to prove what is not retried)."""
+
+    runs: list[str] = field(default_factory=list, compare=False)
+
+    def call(self, fn: Callable[[], T], *, action: str, uri: str) -> T:
+        def counted() -> T:
+            self.runs.append(action)
+            return fn()
+        return super().call(counted, action=action, uri=uri)
+
+
+def fast_counting() -> CountingRetry:
+    """A :class:`CountingRetry` that retries quickly."""
+    return CountingRetry(attempts=3, initial_delay=0.01, max_delay=0.02)
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(folder: Path, options: str) -> Iterator[Path]:
+    """A real tmpfs at ``folder`` with mount ``options``; skips the test where mounting is not allowed."""
+    import subprocess
+
+    import pytest
+
+    folder.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True,
+                             text=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip() or 'mount failed'}); run as root to test "
+                    "a full or read-only disk")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)

@@ -11,7 +11,6 @@ seeded RNG: every damage is detected.
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import io
 import json
@@ -27,8 +26,8 @@ import textwrap
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -36,12 +35,11 @@ import pytest
 import zstandard
 
 import taskpoint.format.extract as archive
-from helpers import make_tree, snapshot, write_object
+from helpers import fast_counting, make_tree, mounted_tmpfs, snapshot, write_object
 from taskpoint import (
     Checkpoint,
     CheckpointCorruptError,
     CheckpointError,
-    RetryPolicy,
     StorageFull,
     UnsafeArchiveError,
 )
@@ -51,35 +49,6 @@ from taskpoint.format.records import ObjectRecord, Record
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class CountingRetry(RetryPolicy):
-    """A retry policy that counts how often it runs the operation (to prove what is not retried)."""
-
-    runs: list[str] = field(default_factory=list, compare=False)
-
-    def call(self, fn: Callable[[], T], *, action: str, uri: str) -> T:
-        def counted() -> T:
-            self.runs.append(action)
-            return fn()
-        return super().call(counted, action=action, uri=uri)
-
-
-def fast_counting() -> CountingRetry:
-    return CountingRetry(attempts=3, initial_delay=0.01, max_delay=0.02)
-
-
-@contextlib.contextmanager
-def mounted_tmpfs(folder: Path, options: str) -> Iterator[Path]:
-    """A real tmpfs at ``folder`` (as in test_storage_errors); skips the test where mounting is not allowed."""
-    folder.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True,
-                             text=True, check=False)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip() or 'mount failed'}); run as root")
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
 
 # -- building archives -------------------------------------------------------------------------------------
 

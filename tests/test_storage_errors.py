@@ -9,25 +9,21 @@ disk is a real tmpfs of 1 MiB mounted by the test (skipped where this process ma
 from __future__ import annotations
 
 import base64
-import contextlib
 import errno
 import os
 import re
-import subprocess
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable
 from typing import TypeVar
 
 import pytest
 
 from _faults import closed_port_url
+from helpers import fast_counting, mounted_tmpfs
 from taskpoint import (
     Checkpoint,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointManager,
-    RetryPolicy,
     StorageAccessDenied,
     StorageError,
     StorageFull,
@@ -38,23 +34,6 @@ from taskpoint.storage import Failure, Location, classify
 from taskpoint.storage.errormap import describe
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class CountingRetry(RetryPolicy):
-    """A retry policy that counts how often it runs the operation (to prove what is not retried)."""
-
-    runs: list[str] = field(default_factory=list, compare=False)
-
-    def call(self, fn: Callable[[], T], *, action: str, uri: str) -> T:
-        def counted() -> T:
-            self.runs.append(action)
-            return fn()
-        return super().call(counted, action=action, uri=uri)
-
-
-def fast_counting() -> CountingRetry:
-    return CountingRetry(attempts=3, initial_delay=0.01, max_delay=0.02)
 
 
 # -- unavailable: transient, retried, then raised -----------------------------------------------------------
@@ -147,19 +126,6 @@ def test_loading_from_and_listing_a_missing_bucket_is_storage_not_found(s3_serve
 # -- full: the destination, or the local disk a load extracts to ----------------------------------------------
 
 
-@contextlib.contextmanager
-def mounted_tmpfs(folder: Path, options: str) -> Iterator[Path]:
-    """A real tmpfs at ``folder`` with mount ``options``; skips the test where mounting is not allowed."""
-    folder.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True,
-                             text=True, check=False)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip() or 'mount failed'}); run as root to test "
-                    "a full or read-only disk")
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
 def test_a_full_destination_is_storage_full_and_the_previous_checkpoint_survives(tmp_path):

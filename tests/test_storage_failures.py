@@ -17,32 +17,18 @@ import sys
 import textwrap
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
 from _faults import cuttable_proxy
-from helpers import write_object
+from helpers import CountingRetry, write_object
 from taskpoint import Checkpoint, RetryPolicy, StorageError, StorageUnavailable
 from taskpoint.storage import Kind, Location, _s3, objectstores
 
 T = TypeVar("T")
 SRC = str(Path(__file__).resolve().parent.parent / "src")
-
-
-@dataclass(frozen=True)
-class CountingRetry(RetryPolicy):
-    """A retry policy that counts how often it runs an operation."""
-
-    runs: list[str] = field(default_factory=list, compare=False)
-
-    def call(self, fn: Callable[[], T], *, action: str, uri: str) -> T:
-        def counted() -> T:
-            self.runs.append(action)
-            return fn()
-        return super().call(counted, action=action, uri=uri)
 
 
 def _uploads(fs: Any, path: str) -> list[dict[str, Any]]:

@@ -335,3 +335,13 @@ def wait_gone(pid: int, within: float) -> bool:
             return True
         time.sleep(0.05)
     return not pid_alive(pid)
+
+
+def location_or_skip(servers: Servers, kind: str, scratch: Path, result: Result) -> Any:
+    """A fresh location on ``kind`` (a StoreLocation), or None with ``result`` marked as not run and why."""
+    try:
+        return servers.location(kind, scratch)
+    except Exception as exc:
+        result.skipped = True
+        result.note(f"not run: {describe_exception(exc)}")
+        return None

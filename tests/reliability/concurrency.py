@@ -27,6 +27,7 @@ from ._common import (
     child_env,
     describe_exception,
     last_json_line,
+    location_or_skip,
     remove_location,
     tail,
     timed,
@@ -110,11 +111,8 @@ def run_case(servers: Servers, kind: str, mode: str, seconds: float, scratch: Pa
              else "Concurrency: 2 writers + 1 reader, CheckpointManager")
     result = Result(title, kind)
     with timed(result):
-        try:
-            location = servers.location(kind, scratch)
-        except Exception as exc:
-            result.skipped = True
-            result.note(f"not run: {describe_exception(exc)}")
+        location = location_or_skip(servers, kind, scratch, result)
+        if location is None:
             return result
         target = location.url("ckpt" if mode == "checkpoint" else "ckpts")
         options = json.dumps(location.storage_options)

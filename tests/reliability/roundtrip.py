@@ -19,7 +19,7 @@ from typing import Any
 
 import taskpoint
 
-from ._common import Result, Servers, describe_exception, first_line, remove_location, timed
+from ._common import Result, Servers, describe_exception, first_line, location_or_skip, remove_location, timed
 
 ODD_NAMES = ["a b", " leading", "trailing ", "ünïcødé", "日本語", "emoji-😀", ".hidden", "-dash", "x" * 200,
              "semi;colon", "back\\slash", "quote'\"", "new\nline", "tab\tname", "%41%2F", "..a", "a..", "@{}",
@@ -120,11 +120,8 @@ def run_store(servers: Servers, kind: str, examples: int, seed: int, scratch: Pa
 
     result = Result("Round trips by property (Hypothesis trees)", kind)
     with timed(result):
-        try:
-            location = servers.location(kind, scratch)
-        except Exception as exc:
-            result.skipped = True
-            result.note(f"not run: {describe_exception(exc)}")
+        location = location_or_skip(servers, kind, scratch, result)
+        if location is None:
             return result
         counter = iter(range(10**9))
         features = {"links": 0, "big": 0, "deep>=20": 0, "empty files": 0}

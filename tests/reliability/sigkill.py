@@ -40,6 +40,7 @@ from ._common import (
     key_prefix,
     last_json_line,
     list_objects,
+    location_or_skip,
     remove_location,
     run_child,
     tail,
@@ -288,11 +289,8 @@ def _leftovers(location, mode: str, server) -> list[str]:  # type: ignore[no-unt
 def run_mode(servers: Servers, kind: str, mode: str, trials: int, rng: random.Random, scratch: Path) -> Result:
     result = Result(MODE_TITLES[mode], kind)
     with timed(result):
-        try:
-            location = servers.location(kind, scratch)
-        except Exception as exc:
-            result.skipped = True
-            result.note(f"not run: {describe_exception(exc)}")
+        location = location_or_skip(servers, kind, scratch, result)
+        if location is None:
             return result
         server = servers.get(kind) if kind in ("s3", "gcs", "azure") else None
         target = location.url("ckpt" if mode == "checkpoint" else "ckpts")
