@@ -179,6 +179,9 @@ class StepStore:
             self.object(step, manifest.payload).remove()
             keep.add(manifest.payload)
         self.sweep_folder(step, folder, grace, keep)
+        # The folder of a step just deleted goes too when empty (also when retention worked from the steps it
+        # knew, without a listing of the folder's objects).
+        self.root.child(f"ckpt-{step}").remove_empty_folder()
 
     def sweep(self, folders: dict[int, Folder], grace: float, *, dry_run: bool = False) -> list[str]:
         """Remove the leftovers in ``folders`` older than ``grace``; return their URIs (``dry_run``: only
