@@ -412,7 +412,14 @@ def test_saves_racing_deletes_and_sweeps_never_commit_a_step_naming_a_removed_ch
                 for step in range(10_000):
                     if stop.is_set():
                         return
-                    mgr.save(contents[step % len(contents)], step)
+                    try:
+                        mgr.save(contents[step % len(contents)], step)
+                    except CheckpointError as exc:
+                        # With a 0.4 s grace on a loaded machine a save can miss renewing its lease in time; it
+                        # then refuses to commit (the safe answer, nothing committed). Anything else is a failure.
+                        if "could not renew its lease" not in str(exc):
+                            raise
+                        continue
                     saved.append(step)
         except BaseException as exc:  # reported by the test thread
             errors.append(exc)
