@@ -480,6 +480,30 @@ def test_a_bomb_beyond_max_expand_stops_with_storage_full(arena, codec, monkeypa
     assert info.value.__cause__ is None  # stopped by the limit, not by a failed write
 
 
+@pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
+def test_max_expand_of_a_checkpoint_limits_its_loads(store, tmp_path):
+    """``Checkpoint(max_expand=N)``: a directory or a file that would expand past N bytes stops with StorageFull
+    before writing past it; the same checkpoint loads under a larger limit; wrong
+    values are refused when the Checkpoint is made."""
+    opts, base = store.storage_options, store.url("stored")
+    tree = make_tree(tmp_path / "tree", big=300_000)
+    total = sum(f.stat().st_size for f in tree.rglob("*") if f.is_file() and not f.is_symlink())
+    Checkpoint(f"{base}/dir", storage_options=opts).save_sync(tree)
+    Checkpoint(f"{base}/file", storage_options=opts).save_sync(os.urandom(50_000))
+    for name, too_small in (("dir", total // 2), ("file", 10_000)):
+        with pytest.raises(StorageFull, match=f"max_expand={too_small}"), \
+                Checkpoint(tmp_path / f"w-{name}", f"{base}/{name}", storage_options=opts,
+                           max_expand=too_small) as cp:
+            cp.load_sync()
+        with Checkpoint(tmp_path / f"ok-{name}", f"{base}/{name}", storage_options=opts,
+                        max_expand=total + 100_000) as cp:
+            assert cp.load_sync() is not None
+    with pytest.raises(TypeError, match="max_expand"):
+        Checkpoint(tmp_path / "x", max_expand="1 GiB")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_expand"):
+        Checkpoint(tmp_path / "x", max_expand=-1)
+
+
 def test_a_header_claiming_10_gib_is_stopped_before_any_byte_is_written(arena, tmp_path):
     """The 10 GiB bomb of the report, without building 10 GiB: the check is made on the member's header."""
     info = entry("huge.bin")

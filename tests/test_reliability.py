@@ -62,11 +62,6 @@ def test_concurrent_writers_and_a_reader(servers, tmp_path):
 
 
 def test_concurrent_writers_and_a_reader_on_s3(servers, tmp_path):
-    """The manager's rows must pass. Checkpoint's row on S3 is a known open failure of issue 11: two writers of
-    one destination read the record at the same instant and one drops the other's entry (S3 gives no cheap
-    compare-and-swap of the record here), so a load can meet an unlisted object; it is reported, not hidden."""
-    results = concurrency.run(servers, ("s3",), QUICK_COUNTS["concurrency_seconds"], tmp_path)
-    _check([r for r in results if "Checkpoint" not in r.scenario or "Manager" in r.scenario])
-    known = [r for r in results if "Checkpoint" in r.scenario and "Manager" not in r.scenario and r.failures]
-    if known:
-        pytest.xfail(f"known (issue 11, two writers of one destination on S3): {table(known)}")
+    """Two processes saving one destination on S3 while a third loads: the record is written with a conditional
+    PUT (If-Match on the ETag read), so neither writer drops the other's entry and every load is verified."""
+    _check(concurrency.run(servers, ("s3",), QUICK_COUNTS["concurrency_seconds"], tmp_path))

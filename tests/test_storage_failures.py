@@ -231,7 +231,7 @@ def _gated(reader: type[Any]) -> type[Any]:
     return Gated
 
 
-@pytest.mark.parametrize("store", ["s3", "gcs"], indirect=True)
+@pytest.mark.parametrize("store", ["s3", "gcs", "azure"], indirect=True)
 @pytest.mark.parametrize("form", ["raw bytes", "archive"])
 def test_an_object_replaced_during_a_ranged_read_loads_as_one_version(store, tmp_path, monkeypatch, form):
     size = 40 << 20  # > 2 ranges of 8 MiB: read by the concurrent ranged reader
@@ -247,7 +247,7 @@ def test_an_object_replaced_during_a_ranged_read_loads_as_one_version(store, tmp
             versions.append(store.fs().cat_file(store.fs()._strip_protocol(store.url(name))))
     src = store.url("foreign")
     write_object(src, store.storage_options, versions[0])
-    backend = {"s3": objectstores.S3Backend, "gcs": objectstores.GCSBackend}[store.kind]
+    backend = _BACKENDS[store.kind]
     gated = _gated(backend.range_reader)
 
     def second_writer() -> None:
@@ -272,6 +272,37 @@ def test_an_object_replaced_during_a_ranged_read_loads_as_one_version(store, tmp
         gated.replaced.set()
         writer.join()
     assert len(gated.opened) == 2 and gated.opened[0] != gated.opened[1]  # restarted once, from the new version
+
+
+_BACKENDS = {"s3": objectstores.S3Backend, "gcs": objectstores.GCSBackend, "azure": objectstores.AzureBackend}
+
+
+@pytest.mark.parametrize("store", ["gcs", "azure"], indirect=True)
+def test_a_small_object_replaced_between_its_size_and_its_bytes_loads_as_one_version(store, monkeypatch):
+    """A small object is one range pinned to the version whose size was read: replaced in between (by an object
+    of another size), the read starts over from the new version instead of reading the new bytes under the
+    old size (which loaded as "damaged" from GCS and Azure, 22 of 370 loads of two writers and a reader)."""
+    old, new = os.urandom(300_000), os.urandom(200_000)
+    src = store.url("foreign")
+    write_object(src, store.storage_options, old)
+    backend = _BACKENDS[store.kind]
+    opened: list[str | None] = []
+
+    class ReplacedFirst(backend.range_reader):  # type: ignore[misc, name-defined]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            opened.append(self.version)
+
+        def _fetch(self, start: int, end: int) -> bytes:
+            if len(opened) == 1:
+                write_object(src, store.storage_options, new)
+            data: bytes = super()._fetch(start, end)
+            return data
+
+    monkeypatch.setattr(backend, "range_reader", ReplacedFirst)
+    with Checkpoint(store.url("d"), src, storage_options=store.storage_options) as cp:
+        assert cp.load_sync().read_bytes() == new
+    assert len(opened) == 2 and opened[0] != opened[1]  # restarted once, from the new version
 
 
 # -- 17. an overall deadline ---------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from . import _log
 from .errors import CheckpointError
 from .folders import load_folder, source_exists
 from .format.codecs import Codec, get_codec
+from .format.space import expansion_limit
 from .payloads import payload_for
 from .record import load_object, read_record, save_object
 from .storage import Location, RetryPolicy, normalize_uri
@@ -74,6 +75,10 @@ class Checkpoint(BaseCheckpoint):
             Flyte), ``"zstd"``, or ``"none"``.
         level: compression level for the codec; None picks a fast default.
         retry: how storage failures are retried; see :class:`~taskpoint.RetryPolicy`.
+        max_expand: the most bytes a load may write into :attr:`path` (a directory's files added up); a
+            checkpoint that would expand to more stops with :class:`~taskpoint.StorageFull` before writing
+            past it. None (default): only the free space of the local disk limits a load (and
+            ``taskpoint.format.extract.MAX_EXPAND`` where set).
     """
 
     def __init__(
@@ -86,6 +91,7 @@ class Checkpoint(BaseCheckpoint):
         codec: str = "gzip",
         level: int | None = None,
         retry: RetryPolicy | None = None,
+        max_expand: int | None = None,
     ) -> None:
         dest = normalize_uri(checkpoint_dest, "checkpoint_dest").strip()
         if not dest or _TEMPLATE.search(dest):
@@ -96,6 +102,11 @@ class Checkpoint(BaseCheckpoint):
         if level is not None and (not isinstance(level, int) or isinstance(level, bool)):
             raise TypeError(f"level must be an int or None, not {type(level).__name__}")
         self._level = level
+        if max_expand is not None and (not isinstance(max_expand, int) or isinstance(max_expand, bool)):
+            raise TypeError(f"max_expand must be a number of bytes (an int) or None, not {type(max_expand).__name__}")
+        if max_expand is not None and max_expand < 0:
+            raise ValueError(f"max_expand must be at least 0 bytes, got {max_expand}")
+        self._max_expand = max_expand
         self._retry = retry or RetryPolicy()
         self._dest = Location(dest, storage_options, self._retry)
         source = clean_source_uri(checkpoint_src)
@@ -186,10 +197,11 @@ class Checkpoint(BaseCheckpoint):
             if self._src is None:
                 return None
             clock = _log.Clock()
-            try:
-                result = load_object(self._src, self.path)
-            except SourceIsFolder:  # a folder or prefix (flytekit 1.x's layout): a directory checkpoint
-                result = load_folder(self._src, self.path)
+            with expansion_limit(self._max_expand):
+                try:
+                    result = load_object(self._src, self.path)
+                except SourceIsFolder:  # a folder or prefix (flytekit 1.x's layout): a directory checkpoint
+                    result = load_folder(self._src, self.path)
             if result is not None:
                 _log.transferred("load", self._src.uri, *_log.take_verified(), clock)
             self._loaded = result

@@ -9,29 +9,35 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import _log
-from .errors import CheckpointCorruptError, StorageNotFound
+from .errors import CheckpointCorruptError, StorageNotFound, StorageUnavailable
 from .folders import refuse_folder_destination
 from .format.codecs import Codec
 from .format.records import MANIFEST_SUFFIX, ObjectRecord, Record
 from .payloads import Payload, payload_class
-from .storage import Location
+from .storage import Location, VersionConflict
 from .transfer import guess_kind, read_payload, write_payload
 
 #: The record this process last wrote beside each destination (key: filesystem protocol and record path), with
-#: the local file's identity. A later save starts from it; just before it lists its new object it reads the
-#: record again (on local disk only when a stat says another process replaced it), so that what another
-#: writer made visible stays listed.
-_written: dict[tuple[str, str], tuple[Record, tuple[int, int, int] | None]] = {}
+#: the local file's identity and the stored version (S3's ETag, GCS's generation). A later save starts from it:
+#: where the store has conditional writes, its record write lands only over that version, and on a conflict it
+#: reads the record again and keeps what the other writer listed; elsewhere, just before it lists its new object
+#: it reads the record again (on local disk only when a stat says another process replaced it), so that what
+#: another writer made visible stays listed.
+_written: dict[tuple[str, str], tuple[Record, tuple[int, int, int] | None, str | None]] = {}
 _written_lock = threading.Lock()
 #: How often a load re-reads the record and follows it when the object it read is not listed (each time, a
 #: save of another process wrote the record after this load read it).
 _RECORD_REREADS = 4
 #: The pause before a load reads the object again under an unchanged record (a damaged object waits it once).
 _RECORD_PAUSE = 0.1
+#: How often a conditional record write reads the record again after another writer changed it (each conflict
+#: means the other writer's write landed: only a crowd of writers at one destination exhausts this).
+_CONFLICT_TRIES = 16
 
 
 def _record_key(record_loc: Location) -> tuple[str, str]:
@@ -44,9 +50,13 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
     record_loc = dest.sibling(MANIFEST_SUFFIX)
     key = _record_key(record_loc)
     with _written_lock:
-        known, stamp = _written.pop(key, (None, None))
+        known, stamp, version = _written.pop(key, (None, None, None))
     read_at = time.monotonic()
-    previous = known if known is not None else (read_record(record_loc, tolerate_corrupt=True) or Record())
+    if known is None:
+        stored, version = _read_versioned(record_loc)
+        previous = stored or Record()
+    else:
+        previous = known
     if dest.is_local or not previous.objects:
         # A folder or prefix is refused before anything is written (folders.py). A destination with a record
         # was saved to as an object before: on object stores that spares the first save a HEAD and a listing.
@@ -56,33 +66,36 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
         dest.sweep_leftovers(started_before=time.time())  # what killed or failed saves left
     entry = ObjectRecord(kind=payload.kind, codec=codec.name if payload.archived else "raw",
                          save_id=uuid.uuid4().hex, created=time.time(), size=payload.size())
-    state = _SaveState(previous)
+    state = _SaveState(record_loc, previous, version)
 
     def on_partial() -> None:  # a multipart upload begins: if this process dies, the next save sweeps it
         if not state.partial:
             state.partial = True
-            state.record = replace(state.record, sweep=True)
-            record_loc.write_small(state.record.to_bytes(), action="save a checkpoint to")
+            state.write(lambda record: replace(record, sweep=True), action="save a checkpoint to")
 
     def before_commit(size: int, digest: str) -> None:
-        # Another process may save here too: the record must keep listing the object it made visible. Read the
-        # record again unless it cannot have changed (local: the same file as this process wrote; a record
-        # read a moment ago), and keep what it lists besides what this process knew.
-        base = state.record
-        if (known is not None and not _unchanged(record_loc, stamp)) or \
-                (known is None and time.monotonic() - read_at > _FRESH_SECONDS):
-            base = _merged(read_record(record_loc, tolerate_corrupt=True), base)
-        state.record = base.with_new(replace(entry, size=size, crc32=digest), sweep=state.partial)
-        record_loc.write_small(state.record.to_bytes(), action="record the checkpoint at")
+        # Another process may save here too: the record must keep listing the object it made visible. With
+        # conditional writes the store says so (a conflict: read it again); elsewhere read it again unless it
+        # cannot have changed (local: the same file as this process wrote; a record read a moment ago), and
+        # keep what it lists besides what this process knew.
+        if not record_loc.conditional and ((known is not None and not _unchanged(record_loc, stamp)) or
+                                           (known is None and time.monotonic() - read_at > _FRESH_SECONDS)):
+            state.record = _merged(read_record(record_loc, tolerate_corrupt=True), state.record)
+        new = replace(entry, size=size, crc32=digest)
+        state.write(lambda record: record.with_new(new, sweep=state.partial), action="record the checkpoint at")
 
     try:
         size, digest = write_payload(dest, payload, codec, level, digest="crc32", size_hint=payload.size(),
                                      before_commit=before_commit, on_partial=on_partial)
     except BaseException:
-        _mark_failed(record_loc, state.record)
+        with contextlib.suppress(Exception):  # best effort: the record already lists all that may be visible
+            # The failed save's object may have become visible if only the answer was lost: the record keeps
+            # every object it listed, and asks the next save to sweep what this one may have left.
+            state.write(lambda record: replace(record, sweep=True), action="record a failed save at")
         raise
     with _written_lock:
-        _written[key] = (replace(state.record, confirmed=entry.save_id, sweep=False), _stamp(record_loc))
+        _written[key] = (replace(state.record, confirmed=entry.save_id, sweep=False), _stamp(record_loc),
+                         state.version)
     return replace(entry, size=size, crc32=digest)
 
 
@@ -116,19 +129,47 @@ def _merged(current: Record | None, known: Record) -> Record:
     return replace(current, objects=current.objects + extra, confirmed=known.confirmed or current.confirmed)
 
 
+def _read_versioned(record_loc: Location) -> tuple[Record | None, str | None]:
+    """The stored record (None when there is none or it is damaged: a save replaces it) and its version."""
+    data, version = record_loc.read_versioned() if record_loc.conditional else (record_loc.read_small(), None)
+    if data is None:
+        return None, None
+    try:
+        return Record.from_bytes(data, record_loc.uri), version
+    except CheckpointCorruptError:
+        return None, version
+
+
 @dataclass
 class _SaveState:
-    """What one save has written to the record so far."""
+    """What one save has written to the record so far, and the version of the record it last saw."""
 
+    loc: Location
     record: Record
+    version: str | None
     partial: bool = False
 
-
-def _mark_failed(record_loc: Location, record: Record) -> None:
-    """After a failed save: the record keeps every object it listed (the failed save's object may have become
-    visible if only the answer was lost) and asks the next save to sweep what this one may have left."""
-    with contextlib.suppress(Exception):  # best effort: the record already lists everything that may be visible
-        record_loc.write_small(replace(record, sweep=True).to_bytes())
+    def write(self, change: Callable[[Record], Record], *, action: str) -> None:
+        """Store ``change(record)``. Where the store has conditional writes it lands only over the version this
+        save saw; when another writer got there first, read the record again, keep what it lists and apply
+        the change to that."""
+        if not self.loc.conditional:
+            self.record = change(self.record)
+            self.loc.write_small(self.record.to_bytes(), action=action)
+            return
+        for _ in range(_CONFLICT_TRIES):
+            candidate = change(self.record)
+            try:
+                self.version = self.loc.write_versioned(candidate.to_bytes(), self.version, action=action)
+                self.record = candidate
+                return
+            except VersionConflict:
+                stored, self.version = _read_versioned(self.loc)
+                self.record = _merged(stored, self.record)
+                _log.logger.debug("another writer changed the record at %s; merged", _log.safe_uri(self.loc.uri))
+        raise StorageUnavailable(
+            f"could not {action} {self.loc.uri}: other writers changed its record {_CONFLICT_TRIES} times in a row. "
+            "Let one process save to a destination at a time; nothing was lost.")
 
 
 def read_record(record_loc: Location, *, tolerate_corrupt: bool = False) -> Record | None:

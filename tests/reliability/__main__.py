@@ -120,8 +120,8 @@ def run(args: argparse.Namespace) -> tuple[list[Result], dict]:
                 elif scenario == "resources":
                     results += resources.run(servers, counts["resource_cycles"], sub, use_s3="s3" in stores)
                 elif scenario == "concurrency":
-                    results += concurrency.run(servers, tuple(k for k in ("local", "s3") if k in stores),
-                                               counts["concurrency_seconds"], sub)
+                    kinds = tuple(k for k in ("local", "s3", "gcs", "azure") if k in stores)
+                    results += concurrency.run(servers, kinds, counts["concurrency_seconds"], sub)
                 elif scenario == "hostile":
                     results += hostile.run(sub)
     finally:

@@ -103,7 +103,7 @@ _READER = textwrap.dedent("""
                       "unverified": unverified, "seen": seen}), flush=True)
 """)
 
-SIZES = {"local": 2 << 20, "s3": 1 << 20}
+SIZES = {"local": 2 << 20, "s3": 1 << 20, "gcs": 1 << 20, "azure": 1 << 20}
 
 
 def run_case(servers: Servers, kind: str, mode: str, seconds: float, scratch: Path) -> Result:

@@ -2,9 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 from ..errors import StorageFull
+
+#: The limit of the load running in this context (``Checkpoint(max_expand=...)``); None: no limit of its own.
+_LIMIT: ContextVar[int | None] = ContextVar("taskpoint_max_expand", default=None)
+
+
+@contextlib.contextmanager
+def expansion_limit(max_expand: int | None) -> Iterator[None]:
+    """Loads inside the block may expand to at most ``max_expand`` bytes (None: no limit of their own)."""
+    token = _LIMIT.set(max_expand)
+    try:
+        yield
+    finally:
+        _LIMIT.reset(token)
+
+
+def current_limit() -> int | None:
+    """The ``max_expand`` of the load running in this context, None when it set none."""
+    return _LIMIT.get()
 
 
 class SpaceBudget:
@@ -21,7 +42,7 @@ class SpaceBudget:
     def __init__(self, folder: str | os.PathLike[str], uri: str, max_expand: int | None = None) -> None:
         self.folder = os.fspath(folder)
         self.uri = uri
-        self.max_expand = max_expand
+        self.max_expand = max_expand if max_expand is not None else current_limit()
         self.expanded = 0  # bytes of content charged so far
         self._block = 4096
         self._room: int | None = None  # bytes that may still be used, None when unknown
@@ -53,8 +74,8 @@ class SpaceBudget:
             raise StorageFull(
                 f"could not load {self.uri}: it expands to more than max_expand={self.max_expand} bytes "
                 f"({self.expanded} so far, then {size} for {what or 'the next entry'}); stopped before writing "
-                "it. Raise taskpoint.format.extract.MAX_EXPAND if this checkpoint is genuine, or load an older "
-                "one.")
+                "it. If this checkpoint is genuine, pass a larger max_expand= to Checkpoint (or raise "
+                "taskpoint.format.extract.MAX_EXPAND); otherwise load an older one.")
         self.expanded += size
         used = -(-size // self._block) * self._block + (self._block if folder else 0)
         self._since += used

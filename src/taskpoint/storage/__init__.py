@@ -21,6 +21,7 @@ from .backends import LEFTOVER_GRACE_SECONDS, Kind, WriteHooks
 from .errormap import Failure, classify, is_transient, map_errors
 from .location import Location, normalize_uri
 from .retry import RetryPolicy
+from .streams import VersionConflict
 
 __all__ = [
     "LEFTOVER_GRACE_SECONDS",
@@ -30,6 +31,7 @@ __all__ = [
     "Location",
     "ParallelCopy",
     "RetryPolicy",
+    "VersionConflict",
     "WriteHooks",
     "classify",
     "copy_fd_in_kernel",

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errormap import chain, code_and_status
-from .streams import ConcurrentRangeReader, ObjectChanged
+from .streams import ConcurrentRangeReader, ObjectChanged, VersionConflict
 
 #: Size of the parts of taskpoint's own S3 multipart uploads (S3 allows 10,000 parts: 80 GB at this size;
 #: the part size doubles every 1,000 parts so that any checkpoint fits).
@@ -203,16 +203,23 @@ def get_object(fs: Any, path: str, *, limit: int | None, timeout: float | None =
     ``fs.cat_file`` asks for the size first (a HEAD, and a listing when the key is missing): two more
     requests for every small object. ``timeout`` cancels the call (fsspec's FSTimeoutError).
     """
+    data, complete, _ = get_tagged(fs, path, limit=limit, timeout=timeout)
+    return data, complete
+
+
+def get_tagged(fs: Any, path: str, *, limit: int | None,
+               timeout: float | None = None) -> tuple[bytes, bool, str | None]:
+    """:func:`get_object`, with the ETag of the version read."""
     from fsspec.asyn import sync
 
     bucket, _, key = path.partition("/")
 
-    async def get() -> tuple[bytes, bool]:
+    async def get() -> tuple[bytes, bool, str | None]:
         answer = await fs._call_s3("get_object", Bucket=bucket, Key=key)
-        body = answer["Body"]
+        body, etag = answer["Body"], answer.get("ETag")
         try:
             if limit is None:
-                return await body.read(), True
+                return await body.read(), True, etag
             parts, got = [], 0
             while got <= limit:  # a read may return less than asked at any time
                 chunk = await body.read(limit + 1 - got)
@@ -220,8 +227,37 @@ def get_object(fs: Any, path: str, *, limit: int | None, timeout: float | None =
                     break
                 parts.append(chunk)
                 got += len(chunk)
-            return b"".join(parts), got <= limit
+            return b"".join(parts), got <= limit, etag
         finally:
             body.close()
 
     return sync(fs.loop, get, timeout=timeout)  # type: ignore[no-any-return]
+
+
+#: The answers of a conditional PUT that mean "another writer got there first": 412, and 409 while another
+#: conditional write of the key is in progress; 404 where a server answers If-Match on a missing key so.
+_CONFLICTS = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409", "NoSuchKey", "404")
+
+
+def put_if(fs: Any, path: str, data: bytes, expected: str | None, *, timeout: float | None = None) -> str | None:
+    """One PUT of ``data`` that lands only if the object is still at ETag ``expected`` (None: only if there is
+    no object). Returns the new ETag; raises :class:`VersionConflict` when another writer changed it."""
+    from fsspec.asyn import sync
+
+    bucket, _, key = path.partition("/")
+    condition = {"IfNoneMatch": "*"} if expected is None else {"IfMatch": expected}
+
+    async def put() -> str | None:
+        answer = await fs._call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)
+        etag = answer.get("ETag")
+        return etag if isinstance(etag, str) and etag else None
+
+    try:
+        return sync(fs.loop, put, timeout=timeout)  # type: ignore[no-any-return]
+    except Exception as exc:
+        if _code(exc) not in _CONFLICTS:
+            raise
+    finally:
+        fs.invalidate_cache(path)
+    # Raised outside the handler: the client's 412 must not be its context, or the error map would read it.
+    raise VersionConflict(f"{path} changed since it was read (expected version {expected})")

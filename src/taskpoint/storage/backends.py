@@ -148,6 +148,21 @@ class Backend:
         self.fs.invalidate_cache(path)
         return self.fs.cat_file(path, **bounded(self.fs))  # type: ignore[no-any-return]
 
+    #: Writes can be made conditional on the version read (:meth:`read_versioned`, :meth:`write_versioned`).
+    conditional: ClassVar[bool] = False
+
+    def read_versioned(self, path: str) -> tuple[bytes, str | None]:
+        """The whole object and its version (None where the store has no conditional writes)."""
+        return self.read_small(path), None
+
+    def write_versioned(self, path: str, data: bytes, expected: str | None) -> str | None:
+        """Where :attr:`conditional`: write ``data`` only if the object is still at version ``expected`` (None:
+        only if there is none), returning the new version, else raise ``VersionConflict``. Elsewhere an atomic
+        write that returns None."""
+        with self.open_write(path, len(data), NO_HOOKS) as f:
+            f.write(data)
+        return None
+
     def open_read(self, path: str, size_hint: int | None = None) -> IO[bytes]:
         self.fs.invalidate_cache(path)
         try:

@@ -32,7 +32,7 @@ from .backends import (
     protocols,
 )
 from .errormap import Failure, classify, map_errors
-from .objectstores import GCSBackend, ObjectStoreBackend, S3Backend
+from .objectstores import AzureBackend, GCSBackend, ObjectStoreBackend, S3Backend
 from .retry import RetryPolicy
 
 T = TypeVar("T")
@@ -118,6 +118,29 @@ class Location:
             except (FileNotFoundError, NotADirectoryError):
                 return None
         return self.run(read, action="read")
+
+    def read_versioned(self) -> tuple[bytes | None, str | None]:
+        """:meth:`read_small` with the object's version, for :meth:`write_versioned` (None where the store has
+        no conditional writes, or nothing is there)."""
+        def read() -> tuple[bytes | None, str | None]:
+            try:
+                return self.backend.read_versioned(self.path)
+            except (FileNotFoundError, NotADirectoryError):
+                return None, None
+        return self.run(read, action="read")
+
+    @property
+    def conditional(self) -> bool:
+        """True where writes can be conditional on the version read (S3's ETag, GCS's generation)."""
+        return self.backend.conditional
+
+    def write_versioned(self, data: bytes, expected: str | None, *, action: str = "write") -> str | None:
+        """Where :attr:`conditional`: write ``data`` only if the object is still at version ``expected`` (None:
+        only if nothing is there), with retries, and return the new version; ``VersionConflict`` when another
+        writer changed it (a retry whose first try landed but lost its answer also meets it: read again). Where
+        not, a plain atomic write that returns None. For records, not payloads."""
+        return self.run(lambda: self.backend.write_versioned(self.path, data, expected), action=action,
+                        writing=True)
 
     def open_read(self, size_hint: int | None = None) -> IO[bytes]:
         """A streaming reader; FileNotFoundError when the object does not exist. ``size_hint``, the size the
@@ -260,6 +283,8 @@ def backend_for(fs: Any, options: dict[str, Any]) -> Backend:
         return S3Backend(fs, options)
     if _is_instance(fs, "gcsfs", "GCSFileSystem"):
         return GCSBackend(fs, options)
+    if _is_instance(fs, "adlfs", "AzureBlobFileSystem"):
+        return AzureBackend(fs, options)
     if _OBJECT_STORES.intersection(protocols(fs)):
         return ObjectStoreBackend(fs, options)
     return MovingBackend(fs, options)

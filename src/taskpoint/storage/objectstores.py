@@ -5,8 +5,12 @@ client can (S3's ETag, GCS's generation)."""
 from __future__ import annotations
 
 import contextlib
+import errno
+import json
 from collections.abc import Iterator
 from typing import IO, Any, ClassVar
+
+from fsspec.asyn import sync
 
 from . import _s3
 from .backends import (
@@ -18,7 +22,7 @@ from .backends import (
     bounded,
     folder_error,
 )
-from .streams import RANGE_SIZE, ConcurrentRangeReader, ObjectChanged
+from .streams import RANGE_SIZE, ConcurrentRangeReader, ObjectChanged, VersionConflict
 
 
 class ObjectStoreBackend(Backend):
@@ -34,15 +38,16 @@ class ObjectStoreBackend(Backend):
         if info.get("type") != "file":
             # A prefix with objects under it: never read it as an empty object.
             raise folder_error(path)
-        size = int(info["size"])
-        if size > 2 * RANGE_SIZE:
-            return self.range_reader(self.fs, path, size, version=self.version_of(info))  # type: ignore[return-value]
+        size, version = int(info["size"]), self.version_of(info)
+        if size > 2 * RANGE_SIZE or version is not None:
+            # Pinned to the version just seen: an object replaced under the read raises ObjectChanged and the
+            # read starts over, never mixing two versions (small objects are one range).
+            return self.range_reader(self.fs, path, size, version=version)  # type: ignore[return-value]
         return self.fs.open(path, "rb", block_size=PART_SIZE, cache_type="readahead")  # type: ignore[no-any-return]
 
     def version_of(self, info: dict[str, Any]) -> str | None:
-        """The version of an object (S3's ETag, GCS's generation) that reads can be pinned to; None where the
-        store's client cannot pin ranged reads (Azure through adlfs: a change shows as a size or checksum
-        mismatch there)."""
+        """The version of an object (S3's ETag, GCS's generation, Azure's ETag) that reads can be pinned to;
+        None where the store's client cannot pin ranged reads (a change shows as a size or checksum mismatch)."""
         return None
 
     @contextlib.contextmanager
@@ -102,6 +107,127 @@ class GCSBackend(ObjectStoreBackend):
         generation = info.get("generation")
         return str(generation) if generation not in (None, "") else None
 
+    conditional = True
+
+    def read_versioned(self, path: str) -> tuple[bytes, str | None]:
+        """One GET of the object's media, and the generation it came from (``x-goog-generation``)."""
+        bucket, key, _ = self.fs.split_path(path)
+        headers, data = sync(self.fs.loop, self.fs._call, "GET", "b/{}/o/{}", bucket, key, alt="media",
+                             **bounded(self.fs))
+        generation = headers.get("x-goog-generation")
+        return bytes(data), str(generation) if generation else None
+
+    def write_versioned(self, path: str, data: bytes, expected: str | None) -> str | None:
+        """One multipart upload with ``ifGenerationMatch`` (0: only if there is no object)."""
+        bucket, key, _ = self.fs.split_path(path)
+        boundary = "==taskpoint=="
+        body = (f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n"
+                f"{json.dumps({'name': key})}\r\n--{boundary}\r\nContent-Type: application/octet-stream\r\n\r\n"
+                ).encode() + data + f"\r\n--{boundary}--".encode()
+        try:
+            answer = sync(self.fs.loop, self.fs._call, "POST", f"{self.fs._location}/upload/storage/v1/b/{bucket}/o",
+                          uploadType="multipart", ifGenerationMatch=expected or "0", data=body, json_out=True,
+                          headers={"Content-Type": f'multipart/related; boundary="{boundary}"'}, **bounded(self.fs))
+        except FileExistsError:  # gcsfs's name for 412: the generation is not the one expected
+            pass
+        else:
+            generation = answer.get("generation")
+            return str(generation) if generation else None
+        finally:
+            self.fs.invalidate_cache(path)
+        # Raised outside the handler: the client's 412 must not be its context, or the error map would read it.
+        raise VersionConflict(f"{path} changed since it was read (expected generation {expected or 'none'})")
+
+
+class ETagRangeReader(ConcurrentRangeReader):
+    """Azure: ranged GETs pinned to the blob's ETag (``If-Match``): a blob replaced or deleted under the read
+    raises :class:`ObjectChanged`, and the read starts over."""
+
+    def _fetch(self, start: int, end: int) -> bytes:
+        if self.version is None:
+            return super()._fetch(start, end)
+        from azure.core import MatchConditions
+        from azure.core.exceptions import ResourceModifiedError, ResourceNotFoundError
+
+        container, blob, _ = self._fs.split_path(self._path)
+
+        async def get() -> bytes:
+            async with self._fs.service_client.get_blob_client(container=container, blob=blob) as client:
+                stream = await client.download_blob(offset=start, length=end - start, etag=self.version,
+                                                    match_condition=MatchConditions.IfNotModified)
+                return await stream.readall()  # type: ignore[no-any-return]
+
+        if end == start:
+            return b""
+        try:
+            data: bytes = sync(self._fs.loop, get, **bounded(self._fs))
+        except (ResourceModifiedError, ResourceNotFoundError):
+            changed = True
+        else:
+            changed = False
+        if changed:  # raised outside the handler: the client's error must not be read by the error map
+            raise ObjectChanged(self._path, self.version)
+        if len(data) != end - start:
+            raise OSError(f"short ranged read of {self._path}: {len(data)} of {end - start} bytes")
+        return data
+
+
+class AzureBackend(ObjectStoreBackend):
+    """Azure Blob Storage: the client's uploads; ranged reads pinned to the blob's ETag; records written
+    conditionally on it."""
+
+    range_reader = ETagRangeReader
+    conditional = True
+
+    def version_of(self, info: dict[str, Any]) -> str | None:
+        etag = info.get("etag")
+        return str(etag) if etag else None
+
+    def read_versioned(self, path: str) -> tuple[bytes, str | None]:
+        from azure.core.exceptions import ResourceNotFoundError
+
+        container, blob, _ = self.fs.split_path(path)
+
+        async def get() -> tuple[bytes, str | None]:
+            async with self.fs.service_client.get_blob_client(container=container, blob=blob) as client:
+                stream = await client.download_blob()
+                return await stream.readall(), stream.properties.etag
+
+        try:
+            data, etag = sync(self.fs.loop, get, **bounded(self.fs))
+        except ResourceNotFoundError:
+            pass  # raised below, outside the handler, as the FileNotFoundError of a missing object
+        else:
+            return data, etag
+        raise FileNotFoundError(errno.ENOENT, "no such blob", path)
+
+    def write_versioned(self, path: str, data: bytes, expected: str | None) -> str | None:
+        """One upload with ``If-Match`` on the ETag read (or ``If-None-Match: *`` when there was no blob)."""
+        from azure.core import MatchConditions
+        from azure.core.exceptions import ResourceExistsError, ResourceModifiedError, ResourceNotFoundError
+
+        container, blob, _ = self.fs.split_path(path)
+        condition: dict[str, Any] = ({"overwrite": False} if expected is None else
+                                     {"overwrite": True, "etag": expected,
+                                      "match_condition": MatchConditions.IfNotModified})
+
+        async def put() -> str | None:
+            async with self.fs.service_client.get_blob_client(container=container, blob=blob) as client:
+                answer = await client.upload_blob(data, **condition)
+                etag = answer.get("etag")
+                return str(etag) if etag else None
+
+        try:
+            return sync(self.fs.loop, put, **bounded(self.fs))  # type: ignore[no-any-return]
+        except (ResourceExistsError, ResourceModifiedError):
+            pass
+        except ResourceNotFoundError as exc:
+            if "BlobNotFound" not in str(getattr(exc, "error_code", "")) and "BlobNotFound" not in str(exc):
+                raise FileNotFoundError(errno.ENOENT, "no such container", path) from exc
+        finally:
+            self.fs.invalidate_cache(path)
+        raise VersionConflict(f"{path} changed since it was read (expected ETag {expected or 'none'})")
+
 
 class S3Backend(ObjectStoreBackend):
     """S3: taskpoint's multipart writer (parts in flight, one PUT up to 64 MiB), upload listing and abort; large
@@ -129,6 +255,15 @@ class S3Backend(ObjectStoreBackend):
 
     def read_small(self, path: str) -> bytes:
         return _s3.get_object(self.fs, path, limit=None, **bounded(self.fs))[0]
+
+    conditional = True
+
+    def read_versioned(self, path: str) -> tuple[bytes, str | None]:
+        data, _, etag = _s3.get_tagged(self.fs, path, limit=None, **bounded(self.fs))
+        return data, etag
+
+    def write_versioned(self, path: str, data: bytes, expected: str | None) -> str | None:
+        return _s3.put_if(self.fs, path, data, expected, **bounded(self.fs))
 
     def open_read(self, path: str, size_hint: int | None = None) -> IO[bytes]:
         if size_hint is not None and size_hint <= SMALL_READ:

@@ -76,6 +76,11 @@ class ObjectChanged(OSError):
                                        "reading it again from the start")
 
 
+class VersionConflict(Exception):
+    """A conditional write found the object at another version than the one it was given (another writer
+    changed it since it was read). Not a storage failure: the caller reads the object again and decides."""
+
+
 class ConcurrentRangeReader(OrderedFutureReader):
     """Reads a large object as ranged GETs, several in flight, handed out in order; memory stays bounded.
 
