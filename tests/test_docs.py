@@ -34,7 +34,7 @@ MAX_NOT_RUN = 6  # such blocks should stay rare: raise this only with a reason i
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*(?P<lang>[\w+-]*)")
 _MARKER = re.compile(r"^\s*<!--\s*(?P<kind>not-run|needs)\s*:\s*(?P<value>.*?)\s*-->\s*$")
-_INCLUDE = re.compile(r'^\s*--8<--\s+"(?P<path>[^"]+)"\s*$')
+_INCLUDE = re.compile(r'^\s*--8<--\s+"(?P<path>[^":]+)(?::[\w:-]+)?"\s*$')  # "path", "path:section"
 _PROTOCOL_OF = {"s3": "s3", "gcs": "gs", "azure": "az"}
 _SERVER_FIXTURE = {"s3": "s3_server", "gcs": "gcs_server", "azure": "azure_server"}
 
