@@ -57,7 +57,7 @@ demo: $(DEMO_STAMP)
 	TASKPOINT_ROOT="$(ROOT)" $(PY) examples/quickstart.py
 
 docs: $(STAMP)
-	NO_MKDOCS_2_WARNING=1 PYTHONPATH=$(CURDIR)/src $(VENV)/bin/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 PYTHONPATH=$(CURDIR)/src $(VENV)/bin/mkdocs build --strict
 
 test: $(STAMP) $(NPM_STAMP) $(FLYTE_STAMP) docs
 	$(VENV)/bin/lint-imports --no-cache
