@@ -12,6 +12,8 @@ class InheritDocstrings(griffe.Extension):
     def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
         self._visit(pkg)
 
+    on_package_loaded = on_package  # the same event under griffe 1's name
+
     def _visit(self, obj: griffe.Object) -> None:
         for member in obj.members.values():
             if member.is_alias:

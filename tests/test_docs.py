@@ -2,12 +2,14 @@
 options, the API reference covers every public name, and the site builds with mkdocs --strict.
 
 Blocks of one page run in order in one namespace (as a reader runs them), in a fresh process whose working
-directory is a temp folder and whose TASKPOINT_ROOT is a temp path. Markers, an HTML comment on the line(s)
-right before a block:
+directory is a temp folder, with TASKPOINT_ROOT at ``.taskpoint`` inside it (the default root, made explicit).
+Markers, an HTML comment on the line(s) right before a block:
 
 - ``<!-- not-run: why -->``: the block is not run (it needs what a test machine lacks); the reason is required.
 - ``<!-- needs: s3 -->`` (or ``gcs``, ``azure``, several separated by commas): the page's process gets fsspec
   configuration (``FSSPEC_S3`` and the like) pointing at the test server, whose bucket ``my-bucket`` exists.
+- ``<!-- shell: runs -->`` before a ``bash`` block: after the page's python blocks, each of its commands runs
+  in the same folder (with the venv's ``taskpoint`` on PATH) and must exit 0.
 
 A block whose only content is ``--8<-- "examples/x.py"`` shows an example that tests/test_examples*.py run.
 """
@@ -33,7 +35,7 @@ DOC_BUCKET = "my-bucket"
 MAX_NOT_RUN = 6  # such blocks should stay rare: raise this only with a reason in the block's marker
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*(?P<lang>[\w+-]*)")
-_MARKER = re.compile(r"^\s*<!--\s*(?P<kind>not-run|needs)\s*:\s*(?P<value>.*?)\s*-->\s*$")
+_MARKER = re.compile(r"^\s*<!--\s*(?P<kind>not-run|needs|shell)\s*:\s*(?P<value>.*?)\s*-->\s*$")
 _INCLUDE = re.compile(r'^\s*--8<--\s+"(?P<path>[^":]+)(?::[\w:-]+)?"\s*$')  # "path", "path:section"
 _PROTOCOL_OF = {"s3": "s3", "gcs": "gs", "azure": "az"}
 _SERVER_FIXTURE = {"s3": "s3_server", "gcs": "gcs_server", "azure": "azure_server"}
@@ -47,6 +49,7 @@ class Block:
     code: str
     not_run: str | None = None
     needs: set[str] = field(default_factory=set)
+    shell_runs: bool = False
 
     @property
     def where(self) -> str:
@@ -81,6 +84,9 @@ def parse_blocks(page: Path) -> list[Block]:
         while k >= 0 and (marker := _MARKER.match(lines[k])):
             if marker["kind"] == "not-run":
                 block.not_run = marker["value"]
+            elif marker["kind"] == "shell":
+                assert marker["value"] == "runs", f"{page.relative_to(REPO)}:{k + 1}: only 'shell: runs' is known"
+                block.shell_runs = True
             else:
                 block.needs |= {v.strip() for v in marker["value"].split(",") if v.strip()}
             k -= 1
@@ -92,7 +98,8 @@ def parse_blocks(page: Path) -> list[Block]:
 PAGES = sorted(DOCS.rglob("*.md"))
 BLOCKS = [block for page in PAGES for block in parse_blocks(page)]
 PYTHON = [b for b in BLOCKS if b.lang in ("python", "py")]
-RUN_PAGES = sorted({b.page for b in PYTHON if b.not_run is None and b.include is None})
+SHELL = [b for b in BLOCKS if b.shell_runs]
+RUN_PAGES = sorted({b.page for b in PYTHON if b.not_run is None and b.include is None} | {b.page for b in SHELL})
 
 
 # The process that runs one page: each block compiled under its markdown location, so a traceback names it.
@@ -124,14 +131,21 @@ def test_python_blocks_of_the_page_run(page: Path, tmp_path: Path, request: pyte
     needs = set().union(*(b.needs for b in blocks))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TASKPOINT_", "FSSPEC_"))}
     env.update(_store_environment(request, needs))
-    env["TASKPOINT_ROOT"] = str(tmp_path / "root")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
     work = tmp_path / "work"
     work.mkdir()
+    env["TASKPOINT_ROOT"] = str(work / ".taskpoint")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     payload = json.dumps([{"where": b.where, "code": b.code} for b in blocks])
     out = subprocess.run([sys.executable, "-c", _RUNNER], input=payload, cwd=work, env=env, capture_output=True,
                          text=True, timeout=240)
     assert out.returncode == 0, f"{page.relative_to(REPO)}: a block failed\n{out.stdout}\n{out.stderr}"
+    for block in (b for b in SHELL if b.page == page):
+        for n, line in enumerate(block.code.splitlines(), start=block.line + 1):
+            if line.strip() and not line.lstrip().startswith("#"):
+                ran = subprocess.run(["bash", "-c", line], cwd=work, env=env, capture_output=True, text=True,
+                                     timeout=120)
+                assert ran.returncode == 0, f"{block.page.relative_to(REPO)}:{n}: {line}\n{ran.stdout}{ran.stderr}"
 
 
 def test_every_python_block_is_run_included_or_says_why_not() -> None:
@@ -141,6 +155,7 @@ def test_every_python_block_is_run_included_or_says_why_not() -> None:
     assert len(RUN_PAGES) >= 10  # the parser found the pages' blocks
     for block in BLOCKS:
         assert not (block.needs and block.lang not in ("python", "py")), f"{block.where}: needs: on a non-python block"
+        assert not (block.shell_runs and block.lang not in ("bash", "sh")), f"{block.where}: shell: on another block"
 
 
 def test_included_examples_exist_and_tests_run_them() -> None:
