@@ -75,7 +75,7 @@ bench: $(BENCH_STAMP)
 
 lint: $(STAMP)
 	$(PIP) install --quiet -e ".[dev]"
-	$(PY) -m ruff check src tests examples benchmarks
+	$(PY) -m ruff check src tests examples benchmarks docs
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports --no-cache
 
