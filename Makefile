@@ -2,6 +2,7 @@
 #   make demo   set up .venv with the core only (no extras), then run the quick-start example on the local default root
 #   make test   set up .venv and the object-store servers, check the import layers, then run the whole suite
 #   make reliability  the reliability campaign of issue 11 (RELIABILITY_ARGS="--quick" for the bounded run)
+#   make docs   build the documentation site into site/ (mkdocs --strict: a broken link or API reference fails)
 #   make bench  the speed benchmark of issues 3 and 5 (BENCH_ARGS="--size 0.0625 --runs 1" for a quick run)
 PYTHON ?= python3
 VENV   := .venv
@@ -23,7 +24,7 @@ BENCH_ARGS ?=
 RELIABILITY_ARGS ?=
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: demo test bench reliability lint typecheck clean venv servers
+.PHONY: demo test docs bench reliability lint typecheck clean venv servers
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,7 +56,10 @@ demo: $(DEMO_STAMP)
 	$(if $(DEMO_EXTRA),$(PIP) install --quiet --disable-pip-version-check -e ".[$(DEMO_EXTRA)]")
 	TASKPOINT_ROOT="$(ROOT)" $(PY) examples/quickstart.py
 
-test: $(STAMP) $(NPM_STAMP) $(FLYTE_STAMP)
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 PYTHONPATH=$(CURDIR)/src $(VENV)/bin/mkdocs build --strict
+
+test: $(STAMP) $(NPM_STAMP) $(FLYTE_STAMP) docs
 	$(VENV)/bin/lint-imports --no-cache
 	TASKPOINT_FLYTE_PYTHON=$(FLYTE_VENV)/bin/python $(PY) -m pytest
 
@@ -71,9 +75,9 @@ bench: $(BENCH_STAMP)
 
 lint: $(STAMP)
 	$(PIP) install --quiet -e ".[dev]"
-	$(PY) -m ruff check src tests examples benchmarks
+	$(PY) -m ruff check src tests examples benchmarks docs
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports --no-cache
 
 clean:
-	rm -rf $(VENV) $(FLYTE_VENV) $(NPM_DIR)/node_modules .taskpoint
+	rm -rf $(VENV) $(FLYTE_VENV) $(NPM_DIR)/node_modules .taskpoint site

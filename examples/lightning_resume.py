@@ -76,6 +76,7 @@ def synthetic_data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
+# --8<-- [start:callback]
 class SaveFolderAfterEpoch(ModelCheckpoint):
     """``ModelCheckpoint`` that saves the whole working folder to taskpoint once its epoch files are written.
 
@@ -110,6 +111,7 @@ class SaveFolderAfterEpoch(ModelCheckpoint):
             print(f"epoch {trainer.current_epoch}: global step {trainer.global_step}, saved in "
                   f"{time.perf_counter() - began:.3f} s", flush=True)
             self._after_save(trainer.current_epoch)
+# --8<-- [end:callback]
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -121,6 +123,7 @@ def weights_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
+# --8<-- [start:fit]
 @taskpoint.task(retries=RETRIES)
 def fit(epochs: int, fail_at_epochs: frozenset[int] = frozenset(), kill_at_epoch: int | None = None) -> dict[str, Any]:
     """Train for ``epochs`` epochs, resuming from the newest checkpoint an earlier attempt saved."""
@@ -167,6 +170,7 @@ def fit(epochs: int, fail_at_epochs: frozenset[int] = frozenset(), kill_at_epoch
     return {"epochs": trainer.current_epoch, "global_step": trainer.global_step, "loss": loss,
             "attempt": context.attempt, "sha256": weights_digest(model),
             "weights": {name: p.tolist() for name, p in model.state_dict().items()}}
+# --8<-- [end:fit]
 
 
 def quiet_lightning() -> None:

@@ -84,6 +84,7 @@ def train_epoch(t: Training) -> float:
     return total / SAMPLES
 
 
+# --8<-- [start:state]
 def write_state(folder: Path, t: Training, epoch: int, loss: float) -> None:
     torch.save(t.model.state_dict(), folder / MODEL_FILE)
     torch.save(t.optimizer.state_dict(), folder / OPTIMIZER_FILE)
@@ -97,6 +98,7 @@ def restore_state(folder: Path, t: Training) -> int:
     t.optimizer.load_state_dict(torch.load(folder / OPTIMIZER_FILE, weights_only=True))
     torch.set_rng_state(torch.load(folder / RNG_FILE, weights_only=True))
     return int(json.loads((folder / PROGRESS_FILE).read_text())["epoch"]) + 1
+# --8<-- [end:state]
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -108,6 +110,7 @@ def weights_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
+# --8<-- [start:task]
 @taskpoint.task(retries=RETRIES)
 async def train(epochs: int, fail_at_epochs: frozenset[int] = frozenset()) -> dict[str, Any]:
     """Train for ``epochs`` epochs, saving after each; raise once after saving each epoch in ``fail_at_epochs``."""
@@ -139,6 +142,7 @@ async def train(epochs: int, fail_at_epochs: frozenset[int] = frozenset()) -> di
 
     return {"epochs": epochs, "loss": loss, "attempt": context.attempt, "sha256": weights_digest(t.model),
             "weights": {name: p.tolist() for name, p in t.model.state_dict().items()}}
+# --8<-- [end:task]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
