@@ -18,7 +18,7 @@ import os
 import pickle
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
@@ -178,7 +178,7 @@ class Reader(StorageReader):
             view, got = memoryview(buffer), 0
             with contextlib.closing(location.open_read(size_hint=entry.size)) as source:
                 while got < len(buffer):
-                    n = source.readinto(view[got:])
+                    n = cast(io.RawIOBase, source).readinto(view[got:])
                     if not n:
                         break
                     got += n
@@ -204,7 +204,7 @@ class Reader(StorageReader):
             planner.load_bytes(item, piece)
             return
         tensor = torch.load(piece, map_location="cpu", weights_only=True)
-        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
             if start != 0 or length != tensor.size(dim):
                 tensor = tensor.narrow(dim, start, length)
         target = planner.resolve_tensor(item).detach()

@@ -18,7 +18,7 @@ import os
 import pickle
 import time
 import uuid
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -206,11 +206,11 @@ def _write_item(out: HashingWriter, data: Any, item: WriteItem) -> None:
     if item.type == WriteItemType.BYTE_IO:
         if not isinstance(data, io.BytesIO):
             raise TypeError(f"DCP resolved the bytes item {item.index.fqn} to a {type(data).__name__}")
-        out.write(data.getbuffer())
+        out.write(cast(bytes, data.getbuffer()))
         return
     if not isinstance(data, torch.Tensor):
         raise TypeError(f"DCP resolved the tensor item {item.index.fqn} to a {type(data).__name__}")
     tensor = data.detach().cpu()
     if tensor.untyped_storage().size() != tensor.nbytes:
         tensor = tensor.clone()  # a view: store only its own elements, not the whole storage behind it
-    torch.save(tensor, out)
+    torch.save(tensor, cast(IO[bytes], out))
