@@ -18,7 +18,7 @@ import os
 import pickle
 import uuid
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
@@ -199,11 +199,11 @@ class Reader(StorageReader):
         if getattr(info, "transform_descriptors", None):
             raise CheckpointCorruptError(f"{self._root.uri}: item {item.storage_index.fqn} was stored through "
                                          "DCP stream extensions, which taskpoint.torch does not read")
-        piece = io.BytesIO(data[info.offset:info.offset + info.length])
+        piece = data[info.offset:info.offset + info.length]
         if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, piece)
+            planner.load_bytes(item, io.BytesIO(piece))
             return
-        tensor = torch.load(piece, map_location="cpu", weights_only=True)
+        tensor = torch.load(cast(IO[bytes], _ViewReader(piece)), map_location="cpu", weights_only=True)
         for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
             if start != 0 or length != tensor.size(dim):
                 tensor = tensor.narrow(dim, start, length)
@@ -217,6 +217,37 @@ class Reader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+class _ViewReader(io.RawIOBase):
+    """A seekable stream over a memoryview, without copying it: ``torch.load`` reads each storage straight into
+    the tensor it allocates (``readinto``), where a BytesIO would first copy the whole item."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view, self._at = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), len(self._view) - self._at)
+        if n <= 0:
+            return 0
+        buffer[:n] = self._view[self._at:self._at + n]
+        self._at += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: len(self._view)}[whence]
+        self._at = max(0, base + offset)
+        return self._at
+
+    def tell(self) -> int:
+        return self._at
 
 
 def _relative_path(info: Any, where: str) -> str:
