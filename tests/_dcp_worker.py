@@ -4,7 +4,8 @@ The launcher sets torchrun's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`
 parameters are DTensors over a 1-D CPU mesh of every rank (weights sharded on dim 0, one bias replicated), built
 from a seed so that any rank count can rebuild the full tensors it expects. ACTIONS_JSON is a list of
 ``[action, uri]`` run in order by the one process group: ``save``, ``async_save``, ``load`` (the load checks every
-tensor bit for bit and the non-tensor state). ``STORAGE_OPTIONS`` (JSON) is passed to the Writer and Reader.
+tensor bit for bit and the non-tensor state), ``save_dies`` (rank 2 SIGKILLed in the middle of its upload; the
+others exit with status 3 once the save fails). ``STORAGE_OPTIONS`` (JSON) is passed to the Writer and Reader.
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -64,10 +68,35 @@ def check_loaded(state: dict[str, object], step: int) -> None:
     assert state["extra"] == {"step": step, "note": "taskpoint"}, state["extra"]
 
 
+class DiesMidUpload(DefaultSavePlanner):
+    """Kills its own process (SIGKILL, no cleanup) when the writer asks for the second item: by then the
+    rank's first file is open and partly written."""
+
+    resolved = 0
+
+    def resolve_data(self, write_item: Any) -> Any:
+        self.resolved += 1
+        if self.resolved == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().resolve_data(write_item)
+
+
+def save_dies(mesh: object, uri: str, options: dict[str, Any]) -> None:
+    """Rank 2 is killed in the middle of its upload; the others must see the save fail (exit status 3)."""
+    planner = DiesMidUpload() if dist.get_rank() == 2 else None
+    try:
+        dcp.save(state_of(distribute(build_model(SEED), mesh), 7), planner=planner,
+                 storage_writer=taskpoint.torch.Writer(uri, storage_options=options, threads=1))
+    except BaseException as exc:
+        print(f"the save failed as it should: {type(exc).__name__}", flush=True)
+        os._exit(3)  # the group lost a rank: no barrier, no teardown
+    raise AssertionError("the save succeeded although rank 2 was killed")
+
+
 def main() -> None:
     actions = json.loads(sys.argv[1])
     options = json.loads(os.environ.get("STORAGE_OPTIONS", "{}"))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ.get("GLOO_TIMEOUT", "90"))))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     try:
         for action, uri in actions:
@@ -78,6 +107,8 @@ def main() -> None:
                 future = dcp.async_save(state_of(distribute(build_model(SEED), mesh), 7),
                                         storage_writer=taskpoint.torch.Writer(uri, storage_options=options))
                 future.result(timeout=120)
+            elif action == "save_dies":
+                save_dies(mesh, uri, options)
             elif action == "load":
                 state = state_of(distribute(build_model(None), mesh), 0)
                 dcp.load(state, storage_reader=taskpoint.torch.Reader(uri, storage_options=options))

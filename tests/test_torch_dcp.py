@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # noqa
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
 import taskpoint.torch  # noqa: E402
+from _dcp_worker import SEED, build_model  # noqa: E402
 from _fault_proxy import FaultProxy  # noqa: E402
 from taskpoint import RetryPolicy  # noqa: E402
 from taskpoint.errors import CheckpointCorruptError, StorageNotFound, StorageUnavailable  # noqa: E402
@@ -37,18 +39,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_ranks(world_size: int, actions: list[list[str]], options: dict[str, Any]) -> None:
-    """One gloo job of ``world_size`` real processes running ``actions``; every rank must exit 0."""
+def run_ranks(world_size: int, actions: list[list[str]], options: dict[str, Any],
+              expect: dict[int, int] | None = None) -> None:
+    """One gloo job of ``world_size`` real processes running ``actions``; every rank must exit 0, or with the
+    status ``expect`` gives for it."""
     port = _free_port()
     procs = []
     for rank in range(world_size):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "STORAGE_OPTIONS": json.dumps(options)}
+               "STORAGE_OPTIONS": json.dumps(options), "GLOO_TIMEOUT": "30"}
         procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(actions)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate(timeout=240)[0] for p in procs]
-    failed = [(rank, out) for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)) if p.returncode != 0]
+    wanted = expect or {}
+    failed = [(rank, out) for rank, (p, out) in enumerate(zip(procs, outputs, strict=True))
+              if p.returncode != wanted.get(rank, 0)]
     assert not failed, "\n".join(f"rank {rank} failed:\n{out[-3000:]}" for rank, out in failed)
 
 
@@ -68,6 +74,23 @@ def test_dtensor_model_saved_on_4_ranks_loads_bit_identical_on_2_and_back(s3_sto
     names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(four, detail=False, refresh=True))
     assert names[0] == ".metadata" and "taskpoint.dcp.json" in names
     assert {n.split("_")[2] for n in names if n.endswith(".distcp")} == {"0", "1", "2", "3"}  # every rank's files
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_upload_commits_nothing_and_the_previous_checkpoint_loads(s3_store: Any) -> None:
+    options = s3_store.storage_options
+    previous, failing = s3_store.url("previous"), s3_store.url("killed")
+    run_ranks(4, [["save", previous], ["save_dies", failing]], options,
+              expect={0: 3, 1: 3, 2: -signal.SIGKILL, 3: 3})
+    fs = s3_store.fs()
+    assert not fs.exists(f"{failing}/.metadata") and not fs.exists(f"{failing}/taskpoint.dcp.json")
+    assert isinstance(load_error(failing, options), FileNotFoundError)
+    # The previous checkpoint, saved on 4 ranks, loads whole into one process (DCP reshards 4 -> 1).
+    expected = build_model(SEED).state_dict()
+    target = {"model": {k: torch.zeros_like(v) for k, v in expected.items()}, "extra": {"step": 0, "note": ""}}
+    dcp.load(target, storage_reader=taskpoint.torch.Reader(previous, storage_options=options))
+    assert all(torch.equal(target["model"][k], v) for k, v in expected.items())
+    assert target["extra"] == {"step": 7, "note": "taskpoint"}
 
 
 # -- one process: damage, misuse, failures -------------------------------------------------------------------
