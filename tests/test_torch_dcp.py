@@ -7,6 +7,7 @@ per job, see tests/_dcp_worker.py); the others save and load in this process (DC
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import signal
@@ -214,7 +215,14 @@ def test_a_committed_checkpoint_is_refused_unless_overwrite(tmp_path: Path) -> N
         dcp.save(small_state(1), storage_writer=taskpoint.torch.Writer(uri))
     assert isinstance(failures(caught.value)[0], FileExistsError)
 
-    dcp.save(small_state(1), storage_writer=taskpoint.torch.Writer(uri, overwrite=True))
+    writer = taskpoint.torch.Writer(uri, overwrite=True)
+    dcp.save(small_state(1), storage_writer=writer)
+    # The manifest lists every stored file but itself, .metadata included, with its true size and sha256.
+    listed = json.loads((Path(uri) / "taskpoint.dcp.json").read_bytes())["files"]
+    stored = {p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+              for p in Path(uri).iterdir() if p.name != "taskpoint.dcp.json"}
+    assert listed == stored and ".metadata" in listed
+    assert writer.committed is not None and set(writer.committed.files) == set(stored)
     target = empty_state()
     dcp.load(target, storage_reader=taskpoint.torch.Reader(uri))
     assert torch.equal(target["w"], small_state(1)["w"])

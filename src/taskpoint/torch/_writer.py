@@ -72,6 +72,8 @@ class Writer(StorageWriter):
         self.threads = check_threads(threads)
         self.save_id = uuid.uuid4().hex
         self._coordinator = False
+        #: The manifest the last save committed (on the coordinator, once ``finish`` returned).
+        self.committed: FileSetManifest | None = None
 
     @property
     def checkpoint_id(self) -> str:
@@ -82,6 +84,7 @@ class Writer(StorageWriter):
         if checkpoint_id:
             self._root = root_location(checkpoint_id, self._options, self._retry)
         self.save_id = uuid.uuid4().hex
+        self.committed = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if not kwargs.get("use_collectives", True):
@@ -158,10 +161,20 @@ class Writer(StorageWriter):
         metadata.storage_meta = self.storage_meta()
         blob = pickle.dumps(metadata)
         files[METADATA_NAME] = FileEntry(len(blob), hashlib.sha256(blob).hexdigest())
-        manifest = FileSetManifest(kind=MANIFEST_KIND, save_id=self.save_id, created=time.time(), files=files)
-        self._root.child(MANIFEST_NAME).write_small(manifest.to_bytes(), action="commit")
-        self._root.child(METADATA_NAME).write_small(blob, action="commit")
+        manifest = self.new_manifest(files)
+        self.commit(manifest, blob)
+        self.committed = manifest
         self._remove_stale(files)
+
+    def new_manifest(self, files: dict[str, FileEntry]) -> FileSetManifest:
+        """The manifest of this save. A subclass may record more (a manager step's attempt and metadata)."""
+        return FileSetManifest(kind=MANIFEST_KIND, save_id=self.save_id, created=time.time(), files=files)
+
+    def commit(self, manifest: FileSetManifest, metadata_blob: bytes) -> None:
+        """Write the manifest, then ``.metadata``: the commit. A subclass may extend it (a manager writes its
+        step record after both, so that a step it lists is always loadable)."""
+        self._root.child(MANIFEST_NAME).write_small(manifest.to_bytes(), action="commit")
+        self._root.child(METADATA_NAME).write_small(metadata_blob, action="commit")
 
     def _remove_stale(self, kept: dict[str, FileEntry]) -> None:
         """Data files no manifest names any more (an overwritten save's, or a failed save's). Best effort."""
