@@ -131,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                    train_iterations=args.train_iterations, train_work=args.train_work,
                    log=lambda msg: print(msg, flush=True))
     results = run_all(dataset, opts) if any(m != _dcp.METHOD for m in args.methods) else []
-    dcp_rows = (_dcp.run(args.size, args.runs, args.data_dir / "work-dcp", args.settle, args.moto_fast_ranges,
-                         opts.log) if _dcp.METHOD in args.methods else [])
+    dcp_rows = _dcp.run(args.size, opts, args.data_dir / "work-dcp") if _dcp.METHOD in args.methods else []
     summaries = [r.summary() for r in results]
     rows = _report.add_ratios([r for r in summaries if r["method"] != _background.METHOD])
     background = _report.add_background_ratios([r for r in summaries if r["method"] == _background.METHOD])

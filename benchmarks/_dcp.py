@@ -13,8 +13,8 @@ Compared in the same run, each a gloo job of 4 real processes on CPU (``benchmar
 
 Per case: wall seconds of the save (and the load) from a barrier before to a barrier after, on the slowest rank;
 client CPU, the sum of the 4 ranks' process CPU (all threads); the S3 server's CPU; the stored bytes; the time
-relative to DCP's writer on the same store (``fsspec`` on s3, ``filesystem`` locally). Every load is checked
-bit for bit after its clock stops.
+relative to DCP's writer on the same store (``fsspec`` on s3, ``filesystem`` locally); the cores other processes
+used meanwhile (``!``: a busy machine). Every load is checked bit for bit after its clock stops.
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from ._runner import REPO_ROOT, _environment, _process_cpu_seconds, open_store
+from ._runner import BUSY_CORES, REPO_ROOT, Options, OtherLoad, _environment, _process_cpu_seconds, _settle, open_store
 
 METHOD = "dcp"
 RANKS = 4
@@ -72,12 +71,13 @@ def _stored_bytes(kind: str, store: Any, uri: str) -> int:
     return int(store.fs.du(uri))
 
 
-def run(size: float, runs: int, work: Path, settle: float, fast_ranges: bool, log: Any) -> list[dict[str, Any]]:
-    """Every case of :data:`CASES`, ``runs`` times each; one row per case and operation (median of the runs)."""
-    total = int(size * (1 << 30))
+def run(size: float, opts: Options, work: Path) -> list[dict[str, Any]]:
+    """Every case of :data:`CASES`, ``opts.runs`` times each (each after the runner's wait for a quiet machine);
+    one row per case and operation (median of the runs)."""
+    total, runs, log = int(size * (1 << 30)), opts.runs, opts.log
     work.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
-    with open_store("s3", work, log, fast_ranges) as s3, open_store("local", work, log) as local:
+    with open_store("s3", work, log, opts.moto_fast_ranges) as s3, open_store("local", work, log) as local:
         stores = {"s3": s3, "local": local}
         for kind, method in CASES:
             store = stores[kind]
@@ -87,8 +87,9 @@ def run(size: float, runs: int, work: Path, settle: float, fast_ranges: bool, lo
                 uri = f"{store.root}/dcp/{method}"
                 store.clear(uri)
                 os.sync()
-                time.sleep(settle)
+                _settle(store, opts)
                 server0 = _process_cpu_seconds(store.server_pid)
+                others = OtherLoad(store.server_pid)
                 try:
                     result = _job({"method": method, "uri": uri, "storage_options": store.storage_options,
                                    "total_bytes": total}, work)
@@ -97,13 +98,15 @@ def run(size: float, runs: int, work: Path, settle: float, fast_ranges: bool, lo
                     log(f"  dcp {kind}/{method} run {i + 1}/{runs}: FAILED\n{error}")
                     break
                 result["server_cpu_s"] = _process_cpu_seconds(store.server_pid) - server0
+                result["other_cores"] = others.cores_since_mark()
                 result["stored_bytes"] = _stored_bytes(kind, store, uri)
                 if not result["same"]:
                     error = "the load did not return the saved tensors"
                 runs_done.append(result)
                 log(f"  dcp {kind}/{method:<10} run {i + 1}/{runs}: save {result['save_s']:7.3f} s "
                     f"(cpu {result['save_cpu_s']:6.2f} s), load {result['load_s']:7.3f} s "
-                    f"(cpu {result['load_cpu_s']:6.2f} s), stored {result['stored_bytes'] / 2**20:7.1f} MiB")
+                    f"(cpu {result['load_cpu_s']:6.2f} s), stored {result['stored_bytes'] / 2**20:7.1f} MiB, "
+                    f"others {result['other_cores']:.2f} cores")
                 store.clear(uri)
             for op in ("save", "load"):
                 row: dict[str, Any] = {"store": kind, "method": method, "op": op, "error": error, "runs": runs_done}
@@ -111,6 +114,7 @@ def run(size: float, runs: int, work: Path, settle: float, fast_ranges: bool, lo
                     row.update(seconds=statistics.median(r[f"{op}_s"] for r in runs_done),
                                cpu_s=statistics.median(r[f"{op}_cpu_s"] for r in runs_done),
                                server_cpu_s=statistics.median(r["server_cpu_s"] for r in runs_done),
+                               other_cores=max(r["other_cores"] for r in runs_done),
                                stored_bytes=runs_done[-1]["stored_bytes"], logical_bytes=runs_done[-1]["logical_bytes"])
                 rows.append(row)
     for row in rows:
@@ -124,11 +128,11 @@ def run(size: float, runs: int, work: Path, settle: float, fast_ranges: bool, lo
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The DCP section's table (MB = 10^6 bytes)."""
-    head = ["store", "op", "method", "s", "MB/s", "x ref", "cpu s", "cpu x ref", "srv cpu s", "stored MiB"]
+    head = ["store", "op", "method", "s", "MB/s", "x ref", "cpu s", "cpu x ref", "srv cpu s", "stored MiB", "others"]
     lines = [head]
     for r in rows:
         if r.get("seconds") is None:
-            lines.append([r["store"], r["op"], r["method"], "FAILED", "", "", "", "", "", ""])
+            lines.append([r["store"], r["op"], r["method"], "FAILED", "", "", "", "", "", "", ""])
             continue
         ratio, cpu_ratio = r.get("time_ratio"), r.get("cpu_ratio")
         lines.append([r["store"], r["op"], r["method"], f"{r['seconds']:.3f}",
@@ -136,7 +140,8 @@ def table(rows: list[dict[str, Any]]) -> str:
                       "" if ratio is None else f"{ratio:.2f}", f"{r['cpu_s']:.2f}",
                       "" if cpu_ratio is None else f"{cpu_ratio:.2f}",
                       f"{r['server_cpu_s']:.2f}" if r["store"] == "s3" else "-",
-                      f"{r['stored_bytes'] / 2**20:.1f}"])
+                      f"{r['stored_bytes'] / 2**20:.1f}",
+                      f"{r['other_cores']:.2f}{'!' if r['other_cores'] > BUSY_CORES else ''}"])
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths,
                                                                                                 strict=True)))
