@@ -3,9 +3,15 @@
 The launcher sets torchrun's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). The model's
 parameters are DTensors over a 1-D CPU mesh of every rank (weights sharded on dim 0, one bias replicated), built
 from a seed so that any rank count can rebuild the full tensors it expects. ACTIONS_JSON is a list of
-``[action, uri]`` run in order by the one process group: ``save``, ``async_save``, ``load`` (the load checks every
-tensor bit for bit and the non-tensor state), ``save_dies`` (rank 2 SIGKILLed in the middle of its upload; the
-others exit with status 3 once the save fails). ``STORAGE_OPTIONS`` (JSON) is passed to the Writer and Reader.
+``[action, uri]`` run in order by the one process group:
+
+- ``save``, ``async_save``: the model and a little non-tensor state through ``taskpoint.torch.Writer``;
+- ``load``: through ``taskpoint.torch.Reader``, then every tensor checked bit for bit, and the other state;
+- ``wait_for``: until another job has committed a checkpoint there;
+- ``save_dies``: rank 2 is SIGKILLed in the middle of its upload; the others exit with status 3 once the
+  save fails.
+
+``STORAGE_OPTIONS`` (JSON) is passed to the Writer and Reader.
 """
 
 from __future__ import annotations
@@ -93,6 +99,21 @@ def save_dies(mesh: object, uri: str, options: dict[str, Any]) -> None:
     raise AssertionError("the save succeeded although rank 2 was killed")
 
 
+def wait_for_commit(uri: str, options: dict[str, Any], timeout: float = 180.0) -> None:
+    """Until another job has committed a checkpoint at ``uri`` (its ``.metadata`` exists)."""
+    import time
+
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(uri, **options)
+    deadline = time.monotonic() + timeout
+    while not fs.exists(f"{path}/.metadata"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no checkpoint was committed at {uri} within {timeout:g} s")
+        time.sleep(0.2)
+        fs.invalidate_cache()
+
+
 def main() -> None:
     actions = json.loads(sys.argv[1])
     options = json.loads(os.environ.get("STORAGE_OPTIONS", "{}"))
@@ -107,6 +128,8 @@ def main() -> None:
                 future = dcp.async_save(state_of(distribute(build_model(SEED), mesh), 7),
                                         storage_writer=taskpoint.torch.Writer(uri, storage_options=options))
                 future.result(timeout=120)
+            elif action == "wait_for":
+                wait_for_commit(uri, options)
             elif action == "save_dies":
                 save_dies(mesh, uri, options)
             elif action == "load":

@@ -40,19 +40,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_ranks(world_size: int, actions: list[list[str]], options: dict[str, Any],
-              expect: dict[int, int] | None = None) -> None:
-    """One gloo job of ``world_size`` real processes running ``actions``; every rank must exit 0, or with the
-    status ``expect`` gives for it."""
+def start_ranks(world_size: int, actions: list[list[str]], options: dict[str, Any]) -> list[subprocess.Popen[str]]:
+    """Start one gloo job of ``world_size`` real processes running ``actions`` (torchrun's variables)."""
     port = _free_port()
     procs = []
     for rank in range(world_size):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "STORAGE_OPTIONS": json.dumps(options), "GLOO_TIMEOUT": "30"}
+               "STORAGE_OPTIONS": json.dumps(options), "GLOO_TIMEOUT": "60"}
         procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(actions)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    return procs
+
+
+def finish_ranks(procs: list[subprocess.Popen[str]], expect: dict[int, int] | None = None) -> None:
+    """Wait for a job; every rank must exit 0, or with the status ``expect`` gives for it."""
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
     wanted = expect or {}
     failed = [(rank, out) for rank, (p, out) in enumerate(zip(procs, outputs, strict=True))
               if p.returncode != wanted.get(rank, 0)]
@@ -68,9 +71,12 @@ def failures(exc: CheckpointException) -> list[BaseException]:
 def test_dtensor_model_saved_on_4_ranks_loads_bit_identical_on_2_and_back(s3_store: Any) -> None:
     options = s3_store.storage_options
     four, two, back = s3_store.url("four"), s3_store.url("two"), s3_store.url("async")
-    run_ranks(4, [["save", four], ["async_save", back]], options)
-    run_ranks(2, [["load", four], ["load", back], ["save", two]], options)
-    run_ranks(4, [["load", two]], options)
+    # Two jobs at once, each one process group: the 2-rank job waits for the 4-rank job's commits, and the 4-rank
+    # job then waits for the 2-rank job's (process start-up is the cost; a third job would pay it again).
+    job4 = start_ranks(4, [["save", four], ["async_save", back], ["wait_for", two], ["load", two]], options)
+    job2 = start_ranks(2, [["wait_for", back], ["load", four], ["load", back], ["save", two]], options)
+    finish_ranks(job2)
+    finish_ranks(job4)
     fs = s3_store.fs()
     names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(four, detail=False, refresh=True))
     assert names[0] == ".metadata" and "taskpoint.dcp.json" in names
@@ -81,8 +87,8 @@ def test_dtensor_model_saved_on_4_ranks_loads_bit_identical_on_2_and_back(s3_sto
 def test_a_rank_killed_mid_upload_commits_nothing_and_the_previous_checkpoint_loads(s3_store: Any) -> None:
     options = s3_store.storage_options
     previous, failing = s3_store.url("previous"), s3_store.url("killed")
-    run_ranks(4, [["save", previous], ["save_dies", failing]], options,
-              expect={0: 3, 1: 3, 2: -signal.SIGKILL, 3: 3})
+    finish_ranks(start_ranks(4, [["save", previous], ["save_dies", failing]], options),
+                 expect={0: 3, 1: 3, 2: -signal.SIGKILL, 3: 3})
     fs = s3_store.fs()
     assert not fs.exists(f"{failing}/.metadata") and not fs.exists(f"{failing}/taskpoint.dcp.json")
     assert isinstance(load_error(failing, options), FileNotFoundError)
