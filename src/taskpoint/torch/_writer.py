@@ -71,7 +71,6 @@ class Writer(StorageWriter):
         self.overwrite = bool(overwrite)
         self.threads = check_threads(threads)
         self.save_id = uuid.uuid4().hex
-        self._coordinator = False
         #: The manifest the last save committed (on the coordinator, once ``finish`` returned).
         self.committed: FileSetManifest | None = None
 
@@ -90,7 +89,6 @@ class Writer(StorageWriter):
         if not kwargs.get("use_collectives", True):
             raise ValueError("taskpoint.torch.Writer commits one .metadata for all ranks; save with "
                              "use_collectives=True (the default)")
-        self._coordinator = is_coordinator
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self._root.uri, save_id=self.save_id)
