@@ -6,6 +6,7 @@ Examples::
     python -m benchmarks --size 0.0625 --runs 1           # a quick run while developing
     python -m benchmarks --stores s3 --payloads directory --methods taskpoint,raw --profile
     python -m benchmarks --payloads directory --methods manager   # only issue 5's background saves
+    python -m benchmarks --methods dcp --size 0.0625 --runs 1     # only issue 13's DCP section, 64 MiB
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from . import _background, _dataset, _report
+from . import _background, _dataset, _dcp, _report
 from ._operations import METHODS, PAYLOADS, STORES
 from ._runner import REPO_ROOT, Options, run_all
 
@@ -59,7 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="comma list: directory,file,bytes")
     p.add_argument("--methods", type=_choices(METHODS), default=list(METHODS),
                    help="comma list: taskpoint,taskpoint-async,baseline,raw,raw-fsync,manager (manager: issue 5's "
-                   "background saves through CheckpointManager, directory only; see benchmarks/_background.py)")
+                   "background saves through CheckpointManager, directory only; see benchmarks/_background.py; dcp: "
+                   "issue 13's 4 ranks saving --size GiB through torch.distributed.checkpoint, see benchmarks/_dcp.py)")
     p.add_argument("--codec", default="gzip", help="taskpoint's codec (default gzip, the targets' default)")
     p.add_argument("--level", type=int, default=None, help="taskpoint's compression level (default: its own)")
     p.add_argument("--data-dir", type=Path, default=BENCH_DIR / "data", help="where the data set is built")
@@ -128,11 +130,12 @@ def main(argv: list[str] | None = None) -> int:
                    max_quiet_wait=args.max_quiet_wait, moto_fast_ranges=args.moto_fast_ranges,
                    train_iterations=args.train_iterations, train_work=args.train_work,
                    log=lambda msg: print(msg, flush=True))
-    results = run_all(dataset, opts)
+    results = run_all(dataset, opts) if any(m != _dcp.METHOD for m in args.methods) else []
+    dcp_rows = _dcp.run(args.size, opts, args.data_dir / "work-dcp") if _dcp.METHOD in args.methods else []
     summaries = [r.summary() for r in results]
     rows = _report.add_ratios([r for r in summaries if r["method"] != _background.METHOD])
     background = _report.add_background_ratios([r for r in summaries if r["method"] == _background.METHOD])
-    goals = _report.targets(rows) + _report.background_targets(background)
+    goals = _report.targets(rows) + _report.background_targets(background) + _dcp.targets(dcp_rows)
     title = (f"taskpoint benchmark, size {args.size:g} (directory {mib['directory']:.0f} MiB), "
              f"median of {args.runs} (baseline {opts.baseline_runs}), codec {args.codec}, {os.cpu_count()} cores"
              + (", moto with fast ranges" if args.moto_fast_ranges and "s3" in args.stores else ""))
@@ -143,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         sections += [f"background saves (issue 5): CheckpointManager, directory {mib['directory']:.0f} MiB, codec "
                      f"{args.codec}, loop of K = {args.train_iterations} iterations of single-threaded "
                      f"{args.train_work} work", "", _report.background_table(background), ""]
+    if dcp_rows:
+        sections += [f"PyTorch DCP (issue 13): {_dcp.RANKS} gloo ranks save and load {args.size:g} GiB of sharded "
+                     "float32 DTensors; x ref = time / DCP's writer on the same store (fsspec on s3, filesystem "
+                     "locally); cpu s = the ranks' CPU, all threads", "", _dcp.table(dcp_rows), ""]
     text = "\n".join([*sections, _report.targets_table(goals)])
     text += ("\n\ncolumns: RSS+ = peak RSS above the idle worker (plus the whole peak of taskpoint's save process, "
              "for background saves); tmp+ = peak extra temp disk; cpu s = the worker's CPU during the operation "
@@ -155,9 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.size != 1:
         text += "\n\n(scaled run: the targets are stated for size 1; RSS and ratios at other sizes are indicative)"
     print("\n" + text)
-    failed = [r for r in rows + background if r.get("error")]
+    failed = [r for r in rows + background + dcp_rows if r.get("error")]
     for r in failed:
-        print(f"\nERROR {r['store']}/{r['payload']}/{r['op']}/{r['method']}: {r['error']}")
+        print(f"\nERROR {r['store']}/{r.get('payload', 'dcp')}/{r['op']}/{r['method']}: {r['error']}")
     meta = {
         "argv": sys.argv, "size": args.size, "runs": args.runs, "baseline_runs": opts.baseline_runs,
         "codec": args.codec, "level": args.level, "stores": args.stores, "settle_s": args.settle,
@@ -171,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         "mb": "10^6 bytes", "notes": "RSS+ is peak RSS above the idle worker (libraries imported, case prepared); "
         "tmp+ is the peak of bytes in TMPDIR, the load workspace and the local store folder minus what remains",
     }
-    _report.write_json(args.results_dir / f"{stem}.json", meta, rows + background, goals, text)
+    _report.write_json(args.results_dir / f"{stem}.json", meta, rows + background + dcp_rows, goals, text)
     (args.results_dir / f"{stem}.txt").write_text(text + "\n")
     try:
         if rows:  # the plot shows MB/s of saves and loads; the background saves have no such bars

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-METHODS = ("taskpoint", "taskpoint-async", "baseline", "raw", "raw-fsync", "manager")
+METHODS = ("taskpoint", "taskpoint-async", "baseline", "raw", "raw-fsync", "manager", "dcp")
 PAYLOADS = ("directory", "file", "bytes", "small")
 #: Payloads held in memory (``bytes`` objects) rather than read from a path by the save.
 IN_MEMORY = ("bytes", "small")
@@ -51,7 +51,10 @@ _COPY_BLOCK = 1 << 20
 
 def applies(method: str, payload: str, store: str) -> bool:
     """The async twin is only compared on the directory (the issue's async target), and so is the manager's
-    background save (issue 5's target, ``benchmarks/_background.py``); raw-fsync is local only."""
+    background save (issue 5's target, ``benchmarks/_background.py``); raw-fsync is local only. ``dcp`` is a
+    section of its own, with its own data (``benchmarks/_dcp.py``)."""
+    if method == "dcp":
+        return False
     if method in ("taskpoint-async", "manager"):
         return payload == "directory"
     if method == "raw-fsync":

@@ -237,10 +237,11 @@ def test_api_reference_names_every_public_name() -> None:
     reference = "\n".join(p.read_text(encoding="utf-8") for p in (DOCS / "api").glob("*.md"))
     documented = set(re.findall(r"^::: taskpoint(?:\.\w+)*\.(\w+)\s*$", reference, re.M))
     assert set(taskpoint.__all__) - documented == set()
-    jax_page = (DOCS / "api" / "jax.md").read_text(encoding="utf-8")
-    jax_all = re.search(r"__all__ = \[(.*?)\]", (REPO / "src/taskpoint/jax/__init__.py").read_text()).group(1)
-    for name in re.findall(r'"(\w+)"', jax_all):
-        assert re.search(rf"^::: taskpoint\.jax\.{name}\s*$", jax_page, re.M), f"taskpoint.jax.{name}: not in the page"
+    for extra in ("jax", "torch"):
+        page = (DOCS / "api" / f"{extra}.md").read_text(encoding="utf-8")
+        names = re.search(r"__all__ = \[(.*?)\]", (REPO / f"src/taskpoint/{extra}/__init__.py").read_text()).group(1)
+        for name in re.findall(r'"(\w+)"', names):
+            assert re.search(rf"^::: taskpoint\.{extra}\.{name}\s*$", page, re.M), f"taskpoint.{extra}.{name}: missing"
 
 
 def test_site_builds_strictly_with_the_docstrings(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import fsspec
 import pytest
 
 from _faults import cuttable_proxy
@@ -303,6 +304,21 @@ def test_a_small_object_replaced_between_its_size_and_its_bytes_loads_as_one_ver
     with Checkpoint(store.url("d"), src, storage_options=store.storage_options) as cp:
         assert cp.load_sync().read_bytes() == new
     assert len(opened) == 2 and opened[0] != opened[1]  # restarted once, from the new version
+
+
+def test_an_object_replaced_after_its_folder_was_listed_loads_its_new_version(remote_store):
+    """adlfs answers info() from the parent's cached listing: a load after a listing read the old size and
+    version of an object replaced since (on Azure: a stale ETag, so every pinned range failed)."""
+    src = remote_store.url("listed/obj")
+    write_object(src, remote_store.storage_options, b"old" * 1000)
+    with Checkpoint(remote_store.url("d1"), src, storage_options=remote_store.storage_options) as cp:
+        assert cp.load_sync().read_bytes() == b"old" * 1000
+        cp._src.fs.ls(cp._src.fs._parent(cp._src.path), detail=True)  # a listing, cached by the client
+    # Another process replaces the object: its client, not this one, so this client's cache is untouched.
+    other, path = fsspec.core.url_to_fs(src, skip_instance_cache=True, **remote_store.storage_options)
+    other.pipe_file(path, b"new!" * 2000)
+    with Checkpoint(remote_store.url("d2"), src, storage_options=remote_store.storage_options) as cp:
+        assert cp.load_sync().read_bytes() == b"new!" * 2000
 
 
 # -- 17. an overall deadline ---------------------------------------------------------------------------------

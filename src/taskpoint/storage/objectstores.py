@@ -34,6 +34,9 @@ class ObjectStoreBackend(Backend):
 
     def open_read(self, path: str, size_hint: int | None = None) -> IO[bytes]:
         self.fs.invalidate_cache(path)
+        # adlfs forgets only the path itself, and answers info() from its parent's cached listing: the size and
+        # version of an object replaced since that listing would be stale.
+        self.fs.invalidate_cache(self.fs._parent(path))
         info = self.fs.info(path, **bounded(self.fs))
         if info.get("type") != "file":
             # A prefix with objects under it: never read it as an empty object.

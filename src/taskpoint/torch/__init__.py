@@ -1,0 +1,25 @@
+"""taskpoint's PyTorch extra: a storage layer for ``torch.distributed.checkpoint`` (DCP) on any fsspec URL.
+
+Install it with ``pip install "taskpoint[torch]"``::
+
+    import torch.distributed.checkpoint as dcp
+    import taskpoint.torch
+
+    dcp.save(state, storage_writer=taskpoint.torch.Writer("s3://bucket/run/step-100"))
+    dcp.load(state, storage_reader=taskpoint.torch.Reader("s3://bucket/run/step-100"))
+
+Every file goes up atomically and in parallel, hashed (sha256) as it is written; DCP's ``.metadata`` is
+written last, after taskpoint's manifest of every file, and is the commit. A load verifies every byte it
+reads. DCP does the planning and the resharding. See docs/torch.md.
+"""
+
+try:
+    import torch.distributed.checkpoint  # noqa: F401
+except ImportError as exc:
+    raise ImportError(f'taskpoint.torch needs PyTorch with torch.distributed ({exc}); install it with '
+                      f'pip install "taskpoint[torch]"') from exc
+
+from ._reader import Reader
+from ._writer import Writer
+
+__all__ = ["Reader", "Writer"]
