@@ -170,7 +170,7 @@ class DirectoryPayload(Payload):
     def snapshot(self, scratch: Path) -> Payload:
         copy = scratch / "tree"
         with ParallelCopy() as copier:  # waits for every copy, even when copytree raises
-            shutil.copytree(self._path, copy, symlinks=True, ignore=_special_entries, copy_function=copier)
+            shutil.copytree(self._path, copy, symlinks=True, ignore=special_entries, copy_function=copier)
         return DirectoryPayload(copy)
 
     @classmethod
@@ -178,7 +178,7 @@ class DirectoryPayload(Payload):
         extract_tar(source, staging, uri)
 
 
-def _special_entries(folder: str, names: list[str]) -> set[str]:
+def special_entries(folder: str, names: list[str]) -> set[str]:
     return {name for name in names
             if skip_special(os.path.join(folder, name), os.lstat(os.path.join(folder, name)).st_mode, stacklevel=6)}
 

@@ -20,6 +20,7 @@ from ..storage import Location
 from ..transfer import write_payload
 from ..workspace import owned_folder, sweep_dead_folders
 from .saver import NotTransferable, SaverProcess, SaverUnavailable, release_freed_memory
+from .snapshots import SnapshotCache
 
 
 class BackgroundSave:
@@ -115,6 +116,8 @@ class Background:
         self._saver: SaverProcess | None = None
         self._use_saver = use_process
         self._saver_lock = threading.Lock()
+        #: The last snapshot of a directory, whose unchanged files the next one links instead of copying.
+        self._snapshots = SnapshotCache()
 
     def start(self, step: int, payload: Payload, job: Callable[..., None]) -> None:
         """Snapshot ``payload``, then run ``job(snapshot, save_process)`` in the background; a kind that
@@ -123,7 +126,7 @@ class Background:
         # Each snapshot is as large as the data it copied: those of killed processes must not pile up.
         sweep_dead_folders(scratch.parent, SNAPSHOT_PREFIX)
         try:
-            snapshot = payload.snapshot(scratch)
+            snapshot = self._snapshots.take(payload, scratch)
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
             raise
@@ -138,7 +141,8 @@ class Background:
             try:
                 job(snapshot, self._helper_process())
             finally:
-                shutil.rmtree(scratch, ignore_errors=True)
+                if not self._snapshots.keep(scratch):  # a directory's snapshot is kept for the next one
+                    shutil.rmtree(scratch, ignore_errors=True)
 
         self.slot.start(step, upload)
 
@@ -167,6 +171,7 @@ class Background:
             saver, self._saver, self._use_saver = self._saver, None, False
         if saver is not None:
             saver.close()
+        self._snapshots.drop()
 
     @property
     def saver(self) -> SaverProcess | None:

@@ -1,0 +1,115 @@
+"""Snapshots of background saves that copy only the files that changed since the last one.
+
+A background save copies the caller's directory before it returns, so that the caller may change it at once.
+Most steps of a training run rewrite a few files of a folder and leave the rest; copying those again costs the
+caller time for nothing. :class:`SnapshotCache` keeps the last snapshot after its upload, and the next one
+takes a file from it (a hard link: no bytes copied) when the source file is unchanged since it was copied.
+
+"Unchanged" is judged from ``lstat``, the way ``git`` and ``rsync`` judge it: the same device, inode, size,
+modification time and change time (``st_ctime`` moves with any write, chmod or rename onto the name). That is
+cheap (no byte read) and safe under one condition: a write within the same tick of the file system's clock as
+the copy leaves the times unchanged. So a file whose modification time was less than :data:`RACY_SECONDS`
+before the snapshot began is never trusted, and is copied again next time (git's "racily clean" rule).
+Hashing every file instead would be as slow as copying it. Not seen by ``lstat``: a file changed through a
+writable ``mmap`` that was never flushed (the kernel updates the times at the flush); set
+``TASKPOINT_SNAPSHOT_ALL=1`` to copy every file every time.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import time
+from pathlib import Path
+
+from .._log import logger
+from ..payloads import DirectoryPayload, Payload, special_entries
+from ..storage import ParallelCopy
+
+#: A file modified less than this before a snapshot began is copied again by the next one.
+RACY_SECONDS = 2.0
+#: Set to 1 to copy every file of every snapshot.
+ENV_SNAPSHOT_ALL = "TASKPOINT_SNAPSHOT_ALL"
+
+Identity = tuple[int, int, int, int, int]
+
+
+def _identity(st: os.stat_result) -> Identity:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+class SnapshotCache:
+    """The last snapshot of a directory payload, kept to link its unchanged files into the next one."""
+
+    def __init__(self) -> None:
+        self._folder: Path | None = None  # the kept snapshot folder (its files are under "tree")
+        self._source: str | None = None  # the directory it copied
+        self._index: dict[str, Identity] = {}  # relative path -> the source's identity when copied
+        self._pending: tuple[Path, str, dict[str, Identity]] | None = None
+        #: Files of the last snapshot linked from the one before, and files copied.
+        self.linked = 0
+        self.copied = 0
+
+    def take(self, payload: Payload, scratch: Path) -> Payload | None:
+        """A snapshot of ``payload`` below ``scratch``: files unchanged since the kept snapshot are linked from
+        it, the others copied. Other kinds are snapshotted as they always are."""
+        if not isinstance(payload, DirectoryPayload) or os.environ.get(ENV_SNAPSHOT_ALL, "") in ("1", "true"):
+            return payload.snapshot(scratch)
+        source = os.path.realpath(payload._path)
+        reuse = self._index if self._folder is not None and self._source == source else {}
+        began = time.time_ns() - int(RACY_SECONDS * 1e9)
+        index: dict[str, Identity] = {}
+        copy = scratch / "tree"
+        self.linked = self.copied = 0
+
+        def copy_one(src: str, dst: str, copier: ParallelCopy) -> str:
+            rel = os.path.relpath(src, source)
+            st = os.lstat(src)
+            seen = _identity(st)
+            if reuse.get(rel) == seen and self._folder is not None:
+                try:
+                    os.link(self._folder / "tree" / rel, dst)
+                except OSError:  # no hard links here (another file system, a limit): copy it
+                    pass
+                else:
+                    index[rel] = seen
+                    self.linked += 1
+                    return dst
+            copier(src, dst)
+            self.copied += 1
+            if stat.S_ISREG(st.st_mode) and st.st_mtime_ns < began:
+                index[rel] = seen  # checked again below, once the copy is done
+            return dst
+
+        with ParallelCopy() as copier:  # waits for every copy, even when copytree raises
+            shutil.copytree(payload._path, copy, symlinks=True, ignore=special_entries,
+                            copy_function=lambda s, d: copy_one(s, d, copier))
+        for rel, seen in list(index.items()):  # a file written during its copy is not trusted next time
+            try:
+                if _identity(os.lstat(os.path.join(source, rel))) != seen:
+                    del index[rel]
+            except OSError:
+                del index[rel]
+        self._pending = (scratch, source, index)
+        logger.debug("snapshot of %s: %d file(s) linked from the last one, %d copied", source, self.linked,
+                     self.copied)
+        return DirectoryPayload(copy)
+
+    def keep(self, scratch: Path) -> bool:
+        """After the upload of the snapshot in ``scratch``: keep it for the next one (dropping the one kept
+        before). False when it is not a snapshot this cache took: the caller removes it."""
+        if self._pending is None or self._pending[0] != scratch:
+            return False
+        old, (self._folder, self._source, self._index) = self._folder, self._pending
+        self._pending = None
+        if old is not None and old != scratch:
+            shutil.rmtree(old, ignore_errors=True)
+        return True
+
+    def drop(self) -> None:
+        """Remove the kept snapshot (the manager closes)."""
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+        self._folder, self._source, self._index, self._pending = None, None, {}, None
+
