@@ -463,3 +463,27 @@ def test_saves_racing_deletes_and_sweeps_never_commit_a_step_naming_a_removed_ch
     with manager(store, grace_seconds=grace) as mgr:
         for step in mgr.steps():
             assert snapshot(mgr.restore(step)) == snapshot(contents[step % len(contents)])
+
+
+@pytest.mark.parametrize("store", ["local", "memory", "s3"], indirect=True)
+def test_listing_the_steps_does_not_list_the_chunk_store(store, tmp_path):
+    """steps(), retention and the sweep after each save list only the keys under ``ckpt-*``: a chunk store of
+    thousands of chunks beside them is not listed again on every save (on S3 the prefix goes to the server)."""
+    from taskpoint.storage import Location
+
+    tree = make_tree(tmp_path / "tree", big=300_000)
+    with CheckpointManager(store.url("m"), storage_options=store.storage_options, dedup=True) as mgr:
+        mgr.save(tree, 1)
+        mgr.save(tree, 2)
+        root = Location(store.url("m"), store.storage_options)
+        everything, steps_only = root.list_tree(), root.list_tree("ckpt-")
+        assert any("/chunks/" in name for name in everything)
+        assert steps_only and not any("/chunks" in name for name in steps_only)
+        assert {n for n in everything if "/ckpt-" in n} == {n for n in steps_only if "/ckpt-" in n}
+        if store.kind == "s3":
+            sent: list[str] = []
+            fs = root.fs
+            fs.s3.meta.events.register("before-send.s3", lambda request, **_: sent.append(request.url))
+            assert mgr.steps() == [1, 2]
+            listings = [url for url in sent if "list-type=2" in url]
+            assert listings and all("prefix=" in url and "ckpt-" in url for url in listings), listings

@@ -104,9 +104,10 @@ class StepStore:
     # -- listing -------------------------------------------------------------------------------------------
 
     def scan(self, step: int | None = None) -> dict[int, Folder]:
-        """Every ``ckpt-N`` folder (or only ``step``'s) with its objects, from one recursive listing."""
+        """Every ``ckpt-N`` folder (or only ``step``'s) with its objects, from one recursive listing of the keys
+        that start with ``ckpt-`` (not the chunk store of deduplicated steps beside them)."""
         root = self.root.path.rstrip("/")
-        found = (self.root if step is None else self.root.child(f"ckpt-{step}")).list_tree()
+        found = self.root.list_tree("ckpt-") if step is None else self.root.child(f"ckpt-{step}").list_tree()
         folders: dict[int, Folder] = {}
         for path, info in found.items():
             parts = path[len(root) + 1:].split("/") if path.startswith(root + "/") else []

@@ -180,11 +180,22 @@ class Backend:
     def remove(self, path: str) -> None:
         self.fs.rm_file(path)
 
-    def list_tree(self, path: str) -> dict[str, dict[str, Any]]:
-        """Every object and folder below ``path`` with its listing details; FileNotFoundError when none."""
+    def list_tree(self, path: str, prefix: str = "") -> dict[str, dict[str, Any]]:
+        """Every object and folder below ``path`` with its listing details, only those whose path below ``path``
+        starts with ``prefix`` when one is given (object stores filter on the server); FileNotFoundError when
+        there is none."""
         self.fs.invalidate_cache(path)
-        found = self.fs.find(path, withdirs=True, detail=True, **bounded(self.fs))
-        return found if isinstance(found, dict) else {}
+        found = self.fs.find(path, withdirs=True, detail=True, **self._prefixed(prefix), **bounded(self.fs))
+        if not isinstance(found, dict):
+            return {}
+        if prefix:
+            start = self.fs._strip_protocol(path).rstrip("/") + "/" + prefix
+            found = {name: info for name, info in found.items() if name.startswith(start)}
+        return found
+
+    def _prefixed(self, prefix: str) -> dict[str, str]:
+        """The ``prefix=`` of this client's ``find`` (none: filtered after the listing)."""
+        return {}
 
     def list_names(self, path: str) -> list[str]:
         """The names directly inside ``path``; FileNotFoundError when it does not exist."""
@@ -229,10 +240,11 @@ class LocalBackend(Backend):
             return Kind.FOLDER
         raise OSError(errno.EINVAL, "neither a file nor a folder (a fifo, socket or device)", path)
 
-    def list_tree(self, path: str) -> dict[str, dict[str, Any]]:
+    def list_tree(self, path: str, prefix: str = "") -> dict[str, dict[str, Any]]:
         """Like fsspec's ``find`` (folders included, symlinks not followed), but a folder that cannot be read
         raises instead of being left out (fsspec's walk omits it silently, as if it were empty). An entry that
-        vanishes while the tree is walked is left out; the root missing is FileNotFoundError."""
+        vanishes while the tree is walked is left out; the root missing is FileNotFoundError. With ``prefix``,
+        only the entries of ``path`` whose names start with it are walked (the root itself is listed too)."""
         root = self.fs._strip_protocol(path)
         info = self.fs.info(root)
         if info["type"] != "directory":
@@ -247,6 +259,8 @@ class LocalBackend(Backend):
                 if folder != root and _is_absent(exc):
                     continue  # removed meanwhile
                 raise
+            if folder == root and prefix:
+                entries = [entry for entry in entries if entry.name.startswith(prefix)]
             for entry in entries:
                 try:
                     details = self.fs.info(entry)

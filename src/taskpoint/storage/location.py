@@ -148,11 +148,13 @@ class Location:
         inside :meth:`run`."""
         return self.backend.open_read(self.path, size_hint)
 
-    def list_tree(self) -> dict[str, dict[str, Any]]:
-        """Every object and folder below this location, with listing details; {} when there is none."""
+    def list_tree(self, prefix: str = "") -> dict[str, dict[str, Any]]:
+        """Every object and folder below this location, with listing details; {} when there is none. With
+        ``prefix``, only what lies under the entries whose names start with it (``ckpt-``: a manager's steps,
+        not its chunk store)."""
         def find() -> dict[str, dict[str, Any]]:
             try:
-                return self.backend.list_tree(self.path.rstrip("/"))
+                return self.backend.list_tree(self.path.rstrip("/"), prefix)
             except (FileNotFoundError, NotADirectoryError):  # not there, or a parent is a file
                 return {}
         return self.run(find, action="list")

@@ -48,6 +48,9 @@ class ObjectStoreBackend(Backend):
             return self.range_reader(self.fs, path, size, version=version)  # type: ignore[return-value]
         return self.fs.open(path, "rb", block_size=PART_SIZE, cache_type="readahead")  # type: ignore[no-any-return]
 
+    def _prefixed(self, prefix: str) -> dict[str, str]:
+        return {"prefix": prefix} if prefix else {}  # s3fs, gcsfs and adlfs list only keys under path/prefix
+
     def version_of(self, info: dict[str, Any]) -> str | None:
         """The version of an object (S3's ETag, GCS's generation, Azure's ETag) that reads can be pinned to;
         None where the store's client cannot pin ranged reads (a change shows as a size or checksum mismatch)."""
