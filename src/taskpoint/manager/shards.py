@@ -118,17 +118,17 @@ class ShardWriter:
         """Every rank's shard of this round, rank 0's first; StepAbandonedError after the timeout."""
         world = self._plan.ranks.world_size
         found: dict[int, Shard] = {0: own}
-        seen: dict[str, float | None] = {}  # record name -> modification time when last read
         stale: set[int] = set()
         deadline = time.monotonic() + self._plan.commit_timeout
         pause = POLL_FIRST
         while True:
             folder = self._steps.scan(step).get(step)
-            for name, mtime in (folder.objects.items() if folder is not None else ()):
+            # A record not accepted yet is read again on every listing: a rewrite within the same second (the
+            # resolution of some stores' modification times) would leave its time unchanged.
+            for name in folder.objects if folder is not None else ():
                 rank = _rank_of(name, world)
-                if rank is None or rank in found or (name in seen and mtime is not None and seen[name] == mtime):
+                if rank is None or rank in found:
                     continue
-                seen[name] = mtime
                 record = self._read_record(step, name)
                 if record is None or record.step != step or record.round != round_ or record.shard.rank != rank:
                     stale.add(rank)  # another launch's record of this step, or an unreadable one
