@@ -179,3 +179,36 @@ def test_bad_rank_arguments_are_clear_errors(tmp_path: Path) -> None:
         CheckpointManager(place, rank=0, world_size="2")  # type: ignore[arg-type]
     assert not (tmp_path / "ckpts").exists()
     assert taskpoint.StepAbandonedError is StepAbandonedError
+
+
+def test_command_line_lists_and_verifies_every_shard(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``taskpoint ls``/``show``/``verify`` read a step of 2 ranks; a flipped byte in rank 1's shard is found by
+    verify (naming that payload) and by rank 1's restore, while rank 0 still restores its own shard."""
+    from taskpoint.cli import main
+
+    place = str(tmp_path / "ckpts")
+    rank1 = CheckpointManager(place, rank=1, world_size=2, preemption=False)
+    saver = threading.Thread(target=rank1.save, args=(bytes(range(256)) * 4, 1))
+    saver.start()
+    with CheckpointManager(place, rank=0, world_size=2, commit_timeout=30, preemption=False) as rank0:
+        rank0.save(b"rank 0" * 100, 1)
+    saver.join()
+    capsys.readouterr()
+    assert main(["ls", place, "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["steps"]
+    assert row["state"] == "committed" and row["shards"] == 2 and row["leftovers"] == []
+    assert main(["show", place, "--json"]) == 0
+    assert [s["rank"] for s in json.loads(capsys.readouterr().out)["shards"]] == [0, 1]
+    assert main(["verify", place]) == 0 and "step 1: healthy (1.6 KiB, 2 shards" in capsys.readouterr().out
+    manifest = json.loads((tmp_path / "ckpts" / "ckpt-1" / "taskpoint.json").read_text())
+    damaged = tmp_path / "ckpts" / "ckpt-1" / manifest["shards"][1]["payload"]
+    data = bytearray(damaged.read_bytes())
+    data[10] ^= 1
+    damaged.write_bytes(bytes(data))
+    assert main(["verify", place]) != 0
+    assert manifest["shards"][1]["payload"] in capsys.readouterr().out
+    with pytest.raises(taskpoint.CheckpointCorruptError, match="step 1"):
+        rank1.restore(1)
+    with CheckpointManager(place, rank=0, world_size=2, preemption=False) as rank0:
+        assert rank0.restore(1).read_bytes() == b"rank 0" * 100
+    rank1.close()
