@@ -14,6 +14,8 @@ import pytest
 import taskpoint
 from helpers import RankProcess, read_object
 from taskpoint import CheckpointError, CheckpointManager, StepAbandonedError
+from taskpoint.manager.shards import RankPlan
+from taskpoint.ranks import Ranks
 from taskpoint.storage import Location
 
 
@@ -173,12 +175,23 @@ def test_bad_rank_arguments_are_clear_errors(tmp_path: Path) -> None:
         CheckpointManager(place, rank=0, world_size=2, dedup=True)
     with pytest.raises(ValueError, match=r"commit_timeout .* must be shorter than grace_seconds"):
         CheckpointManager(place, rank=0, world_size=2, grace_seconds=60, commit_timeout=60)
+    with pytest.raises(ValueError, match=r"grace_seconds=0 is for a single writer"):
+        CheckpointManager(place, rank=1, world_size=2, grace_seconds=0)
     with pytest.raises(ValueError, match="commit_timeout must be a number"):
         CheckpointManager(place, rank=0, world_size=2, commit_timeout=0)
     with pytest.raises(TypeError, match="world_size must be an int"):
         CheckpointManager(place, rank=0, world_size="2")  # type: ignore[arg-type]
     assert not (tmp_path / "ckpts").exists()
     assert taskpoint.StepAbandonedError is StepAbandonedError
+
+
+def test_emergency_step_of_several_ranks_follows_the_last_step_this_rank_saved() -> None:
+    """A preempted rank > 0 picks the step after its own last save even while rank 0 has not committed that one
+    yet (all ranks then agree); one rank keeps the step after the newest committed one, as before."""
+    several, one = RankPlan(Ranks(1, 4), 60.0), RankPlan(Ranks(), 60.0)
+    assert several.next_step(None, 4) == 5 and several.next_step(3, 4) == 5 and several.next_step(6, 4) == 7
+    assert several.next_step(None, None) == 1
+    assert one.next_step(3, 7) == 4 and one.next_step(None, 2) == 1
 
 
 def test_command_line_lists_and_verifies_every_shard(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

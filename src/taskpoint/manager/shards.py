@@ -60,9 +60,10 @@ class RankPlan:
                 f"dedup=True is not supported with world_size {ranks.world_size}: a rank's chunks would be named "
                 "by no manifest between its save and rank 0's commit, and gc() could remove them. Use "
                 "dedup=False with several ranks.")
-        if ranks.distributed and 0 < grace <= commit_timeout:
-            raise ValueError(f"commit_timeout ({commit_timeout} s) must be shorter than grace_seconds ({grace} s): "
-                             "shards waiting for their commit would otherwise be swept as leftovers")
+        if ranks.distributed and grace <= commit_timeout:
+            raise ValueError(f"commit_timeout ({commit_timeout} s) must be shorter than grace_seconds ({grace} s) "
+                             "with several ranks: shards waiting for their commit would otherwise be swept as "
+                             "leftovers (grace_seconds=0 is for a single writer)")
         return cls(ranks, float(commit_timeout))
 
     def next_step(self, latest: int | None, last_saved: int | None) -> int:
