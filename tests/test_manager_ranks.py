@@ -225,3 +225,17 @@ def test_command_line_lists_and_verifies_every_shard(tmp_path: Path, capsys: pyt
     with CheckpointManager(place, rank=0, world_size=2, preemption=False) as rank0:
         assert rank0.restore(1).read_bytes() == b"rank 0" * 100
     rank1.close()
+
+
+def test_rank_zero_saving_alone_is_told_to_pass_world_size_one(tmp_path: Path) -> None:
+    """The common "only rank 0 saves" job under torchrun: the abandoned step's error says what to change, and
+    world_size=1 saves as one process."""
+    place = str(tmp_path / "ckpts")
+    with CheckpointManager(place, rank=0, world_size=4, commit_timeout=0.2, preemption=False) as mgr, \
+            pytest.raises(StepAbandonedError, match=r"ranks \[1, 2, 3\] of 4 \(no other rank stored a shard: if "
+                                                    r"only rank 0 saves in this job, create its manager with "
+                                                    r"world_size=1\)"):
+        mgr.save(b"state", 1)
+    with CheckpointManager(place, rank=0, world_size=1, preemption=False) as mgr:
+        mgr.save(b"state", 1)
+        assert mgr.steps() == [1]

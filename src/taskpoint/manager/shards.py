@@ -148,6 +148,9 @@ class ShardWriter:
                 self._forget_records(step, [rank for rank in found if rank] + sorted(stale))
                 missing = [rank for rank in range(world) if rank not in found]
                 also = f" (ranks {sorted(stale)} left records of another launch)" if stale else ""
+                if len(found) == 1 and not stale:
+                    also = (" (no other rank stored a shard: if only rank 0 saves in this job, create its manager "
+                            "with world_size=1)")
                 raise StepAbandonedError(
                     f"step {step} in {self._steps.directory} was abandoned: rank 0 waited "
                     f"{self._plan.commit_timeout:g} s for the shards of ranks {missing} of {world}{also}, "

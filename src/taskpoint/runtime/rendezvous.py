@@ -111,6 +111,7 @@ def _pauses(timeout: float, what: str) -> Any:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError(f"{what} for {timeout:g} s; start every rank of the job (same world size, run "
-                               "and action), or raise $TASKPOINT_RENDEZVOUS_TIMEOUT")
+                               "and action), or raise $TASKPOINT_RENDEZVOUS_TIMEOUT. If only one process runs "
+                               "the task, set TASKPOINT_RANK=0 and TASKPOINT_WORLD_SIZE=1 for it.")
         yield min(pause, remaining)
         pause = min(pause * 1.5, POLL_LONGEST)
