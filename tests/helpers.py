@@ -5,9 +5,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import os
+import signal
 import stat
+import subprocess
+import sys
 import tarfile
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +22,7 @@ from typing import Any, TypeVar
 import fsspec
 
 from taskpoint import RetryPolicy
+from taskpoint.ranks import RANK_VARIABLES
 
 T = TypeVar("T")
 
@@ -120,8 +127,6 @@ def fast_counting() -> CountingRetry:
 @contextlib.contextmanager
 def mounted_tmpfs(folder: Path, options: str) -> Iterator[Path]:
     """A real tmpfs at ``folder`` with mount ``options``; skips the test where mounting is not allowed."""
-    import subprocess
-
     import pytest
 
     folder.mkdir(parents=True)
@@ -142,13 +147,6 @@ class RankProcess:
 
     def __init__(self, mode: str, args: dict[str, Any], rank: int, world_size: int,
                  env: dict[str, str] | None = None) -> None:
-        import json
-        import subprocess
-        import sys
-        import threading
-
-        from taskpoint.ranks import RANK_VARIABLES
-
         self.rank = rank
         child_env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
         child_env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), **(env or {}))
@@ -171,8 +169,6 @@ class RankProcess:
     def wait_for(self, event: str, timeout: float = 60, **fields: Any) -> dict[str, Any]:
         """The first event of this kind (with these fields); AssertionError after ``timeout`` or if the process
         ended without it."""
-        import time
-
         deadline = time.monotonic() + timeout
         with self._changed:
             while True:
@@ -199,8 +195,6 @@ class RankProcess:
         return status
 
     def kill(self) -> None:
-        import signal
-
         if self.process.poll() is None:
             os.kill(self.process.pid, signal.SIGKILL)
         self.process.wait(30)
