@@ -14,9 +14,10 @@ The commit, on storage only (no process group):
 
 The *round* tells the records of this save from those a previous launch of the job left for the same step
 (a rank that stored its record and was then killed with the others): it is the task attempt
-(``taskpoint.ctx().attempt``, which all ranks of an attempt agree on and which grows with every launch), or
-outside a task the launchers' variables that change with every launch (torchrun's run id and restart count,
-Slurm's job and step ids, Flyte's execution and attempt).
+(``taskpoint.ctx().attempt``, which all ranks of an attempt agree on; a task's grows with every launch) with
+the launchers' variables that change with every launch (torchrun's run id and restart count, Slurm's job and
+step ids and requeue count, Flyte's execution and attempt), the same on every rank of one launch. Both: an
+attempt taken from a restart counter starts again at 1 when the whole job is launched again.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class RankPlan:
 
 def save_round(attempt: int | None) -> str:
     """What every rank of one save of a step shares, and no earlier launch of the job had (see above)."""
-    return f"attempt={attempt}" if attempt is not None else incarnation_from_environment()
+    return f"attempt={attempt};{incarnation_from_environment()}"
 
 
 class ShardWriter:
