@@ -5,9 +5,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import os
+import signal
 import stat
+import subprocess
+import sys
 import tarfile
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +22,7 @@ from typing import Any, TypeVar
 import fsspec
 
 from taskpoint import RetryPolicy
+from taskpoint.ranks import RANK_VARIABLES
 
 T = TypeVar("T")
 
@@ -120,8 +127,6 @@ def fast_counting() -> CountingRetry:
 @contextlib.contextmanager
 def mounted_tmpfs(folder: Path, options: str) -> Iterator[Path]:
     """A real tmpfs at ``folder`` with mount ``options``; skips the test where mounting is not allowed."""
-    import subprocess
-
     import pytest
 
     folder.mkdir(parents=True)
@@ -134,3 +139,63 @@ def mounted_tmpfs(folder: Path, options: str) -> Iterator[Path]:
         yield folder
     finally:
         subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+class RankProcess:
+    """One rank of a job: ``tests/_rank_worker.py`` in a real process with ``RANK``/``WORLD_SIZE`` set, its
+    JSON events collected from stdout by a thread."""
+
+    def __init__(self, mode: str, args: dict[str, Any], rank: int, world_size: int,
+                 env: dict[str, str] | None = None) -> None:
+        self.rank = rank
+        child_env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
+        child_env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), **(env or {}))
+        worker = Path(__file__).with_name("_rank_worker.py")
+        self.process = subprocess.Popen([sys.executable, str(worker), mode, json.dumps(args)], env=child_env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.events: list[dict[str, Any]] = []
+        self._changed = threading.Condition()
+
+        def read() -> None:
+            assert self.process.stdout is not None
+            for line in self.process.stdout:
+                with self._changed:
+                    self.events.append(json.loads(line))
+                    self._changed.notify_all()
+
+        self._reader = threading.Thread(target=read, daemon=True)
+        self._reader.start()
+
+    def wait_for(self, event: str, timeout: float = 60, **fields: Any) -> dict[str, Any]:
+        """The first event of this kind (with these fields); AssertionError after ``timeout`` or if the process
+        ended without it."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                for found in self.events:
+                    if found["event"] == event and all(found.get(k) == v for k, v in fields.items()):
+                        return found
+                if self.process.poll() is not None and not self._reader.is_alive():
+                    break
+                if time.monotonic() > deadline:
+                    break
+                self._changed.wait(0.05)
+        raise AssertionError(f"rank {self.rank} never printed {event} {fields}: {self.events}; "
+                             f"stderr: {self.stderr_tail()}")
+
+    def stderr_tail(self) -> str:
+        if self.process.poll() is None or self.process.stderr is None:
+            return "(running)"
+        return self.process.stderr.read()[-3000:]
+
+    def finish(self, timeout: float = 60) -> int:
+        """Wait for the process to end; its exit status."""
+        status = self.process.wait(timeout)
+        self._reader.join(5)
+        return status
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+        self.process.wait(30)
+        self._reader.join(5)

@@ -6,6 +6,7 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
     "Preempted",
+    "StepAbandonedError",
     "StorageAccessDenied",
     "StorageError",
     "StorageFull",
@@ -25,6 +26,11 @@ class CheckpointCorruptError(CheckpointError):
 
 class UnsafeArchiveError(CheckpointCorruptError):
     """An archive member would land outside the workspace (absolute path, ``..``, escaping link, device)."""
+
+
+class StepAbandonedError(CheckpointError, TimeoutError):
+    """Rank 0 of a multi-rank save gave up waiting for the other ranks' shards: the step was not committed
+    (it never appears in ``steps()``), and its stored shards are removed by ``gc()`` after the grace period."""
 
 
 class StorageError(CheckpointError):

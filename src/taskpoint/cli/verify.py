@@ -15,7 +15,7 @@ import click
 from ..checkpoint import load_object, read_record
 from ..errors import CheckpointCorruptError
 from ..format.codecs import Codec
-from ..format.records import MANIFEST_SUFFIX, Record
+from ..format.records import MANIFEST_SUFFIX, ObjectRecord, Record
 from ..manager.steps import StepStore
 from ..payloads import Payload
 from ..storage import WRITE_PIECE, Location, digest_by_reading
@@ -120,19 +120,23 @@ def _verify_step(steps: StepStore, step: int) -> str:
     manifest = steps.manifest(step)
     if manifest is None:
         raise _Missing(f"step {step} does not exist in {steps.directory}")
-    record = manifest.record
+    parts = ([(s.payload, s.record) for s in manifest.shards] if manifest.shards is not None
+             else [(manifest.payload, manifest.record)])
+    total = 0
+    for name, record in parts:  # every rank's shard of a step of several ranks
+        def check(size: int, hexdigest: str, record: ObjectRecord = record, name: str = name) -> None:
+            if (size, hexdigest) != (record.size, record.sha256):
+                raise CheckpointCorruptError(
+                    f"step {step} in {steps.directory} is damaged: read {size} bytes of {name} that do not match "
+                    f"the sha256 of its manifest (recorded size {record.size})")
 
-    def check(size: int, hexdigest: str) -> None:
-        if (size, hexdigest) != (record.size, record.sha256):
-            raise CheckpointCorruptError(f"step {step} in {steps.directory} is damaged: read {size} bytes that do "
-                                         f"not match the sha256 of its manifest (recorded size {record.size})")
-
-    try:
-        size = _stream_check(steps.object(step, manifest.payload), "sha256", record.size, check)
-    except _Missing:
-        raise CheckpointCorruptError(f"step {step} in {steps.directory} is damaged: its payload "
-                                     f"{manifest.payload} is missing") from None
-    return f"step {step}: healthy ({_human(size)}, sha256 matches its manifest)"
+        try:
+            total += _stream_check(steps.object(step, name), "sha256", record.size, check)
+        except _Missing:
+            raise CheckpointCorruptError(f"step {step} in {steps.directory} is damaged: its payload "
+                                         f"{name} is missing") from None
+    shards = f", {len(parts)} shards" if manifest.shards is not None else ""
+    return f"step {step}: healthy ({_human(total)}{shards}, sha256 matches its manifest)"
 
 
 @cli.command("verify")

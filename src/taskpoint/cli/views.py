@@ -115,17 +115,25 @@ def _manager_view(loc: Location) -> dict[str, Any] | None:
                 continue
             assert manifest is not None
             record = manifest.record
-            stored = names.get(manifest.payload)
+            objects = ([(s.payload, s.record) for s in manifest.shards] if manifest.shards is not None
+                       else [(manifest.payload, record)])
+            named = {MANIFEST_NAME, *(name for name, _ in objects)}
             row.update(size=record.size, created=record.created, attempt=manifest.attempt, kind=record.kind,
                        metadata_keys=sorted(manifest.metadata), payload=manifest.payload,
-                       leftovers=sorted(n for n in names if n not in (MANIFEST_NAME, manifest.payload)))
-            if stored is None:
-                row.update(state="damaged", problem=f"its payload {manifest.payload} is missing")
-            elif stored != record.size:
-                row.update(state="damaged", problem=f"its payload holds {stored} bytes, the manifest records "
-                                                    f"{record.size}")
-            else:
-                row["state"] = "committed"
+                       leftovers=sorted(n for n in names if n not in named))
+            if manifest.shards is not None:
+                row["shards"] = len(manifest.shards)
+            row["state"] = "committed"
+            for name, part in objects:
+                stored = names.get(name)
+                if stored is None:
+                    row.update(state="damaged", problem=f"its payload {name} is missing")
+                elif stored != part.size:
+                    row.update(state="damaged", problem=f"its payload holds {stored} bytes, the manifest records "
+                                                        f"{part.size}")
+                else:
+                    continue
+                break
         rows.append(row)
     return {"type": "manager", "uri": loc.uri, "steps": rows}
 
@@ -253,6 +261,9 @@ def show_command(uri: str, step: int | None, as_json: bool) -> int:
         view = {"type": "step", "uri": _steps(loc).step_uri(chosen), "step": manifest.step,
                 "payload": manifest.payload, "attempt": manifest.attempt, **asdict(manifest.record),
                 "metadata": manifest.metadata}
+        if manifest.shards is not None:
+            view["shards"] = [{"rank": s.rank, "payload": s.payload, "size": s.record.size,
+                               "sha256": s.record.sha256} for s in manifest.shards]
     if as_json:
         _print_json(view)
         return OK

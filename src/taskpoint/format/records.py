@@ -29,8 +29,11 @@ FORMAT = "taskpoint.checkpoint"
 #: Version of the checkpoint record written now (format 1 is still read).
 RECORD_VERSION = 2
 #: Newest version of a manager step's manifest this taskpoint reads. Version 1 names one payload object;
-#: version 2 (written only for deduplicated steps) lists a tree of files and the chunks that hold them.
-FORMAT_VERSION = 2
+#: version 2 (written only for deduplicated steps) lists a tree of files and the chunks that hold them;
+#: version 3 (written only for steps saved by several ranks) names one payload object per rank.
+FORMAT_VERSION = 3
+#: The version written for a deduplicated step.
+TREE_FORMAT_VERSION = 2
 #: The version written for a step with one payload object, so that older taskpoints still read it.
 PAYLOAD_FORMAT_VERSION = 1
 #: Objects a record keeps besides the confirmed one: the newest few, in case saves failed after their
@@ -38,6 +41,8 @@ PAYLOAD_FORMAT_VERSION = 1
 RECORD_KEEPS = 3
 #: The format name of a manager step's manifest (version :data:`FORMAT_VERSION`).
 STEP_FORMAT = "taskpoint.step"
+#: The format name of the record one rank writes beside its shard of a step (version 1).
+SHARD_FORMAT = "taskpoint.shard"
 
 T = TypeVar("T")
 
@@ -184,15 +189,27 @@ class StepManifest:
     metadata: dict[str, Any]
     #: A deduplicated step (version 2): its files and their chunks; ``payload`` is then empty.
     tree: ChunkedTree | None = None
+    #: A step saved by several ranks (version 3): rank k's shard is ``shards[k]``; ``payload`` is then empty
+    #: and ``record`` describes the commit (its ``size`` is the shards' total).
+    shards: tuple[Shard, ...] | None = None
 
     def to_bytes(self) -> bytes:
-        version = PAYLOAD_FORMAT_VERSION if self.tree is None else FORMAT_VERSION
+        version = (PAYLOAD_FORMAT_VERSION if self.tree is None and self.shards is None else
+                   TREE_FORMAT_VERSION if self.shards is None else FORMAT_VERSION)
         doc: dict[str, Any] = {"format": STEP_FORMAT, "version": version, "step": self.step,
                                "payload": self.payload, **asdict(self.record), "attempt": self.attempt,
                                "metadata": self.metadata}
         if self.tree is not None:
             doc["tree"] = {"chunk_size": self.tree.chunk_size, "entries": [e.to_json() for e in self.tree.entries]}
+        if self.shards is not None:
+            doc["shards"] = [shard.to_json() for shard in self.shards]
         return json.dumps(doc, sort_keys=True, allow_nan=False).encode()
+
+    def payload_names(self) -> set[str]:
+        """The payload objects in the step's folder this manifest names (none for a deduplicated step)."""
+        if self.shards is not None:
+            return {shard.payload for shard in self.shards}
+        return {self.payload} if self.payload else set()
 
     @classmethod
     def from_bytes(cls, data: bytes, uri: str) -> StepManifest:
@@ -200,18 +217,66 @@ class StepManifest:
             attempt, metadata, record = doc.get("attempt"), doc["metadata"], _record(doc)
             if not isinstance(metadata, dict) or record is None:
                 raise TypeError("metadata is not a JSON object")
-            tree = None
-            if int(doc["version"]) >= 2:
+            tree, shards = None, None
+            if int(doc["version"]) >= 3:
+                shards = tuple(Shard.from_json(s) for s in doc["shards"])
+                if [shard.rank for shard in shards] != list(range(len(shards))) or len(shards) < 2:
+                    raise ValueError("the shards are not ranks 0 .. world_size - 1 in order")
+            elif int(doc["version"]) == 2:
                 raw = doc["tree"]
                 tree = ChunkedTree(chunk_size=int(raw["chunk_size"]),
                                    entries=tuple(TreeEntry.from_json(e) for e in raw["entries"]))
                 if tree.chunk_size < 1:
                     raise ValueError("the chunk size is not positive")
             return cls(step=int(doc["step"]), payload=str(doc["payload"]), record=record,
-                       attempt=None if attempt is None else int(attempt), metadata=metadata, tree=tree)
+                       attempt=None if attempt is None else int(attempt), metadata=metadata, tree=tree,
+                       shards=shards)
 
         return _parse(data, STEP_FORMAT, uri, build, FORMAT_VERSION,
                       "delete the step, or save it again with overwrite=True")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One rank's part of a step: the payload object it stored, and that object's record (size, sha256)."""
+
+    rank: int
+    payload: str
+    record: ObjectRecord
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "payload": self.payload, **asdict(self.record)}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Shard:
+        record = _record(doc)
+        if record is None or record.size is None or record.sha256 is None:
+            raise ValueError("a shard has no size or sha256")
+        return cls(rank=int(doc["rank"]), payload=str(doc["payload"]), record=record)
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """What rank ``shard.rank`` writes beside its shard of ``step``: rank 0 commits the step once it holds one
+    of these from every rank of ``world_size`` with its own ``round`` (the launch of the job that saves)."""
+
+    step: int
+    world_size: int
+    round: str
+    shard: Shard
+
+    def to_bytes(self) -> bytes:
+        doc = {"format": SHARD_FORMAT, "version": 1, "step": self.step, "world_size": self.world_size,
+               "round": self.round, "shard": self.shard.to_json()}
+        return json.dumps(doc, sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, uri: str) -> ShardRecord:
+        def build(doc: dict[str, Any]) -> ShardRecord:
+            return cls(step=int(doc["step"]), world_size=int(doc["world_size"]), round=str(doc["round"]),
+                       shard=Shard.from_json(doc["shard"]))
+
+        return _parse(data, SHARD_FORMAT, uri, build, 1, "it is removed by gc() once older than the grace period")
 
 
 def _parse(data: bytes, fmt: str, uri: str, build: Callable[[dict[str, Any]], T], newest: int,

@@ -2,8 +2,8 @@
 
 Owns: :class:`CheckpointManager` (the orchestrator), the step layout and sweeping of leftovers (``steps``),
 retention as a policy (``retention``), verified restores (``restore``), background saves with snapshots
-(``background``) and the process they upload from (``saver``), and the per-process claims on steps
-being restored or deleted (``claims``).
+(``background``) and the process they upload from (``saver``), steps saved by several ranks and rank 0's
+commit of them (``shards``), and the per-process claims on steps being restored or deleted (``claims``).
 
 May import: :mod:`taskpoint.checkpoint`'s layer and everything below it (``transfer``, ``payloads``,
 ``workspace``, ``format``, ``storage``, ``errors``). It never imports :mod:`taskpoint.runtime`: the runtime

@@ -19,6 +19,7 @@ from .claims import Claims
 from .dedup import Dedup, deduplicable
 from .retention import KeepPolicy
 from .saver import SaverProcess
+from .shards import RankPlan, ShardWriter
 from .steps import MANIFEST_NAME, StepStore, quietly
 
 
@@ -26,15 +27,22 @@ class StepWriter:
     """Writes the steps of one manager: each a payload of its own name, committed by its manifest."""
 
     def __init__(self, steps: StepStore, claims: Claims, codec: Codec, level: int | None, retention: KeepPolicy,
-                 grace: float, dedup: Dedup | None = None) -> None:
+                 grace: float, dedup: Dedup | None = None, plan: RankPlan | None = None) -> None:
         self._steps, self._claims, self._dedup = steps, claims, dedup
         self._codec, self._level = codec, level
         self._retention, self._grace = retention, grace
+        self._shards = ShardWriter(steps, plan) if plan is not None and plan.ranks.distributed else None
+        #: The last step this writer saved (its shard, with several ranks), committed or not.
+        self.last_step: int | None = None
 
     def write(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: str | None,
               payload: Payload, saver: SaverProcess | None = None, *, clock: _log.Clock) -> TransferStats:
         """Upload the payload under a fresh name (or, deduplicated, its missing chunks), then commit it with the
-        manifest; then tidy up. Returns the save's figures (``CheckpointManager.last_save``)."""
+        manifest; then tidy up. Returns the save's figures (``CheckpointManager.last_save``). With several ranks,
+        the payload is this rank's shard, and rank 0 alone commits and tidies (:mod:`.shards`)."""
+        self.last_step = step
+        if self._shards is not None:
+            return self._write_shard(step, metadata, attempt, payload, saver, clock=clock)
         save_id = uuid.uuid4().hex
         chunked = self._dedup is not None and deduplicable(payload)  # its chunks: named by a lease until the commit
         name = "" if chunked else f"payload-{save_id}"
@@ -63,6 +71,18 @@ class StepWriter:
             quietly(self._steps.object(step, replaced).remove)
         self._tidy()
         return _log.transferred("save", self._steps.step_uri(step), payload.kind, sent, clock, step)
+
+    def _write_shard(self, step: int, metadata: dict[str, Any], attempt: int | None, payload: Payload,
+                     saver: SaverProcess | None, *, clock: _log.Clock) -> TransferStats:
+        assert self._shards is not None
+        codec = self._codec.name if payload.archived else "raw"
+        # No commit for the save process to finish: a step of several ranks is committed by rank 0 alone.
+        size = self._shards.write(step, metadata, attempt, payload, codec,
+                                  lambda location: store_payload(location, payload, self._codec, self._level, saver))
+        if self._shards.commits:
+            self._steps.committed(step)
+            self._tidy()
+        return _log.transferred("save", self._steps.step_uri(step), payload.kind, size, clock, step)
 
     def _tidy(self) -> None:
         """After a commit: apply retention and remove old leftovers. Never fails the save that committed."""

@@ -3,7 +3,7 @@
 The manager orchestrates; the parts live beside it: :mod:`.steps` (layout, manifests, listing, sweeping),
 :mod:`.retention` (which steps to keep), :mod:`.restore` (verified reads that follow concurrent writers),
 :mod:`.background` and :mod:`.saver` (background saves and their process), :mod:`.claims` (steps being
-restored or deleted in this process).
+restored or deleted in this process), :mod:`.shards` (steps saved by several ranks, committed by rank 0).
 
 Every save writes its payload under a name of its own and the manifest names the payload it commits, so two
 writers of the same step never mix their data: the last manifest wins, and it names one writer's complete
@@ -39,6 +39,7 @@ from .queries import StepQueries
 from .restore import StepReader
 from .retention import KeepPolicy
 from .saver import SaverProcess
+from .shards import DEFAULT_COMMIT_TIMEOUT, RankPlan
 from .steps import StepStore
 
 P = ParamSpec("P")
@@ -113,6 +114,12 @@ class CheckpointManager(StepQueries):
         dedup: save bytes, files and directories as deduplicated steps: files cut into chunks, each stored
             once in the directory's chunk store and uploaded only when the store lacks it; :meth:`gc` removes
             the chunks no step names. Background saves then upload from a thread of this process.
+        rank: this process's rank among ``world_size`` ranks that save each step together, each its own shard
+            (default: from ``$TASKPOINT_RANK``, torchrun's ``RANK`` or Slurm's ``SLURM_PROCID``; else 0).
+        world_size: how many ranks save each step (default: from ``$TASKPOINT_WORLD_SIZE``, ``WORLD_SIZE`` or
+            ``SLURM_NTASKS``; else 1). Rank 0 commits a step once every rank's shard is stored (waiting up to
+            ``commit_timeout`` seconds, then raising :class:`~taskpoint.StepAbandonedError`); other ranks'
+            saves return once their shard is recorded. ``restore`` returns this rank's shard. See docs/manager.md.
     """
 
     def __init__(
@@ -132,6 +139,9 @@ class CheckpointManager(StepQueries):
         preemption: bool = True,
         on_preemption: Callable[[], Any] | None = None,
         dedup: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        commit_timeout: float = DEFAULT_COMMIT_TIMEOUT,
     ) -> None:
         uri = normalize_uri(directory, "directory").strip()
         if not uri:
@@ -142,6 +152,7 @@ class CheckpointManager(StepQueries):
             raise TypeError(f"storage_options must be a dict, not {type(storage_options).__name__}")
         self._retention = KeepPolicy(keep, keep_every)
         self._grace = check_grace(grace_seconds)
+        self._plan = RankPlan.from_args(rank, world_size, commit_timeout, self._grace, bool(dedup))
         snapshots = None if snapshot_dir is None else os.fspath(normalize_uri(snapshot_dir, "snapshot_dir"))
         if level is not None and (not isinstance(level, int) or isinstance(level, bool)):
             raise TypeError(f"level must be an int or None, not {type(level).__name__}")
@@ -152,7 +163,7 @@ class CheckpointManager(StepQueries):
         self._claims = Claims((str(root.fs.protocol), root.path))
         self._steps = StepStore(root, self._claims)
         self._dedup = Dedup(self._steps, ChunkStore(root, "zstd" if codec is None else codec, level), self._grace)
-        self._reader = StepReader(self._steps, self._claims, self._dedup)
+        self._reader = StepReader(self._steps, self._claims, self._dedup, self._plan.ranks)
         self._lock = threading.RLock()  # save, delete, gc, close and wait_until_finished, one at a time
         #: The step the last successful :meth:`restore` returned (useful with ``fallback=True``).
         self.restored_step: int | None = None
@@ -161,7 +172,7 @@ class CheckpointManager(StepQueries):
         self._closed = False
         self._background = Background(uri, snapshots, bool(background_process) and root.backend.shared)
         self._writer = StepWriter(self._steps, self._claims, self._codec, self._level, self._retention, self._grace,
-                                  self._dedup if dedup else None)
+                                  self._dedup if dedup else None, self._plan)
         self._preemption = PreemptionPolicy(preemption, on_preemption)
         weakref.finalize(self, self._background.slot.report_unclaimed, uri)
 
@@ -251,7 +262,8 @@ class CheckpointManager(StepQueries):
         """After a notice, the emergency save of ``state()`` (default ``on_preemption``), then
         :class:`~taskpoint.Preempted`; without a notice, or without either function, nothing."""
         if self._preemption.due(state):
-            self._preemption.run(self.wait_until_finished, lambda: (self.latest_step() or 0) + 1,
+            self._preemption.run(self.wait_until_finished,
+                                 lambda: self._plan.next_step(self.latest_step(), self._writer.last_step),
                                  lambda data, step, meta: self.save(data, step, metadata=meta, blocking=True), state)
 
     # -- restore -------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._checks import check_step
+from .shards import RankPlan
 from .steps import StepStore
 
 
@@ -16,11 +17,22 @@ class StepQueries:
     """
 
     _steps: StepStore
+    _plan: RankPlan
 
     @property
     def directory(self) -> str:
         """The URI of the directory that holds the steps."""
         return self._steps.directory
+
+    @property
+    def rank(self) -> int:
+        """This manager's rank (0 with one rank)."""
+        return self._plan.ranks.rank
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks save each step together (1 by default)."""
+        return self._plan.ranks.world_size
 
     def _ready(self) -> None:
         raise NotImplementedError

@@ -9,8 +9,9 @@ from pathlib import Path
 
 from .. import _log
 from ..errors import CheckpointCorruptError, CheckpointError, add_note
-from ..format.records import StepManifest
+from ..format.records import ObjectRecord, StepManifest
 from ..payloads import Payload, payload_class
+from ..ranks import Ranks
 from ..transfer import read_payload
 from ..workspace import Workspace
 from .claims import Claims
@@ -24,8 +25,9 @@ RESTORE_ATTEMPTS = 5
 class StepReader:
     """Reads steps of one directory into a folder of the caller's, or into a workspace of its own."""
 
-    def __init__(self, steps: StepStore, claims: Claims, dedup: Dedup) -> None:
+    def __init__(self, steps: StepStore, claims: Claims, dedup: Dedup, ranks: Ranks | None = None) -> None:
         self._steps = steps
+        self._ranks = ranks or Ranks()
         self._dedup = dedup
         self._claims = claims
         self._lock = threading.Lock()  # restores into the reader's own workspace
@@ -104,11 +106,25 @@ class StepReader:
             now = self._steps.manifest(step)
             if now is not None and now.record.save_id == manifest.record.save_id:
                 raise CheckpointCorruptError(
-                    f"step {step} in {self.directory} is committed but its payload {manifest.payload} is missing; "
-                    "it was deleted outside taskpoint. Restore an older step (fallback=True), or delete this one.")
+                    f"step {step} in {self.directory} is committed but its payload {self._part(step, manifest)[0]} "
+                    "is missing; it was deleted outside taskpoint. Restore an older step (fallback=True), or delete "
+                    "this one.")
             manifest = now  # overwritten or deleted while we read: follow it
         raise CheckpointError(f"step {step} in {self.directory} kept being overwritten while it was restored; "
                               "try again once the other writer has finished")
+
+    def _part(self, step: int, manifest: StepManifest) -> tuple[str, ObjectRecord]:
+        """The payload object this rank restores, and its record: its own shard of a step of several ranks."""
+        if manifest.shards is None:
+            return manifest.payload, manifest.record  # the same payload for every rank
+        world = len(manifest.shards)
+        if world != self._ranks.world_size:
+            raise CheckpointError(
+                f"step {step} in {self.directory} was saved by {world} ranks and holds one shard per rank; this "
+                f"manager is rank {self._ranks.rank} of {self._ranks.world_size}. Restore it with {world} ranks "
+                "(for another number of ranks, save through taskpoint.torch, whose checkpoints reshard).")
+        shard = manifest.shards[self._ranks.rank]
+        return shard.payload, shard.record
 
     def _read_payload(self, step: int, manifest: StepManifest, workspace: Path) -> Path | None:
         if manifest.tree is not None:  # a deduplicated step: its chunks, each verified
@@ -121,8 +137,8 @@ class StepReader:
                 raise CheckpointCorruptError(
                     f"step {step} in {self.directory} is damaged: {missing} (deleted outside taskpoint). Restore an "
                     "older step (fallback=True), or save it again.") from None
-        src = self._steps.object(step, manifest.payload)
-        record = manifest.record
+        name, record = self._part(step, manifest)
+        src = self._steps.object(step, name)
 
         def choose(head: bytes, size: int | None) -> type[Payload]:
             return payload_class(record.kind, src.uri)

@@ -4,6 +4,8 @@ Layout under the manager's directory (any fsspec URL)::
 
     ckpt-{step}/payload-{save_id}   the payload, stored as a Checkpoint stores it (raw, or a tar archive)
     ckpt-{step}/taskpoint.json      the step's manifest, written after the payload: the commit
+    ckpt-{step}/rank-{k}.json       a step saved by several ranks: rank k's record of its shard (a payload
+                                    like the above), until rank 0 commits the step (see :mod:`.shards`)
     chunks/, leases/                the chunk store of deduplicated steps (see :mod:`.chunks`)
 
 A step exists when, and only when, its manifest does. Objects in a step folder that no manifest names are
@@ -32,8 +34,17 @@ MANIFEST_NAME = "taskpoint.json"
 
 STEP_FOLDER = re.compile(r"ckpt-(0|[1-9][0-9]*)")
 PAYLOAD_NAME = re.compile(r"payload-[0-9a-f]{32}")
-#: What a save of ours can leave in a step folder: payloads, and the temp files of atomic writes.
-_OURS = re.compile(r"\.?(?:payload-[0-9a-f]{32}|taskpoint\.json)(?:\.[0-9a-f]{12}\.tmp)?")
+#: What a save of ours can leave in a step folder: payloads, rank records, and the temp files of atomic writes.
+_OURS = re.compile(r"\.?(?:payload-[0-9a-f]{32}|taskpoint\.json|rank-(?:0|[1-9][0-9]*)\.json)"
+                   r"(?:\.[0-9a-f]{12}\.tmp)?")
+
+
+RANK_RECORD = re.compile(r"rank-(0|[1-9][0-9]*)\.json")
+
+
+def shard_record_name(rank: int) -> str:
+    """The name of rank ``rank``'s record of its shard, in the step's folder."""
+    return f"rank-{rank}.json"
 
 
 @dataclass
@@ -80,7 +91,9 @@ class StepStore:
         try:
             manifest = StepManifest.from_bytes(data, location.uri)
             chunked = manifest.tree is not None and manifest.payload == ""
-            if manifest.step != step or not (chunked or PAYLOAD_NAME.fullmatch(manifest.payload)):
+            sharded = manifest.shards is not None and manifest.payload == "" and all(
+                PAYLOAD_NAME.fullmatch(shard.payload) for shard in manifest.shards)
+            if manifest.step != step or not (chunked or sharded or PAYLOAD_NAME.fullmatch(manifest.payload)):
                 raise CheckpointCorruptError(f"the checkpoint record {location.uri} does not describe step "
                                              f"{step}; delete the step, or save it again with overwrite=True")
         except CheckpointCorruptError as exc:
@@ -176,9 +189,10 @@ class StepStore:
         if self._known is not None:
             self._known.discard(step)
         keep = {MANIFEST_NAME}
-        if manifest is not None and PAYLOAD_NAME.fullmatch(manifest.payload):
-            self.object(step, manifest.payload).remove()
-            keep.add(manifest.payload)
+        for name in manifest.payload_names() if manifest is not None else ():
+            if PAYLOAD_NAME.fullmatch(name):
+                self.object(step, name).remove()
+                keep.add(name)
         self.sweep_folder(step, folder, grace, keep)
         # The folder of a step just deleted goes too when empty (also when retention worked from the steps it
         # knew, without a listing of the folder's objects).
@@ -199,7 +213,7 @@ class StepStore:
                 manifest = self.manifest(step, tolerate_corrupt=True)
                 if manifest is None:
                     continue  # never guess what an unreadable manifest commits
-                keep = {MANIFEST_NAME, manifest.payload}
+                keep = {MANIFEST_NAME, *manifest.payload_names()}
             removed += self.sweep_folder(step, folder, grace, keep, dry_run=dry_run)
         return removed
 

@@ -9,6 +9,7 @@ import threading
 from .. import preemption
 from ..checkpoint import Checkpoint
 from ..manager import set_attempt_source
+from ..ranks import RANK_VARIABLES, ranks_from_environment
 from .layout import (
     ENV_ACTION_NAME,
     ENV_ATTEMPT,
@@ -21,6 +22,7 @@ from .layout import (
     attempt_from_environment,
     clean_name,
     env_storage_options,
+    rank_object,
 )
 from .lineage import ActionStore
 from .repair import repair_uri
@@ -85,7 +87,7 @@ set_attempt_source(_running_attempt)
 
 
 _ENV_KEYS = (ENV_ROOT, ENV_RUN_NAME, ENV_ACTION_NAME, ENV_ATTEMPT, ENV_CHECKPOINT_PATH, ENV_PREV_CHECKPOINT,
-             ENV_STORAGE_OPTIONS, *RESTART_COUNTERS)
+             ENV_STORAGE_OPTIONS, *RESTART_COUNTERS, *RANK_VARIABLES)
 _env_lock = threading.RLock()
 _env_building = False
 _env_cache: tuple[tuple[str | None, ...], TaskContext | None] | None = None
@@ -112,22 +114,31 @@ def environment_context() -> TaskContext | None:
 
 
 def _build_environment_context() -> TaskContext | None:
+    """With several ranks, each rank's checkpoint is ``{path}/rank-{k}``; in root mode without an attempt
+    number, rank 0 chooses the next free one and the others agree on it (:mod:`.rendezvous`)."""
     options = env_storage_options()
     run_name = os.environ.get(ENV_RUN_NAME, "").strip() or None
     action_name = os.environ.get(ENV_ACTION_NAME, "").strip() or None
     dest = os.environ.get(ENV_CHECKPOINT_PATH, "").strip()
+    ranks = ranks_from_environment()
     if dest:
         attempt = attempt_from_environment()
         # What ctx() would give here is this very context, still being built: there is none to consult.
         prev = repair_uri(os.environ.get(ENV_PREV_CHECKPOINT), run_name=run_name, action_name=action_name,
                           attempt=attempt, lookup=lambda: None)
-        checkpoint = Checkpoint(dest, prev, storage_options=options)
+        checkpoint = Checkpoint(rank_object(dest, ranks), None if prev is None else rank_object(prev, ranks),
+                                storage_options=options)
         return TaskContext(run_name=run_name or "", action_name=action_name or "", attempt=attempt or 1,
-                           max_attempts=None, checkpoint=checkpoint, storage_options=options)
+                           max_attempts=None, checkpoint=checkpoint, storage_options=options, rank=ranks.rank,
+                           world_size=ranks.world_size, local_rank=ranks.local_rank)
     root = os.environ.get(ENV_ROOT, "").strip()
     if root and run_name and action_name:
-        store = ActionStore(root, clean_name(run_name, "run name"), clean_name(action_name, "action"), options)
-        attempt = attempt_from_environment() or max(store.attempts(), default=0) + 1
-        store.begin(attempt)
+        store = ActionStore(root, clean_name(run_name, "run name"), clean_name(action_name, "action"), options,
+                            ranks=ranks)
+        attempt = attempt_from_environment()  # the orchestrator's number: every rank reads the same
+        if attempt is None:
+            attempt = store.claim()
+        else:
+            store.begin(attempt)
         return store.context(attempt, None)
     return None

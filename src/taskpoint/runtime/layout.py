@@ -4,6 +4,8 @@ Layout under a root (any fsspec URL)::
 
     {root}/{run_name}/{action_name}/{attempt}/attempt.json   written when the attempt starts
     {root}/{run_name}/{action_name}/{attempt}/checkpoint     the attempt's checkpoint object (+ its record)
+    {root}/{run_name}/{action_name}/{attempt}/checkpoint/rank-{k}   with several ranks: rank k's checkpoint
+    {root}/{run_name}/{action_name}/rendezvous/              where the ranks of a launch agree on the attempt
     {root}/{run_name}/{action_name}/steps/                   the versioned manager shared by all attempts
 """
 
@@ -14,6 +16,8 @@ import os
 import re
 from typing import Any
 
+from ..ranks import Ranks
+
 #: Name of the checkpoint object inside an attempt folder.
 CHECKPOINT_NAME = "checkpoint"
 #: Name of the marker written when an attempt starts (so numbering survives attempts that never saved).
@@ -21,6 +25,10 @@ ATTEMPT_MARKER = "attempt.json"
 #: Folder of the versioned manager shared by all attempts of an action.
 STEPS_FOLDER = "steps"
 DEFAULT_ROOT = ".taskpoint"
+#: Folder, beside the attempts, where the ranks of one launch agree on their attempt.
+RENDEZVOUS_FOLDER = "rendezvous"
+#: How long ranks wait for each other to agree on the attempt, unless ``$TASKPOINT_RENDEZVOUS_TIMEOUT`` says.
+RENDEZVOUS_TIMEOUT = 600.0
 
 ENV_ROOT = "TASKPOINT_ROOT"
 ENV_RUN_NAME = "TASKPOINT_RUN_NAME"
@@ -29,6 +37,7 @@ ENV_ATTEMPT = "TASKPOINT_ATTEMPT"
 ENV_CHECKPOINT_PATH = "TASKPOINT_CHECKPOINT_PATH"
 ENV_PREV_CHECKPOINT = "TASKPOINT_PREV_CHECKPOINT"
 ENV_STORAGE_OPTIONS = "TASKPOINT_STORAGE_OPTIONS"
+ENV_RENDEZVOUS_TIMEOUT = "TASKPOINT_RENDEZVOUS_TIMEOUT"
 #: Restart counters of orchestrators, each counting from 0 for the first run: attempt = counter + 1.
 RESTART_COUNTERS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", "FLYTE_ATTEMPT_NUMBER")
 
@@ -77,3 +86,22 @@ def attempt_from_environment() -> int | None:
         if raw.isdigit():
             return int(raw) + 1
     return None
+
+
+def rank_object(uri: str, ranks: Ranks) -> str:
+    """``uri`` for one rank; with several ranks, ``{uri}/rank-{k}`` (each rank its own checkpoint)."""
+    return f"{uri.rstrip('/')}/rank-{ranks.rank}" if ranks.distributed else uri
+
+
+def rendezvous_timeout() -> float:
+    """``$TASKPOINT_RENDEZVOUS_TIMEOUT`` (seconds > 0), else :data:`RENDEZVOUS_TIMEOUT`."""
+    raw = os.environ.get(ENV_RENDEZVOUS_TIMEOUT, "").strip()
+    if not raw:
+        return RENDEZVOUS_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"${ENV_RENDEZVOUS_TIMEOUT} must be a number of seconds > 0, got {raw!r}")
+    return value

@@ -35,6 +35,9 @@ class TaskContext:
         preemption: whether this task reacts to preemption notices (``@task(preemption=...)``).
         save_on_preemption: the function returning the state of the emergency save
             (``@task(save_on_preemption=...)``), or None.
+        rank, world_size, local_rank: this process's place in a job of several ranks (torchrun's, Slurm's or
+            ``TASKPOINT_*`` variables; 0, 1, 0 otherwise). With several ranks, :attr:`checkpoint` saves and
+            loads this rank's own checkpoint, and :attr:`checkpoints` saves this rank's shard of each step.
     """
 
     run_name: str
@@ -49,6 +52,9 @@ class TaskContext:
     manager_options: dict[str, Any] = field(default_factory=dict)
     preemption: bool = True
     save_on_preemption: Callable[[], Any] | None = field(default=None, repr=False)
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
     _manager: CheckpointManager | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -61,7 +67,7 @@ class TaskContext:
             if self._manager is None:
                 uri = f"{self.root}/{self.run_name}/{self.action_name}/{STEPS_FOLDER}"
                 options = {"preemption": self.preemption, "on_preemption": self.save_on_preemption,
-                           **self.manager_options}
+                           "rank": self.rank, "world_size": self.world_size, **self.manager_options}
                 self._manager = CheckpointManager(uri, storage_options=self.storage_options, **options)
             return self._manager
 

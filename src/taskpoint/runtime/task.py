@@ -17,6 +17,7 @@ import anyio.to_thread
 
 from .. import preemption
 from ..errors import Preempted, add_note
+from ..ranks import ranks_from_environment
 from .layout import ENV_RUN_NAME, clean_name, default_root, env_storage_options
 from .lineage import ActionStore
 from .state import TaskContext, active, current, reset_context, set_context
@@ -107,12 +108,14 @@ class _TaskSpec:
         return _Place(root, run_name, self.name, options)  # a top-level call with a known run name continues it
 
     def store(self, place: _Place) -> ActionStore:
-        """The storage of the call's action (opens its filesystem)."""
-        return ActionStore(place.root, place.run_name, place.action, place.options, self.checkpoints)
+        """The storage of the call's action (opens its filesystem), for this process's rank."""
+        return ActionStore(place.root, place.run_name, place.action, place.options, self.checkpoints,
+                           ranks_from_environment())
 
     def attempts(self, store: ActionStore) -> range:
-        """The attempt numbers this call may use: after those in storage (a listing)."""
-        first = (max(store.attempts(), default=0)) + 1
+        """The attempt numbers this call may use: after those in storage (a listing). With several ranks the
+        first is started here, agreed by all ranks (:meth:`ActionStore.claim`)."""
+        first = store.claim() if store.ranks.distributed else max(store.attempts(), default=0) + 1
         return range(first, first + self.retries + 1)
 
     def failed(self, exc: BaseException, attempt: int, last: int, context: TaskContext,
@@ -157,8 +160,12 @@ class _Attempt:
         self._parent = parent
 
     def open(self) -> TaskContext:
-        """Write the attempt's marker and find the checkpoint it resumes (storage I/O)."""
-        self._store.begin(self._number)
+        """Write the attempt's marker and find the checkpoint it resumes (storage I/O). With several ranks, a
+        retry is agreed again: all ranks retry together (a failed collective fails every rank)."""
+        if self._store.ranks.distributed:
+            self._store.claim(self._number)
+        else:
+            self._store.begin(self._number)
         context = self._store.context(self._number, len(self._numbers))
         context.preemption, context.save_on_preemption = self._spec.preemption, self._spec.save_on_preemption
         return context

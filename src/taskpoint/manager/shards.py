@@ -1,0 +1,183 @@
+"""Steps saved by several ranks: each rank stores its shard and a record of it; rank 0 alone commits the step.
+
+The commit, on storage only (no process group):
+
+1. Rank k stores its data as a payload of a fresh name in ``ckpt-N/``, as a single-rank save does, hashing it.
+2. Ranks 1 .. W-1 then write ``ckpt-N/rank-k.json`` (a :class:`~taskpoint.format.records.ShardRecord`: the
+   payload's name, size and sha256, the world size, and the *round*) and return.
+3. Rank 0, once its own shard is stored, lists ``ckpt-N/`` (from every 0.05 s, backing off to 1 s) and reads
+   each rank record that appeared or changed, until it holds one of the current round from every rank. Then it
+   writes the manifest (version 3) naming every shard with its sha256: the commit; and removes the records.
+4. If ``commit_timeout`` seconds pass first, rank 0 removes the records it found and raises
+   :class:`~taskpoint.StepAbandonedError` naming the ranks missing. No manifest was written, so the step never
+   appears; its shards are leftovers that ``gc()`` (and later saves) remove once older than the grace period.
+
+The *round* tells the records of this save from those a previous launch of the job left for the same step
+(a rank that stored its record and was then killed with the others): it is the task attempt
+(``taskpoint.ctx().attempt``, which all ranks of an attempt agree on; a task's grows with every launch) with
+the launchers' variables that change with every launch (torchrun's run id and restart count, Slurm's job and
+step ids and requeue count, Flyte's execution and attempt), the same on every rank of one launch. Both: an
+attempt taken from a restart counter starts again at 1 when the whole job is launched again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CheckpointCorruptError, CheckpointError, StepAbandonedError
+from ..format.records import ObjectRecord, Shard, ShardRecord, StepManifest
+from ..payloads import Payload
+from ..ranks import Ranks, incarnation_from_environment, resolve_ranks
+from ..storage import Location
+from .steps import MANIFEST_NAME, RANK_RECORD, StepStore, quietly, shard_record_name
+
+#: How long rank 0 waits, by default, for every rank's shard of a step before abandoning it (seconds).
+DEFAULT_COMMIT_TIMEOUT = 600.0
+#: Rank 0's first and longest pause between two listings of a step folder it waits on (seconds).
+POLL_FIRST, POLL_LONGEST = 0.05, 1.0
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """The ranks of one manager, and how long its rank 0 waits for the others' shards."""
+
+    ranks: Ranks
+    commit_timeout: float
+
+    @classmethod
+    def from_args(cls, rank: int | None, world_size: int | None, commit_timeout: Any, grace: float,
+                  dedup: bool) -> RankPlan:
+        """Check the manager's rank arguments (defaults from the environment, :mod:`taskpoint.ranks`)."""
+        ranks = resolve_ranks(rank, world_size)
+        if isinstance(commit_timeout, bool) or not isinstance(commit_timeout, (int, float)) or not commit_timeout > 0:
+            raise ValueError(f"commit_timeout must be a number of seconds > 0, got {commit_timeout!r}")
+        if ranks.distributed and dedup:
+            raise ValueError(
+                f"dedup=True is not supported with world_size {ranks.world_size}: a rank's chunks would be named "
+                "by no manifest between its save and rank 0's commit, and gc() could remove them. Use "
+                "dedup=False with several ranks.")
+        if ranks.distributed and grace <= commit_timeout:
+            raise ValueError(f"commit_timeout ({commit_timeout} s) must be shorter than grace_seconds ({grace} s) "
+                             "with several ranks: shards waiting for their commit would otherwise be swept as "
+                             "leftovers (grace_seconds=0 is for a single writer)")
+        return cls(ranks, float(commit_timeout))
+
+    def next_step(self, latest: int | None, last_saved: int | None) -> int:
+        """The step of an emergency save: after the newest committed one and, with several ranks, after the
+        last step this rank saved (rank 0 may not have committed it yet, and all ranks must agree)."""
+        if self.ranks.distributed and last_saved is not None:
+            return max(latest or 0, last_saved) + 1
+        return (latest or 0) + 1
+
+
+def save_round(attempt: int | None) -> str:
+    """What every rank of one save of a step shares, and no earlier launch of the job had (see above)."""
+    return f"attempt={attempt};{incarnation_from_environment()}"
+
+
+class ShardWriter:
+    """Stores this rank's shard of a step; on rank 0, also gathers the others' records and commits."""
+
+    def __init__(self, steps: StepStore, plan: RankPlan) -> None:
+        self._steps, self._plan = steps, plan
+
+    @property
+    def commits(self) -> bool:
+        """Whether this rank commits the steps (rank 0), and so applies retention and sweeps leftovers."""
+        return self._plan.ranks.rank == 0
+
+    def write(self, step: int, metadata: dict[str, Any], attempt: int | None, payload: Payload, codec: str,
+              store: Callable[[Location], tuple[int, str]]) -> int:
+        """Store the shard with ``store`` under a fresh name, then record it (ranks > 0) or commit the step
+        (rank 0). Returns the shard's size."""
+        ranks = self._plan.ranks
+        save_id = uuid.uuid4().hex
+        name = f"payload-{save_id}"
+        record = ObjectRecord(kind=payload.kind, codec=codec, save_id=save_id, created=time.time())
+        size, digest = store(self._steps.object(step, name))
+        shard = Shard(ranks.rank, name, dataclasses.replace(record, size=size, sha256=digest))
+        round_ = save_round(attempt)
+        if ranks.rank != 0:
+            self._steps.object(step, shard_record_name(ranks.rank)).write_small(
+                ShardRecord(step, ranks.world_size, round_, shard).to_bytes(), action="record the shard at")
+            return size
+        shards = self._gather(step, round_, shard)
+        commit = ObjectRecord(kind="shards", codec="shards", save_id=uuid.uuid4().hex, created=time.time(),
+                              size=sum(s.record.size or 0 for s in shards))
+        manifest = StepManifest(step=step, payload="", record=commit, attempt=attempt, metadata=metadata,
+                                shards=shards)
+        # As for one payload: a failed commit leaves the shards in place (the manifest may have landed).
+        self._steps.object(step, MANIFEST_NAME).write_small(manifest.to_bytes(), action="commit the checkpoint at")
+        self._forget_records(step, range(1, len(shards)))
+        return size
+
+    def _gather(self, step: int, round_: str, own: Shard) -> tuple[Shard, ...]:
+        """Every rank's shard of this round, rank 0's first; StepAbandonedError after the timeout."""
+        world = self._plan.ranks.world_size
+        found: dict[int, Shard] = {0: own}
+        stale: set[int] = set()
+        deadline = time.monotonic() + self._plan.commit_timeout
+        pause = POLL_FIRST
+        while True:
+            folder = self._steps.scan(step).get(step)
+            # A record not accepted yet is read again on every listing: a rewrite within the same second (the
+            # resolution of some stores' modification times) would leave its time unchanged.
+            for name in folder.objects if folder is not None else ():
+                rank = _rank_of(name, world)
+                if rank is None or rank in found:
+                    continue
+                record = self._read_record(step, name)
+                if record is None or record.step != step or record.round != round_ or record.shard.rank != rank:
+                    stale.add(rank)  # another launch's record of this step, or an unreadable one
+                    continue
+                if record.world_size != world:
+                    raise CheckpointError(
+                        f"rank {rank} saved its shard of step {step} in {self._steps.directory} as one of "
+                        f"{record.world_size} ranks, but rank 0 saves as one of {world}: give every rank the "
+                        "same world_size")
+                found[rank] = record.shard
+                stale.discard(rank)
+            if len(found) == world:
+                return tuple(found[rank] for rank in range(world))
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._forget_records(step, [rank for rank in found if rank] + sorted(stale))
+                missing = [rank for rank in range(world) if rank not in found]
+                also = f" (ranks {sorted(stale)} left records of another launch)" if stale else ""
+                if len(found) == 1 and not stale:
+                    also = (" (no other rank stored a shard: if only rank 0 saves in this job, create its manager "
+                            "with world_size=1)")
+                raise StepAbandonedError(
+                    f"step {step} in {self._steps.directory} was abandoned: rank 0 waited "
+                    f"{self._plan.commit_timeout:g} s for the shards of ranks {missing} of {world}{also}, "
+                    "and committed nothing. The previous steps are intact; gc() removes this step's shards once "
+                    "they are older than the grace period.")
+            time.sleep(min(pause, remaining))
+            pause = min(pause * 1.5, POLL_LONGEST)
+
+    def _read_record(self, step: int, name: str) -> ShardRecord | None:
+        location = self._steps.object(step, name)
+        data = location.read_small()
+        if data is None:
+            return None
+        try:
+            return ShardRecord.from_bytes(data, location.uri)
+        except CheckpointCorruptError:
+            return None
+
+    def _forget_records(self, step: int, ranks: Iterable[int]) -> None:
+        """Remove these ranks' records of the step (best effort: what stays is swept after the grace period)."""
+        for rank in ranks:
+            quietly(self._steps.object(step, shard_record_name(rank)).remove)
+
+
+def _rank_of(name: str, world: int) -> int | None:
+    """The rank whose record ``name`` is (1 .. world - 1), else None."""
+    match = RANK_RECORD.fullmatch(name)
+    rank = int(match.group(1)) if match else 0
+    return rank if 0 < rank < world else None
