@@ -304,3 +304,63 @@ def test_every_store_round_trips_and_verifies(store: Any) -> None:
     fs.pipe_file(path, content[:at] + bytes([content[at] ^ 1]) + content[at + 1:])
     error = load_error(uri, store.storage_options)
     assert isinstance(error, CheckpointCorruptError) and path.rsplit("/", 1)[-1] in str(error)
+
+
+# -- DCP checkpoints as steps of a CheckpointManager ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
+def test_dcp_checkpoints_are_manager_steps_with_retention_and_verified_loads(store: Any) -> None:
+    """Writer.for_step saves into a step's folder and the manager commits it: steps(), latest_step(), metadata,
+    retention (which removes every file of a dropped step) and Reader.for_step all work; restore() says to use
+    dcp.load; a step that exists is refused unless overwrite=True; a flipped byte in a step is caught."""
+    with taskpoint.CheckpointManager(store.url("m"), storage_options=store.storage_options, keep=2) as mgr:
+        states = {step: small_state(step) for step in (1, 2, 3)}
+        for step, state in states.items():
+            dcp.save(state, storage_writer=taskpoint.torch.Writer.for_step(mgr, step, metadata={"loss": step / 10}))
+        assert mgr.steps() == [2, 3] and mgr.latest_step() == 3 and mgr.metadata(3) == {"loss": 0.3}
+        fs = store.fs()
+        assert not fs.exists(fs._strip_protocol(mgr.step_uri(1)) + "/.metadata")  # retention took its files
+        target = empty_state()
+        dcp.load(target, storage_reader=taskpoint.torch.Reader.for_step(mgr))  # the newest step
+        assert all(torch.equal(target[k], states[3][k]) for k in ("w", "b", "ids"))
+        with pytest.raises(taskpoint.CheckpointError, match="dcp.load"):
+            mgr.restore(3)
+        with pytest.raises(CheckpointException) as caught:
+            dcp.save(small_state(9), storage_writer=taskpoint.torch.Writer.for_step(mgr, 3))
+        assert isinstance(failures(caught.value)[0], FileExistsError)
+        dcp.save(small_state(9), storage_writer=taskpoint.torch.Writer.for_step(mgr, 3, overwrite=True))
+        assert mgr.steps() == [2, 3]
+        from taskpoint.cli import main
+
+        options = [f"-o{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in store.storage_options.items()]
+        assert main(["verify", store.url("m"), *options]) == 0  # every file of every DCP step, by sha256
+        path, content, at = data_file_holding(fs, mgr.step_uri(2), states[2]["w"])
+        fs.pipe_file(path, content[:at] + bytes([content[at] ^ 1]) + content[at + 1:])
+        with pytest.raises(CheckpointException) as caught:
+            dcp.load(empty_state(), storage_reader=taskpoint.torch.Reader.for_step(mgr, 2))
+        assert isinstance(failures(caught.value)[0], CheckpointCorruptError)
+        assert main(["verify", store.url("m"), "--step", "2", *options]) == 2  # damaged, naming the file
+
+
+def test_a_dcp_step_that_never_committed_is_not_listed_and_gc_removes_its_files(tmp_path: Path) -> None:
+    from taskpoint.torch import _writer
+
+    with taskpoint.CheckpointManager(tmp_path / "m", grace_seconds=0) as mgr:
+        dcp.save(small_state(1), storage_writer=taskpoint.torch.Writer.for_step(mgr, 1))
+
+        class DiesBeforeCommit(_writer._StepWriter):
+            def commit(self, manifest: Any, metadata_blob: bytes) -> None:
+                raise OSError("the coordinator died before the commit")
+
+        with pytest.raises(CheckpointException):
+            dcp.save(small_state(2), storage_writer=DiesBeforeCommit(mgr, 2, None, overwrite=False, threads=2))
+        folder = tmp_path / "m" / "ckpt-2"
+        assert any(name.endswith(".distcp") for name in os.listdir(folder))
+        assert mgr.steps() == [1]
+        removed = mgr.gc()
+        assert any(".distcp" in uri for uri in removed)
+        assert not folder.exists() or not any(name.endswith(".distcp") for name in os.listdir(folder))
+        target = empty_state()
+        dcp.load(target, storage_reader=taskpoint.torch.Reader.for_step(mgr))
+        assert torch.equal(target["w"], small_state(1)["w"])

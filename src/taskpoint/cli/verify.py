@@ -15,7 +15,8 @@ import click
 from ..checkpoint import load_object, read_record
 from ..errors import CheckpointCorruptError
 from ..format.codecs import Codec
-from ..format.records import MANIFEST_SUFFIX, ObjectRecord, Record
+from ..format.fileset import FileSetManifest
+from ..format.records import FILESET_CODEC, MANIFEST_SUFFIX, ObjectRecord, Record
 from ..manager.steps import StepStore
 from ..payloads import Payload
 from ..storage import WRITE_PIECE, Location, digest_by_reading
@@ -122,6 +123,11 @@ def _verify_step(steps: StepStore, step: int) -> str:
         raise _Missing(f"step {step} does not exist in {steps.directory}")
     parts = ([(s.payload, s.record) for s in manifest.shards] if manifest.shards is not None
              else [(manifest.payload, manifest.record)])
+    if manifest.record.codec == FILESET_CODEC:  # a DCP step (taskpoint.torch): its manifest, then every file it lists
+        data = steps.object(step, manifest.payload).read_small() or b""
+        listed = FileSetManifest.from_bytes(data, steps.object(step, manifest.payload).uri).files
+        parts += [(name, ObjectRecord(kind="file", codec="raw", save_id="", created=0.0, size=entry.size,
+                                      sha256=entry.sha256)) for name, entry in sorted(listed.items())]
     total = 0
     for name, record in parts:  # every rank's shard of a step of several ranks
         def check(size: int, hexdigest: str, record: ObjectRecord = record, name: str = name) -> None:
@@ -135,7 +141,8 @@ def _verify_step(steps: StepStore, step: int) -> str:
         except _Missing:
             raise CheckpointCorruptError(f"step {step} in {steps.directory} is damaged: its payload "
                                          f"{name} is missing") from None
-    shards = f", {len(parts)} shards" if manifest.shards is not None else ""
+    shards = (f", {len(parts)} shards" if manifest.shards is not None else
+              f", {len(parts) - 1} files" if manifest.record.codec == FILESET_CODEC else "")
     return f"step {step}: healthy ({_human(total)}{shards}, sha256 matches its manifest)"
 
 

@@ -25,6 +25,9 @@ from typing import Any, TypeVar
 from ..errors import CheckpointCorruptError
 
 MANIFEST_SUFFIX = ".taskpoint.json"
+#: The codec of a manager step whose files another writer stored (taskpoint.torch): its manifest names their
+#: own file-set manifest (:mod:`taskpoint.format.fileset`) by size and sha256.
+FILESET_CODEC = "fileset"
 FORMAT = "taskpoint.checkpoint"
 #: Version of the checkpoint record written now (format 1 is still read).
 RECORD_VERSION = 2

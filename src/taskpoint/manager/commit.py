@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import time
 import uuid
 import warnings
@@ -12,7 +13,7 @@ from typing import Any
 from .. import _log
 from .._log import TransferStats
 from ..format.codecs import Codec
-from ..format.records import ObjectRecord, StepManifest
+from ..format.records import FILESET_CODEC, ObjectRecord, StepManifest
 from ..payloads import Payload
 from .background import store_payload
 from .claims import Claims
@@ -20,7 +21,7 @@ from .dedup import Dedup, deduplicable
 from .retention import KeepPolicy
 from .saver import SaverProcess
 from .shards import RankPlan, ShardWriter
-from .steps import MANIFEST_NAME, StepStore, quietly
+from .steps import FILESET_NAME, MANIFEST_NAME, StepStore, quietly
 
 
 class StepWriter:
@@ -83,6 +84,19 @@ class StepWriter:
             self._steps.committed(step)
             self._tidy()
         return _log.transferred("save", self._steps.step_uri(step), payload.kind, size, clock, step)
+
+    def commit_files(self, step: int, name: str, data: bytes, attempt: int | None,
+                     metadata: dict[str, Any]) -> None:
+        """Commit a step whose files another writer stored in its folder (``taskpoint.torch``): the manifest
+        names their own manifest, ``name`` holding ``data``, by size and sha256. Then tidy up."""
+        if name != FILESET_NAME:
+            raise ValueError(f"a file-set step's manifest is named {FILESET_NAME!r}, not {name!r}")
+        record = ObjectRecord(kind=FILESET_CODEC, codec=FILESET_CODEC, save_id=uuid.uuid4().hex, created=time.time(),
+                              size=len(data), sha256=hashlib.sha256(data).hexdigest())
+        manifest = StepManifest(step=step, payload=name, record=record, attempt=attempt, metadata=metadata)
+        self._steps.object(step, MANIFEST_NAME).write_small(manifest.to_bytes(), action="commit the checkpoint at")
+        self._steps.committed(step)
+        self._tidy()
 
     def _tidy(self) -> None:
         """After a commit: apply retention and remove old leftovers. Never fails the save that committed."""

@@ -249,6 +249,18 @@ class CheckpointManager(StepQueries):
         clock.release()  # a background save's record, at its commit, counts the caller's wait until here
         return self._steps.step_uri(step)
 
+    def _commit_files(self, step: int, name: str, data: bytes, metadata: dict[str, Any] | None = None) -> None:
+        """Commit ``step`` whose files another writer stored in :meth:`step_uri`'s folder (taskpoint.torch's
+        ``Writer.for_step``): the manifest names their manifest ``name`` (``data``) by size and sha256."""
+        record_metadata = check_metadata(metadata)
+        with self._lock:
+            self._check_open()
+            self._writer.commit_files(check_step(step), name, data, _attempt_source(), record_metadata)
+
+    def step_uri(self, step: int) -> str:
+        """The URI of ``step``'s folder (whether or not it exists)."""
+        return self._steps.step_uri(check_step(step))
+
     def _write_step(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: str | None,
                     payload: Payload, saver: SaverProcess | None = None, *, clock: _log.Clock) -> None:
         self.last_save = self._writer.write(step, metadata, attempt, replaced, payload, saver, clock=clock)

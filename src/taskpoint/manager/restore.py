@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .. import _log
 from ..errors import CheckpointCorruptError, CheckpointError, add_note
-from ..format.records import ObjectRecord, StepManifest
+from ..format.records import FILESET_CODEC, ObjectRecord, StepManifest
 from ..payloads import Payload, payload_class
 from ..ranks import Ranks
 from ..transfer import read_payload
@@ -100,6 +100,10 @@ class StepReader:
         for _ in range(RESTORE_ATTEMPTS):
             if manifest is None:
                 raise FileNotFoundError(f"step {step} does not exist in {self.directory} (or was just deleted)")
+            if manifest.record.codec == FILESET_CODEC:
+                raise CheckpointError(
+                    f"step {step} in {self.directory} is a PyTorch Distributed Checkpoint: load it with "
+                    f"dcp.load(state, storage_reader=taskpoint.torch.Reader.for_step(manager, {step}))")
             result = self._read_payload(step, manifest, workspace)
             if result is not None:
                 return result

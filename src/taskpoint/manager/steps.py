@@ -24,7 +24,8 @@ from datetime import datetime
 from typing import Any
 
 from ..errors import CheckpointCorruptError, StorageNotFound
-from ..format.records import StepManifest
+from ..format.fileset import FileSetManifest
+from ..format.records import FILESET_CODEC, StepManifest
 from ..storage import Location
 from .claims import Claims
 from .retention import KeepPolicy
@@ -35,6 +36,12 @@ MANIFEST_NAME = "taskpoint.json"
 STEP_FOLDER = re.compile(r"ckpt-(0|[1-9][0-9]*)")
 PAYLOAD_NAME = re.compile(r"payload-[0-9a-f]{32}")
 #: What a save of ours can leave in a step folder: payloads, rank records, and the temp files of atomic writes.
+#: What a file-set step (taskpoint.torch: DCP's files, its .metadata, taskpoint's manifest of them) leaves; swept
+#: only from a folder with no manifest (a save that never committed).
+_FILESET = re.compile(r"\.?(?:__(?:0|[1-9][0-9]*)_(?:0|[1-9][0-9]*)-[0-9a-f]{12}\.distcp|\.metadata"
+                      r"|taskpoint\.dcp\.json)(?:\.[0-9a-f]{12}\.tmp)?")
+#: The manifest of a file-set step's files, named by the step's own manifest.
+FILESET_NAME = "taskpoint.dcp.json"
 _OURS = re.compile(r"\.?(?:payload-[0-9a-f]{32}|taskpoint\.json|rank-(?:0|[1-9][0-9]*)\.json)"
                    r"(?:\.[0-9a-f]{12}\.tmp)?")
 
@@ -93,7 +100,8 @@ class StepStore:
             chunked = manifest.tree is not None and manifest.payload == ""
             sharded = manifest.shards is not None and manifest.payload == "" and all(
                 PAYLOAD_NAME.fullmatch(shard.payload) for shard in manifest.shards)
-            if manifest.step != step or not (chunked or sharded or PAYLOAD_NAME.fullmatch(manifest.payload)):
+            fileset = manifest.record.codec == FILESET_CODEC and manifest.payload == FILESET_NAME
+            if manifest.step != step or not (chunked or sharded or fileset or PAYLOAD_NAME.fullmatch(manifest.payload)):
                 raise CheckpointCorruptError(f"the checkpoint record {location.uri} does not describe step "
                                              f"{step}; delete the step, or save it again with overwrite=True")
         except CheckpointCorruptError as exc:
@@ -193,10 +201,24 @@ class StepStore:
             if PAYLOAD_NAME.fullmatch(name):
                 self.object(step, name).remove()
                 keep.add(name)
+        if manifest is not None and manifest.record.codec == FILESET_CODEC:
+            self._remove_fileset(step, manifest.payload)
         self.sweep_folder(step, folder, grace, keep)
         # The folder of a step just deleted goes too when empty (also when retention worked from the steps it
         # knew, without a listing of the folder's objects).
         self.root.child(f"ckpt-{step}").remove_empty_folder()
+
+    def _remove_fileset(self, step: int, name: str) -> None:
+        """The files of a step that another writer stored (taskpoint.torch), as its own manifest lists them, then
+        that manifest. One it cannot read leaves them to the sweep of uncommitted folders."""
+        try:
+            data = self.object(step, name).read_small()
+            files = FileSetManifest.from_bytes(data, self.object(step, name).uri).files if data else {}
+        except CheckpointCorruptError:
+            return
+        for each in files:
+            quietly(self.object(step, each).remove)
+        quietly(self.object(step, name).remove)
 
     def sweep(self, folders: dict[int, Folder], grace: float, *, dry_run: bool = False) -> list[str]:
         """Remove the leftovers in ``folders`` older than ``grace``; return their URIs (``dry_run``: only
@@ -223,8 +245,8 @@ class StepStore:
         now = time.time()
         removed: list[str] = []
         for name, mtime in folder.objects.items():
-            if name in keep or not _OURS.fullmatch(name):
-                continue
+            if name in keep or not (_OURS.fullmatch(name) or (not keep and _FILESET.fullmatch(name))):
+                continue  # the files of a file-set step are ours only in a folder that nothing commits
             if grace > 0 and (mtime is None or now - mtime < grace):
                 continue  # maybe a save still in progress
             target = self.object(step, name)

@@ -28,6 +28,7 @@ from torch.futures import Future
 
 from ..errors import CheckpointCorruptError, StorageNotFound
 from ..format.fileset import FileEntry, FileSetManifest
+from ..manager import CheckpointManager
 from ..storage import Location, RetryPolicy
 from ._layout import DEFAULT_THREADS, MANIFEST_KIND, MANIFEST_NAME, METADATA_NAME, check_threads, root_location
 
@@ -72,6 +73,16 @@ class Reader(StorageReader):
         self._manifest, self._storage, self._failure = None, {}, None
 
     # -- the commit ----------------------------------------------------------------------------------------
+
+    @classmethod
+    def for_step(cls, manager: CheckpointManager, step: int | None = None, *, threads: int = DEFAULT_THREADS) -> Reader:
+        """A reader of ``step`` of ``manager`` (the newest when None) saved with ``Writer.for_step``: a step the
+        manager lists is committed, and its files are verified as any Reader verifies them."""
+        chosen = manager.latest_step() if step is None else step
+        if chosen is None:
+            raise FileNotFoundError(f"there is no committed step in {manager.directory}")
+        root = manager._steps.root
+        return cls(manager.step_uri(chosen), root.storage_options, threads=threads, retry=root.retry)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The checkpoint's metadata, verified against the manifest. Never raises (see the module): a failure

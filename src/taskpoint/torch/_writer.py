@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..format.fileset import FileEntry, FileSetManifest
+from ..manager import CheckpointManager
 from ..storage import Location, RetryPolicy
 from ..transfer import HashingWriter
 from ._layout import (
@@ -182,6 +183,16 @@ class Writer(StorageWriter):
                     self._root.child(name).remove()
 
     @classmethod
+    def for_step(cls, manager: CheckpointManager, step: int, *, metadata: dict[str, Any] | None = None,
+                 overwrite: bool = False, threads: int = DEFAULT_THREADS) -> Writer:
+        """A writer that saves ``step`` of ``manager``: DCP's files go into the step's folder, and once
+        ``.metadata`` is written the manager commits the step (its manifest names taskpoint's manifest of the
+        files by sha256), so ``steps()``, ``latest_step()``, retention, ``delete()`` and ``gc()`` cover DCP
+        checkpoints too. Every rank passes its own ``Writer.for_step(its_manager, step)``; only DCP's
+        coordinator commits. ``metadata``: the step's JSON metadata, as ``manager.save`` takes it."""
+        return _StepWriter(manager, step, metadata, overwrite=overwrite, threads=threads)
+
+    @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
 
@@ -225,3 +236,26 @@ def _write_item(out: HashingWriter, data: Any, item: WriteItem) -> None:
     if tensor.untyped_storage().size() != tensor.nbytes:
         tensor = tensor.clone()  # a view: store only its own elements, not the whole storage behind it
     torch.save(tensor, cast(IO[bytes], out))
+
+
+class _StepWriter(Writer):
+    """A :class:`Writer` into a step of a :class:`~taskpoint.CheckpointManager`, which commits the step."""
+
+    def __init__(self, manager: CheckpointManager, step: int, metadata: dict[str, Any] | None, *, overwrite: bool,
+                 threads: int) -> None:
+        root = manager._steps.root
+        super().__init__(manager.step_uri(step), root.storage_options, overwrite=overwrite, threads=threads,
+                         retry=root.retry)
+        self._manager, self._step, self._metadata = manager, step, metadata
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if self._step in self._manager.steps():
+            if not self.overwrite:
+                raise FileExistsError(f"step {self._step} already exists in {self._manager.directory}; pass "
+                                      "overwrite=True to Writer.for_step, or save under a new step")
+            self._manager.delete(self._step)  # un-commit first: a failed overwrite leaves no half step
+        return super().prepare_global_plan(plans)
+
+    def commit(self, manifest: FileSetManifest, metadata_blob: bytes) -> None:
+        super().commit(manifest, metadata_blob)
+        self._manager._commit_files(self._step, MANIFEST_NAME, manifest.to_bytes(), self._metadata)
