@@ -11,6 +11,7 @@ from typing import Any
 
 from .. import _log
 from .._log import TransferStats
+from .._progress import NO_PROGRESS, Progress
 from ..format.codecs import Codec
 from ..format.records import ObjectRecord, StepManifest
 from ..payloads import Payload
@@ -32,9 +33,16 @@ class StepWriter:
         self._retention, self._grace = retention, grace
 
     def write(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: str | None,
-              payload: Payload, saver: SaverProcess | None = None, *, clock: _log.Clock) -> TransferStats:
+              payload: Payload, saver: SaverProcess | None = None, *, clock: _log.Clock,
+              progress: Progress = NO_PROGRESS) -> TransferStats:
         """Upload the payload under a fresh name (or, deduplicated, its missing chunks), then commit it with the
-        manifest; then tidy up. Returns the save's figures (``CheckpointManager.last_save``)."""
+        manifest; then tidy up. Returns the save's figures (``CheckpointManager.last_save``). ``progress``
+        counts the upload; its callback is told the last count once the step is committed."""
+        with progress:
+            return self._write(step, metadata, attempt, replaced, payload, saver, clock, progress)
+
+    def _write(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: str | None,
+               payload: Payload, saver: SaverProcess | None, clock: _log.Clock, progress: Progress) -> TransferStats:
         save_id = uuid.uuid4().hex
         chunked = self._dedup is not None and deduplicable(payload)  # its chunks: named by a lease until the commit
         name = "" if chunked else f"payload-{save_id}"
@@ -44,12 +52,12 @@ class StepWriter:
         manifest = StepManifest(step=step, payload=name, record=record, attempt=attempt, metadata=metadata)
         with self._dedup.lease() if chunked and self._dedup is not None else contextlib.nullcontext():
             if chunked and self._dedup is not None:
-                size, digest, tree = self._dedup.store(payload)
+                size, digest, tree = self._dedup.store(payload, progress)
                 sent = self._dedup.last.uploaded_bytes if self._dedup.last else size  # what crossed the wire
             else:
                 # The save process commits this manifest itself (size and digest filled in) if we die meanwhile.
                 size, digest = store_payload(self._steps.object(step, name), payload, self._codec, self._level,
-                                             saver, (manifest_loc, manifest))
+                                             saver, (manifest_loc, manifest), progress)
                 tree, sent = None, size
             manifest = dataclasses.replace(manifest, tree=tree,
                                            record=dataclasses.replace(record, size=size, sha256=digest))
