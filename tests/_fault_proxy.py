@@ -16,7 +16,8 @@ random generator, whether to let it through or to fail it in one of these ways:
     the request goes to the server, but its response is cut short: the head and half the body reach
     the client, then the connection is reset (or, for a response without a body, half of the head).
 
-The server is real and so is every byte that is let through; only the failures are made here. Requests
+The server is real and so is every byte that is let through; only the failures are made here. With
+``throttle`` (bytes per second, per connection) the bodies that pass go no faster than that: a slow network. Requests
 and responses are parsed just enough to find where each one ends (``Content-Length``, chunked transfer
 coding, ``HEAD``, 1xx/204/304), so keep-alive connections carry many requests and each is judged on its
 own. ``Expect: 100-continue`` is answered by the proxy (and not forwarded), so clients that wait for it
@@ -192,7 +193,8 @@ class FaultProxy:
     """
 
     def __init__(self, upstream_url: str, *, seed: int = 0, rate: float = 0.0,
-                 kinds: Sequence[str] = FAULT_KINDS, stall_seconds: float = 10.0) -> None:
+                 kinds: Sequence[str] = FAULT_KINDS, stall_seconds: float = 10.0,
+                 throttle: float | None = None) -> None:
         unknown = set(kinds) - set(FAULT_KINDS)
         if unknown:
             raise ValueError(f"unknown fault kinds {sorted(unknown)}; choose from {FAULT_KINDS}")
@@ -201,6 +203,7 @@ class FaultProxy:
         self.rate = rate
         self.kinds = tuple(kinds)
         self.stall_seconds = stall_seconds
+        self.throttle = throttle
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._counts: dict[str, int] = dict.fromkeys(("requests", "passed", *FAULT_KINDS), 0)
@@ -320,7 +323,7 @@ class FaultProxy:
                 assert upstream_reader is not None
                 upstream.sendall(head)
                 for data in _body(reader, headers, to_eof=False):
-                    upstream.sendall(data)
+                    self._pass(upstream, data)
                 if not self._relay_response(client, upstream_reader, method, cut=fault == "cut", entry=entry):
                     return
                 if headers.get("connection", "").lower() == "close":
@@ -333,6 +336,17 @@ class FaultProxy:
                     with contextlib.suppress(OSError):
                         sock.close()
                     self._forget(sock)
+
+    def _pass(self, sock: socket.socket, data: bytes) -> None:
+        """Send body bytes that pass, at most :attr:`throttle` bytes per second when set."""
+        rate = self.throttle
+        if not rate:
+            sock.sendall(data)
+            return
+        piece = max(1, int(rate / 20))  # twenty sends a second
+        for start in range(0, len(data), piece):
+            sock.sendall(data[start:start + piece])
+            time.sleep(min(piece, len(data) - start) / rate)
 
     def _connect(self) -> socket.socket:
         upstream = socket.create_connection(self._upstream, timeout=60)
@@ -388,7 +402,7 @@ class FaultProxy:
         if no_body:
             return headers.get("connection", "").lower() != "close"
         for data in _body(upstream, headers, to_eof=not framed):
-            client.sendall(data)
+            self._pass(client, data)
         return framed and headers.get("connection", "").lower() != "close"
 
 

@@ -175,7 +175,7 @@ class Checkpoint(BaseCheckpoint):
         told the total and each step; None (the default) shows a bar on a terminal for saves longer than
         about two seconds (see docs/checkpoint.md, "Progress")."""
         clock = _log.Clock()
-        tracker = _progress.resolve(progress, f"save {_log.safe_uri(self._dest.uri)}")
+        tracker = _progress.resolve(progress, f"save {_log.short_name(self._dest.uri)}")
         payload = payload_for(data)
         with self._lock, tracker:
             self._check_open()
@@ -194,7 +194,7 @@ class Checkpoint(BaseCheckpoint):
             if self._src is None:
                 return None
             clock = _log.Clock()
-            with _progress.resolve(progress, f"load {_log.safe_uri(self._src.uri)}") as tracker:
+            with _progress.resolve(progress, f"load {_log.short_name(self._src.uri)}") as tracker:
                 try:
                     result = load_object(self._src, self.path, tracker)
                 except SourceIsFolder:  # a folder or prefix (flytekit 1.x's layout): a directory checkpoint

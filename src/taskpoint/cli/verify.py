@@ -13,6 +13,7 @@ from typing import IO
 import click
 
 from .. import _progress
+from .._log import short_name
 from ..errors import CheckpointCorruptError
 from ..format.codecs import Codec
 from ..format.records import MANIFEST_SUFFIX, Record
@@ -102,7 +103,7 @@ def _verify_checkpoint(loc: Location, progress: bool | None) -> str:
         # a temporary folder runs the archive's own checks.
         scratch = Path(tempfile.mkdtemp(prefix="taskpoint-verify-"))
         try:
-            with _progress.resolve(progress, f"verify {loc.uri}") as tracker:
+            with _progress.resolve(progress, f"verify {short_name(loc.uri)}") as tracker:
                 load_object(loc, scratch, tracker)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -118,7 +119,7 @@ def _verify_checkpoint(loc: Location, progress: bool | None) -> str:
                                          f"lists (recorded sizes {sizes})")
 
     try:
-        size = _stream_check(loc, digest, newest.size, check, progress, f"verify {loc.uri}")
+        size = _stream_check(loc, digest, newest.size, check, progress, f"verify {short_name(loc.uri)}")
     except _Missing:
         raise CheckpointCorruptError(f"{loc.uri} is recorded as saved but its object is missing") from None
     return f"{loc.uri}: healthy ({_human(size)}, {digest} matches its record)"
