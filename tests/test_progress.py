@@ -140,6 +140,25 @@ def test_a_background_save_from_the_save_process_relays_its_progress(tmp_path):
     saved.assert_exact(source_bytes)
 
 
+def test_the_jax_handler_passes_progress_to_its_saves_and_restores(tmp_path):
+    pytest.importorskip("jax")
+    import numpy as np
+
+    from taskpoint.jax import OrbaxCheckpointHandler
+
+    weights = np.arange(200_000, dtype=np.float32)
+    with OrbaxCheckpointHandler() as handler:
+        saved = Recorder()
+        handler.save(tmp_path / "ckpts", {"w": weights}, step=1, progress=saved)
+        restored = Recorder()
+        tree = handler.restore(tmp_path / "ckpts", step=1, progress=restored)
+    assert np.array_equal(np.asarray(tree["w"]), weights)
+    saved.assert_exact(saved.size)
+    assert saved.size > 100_000  # the bytes of the files Orbax wrote for the tree, before taskpoint's compression
+    (payload,) = (tmp_path / "ckpts" / "ckpt-1").glob("payload-*")
+    restored.assert_exact(payload.stat().st_size)
+
+
 def test_a_transfer_that_starts_over_reports_only_bytes_beyond_the_furthest_point_reached():
     # What write_payload and read_payload do when a transient failure makes them start the object over.
     recorder = Recorder()

@@ -175,7 +175,6 @@ class _Tracker(Progress):
             self._sink.close()
 
 
-
 def resolve(progress: object, label: str, *, background: bool = False) -> Progress:
     """The :class:`Progress` for a ``progress=`` argument; TypeError for anything else. ``label`` names the
     transfer on a bar; ``background``: the caller does not wait (a background save shows no bar unless asked)."""
