@@ -47,6 +47,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+from helpers import AcceptLoop
+
 __all__ = ["FAULT_KINDS", "FaultProxy", "fault_proxy"]
 
 #: Every kind of fault the proxy can inject.
@@ -211,12 +213,9 @@ class FaultProxy:
         self.log: collections.deque[list[Any]] = collections.deque(maxlen=400)
         self._open: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
-        self._stop = threading.Event()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self._listener.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._accepter = threading.Thread(target=self._accept_loop, name="fault-proxy-accept", daemon=True)
-        self._accepter.start()
+        self._accepting = AcceptLoop(self._connected, "fault-proxy-accept")
+        self.port: int = self._accepting.port
+        self.url = self._accepting.url
 
     # -- control ---------------------------------------------------------------------------------------------
 
@@ -232,9 +231,7 @@ class FaultProxy:
             return fault
 
     def close(self) -> None:
-        self._stop.set()
-        with contextlib.suppress(OSError):
-            self._listener.close()
+        self._accepting.close()
         with self._lock:
             conns = list(self._open)
             self._open.clear()
@@ -243,7 +240,6 @@ class FaultProxy:
                 conn.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
                 conn.close()
-        self._accepter.join(timeout=5)
         for thread in list(self._threads):
             thread.join(timeout=5)
 
@@ -255,21 +251,13 @@ class FaultProxy:
 
     # -- serving ---------------------------------------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
-        self._listener.settimeout(0.2)
-        while not self._stop.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            with self._lock:
-                self._open.add(client)
-                self._threads = [t for t in self._threads if t.is_alive()]
-            thread = threading.Thread(target=self._serve, args=(client,), name="fault-proxy-conn", daemon=True)
-            self._threads.append(thread)
-            thread.start()
+    def _connected(self, client: socket.socket) -> None:
+        with self._lock:
+            self._open.add(client)
+            self._threads = [t for t in self._threads if t.is_alive()]
+        thread = threading.Thread(target=self._serve, args=(client,), name="fault-proxy-conn", daemon=True)
+        self._threads.append(thread)
+        thread.start()
 
     def _forget(self, *socks: socket.socket) -> None:
         with self._lock:
@@ -281,7 +269,7 @@ class FaultProxy:
         try:
             reader = _Reader(client)
             upstream_reader: _Reader | None = None
-            while not self._stop.is_set():
+            while not self._accepting.stopped:
                 head = reader.head()
                 request_line, headers = _parse_head(head)
                 method = request_line.split(" ", 1)[0].upper()
@@ -357,7 +345,7 @@ class FaultProxy:
     def _hold(self, client: socket.socket) -> None:
         """Keep the connection open and silent until the stall is over or the client gives up."""
         deadline = time.monotonic() + self.stall_seconds
-        while not self._stop.is_set():
+        while not self._accepting.stopped:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
