@@ -11,9 +11,10 @@ from pathlib import Path
 import click
 
 from .._log import TransferStats, logger, safe_uri
-from ..checkpoint import Checkpoint, read_record
+from ..checkpoint import Checkpoint
 from ..format.records import MANIFEST_SUFFIX
 from ..manager import CheckpointManager
+from ..record import read_record
 from ._app import ERROR, OK, _command, _Failed, _Missing, cli, progress_option
 from .views import _human, _location, _object_size
 
