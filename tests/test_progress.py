@@ -93,7 +93,6 @@ def data_of(tmp_path):
     return make
 
 
-@LOCAL_AND_S3
 @pytest.mark.parametrize("kind", ["bytes", "file", "directory"])
 def test_save_and_load_report_exact_totals(store, data_of, tmp_path, kind):
     data, source_bytes = data_of(kind)
