@@ -320,6 +320,28 @@ def test_verify_takes_progress_too(tmp_path):
     assert "healthy" in done.stdout and "100%" in done.stderr
 
 
+@pytest.mark.parametrize("failing", ["set_size", "relative_update"])
+def test_a_callback_that_raises_is_dropped_with_a_warning_and_the_save_goes_on(tmp_path, failing):
+    class Broken(Recorder):
+        def set_size(self, size: int) -> None:
+            if failing == "set_size":
+                raise ValueError("a bug in the callback")
+            super().set_size(size)
+
+        def relative_update(self, inc: int = 1) -> None:
+            super().relative_update(inc)
+            if failing == "relative_update":
+                raise ValueError("a bug in the callback")
+
+    broken = Broken()
+    data = os.urandom(3 << 20)
+    with Checkpoint(tmp_path / "ckpt") as cp, pytest.warns(RuntimeWarning, match="a bug in the callback"):
+        cp.save_sync(data, progress=broken)
+    assert len(broken.updates()) <= 1  # not called again after it raised
+    with Checkpoint(tmp_path / "other", tmp_path / "ckpt") as cp:
+        assert cp.load_sync().read_bytes() == data
+
+
 # -- wrong values ---------------------------------------------------------------------------------------------
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import IO, Any
@@ -102,6 +103,19 @@ class _Tracker(Progress):
         self._main = Piece(self)
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
+        self._broken = False  # the callback raised: it is not called again
+
+    def _call(self, method: str, value: int) -> None:
+        """``sink.<method>(value)``; an exception from the callback becomes a warning, and the callback is not
+        called again: reporting progress never fails a save or a load."""
+        if self._broken:
+            return
+        try:
+            getattr(self._sink, method)(value)
+        except Exception as exc:
+            self._broken = True
+            warnings.warn(f"the progress callback raised {type(exc).__name__}: {exc}; taskpoint stopped calling "
+                          "it (the transfer goes on)", RuntimeWarning, stacklevel=2)
 
     def __enter__(self) -> Progress:
         if self._ticker is None:
@@ -128,7 +142,7 @@ class _Tracker(Progress):
             with self._lock:
                 if total != self._total:
                     self._total = total
-                    self._sink.set_size(total)
+                    self._call("set_size", total)
 
     def update(self, n: int) -> None:
         with self._lock:
@@ -147,13 +161,13 @@ class _Tracker(Progress):
             if self._pending:
                 pending, self._pending = self._pending, 0
                 self._shown += pending
-                self._sink.relative_update(pending)
+                self._call("relative_update", pending)
 
     def rewind(self) -> None:
         with self._lock:
             self._flush()
             if self._shown:
-                self._sink.relative_update(-self._shown)
+                self._call("relative_update", -self._shown)
             self._shown = 0
             self._main = Piece(self)
 
