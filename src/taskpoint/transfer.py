@@ -26,7 +26,7 @@ from .format.pgzip import crc32
 from .format.space import check_room
 from .payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, Payload
 from .storage import Location, WriteHooks, copy_fd_in_kernel, digest_by_reading, digest_of_fd
-from .storage.streams import read_up_to
+from .storage.streams import ConcurrentRangeReader, read_up_to
 from .workspace import STAGING_PREFIX
 
 _HEAD_SIZE = 1024
@@ -244,7 +244,11 @@ def _read_once(src: Location, workspace: Path, choose: KindChooser, verify: Veri
     except IsADirectoryError as exc:  # a folder or prefix: the caller loads it as a folder checkpoint
         raise SourceIsFolder(src.uri) from exc
     with raw:
-        reader = HashingReader(raw, digest, progress)
+        if progress.active and isinstance(raw, ConcurrentRangeReader):
+            raw.on_received = progress.update  # ranges counted as they arrive, several in flight
+            reader = HashingReader(raw, digest)
+        else:
+            reader = HashingReader(raw, digest, progress)
         head = reader.peek_head(_HEAD_SIZE)
         stored_size = object_size(raw)
         progress.set_total(stored_size)
