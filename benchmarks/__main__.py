@@ -59,9 +59,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--payloads", type=_choices(PAYLOADS), default=list(PAYLOADS),
                    help="comma list: directory,file,bytes")
     p.add_argument("--methods", type=_choices(METHODS), default=list(METHODS),
-                   help="comma list: taskpoint,taskpoint-async,baseline,raw,raw-fsync,manager (manager: issue 5's "
-                   "background saves through CheckpointManager, directory only; see benchmarks/_background.py; dcp: "
-                   "issue 13's 4 ranks saving --size GiB through torch.distributed.checkpoint, see benchmarks/_dcp.py)")
+                   help="comma list: taskpoint,taskpoint-progress,taskpoint-async,baseline,raw,raw-fsync,manager,dcp "
+                   "(manager: issue 5's background saves through CheckpointManager, directory only; see "
+                   "benchmarks/_background.py; dcp: issue 13's 4 ranks saving --size GiB through "
+                   "torch.distributed.checkpoint, see benchmarks/_dcp.py)")
     p.add_argument("--codec", default="gzip", help="taskpoint's codec (default gzip, the targets' default)")
     p.add_argument("--level", type=int, default=None, help="taskpoint's compression level (default: its own)")
     p.add_argument("--data-dir", type=Path, default=BENCH_DIR / "data", help="where the data set is built")

@@ -3,7 +3,8 @@
 Methods:
 
 * ``taskpoint`` / ``taskpoint-async``: ``Checkpoint.save_sync``/``load_sync``, or ``save``/``load`` under
-  ``anyio.run`` (timed inside the event loop);
+  ``anyio.run`` (timed inside the event loop); ``taskpoint`` passes ``progress=False``, and
+  ``taskpoint-progress`` an fsspec ``Callback`` (what progress reporting costs);
 * ``baseline``, the Flyte-style way: a directory becomes ``tarfile`` ``"w:gz"`` at compresslevel 9 of its
   top-level entries in a temp file, then ``put_file``; load is ``get_file`` to a temp file, then
   ``extractall``. A file is ``put_file``/``get_file`` as it is, and bytes go through a temp file first
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-METHODS = ("taskpoint", "taskpoint-async", "baseline", "raw", "raw-fsync", "manager", "dcp")
+METHODS = ("taskpoint", "taskpoint-progress", "taskpoint-async", "baseline", "raw", "raw-fsync", "manager", "dcp")
 PAYLOADS = ("directory", "file", "bytes", "small")
 #: Payloads held in memory (``bytes`` objects) rather than read from a path by the save.
 IN_MEMORY = ("bytes", "small")
@@ -125,7 +126,13 @@ class Operation:
     def _save_argument(self) -> Any:
         return self.data if self.case.payload in IN_MEMORY else Path(self.case.source)
 
-    def _taskpoint(self) -> Callable[[], float]:
+    def _taskpoint_progress(self) -> Callable[[], float]:
+        """``taskpoint`` with an fsspec callback told of every update (what ``progress=`` costs)."""
+        from fsspec.callbacks import Callback
+
+        return self._taskpoint(Callback())
+
+    def _taskpoint(self, progress: Any = False) -> Callable[[], float]:
         cp = self._checkpoint()
         arg = self._save_argument()
         if self.case.payload == "small":  # untimed first call: the steady state of frequent small saves
@@ -141,9 +148,9 @@ class Operation:
         def run() -> float:
             t0 = time.perf_counter()
             if self.case.op == "save":
-                cp.save_sync(arg)
+                cp.save_sync(arg, progress=progress)
             else:
-                result = cp.load_sync()
+                result = cp.load_sync(progress=progress)
                 assert result is not None, "nothing to load"
             return time.perf_counter() - t0
 

@@ -10,7 +10,7 @@ from typing import Any
 
 MIB = 1 << 20
 #: Methods in table order; "taskpoint" is the one the targets are about.
-METHOD_ORDER = ("taskpoint", "taskpoint-async", "baseline", "raw", "raw-fsync")
+METHOD_ORDER = ("taskpoint", "taskpoint-progress", "taskpoint-async", "baseline", "raw", "raw-fsync")
 TASKPOINT_METHODS = ("taskpoint", "taskpoint-async")
 #: Above this many cores used by other processes during a case, its row is marked "!" (a busy machine).
 BUSY_CORES = 0.25
@@ -296,7 +296,8 @@ def plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
     groups = [(p, o) for p in ("directory", "file", "bytes", "small") for o in ("save", "load")
               if any(r["payload"] == p and r["op"] == o for r in rows)]
     methods = [m for m in METHOD_ORDER if any(r["method"] == m for r in rows)]
-    colors = {"taskpoint": "#1f77b4", "taskpoint-async": "#7fb2dc", "baseline": "#d62728", "raw": "#7f7f7f",
+    colors = {"taskpoint": "#1f77b4", "taskpoint-progress": "#2ca02c",
+              "taskpoint-async": "#7fb2dc", "baseline": "#d62728", "raw": "#7f7f7f",
               "raw-fsync": "#bfbfbf"}
     fig, axes = plt.subplots(1, len(stores), figsize=(6.5 * len(stores), 4.8), squeeze=False, sharey=True)
     width = 0.8 / max(1, len(methods))

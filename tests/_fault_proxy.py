@@ -16,7 +16,8 @@ random generator, whether to let it through or to fail it in one of these ways:
     the request goes to the server, but its response is cut short: the head and half the body reach
     the client, then the connection is reset (or, for a response without a body, half of the head).
 
-The server is real and so is every byte that is let through; only the failures are made here. Requests
+The server is real and so is every byte that is let through; only the failures are made here. With
+``throttle`` (bytes per second, per connection) the bodies that pass go no faster than that: a slow network. Requests
 and responses are parsed just enough to find where each one ends (``Content-Length``, chunked transfer
 coding, ``HEAD``, 1xx/204/304), so keep-alive connections carry many requests and each is judged on its
 own. ``Expect: 100-continue`` is answered by the proxy (and not forwarded), so clients that wait for it
@@ -45,6 +46,8 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 from urllib.parse import urlsplit
+
+from helpers import AcceptLoop
 
 __all__ = ["FAULT_KINDS", "FaultProxy", "fault_proxy"]
 
@@ -192,7 +195,8 @@ class FaultProxy:
     """
 
     def __init__(self, upstream_url: str, *, seed: int = 0, rate: float = 0.0,
-                 kinds: Sequence[str] = FAULT_KINDS, stall_seconds: float = 10.0) -> None:
+                 kinds: Sequence[str] = FAULT_KINDS, stall_seconds: float = 10.0,
+                 throttle: float | None = None) -> None:
         unknown = set(kinds) - set(FAULT_KINDS)
         if unknown:
             raise ValueError(f"unknown fault kinds {sorted(unknown)}; choose from {FAULT_KINDS}")
@@ -201,6 +205,7 @@ class FaultProxy:
         self.rate = rate
         self.kinds = tuple(kinds)
         self.stall_seconds = stall_seconds
+        self.throttle = throttle
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._counts: dict[str, int] = dict.fromkeys(("requests", "passed", *FAULT_KINDS), 0)
@@ -208,12 +213,9 @@ class FaultProxy:
         self.log: collections.deque[list[Any]] = collections.deque(maxlen=400)
         self._open: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
-        self._stop = threading.Event()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self._listener.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._accepter = threading.Thread(target=self._accept_loop, name="fault-proxy-accept", daemon=True)
-        self._accepter.start()
+        self._accepting = AcceptLoop(self._connected, "fault-proxy-accept")
+        self.port: int = self._accepting.port
+        self.url = self._accepting.url
 
     # -- control ---------------------------------------------------------------------------------------------
 
@@ -229,9 +231,7 @@ class FaultProxy:
             return fault
 
     def close(self) -> None:
-        self._stop.set()
-        with contextlib.suppress(OSError):
-            self._listener.close()
+        self._accepting.close()
         with self._lock:
             conns = list(self._open)
             self._open.clear()
@@ -240,7 +240,6 @@ class FaultProxy:
                 conn.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
                 conn.close()
-        self._accepter.join(timeout=5)
         for thread in list(self._threads):
             thread.join(timeout=5)
 
@@ -252,21 +251,13 @@ class FaultProxy:
 
     # -- serving ---------------------------------------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
-        self._listener.settimeout(0.2)
-        while not self._stop.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            with self._lock:
-                self._open.add(client)
-                self._threads = [t for t in self._threads if t.is_alive()]
-            thread = threading.Thread(target=self._serve, args=(client,), name="fault-proxy-conn", daemon=True)
-            self._threads.append(thread)
-            thread.start()
+    def _connected(self, client: socket.socket) -> None:
+        with self._lock:
+            self._open.add(client)
+            self._threads = [t for t in self._threads if t.is_alive()]
+        thread = threading.Thread(target=self._serve, args=(client,), name="fault-proxy-conn", daemon=True)
+        self._threads.append(thread)
+        thread.start()
 
     def _forget(self, *socks: socket.socket) -> None:
         with self._lock:
@@ -278,7 +269,7 @@ class FaultProxy:
         try:
             reader = _Reader(client)
             upstream_reader: _Reader | None = None
-            while not self._stop.is_set():
+            while not self._accepting.stopped:
                 head = reader.head()
                 request_line, headers = _parse_head(head)
                 method = request_line.split(" ", 1)[0].upper()
@@ -320,7 +311,7 @@ class FaultProxy:
                 assert upstream_reader is not None
                 upstream.sendall(head)
                 for data in _body(reader, headers, to_eof=False):
-                    upstream.sendall(data)
+                    self._pass(upstream, data)
                 if not self._relay_response(client, upstream_reader, method, cut=fault == "cut", entry=entry):
                     return
                 if headers.get("connection", "").lower() == "close":
@@ -334,6 +325,17 @@ class FaultProxy:
                         sock.close()
                     self._forget(sock)
 
+    def _pass(self, sock: socket.socket, data: bytes) -> None:
+        """Send body bytes that pass, at most :attr:`throttle` bytes per second when set."""
+        rate = self.throttle
+        if not rate:
+            sock.sendall(data)
+            return
+        piece = max(1, int(rate / 20))  # twenty sends a second
+        for start in range(0, len(data), piece):
+            sock.sendall(data[start:start + piece])
+            time.sleep(min(piece, len(data) - start) / rate)
+
     def _connect(self) -> socket.socket:
         upstream = socket.create_connection(self._upstream, timeout=60)
         with self._lock:
@@ -343,7 +345,7 @@ class FaultProxy:
     def _hold(self, client: socket.socket) -> None:
         """Keep the connection open and silent until the stall is over or the client gives up."""
         deadline = time.monotonic() + self.stall_seconds
-        while not self._stop.is_set():
+        while not self._accepting.stopped:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
@@ -388,7 +390,7 @@ class FaultProxy:
         if no_body:
             return headers.get("connection", "").lower() != "close"
         for data in _body(upstream, headers, to_eof=not framed):
-            client.sendall(data)
+            self._pass(client, data)
         return framed and headers.get("connection", "").lower() != "close"
 
 

@@ -12,6 +12,8 @@ import threading
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
+from helpers import AcceptLoop
+
 
 class CuttableProxy:
     """Forwards 127.0.0.1:<port> to ``upstream``; after ``cut_after`` bytes sent upstream, it goes dark."""
@@ -19,17 +21,13 @@ class CuttableProxy:
     def __init__(self, upstream_url: str) -> None:
         parts = urlsplit(upstream_url)
         self._upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
         self._lock = threading.Lock()
         self._budget: int | None = None
         self._dark = False
         self._conns: list[socket.socket] = []
         self.sent_upstream = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._accept_loop, daemon=True)
-        self._thread.start()
+        self._accepting = AcceptLoop(self._connected, "cuttable-proxy-accept")
+        self.port, self.url = self._accepting.port, self._accepting.url
 
     def cut_after(self, nbytes: int) -> None:
         """Go dark once ``nbytes`` more bytes have been sent to the server."""
@@ -54,27 +52,19 @@ class CuttableProxy:
                 conn.close()
         self._conns.clear()
 
-    def _accept_loop(self) -> None:
-        self._listener.settimeout(0.2)
-        while not self._stop.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            if self._dark:
-                client.close()
-                continue
-            try:
-                server = socket.create_connection(self._upstream)
-            except OSError:
-                client.close()
-                continue
-            with self._lock:
-                self._conns += [client, server]
-            threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
+    def _connected(self, client: socket.socket) -> None:
+        if self._dark:
+            client.close()
+            return
+        try:
+            server = socket.create_connection(self._upstream)
+        except OSError:
+            client.close()
+            return
+        with self._lock:
+            self._conns += [client, server]
+        threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
+        threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
 
     def _pipe(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
         try:
@@ -99,12 +89,9 @@ class CuttableProxy:
                     s.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
-        self._stop.set()
-        with contextlib.suppress(OSError):
-            self._listener.close()
+        self._accepting.close()
         with self._lock:
             self._go_dark()
-        self._thread.join(timeout=5)
 
 
 @contextlib.contextmanager

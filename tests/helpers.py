@@ -8,6 +8,7 @@ import io
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -25,6 +26,42 @@ from taskpoint import RetryPolicy
 from taskpoint.ranks import RANK_VARIABLES
 
 T = TypeVar("T")
+
+
+class AcceptLoop:
+    """A TCP listener on 127.0.0.1 whose accept loop runs on a daemon thread and hands each connection to
+    ``handle`` (called on that thread): the part the tests' proxies share. :meth:`close` stops the loop and
+    closes the listener; the connections are the handler's."""
+
+    def __init__(self, handle: Callable[[socket.socket], None], name: str = "test-accept") -> None:
+        self._handle = handle
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def _loop(self) -> None:
+        self._listener.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self._handle(client)
+
+    def close(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        self._thread.join(timeout=5)
 
 
 def make_tree(root: Path, *, big: int = 0) -> Path:

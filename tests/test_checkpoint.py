@@ -365,9 +365,9 @@ def test_a_file_saved_to_local_disk_is_copied_by_the_kernel_and_recorded_with_it
     copied = []
     real = transfer.copy_fd_in_kernel
 
-    def spy(source_fd, dest_fd, size=None):  # calls through: only records that the kernel path ran
+    def spy(source_fd, dest_fd, size=None, **kwargs):  # calls through: only records that the kernel path ran
         copied.append(os.readlink(f"/proc/self/fd/{source_fd}"))
-        return real(source_fd, dest_fd, size)
+        return real(source_fd, dest_fd, size, **kwargs)
 
     monkeypatch.setattr(transfer, "copy_fd_in_kernel", spy)
     weights = tmp_path / "weights.bin"

@@ -390,7 +390,8 @@ _KILLED_SAVE = """
         def flush(self):
             pass
 
-    payloads.write_tar = lambda path, sink, codec, level: real_write_tar(path, DiesMidway(sink), codec, level)
+    payloads.write_tar = lambda path, sink, codec, level, **kw: real_write_tar(path, DiesMidway(sink), codec, level,
+                                                                               **kw)
     OrbaxCheckpointHandler().save(directory, {"w": np.arange(40_000.0), "step": 2}, step=2)
 """
 

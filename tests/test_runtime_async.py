@@ -14,6 +14,7 @@ import time
 import anyio
 import pytest
 
+from helpers import AcceptLoop
 from taskpoint import ctx, task
 
 DELAY = 0.15  # seconds added to every chunk the client sends: every request is slow
@@ -24,25 +25,15 @@ class DelayingProxy:
 
     def __init__(self, upstream: tuple[str, int], delay: float) -> None:
         self._upstream, self._delay = upstream, delay
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
-        self._stop = threading.Event()
         self._sockets: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._accepting = AcceptLoop(self._connected, "delaying-proxy-accept")
+        self.url = self._accepting.url
 
-    def _accept(self) -> None:
-        self._listener.settimeout(0.2)
-        while not self._stop.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            server = socket.create_connection(self._upstream)
-            self._sockets += [client, server]
-            threading.Thread(target=self._pipe, args=(client, server, self._delay), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, 0.0), daemon=True).start()
+    def _connected(self, client: socket.socket) -> None:
+        server = socket.create_connection(self._upstream)
+        self._sockets += [client, server]
+        threading.Thread(target=self._pipe, args=(client, server, self._delay), daemon=True).start()
+        threading.Thread(target=self._pipe, args=(server, client, 0.0), daemon=True).start()
 
     @staticmethod
     def _pipe(src: socket.socket, dst: socket.socket, delay: float) -> None:
@@ -59,8 +50,8 @@ class DelayingProxy:
                     s.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
-        self._stop.set()
-        for s in (self._listener, *self._sockets):
+        self._accepting.close()
+        for s in self._sockets:
             with contextlib.suppress(OSError):
                 s.close()
 

@@ -324,7 +324,7 @@ def test_dcp_checkpoints_are_manager_steps_with_retention_and_verified_loads(sto
         target = empty_state()
         dcp.load(target, storage_reader=taskpoint.torch.Reader.for_step(mgr))  # the newest step
         assert all(torch.equal(target[k], states[3][k]) for k in ("w", "b", "ids"))
-        with pytest.raises(taskpoint.CheckpointError, match="dcp.load"):
+        with pytest.raises(taskpoint.CheckpointError, match=r"dcp\.load"):
             mgr.restore(3)
         with pytest.raises(CheckpointException) as caught:
             dcp.save(small_state(9), storage_writer=taskpoint.torch.Writer.for_step(mgr, 3))

@@ -56,6 +56,11 @@ def safe_uri(uri: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
+def short_name(uri: str) -> str:
+    """The last part of ``uri``'s path (never user information or a query string): a progress bar's label."""
+    return safe_uri(uri).rstrip("/").rpartition("/")[2] or safe_uri(uri)
+
+
 class Clock:
     """Started when an operation is called; :meth:`release` marks when the caller got control back."""
 

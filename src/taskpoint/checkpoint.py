@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
@@ -10,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import anyio.to_thread
+from fsspec.callbacks import Callback
 
-from . import _log
+from . import _log, _progress
 from .errors import CheckpointError
 from .folders import load_folder, source_exists
 from .format.codecs import Codec, get_codec
@@ -161,11 +163,11 @@ class Checkpoint(BaseCheckpoint):
 
     # -- async twins -------------------------------------------------------------------------------------
 
-    async def load(self) -> Path | None:
-        return await anyio.to_thread.run_sync(self.load_sync)
+    async def load(self, *, progress: bool | Callback | None = None) -> Path | None:
+        return await anyio.to_thread.run_sync(functools.partial(self.load_sync, progress=progress))
 
-    async def save(self, data: Any) -> None:
-        await anyio.to_thread.run_sync(self.save_sync, data)
+    async def save(self, data: Any, *, progress: bool | Callback | None = None) -> None:
+        await anyio.to_thread.run_sync(functools.partial(self.save_sync, data, progress=progress))
 
     async def prev_exists_async(self) -> bool:
         """Async twin of :meth:`prev_exists`."""
@@ -179,17 +181,23 @@ class Checkpoint(BaseCheckpoint):
 
     # -- save --------------------------------------------------------------------------------------------
 
-    def save_sync(self, data: Any) -> None:
+    def save_sync(self, data: Any, *, progress: bool | Callback | None = None) -> None:
+        """Save ``data``. ``progress``: True shows a bar, False nothing, an ``fsspec.callbacks.Callback`` is
+        told the total and each step; None (the default) shows a bar on a terminal for saves longer than
+        about two seconds (see docs/checkpoint.md, "Progress")."""
         clock = _log.Clock()
+        tracker = _progress.resolve(progress, f"save {_log.short_name(self._dest.uri)}")
         payload = payload_for(data)
-        with self._lock:
+        with self._lock, tracker:
             self._check_open()
-            saved = save_object(self._dest, payload, self._codec, self._level)
+            saved = save_object(self._dest, payload, self._codec, self._level, tracker)
         _log.transferred("save", self._dest.uri, saved.kind, saved.size, clock)
 
     # -- load --------------------------------------------------------------------------------------------
 
-    def load_sync(self) -> Path | None:
+    def load_sync(self, *, progress: bool | Callback | None = None) -> Path | None:
+        """Load the previous checkpoint; ``progress`` as for :meth:`save_sync` (a load counts stored bytes)."""
+        _progress.check(progress)
         with self._lock:
             self._check_open()
             if self._loaded is not None and self._loaded.exists():
@@ -197,11 +205,13 @@ class Checkpoint(BaseCheckpoint):
             if self._src is None:
                 return None
             clock = _log.Clock()
-            with expansion_limit(self._max_expand):
+            with expansion_limit(self._max_expand), \
+                    _progress.resolve(progress, f"load {_log.short_name(self._src.uri)}") as tracker:
                 try:
-                    result = load_object(self._src, self.path)
+                    result = load_object(self._src, self.path, tracker)
                 except SourceIsFolder:  # a folder or prefix (flytekit 1.x's layout): a directory checkpoint
-                    result = load_folder(self._src, self.path)
+                    tracker.rewind()
+                    result = load_folder(self._src, self.path, tracker)
             if result is not None:
                 _log.transferred("load", self._src.uri, *_log.take_verified(), clock)
             self._loaded = result

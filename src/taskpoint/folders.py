@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ._progress import NO_PROGRESS, Progress
 from .errors import CheckpointCorruptError, CheckpointError, UnsafeArchiveError
 from .payloads import DirectoryPayload
 from .storage import WRITE_PIECE, Kind, Location, copy_fd_in_kernel
@@ -78,8 +79,9 @@ class _Entry:
         return "/".join(self.parts)
 
 
-def load_folder(src: Location, workspace: Path) -> Path:
-    """Load the folder or prefix ``src`` into ``workspace`` as a directory checkpoint; return ``workspace``."""
+def load_folder(src: Location, workspace: Path, progress: Progress = NO_PROGRESS) -> Path:
+    """Load the folder or prefix ``src`` into ``workspace`` as a directory checkpoint; return ``workspace``.
+    ``progress`` counts the bytes of the files (the listed sizes are the total)."""
     listing = src.list_tree()  # the one listing; every size below is checked against it
     root = src.path.rstrip("/")
     if not listing:
@@ -94,7 +96,8 @@ def load_folder(src: Location, workspace: Path) -> Path:
         files = [e for e in entries if e.kind == "file"]
         for entry in files:
             os.makedirs(staging.joinpath(*entry.parts[:-1]), exist_ok=True)
-        _download_all(src, files, staging)
+        progress.set_total(sum(e.size for e in files))
+        _download_all(src, files, staging, progress)
         # Links last, so that nothing is ever written through one; then each must still resolve inside.
         root_real = os.path.realpath(staging)
         links = [e for e in entries if e.kind == "link"]
@@ -163,12 +166,12 @@ def _plan(listing: dict[str, dict[str, Any]], root: str, src: Location) -> list[
     return sorted(entries, key=lambda e: e.parts)
 
 
-def _download_all(src: Location, files: list[_Entry], staging: Path) -> None:
+def _download_all(src: Location, files: list[_Entry], staging: Path, progress: Progress) -> None:
     if not files:
         return
     workers = min(len(files), DOWNLOADS_IN_FLIGHT if not src.is_local else 4)
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="taskpoint-folder") as pool:
-        jobs = [pool.submit(_download, src, entry, staging) for entry in files]
+        jobs = [pool.submit(_download, src, entry, staging, progress) for entry in files]
         try:
             for job in concurrent.futures.as_completed(jobs):
                 job.result()
@@ -177,12 +180,14 @@ def _download_all(src: Location, files: list[_Entry], staging: Path) -> None:
                 job.cancel()
 
 
-def _download(src: Location, entry: _Entry, staging: Path) -> None:
+def _download(src: Location, entry: _Entry, staging: Path, progress: Progress) -> None:
     """One object into its place below ``staging``, retried as a whole on transient failures."""
     child = src.child(entry.relative)
     target = staging.joinpath(*entry.parts)
+    counter = progress.piece()
 
     def once() -> None:
+        counter.restart()
         try:
             raw = child.open_read()
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
@@ -192,12 +197,14 @@ def _download(src: Location, entry: _Entry, staging: Path) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
         with raw, os.fdopen(os.open(target, flags, 0o644), "wb", buffering=0) as out:
             if child.is_local:
-                copied = copy_fd_in_kernel(raw.fileno(), out.fileno())
+                copied = copy_fd_in_kernel(raw.fileno(), out.fileno(),
+                                           on_copied=counter.update if progress.active else None)
             else:
                 copied = 0
                 while chunk := raw.read(WRITE_PIECE):
                     out.write(chunk)
                     copied += len(chunk)
+                    counter.update(len(chunk))
         if copied != entry.size:
             raise CheckpointCorruptError(
                 f"{child.uri} in the folder checkpoint at {src.uri} holds {copied} bytes but was listed with "

@@ -13,8 +13,9 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
+from ._progress import source_counter
 from .errors import CheckpointError
-from .format.archive import skip_special, write_tar
+from .format.archive import skip_special, tree_file_bytes, write_tar
 from .format.codecs import BLOCK_SIZE, Codec
 from .format.extract import extract_tar
 from .storage import WRITE_PIECE, ParallelCopy, copy_with_metadata
@@ -31,6 +32,9 @@ class Payload(ABC):
     kind: ClassVar[str]
     #: True when stored as an archive (a codec applies); False when the object holds the raw bytes.
     archived: ClassVar[bool]
+    #: True when :meth:`write` reports the source bytes it reads itself (to
+    #: ``taskpoint._progress.source_counter()``); else a save's progress counts the stored bytes written.
+    counts_source: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -40,6 +44,10 @@ class Payload(ABC):
     def size(self) -> int | None:
         """The stored size in bytes when known before writing (raw kinds), else None."""
         return None
+
+    def progress_size(self) -> int | None:
+        """The total a save's progress counts up to, when known before writing (the stored size by default)."""
+        return self.size()
 
     def local_file(self) -> Path | None:
         """A local file whose bytes are exactly the stored form, if any: saved to local disk by the kernel."""
@@ -155,6 +163,7 @@ class FilePayload(BytesPayload):
 class DirectoryPayload(Payload):
     kind = "directory"
     archived = True
+    counts_source = True  # a save's progress counts the bytes of the files, before compression
 
     def __init__(self, path: Path) -> None:
         self._path = path
@@ -164,8 +173,12 @@ class DirectoryPayload(Payload):
         path = _existing_path(data)
         return cls(path) if path is not None and path.is_dir() else None
 
+    def progress_size(self) -> int:
+        """The bytes of the regular files below the folder (what the archive holds, before compression)."""
+        return tree_file_bytes(self._path)
+
     def write(self, sink: IO[bytes], codec: Codec, level: int | None) -> None:
-        write_tar(self._path, sink, codec, level)
+        write_tar(self._path, sink, codec, level, on_read=source_counter())
 
     def snapshot(self, scratch: Path) -> Payload:
         copy = scratch / "tree"

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import _log
+from ._progress import NO_PROGRESS, Progress
 from .errors import CheckpointCorruptError, StorageNotFound, StorageUnavailable
 from .folders import refuse_folder_destination
 from .format.codecs import Codec
@@ -44,7 +45,8 @@ def _record_key(record_loc: Location) -> tuple[str, str]:
     return str(record_loc.fs.protocol), record_loc.path
 
 
-def save_object(dest: Location, payload: Payload, codec: Codec, level: int | None) -> ObjectRecord:
+def save_object(dest: Location, payload: Payload, codec: Codec, level: int | None,
+                progress: Progress = NO_PROGRESS) -> ObjectRecord:
     """Write ``payload`` to ``dest`` atomically; its kind, size and CRC32 are recorded beside it before it
     becomes visible, next to the objects that may still be there (see :mod:`taskpoint.format.records`)."""
     record_loc = dest.sibling(MANIFEST_SUFFIX)
@@ -86,7 +88,7 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
 
     try:
         size, digest = write_payload(dest, payload, codec, level, digest="crc32", size_hint=payload.size(),
-                                     before_commit=before_commit, on_partial=on_partial)
+                                     before_commit=before_commit, on_partial=on_partial, progress=progress)
     except BaseException:
         with contextlib.suppress(Exception):  # best effort: the record already lists all that may be visible
             # The failed save's object may have become visible if only the answer was lost: the record keeps
@@ -189,14 +191,14 @@ class _Unlisted(CheckpointCorruptError):
     """The object read is none of those the record lists (maybe a save that listed it has not been seen)."""
 
 
-def load_object(src: Location, workspace: Path) -> Path | None:
+def load_object(src: Location, workspace: Path, progress: Progress = NO_PROGRESS) -> Path | None:
     """Load the checkpoint at ``src`` into ``workspace``; None when nothing was ever saved there."""
     record_loc = src.sibling(MANIFEST_SUFFIX)
     record = read_record(record_loc)
     paused = False
     for reread in range(_RECORD_REREADS + 1):
         try:
-            result = _load_listed(src, workspace, record)
+            result = _load_listed(src, workspace, record, progress)
             break
         except _Unlisted:
             # A save writes its record before its object becomes visible: a reader that meets an object its
@@ -220,7 +222,7 @@ def load_object(src: Location, workspace: Path) -> Path | None:
     return result
 
 
-def _load_listed(src: Location, workspace: Path, record: Record | None) -> Path | None:
+def _load_listed(src: Location, workspace: Path, record: Record | None, progress: Progress) -> Path | None:
     """One load of ``src``, verified against ``record`` (objects without a record are Flyte's: unverified)."""
 
     def choose(head: bytes, size: int | None) -> type[Payload]:
@@ -240,7 +242,8 @@ def _load_listed(src: Location, workspace: Path, record: Record | None) -> Path 
 
     newest = record.of_size(None) if record is not None else None
     digest = "sha256" if newest is not None and newest.crc32 is None and newest.sha256 else "crc32"
-    return read_payload(src, workspace, choose, verify, digest, size_hint=newest.size if newest else None)
+    return read_payload(src, workspace, choose, verify, digest, size_hint=newest.size if newest else None,
+                        progress=progress)
 
 
 def _verify(record: Record | None, kind: str, size: int, digest: str, uri: str) -> None:

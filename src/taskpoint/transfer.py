@@ -18,13 +18,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from . import _progress
+from ._progress import NO_PROGRESS, Progress
 from .errors import CheckpointCorruptError, CheckpointError
 from .format.codecs import BLOCK_SIZE, Codec, detect_codec, holds_tar
 from .format.pgzip import crc32
 from .format.space import check_room
 from .payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, Payload
 from .storage import Location, WriteHooks, copy_fd_in_kernel, digest_by_reading, digest_of_fd
-from .storage.streams import read_up_to
+from .storage.streams import ConcurrentRangeReader, read_up_to
 from .workspace import STAGING_PREFIX
 
 _HEAD_SIZE = 1024
@@ -74,11 +76,13 @@ DIGESTS: dict[str, Callable[[], Any]] = {"sha256": hashlib.sha256, "crc32": _Crc
 
 
 class HashingWriter:
-    """Passes bytes to a sink, counting and hashing them; remembers whether the sink itself failed."""
+    """Passes bytes to a sink, counting and hashing them (and reporting them to ``progress``); remembers
+    whether the sink itself failed."""
 
-    def __init__(self, sink: IO[bytes], digest: str = "sha256") -> None:
+    def __init__(self, sink: IO[bytes], digest: str = "sha256", progress: Progress = NO_PROGRESS) -> None:
         self._sink = sink
         self._hash = DIGESTS[digest]()
+        self._progress = progress
         self.size = 0
         self.failed = False
 
@@ -91,6 +95,7 @@ class HashingWriter:
         self._hash.update(b)
         n = memoryview(b).nbytes
         self.size += n
+        self._progress.update(n)
         return n
 
     def flush(self) -> None:
@@ -101,11 +106,13 @@ class HashingWriter:
 
 
 class HashingReader:
-    """Reads a storage stream, hashing every byte, with a peek at the head to pick the payload kind."""
+    """Reads a storage stream, hashing every byte (and reporting it to ``progress``), with a peek at the head
+    to pick the payload kind."""
 
-    def __init__(self, source: IO[bytes], digest: str = "sha256") -> None:
+    def __init__(self, source: IO[bytes], digest: str = "sha256", progress: Progress = NO_PROGRESS) -> None:
         self._source = source
         self._hash = DIGESTS[digest]()
+        self._progress = progress
         self._head = b""
         self.size = 0
 
@@ -129,6 +136,7 @@ class HashingReader:
             data = self._source.read(n)
         self._hash.update(data)
         self.size += len(data)
+        self._progress.update(len(data))
         return data
 
     def readinto(self, buf: Any) -> int:
@@ -150,18 +158,21 @@ class HashingReader:
 def write_payload(dest: Location, payload: Payload, codec: Codec, level: int | None,
                   digest: str = "sha256", size_hint: int | None = None,
                   before_commit: Callable[[int, str], None] | None = None,
-                  on_partial: Callable[[], None] | None = None) -> tuple[int, str]:
+                  on_partial: Callable[[], None] | None = None, progress: Progress = NO_PROGRESS) -> tuple[int, str]:
     """Stream ``payload`` into ``dest`` atomically; return the stored size and its ``digest`` (hex).
 
     ``before_commit(size, digest)`` runs once every byte is written and hashed and none is visible yet (the
     checkpoint record is written there, so that every visible object has a digest); ``on_partial`` when a
     killed writer could leave parts behind. Transient storage failures are retried by rewriting the whole
     object; a failure to read the data being saved is raised as it is, without retrying; other storage
-    failures become the matching StorageError.
+    failures become the matching StorageError. ``progress`` counts the stored bytes, or the source bytes for
+    kinds that count their own (:attr:`Payload.counts_source <taskpoint.payloads.Payload.counts_source>`).
     """
+    progress.set_total(payload.progress_size() if progress.active else None)
 
     def write() -> tuple[int, str]:
         done: list[tuple[int, str]] = []
+        progress.restart()
 
         def commit() -> None:
             if before_commit is not None:
@@ -171,11 +182,12 @@ def write_payload(dest: Location, payload: Payload, codec: Codec, level: int | N
         with dest.open_write(size_hint=size_hint, hooks=hooks) as f:
             local_source = payload.local_file() if dest.is_local else None
             if local_source is not None:
-                done.append(_copy_local(local_source, f, payload.size(), digest))
+                done.append(_copy_local(local_source, f, payload.size(), digest, progress))
             else:
-                out = HashingWriter(f, digest)
+                out = HashingWriter(f, digest, NO_PROGRESS if payload.counts_source else progress)
                 try:
-                    payload.write(out, codec, level)  # type: ignore[arg-type]
+                    with _progress.counting(progress):
+                        payload.write(out, codec, level)  # type: ignore[arg-type]
                 except BaseException as exc:
                     if out.failed or not isinstance(exc, Exception):
                         raise
@@ -189,7 +201,8 @@ def write_payload(dest: Location, payload: Payload, codec: Codec, level: int | N
         raise failure.original from None
 
 
-def _copy_local(source: Path, sink: Any, expected: int | None, digest: str) -> tuple[int, str]:
+def _copy_local(source: Path, sink: Any, expected: int | None, digest: str, progress: Progress
+                ) -> tuple[int, str]:
     """A file saved to local disk: copied by the kernel, then the written copy itself is hashed."""
     sink.flush()
     fd = sink.raw.fileno()
@@ -199,7 +212,7 @@ def _copy_local(source: Path, sink: Any, expected: int | None, digest: str) -> t
     except OSError as exc:
         raise _SourceFailure(exc) from exc
     with src:  # a failure while copying may be the destination's (a full disk): the storage error map decides
-        size = copy_fd_in_kernel(src.fileno(), fd)
+        size = copy_fd_in_kernel(src.fileno(), fd, on_copied=progress.update if progress.active else None)
     if expected is not None and size != expected:
         raise _SourceFailure(RuntimeError(f"{source} changed size while it was being saved ({expected} -> "
                                           f"{size} bytes); save it again once it is complete"))
@@ -208,18 +221,22 @@ def _copy_local(source: Path, sink: Any, expected: int | None, digest: str) -> t
 
 
 def read_payload(src: Location, workspace: Path, choose: KindChooser, verify: Verifier,
-                 digest: str = "sha256", size_hint: int | None = None) -> Path | None:
+                 digest: str = "sha256", size_hint: int | None = None,
+                 progress: Progress = NO_PROGRESS) -> Path | None:
     """Stream ``src`` into ``workspace`` and return what load returns; None when the object does not exist.
 
     Nothing reaches the workspace until ``verify`` accepted the whole object; transient failures restart
     the download. ``size_hint``: the size the caller expects (a small remote object comes in one request).
+    ``progress`` counts the stored bytes read (for an archive, its compressed bytes).
     """
-    return src.run(lambda: _read_once(src, workspace, choose, verify, digest, size_hint),
+    progress.set_total(size_hint)
+    return src.run(lambda: _read_once(src, workspace, choose, verify, digest, size_hint, progress),
                    action="load the checkpoint from")
 
 
 def _read_once(src: Location, workspace: Path, choose: KindChooser, verify: Verifier,
-               digest: str, size_hint: int | None) -> Path | None:
+               digest: str, size_hint: int | None, progress: Progress) -> Path | None:
+    progress.restart()
     try:
         raw = src.open_read(size_hint)
     except (FileNotFoundError, NotADirectoryError):  # not there, or a parent is a file: absent
@@ -227,9 +244,14 @@ def _read_once(src: Location, workspace: Path, choose: KindChooser, verify: Veri
     except IsADirectoryError as exc:  # a folder or prefix: the caller loads it as a folder checkpoint
         raise SourceIsFolder(src.uri) from exc
     with raw:
-        reader = HashingReader(raw, digest)
+        if progress.active and isinstance(raw, ConcurrentRangeReader):
+            raw.on_received = progress.update  # ranges counted as they arrive, several in flight
+            reader = HashingReader(raw, digest)
+        else:
+            reader = HashingReader(raw, digest, progress)
         head = reader.peek_head(_HEAD_SIZE)
         stored_size = object_size(raw)
+        progress.set_total(stored_size)
         cls = choose(head, stored_size)
         workspace.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=workspace))
@@ -253,7 +275,8 @@ def _read_once(src: Location, workspace: Path, choose: KindChooser, verify: Veri
                 with concurrent.futures.ThreadPoolExecutor(1) as pool, \
                         open(staging / RAW_RESULT_NAME, "xb", buffering=0) as out:
                     hashed = pool.submit(digest_by_reading, fd, size, hasher)
-                    copied = copy_fd_in_kernel(fd, out.fileno(), size)
+                    copied = copy_fd_in_kernel(fd, out.fileno(), size,
+                                               on_copied=progress.update if progress.active else None)
                     if hashed.result() != copied:
                         raise CheckpointCorruptError(f"{src.uri} changed while it was being loaded; load it again")
                 verify(cls.kind, copied, str(hasher.hexdigest()))

@@ -106,6 +106,11 @@ _storage_option = click.option(
          "Overrides $TASKPOINT_STORAGE_OPTIONS key by key.")
 _debug = click.option("--debug", is_flag=True, expose_value=False, callback=_set_debug,
                       help="show the traceback of an error")
+#: ``--progress/--no-progress`` of pull, push and verify: unset (None) shows a bar only on a terminal, and only
+#: for transfers longer than about two seconds.
+progress_option = click.option(
+    "--progress/--no-progress", "progress", default=None,
+    help="show a progress bar on stderr, or never (default: only on a terminal, for transfers over ~2 s)")
 
 
 def _command(fn: F) -> F:

@@ -11,10 +11,11 @@ from pathlib import Path
 import click
 
 from .._log import TransferStats, logger, safe_uri
-from ..checkpoint import Checkpoint, read_record
+from ..checkpoint import Checkpoint
 from ..format.records import MANIFEST_SUFFIX
 from ..manager import CheckpointManager
-from ._app import ERROR, OK, _command, _Failed, _Missing, cli
+from ..record import read_record
+from ._app import ERROR, OK, _command, _Failed, _Missing, cli, progress_option
 from .views import _human, _location, _object_size
 
 
@@ -49,8 +50,9 @@ def _figures(stats: TransferStats) -> str:
 @click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--step", type=click.IntRange(min=0), default=None,
               help="the step of a manager directory (default: the newest)")
+@progress_option
 @_command
-def pull_command(uri: str, dest: Path, step: int | None) -> int:
+def pull_command(uri: str, dest: Path, step: int | None, progress: bool | None) -> int:
     """Load a checkpoint (or a manager's step) into the folder DEST, verified as the API loads it.
 
     A directory checkpoint's entries replace same-named entries in DEST; bytes and file checkpoints land as
@@ -66,14 +68,14 @@ def pull_command(uri: str, dest: Path, step: int | None) -> int:
         if step is None and (read_record(loc.sibling(MANIFEST_SUFFIX)) is not None
                              or _object_size(loc) is not None):
             with Checkpoint(loc.uri, loc.uri, storage_options=loc.storage_options, workspace=dest) as cp:
-                result = cp.load_sync()
+                result = cp.load_sync(progress=progress)
             if result is None:
                 raise _Missing(f"nothing taskpoint saved is at {loc.uri}")
         else:
             with CheckpointManager(loc.uri, storage_options=loc.storage_options) as manager:
                 if step is None and manager.latest_step() is None:
                     raise _Missing(f"nothing taskpoint saved is at {loc.uri}")
-                result = manager.restore(step, into=dest)
+                result = manager.restore(step, into=dest, progress=progress)
     click.echo(f"pulled {safe_uri(loc.uri)} -> {result}" + (f" ({_figures(seen[-1])})" if seen else ""))
     return OK
 
@@ -87,8 +89,10 @@ def pull_command(uri: str, dest: Path, step: int | None) -> int:
 @click.option("--overwrite", is_flag=True, help="with --step: replace the step if it exists")
 @click.option("--codec", type=click.Choice(["gzip", "zstd", "none"]), default="gzip", show_default=True,
               help="archive codec for folders")
+@progress_option
 @_command
-def push_command(src: Path, uri: str, step: int | None, metadata: str | None, overwrite: bool, codec: str) -> int:
+def push_command(src: Path, uri: str, step: int | None, metadata: str | None, overwrite: bool, codec: str,
+                 progress: bool | None) -> int:
     """Save the file or folder SRC to URI (atomic, checksummed, as the API saves).
 
     \b
@@ -102,7 +106,7 @@ def push_command(src: Path, uri: str, step: int | None, metadata: str | None, ov
     with _transfers() as seen:
         if step is None:
             with Checkpoint(loc.uri, storage_options=loc.storage_options, codec=codec) as cp:
-                cp.save_sync(src)
+                cp.save_sync(src, progress=progress)
             where = loc.uri
         else:
             try:
@@ -110,7 +114,7 @@ def push_command(src: Path, uri: str, step: int | None, metadata: str | None, ov
             except ValueError as exc:
                 raise _Failed(ERROR, f"--metadata must be a JSON object: {exc}") from None
             with CheckpointManager(loc.uri, storage_options=loc.storage_options, codec=codec) as manager:
-                where = manager.save(src, step, metadata=meta, overwrite=overwrite)
+                where = manager.save(src, step, metadata=meta, overwrite=overwrite, progress=progress)
     click.echo(f"pushed {src} -> {safe_uri(where)}" + (f" ({_figures(seen[-1])})" if seen else ""))
     return OK
 

@@ -12,16 +12,18 @@ from typing import IO
 
 import click
 
-from ..checkpoint import load_object, read_record
+from .. import _progress
+from .._log import short_name
 from ..errors import CheckpointCorruptError
 from ..format.codecs import Codec
 from ..format.fileset import FileSetManifest
 from ..format.records import FILESET_CODEC, MANIFEST_SUFFIX, ObjectRecord, Record
 from ..manager.steps import StepStore
 from ..payloads import Payload
+from ..record import load_object, read_record
 from ..storage import WRITE_PIECE, Location, digest_by_reading
 from ..transfer import DIGESTS, read_payload
-from ._app import OK, _command, _Missing, cli
+from ._app import OK, _command, _Missing, cli, progress_option
 from .views import _human, _location, _object_size, _steps
 
 
@@ -48,10 +50,17 @@ class _Discard(Payload):
         return workspace
 
 
-def _stream_check(loc: Location, digest: str, size_hint: int | None, check: Callable[[int, str], None]) -> int:
+def _stream_check(loc: Location, digest: str, size_hint: int | None, check: Callable[[int, str], None],
+                  progress: bool | None, label: str) -> int:
     """Stream the object at ``loc`` and hash every byte (on local disk by positional reads, elsewhere through
     taskpoint's reader with its parallel ranged reads); ``check(size, hexdigest)`` decides. Returns the size.
-    Nothing is extracted or kept."""
+    Nothing is extracted or kept. ``progress``: the ``--progress`` option (counts the stored bytes)."""
+    with _progress.resolve(progress, label) as tracker:
+        return _check_stream(loc, digest, size_hint, check, tracker)
+
+
+def _check_stream(loc: Location, digest: str, size_hint: int | None, check: Callable[[int, str], None],
+                  progress: _progress.Progress) -> int:
     seen: list[int] = []
 
     def verify(kind: str, size: int, hexdigest: str) -> None:
@@ -60,11 +69,13 @@ def _stream_check(loc: Location, digest: str, size_hint: int | None, check: Call
 
     if loc.is_local:
         def local() -> None:
+            progress.restart()
             with loc.open_read() as raw:
                 fd = raw.fileno()
                 size = os.fstat(fd).st_size
+                progress.set_total(size)
                 hasher = DIGESTS[digest]()
-                hashed = digest_by_reading(fd, size, hasher)
+                hashed = digest_by_reading(fd, size, hasher, progress.update if progress.active else None)
                 verify("", hashed, str(hasher.hexdigest()))
 
         try:
@@ -74,7 +85,8 @@ def _stream_check(loc: Location, digest: str, size_hint: int | None, check: Call
         return seen[-1]
     scratch = Path(tempfile.mkdtemp(prefix="taskpoint-verify-"))
     try:
-        found = read_payload(loc, scratch, lambda head, size: _Discard, verify, digest, size_hint=size_hint)
+        found = read_payload(loc, scratch, lambda head, size: _Discard, verify, digest, size_hint=size_hint,
+                             progress=progress)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if found is None:
@@ -82,7 +94,7 @@ def _stream_check(loc: Location, digest: str, size_hint: int | None, check: Call
     return seen[-1]
 
 
-def _verify_checkpoint(loc: Location) -> str:
+def _verify_checkpoint(loc: Location, progress: bool | None) -> str:
     """Check a checkpoint object against its record; the line to print. CheckpointCorruptError when damaged."""
     record = read_record(loc.sibling(MANIFEST_SUFFIX))
     if record is None or not record.objects:
@@ -92,7 +104,8 @@ def _verify_checkpoint(loc: Location) -> str:
         # a temporary folder runs the archive's own checks.
         scratch = Path(tempfile.mkdtemp(prefix="taskpoint-verify-"))
         try:
-            load_object(loc, scratch)
+            with _progress.resolve(progress, f"verify {short_name(loc.uri)}") as tracker:
+                load_object(loc, scratch, tracker)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         return f"{loc.uri}: readable (no recorded checksum: checked by loading it, with the archive's own checks)"
@@ -107,7 +120,7 @@ def _verify_checkpoint(loc: Location) -> str:
                                          f"lists (recorded sizes {sizes})")
 
     try:
-        size = _stream_check(loc, digest, newest.size, check)
+        size = _stream_check(loc, digest, newest.size, check, progress, f"verify {short_name(loc.uri)}")
     except _Missing:
         raise CheckpointCorruptError(f"{loc.uri} is recorded as saved but its object is missing") from None
     return f"{loc.uri}: healthy ({_human(size)}, {digest} matches its record)"
@@ -117,7 +130,7 @@ def _matches(record: Record, size: int, hexdigest: str) -> bool:
     return any(record.matching(kind, size, hexdigest) is not None for kind in {o.kind for o in record.objects})
 
 
-def _verify_step(steps: StepStore, step: int) -> str:
+def _verify_step(steps: StepStore, step: int, progress: bool | None) -> str:
     manifest = steps.manifest(step)
     if manifest is None:
         raise _Missing(f"step {step} does not exist in {steps.directory}")
@@ -137,7 +150,8 @@ def _verify_step(steps: StepStore, step: int) -> str:
                     f"the sha256 of its manifest (recorded size {record.size})")
 
         try:
-            total += _stream_check(steps.object(step, name), "sha256", record.size, check)
+            total += _stream_check(steps.object(step, name), "sha256", record.size, check, progress,
+                                   f"verify step {step}" if len(parts) == 1 else f"verify step {step}: {name}")
         except _Missing:
             raise CheckpointCorruptError(f"step {step} in {steps.directory} is damaged: its payload "
                                          f"{name} is missing") from None
@@ -150,8 +164,9 @@ def _verify_step(steps: StepStore, step: int) -> str:
 @click.argument("uri")
 @click.option("--step", type=click.IntRange(min=0), default=None,
               help="check only this step of a manager directory (default: every committed step)")
+@progress_option
 @_command
-def verify_command(uri: str, step: int | None) -> int:
+def verify_command(uri: str, step: int | None, progress: bool | None) -> int:
     """Stream every byte of a checkpoint (or of a manager's steps) and check it against its recorded checksum.
 
     Nothing is extracted: the stored bytes are hashed as they stream. Exit code 0 healthy, 1 error (storage,
@@ -165,11 +180,11 @@ def verify_command(uri: str, step: int | None) -> int:
     loc = _location(uri)
     started = time.perf_counter()
     if step is None and (read_record(loc.sibling(MANIFEST_SUFFIX)) is not None or _object_size(loc) is not None):
-        click.echo(_verify_checkpoint(loc))
+        click.echo(_verify_checkpoint(loc, progress))
         return OK
     steps = _steps(loc)
     if step is not None:
-        click.echo(_verify_step(steps, step))
+        click.echo(_verify_step(steps, step, progress))
         return OK
     committed = sorted(n for n, folder in steps.scan().items() if folder.committed)
     if not committed:
@@ -177,7 +192,7 @@ def verify_command(uri: str, step: int | None) -> int:
     damaged = []
     for number in committed:
         try:
-            click.echo(_verify_step(steps, number))
+            click.echo(_verify_step(steps, number, progress))
         except CheckpointCorruptError as exc:
             damaged.append(number)
             click.echo(f"step {number}: DAMAGED: {' '.join(str(exc).split())}")

@@ -9,12 +9,12 @@ from typing import Any
 
 import click
 
-from ..checkpoint import read_record
 from ..errors import CheckpointCorruptError
 from ..format.records import MANIFEST_SUFFIX
 from ..manager import CheckpointManager
 from ..manager.claims import Claims
 from ..manager.steps import MANIFEST_NAME, STEP_FOLDER, StepStore
+from ..record import read_record
 from ..runtime import layout
 from ..storage import Location
 from ._app import ERROR, OK, _command, _Failed, _Missing, _state, cli

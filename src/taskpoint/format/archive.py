@@ -12,6 +12,7 @@ import os
 import stat
 import tarfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -50,8 +51,35 @@ def _inside(root: str, target: str) -> bool:
     return target == root or target.startswith(root + os.sep)
 
 
-def write_tar(directory: Path, sink: IO[bytes], codec: Codec, level: int | None) -> None:
-    """Write ``directory``'s top-level entries, each under its own name, as a ``codec`` archive to ``sink``."""
+class _CountingFile:
+    """A source file that tells ``on_read`` how many bytes each read returned (a save's progress)."""
+
+    def __init__(self, f: IO[bytes], on_read: Callable[[int], None]) -> None:
+        self._f = f
+        self._on_read = on_read
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read(n)
+        self._on_read(len(data))
+        return data
+
+
+def tree_file_bytes(directory: Path) -> int:
+    """The bytes of the regular files below ``directory`` (links not followed): what :func:`write_tar` reads."""
+    total = 0
+    for folder, _, files in os.walk(directory):
+        for name in files:
+            with contextlib.suppress(OSError):  # gone meanwhile: the save itself reports what it finds
+                st = os.lstat(os.path.join(folder, name))
+                if stat.S_ISREG(st.st_mode):
+                    total += st.st_size
+    return total
+
+
+def write_tar(directory: Path, sink: IO[bytes], codec: Codec, level: int | None,
+              on_read: Callable[[int], None] | None = None) -> None:
+    """Write ``directory``'s top-level entries, each under its own name, as a ``codec`` archive to ``sink``;
+    ``on_read(n)`` is told of the bytes read from the files (a save's progress)."""
     root = os.path.realpath(directory)
     stream = codec.writer(sink, level)
     try:
@@ -63,7 +91,7 @@ def write_tar(directory: Path, sink: IO[bytes], codec: Codec, level: int | None)
         )
         with tar:
             for entry in sorted(os.listdir(directory)):
-                _add_tree(tar, root, os.path.join(directory, entry), entry)
+                _add_tree(tar, root, os.path.join(directory, entry), entry, on_read)
     except BaseException:
         with contextlib.suppress(Exception):  # the first error is the one to report
             abort = getattr(stream, "abort", None)
@@ -82,7 +110,8 @@ def skip_special(path: str, mode: int, *, stacklevel: int) -> bool:
     return True
 
 
-def _add_tree(tar: tarfile.TarFile, root: str, path: str, arcname: str) -> None:
+def _add_tree(tar: tarfile.TarFile, root: str, path: str, arcname: str,
+              on_read: Callable[[int], None] | None) -> None:
     if arcname.count("/") >= MAX_DEPTH or len(os.fsencode(arcname)) > MAX_PATH_BYTES:
         raise ValueError(f"{path!r} is nested deeper than {MAX_DEPTH} folders or its path below the saved "
                          f"directory is longer than {MAX_PATH_BYTES} bytes; a checkpoint cannot hold it (a load "
@@ -103,12 +132,12 @@ def _add_tree(tar: tarfile.TarFile, root: str, path: str, arcname: str) -> None:
     info.uname = info.gname = ""
     if info.isreg():
         with open(path, "rb") as f:
-            tar.addfile(info, f)
+            tar.addfile(info, f if on_read is None else _CountingFile(f, on_read))
     else:
         tar.addfile(info)
     if stat.S_ISDIR(mode):
         for entry in sorted(os.listdir(path)):
-            _add_tree(tar, root, os.path.join(path, entry), f"{arcname}/{entry}")
+            _add_tree(tar, root, os.path.join(path, entry), f"{arcname}/{entry}", on_read)
 
 
 class _TarReader:

@@ -21,6 +21,8 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
+from fsspec.callbacks import Callback
+
 from ..errors import CheckpointError
 from ..manager import CheckpointManager
 from ..manager._checks import check_step
@@ -69,26 +71,30 @@ class Checkpointer:
         self._closed = False
 
     def save(self, directory: str | os.PathLike[str], state: Any, force: bool = False, *,
-             keep: int | None = None, metadata: dict[str, Any] | None = None) -> str:
+             keep: int | None = None, metadata: dict[str, Any] | None = None,
+             progress: bool | Callback | None = None) -> str:
         """Save ``state`` at ``directory`` (``.../ckpt-N`` or an unversioned folder); ``force`` overwrites.
-        ``keep`` (steps only) keeps the ``keep`` newest steps; ``metadata`` is a dict of JSON values. Returns
-        the checkpoint's URI. With ``async_checkpointing``, returns once the state is on local disk."""
+        ``keep`` (steps only) keeps the ``keep`` newest steps; ``metadata`` is a dict of JSON values; ``progress``
+        as for :meth:`CheckpointManager.save <taskpoint.CheckpointManager.save>`. Returns the checkpoint's URI.
+        With ``async_checkpointing``, returns once the state is on local disk."""
         parent, step = _split(directory)
         payload = state if isinstance(state, PyTree) else PyTree(state)
         if step is None:
             manager = self.manager(directory, None)
-            manager.save(payload, UNVERSIONED_STEP, metadata=metadata, overwrite=force)
+            manager.save(payload, UNVERSIONED_STEP, metadata=metadata, overwrite=force, progress=progress)
             return manager.directory
-        return self.manager(parent, keep).save(payload, step, metadata=metadata, overwrite=force)
+        return self.manager(parent, keep).save(payload, step, metadata=metadata, overwrite=force, progress=progress)
 
-    def restore(self, directory: str | os.PathLike[str], item: Any = None) -> Any:
+    def restore(self, directory: str | os.PathLike[str], item: Any = None, *,
+                progress: bool | Callback | None = None) -> Any:
         """The tree saved at ``directory``, shaped like ``item`` when given (see
         :func:`~taskpoint.jax.load_pytree`); waits for a save in flight there first. FileNotFoundError when
-        nothing was saved there."""
+        nothing was saved there. ``progress`` as for :meth:`CheckpointManager.restore
+        <taskpoint.CheckpointManager.restore>`."""
         manager, step = self._located(directory)
         manager.wait_until_finished()
         with tempfile.TemporaryDirectory(prefix="taskpoint-restore-") as scratch:
-            return load_pytree_sync(manager.restore(step, into=scratch), target=item)
+            return load_pytree_sync(manager.restore(step, into=scratch, progress=progress), target=item)
 
     def metadata(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
         """The metadata saved with the checkpoint at ``directory``, read without its payload."""
@@ -182,28 +188,30 @@ class OrbaxCheckpointHandler:
     # -- save --------------------------------------------------------------------------------------------
 
     def save(self, directory: str | os.PathLike[str], target: Any, step: int | None = None, keep: int | None = None,
-             overwrite: bool = False, metadata: dict[str, Any] | None = None) -> str:
+             overwrite: bool = False, metadata: dict[str, Any] | None = None, *,
+             progress: bool | Callback | None = None) -> str:
         """Save ``target`` as ``step`` (``directory/ckpt-{step}``), or as ``directory/checkpoint`` when None.
 
         ``target`` is a :class:`Checkpointable` (its ``get_state()`` is saved), a ``flax.nnx.Module`` (its
         state) or a PyTree. ``keep`` keeps the ``keep`` newest steps (None, the default: all of them);
         deletion happens after the new step commits. Saving an existing step raises FileExistsError unless
         ``overwrite=True``. ``metadata`` is a dict of JSON values, given back by
-        ``restore(..., metadata_only=True)``. Returns the URI of the checkpoint.
+        ``restore(..., metadata_only=True)``. ``progress``: True, False, None (a bar on a terminal for saves
+        longer than about two seconds) or an ``fsspec.callbacks.Callback``. Returns the URI of the checkpoint.
         """
         state = _state_of(target)
         if step is None:
             return self.checkpointer.save(_join(directory, UNVERSIONED_FOLDER), state, force=overwrite,
-                                          metadata=metadata)
+                                          metadata=metadata, progress=progress)
         return self.checkpointer.save(_step_path(directory, check_step(step)), state, force=overwrite, keep=keep,
-                                      metadata=metadata)
+                                      metadata=metadata, progress=progress)
 
     save_to_directory = save
 
     # -- restore -----------------------------------------------------------------------------------------
 
     def restore(self, directory: str | os.PathLike[str], target: Any = None, step: int | None = None,
-                metadata_only: bool = False) -> Any:
+                metadata_only: bool = False, *, progress: bool | Callback | None = None) -> Any:
         """Restore ``step`` (None: the newest step, else ``directory/checkpoint``) into ``target``.
 
         A :class:`Checkpointable` gets the saved state through ``set_state`` and an ``nnx.Module`` is
@@ -211,12 +219,13 @@ class OrbaxCheckpointHandler:
         and shardings, and the tree is returned; a target that does not match raises ValueError naming the
         first path that differs. With no target, the saved state is returned. ``metadata_only=True`` returns
         the metadata dict saved with the checkpoint and reads nothing else. Background saves to
-        ``directory`` are waited for first. FileNotFoundError when there is nothing to restore.
+        ``directory`` are waited for first. FileNotFoundError when there is nothing to restore. ``progress``
+        as for :meth:`save` (a restore counts the stored bytes).
         """
         path = self._newest(directory) if step is None else _step_path(directory, check_step(step))
         if metadata_only:
             return self.checkpointer.metadata(path)
-        return _apply(self.checkpointer, path, target)
+        return _apply(self.checkpointer, path, target, progress)
 
     def _newest(self, directory: str | os.PathLike[str]) -> str:
         """The newest committed step's path when ``directory`` has one, else the unversioned checkpoint's."""
@@ -257,19 +266,19 @@ def _state_of(target: Any) -> Any:
     return target
 
 
-def _apply(checkpointer: Checkpointer, path: str, target: Any) -> Any:
+def _apply(checkpointer: Checkpointer, path: str, target: Any, progress: bool | Callback | None) -> Any:
     """Restore the tree at ``path`` into ``target`` as :meth:`OrbaxCheckpointHandler.restore` describes."""
     if isinstance(target, Checkpointable):  # first, as Datarax does (and as _state_of saved it)
-        target.set_state(checkpointer.restore(path))
+        target.set_state(checkpointer.restore(path, progress=progress))
         return target
     nnx = _nnx()
     if nnx is not None and isinstance(target, nnx.Module):
         state = nnx.state(target)
-        restored = checkpointer.restore(path, item=nnx.to_pure_dict(state))
+        restored = checkpointer.restore(path, item=nnx.to_pure_dict(state), progress=progress)
         nnx.replace_by_pure_dict(state, restored)
         nnx.update(target, state)
         return target
-    return checkpointer.restore(path, item=target)
+    return checkpointer.restore(path, item=target, progress=progress)
 
 
 def _nnx() -> Any:

@@ -12,6 +12,7 @@ import threading
 import warnings
 from collections.abc import Callable
 
+from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointError, add_note
 from ..format.codecs import Codec
 from ..format.records import StepManifest
@@ -88,7 +89,8 @@ SNAPSHOT_PREFIX = "taskpoint-snapshot-"
 
 def store_payload(location: Location, payload: Payload, codec: Codec, level: int | None,
                   saver: SaverProcess | None = None,
-                  commit: tuple[Location, StepManifest] | None = None) -> tuple[int, str]:
+                  commit: tuple[Location, StepManifest] | None = None,
+                  progress: Progress = NO_PROGRESS) -> tuple[int, str]:
     """Write a step's payload to ``location``: from ``saver``'s process when given and it can reach the
     location (the manager starts one only for a directory other processes can reach), else from this thread.
     A save process that dies or cannot take the payload is never fatal: the payload (under its unique name)
@@ -96,13 +98,13 @@ def store_payload(location: Location, payload: Payload, codec: Codec, level: int
     leftover. ``commit`` is what the save process commits itself if this process dies during the upload."""
     if saver is not None:
         try:
-            return saver.store_payload(location, payload, codec.name, level, commit)
+            return saver.store_payload(location, payload, codec.name, level, commit, progress)
         except NotTransferable:
             pass
         except SaverUnavailable as exc:
             warnings.warn(f"{exc}; taskpoint writes {location.uri} from this process instead", RuntimeWarning,
                           stacklevel=2)
-    return write_payload(location, payload, codec, level)
+    return write_payload(location, payload, codec, level, progress=progress)
 
 
 class Background:

@@ -1,4 +1,5 @@
-"""The chunk store of deduplicated steps, shared by every step of one manager directory.
+"""The chunk store of deduplicated steps, shared by every step of one manager directory, and the tree of
+files a payload is cut into (:func:`source_tree`).
 
 Layout under the manager's directory::
 
@@ -19,13 +20,19 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import os
 import re
+import stat
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointCorruptError
+from ..format.archive import MAX_DEPTH, skip_special
 from ..format.codecs import ZSTD_MAX_WINDOW
+from ..format.records import TreeEntry
+from ..payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, FilePayload, Payload
 from ..storage import Location
 from .steps import modified_time
 
@@ -173,3 +180,46 @@ def _inflate(blob: bytes, size: int) -> bytes:
     except ImportError:  # pragma: no cover - isal is a dependency
         return gzip.decompress(blob)
     return bytes(igzip.decompress(blob))  # type: ignore[no-untyped-call]
+
+
+def source_tree(payload: Payload) -> tuple[list[TreeEntry], dict[str, Path], memoryview | None]:
+    """The entries of ``payload`` (sizes and modes, no chunks yet), where each file's bytes are, and the
+    bytes of a bytes payload."""
+    if isinstance(payload, FilePayload):
+        path = payload.local_file()
+        return [TreeEntry(RAW_RESULT_NAME, "file", size=path.stat().st_size)], {RAW_RESULT_NAME: path}, None
+    if isinstance(payload, BytesPayload):
+        view = payload._view
+        return [TreeEntry(RAW_RESULT_NAME, "file", size=view.nbytes)], {}, view
+    assert isinstance(payload, DirectoryPayload)
+    root = payload._path
+    entries: list[TreeEntry] = []
+    files: dict[str, Path] = {}
+    real_root = os.path.realpath(root)
+
+    def walk(folder: Path, prefix: str) -> None:
+        for name in sorted(os.listdir(folder)):
+            path, rel = folder / name, f"{prefix}{name}"
+            if rel.count("/") >= MAX_DEPTH:
+                raise ValueError(f"{path!r} is nested deeper than {MAX_DEPTH} folders; flatten the tree")
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                target = os.readlink(path)
+                resolved = os.path.normpath(os.path.join(real_root, os.path.dirname(rel), target))
+                if os.path.isabs(target) or not (resolved == real_root or resolved.startswith(real_root + os.sep)):
+                    raise ValueError(f"symlink {str(path)!r} points outside the directory being saved ({target!r}); "
+                                     "a checkpoint holds only links that stay inside its tree. Replace the link "
+                                     "with a copy, or remove it.")
+                entries.append(TreeEntry(rel, "link", target=target))
+            elif skip_special(str(path), st.st_mode, stacklevel=6):
+                continue
+            elif stat.S_ISDIR(st.st_mode):
+                entries.append(TreeEntry(rel, "dir", mode=stat.S_IMODE(st.st_mode) & 0o777, mtime=st.st_mtime))
+                walk(path, rel + "/")
+            else:
+                entries.append(TreeEntry(rel, "file", mode=stat.S_IMODE(st.st_mode) & 0o777, size=st.st_size,
+                                         mtime=st.st_mtime))
+                files[rel] = path
+
+    walk(root, "")
+    return entries, files, None

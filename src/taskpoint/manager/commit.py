@@ -12,6 +12,7 @@ from typing import Any
 
 from .. import _log
 from .._log import TransferStats
+from .._progress import NO_PROGRESS, Progress
 from ..format.codecs import Codec
 from ..format.records import FILESET_CODEC, ObjectRecord, StepManifest
 from ..payloads import Payload
@@ -37,13 +38,20 @@ class StepWriter:
         self.last_step: int | None = None
 
     def write(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: str | None,
-              payload: Payload, saver: SaverProcess | None = None, *, clock: _log.Clock) -> TransferStats:
+              payload: Payload, saver: SaverProcess | None = None, *, clock: _log.Clock,
+              progress: Progress = NO_PROGRESS) -> TransferStats:
         """Upload the payload under a fresh name (or, deduplicated, its missing chunks), then commit it with the
         manifest; then tidy up. Returns the save's figures (``CheckpointManager.last_save``). With several ranks,
-        the payload is this rank's shard, and rank 0 alone commits and tidies (:mod:`.shards`)."""
+        the payload is this rank's shard, and rank 0 alone commits and tidies (:mod:`.shards`). ``progress``
+        counts the upload; its callback is told the last count once the step is committed."""
         self.last_step = step
-        if self._shards is not None:
-            return self._write_shard(step, metadata, attempt, payload, saver, clock=clock)
+        with progress:
+            if self._shards is not None:
+                return self._write_shard(step, metadata, attempt, payload, saver, clock=clock, progress=progress)
+            return self._write(step, metadata, attempt, replaced, payload, saver, clock, progress)
+
+    def _write(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: str | None,
+               payload: Payload, saver: SaverProcess | None, clock: _log.Clock, progress: Progress) -> TransferStats:
         save_id = uuid.uuid4().hex
         chunked = self._dedup is not None and deduplicable(payload)  # its chunks: named by a lease until the commit
         name = "" if chunked else f"payload-{save_id}"
@@ -53,12 +61,12 @@ class StepWriter:
         manifest = StepManifest(step=step, payload=name, record=record, attempt=attempt, metadata=metadata)
         with self._dedup.lease() if chunked and self._dedup is not None else contextlib.nullcontext():
             if chunked and self._dedup is not None:
-                size, digest, tree = self._dedup.store(payload)
+                size, digest, tree = self._dedup.store(payload, progress)
                 sent = self._dedup.last.uploaded_bytes if self._dedup.last else size  # what crossed the wire
             else:
                 # The save process commits this manifest itself (size and digest filled in) if we die meanwhile.
                 size, digest = store_payload(self._steps.object(step, name), payload, self._codec, self._level,
-                                             saver, (manifest_loc, manifest))
+                                             saver, (manifest_loc, manifest), progress)
                 tree, sent = None, size
             manifest = dataclasses.replace(manifest, tree=tree,
                                            record=dataclasses.replace(record, size=size, sha256=digest))
@@ -74,12 +82,13 @@ class StepWriter:
         return _log.transferred("save", self._steps.step_uri(step), payload.kind, sent, clock, step)
 
     def _write_shard(self, step: int, metadata: dict[str, Any], attempt: int | None, payload: Payload,
-                     saver: SaverProcess | None, *, clock: _log.Clock) -> TransferStats:
+                     saver: SaverProcess | None, *, clock: _log.Clock, progress: Progress) -> TransferStats:
         assert self._shards is not None
         codec = self._codec.name if payload.archived else "raw"
         # No commit for the save process to finish: a step of several ranks is committed by rank 0 alone.
         size = self._shards.write(step, metadata, attempt, payload, codec,
-                                  lambda location: store_payload(location, payload, self._codec, self._level, saver))
+                                  lambda location: store_payload(location, payload, self._codec, self._level, saver,
+                                                                 progress=progress))
         if self._shards.commits:
             self._steps.committed(step)
             self._tidy()

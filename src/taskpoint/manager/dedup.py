@@ -18,7 +18,6 @@ import concurrent.futures
 import contextlib
 import os
 import shutil
-import stat
 import tempfile
 import threading
 import time
@@ -26,13 +25,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointCorruptError, CheckpointError
-from ..format.archive import MAX_DEPTH, skip_special
 from ..format.records import ChunkedTree, StepManifest, TreeEntry
 from ..format.space import check_room
-from ..payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, FilePayload, Payload, payload_class
+from ..payloads import BytesPayload, DirectoryPayload, Payload, payload_class
 from ..workspace import STAGING_PREFIX
-from .chunks import ChunkStore
+from .chunks import ChunkStore, source_tree
 from .steps import StepStore, quietly
 
 #: Size of a chunk: 4 MiB (see docs/manager.md for why fixed-size chunks, and why this size).
@@ -66,49 +65,6 @@ class MissingChunk(Exception):
     def __init__(self, path: str, uri: str) -> None:
         super().__init__(f"file {path!r} needs chunk {uri}, which is missing")
         self.path = path
-
-
-def _source(payload: Payload) -> tuple[list[TreeEntry], dict[str, Path], memoryview | None]:
-    """The entries of ``payload`` (sizes and modes, no chunks yet), where each file's bytes are, and the
-    bytes of a bytes payload."""
-    if isinstance(payload, FilePayload):
-        path = payload.local_file()
-        return [TreeEntry(RAW_RESULT_NAME, "file", size=path.stat().st_size)], {RAW_RESULT_NAME: path}, None
-    if isinstance(payload, BytesPayload):
-        view = payload._view
-        return [TreeEntry(RAW_RESULT_NAME, "file", size=view.nbytes)], {}, view
-    assert isinstance(payload, DirectoryPayload)
-    root = payload._path
-    entries: list[TreeEntry] = []
-    files: dict[str, Path] = {}
-    real_root = os.path.realpath(root)
-
-    def walk(folder: Path, prefix: str) -> None:
-        for name in sorted(os.listdir(folder)):
-            path, rel = folder / name, f"{prefix}{name}"
-            if rel.count("/") >= MAX_DEPTH:
-                raise ValueError(f"{path!r} is nested deeper than {MAX_DEPTH} folders; flatten the tree")
-            st = os.lstat(path)
-            if stat.S_ISLNK(st.st_mode):
-                target = os.readlink(path)
-                resolved = os.path.normpath(os.path.join(real_root, os.path.dirname(rel), target))
-                if os.path.isabs(target) or not (resolved == real_root or resolved.startswith(real_root + os.sep)):
-                    raise ValueError(f"symlink {str(path)!r} points outside the directory being saved ({target!r}); "
-                                     "a checkpoint holds only links that stay inside its tree. Replace the link "
-                                     "with a copy, or remove it.")
-                entries.append(TreeEntry(rel, "link", target=target))
-            elif skip_special(str(path), st.st_mode, stacklevel=6):
-                continue
-            elif stat.S_ISDIR(st.st_mode):
-                entries.append(TreeEntry(rel, "dir", mode=stat.S_IMODE(st.st_mode) & 0o777, mtime=st.st_mtime))
-                walk(path, rel + "/")
-            else:
-                entries.append(TreeEntry(rel, "file", mode=stat.S_IMODE(st.st_mode) & 0o777, size=st.st_size,
-                                         mtime=st.st_mtime))
-                files[rel] = path
-
-    walk(root, "")
-    return entries, files, None
 
 
 class Dedup:
@@ -168,10 +124,12 @@ class Dedup:
 
     # -- saving --------------------------------------------------------------------------------------------
 
-    def store(self, payload: Payload) -> tuple[int, None, ChunkedTree]:
+    def store(self, payload: Payload, progress: Progress = NO_PROGRESS) -> tuple[int, None, ChunkedTree]:
         """Upload the chunks of ``payload`` that the store lacks (call inside :meth:`lease`); return its size,
-        no digest (each chunk is named by its own), and its tree. :attr:`last` has the figures."""
-        entries, files, view = _source(payload)
+        no digest (each chunk is named by its own), and its tree. :attr:`last` has the figures. ``progress``
+        counts the plain bytes of the files, each chunk once it is hashed and, when new, stored."""
+        entries, files, view = source_tree(payload)
+        progress.set_total(sum(entry.size for entry in entries if entry.type == "file"))
         stats = SaveStats()
         size = self.chunk_size
         slots = threading.BoundedSemaphore(2 * self.workers)  # chunks in memory at once
@@ -184,7 +142,7 @@ class Dedup:
                 for offset in range(0, entry.size, size):
                     length = min(size, entry.size - offset)
                     slots.acquire()
-                    future = pool.submit(self._store_chunk, files.get(entry.path), view, offset, length)
+                    future = pool.submit(self._store_chunk, files.get(entry.path), view, offset, length, progress)
                     future.add_done_callback(lambda _: slots.release())
                     futures.append(future)
                 pending.append((index, futures))
@@ -203,7 +161,8 @@ class Dedup:
                                   "committed. Save again.")
         return stats.size, None, ChunkedTree(chunk_size=size, entries=tuple(entries))
 
-    def _store_chunk(self, path: Path | None, view: memoryview | None, offset: int, length: int) -> tuple[str, int]:
+    def _store_chunk(self, path: Path | None, view: memoryview | None, offset: int, length: int,
+                     progress: Progress) -> tuple[str, int]:
         """Hash one chunk; upload it when the store lacks it. Returns its key and the bytes uploaded."""
         if view is not None:
             data: bytes | memoryview = view[offset:offset + length]
@@ -219,26 +178,29 @@ class Dedup:
         assert known is not None
         with self._known_lock:
             if key in known:
+                progress.update(length)
                 return key, 0
         blob = self.chunks.compress(data)
         self.chunks.put(key, blob)
         with self._known_lock:
             known.add(key)
+        progress.update(length)
         return key, len(blob)
 
     # -- restoring -----------------------------------------------------------------------------------------
 
-    def restore(self, step: int, manifest: StepManifest, workspace: Path) -> Path:
+    def restore(self, step: int, manifest: StepManifest, workspace: Path, progress: Progress = NO_PROGRESS
+                ) -> Path:
         """Rebuild ``manifest``'s tree in a staging folder of ``workspace``, every chunk verified, then publish
         it as the payload kind does. MissingChunk when a chunk is not stored; CheckpointCorruptError names the
-        step and the file when one does not match."""
+        step and the file when one does not match. ``progress`` counts the plain bytes of the files."""
         tree = manifest.tree
         assert tree is not None
         cls = payload_class(manifest.record.kind, self.steps.step_uri(step))
         workspace.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=workspace))
         try:
-            self._rebuild(step, tree, staging)
+            self._rebuild(step, tree, staging, progress)
             return cls.publish(staging, workspace)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -247,7 +209,7 @@ class Dedup:
         return CheckpointCorruptError(f"step {step} in {self.steps.directory}: file {path!r} is damaged: {why}. "
                                       "Restore an older step (fallback=True), or save it again.")
 
-    def _rebuild(self, step: int, tree: ChunkedTree, staging: Path) -> None:
+    def _rebuild(self, step: int, tree: ChunkedTree, staging: Path, progress: Progress) -> None:
         seen: dict[str, str] = {}
         for entry in tree.entries:
             parts = entry.path.split("/")
@@ -282,7 +244,8 @@ class Dedup:
                     os.ftruncate(fd, entry.size)
                 finally:
                     os.close(fd)
-        self._fetch_all(step, tree, staging)
+        progress.set_total(sum(e.size for e in tree.entries if e.type == "file"))
+        self._fetch_all(step, tree, staging, progress)
         for entry in tree.entries:
             target = staging / entry.path
             if entry.type == "file":
@@ -301,7 +264,7 @@ class Dedup:
                 if entry.mtime is not None:
                     os.utime(target, (entry.mtime, entry.mtime))
 
-    def _fetch_all(self, step: int, tree: ChunkedTree, staging: Path) -> None:
+    def _fetch_all(self, step: int, tree: ChunkedTree, staging: Path, progress: Progress) -> None:
         def fetch(entry: TreeEntry, index: int, key: str) -> None:
             offset = index * tree.chunk_size
             length = min(tree.chunk_size, entry.size - offset)
@@ -316,6 +279,7 @@ class Dedup:
                 os.pwrite(fd, data, offset)
             finally:
                 os.close(fd)
+            progress.update(length)
 
         slots = threading.BoundedSemaphore(2 * self.workers)  # chunks in memory at once
         failed = threading.Event()

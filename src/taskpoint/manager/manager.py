@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import anyio.to_thread
+from fsspec.callbacks import Callback
 
-from .. import _log
+from .. import _log, _progress
 from .._log import TransferStats
 from ..errors import CheckpointError
 from ..format.codecs import Codec, get_codec
@@ -217,7 +218,7 @@ class CheckpointManager(StepQueries):
     # -- save ----------------------------------------------------------------------------------------------
 
     def save(self, data: Any, step: int, *, metadata: dict[str, Any] | None = None, overwrite: bool = False,
-             blocking: bool | None = None) -> str:
+             blocking: bool | None = None, progress: bool | Callback | None = None) -> str:
         """Save ``data`` as ``step``; return the URI of the step's folder.
 
         ``metadata`` is a dict of JSON values, given back exactly by :meth:`metadata`. Saving a step that
@@ -225,13 +226,15 @@ class CheckpointManager(StepQueries):
         can both pass the check; the last to commit wins, with its own complete data). With
         ``blocking=False`` (or ``async_save=True``) the call returns once the data is snapshotted: the caller
         may change or delete it at once. At most one save is in flight; the next call waits for it, and an
-        error it met is raised by the next call instead of doing anything else.
+        error it met is raised by the next call instead of doing anything else. ``progress``: as for
+        :meth:`Checkpoint.save_sync <taskpoint.Checkpoint.save_sync>` (a background save shows no bar unless True).
         """
         clock = _log.Clock()
         step = check_step(step)
         record_metadata = check_metadata(metadata)
         attempt = _attempt_source()
         background = self._async_save if blocking is None else not blocking
+        tracker = _progress.resolve(progress, f"save step {step}", background=background)
         self.checkpoint_if_preempted()  # a safe point: with on_preemption, a notice ends the attempt here
         with self._lock:
             self._check_open()
@@ -241,7 +244,8 @@ class CheckpointManager(StepQueries):
                 raise FileExistsError(f"step {step} already exists in {self.directory}; pass overwrite=True to "
                                       "replace it, or save under a new step")
             payload = payload_for(data)  # after the existence check: some kinds (PyTree) serialize here
-            job = functools.partial(self._write_step, step, record_metadata, attempt, replaced, clock=clock)
+            job = functools.partial(self._write_step, step, record_metadata, attempt, replaced, clock=clock,
+                                    progress=tracker)
             if not background:
                 job(payload)
             else:
@@ -257,13 +261,11 @@ class CheckpointManager(StepQueries):
             self._check_open()
             self._writer.commit_files(check_step(step), name, data, _attempt_source(), record_metadata)
 
-    def step_uri(self, step: int) -> str:
-        """The URI of ``step``'s folder (whether or not it exists)."""
-        return self._steps.step_uri(check_step(step))
-
     def _write_step(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: str | None,
-                    payload: Payload, saver: SaverProcess | None = None, *, clock: _log.Clock) -> None:
-        self.last_save = self._writer.write(step, metadata, attempt, replaced, payload, saver, clock=clock)
+                    payload: Payload, saver: SaverProcess | None = None, *, clock: _log.Clock,
+                    progress: _progress.Progress) -> None:
+        self.last_save = self._writer.write(step, metadata, attempt, replaced, payload, saver, clock=clock,
+                                            progress=progress)
 
     # -- preemption: the notice, and the emergency save (emergency.py) --------------------------------------
     def reached_preemption(self) -> bool:
@@ -281,7 +283,7 @@ class CheckpointManager(StepQueries):
     # -- restore -------------------------------------------------------------------------------------------
 
     def restore(self, step: int | None = None, *, into: str | os.PathLike[str] | None = None,
-                fallback: bool = False) -> Path:
+                fallback: bool = False, progress: bool | Callback | None = None) -> Path:
         """Restore ``step`` (the newest when None) and return it as :meth:`Checkpoint.load
         <taskpoint.Checkpoint.load>` does: a folder for directories, ``<folder>/payload`` for bytes and files.
 
@@ -290,9 +292,10 @@ class CheckpointManager(StepQueries):
         verified while streaming, and nothing lands before it matches: a mismatch raises
         CheckpointCorruptError naming the step. With ``fallback=True`` a damaged step is skipped with a
         warning for the newest older one that verifies; storage errors are raised, never skipped.
-        :attr:`restored_step` says which step the last successful restore returned.
+        :attr:`restored_step` says which step the last successful restore returned. ``progress``: as for
+        :meth:`Checkpoint.load_sync <taskpoint.Checkpoint.load_sync>`.
         """
-        clock = _log.Clock()
+        clock, tracker = _log.Clock(), _progress.resolve(progress, "restore")
         if step is None:
             candidates = list(reversed(self.steps()))
             if not candidates:
@@ -303,7 +306,8 @@ class CheckpointManager(StepQueries):
             candidates = [step, *(s for s in reversed(self.steps()) if s < step)] if fallback else [step]
         target = None if into is None else Path(normalize_uri(into, "into"))
         self.restored_step, result = self._reader.read_first(candidates, target, fallback=fallback,
-                                                             requested=step is not None, clock=clock)
+                                                             requested=step is not None, clock=clock,
+                                                             progress=tracker)
         return result
 
     # -- delete and garbage collection ---------------------------------------------------------------------

@@ -47,6 +47,10 @@ class StepQueries:
         steps = self.steps()
         return steps[-1] if steps else None
 
+    def step_uri(self, step: int) -> str:
+        """The URI of ``step``'s folder (whether or not it exists)."""
+        return self._steps.step_uri(check_step(step))
+
     def list_checkpoints(self) -> dict[int, str]:
         """Each committed step with the URI of its folder, oldest first."""
         return {step: self._steps.step_uri(step) for step in self.steps()}

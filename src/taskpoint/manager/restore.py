@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 from .. import _log
+from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointCorruptError, CheckpointError, add_note
 from ..format.records import FILESET_CODEC, ObjectRecord, StepManifest
 from ..payloads import Payload, payload_class
@@ -42,15 +43,22 @@ class StepReader:
         if self._workspace is not None:
             self._workspace.close()
 
-    def read_first(self, candidates: list[int], into: Path | None, *, fallback: bool,
-                   requested: bool, clock: _log.Clock | None = None) -> tuple[int, Path]:
+    def read_first(self, candidates: list[int], into: Path | None, *, fallback: bool, requested: bool,
+                   clock: _log.Clock | None = None, progress: Progress = NO_PROGRESS) -> tuple[int, Path]:
         """The first of ``candidates`` that restores, and where. Without ``fallback`` only the first is tried;
         with it, a damaged or vanished step is skipped with a warning, but a ``requested`` step that does not
-        exist is an error at once, and storage errors are raised, never skipped."""
+        exist is an error at once, and storage errors are raised, never skipped. ``progress`` counts the step
+        being read, and starts again from zero for the next candidate."""
+        with progress:
+            return self._read_first(candidates, into, fallback, requested, clock, progress)
+
+    def _read_first(self, candidates: list[int], into: Path | None, fallback: bool, requested: bool,
+                    clock: _log.Clock | None, progress: Progress) -> tuple[int, Path]:
         first_error: Exception | None = None
         for index, candidate in enumerate(candidates):
             try:
-                result = self.read(candidate, into)
+                progress.rewind()
+                result = self.read(candidate, into, progress)
                 if clock is not None:
                     self._log_restore(candidate, clock)
                 return candidate, result
@@ -74,27 +82,27 @@ class StepReader:
             _log.transferred("load", self._steps.step_uri(step), record.kind if record else "unknown",
                              record.size if record else None, clock, step)
 
-    def read(self, step: int, into: Path | None) -> Path:
+    def read(self, step: int, into: Path | None, progress: Progress = NO_PROGRESS) -> Path:
         """Restore ``step`` into ``into``, or into ``<own workspace>/ckpt-<step>`` when None."""
         if not self._claims.start_restore(step):
             raise FileNotFoundError(f"step {step} in {self.directory} is being deleted")
         try:
             if into is not None:
-                return self._read_step(step, into)
+                return self._read_step(step, into, progress)
             with self._lock:
                 if self._workspace is None:
                     self._workspace = Workspace(None)
                 folder = self._workspace.path / f"ckpt-{step}"
                 shutil.rmtree(folder, ignore_errors=True)
                 try:
-                    return self._read_step(step, folder)
+                    return self._read_step(step, folder, progress)
                 except BaseException:
                     shutil.rmtree(folder, ignore_errors=True)
                     raise
         finally:
             self._claims.end_restore(step)
 
-    def _read_step(self, step: int, workspace: Path) -> Path:
+    def _read_step(self, step: int, workspace: Path, progress: Progress) -> Path:
         """Stream the payload the manifest names into ``workspace``, following concurrent overwrites."""
         manifest = self._steps.manifest(step)
         for _ in range(RESTORE_ATTEMPTS):
@@ -104,7 +112,8 @@ class StepReader:
                 raise CheckpointError(
                     f"step {step} in {self.directory} is a PyTorch Distributed Checkpoint: load it with "
                     f"dcp.load(state, storage_reader=taskpoint.torch.Reader.for_step(manager, {step}))")
-            result = self._read_payload(step, manifest, workspace)
+            progress.rewind()  # a manifest followed after an overwrite: its payload is counted from zero
+            result = self._read_payload(step, manifest, workspace, progress)
             if result is not None:
                 return result
             now = self._steps.manifest(step)
@@ -130,10 +139,10 @@ class StepReader:
         shard = manifest.shards[self._ranks.rank]
         return shard.payload, shard.record
 
-    def _read_payload(self, step: int, manifest: StepManifest, workspace: Path) -> Path | None:
+    def _read_payload(self, step: int, manifest: StepManifest, workspace: Path, progress: Progress) -> Path | None:
         if manifest.tree is not None:  # a deduplicated step: its chunks, each verified
             try:
-                return self._dedup.restore(step, manifest, workspace)
+                return self._dedup.restore(step, manifest, workspace, progress)
             except MissingChunk as missing:
                 now = self._steps.manifest(step)
                 if now is None or now.record.save_id != manifest.record.save_id:
@@ -155,7 +164,7 @@ class StepReader:
                     "(fallback=True), or save it again.")
 
         try:
-            return read_payload(src, workspace, choose, verify, size_hint=record.size)
+            return read_payload(src, workspace, choose, verify, size_hint=record.size, progress=progress)
         except FileNotFoundError:  # deleted under a streaming read (object stores): check the manifest
             return None
         except CheckpointCorruptError as exc:

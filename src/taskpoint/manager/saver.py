@@ -41,7 +41,8 @@ import traceback
 import warnings
 from typing import IO, Any
 
-from .. import preemption
+from .. import _progress, preemption
+from .._progress import NO_PROGRESS, Progress
 from ..errors import add_note
 from ..format.codecs import get_codec
 from ..format.records import StepManifest
@@ -123,11 +124,14 @@ class SaverProcess:
         return self._process.pid
 
     def store_payload(self, location: Location, payload: Payload, codec: str, level: int | None,
-                      commit: tuple[Location, StepManifest] | None = None) -> tuple[int, str]:
+                      commit: tuple[Location, StepManifest] | None = None,
+                      progress: Progress = NO_PROGRESS) -> tuple[int, str]:
         """What :func:`taskpoint.transfer.write_payload` does, done by the helper process.
 
         ``commit`` is the manifest's location and the manifest (its size and digest still to fill in) that the
-        child writes itself if this process dies before the upload ends (see the module's docstring).
+        child writes itself if this process dies before the upload ends (see the module's docstring). The
+        child reports its progress as ``("progress", "size" | "update", n)`` messages before its answer; they
+        go to ``progress``.
 
         Raises what the child raised (with its traceback as a note), or SaverUnavailable when the request
         cannot be sent (the payload does not pickle) or the child died; nothing was committed then.
@@ -136,7 +140,7 @@ class SaverProcess:
             orphan = None if commit is None else (commit[0].uri, commit[0].storage_options, commit[0].retry,
                                                   commit[1])
             request = _pickle((location.uri, location.storage_options, location.retry, payload, codec, level,
-                               orphan))
+                               orphan, progress.active))
         except Exception as exc:
             raise NotTransferable(f"this payload cannot be sent to the save process ({exc})") from exc
         with self._lock:
@@ -144,7 +148,15 @@ class SaverProcess:
             assert stdin is not None and stdout is not None
             try:
                 _send(stdin, request)
-                status, value, caught = _receive(stdout)
+                answer = _receive(stdout)
+                while answer[0] == "progress":
+                    _, what, n = answer
+                    if what == "size":
+                        progress.set_total(n)
+                    else:
+                        progress.update(n)
+                    answer = _receive(stdout)
+                status, value, caught = answer
             except (OSError, EOFError, pickle.UnpicklingError) as exc:
                 code = self._process.poll()
                 raise SaverUnavailable(f"the save process (pid {self.pid}) died"
@@ -247,6 +259,12 @@ def _commit_orphan(commit: tuple[str, Any, Any, StepManifest], size: int, digest
     location.write_small(manifest.to_bytes(), action="commit, for a trainer that died, the checkpoint at")
 
 
+def _relayed(replies: IO[bytes]) -> Progress:
+    """The child's progress: each count sent to the parent as a message before the answer (which is sent only
+    after this progress is closed, so messages never interleave)."""
+    return _progress.relay(lambda what, n: _send(replies, _pickle(("progress", what, n))))
+
+
 def serve(parent: int) -> None:
     """The child's loop: answer write requests until the pipe closes."""
     _die_with_parent(parent)
@@ -272,8 +290,10 @@ def serve(parent: int) -> None:
             warnings.simplefilter("always")
             value: Any
             try:
-                uri, options, retry, payload, codec, level, orphan = message
-                value = write_payload(Location(uri, options, retry), payload, get_codec(codec), level)
+                uri, options, retry, payload, codec, level, orphan, report = message
+                with _relayed(replies) if report else NO_PROGRESS as progress:
+                    value = write_payload(Location(uri, options, retry), payload, get_codec(codec), level,
+                                          progress=progress)
                 if orphan is not None and os.getppid() != parent:
                     _commit_orphan(orphan, *value)
                 status = "ok"

@@ -11,6 +11,7 @@ import io
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from typing import Any
 
 #: Buffer of local reads. Readers ask for whole gzip members or pieces of a MiB, which bypass it; larger
@@ -61,16 +62,18 @@ def copy_file_in_kernel(source: str | os.PathLike[str], dest_fd: int) -> int:
         return copy_fd_in_kernel(src.fileno(), dest_fd)
 
 
-def digest_by_reading(fd: int, size: int, hasher: Any) -> int:
+def digest_by_reading(fd: int, size: int, hasher: Any, on_read: Callable[[int], None] | None = None) -> int:
     """Feed up to ``size`` bytes of an open file to ``hasher`` with positional reads into one small buffer;
-    return how many there were. For files others could truncate meanwhile: a memory map would crash the
-    process with SIGBUS, a read just comes up short."""
+    return how many there were (``on_read(n)`` is told of each piece). For files others could truncate
+    meanwhile: a memory map would crash the process with SIGBUS, a read just comes up short."""
     piece = 1 << 20
     done = 0
     if not hasattr(os, "preadv"):  # e.g. macOS before 11: a new bytes object per piece
         while done < size and (chunk := os.pread(fd, min(piece, size - done), done)):
             hasher.update(chunk)
             done += len(chunk)
+            if on_read is not None:
+                on_read(len(chunk))
         return done
     view = memoryview(bytearray(piece))
     while done < size:
@@ -79,28 +82,43 @@ def digest_by_reading(fd: int, size: int, hasher: Any) -> int:
             break
         hasher.update(view[:n])
         done += n
+        if on_read is not None:
+            on_read(n)
     return done
 
 
-def copy_fd_in_kernel(source_fd: int, dest_fd: int, size: int | None = None) -> int:
+#: Bytes one ``copy_file_range`` call copies: a whole GiB when nobody watches, pieces of 16 MiB when
+#: ``on_copied`` reports progress (several reports a second on any disk faster than 16 MB/s).
+_KERNEL_PIECE = 1 << 30
+_WATCHED_PIECE = 16 << 20
+
+
+def copy_fd_in_kernel(source_fd: int, dest_fd: int, size: int | None = None,
+                      on_copied: Callable[[int], None] | None = None) -> int:
     """Copy the first ``size`` bytes of ``source_fd`` (all of it when None), read by offset so its position
     is left alone, to ``dest_fd`` at its position; return how many bytes there were (fewer when the source
-    is shorter)."""
+    is shorter). ``on_copied(n)`` is told of each piece copied."""
     limit = sys.maxsize if size is None else size
+    piece = _KERNEL_PIECE if on_copied is None else _WATCHED_PIECE
     copied = 0
     try:
         while copied < limit:
-            n = os.copy_file_range(source_fd, dest_fd, min(limit - copied, 1 << 30), copied)
+            n = os.copy_file_range(source_fd, dest_fd, min(limit - copied, piece), copied)
             if n == 0:
                 return copied
             copied += n
+            if on_copied is not None:
+                on_copied(n)
         return copied
     except (AttributeError, OSError):  # no copy_file_range here, or not between these filesystems
         while copied < limit:
             chunk = os.pread(source_fd, min(WRITE_PIECE, limit - copied), copied)
             if not chunk:
                 break
-            copied += os.write(dest_fd, chunk)
+            n = os.write(dest_fd, chunk)
+            copied += n
+            if on_copied is not None:
+                on_copied(n)
     return copied
 
 

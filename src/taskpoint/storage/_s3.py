@@ -19,6 +19,8 @@ UPLOAD_PART_SIZE = 8 << 20
 SINGLE_PUT_MAX = 64 << 20
 #: Parts of a multipart upload in flight at once (memory: this x the part size).
 PARTS_IN_FLIGHT = 4
+#: Piece in which a ranged GET's body is read when someone watches the load's progress.
+RECEIVED_PIECE = 256 << 10
 #: Tries of the abort of a failed upload (each with the client's own retries), and the pause between them: a
 #: failure that cut the network for a moment must not leave a billed upload behind. Only two: against a
 #: network that stays down each try waits out the client's timeouts. A later save's sweep, or ``taskpoint gc``,
@@ -178,7 +180,13 @@ class S3RangeReader(ConcurrentRangeReader):
                                          IfMatch=self.version)
         body = answer["Body"]
         try:
-            return await body.read()  # type: ignore[no-any-return]
+            if self.on_received is None:
+                return await body.read()  # type: ignore[no-any-return]
+            parts = []
+            while chunk := await body.read(RECEIVED_PIECE):  # told piece by piece: progress on slow links
+                parts.append(chunk)
+                self._received(len(chunk))
+            return b"".join(parts)
         finally:
             body.close()
 

@@ -101,6 +101,7 @@ class GenerationRangeReader(ConcurrentRangeReader):
             raise ObjectChanged(self._path, self.version) from exc
         if len(data) != end - start:
             raise OSError(f"short ranged read of {self._path}: {len(data)} of {end - start} bytes")
+        self._received(len(data))
         return data
 
 

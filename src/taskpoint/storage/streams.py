@@ -7,6 +7,7 @@ import collections
 import concurrent.futures
 import errno
 import io
+from collections.abc import Callable
 from typing import IO, Any
 
 
@@ -89,7 +90,12 @@ class ConcurrentRangeReader(OrderedFutureReader):
     subclasses for stores that can pin ranged reads to it (S3's ETag, GCS's generation: see the backends)
     raise :class:`ObjectChanged` when the object changed, and the read starts over. Elsewhere (Azure) a change
     shows up as a size or checksum mismatch.
+
+    ``on_received``, when set before the first read, is told of the bytes of each range as they arrive
+    (subclasses that stream a range tell it piece by piece): a load's progress, ahead of what was read.
     """
+
+    on_received: Callable[[int], None] | None = None
 
     def __init__(self, fs: Any, path: str, size: int, *, version: str | None = None, range_size: int = RANGE_SIZE,
                  in_flight: int = RANGES_IN_FLIGHT) -> None:
@@ -105,7 +111,12 @@ class ConcurrentRangeReader(OrderedFutureReader):
         data = self._fs.cat_file(self._path, start=start, end=end)
         if len(data) != end - start:
             raise OSError(f"short ranged read of {self._path}: {len(data)} of {end - start} bytes")
+        self._received(len(data))
         return data  # type: ignore[no-any-return]
+
+    def _received(self, n: int) -> None:
+        if self.on_received is not None:
+            self.on_received(n)
 
     def _fill(self) -> None:
         while self._next < self.size and len(self._pending) < self._in_flight:
