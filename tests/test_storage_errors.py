@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import errno
+import json
 import os
 import re
 from collections.abc import Callable
@@ -86,6 +87,21 @@ def test_missing_google_default_credentials_are_access_denied(gcs_server, monkey
     options = {**gcs_server.storage_options, "token": "google_default"}
     with pytest.raises(StorageAccessDenied, match="Google application default credentials"):
         Checkpoint("gs://taskpoint-tests/denied/ckpt", storage_options=options).save_sync(b"x")
+
+
+def test_a_service_account_key_that_does_not_parse_is_access_denied(gcs_server, tmp_path):
+    """gcsfs ends a key file whose private key does not parse in KeyError: 'refresh_token' (the campaign's
+    secrets scenario found it escaping raw): it is StorageAccessDenied, naming no part of the key."""
+    secret = "tp-KEY-SECRET-77aa"
+    key = tmp_path / "key.json"
+    key.write_text(json.dumps({"type": "service_account", "project_id": "test", "private_key_id": secret,
+                               "private_key": f"-----BEGIN PRIVATE KEY-----\n{secret}\n-----END PRIVATE KEY-----\n",
+                               "client_email": "x@test.iam.gserviceaccount.com", "client_id": "1",
+                               "token_uri": closed_port_url() + "/token"}))
+    options = {"token": str(key), "project": "test", "endpoint_url": gcs_server.endpoint}
+    with pytest.raises(StorageAccessDenied, match="credentials could not be used") as caught:
+        Checkpoint("gs://taskpoint-tests/key/a", storage_options=options).save_sync(b"x")
+    assert secret not in str(caught.value)
 
 
 def test_a_read_only_local_disk_is_access_denied_and_names_no_credentials(tmp_path):

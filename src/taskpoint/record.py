@@ -20,7 +20,7 @@ from .folders import refuse_folder_destination
 from .format.codecs import Codec
 from .format.records import MANIFEST_SUFFIX, ObjectRecord, Record
 from .payloads import Payload, payload_class
-from .storage import Location, VersionConflict
+from .storage import Location, RetryPolicy, VersionConflict
 from .transfer import guess_kind, read_payload, write_payload
 
 #: The record this process last wrote beside each destination (key: filesystem protocol and record path), with
@@ -92,7 +92,9 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
     except BaseException:
         with contextlib.suppress(Exception):  # best effort: the record already lists all that may be visible
             # The failed save's object may have become visible if only the answer was lost: the record keeps
-            # every object it listed, and asks the next save to sweep what this one may have left.
+            # every object it listed, and asks the next save to sweep what this one may have left. One try,
+            # briefly: a store that is down must not make the failed save wait out a second deadline.
+            state.loc = record_loc.with_retry(_MARK_RETRY)
             state.write(lambda record: replace(record, sweep=True), action="record a failed save at")
         raise
     with _written_lock:
@@ -101,6 +103,8 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
     return replace(entry, size=size, crc32=digest)
 
 
+#: The one try of marking the record after a failed save (the next save's sweep does the rest).
+_MARK_RETRY = RetryPolicy(attempts=1, deadline=5.0)
 #: A record read this recently (seconds) is not read again just before the new object is listed in it.
 _FRESH_SECONDS = 1.0
 

@@ -42,6 +42,10 @@ PAYLOAD_FORMAT_VERSION = 1
 #: Objects a record keeps besides the confirmed one: the newest few, in case saves failed after their
 #: object may have become visible (a lost answer to the final PUT).
 RECORD_KEEPS = 3
+#: Entries younger than this (seconds) stay too, at most :data:`RECORD_RECENT_MAX` of them: with two writers at
+#: one destination, one may list several saves while the other's object is still on its way (a slow PUT).
+RECORD_RECENT_SECONDS = 60.0
+RECORD_RECENT_MAX = 32
 #: The format name of a manager step's manifest (version :data:`FORMAT_VERSION`).
 STEP_FORMAT = "taskpoint.step"
 #: The format name of the record one rank writes beside its shard of a step (version 1).
@@ -87,10 +91,13 @@ class Record:
         return json.dumps(doc, sort_keys=True).encode()
 
     def with_new(self, entry: ObjectRecord, *, sweep: bool) -> Record:
-        """This record with ``entry`` first; older entries beyond :data:`RECORD_KEEPS` go, never the confirmed."""
+        """This record with ``entry`` first; older entries beyond :data:`RECORD_KEEPS` go unless they are recent
+        (:data:`RECORD_RECENT_SECONDS`, at most :data:`RECORD_RECENT_MAX`), never the confirmed."""
         older = [o for o in self.objects if o.save_id != entry.save_id]
         kept = older[:RECORD_KEEPS - 1]
-        kept += [o for o in older[RECORD_KEEPS - 1:] if o.save_id == self.confirmed]
+        recent = [o for o in older[RECORD_KEEPS - 1:] if entry.created - o.created < RECORD_RECENT_SECONDS]
+        kept += recent[:RECORD_RECENT_MAX]
+        kept += [o for o in older[RECORD_KEEPS - 1:] if o.save_id == self.confirmed and o not in kept]
         return Record(objects=(entry, *kept), confirmed=self.confirmed, sweep=sweep)
 
     def matching(self, kind: str, size: int, digest: str) -> ObjectRecord | None:

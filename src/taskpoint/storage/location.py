@@ -13,6 +13,7 @@ import contextlib
 import errno
 import os
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from typing import IO, Any, TypeVar
 
@@ -31,7 +32,7 @@ from .backends import (
     credential_source,
     protocols,
 )
-from .errormap import Failure, classify, map_errors
+from .errormap import Failure, classify, describe, map_errors
 from .objectstores import AzureBackend, GCSBackend, ObjectStoreBackend, S3Backend
 from .retry import RetryPolicy
 
@@ -58,12 +59,24 @@ class Location:
         except ImportError as exc:
             raise ImportError(f"{uri}: {exc}. Install the matching extra, e.g. pip install 'taskpoint[s3]', "
                               "'taskpoint[gcs]' or 'taskpoint[azure]'.") from exc
+        except (KeyError, ValueError, TypeError) as exc:
+            if not _raised_by_credentials(exc):
+                raise
+            raise StorageAccessDenied(
+                f"could not connect to {uri}: the credentials could not be used ({describe(exc)}). taskpoint used "
+                f"{credential_source((scheme,), options)}; check that they are complete and valid.") from exc
         self.backend: Backend = backend_for(self.fs, options)
 
     def _moved(self, uri: str, path: str) -> Location:
         other = object.__new__(Location)
         other.__dict__.update(self.__dict__)
         other.uri, other.path = uri, path
+        return other
+
+    def with_retry(self, retry: RetryPolicy) -> Location:
+        """This location with another retry policy (a best-effort write that must not take a whole deadline)."""
+        other = self._moved(self.uri, self.path)
+        other.retry = retry
         return other
 
     def sibling(self, suffix: str) -> Location:
@@ -275,6 +288,18 @@ def _is_instance(fs: Any, module: str, name: str) -> bool:
     """``isinstance(fs, module.name)`` without importing ``module`` (an instance implies it is loaded)."""
     cls = getattr(sys.modules.get(module), name, None)
     return isinstance(cls, type) and isinstance(fs, cls)
+
+
+#: Where a client's credential loading lives: a KeyError or ValueError raised there is a bad key file or token
+#: (gcsfs with a service-account file whose key does not parse ends in KeyError: 'refresh_token').
+_CREDENTIAL_CODE = (f"{os.sep}gcsfs{os.sep}credentials.py", f"{os.sep}google{os.sep}auth{os.sep}",
+                    f"{os.sep}google{os.sep}oauth2{os.sep}")
+
+
+def _raised_by_credentials(exc: BaseException) -> bool:
+    """True when ``exc`` was raised inside a client's credential loading."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return any(any(part in frame.filename for part in _CREDENTIAL_CODE) for frame in frames)
 
 
 def backend_for(fs: Any, options: dict[str, Any]) -> Backend:
