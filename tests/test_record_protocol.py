@@ -33,11 +33,18 @@ _KILLED_SAVER = """
 
     dest, moment, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     real_write_small, real_replace = Location.write_small, os.replace
+    real_write_versioned = Location.write_versioned
 
     def write_small(self, data, **kwargs):
         real_write_small(self, data, **kwargs)
         if moment == "after-record" and self.uri.endswith(".taskpoint.json"):
             os.kill(os.getpid(), signal.SIGKILL)  # the record lists the new object; the object is not visible
+
+    def write_versioned(self, data, expected, **kwargs):  # records are written conditionally where stores can
+        version = real_write_versioned(self, data, expected, **kwargs)
+        if moment == "after-record" and self.uri.endswith(".taskpoint.json"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return version
 
     def replace(src, dst, *args, **kwargs):
         real_replace(src, dst, *args, **kwargs)
@@ -45,6 +52,7 @@ _KILLED_SAVER = """
             os.kill(os.getpid(), signal.SIGKILL)  # the new object is visible; nothing after it ran
 
     Location.write_small = write_small
+    Location.write_versioned = write_versioned
     os.replace = replace
     Checkpoint(dest, storage_options=options).save_sync(b"new state " * 1000)
     sys.exit(3)  # never reached
@@ -226,14 +234,16 @@ def test_small_saves_and_loads_take_few_requests(s3_store, tmp_path):
     assert len(load) <= 2, load
 
 
-def test_two_writers_never_drop_each_others_entry(remote_store, tmp_path, monkeypatch):
-    """Issue 11, on S3 (If-Match), GCS (ifGenerationMatch) and Azure (If-Match): writer A has read the record
+@pytest.mark.parametrize("store", ["local", "s3", "gcs", "azure"], indirect=True)
+def test_two_writers_never_drop_each_others_entry(store, tmp_path, monkeypatch):
+    """Issue 11, on local disk (a flock of the folder), S3 (If-Match), GCS (ifGenerationMatch) and Azure
+    (If-Match): writer A has read the record
     and is about to write it with its new entry when writer B's whole save lands in between. A's record write is
     conditional on the version it saw, so it fails; A reads the record again and keeps B's entry, and B's object,
     made visible last, loads verified. (Before, A's record replaced B's and the load failed as damaged.)"""
     from taskpoint import record
 
-    dest, opts = remote_store.url("shared"), remote_store.storage_options
+    dest, opts = store.url("shared"), store.storage_options
     Checkpoint(dest, storage_options=opts).save_sync(b"a0")
     real_small, real_versioned = Location.write_small, getattr(Location, "write_versioned", None)
     cut_in = {"done": False}

@@ -7,11 +7,12 @@ local loads use it. Nothing here knows about URIs or remote stores.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 #: Buffer of local reads. Readers ask for whole gzip members or pieces of a MiB, which bypass it; larger
@@ -202,3 +203,21 @@ def fsync_dir(folder: str) -> None:
     finally:
         os.close(fd)
 
+
+
+@contextlib.contextmanager
+def folder_lock(folder: str) -> Iterator[None]:
+    """An exclusive ``flock`` of ``folder`` for the block (between processes on this host, and on file systems
+    that share flock locks); where the file system has none (some network ones), the block runs unlocked."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def local_version(st: os.stat_result) -> str:
+    """A local file's version: every atomic write renames a new file (a new inode) over the name."""
+    return f"{st.st_ino}-{st.st_size}-{st.st_mtime_ns}"

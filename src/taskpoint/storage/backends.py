@@ -30,10 +30,10 @@ from typing import IO, Any, ClassVar
 
 from fsspec.asyn import AsyncFileSystem
 
-from ._localio import LOCAL_READ_BUFFER, EarlyWriteback, fsync_dir
+from ._localio import LOCAL_READ_BUFFER, EarlyWriteback, folder_lock, fsync_dir, local_version
 from .errormap import Failure, classify
 from .retry import time_left
-from .streams import RANGE_SIZE
+from .streams import RANGE_SIZE, VersionConflict
 
 #: Read-ahead blocks of remote streams, and the block size of client uploads.
 PART_SIZE = 16 << 20
@@ -276,6 +276,29 @@ class LocalBackend(Backend):
     def read_small(self, path: str) -> bytes:
         with open(path, "rb") as f:
             return f.read()
+
+    conditional = True
+
+    def read_versioned(self, path: str) -> tuple[bytes, str | None]:
+        with open(path, "rb") as f:
+            return f.read(), local_version(os.fstat(f.fileno()))
+
+    def write_versioned(self, path: str, data: bytes, expected: str | None) -> str | None:
+        """Under an exclusive ``flock`` of the folder (where the file system has it): compare the file's
+        identity with ``expected``, then the usual temp file, fsync and rename, which gives the file a new
+        inode and so a new version."""
+        folder = os.path.dirname(path) or "."
+        os.makedirs(folder, exist_ok=True)
+        with folder_lock(folder):
+            try:
+                current = local_version(os.stat(path))
+            except FileNotFoundError:
+                current = None
+            if current != expected:
+                raise VersionConflict(f"{path} changed since it was read")
+            with self.open_write(path, len(data), NO_HOOKS) as f:
+                f.write(data)
+            return local_version(os.stat(path))
 
     def open_read(self, path: str, size_hint: int | None = None) -> IO[bytes]:
         return open(path, "rb", buffering=LOCAL_READ_BUFFER)
