@@ -22,7 +22,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from . import _background, _dataset, _dcp, _report
+from . import _background, _dataset, _dcp, _preemption, _report
 from ._operations import METHODS, PAYLOADS, STORES
 from ._runner import REPO_ROOT, Options, run_all
 
@@ -62,7 +62,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="comma list: taskpoint,taskpoint-progress,taskpoint-async,baseline,raw,raw-fsync,manager,dcp "
                    "(manager: issue 5's background saves through CheckpointManager, directory only; see "
                    "benchmarks/_background.py; dcp: issue 13's 4 ranks saving --size GiB through "
-                   "torch.distributed.checkpoint, see benchmarks/_dcp.py)")
+                   "torch.distributed.checkpoint, see benchmarks/_dcp.py; preemption: issue 12's signal-to-commit "
+                   "time and loop cost, see benchmarks/_preemption.py)")
     p.add_argument("--codec", default="gzip", help="taskpoint's codec (default gzip, the targets' default)")
     p.add_argument("--level", type=int, default=None, help="taskpoint's compression level (default: its own)")
     p.add_argument("--data-dir", type=Path, default=BENCH_DIR / "data", help="where the data set is built")
@@ -120,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
           f"file {mib['file']:.1f} MiB, bytes {mib['bytes']:.1f} MiB; runs {args.runs} "
           f"(baseline {min(args.runs, args.baseline_runs)}); load average {load_before[0]:.2f}", flush=True)
     stem = "bench" if args.size == 1 else f"bench-size{args.size:g}"
+    if all(m in ("dcp", "preemption") for m in args.methods):  # a section alone: never over the main table
+        stem += "-" + "-".join(args.methods)
     args.results_dir.mkdir(parents=True, exist_ok=True)
     profile_dir = None
     if args.profile:
@@ -131,7 +134,10 @@ def main(argv: list[str] | None = None) -> int:
                    max_quiet_wait=args.max_quiet_wait, moto_fast_ranges=args.moto_fast_ranges,
                    train_iterations=args.train_iterations, train_work=args.train_work,
                    log=lambda msg: print(msg, flush=True))
-    results = run_all(dataset, opts) if any(m != _dcp.METHOD for m in args.methods) else []
+    separate = (_dcp.METHOD, _preemption.METHOD)
+    results = run_all(dataset, opts) if any(m not in separate for m in args.methods) else []
+    preempt = (_preemption.run(args.size, args.runs, args.data_dir / "work-preemption")
+               if _preemption.METHOD in args.methods else None)
     dcp_rows = _dcp.run(args.size, opts, args.data_dir / "work-dcp") if _dcp.METHOD in args.methods else []
     summaries = [r.summary() for r in results]
     rows = _report.add_ratios([r for r in summaries if r["method"] != _background.METHOD])
@@ -151,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         sections += [f"PyTorch DCP (issue 13): {_dcp.RANKS} gloo ranks save and load {args.size:g} GiB of sharded "
                      "float32 DTensors; x ref = time / DCP's writer on the same store (fsspec on s3, filesystem "
                      "locally); cpu s = the ranks' CPU, all threads", "", _dcp.table(dcp_rows), ""]
+    if preempt:
+        sections += ["preemption (issue 12): a trainer with CheckpointManager(on_preemption=...) gets SIGTERM at a "
+                     "random moment; and the loop cost of the handling when no notice comes", "",
+                     _preemption.table(preempt), ""]
     text = "\n".join([*sections, _report.targets_table(goals)])
     text += ("\n\ncolumns: RSS+ = peak RSS above the idle worker (plus the whole peak of taskpoint's save process, "
              "for background saves); tmp+ = peak extra temp disk; cpu s = the worker's CPU during the operation "
@@ -176,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_seconds": time.time() - started, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
         "git_commit": _git("rev-parse", "HEAD"), "git_dirty_src": _git("status", "--porcelain", "src"),
         "versions": _versions(), "dataset": {"sizes": dataset.sizes, "spec": _dataset.spec_for(args.size)},
+        "preemption": preempt,
         "mb": "10^6 bytes", "notes": "RSS+ is peak RSS above the idle worker (libraries imported, case prepared); "
         "tmp+ is the peak of bytes in TMPDIR, the load workspace and the local store folder minus what remains",
     }
