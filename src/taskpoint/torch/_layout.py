@@ -72,3 +72,21 @@ def check_threads(threads: int) -> int:
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be a positive int, not {threads!r}")
     return threads
+
+
+class Rooted:
+    """What the writer and the reader share: the checkpoint's folder, made from its URI and storage options."""
+
+    _root: Location
+    _options: dict[str, Any] | None
+    _retry: RetryPolicy | None
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint's URI (DCP logs it)."""
+        return self._root.uri
+
+    def _reroot(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
+        """DCP's ``reset(checkpoint_id)``: a new URI for the next save or load, when one is given."""
+        if checkpoint_id:
+            self._root = root_location(checkpoint_id, self._options, self._retry)

@@ -30,10 +30,18 @@ from ..errors import CheckpointCorruptError, StorageNotFound
 from ..format.fileset import FileEntry, FileSetManifest
 from ..manager import CheckpointManager
 from ..storage import Location, RetryPolicy
-from ._layout import DEFAULT_THREADS, MANIFEST_KIND, MANIFEST_NAME, METADATA_NAME, check_threads, root_location
+from ._layout import (
+    DEFAULT_THREADS,
+    MANIFEST_KIND,
+    MANIFEST_NAME,
+    METADATA_NAME,
+    Rooted,
+    check_threads,
+    root_location,
+)
 
 
-class Reader(StorageReader):
+class Reader(Rooted, StorageReader):
     """Loads a DCP checkpoint saved by :class:`~taskpoint.torch.Writer`: ``dcp.load(state, storage_reader=
     Reader(uri, storage_options=...))``, on any number of ranks (DCP reshards).
 
@@ -61,14 +69,8 @@ class Reader(StorageReader):
         self._storage: dict[MetadataIndex, Any] = {}
         self._failure: BaseException | None = None
 
-    @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint's URI (DCP logs it)."""
-        return self._root.uri
-
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id:
-            self._root = root_location(checkpoint_id, self._options, self._retry)
+        self._reroot(checkpoint_id)
         self.load_id = uuid.uuid4().hex
         self._manifest, self._storage, self._failure = None, {}, None
 

@@ -38,6 +38,7 @@ from ._layout import (
     MANIFEST_NAME,
     METADATA_NAME,
     FilePrefix,
+    Rooted,
     StoredItem,
     check_threads,
     root_location,
@@ -49,7 +50,7 @@ DCP_VERSION = "1.0.0"
 _TENSOR_OVERHEAD = 4096
 
 
-class Writer(StorageWriter):
+class Writer(Rooted, StorageWriter):
     """Saves a DCP checkpoint to ``uri`` (a folder on any fsspec URL): ``dcp.save(state, storage_writer=
     Writer(uri, storage_options=...))``, and ``dcp.async_save`` the same way.
 
@@ -75,14 +76,8 @@ class Writer(StorageWriter):
         #: The manifest the last save committed (on the coordinator, once ``finish`` returned).
         self.committed: FileSetManifest | None = None
 
-    @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint's URI (DCP logs it)."""
-        return self._root.uri
-
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id:
-            self._root = root_location(checkpoint_id, self._options, self._retry)
+        self._reroot(checkpoint_id)
         self.save_id = uuid.uuid4().hex
         self.committed = None
 
