@@ -77,22 +77,18 @@ class _Reader:
 
     def head(self) -> bytes:
         """Everything up to and including the blank line that ends an HTTP head."""
-        while True:
-            end = self.buf.find(b"\r\n\r\n")
-            if end >= 0:
-                out = bytes(self.buf[: end + 4])
-                del self.buf[: end + 4]
-                return out
-            if len(self.buf) > _MAX_HEAD:
-                raise _Closed
-            self._fill()
+        return self._through(b"\r\n\r\n")
 
     def line(self) -> bytes:
+        return self._through(b"\r\n")
+
+    def _through(self, end_mark: bytes) -> bytes:
+        """Everything up to and including ``end_mark`` (at most an HTTP head's worth)."""
         while True:
-            end = self.buf.find(b"\r\n")
+            end = self.buf.find(end_mark)
             if end >= 0:
-                out = bytes(self.buf[: end + 2])
-                del self.buf[: end + 2]
+                out = bytes(self.buf[: end + len(end_mark)])
+                del self.buf[: end + len(end_mark)]
                 return out
             if len(self.buf) > _MAX_HEAD:
                 raise _Closed

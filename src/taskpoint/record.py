@@ -4,7 +4,6 @@ load verified against it (see :mod:`taskpoint.format.records` for the format and
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 import uuid
@@ -24,12 +23,12 @@ from .storage import Location, RetryPolicy, VersionConflict
 from .transfer import guess_kind, read_payload, write_payload
 
 #: The record this process last wrote beside each destination (key: filesystem protocol and record path), with
-#: the local file's identity and the stored version (S3's ETag, GCS's generation). A later save starts from it:
-#: where the store has conditional writes, its record write lands only over that version, and on a conflict it
-#: reads the record again and keeps what the other writer listed; elsewhere, just before it lists its new object
-#: it reads the record again (on local disk only when a stat says another process replaced it), so that what
-#: another writer made visible stays listed.
-_written: dict[tuple[str, str], tuple[Record, tuple[int, int, int] | None, str | None]] = {}
+#: its stored version (S3's and Azure's ETag, GCS's generation, a local file's identity). A later save starts
+#: from it: where the store has conditional writes, its record write lands only over that version, and on a
+#: conflict it reads the record again and keeps what the other writer listed; elsewhere (``memory://``), just
+#: before it lists its new object it reads the record again, so that what another writer made visible stays
+#: listed.
+_written: dict[tuple[str, str], tuple[Record, str | None]] = {}
 _written_lock = threading.Lock()
 #: How often a load re-reads the record and follows it when the object it read is not listed (each time, a
 #: save of another process wrote the record after this load read it).
@@ -52,7 +51,7 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
     record_loc = dest.sibling(MANIFEST_SUFFIX)
     key = _record_key(record_loc)
     with _written_lock:
-        known, stamp, version = _written.pop(key, (None, None, None))
+        known, version = _written.pop(key, (None, None))
     read_at = time.monotonic()
     if known is None:
         stored, version = _read_versioned(record_loc)
@@ -78,10 +77,8 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
     def before_commit(size: int, digest: str) -> None:
         # Another process may save here too: the record must keep listing the object it made visible. With
         # conditional writes the store says so (a conflict: read it again); elsewhere read it again unless it
-        # cannot have changed (local: the same file as this process wrote; a record read a moment ago), and
-        # keep what it lists besides what this process knew.
-        if not record_loc.conditional and ((known is not None and not _unchanged(record_loc, stamp)) or
-                                           (known is None and time.monotonic() - read_at > _FRESH_SECONDS)):
+        # was read a moment ago, and keep what it lists besides what this process knew.
+        if not record_loc.conditional and (known is not None or time.monotonic() - read_at > _FRESH_SECONDS):
             state.record = _merged(read_record(record_loc, tolerate_corrupt=True), state.record)
         new = replace(entry, size=size, crc32=digest)
         state.write(lambda record: record.with_new(new, sweep=state.partial), action="record the checkpoint at")
@@ -98,8 +95,7 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
             state.write(lambda record: replace(record, sweep=True), action="record a failed save at")
         raise
     with _written_lock:
-        _written[key] = (replace(state.record, confirmed=entry.save_id, sweep=False), _stamp(record_loc),
-                         state.version)
+        _written[key] = (replace(state.record, confirmed=entry.save_id, sweep=False), state.version)
     return replace(entry, size=size, crc32=digest)
 
 
@@ -107,23 +103,6 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
 _MARK_RETRY = RetryPolicy(attempts=1, deadline=5.0)
 #: A record read this recently (seconds) is not read again just before the new object is listed in it.
 _FRESH_SECONDS = 1.0
-
-
-def _stamp(record_loc: Location) -> tuple[int, int, int] | None:
-    """Local disk: what identifies the record file this process just wrote (inode, size, mtime)."""
-    if not record_loc.is_local:
-        return None
-    try:
-        st = os.stat(record_loc.path)
-    except OSError:
-        return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def _unchanged(record_loc: Location, stamp: tuple[int, int, int] | None) -> bool:
-    """True when the record is still the one this process wrote (local disk: a stat, no read); elsewhere it
-    cannot be known without reading it, so False."""
-    return stamp is not None and _stamp(record_loc) == stamp
 
 
 def _merged(current: Record | None, known: Record) -> Record:
@@ -137,13 +116,8 @@ def _merged(current: Record | None, known: Record) -> Record:
 
 def _read_versioned(record_loc: Location) -> tuple[Record | None, str | None]:
     """The stored record (None when there is none or it is damaged: a save replaces it) and its version."""
-    data, version = record_loc.read_versioned() if record_loc.conditional else (record_loc.read_small(), None)
-    if data is None:
-        return None, None
-    try:
-        return Record.from_bytes(data, record_loc.uri), version
-    except CheckpointCorruptError:
-        return None, version
+    data, version = record_loc.read_versioned()
+    return _parsed(data, record_loc.uri, tolerate_corrupt=True), version
 
 
 @dataclass
@@ -180,11 +154,14 @@ class _SaveState:
 
 def read_record(record_loc: Location, *, tolerate_corrupt: bool = False) -> Record | None:
     """The record beside a checkpoint object, or None when there is none."""
-    data = record_loc.read_small()
+    return _parsed(record_loc.read_small(), record_loc.uri, tolerate_corrupt=tolerate_corrupt)
+
+
+def _parsed(data: bytes | None, uri: str, *, tolerate_corrupt: bool) -> Record | None:
     if data is None:
         return None
     try:
-        return Record.from_bytes(data, record_loc.uri)
+        return Record.from_bytes(data, uri)
     except CheckpointCorruptError:
         if tolerate_corrupt:
             return None

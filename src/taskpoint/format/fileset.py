@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,13 @@ from ..errors import CheckpointCorruptError
 from .records import _parse
 
 FILESET_FORMAT = "taskpoint.fileset"
+#: The file-set manifest of a PyTorch DCP checkpoint (taskpoint.torch), beside DCP's own files; a manager step of
+#: such a checkpoint names it.
+DCP_MANIFEST_NAME = "taskpoint.dcp.json"
+#: DCP's metadata file: its presence commits the checkpoint.
+DCP_METADATA_NAME = ".metadata"
+#: Data files of a DCP save by taskpoint.torch (``save`` is the first 12 hex digits of the coordinator's save id).
+DCP_DATA_FILE = re.compile(r"__(0|[1-9][0-9]*)_(0|[1-9][0-9]*)-[0-9a-f]{12}\.distcp")
 #: Newest version of the file-set manifest this taskpoint reads and the one it writes.
 FILESET_VERSION = 1
 

@@ -67,7 +67,7 @@ class SnapshotCache:
             rel = os.path.relpath(src, source)
             st = os.lstat(src)
             seen = _identity(st)
-            if reuse.get(rel) == seen and self._folder is not None:
+            if reuse.get(rel) == seen and self._folder is not None:  # (types: reuse is empty without one)
                 try:
                     os.link(self._folder / "tree" / rel, dst)
                 except OSError:  # no hard links here (another file system, a limit): copy it

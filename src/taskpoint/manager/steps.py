@@ -24,7 +24,7 @@ from datetime import datetime
 from typing import Any
 
 from ..errors import CheckpointCorruptError, StorageNotFound
-from ..format.fileset import FileSetManifest
+from ..format.fileset import DCP_DATA_FILE, DCP_MANIFEST_NAME, DCP_METADATA_NAME, FileSetManifest
 from ..format.records import FILESET_CODEC, StepManifest
 from ..storage import Location
 from .claims import Claims
@@ -38,10 +38,10 @@ PAYLOAD_NAME = re.compile(r"payload-[0-9a-f]{32}")
 #: What a save of ours can leave in a step folder: payloads, rank records, and the temp files of atomic writes.
 #: What a file-set step (taskpoint.torch: DCP's files, its .metadata, taskpoint's manifest of them) leaves; swept
 #: only from a folder with no manifest (a save that never committed).
-_FILESET = re.compile(r"\.?(?:__(?:0|[1-9][0-9]*)_(?:0|[1-9][0-9]*)-[0-9a-f]{12}\.distcp|\.metadata"
-                      r"|taskpoint\.dcp\.json)(?:\.[0-9a-f]{12}\.tmp)?")
+_FILESET = re.compile(rf"\.?(?:{DCP_DATA_FILE.pattern}|{re.escape(DCP_METADATA_NAME)}|{re.escape(DCP_MANIFEST_NAME)})"
+                      r"(?:\.[0-9a-f]{12}\.tmp)?")
 #: The manifest of a file-set step's files, named by the step's own manifest.
-FILESET_NAME = "taskpoint.dcp.json"
+FILESET_NAME = DCP_MANIFEST_NAME
 _OURS = re.compile(r"\.?(?:payload-[0-9a-f]{32}|taskpoint\.json|rank-(?:0|[1-9][0-9]*)\.json)"
                    r"(?:\.[0-9a-f]{12}\.tmp)?")
 

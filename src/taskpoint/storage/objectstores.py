@@ -104,8 +104,11 @@ class ObjectStoreBackend(Backend):
 
 def _empty_range(exc: BaseException) -> bool:
     """True for the answer to a range of an empty object (416, ``InvalidRange``)."""
-    return any(code_and_status(each)[1] == 416 or code_and_status(each)[0] == "InvalidRange" or
-               getattr(each, "code", None) == 416 for each in chain(exc))
+    for each in chain(exc):
+        code, status = code_and_status(each)
+        if status == 416 or code == "InvalidRange" or getattr(each, "code", None) == 416:
+            return True
+    return False
 
 
 class GenerationRangeReader(ConcurrentRangeReader):
