@@ -2,7 +2,9 @@
 
 A save walks the payload (a directory; bytes and single files are one-file trees), hashes every chunk,
 uploads in parallel only the chunks the store does not hold, and returns the tree that the step's manifest
-records. A restore fetches the chunks in parallel, verifies each against its name, and rebuilds the tree in a
+records. A file unchanged since the last save of this manager read it (judged by ``lstat``, as
+:mod:`.snapshots` explains) is not read again: its chunk list is that save's, once every chunk in it is known
+to be stored. A restore fetches the chunks in parallel, verifies each against its name, and rebuilds the tree in a
 staging folder. :meth:`Dedup.collect` removes the chunks that no manifest names.
 
 Why a save never commits a step naming a deleted chunk is argued in docs/manager.md: a save writes its lease
@@ -32,6 +34,7 @@ from ..format.space import check_room
 from ..payloads import BytesPayload, DirectoryPayload, Payload, payload_class
 from ..workspace import STAGING_PREFIX
 from .chunks import ChunkStore, source_tree
+from .snapshots import ReadIndex, Snapshot, trust_lstat
 from .steps import StepStore, quietly
 
 #: Size of a chunk: 4 MiB (see docs/manager.md for why fixed-size chunks, and why this size).
@@ -46,12 +49,14 @@ KINDS = ("bytes", "file", "directory")
 
 @dataclass
 class SaveStats:
-    """What one deduplicated save did: plain bytes in the tree, chunks in it, chunks and bytes uploaded."""
+    """What one deduplicated save did: plain bytes in the tree, chunks in it, chunks and bytes uploaded, and
+    the plain bytes of the files it did not read because they were unchanged since the last save."""
 
     size: int = 0
     chunks: int = 0
     uploaded_chunks: int = 0
     uploaded_bytes: int = 0
+    unread_bytes: int = 0
 
 
 def _fresh(mtime: float | None, now: float, grace: float) -> bool:
@@ -79,6 +84,7 @@ class Dedup:
         self.workers = workers
         self._known_lock = threading.Lock()
         self._renewed = 0.0  # when the lease of the save in flight was last written
+        self._reads = ReadIndex()  # what the last save read from each file
         #: The figures of the last deduplicated save.
         self.last: SaveStats | None = None
 
@@ -132,11 +138,25 @@ class Dedup:
         progress.set_total(sum(entry.size for entry in entries if entry.type == "file"))
         stats = SaveStats()
         size = self.chunk_size
+        linked = payload.linked if isinstance(payload, Snapshot) else frozenset()
+        reads = self._reads if trust_lstat() else None
+        if reads is not None:
+            reads.begin()
         slots = threading.BoundedSemaphore(2 * self.workers)  # chunks in memory at once
         with concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="taskpoint-chunk") as pool:
-            pending: list[tuple[int, list[concurrent.futures.Future[tuple[str, int]]]]] = []
+            pending: list[tuple[int, list[concurrent.futures.Future[tuple[str, int]]], os.stat_result | None]] = []
             for index, entry in enumerate(entries):
                 if entry.type != "file":
+                    continue
+                path = files.get(entry.path)
+                before = os.stat(path) if reads is not None and path is not None else None
+                keys = self._unchanged(reads, before, entry.path in linked, entry.size)
+                if keys is not None:
+                    entries[index] = replace(entry, chunks=keys)
+                    stats.size += entry.size
+                    stats.chunks += len(keys)
+                    stats.unread_bytes += entry.size
+                    progress.update(entry.size)
                     continue
                 futures = []
                 for offset in range(0, entry.size, size):
@@ -145,21 +165,37 @@ class Dedup:
                     future = pool.submit(self._store_chunk, files.get(entry.path), view, offset, length, progress)
                     future.add_done_callback(lambda _: slots.release())
                     futures.append(future)
-                pending.append((index, futures))
-            for index, futures in pending:
+                pending.append((index, futures, before))
+            for index, futures, before in pending:
                 results = [future.result() for future in futures]
                 entries[index] = replace(entries[index], chunks=tuple(k for k, _ in results))
+                if reads is not None and before is not None:
+                    reads.record(before, os.stat(files[entries[index].path]), entries[index].chunks)
                 stats.size += entries[index].size
                 stats.chunks += len(results)
                 stats.uploaded_chunks += sum(1 for _, sent in results if sent)
                 stats.uploaded_bytes += sum(sent for _, sent in results)
         self.last = stats
+        if reads is not None:
+            reads.commit()
         if self.grace > 0 and time.time() - self._renewed > self.grace / 2:
             # A sweep may have taken the lease for a dead save's and removed chunks this step names.
             raise CheckpointError(f"a save to {self.steps.directory} could not renew its lease for "
                                   f"{time.time() - self._renewed:.0f} s (the grace is {self.grace:g} s); nothing was "
                                   "committed. Save again.")
         return stats.size, None, ChunkedTree(chunk_size=size, entries=tuple(entries))
+
+    def _unchanged(self, reads: ReadIndex | None, before: os.stat_result | None, linked: bool, size: int
+                   ) -> tuple[str, ...] | None:
+        """The chunk keys of a file unchanged since the last save read it, when every one is known stored."""
+        if reads is None or before is None or before.st_size != size:
+            return None
+        keys = reads.reuse(before, linked=linked)
+        if keys is None or len(keys) != -(-size // self.chunk_size):
+            return None
+        with self._known_lock:
+            known = self.chunks.known
+            return keys if known is not None and all(key in known for key in keys) else None
 
     def _store_chunk(self, path: Path | None, view: memoryview | None, offset: int, length: int,
                      progress: Progress) -> tuple[str, int]:

@@ -13,6 +13,11 @@ before the snapshot began is never trusted, and is copied again next time (git's
 Hashing every file instead would be as slow as copying it. Not seen by ``lstat``: a file changed through a
 writable ``mmap`` that was never flushed (the kernel updates the times at the flush); set
 ``TASKPOINT_SNAPSHOT_ALL=1`` to copy every file every time.
+
+Deduplicated saves use the same judgement through :class:`ReadIndex`: a file unchanged since the last save
+read it is not read or hashed again; its chunk list is taken from that save (see :mod:`.dedup`). The files
+of a snapshot are taskpoint's own, written once and never again, so for those a hard link from the snapshot
+before (which changes the change time, and nothing else) is proof enough.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import os
 import shutil
 import stat
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from .._log import logger
@@ -39,6 +45,69 @@ def _identity(st: os.stat_result) -> Identity:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
+def trust_lstat() -> bool:
+    """Whether unchanged files may be judged by ``lstat`` (False with ``TASKPOINT_SNAPSHOT_ALL=1``)."""
+    return os.environ.get(ENV_SNAPSHOT_ALL, "") not in ("1", "true")
+
+
+class Snapshot(DirectoryPayload):
+    """The folder of a background save's snapshot. ``linked`` names its files (relative paths) that are hard
+    links to the files of the snapshot before: the same bytes, unchanged since that one was taken."""
+
+    def __init__(self, path: Path, linked: frozenset[str] = frozenset()) -> None:
+        super().__init__(path)
+        self.linked = linked
+
+
+@dataclass(frozen=True)
+class _Read:
+    identity: Identity  # the file's, before it was read
+    stable: bool  # modified at least RACY_SECONDS before the save that read it began
+    keys: tuple[str, ...]  # its chunks
+
+
+class ReadIndex:
+    """What the last deduplicated save read from each file (by device and inode), so that the next one can
+    take the chunk list of a file that did not change instead of reading and hashing it again.
+
+    Call :meth:`begin` when a save starts, :meth:`reuse` before reading a file, :meth:`record` after, and
+    :meth:`commit` once the save stored every chunk: the index then holds the files of that save only.
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[int, int], _Read] = {}
+        self._next: dict[tuple[int, int], _Read] = {}
+        self._began = 0
+
+    def begin(self) -> None:
+        self._next = {}
+        self._began = time.time_ns() - int(RACY_SECONDS * 1e9)
+
+    def reuse(self, st: os.stat_result, *, linked: bool) -> tuple[str, ...] | None:
+        """The chunk keys of the file ``st`` describes when it is unchanged since the last save read it:
+        every field of its identity the same and modified well before that read began; for a snapshot's file
+        ``linked`` from the snapshot before, the same inode, size and modification time. Else None."""
+        seen = self._last.get((st.st_dev, st.st_ino))
+        if seen is None:
+            return None
+        now = _identity(st)
+        same = now[:4] == seen.identity[:4] if linked else seen.stable and now == seen.identity
+        if not same:
+            return None
+        self._next[(st.st_dev, st.st_ino)] = seen
+        return seen.keys
+
+    def record(self, before: os.stat_result, after: os.stat_result, keys: tuple[str, ...]) -> None:
+        """A file was read as ``keys``; ``before`` and ``after`` are its status around the read. A file that
+        changed meanwhile is not recorded (the step holds whatever was read; the next save reads it again)."""
+        if _identity(before) == _identity(after):
+            self._next[(before.st_dev, before.st_ino)] = _Read(_identity(before), before.st_mtime_ns < self._began,
+                                                               keys)
+
+    def commit(self) -> None:
+        self._last, self._next = self._next, {}
+
+
 class SnapshotCache:
     """The last snapshot of a directory payload, kept to link its unchanged files into the next one."""
 
@@ -54,12 +123,13 @@ class SnapshotCache:
     def take(self, payload: Payload, scratch: Path) -> Payload | None:
         """A snapshot of ``payload`` below ``scratch``: files unchanged since the kept snapshot are linked from
         it, the others copied. Other kinds are snapshotted as they always are."""
-        if not isinstance(payload, DirectoryPayload) or os.environ.get(ENV_SNAPSHOT_ALL, "") in ("1", "true"):
+        if not isinstance(payload, DirectoryPayload) or not trust_lstat():
             return payload.snapshot(scratch)
         source = os.path.realpath(payload._path)
         reuse = self._index if self._folder is not None and self._source == source else {}
         began = time.time_ns() - int(RACY_SECONDS * 1e9)
         index: dict[str, Identity] = {}
+        linked: set[str] = set()
         copy = scratch / "tree"
         self.linked = self.copied = 0
 
@@ -74,6 +144,7 @@ class SnapshotCache:
                     pass
                 else:
                     index[rel] = seen
+                    linked.add(rel)
                     self.linked += 1
                     return dst
             copier(src, dst)
@@ -94,7 +165,7 @@ class SnapshotCache:
         self._pending = (scratch, source, index)
         logger.debug("snapshot of %s: %d file(s) linked from the last one, %d copied", source, self.linked,
                      self.copied)
-        return DirectoryPayload(copy)
+        return Snapshot(copy, frozenset(linked))
 
     def keep(self, scratch: Path) -> bool:
         """After the upload of the snapshot in ``scratch``: keep it for the next one (dropping the one kept
