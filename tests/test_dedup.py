@@ -264,6 +264,9 @@ def _content_dir(base: Path, content: int) -> Path:
         (folder / "own.bin").write_bytes(random.Random(content).randbytes(50_000 + content))
         (folder / "sub").mkdir()
         (folder / "sub" / "n.txt").write_text(str(content))
+        old = time.time() - 3600  # written long ago: later saves take the files' chunk lists unread
+        for path in (folder / "shared.bin", folder / "own.bin", folder / "sub" / "n.txt"):
+            os.utime(path, (old, old))
     return folder
 
 
