@@ -236,6 +236,58 @@ def test_a_save_waits_for_a_sweep_in_flight(tmp_path):
         assert mgr.steps() == [1]
 
 
+# -- sweeps by saves ---------------------------------------------------------------------------------------
+
+
+@MEMORY_LOCAL_S3
+def test_retention_and_deletes_free_their_chunks_at_the_next_save(store, tmp_path):
+    """No gc() call: the save after a step was deleted (by retention or delete) removes the chunks no step
+    names any more."""
+    with manager(store, grace_seconds=0, keep=2) as mgr:
+        for step in range(5):
+            mgr.save(weights(tmp_path / f"s{step}", seed=step), step)
+            assert set(chunks(store)) == referenced(store)
+        assert mgr.steps() == [3, 4] and len(chunks(store)) == 6
+        mgr.delete(3)
+        assert len(chunks(store)) == 6  # a delete removes the manifest; the chunks wait for a sweep
+        mgr.save(tmp_path / "s4", 5)  # step 4's content: nothing uploaded, step 3's chunks swept
+        assert mgr._dedup.last.uploaded_chunks == 0
+        assert len(chunks(store)) == 3 and set(chunks(store)) == referenced(store)
+        for step in (4, 5):
+            assert snapshot(mgr.restore(step, into=tmp_path / f"out{step}")) == snapshot(tmp_path / "s4")
+
+
+def test_a_save_leaves_chunks_younger_than_the_grace_to_a_later_save(tmp_path):
+    root = tmp_path / "ckpts"
+    with CheckpointManager(str(root), dedup=True, grace_seconds=1.5) as mgr:
+        mgr.save(weights(tmp_path / "a", seed=1), 1)
+        mgr.delete(1)
+        mgr.save(weights(tmp_path / "b", seed=2), 2)  # step 1's chunks are younger than the grace: kept
+        assert len(list((root / "chunks").rglob("*.zst"))) == 6
+        time.sleep(1.6)
+        mgr.save(tmp_path / "b", 3)  # nothing deleted since, but the last sweep left chunks behind
+        assert len(list((root / "chunks").rglob("*.zst"))) == 3
+        assert snapshot(mgr.restore(2, into=tmp_path / "out")) == snapshot(tmp_path / "b")
+
+
+def test_saves_that_delete_nothing_do_not_list_the_chunk_store(tmp_path, monkeypatch):
+    from taskpoint.manager.chunks import ChunkStore
+
+    listings = []
+    listing = ChunkStore.listing
+    monkeypatch.setattr(ChunkStore, "listing", lambda self: listings.append(1) or listing(self))
+    src = weights(tmp_path / "s", seed=3)
+    with CheckpointManager(str(tmp_path / "ckpts"), dedup=True, grace_seconds=0) as mgr:
+        mgr.save(src, 1)
+        first = len(listings)  # the first save lists the store once, to know what it holds
+        for step in range(2, 5):
+            mgr.save(src, step)
+        assert len(listings) == first
+        mgr.delete(2)
+        mgr.save(src, 5)
+        assert len(listings) > first
+
+
 @pytest.mark.parametrize("store", ["memory", "s3"], indirect=True)
 def test_a_manager_forgets_chunks_that_another_managers_gc_removed(store, tmp_path):
     """Manager A believes the chunks of step 1 are stored; manager B deletes step 1 and gc removes its

@@ -111,6 +111,8 @@ class StepWriter:
         """After a commit: apply retention and remove old leftovers. Never fails the save that committed."""
         try:
             removed = self._steps.tidy(self._retention, self._grace)
+            if self._dedup is not None and self._dedup.sweep_due():
+                removed += self._dedup.sweep()  # the chunks of the steps deleted since the last sweep
             if removed:
                 _log.logger.debug("swept %d leftover(s) in %s: %s", len(removed), _log.safe_uri(self._steps.directory),
                                   [_log.safe_uri(uri) for uri in removed])

@@ -4,8 +4,7 @@ A save walks the payload (a directory; bytes and single files are one-file trees
 uploads in parallel only the chunks the store does not hold, and returns the tree that the step's manifest
 records. A file unchanged since the last save of this manager read it (judged by ``lstat``, as
 :mod:`.snapshots` explains) is not read again: its chunk list is that save's, once every chunk in it is known
-to be stored. A restore fetches the chunks in parallel, verifies each against its name, and rebuilds the tree in a
-staging folder. :meth:`Dedup.collect` removes the chunks that no manifest names.
+to be stored. Restores are :mod:`.rebuild`'s. :meth:`Dedup.collect` removes the chunks that no manifest names.
 
 Why a save never commits a step naming a deleted chunk is argued in docs/manager.md: a save writes its lease
 before it decides which chunks are stored and removes it only after its manifest; a sweep writes its lock
@@ -19,8 +18,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -29,10 +26,8 @@ from pathlib import Path
 
 from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointCorruptError, CheckpointError
-from ..format.records import ChunkedTree, StepManifest, TreeEntry
-from ..format.space import check_room
-from ..payloads import BytesPayload, DirectoryPayload, Payload, payload_class
-from ..workspace import STAGING_PREFIX
+from ..format.records import ChunkedTree
+from ..payloads import BytesPayload, DirectoryPayload, Payload
 from .chunks import ChunkStore, source_tree
 from .snapshots import ReadIndex, Snapshot, trust_lstat
 from .steps import StepStore, quietly
@@ -64,14 +59,6 @@ def _fresh(mtime: float | None, now: float, grace: float) -> bool:
     return grace > 0 and (mtime is None or now - mtime < grace)
 
 
-class MissingChunk(Exception):
-    """A chunk a step names is not in the store (the caller decides whether the step changed meanwhile)."""
-
-    def __init__(self, path: str, uri: str) -> None:
-        super().__init__(f"file {path!r} needs chunk {uri}, which is missing")
-        self.path = path
-
-
 class Dedup:
     """Deduplicated saves, restores and chunk collection for one manager directory."""
 
@@ -87,6 +74,9 @@ class Dedup:
         self._reads = ReadIndex()  # what the last save read from each file
         #: The figures of the last deduplicated save.
         self.last: SaveStats | None = None
+        self._swept_deleted = 0  # steps.deleted at the last sweep of a save
+        self._swept_at = 0.0
+        self._unswept = False  # the last sweep left unreferenced chunks (younger than the grace, or blocked)
 
     # -- the save's lease ----------------------------------------------------------------------------------
 
@@ -223,122 +213,18 @@ class Dedup:
         progress.update(length)
         return key, len(blob)
 
-    # -- restoring -----------------------------------------------------------------------------------------
-
-    def restore(self, step: int, manifest: StepManifest, workspace: Path, progress: Progress = NO_PROGRESS
-                ) -> Path:
-        """Rebuild ``manifest``'s tree in a staging folder of ``workspace``, every chunk verified, then publish
-        it as the payload kind does. MissingChunk when a chunk is not stored; CheckpointCorruptError names the
-        step and the file when one does not match. ``progress`` counts the plain bytes of the files."""
-        tree = manifest.tree
-        assert tree is not None
-        cls = payload_class(manifest.record.kind, self.steps.step_uri(step))
-        workspace.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=workspace))
-        try:
-            self._rebuild(step, tree, staging, progress)
-            return cls.publish(staging, workspace)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-
-    def _damaged(self, step: int, path: str, why: str) -> CheckpointCorruptError:
-        return CheckpointCorruptError(f"step {step} in {self.steps.directory}: file {path!r} is damaged: {why}. "
-                                      "Restore an older step (fallback=True), or save it again.")
-
-    def _rebuild(self, step: int, tree: ChunkedTree, staging: Path, progress: Progress) -> None:
-        seen: dict[str, str] = {}
-        for entry in tree.entries:
-            parts = entry.path.split("/")
-            if entry.path in seen or any(p in ("", ".", "..") for p in parts) or "\\" in entry.path:
-                raise self._damaged(step, entry.path, "its manifest names an unsafe or repeated path")
-            if entry.type == "link":
-                depth = len(parts) - 1
-                for piece in (entry.target or "").split("/"):
-                    depth += -1 if piece == ".." else 0 if piece in ("", ".") else 1
-                    if depth < 0:
-                        break
-                if not entry.target or entry.target.startswith("/") or depth < 0:
-                    raise self._damaged(step, entry.path, f"symlink {entry.target!r} leads outside")
-            expected = -(-entry.size // tree.chunk_size) if entry.type == "file" else 0
-            if len(entry.chunks) != expected:
-                raise self._damaged(step, entry.path, "its manifest lists the wrong number of chunks")
-            seen[entry.path] = entry.type
-            for i in range(1, len(parts)):
-                if seen.get("/".join(parts[:i]), "dir") != "dir":
-                    raise self._damaged(step, entry.path, "it lies below an entry that is not a folder")
-        check_room(staging, sum(e.size for e in tree.entries), self.steps.step_uri(step))
-        # Folders and empty files first; links last, so that nothing is ever written through one.
-        for entry in tree.entries:
-            target = staging / entry.path
-            if entry.type == "dir":
-                target.mkdir(parents=True, exist_ok=True)
-            elif entry.type == "file":
-                target.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600 if entry.mode
-                             is not None else 0o666)
-                try:
-                    os.ftruncate(fd, entry.size)
-                finally:
-                    os.close(fd)
-        progress.set_total(sum(e.size for e in tree.entries if e.type == "file"))
-        self._fetch_all(step, tree, staging, progress)
-        for entry in tree.entries:
-            target = staging / entry.path
-            if entry.type == "file":
-                if entry.mode is not None:
-                    os.chmod(target, entry.mode)
-                if entry.mtime is not None:
-                    os.utime(target, (entry.mtime, entry.mtime))
-            elif entry.type == "link":
-                target.parent.mkdir(parents=True, exist_ok=True)
-                os.symlink(entry.target or "", target)
-        for entry in reversed(tree.entries):  # deepest first, so that a read-only folder could be filled
-            if entry.type == "dir":
-                target = staging / entry.path
-                if entry.mode is not None:
-                    os.chmod(target, entry.mode)
-                if entry.mtime is not None:
-                    os.utime(target, (entry.mtime, entry.mtime))
-
-    def _fetch_all(self, step: int, tree: ChunkedTree, staging: Path, progress: Progress) -> None:
-        def fetch(entry: TreeEntry, index: int, key: str) -> None:
-            offset = index * tree.chunk_size
-            length = min(tree.chunk_size, entry.size - offset)
-            try:
-                data = self.chunks.get(key, length)
-            except FileNotFoundError:
-                raise MissingChunk(entry.path, self.chunks.uri(key)) from None
-            except CheckpointCorruptError as exc:
-                raise self._damaged(step, entry.path, str(exc)) from exc
-            fd = os.open(staging / entry.path, os.O_WRONLY | os.O_NOFOLLOW)
-            try:
-                os.pwrite(fd, data, offset)
-            finally:
-                os.close(fd)
-            progress.update(length)
-
-        slots = threading.BoundedSemaphore(2 * self.workers)  # chunks in memory at once
-        failed = threading.Event()
-
-        def done(future: concurrent.futures.Future[None]) -> None:
-            if future.exception() is not None:
-                failed.set()
-            slots.release()
-
-        with concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="taskpoint-chunk") as pool:
-            futures = []
-            for entry in tree.entries:
-                for index, key in enumerate(entry.chunks):
-                    slots.acquire()
-                    if failed.is_set():
-                        slots.release()
-                        break
-                    futures.append(pool.submit(fetch, entry, index, key))
-                    futures[-1].add_done_callback(done)
-            for future in futures:
-                future.result()
-
     # -- collecting unreferenced chunks --------------------------------------------------------------------
+
+    def sweep_due(self) -> bool:
+        """Whether a save, after its commit, should sweep the chunk store: a step was deleted here since the
+        last sweep, or that sweep left unreferenced chunks and the grace has passed since."""
+        return self.steps.deleted != self._swept_deleted or (
+            self._unswept and time.time() - self._swept_at >= self.grace)
+
+    def sweep(self) -> list[str]:
+        """The sweep of a save (after its commit): :meth:`collect` with the manager's grace."""
+        self._swept_deleted, self._swept_at = self.steps.deleted, time.time()
+        return self.collect(self.grace)
 
     def collect(self, grace: float, *, dry_run: bool = False) -> list[str]:
         """Remove the chunks that no committed manifest names, older than ``grace``, unless a save is in flight
@@ -350,6 +236,7 @@ class Dedup:
         try:
             leases = self.chunks.leases()
             if any(name.startswith("save-") and _fresh(mtime, started, grace) for name, mtime in leases.items()):
+                self._unswept = self._unswept or not dry_run  # blocked: sweep again later
                 return []  # a save may be about to name any chunk: sweep another time
             if not dry_run:
                 for name, mtime in leases.items():  # of killed saves and sweeps
@@ -365,13 +252,17 @@ class Dedup:
                 try:
                     manifest = self.steps.manifest(step)
                 except CheckpointCorruptError:
+                    self._unswept = self._unswept or not dry_run
                     return []  # never guess what an unreadable manifest names
                 if manifest is not None and manifest.tree is not None:
                     referenced |= manifest.tree.chunk_keys()
             now = time.time()
-            doomed = [key for key, mtime in sorted(self.chunks.listing().items()) if key not in referenced
-                      and (grace == 0 or (mtime is not None and now - mtime >= grace))]
+            unreferenced = {key: mtime for key, mtime in sorted(self.chunks.listing().items()) if key not in referenced}
+            doomed = [key for key, mtime in unreferenced.items()
+                      if grace == 0 or (mtime is not None and now - mtime >= grace)]
             removed = [self.chunks.uri(key) for key in doomed]
+            if not dry_run:
+                self._unswept = len(doomed) < len(unreferenced)  # young ones wait for a later sweep
             if dry_run or not doomed:
                 return removed
             self.chunks.bump_epoch()  # before the first removal: every save lists the store again
@@ -379,6 +270,7 @@ class Dedup:
             removed = []
             for key in doomed:
                 if grace > 0 and time.time() - started > grace / 2:
+                    self._unswept = True
                     break  # saves stop waiting for this sweep once its lock is older than the grace
                 self.chunks.location(key).remove()
                 if self.chunks.known is not None:

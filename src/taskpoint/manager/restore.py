@@ -16,7 +16,8 @@ from ..ranks import Ranks
 from ..transfer import read_payload
 from ..workspace import Workspace
 from .claims import Claims
-from .dedup import Dedup, MissingChunk
+from .dedup import Dedup
+from .rebuild import MissingChunk, Rebuilder
 from .steps import StepStore
 
 #: How often restore follows a step that another writer overwrites while it is being read.
@@ -29,7 +30,7 @@ class StepReader:
     def __init__(self, steps: StepStore, claims: Claims, dedup: Dedup, ranks: Ranks | None = None) -> None:
         self._steps = steps
         self._ranks = ranks or Ranks()
-        self._dedup = dedup
+        self._rebuilder = Rebuilder(dedup.steps, dedup.chunks, dedup.workers)
         self._claims = claims
         self._lock = threading.Lock()  # restores into the reader's own workspace
         self._workspace: Workspace | None = None
@@ -142,7 +143,7 @@ class StepReader:
     def _read_payload(self, step: int, manifest: StepManifest, workspace: Path, progress: Progress) -> Path | None:
         if manifest.tree is not None:  # a deduplicated step: its chunks, each verified
             try:
-                return self._dedup.restore(step, manifest, workspace, progress)
+                return self._rebuilder.restore(step, manifest, workspace, progress)
             except MissingChunk as missing:
                 now = self._steps.manifest(step)
                 if now is None or now.record.save_id != manifest.record.save_id:

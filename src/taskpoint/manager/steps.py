@@ -75,6 +75,9 @@ class StepStore:
         #: Committed steps as last listed, plus those committed here since; None before the first listing.
         self._known: set[int] | None = None
         self._listed_at = 0.0
+        #: Steps deleted through this store (by ``delete`` or retention): a deduplicated save sweeps the chunk
+        #: store when it has grown since the last sweep.
+        self.deleted = 0
 
     @property
     def directory(self) -> str:
@@ -194,6 +197,7 @@ class StepStore:
         """Delete a step: its manifest first (so it stops existing at once), then its payload and leftovers."""
         manifest = self.manifest(step, tolerate_corrupt=True)
         self.object(step, MANIFEST_NAME).remove()
+        self.deleted += 1
         if self._known is not None:
             self._known.discard(step)
         keep = {MANIFEST_NAME}
