@@ -184,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         text += "\n\n(scaled run: the targets are stated for size 1; RSS and ratios at other sizes are indicative)"
     print("\n" + text)
     failed = [r for r in rows + background + dcp_rows + dedup_rows if r.get("error")]
+    if dedup_stored and dedup_stored.get("error"):
+        failed.append({"store": dedup_stored["store"], "payload": "directory", "op": "stored bytes",
+                       "method": _dedup.METHOD, "error": dedup_stored["error"]})
     for r in failed:
         print(f"\nERROR {r['store']}/{r.get('payload', 'dcp')}/{r['op']}/{r['method']}: {r['error']}")
     meta = {

@@ -240,6 +240,9 @@ def run(size: float, opts: Options, work: Path) -> tuple[list[dict[str, Any]], d
                 prefix = f"{store.root}/dedup/history"
                 try:
                     stored = history(store, files, prefix, log)
+                except Exception as exc:  # reported under the table; the timed rows stand
+                    stored = {"store": kind, "error": f"{type(exc).__name__}: {exc}"}
+                    log(f"  dedup {kind}: stored bytes FAILED: {stored['error']}")
                 finally:
                     store.clear(prefix)
     shutil.rmtree(work, ignore_errors=True)
@@ -284,7 +287,9 @@ def table(rows: list[dict[str, Any]], stored: dict[str, Any] | None) -> str:
     text = "\n".join("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths,
                                                                                                strict=True)))
                      for line in lines)
-    if stored:
+    if stored and "error" in stored:
+        text += f"\n\nstored bytes after {HISTORY} steps ({stored['store']}): FAILED: {stored['error']}"
+    elif stored:
         text += (f"\n\nstored bytes after {stored['steps']} steps, each saved right after rewriting a different "
                  f"{CHANGED}/{FILES} of the files ({stored['store']}, keep=None): dedup "
                  f"{stored['dedup_bytes'] / 2**20:.1f} MiB, today's format {stored['today_bytes'] / 2**20:.1f} MiB "
