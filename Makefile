@@ -3,7 +3,8 @@
 #   make test   set up .venv and the object-store servers, check the import layers, then run the whole suite
 #   make reliability  the reliability campaign of issue 11 (RELIABILITY_ARGS="--quick" for the bounded run)
 #   make docs   build the documentation site into site/ (mkdocs --strict: a broken link or API reference fails)
-#   make bench  the speed benchmark of issues 3 and 5 (BENCH_ARGS="--size 0.0625 --runs 1" for a quick run)
+#   make bench  the speed benchmark of issues 3 and 5, and its sections: preemption (12), dcp (13), dedup (15)
+#               (BENCH_ARGS="--size 0.0625 --runs 1" for a quick run; "--methods dedup" for one section alone)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python

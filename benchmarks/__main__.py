@@ -7,6 +7,7 @@ Examples::
     python -m benchmarks --stores s3 --payloads directory --methods taskpoint,raw --profile
     python -m benchmarks --payloads directory --methods manager   # only issue 5's background saves
     python -m benchmarks --methods dcp --size 0.0625 --runs 1     # only issue 13's DCP section, 64 MiB
+    python -m benchmarks --methods dedup --size 0.0625 --runs 1   # only issue 15's deduplicated steps, 64 MiB
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from . import _background, _dataset, _dcp, _preemption, _report
+from . import _background, _dataset, _dcp, _dedup, _preemption, _report
 from ._operations import METHODS, PAYLOADS, STORES
 from ._runner import REPO_ROOT, Options, run_all
 
@@ -63,7 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(manager: issue 5's background saves through CheckpointManager, directory only; see "
                    "benchmarks/_background.py; dcp: issue 13's 4 ranks saving --size GiB through "
                    "torch.distributed.checkpoint, see benchmarks/_dcp.py; preemption: issue 12's signal-to-commit "
-                   "time and loop cost, see benchmarks/_preemption.py)")
+                   "time and loop cost, see benchmarks/_preemption.py; dedup: issue 15's deduplicated steps of "
+                   "CheckpointManager against today's, see benchmarks/_dedup.py)")
     p.add_argument("--codec", default="gzip", help="taskpoint's codec (default gzip, the targets' default)")
     p.add_argument("--level", type=int, default=None, help="taskpoint's compression level (default: its own)")
     p.add_argument("--data-dir", type=Path, default=BENCH_DIR / "data", help="where the data set is built")
@@ -115,13 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(REPO_ROOT)
     started = time.time()
     load_before = os.getloadavg()
-    dataset = _dataset.prepare(args.data_dir, args.size)
-    mib = {k: v / 2**20 for k, v in dataset.sizes.items()}
-    print(f"payloads: directory {mib['directory']:.1f} MiB ({len(dataset.files) - 2} files), "
-          f"file {mib['file']:.1f} MiB, bytes {mib['bytes']:.1f} MiB; runs {args.runs} "
-          f"(baseline {min(args.runs, args.baseline_runs)}); load average {load_before[0]:.2f}", flush=True)
+    separate = (_dcp.METHOD, _preemption.METHOD, _dedup.METHOD)  # sections with data of their own
+    main_table = any(m not in separate for m in args.methods)
+    dataset = _dataset.prepare(args.data_dir, args.size) if main_table else None
+    mib = {k: v / 2**20 for k, v in dataset.sizes.items()} if dataset else {}
+    if dataset:
+        print(f"payloads: directory {mib['directory']:.1f} MiB ({len(dataset.files) - 2} files), "
+              f"file {mib['file']:.1f} MiB, bytes {mib['bytes']:.1f} MiB; runs {args.runs} "
+              f"(baseline {min(args.runs, args.baseline_runs)}); load average {load_before[0]:.2f}", flush=True)
     stem = "bench" if args.size == 1 else f"bench-size{args.size:g}"
-    if all(m in ("dcp", "preemption") for m in args.methods):  # a section alone: never over the main table
+    if not main_table:  # a section alone: never over the main table
         stem += "-" + "-".join(args.methods)
     args.results_dir.mkdir(parents=True, exist_ok=True)
     profile_dir = None
@@ -134,16 +139,19 @@ def main(argv: list[str] | None = None) -> int:
                    max_quiet_wait=args.max_quiet_wait, moto_fast_ranges=args.moto_fast_ranges,
                    train_iterations=args.train_iterations, train_work=args.train_work,
                    log=lambda msg: print(msg, flush=True))
-    separate = (_dcp.METHOD, _preemption.METHOD)
-    results = run_all(dataset, opts) if any(m not in separate for m in args.methods) else []
+    results = run_all(dataset, opts) if dataset else []
     preempt = (_preemption.run(args.size, args.runs, args.data_dir / "work-preemption")
                if _preemption.METHOD in args.methods else None)
     dcp_rows = _dcp.run(args.size, opts, args.data_dir / "work-dcp") if _dcp.METHOD in args.methods else []
+    dedup_rows, dedup_stored = (_dedup.run(args.size, opts, args.data_dir / "work-dedup")
+                                if _dedup.METHOD in args.methods else ([], None))
     summaries = [r.summary() for r in results]
     rows = _report.add_ratios([r for r in summaries if r["method"] != _background.METHOD])
     background = _report.add_background_ratios([r for r in summaries if r["method"] == _background.METHOD])
-    goals = _report.targets(rows) + _report.background_targets(background) + _dcp.targets(dcp_rows)
-    title = (f"taskpoint benchmark, size {args.size:g} (directory {mib['directory']:.0f} MiB), "
+    goals = ((_report.targets(rows) if rows else []) + (_report.background_targets(background) if background else [])
+             + _dcp.targets(dcp_rows) + _dedup.targets(dedup_rows))
+    directory = f" (directory {mib['directory']:.0f} MiB)" if mib else ""
+    title = (f"taskpoint benchmark, size {args.size:g}{directory}, "
              f"median of {args.runs} (baseline {opts.baseline_runs}), codec {args.codec}, {os.cpu_count()} cores"
              + (", moto with fast ranges" if args.moto_fast_ranges and "s3" in args.stores else ""))
     sections = [title, ""]
@@ -157,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         sections += [f"PyTorch DCP (issue 13): {_dcp.RANKS} gloo ranks save and load {args.size:g} GiB of sharded "
                      "float32 DTensors; x ref = time / DCP's writer on the same store (fsspec on s3, filesystem "
                      "locally); cpu s = the ranks' CPU, all threads", "", _dcp.table(dcp_rows), ""]
+    if dedup_rows:
+        sections += [_dedup.notes(args.size, opts), "", _dedup.table(dedup_rows, dedup_stored), ""]
     if preempt:
         sections += ["preemption (issue 12): a trainer with CheckpointManager(on_preemption=...) gets SIGTERM at a "
                      "random moment; and the loop cost of the handling when no notice comes", "",
@@ -173,7 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.size != 1:
         text += "\n\n(scaled run: the targets are stated for size 1; RSS and ratios at other sizes are indicative)"
     print("\n" + text)
-    failed = [r for r in rows + background + dcp_rows if r.get("error")]
+    failed = [r for r in rows + background + dcp_rows + dedup_rows if r.get("error")]
+    if dedup_stored and dedup_stored.get("error"):
+        failed.append({"store": dedup_stored["store"], "payload": "directory", "op": "stored bytes",
+                       "method": _dedup.METHOD, "error": dedup_stored["error"]})
     for r in failed:
         print(f"\nERROR {r['store']}/{r.get('payload', 'dcp')}/{r['op']}/{r['method']}: {r['error']}")
     meta = {
@@ -185,12 +198,13 @@ def main(argv: list[str] | None = None) -> int:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "wall_seconds": time.time() - started, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
         "git_commit": _git("rev-parse", "HEAD"), "git_dirty_src": _git("status", "--porcelain", "src"),
-        "versions": _versions(), "dataset": {"sizes": dataset.sizes, "spec": _dataset.spec_for(args.size)},
-        "preemption": preempt,
+        "versions": _versions(),
+        "dataset": {"sizes": dataset.sizes, "spec": _dataset.spec_for(args.size)} if dataset else None,
+        "preemption": preempt, "dedup_stored": dedup_stored,
         "mb": "10^6 bytes", "notes": "RSS+ is peak RSS above the idle worker (libraries imported, case prepared); "
         "tmp+ is the peak of bytes in TMPDIR, the load workspace and the local store folder minus what remains",
     }
-    _report.write_json(args.results_dir / f"{stem}.json", meta, rows + background + dcp_rows, goals, text)
+    _report.write_json(args.results_dir / f"{stem}.json", meta, rows + background + dcp_rows + dedup_rows, goals, text)
     (args.results_dir / f"{stem}.txt").write_text(text + "\n")
     try:
         if rows:  # the plot shows MB/s of saves and loads; the background saves have no such bars

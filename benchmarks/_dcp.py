@@ -64,13 +64,6 @@ def _job(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     return dict(json.loads(result_path.read_text()))
 
 
-def _stored_bytes(kind: str, store: Any, uri: str) -> int:
-    if kind == "local":
-        return sum(p.stat().st_size for p in Path(uri).rglob("*") if p.is_file())
-    store.fs.invalidate_cache()
-    return int(store.fs.du(uri))
-
-
 def run(size: float, opts: Options, work: Path) -> list[dict[str, Any]]:
     """Every case of :data:`CASES`, ``opts.runs`` times each (each after the runner's wait for a quiet machine);
     one row per case and operation (median of the runs)."""
@@ -99,7 +92,7 @@ def run(size: float, opts: Options, work: Path) -> list[dict[str, Any]]:
                     break
                 result["server_cpu_s"] = _process_cpu_seconds(store.server_pid) - server0
                 result["other_cores"] = others.cores_since_mark()
-                result["stored_bytes"] = _stored_bytes(kind, store, uri)
+                result["stored_bytes"] = store.stored_bytes(uri)
                 if not result["same"]:
                     error = "the load did not return the saved tensors"
                 runs_done.append(result)

@@ -226,6 +226,13 @@ class Store:
     def prefix(self, method: str, payload: str) -> str:
         return f"{self.root}/{method}/{payload}"
 
+    def stored_bytes(self, uri: str) -> int:
+        """Bytes of every object under ``uri`` (files under the folder, locally)."""
+        if self.kind == "local":
+            return sum(p.stat().st_size for p in Path(uri).rglob("*") if p.is_file())
+        self.fs.invalidate_cache()
+        return int(self.fs.du(uri))
+
     def clear(self, prefix: str) -> None:
         if self.kind == "local":
             shutil.rmtree(prefix, ignore_errors=True)
