@@ -212,6 +212,8 @@ def test_small_saves_and_loads_take_few_requests(s3_store, tmp_path):
     2. The very first save at a new name also checks that it is no prefix (a HEAD and a listing)."""
     from taskpoint import record
 
+    if "s3_client" in s3_store.storage_options:
+        pytest.skip("counts requests through botocore's event hooks, which obstore's requests never pass")
     dest = s3_store.url("ckpt")
     counter = _RequestCounter(Location(dest, s3_store.storage_options).fs)
     Checkpoint(dest, storage_options=s3_store.storage_options).save_sync(b"w" * 100)

@@ -77,6 +77,7 @@ _CREDENTIAL_TYPES = (
                              "NoAuthTokenError", "TokenRetrievalError", "UnauthorizedSSOTokenError")),
     ("google.auth.exceptions", ("DefaultCredentialsError", "RefreshError")),
     ("azure.core.exceptions", ("ClientAuthenticationError",)),
+    ("obstore.exceptions", ("UnauthenticatedError", "PermissionDeniedError")),
 )
 #: Client exceptions of the transport (connection, timeout, truncated answer).
 _TRANSPORT_TYPES = (
@@ -92,9 +93,13 @@ _CLIENT_TYPES = (
     ("botocore.exceptions", ("BotoCoreError", "ClientError")),
     ("azure.core.exceptions", ("AzureError",)),
     ("gcsfs.retry", ("HttpError",)),
+    ("obstore.exceptions", ("BaseError",)),
 )
 #: Client exceptions of a request the client refused to send (bad parameters): not retried.
-_INVALID_REQUEST_TYPES = (("botocore.exceptions", ("ParamValidationError",)),)
+_INVALID_REQUEST_TYPES = (
+    ("botocore.exceptions", ("ParamValidationError",)),
+    ("obstore.exceptions", ("InvalidPathError", "UnknownConfigurationKeyError", "NotSupportedError")),
+)
 #: Exceptions that are programming errors or taskpoint's own: never reinterpreted as storage failures.
 _OWN = (CheckpointError, ValueError, TypeError, NotImplementedError, ImportError, AttributeError, KeyError,
         AssertionError)
@@ -138,10 +143,23 @@ def code_and_status(exc: BaseException) -> tuple[str | None, int | None]:
     status = getattr(exc, "status", None)  # aiohttp's ClientResponseError
     if isinstance(status, int) and not isinstance(exc, OSError):
         return None, status
+    if type(exc).__module__ == "obstore.exceptions":  # obstore gives the status and S3's code only in the text
+        return _obstore_code_and_status(str(exc))
     if type(exc).__name__ == "HttpError" and type(exc).__module__.startswith("gcsfs"):
         code = getattr(exc, "code", None)
         return None, code if isinstance(code, int) else None
     return None, None
+
+
+_OBSTORE_STATUS = re.compile(r"status code: (\d{3})")
+_OBSTORE_CODE = re.compile(r"<Code>(\w+)</Code>")
+
+
+def _obstore_code_and_status(text: str) -> tuple[str | None, int | None]:
+    """The S3 error code and HTTP status in the text of an obstore error (``... non-2xx status code: 404 Not
+    Found: <?xml ...><Code>NoSuchBucket</Code>...``); answers without a body (HEAD) carry only the status."""
+    status, code = _OBSTORE_STATUS.search(text), _OBSTORE_CODE.search(text)
+    return (code.group(1) if code else None), (int(status.group(1)) if status else None)
 
 
 def _by_code(code: str | None, status: int | None) -> Failure | None:

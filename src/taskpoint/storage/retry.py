@@ -18,6 +18,9 @@ T = TypeVar("T")
 
 #: Default of :attr:`RetryPolicy.deadline`, in seconds.
 DEFAULT_DEADLINE = 120.0
+#: Client timeouts (seconds) that a retry deadline shorter than this lowers, so that one attempt cannot outlast
+#: it by much (botocore's connect and read timeouts are 60 s by default; obstore's are set to the same).
+CLIENT_TIMEOUT = 60.0
 
 _running = threading.local()
 
