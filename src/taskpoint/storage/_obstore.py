@@ -17,9 +17,11 @@ import errno
 import io
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import IO, Any
 
+from . import _s3
 from ._s3 import PARTS_IN_FLIGHT, RECEIVED_PIECE, SINGLE_PUT_MAX, UPLOAD_PART_SIZE
 from .backends import SMALL_READ, Kind, WholeObject, WriteHooks, folder_error
 from .errormap import Failure, classify, code_and_status
@@ -109,9 +111,15 @@ def _part_size(size_hint: int | None) -> int:
 
 class ObstoreWriter(io.RawIOBase):
     """obstore's buffered writer: up to one part a single PUT at close, beyond that a multipart upload with
-    :data:`PARTS_IN_FLIGHT` parts in flight, completed at close; :meth:`abort` aborts it (S3 keeps no parts)."""
+    :data:`PARTS_IN_FLIGHT` parts in flight, completed at close; :meth:`abort` aborts it (S3 keeps no parts).
 
-    def __init__(self, store: Any, key: str, part_size: int, on_partial: Callable[[], None]) -> None:
+    obstore aborts its upload once, and hides the upload's id: when that one abort fails too (the network that
+    failed the upload is still down), the upload is found through s3fs (this key's uploads that were not there
+    when ours began) and aborted with the s3fs writer's tries and pause. An upload of the same key that another
+    writer began meanwhile is aborted with it; that writer's save fails and is retried."""
+
+    def __init__(self, store: Any, key: str, part_size: int, on_partial: Callable[[], None], fs: Any,
+                 path: str) -> None:
         super().__init__()
         import obstore
 
@@ -119,6 +127,8 @@ class ObstoreWriter(io.RawIOBase):
         self._part_size = part_size
         self._written = 0
         self._on_partial: Callable[[], None] | None = on_partial
+        self._fs, self._path = fs, path
+        self._earlier: set[str] | None = None  # the ids of this key's unfinished uploads before ours began
 
     def writable(self) -> bool:
         return True
@@ -128,6 +138,7 @@ class ObstoreWriter(io.RawIOBase):
         if self._on_partial is not None and self._written + n >= self._part_size:
             self._on_partial()  # the first part is about to leave: a killed process would leave an upload
             self._on_partial = None
+            self._earlier = {upload_id for _, upload_id in self._uploads()}
         self._file.write(b)
         self._written += n
         return n
@@ -145,13 +156,31 @@ class ObstoreWriter(io.RawIOBase):
         """Drop the upload: nothing becomes visible, no parts are kept. Never raises."""
         if self.closed:
             return
-        try:
-            # obstore's writer aborts its multipart upload when its block exits with an exception.
+        # obstore's writer aborts its multipart upload when its block exits with an exception; its failure is
+        # not reported: the caller's error is the one to report.
+        with contextlib.suppress(Exception):
             self._file.__exit__(InterruptedError, InterruptedError("taskpoint aborted the write"), None)
-        except Exception:  # the caller's error is the one to report
-            pass
+        try:
+            if self._earlier is not None:
+                self._abort_leftover(self._earlier)
         finally:
             super().close()
+
+    def _uploads(self) -> list[tuple[str, str]]:
+        """This exact key's unfinished uploads, as (key, upload id)."""
+        key = self._path.partition("/")[2]
+        return [(k, upload_id) for k, upload_id, _ in _s3.unfinished_uploads(self._fs, self._path) if k == key]
+
+    def _abort_leftover(self, earlier: set[str]) -> None:
+        for attempt in range(_s3.ABORT_TRIES):
+            try:
+                for key, upload_id in self._uploads():
+                    if upload_id not in earlier:
+                        self._fs.abort_mpu(self._path.partition("/")[0], key, upload_id)
+                return
+            except Exception:
+                if attempt + 1 < _s3.ABORT_TRIES:
+                    time.sleep(_s3.ABORT_PAUSE)
 
 
 class ObstoreRangeReader(ConcurrentRangeReader):
@@ -238,7 +267,7 @@ class ObstoreS3Backend(S3Backend):
     @contextlib.contextmanager
     def open_write(self, path: str, size_hint: int | None, hooks: WriteHooks) -> Iterator[IO[bytes]]:
         store, key = self._located(path)
-        writer = ObstoreWriter(store, key, _part_size(size_hint), hooks.on_partial)
+        writer = ObstoreWriter(store, key, _part_size(size_hint), hooks.on_partial, self.fs, path)
         try:
             yield writer  # type: ignore[misc]
             writer.close(before_commit=hooks.before_commit)

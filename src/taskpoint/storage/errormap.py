@@ -143,7 +143,7 @@ def code_and_status(exc: BaseException) -> tuple[str | None, int | None]:
     status = getattr(exc, "status", None)  # aiohttp's ClientResponseError
     if isinstance(status, int) and not isinstance(exc, OSError):
         return None, status
-    if type(exc).__module__ == "obstore.exceptions":  # obstore gives the status and S3's code only in the text
+    if _from_obstore(exc):  # obstore gives the status and S3's code only in the text
         return _obstore_code_and_status(str(exc))
     if type(exc).__name__ == "HttpError" and type(exc).__module__.startswith("gcsfs"):
         code = getattr(exc, "code", None)
@@ -153,6 +153,12 @@ def code_and_status(exc: BaseException) -> tuple[str | None, int | None]:
 
 _OBSTORE_STATUS = re.compile(r"status code: (\d{3})")
 _OBSTORE_CODE = re.compile(r"<Code>(\w+)</Code>")
+
+
+def _from_obstore(exc: BaseException) -> bool:
+    """An obstore error: its own types, and the plain OSError its writer raises (``Generic S3 error: ...``)."""
+    return type(exc).__module__ == "obstore.exceptions" or (
+        type(exc) is OSError and str(exc).startswith("Generic S3 error"))
 
 
 def _obstore_code_and_status(text: str) -> tuple[str | None, int | None]:
@@ -197,6 +203,8 @@ def _one(exc: BaseException) -> Failure | None:
     by_code = _by_code(code, status)
     if by_code is not None:
         return by_code
+    if status == 400 and _from_obstore(exc):
+        return Failure.BROKEN  # a request S3 refuses (EntityTooSmall...): s3fs makes these EINVAL
     if isinstance(exc, _loaded(_CREDENTIAL_TYPES)):
         return Failure.DENIED
     if isinstance(exc, _loaded(_INVALID_REQUEST_TYPES)):
