@@ -54,6 +54,25 @@ from _servers import (
 apply_default_environment()  # the same defaults, plus 127.0.0.1 on NO_PROXY
 
 _SERVER_FIXTURES = {"s3": "s3_server", "gcs": "gcs_server", "azure": "azure_server"}
+#: The modules whose store fixtures run over obstore too (``s3-obstore``): the storage contract (stores, record
+#: protocol, failures and errors through the fault proxy, integrity), the obstore tests, and the manager's
+#: tests that name ``s3-obstore`` themselves (two managers racing). Elsewhere the client under the backend
+#: changes nothing that the S3 run does not already cover, and running everything twice would add minutes.
+_OBSTORE_MODULES = frozenset({"test_stores.py", "test_record_protocol.py", "test_storage_failures.py",
+                              "test_storage_errors.py", "test_integrity.py", "test_obstore.py", "test_manager.py"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Leave out the ``s3-obstore`` runs of the modules outside :data:`_OBSTORE_MODULES`."""
+    def elsewhere(item: pytest.Item) -> bool:
+        callspec = getattr(item, "callspec", None)
+        on_obstore = callspec is not None and "s3-obstore" in callspec.params.values()
+        return on_obstore and item.path.name not in _OBSTORE_MODULES
+
+    dropped = [item for item in items if elsewhere(item)]
+    if dropped:
+        items[:] = [item for item in items if not elsewhere(item)]
+        config.hook.pytest_deselected(items=dropped)
 
 
 @pytest.fixture(scope="session")

@@ -236,7 +236,7 @@ def test_small_saves_and_loads_take_few_requests(s3_store, tmp_path):
     assert len(load) <= 2, load
 
 
-@pytest.mark.parametrize("store", ["local", "s3", "gcs", "azure"], indirect=True)
+@pytest.mark.parametrize("store", ["local", "s3", "s3-obstore", "gcs", "azure"], indirect=True)
 def test_two_writers_never_drop_each_others_entry(store, tmp_path, monkeypatch):
     """Issue 11, on local disk (a flock of the folder), S3 (If-Match), GCS (ifGenerationMatch) and Azure
     (If-Match): writer A has read the record

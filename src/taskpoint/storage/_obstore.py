@@ -56,7 +56,8 @@ def require_obstore() -> None:
 def store_config(options: dict[str, Any], deadline: float | None) -> dict[str, Any]:
     """obstore's ``S3Store`` keyword arguments (all but the bucket) from the storage options users give s3fs:
     ``key``, ``secret``, ``token``, ``anon``, ``endpoint_url`` (or ``client_kwargs["endpoint_url"]``) and
-    ``client_kwargs["region_name"]``; what is not given comes from the AWS_* environment variables. Timeouts
+    ``client_kwargs["region_name"]``, ``config_kwargs={"s3": {"payload_signing_enabled": False}}``; what is not
+    given comes from the AWS_* environment variables (not from ~/.aws files or profiles). Timeouts
     follow the s3fs path: connect and read timeouts of :data:`CLIENT_TIMEOUT`, lowered to a shorter deadline;
     no request outlasts the deadline."""
     if options.get("profile"):
@@ -74,6 +75,9 @@ def store_config(options: dict[str, Any], deadline: float | None) -> dict[str, A
         config["endpoint"] = endpoint
     if client_kwargs.get("region_name"):
         config["region"] = client_kwargs["region_name"]
+    s3_config = (options.get("config_kwargs") or {}).get("s3") or {}
+    if s3_config.get("payload_signing_enabled") is False:
+        config["unsigned_payload"] = True  # botocore's switch for no SHA-256 of the bodies, obstore's name for it
     limit = CLIENT_TIMEOUT if deadline is None else min(CLIENT_TIMEOUT, deadline)
     client_options: dict[str, Any] = {
         "connect_timeout": datetime.timedelta(seconds=limit),
@@ -187,9 +191,9 @@ class ObstoreRangeReader(ConcurrentRangeReader):
     """Ranged GETs through obstore, pinned to the ETag seen when the read began (``If-Match``): an object
     replaced under the read raises :class:`ObjectChanged`, and the read starts over from the new version."""
 
-    def __init__(self, store: Any, key: str, path: str, size: int, version: str | None) -> None:
-        super().__init__(None, path, size, version=version)
-        self._store, self._key = store, key
+    def __init__(self, store: Any, path: str, size: int, **kwargs: Any) -> None:
+        super().__init__(store, path, size, **kwargs)  # the bucket's obstore store in the place of the client
+        self._store, self._key = store, path.partition("/")[2]
 
     def _fetch(self, start: int, end: int) -> bytes:
         import obstore
@@ -238,9 +242,12 @@ class ObstoreS3Backend(S3Backend):
     """S3 with obstore moving the bytes (writes, conditional record writes, reads pinned to the ETag) and s3fs
     doing what carries none (listings, checks, deletes, unfinished uploads)."""
 
+    range_reader = ObstoreRangeReader
+
     def __init__(self, fs: Any, options: dict[str, Any], deadline: float | None) -> None:
         super().__init__(fs, options)
-        self._config = store_config(options, deadline)
+        # The options s3fs was made with: those given, under fsspec's configuration (FSSPEC_S3, its files).
+        self._config = store_config({**options, **getattr(fs, "storage_options", {})}, deadline)
         self._stores: dict[str, Any] = {}
         self._lock = threading.Lock()
 
@@ -323,5 +330,5 @@ class ObstoreS3Backend(S3Backend):
             if classify(exc) is not Failure.NO_CONTAINER and self.kind(path) is Kind.FOLDER:
                 raise folder_error(path) from None
             raise
-        return ObstoreRangeReader(store, key, path, int(meta["size"]),  # type: ignore[return-value]
-                                  version=meta.get("e_tag") or None)
+        return self.range_reader(store, path, int(meta["size"]),  # type: ignore[return-value]
+                                 version=meta.get("e_tag") or None)
