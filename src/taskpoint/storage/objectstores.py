@@ -265,7 +265,7 @@ class S3Backend(ObjectStoreBackend):
     """S3: taskpoint's multipart writer (parts in flight, one PUT up to 64 MiB), upload listing and abort; large
     objects are read as ranged GETs pinned to the ETag seen when the read began (``If-Match``)."""
 
-    range_reader = _s3.S3RangeReader
+    range_reader: ClassVar[type[ConcurrentRangeReader]] = _s3.S3RangeReader
 
     def version_of(self, info: dict[str, Any]) -> str | None:
         etag = info.get("ETag")
