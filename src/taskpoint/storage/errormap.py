@@ -3,8 +3,9 @@
 Every read, write, listing and delete of a :class:`~taskpoint.storage.Location` runs inside
 :func:`map_errors` (and its retries ask :func:`classify`). Exceptions are told apart by their type and by the
 HTTP status or error code the client reports (botocore's ``response``, azure-core's ``status_code`` and
-``error_code``, gcsfs's ``code``, aiohttp's ``status``, the ``errno`` of an ``OSError``), walking the chain of
-causes because clients wrap each other (s3fs raises ``PermissionError`` from botocore's ``ClientError``).
+``error_code``, gcsfs's ``code``, aiohttp's ``status``, the status and S3 code in the text of obstore's errors,
+the ``errno`` of an ``OSError``), walking the chain of causes because clients wrap each other (s3fs raises
+``PermissionError`` from botocore's ``ClientError``).
 Client classes are looked up only in modules already imported: an exception of a module's type cannot
 exist before that module is loaded, so nothing heavy is imported here.
 """
