@@ -18,7 +18,7 @@ import io
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import IO, Any
 
 from . import _s3
@@ -271,18 +271,9 @@ class ObstoreS3Backend(S3Backend):
                 store = self._stores[bucket] = S3Store(bucket, **self._config)
         return store, key
 
-    @contextlib.contextmanager
-    def open_write(self, path: str, size_hint: int | None, hooks: WriteHooks) -> Iterator[IO[bytes]]:
+    def writer(self, path: str, size_hint: int | None, hooks: WriteHooks) -> Any:
         store, key = self._located(path)
-        writer = ObstoreWriter(store, key, _part_size(size_hint), hooks.on_partial, self.fs, path)
-        try:
-            yield writer  # type: ignore[misc]
-            writer.close(before_commit=hooks.before_commit)
-        except BaseException:
-            writer.abort()
-            raise
-        finally:
-            self.fs.invalidate_cache(path)
+        return ObstoreWriter(store, key, _part_size(size_hint), hooks.on_partial, self.fs, path)
 
     def read_small(self, path: str) -> bytes:
         return self.read_versioned(path)[0]
