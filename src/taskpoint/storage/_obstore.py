@@ -59,7 +59,7 @@ def store_config(options: dict[str, Any], deadline: float | None) -> dict[str, A
     ``client_kwargs["region_name"]``, ``config_kwargs={"s3": {"payload_signing_enabled": False}}``; what is not
     given comes from the AWS_* environment variables (not from ~/.aws files or profiles). Timeouts
     follow the s3fs path: connect and read timeouts of :data:`CLIENT_TIMEOUT`, lowered to a shorter deadline;
-    no request outlasts the deadline."""
+    no single request lasts longer than the deadline."""
     if options.get("profile"):
         raise ValueError("s3_client='obstore' cannot read AWS profiles: give key and secret in storage_options "
                          "or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or use s3_client='s3fs'")

@@ -45,8 +45,8 @@ class RetryPolicy:
             of the async clients (s3fs, gcsfs, adlfs: checks, record reads, listings) are given the time left
             and cancelled when it runs out; a streaming transfer cannot be interrupted from Python, and is
             bounded only by the client's own timeouts (lowered to the deadline when it is under 60 s, see
-            :func:`~taskpoint.storage.location.client_timeouts`). obstore's requests (``s3_client="obstore"``)
-            each end at the deadline at the latest. Default 120 s.
+            :func:`~taskpoint.storage.location.client_timeouts`). Each of obstore's requests (``s3_client="obstore"``)
+            lasts at most the deadline of the policy the location was made with. Default 120 s.
     """
 
     attempts: int = 4
