@@ -142,7 +142,9 @@ class ObstoreWriter(io.RawIOBase):
         if self._on_partial is not None and self._written + n >= self._part_size:
             self._on_partial()  # the first part is about to leave: a killed process would leave an upload
             self._on_partial = None
-            self._earlier = {upload_id for _, upload_id in self._uploads()}
+            # Best effort: without this listing (a role that may not list uploads) only obstore's abort is tried.
+            with contextlib.suppress(Exception):
+                self._earlier = {upload_id for _, upload_id in self._uploads()}
         self._file.write(b)
         self._written += n
         return n
