@@ -23,7 +23,10 @@ Cases:
 * ``obstore-open``: the same filesystem's ``open(path, "wb")`` written in 8 MiB pieces (its buffered writer,
   which is what a generic fsspec caller like taskpoint uses).
 * ``taskpoint-obstore``: the taskpoint save with ``obstore.fsspec.register("s3")`` in force, so that
-  ``s3://`` resolves to obstore's filesystem (taskpoint picks its backend by the filesystem's class).
+  ``s3://`` resolves to obstore's filesystem (taskpoint picks its backend by the filesystem's class: the
+  generic one).
+* ``taskpoint-obstore-backend``: the taskpoint save with ``storage_options={..., "s3_client": "obstore"}``:
+  taskpoint's ``ObstoreS3Backend`` (obstore's writer, the record written with If-Match), the fast path.
 
 ``--unsigned-payload`` turns off the SHA-256 of request bodies in every client (see ``Bench``).
 """
@@ -46,7 +49,7 @@ from typing import Any
 from ._runner import open_store
 
 PART = 8 * 1024 * 1024
-CASES = ("raw", "s3fs", "taskpoint-s3fs", "obstore", "obstore-open", "taskpoint-obstore")
+CASES = ("raw", "s3fs", "taskpoint-s3fs", "obstore", "obstore-open", "taskpoint-obstore", "taskpoint-obstore-backend")
 
 
 def cpu_seconds() -> float:
@@ -124,11 +127,12 @@ class Bench:
         import taskpoint
 
         obstore = case == "taskpoint-obstore"
+        options = (self.obstore_options if obstore else
+                   {**self.options, "s3_client": "obstore"} if case == "taskpoint-obstore-backend" else self.options)
         with tempfile.TemporaryDirectory(prefix="tp-s3cpu-load-") as ws, \
                 (s3_as_obstore() if obstore else contextlib.nullcontext()):
             ckpt = taskpoint.Checkpoint(f"s3://{self.bucket}/{key}-unused", f"s3://{self.bucket}/{key}",
-                                        storage_options=self.obstore_options if obstore else self.options,
-                                        workspace=ws)
+                                        storage_options=options, workspace=ws)
             path = ckpt.load_sync(progress=False)
             assert path is not None, f"{case}: nothing loaded back"
             files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
@@ -193,6 +197,14 @@ class Bench:
             with s3_as_obstore():  # the save opens more locations (its record) by URL
                 ckpt.save_sync(data, progress=False)
         return act
+
+    def _taskpoint_obstore_backend(self, key: str, data: bytes) -> Callable[[], None]:
+        import taskpoint
+
+        options = {**self.options, "s3_client": "obstore"}
+        ckpt = taskpoint.Checkpoint(f"s3://{self.bucket}/{key}", storage_options=options, codec="none")
+        assert type(ckpt._dest.backend).__name__ == "ObstoreS3Backend", ckpt._dest.backend
+        return lambda: ckpt.save_sync(data, progress=False)
 
 
 def table(results: dict[str, list[tuple[float, float]]], size: int, notes: dict[str, str]) -> str:

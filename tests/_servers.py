@@ -56,6 +56,7 @@ __all__ = [
     "AZURITE_ACCOUNT",
     "AZURITE_KEY",
     "BUCKET",
+    "CLIENT_KINDS",
     "DEFAULT_ENVIRONMENT",
     "LOOPBACK",
     "PROTOCOLS",
@@ -78,8 +79,11 @@ LOOPBACK = "127.0.0.1"
 BUCKET = "taskpoint-tests"
 
 #: Every kind of store a test can be parametrized over, and the remote ones among them.
-STORE_KINDS: tuple[str, ...] = ("local", "memory", "s3", "gcs", "azure")
-REMOTE_KINDS: tuple[str, ...] = ("s3", "gcs", "azure")
+STORE_KINDS: tuple[str, ...] = ("local", "memory", "s3", "s3-obstore", "gcs", "azure")
+REMOTE_KINDS: tuple[str, ...] = ("s3", "s3-obstore", "gcs", "azure")
+#: Kinds that are another client of a store: S3 through obstore (``s3_client="obstore"``) on the S3 server.
+#: Their locations say the store's kind (``s3``) and carry the client in their storage options.
+CLIENT_KINDS: dict[str, tuple[str, dict[str, Any]]] = {"s3-obstore": ("s3", {"s3_client": "obstore"})}
 #: The fsspec protocol used for each kind's URLs.
 PROTOCOLS: dict[str, str] = {"local": "file", "memory": "memory", "s3": "s3", "gcs": "gs", "azure": "az"}
 
@@ -170,9 +174,14 @@ class StoreLocation:
         cleaned = [p.strip("/") for p in parts]
         return "/".join([self.base, *(p for p in cleaned if p)])
 
+    @property
+    def fs_options(self) -> dict[str, Any]:
+        """``storage_options`` without taskpoint's own keys (``s3_client``): for fsspec itself."""
+        return {k: v for k, v in self.storage_options.items() if k != "s3_client"}
+
     def fs(self) -> AbstractFileSystem:
         """The (instance-cached) sync fsspec filesystem for this location."""
-        fs, _ = fsspec.core.url_to_fs(self.base, **self.storage_options)
+        fs, _ = fsspec.core.url_to_fs(self.base, **self.fs_options)
         return fs
 
 
@@ -222,6 +231,7 @@ def close_filesystem(fs: AbstractFileSystem) -> None:
 
 def clear_instance_cache(kind: str) -> None:
     """Forget (and close) fsspec's cached filesystem instances for ``kind``; listings caches go too."""
+    kind = CLIENT_KINDS.get(kind, (kind, {}))[0]
     try:
         cls = fsspec.get_filesystem_class(PROTOCOLS[kind])
     except (ImportError, ValueError):
@@ -574,7 +584,7 @@ async def async_filesystem(location: StoreLocation) -> AsyncIterator[AsyncFileSy
         yield AsyncFileSystemWrapper(sync_fs, asynchronous=True)
         return
     fs = fsspec.filesystem(location.protocol, asynchronous=True, skip_instance_cache=True,
-                           **location.storage_options)
+                           **location.fs_options)
     if location.kind == "s3":
         session = await fs.set_session()
         try:

@@ -5,13 +5,15 @@ Fixtures
 ``s3_server``, ``gcs_server``, ``azure_server`` (session scope)
     Start the server on first use, create the bucket/container ``taskpoint-tests`` and yield a
     :class:`_servers.RunningServer` (``.endpoint``, ``.storage_options``); stopped at session end.
-``store`` (function scope, params ``local``, ``memory``, ``s3``, ``gcs``, ``azure``)
+``store`` (function scope, params ``local``, ``memory``, ``s3``, ``s3-obstore``, ``gcs``, ``azure``)
     A :class:`_servers.StoreLocation` under a prefix unique to the test. A server is started only
-    when a test runs with its param. Select kinds with ``-k``, e.g. ``-k "not azure"``.
+    when a test runs with its param. Select kinds with ``-k``, e.g. ``-k "not azure"``. ``s3-obstore``
+    is the S3 server through obstore: its location's ``kind`` is ``s3`` and its storage options carry
+    ``s3_client="obstore"`` (``fs_options`` leaves that out, for fsspec).
 ``remote_store``
-    The same, over ``s3``, ``gcs`` and ``azure`` only.
+    The same, over ``s3``, ``s3-obstore``, ``gcs`` and ``azure`` only.
 ``s3_store``
-    The same, S3 only.
+    The same, S3 only (``s3`` and ``s3-obstore``).
 
 fsspec's instance cache for the store's filesystem class is cleared before and after each test,
 and whatever the test left under its prefix is deleted at teardown.
@@ -36,6 +38,7 @@ import fsspec
 import pytest
 
 from _servers import (
+    CLIENT_KINDS,
     REMOTE_KINDS,
     STORE_KINDS,
     RunningServer,
@@ -51,6 +54,25 @@ from _servers import (
 apply_default_environment()  # the same defaults, plus 127.0.0.1 on NO_PROXY
 
 _SERVER_FIXTURES = {"s3": "s3_server", "gcs": "gcs_server", "azure": "azure_server"}
+#: The modules whose store fixtures run over obstore too (``s3-obstore``): the storage contract (stores, record
+#: protocol, failures and errors through the fault proxy, integrity), the obstore tests, and the manager's
+#: tests that name ``s3-obstore`` themselves (two managers racing). Elsewhere the client under the backend
+#: changes nothing that the S3 run does not already cover, and running everything twice would add minutes.
+_OBSTORE_MODULES = frozenset({"test_stores.py", "test_record_protocol.py", "test_storage_failures.py",
+                              "test_storage_errors.py", "test_integrity.py", "test_obstore.py", "test_manager.py"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Leave out the ``s3-obstore`` runs of the modules outside :data:`_OBSTORE_MODULES`."""
+    def elsewhere(item: pytest.Item) -> bool:
+        callspec = getattr(item, "callspec", None)
+        on_obstore = callspec is not None and "s3-obstore" in callspec.params.values()
+        return on_obstore and item.path.name not in _OBSTORE_MODULES
+
+    dropped = [item for item in items if elsewhere(item)]
+    if dropped:
+        items[:] = [item for item in items if not elsewhere(item)]
+        config.hook.pytest_deselected(items=dropped)
 
 
 @pytest.fixture(scope="session")
@@ -83,15 +105,18 @@ def _new_location(request: pytest.FixtureRequest, kind: str) -> StoreLocation:
         return StoreLocation("local", str(base), {})
     if kind == "memory":
         return StoreLocation("memory", f"memory://tp-{uuid.uuid4().hex}", {})
+    kind, client_options = CLIENT_KINDS.get(kind, (kind, {}))
     server: RunningServer = request.getfixturevalue(_SERVER_FIXTURES[kind])
-    return server.new_location()
+    location = server.new_location()
+    location.storage_options.update(client_options)
+    return location
 
 
 def _remove_quietly(location: StoreLocation) -> None:
     """Delete everything under the location's prefix (best effort; local is left to tmp_path)."""
     if location.kind == "local":
         return
-    fs = fsspec.filesystem(location.protocol, skip_instance_cache=True, **location.storage_options)
+    fs = fsspec.filesystem(location.protocol, skip_instance_cache=True, **location.fs_options)
     try:
         if fs.exists(location.base):
             fs.rm(location.base, recursive=True)
@@ -114,17 +139,17 @@ def _location_fixture(request: pytest.FixtureRequest) -> Iterator[StoreLocation]
 
 @pytest.fixture(params=STORE_KINDS, ids=STORE_KINDS)
 def store(request: pytest.FixtureRequest) -> Iterator[StoreLocation]:
-    """A fresh, empty location on each kind of store (local, memory, s3, gcs, azure)."""
+    """A fresh, empty location on each kind of store (local, memory, s3, s3-obstore, gcs, azure)."""
     yield from _location_fixture(request)
 
 
 @pytest.fixture(params=REMOTE_KINDS, ids=REMOTE_KINDS)
 def remote_store(request: pytest.FixtureRequest) -> Iterator[StoreLocation]:
-    """A fresh, empty location on each remote store (s3, gcs, azure)."""
+    """A fresh, empty location on each remote store (s3, s3-obstore, gcs, azure)."""
     yield from _location_fixture(request)
 
 
-@pytest.fixture(params=["s3"], ids=["s3"])
+@pytest.fixture(params=["s3", "s3-obstore"], ids=["s3", "s3-obstore"])
 def s3_store(request: pytest.FixtureRequest) -> Iterator[StoreLocation]:
-    """A fresh, empty location on the S3 server."""
+    """A fresh, empty location on the S3 server, through s3fs and through obstore (``s3_client="obstore"``)."""
     yield from _location_fixture(request)

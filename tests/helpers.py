@@ -104,20 +104,25 @@ def snapshot_with_times(root: Path) -> dict[str, Any]:
     return {k: (v, os.lstat(root / k).st_mtime_ns) for k, v in snap.items()}
 
 
+def fs_options(storage_options: dict[str, Any]) -> dict[str, Any]:
+    """Storage options for fsspec itself: without taskpoint's own ``s3_client``."""
+    return {k: v for k, v in storage_options.items() if k != "s3_client"}
+
+
 def read_object(url: str, storage_options: dict[str, Any]) -> bytes:
-    fs, path = fsspec.core.url_to_fs(url, **storage_options)
+    fs, path = fsspec.core.url_to_fs(url, **fs_options(storage_options))
     fs.invalidate_cache()
     return fs.cat_file(path)  # type: ignore[no-any-return]
 
 
 def write_object(url: str, storage_options: dict[str, Any], data: bytes) -> None:
-    fs, path = fsspec.core.url_to_fs(url, **storage_options)
+    fs, path = fsspec.core.url_to_fs(url, **fs_options(storage_options))
     fs.pipe_file(path, data)
     fs.invalidate_cache()
 
 
 def object_exists(url: str, storage_options: dict[str, Any]) -> bool:
-    fs, path = fsspec.core.url_to_fs(url, **storage_options)
+    fs, path = fsspec.core.url_to_fs(url, **fs_options(storage_options))
     fs.invalidate_cache()
     return fs.exists(path)  # type: ignore[no-any-return]
 

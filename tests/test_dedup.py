@@ -35,7 +35,7 @@ def manager(store, **kwargs) -> CheckpointManager:
 
 
 def _fs(store):
-    fs, path = fsspec.core.url_to_fs(store.url("ckpts"), **store.storage_options)
+    fs, path = fsspec.core.url_to_fs(store.url("ckpts"), **store.fs_options)
     fs.invalidate_cache()
     return fs, path.rstrip("/")
 

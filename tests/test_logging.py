@@ -131,7 +131,7 @@ def test_background_save_logs_when_it_commits_with_the_time_the_caller_was_block
 
 
 def _payload(store, step: int) -> str:
-    fs, path = fsspec.core.url_to_fs(store.url("m", f"ckpt-{step}"), **store.storage_options)
+    fs, path = fsspec.core.url_to_fs(store.url("m", f"ckpt-{step}"), **store.fs_options)
     fs.invalidate_cache()
     return next(p.rsplit("/", 1)[1] for p in fs.ls(path, detail=False) if "/payload-" in p)
 

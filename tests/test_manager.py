@@ -39,7 +39,7 @@ def manager(store, **kwargs) -> CheckpointManager:
 
 def folder_objects(store, step: int) -> list[str]:
     """Names of the objects in a step's folder, read straight from the store."""
-    fs, path = fsspec.core.url_to_fs(store.url("ckpts", f"ckpt-{step}"), **store.storage_options)
+    fs, path = fsspec.core.url_to_fs(store.url("ckpts", f"ckpt-{step}"), **store.fs_options)
     fs.invalidate_cache()
     prefix = path.rstrip("/") + "/"
     return sorted(p[len(prefix):] for p, info in fs.find(path, detail=True).items() if info["type"] == "file")
@@ -52,7 +52,7 @@ def payload_name(store, step: int) -> str:
 
 def put_object(store, url: str, data: bytes) -> None:
     """Write an object as another writer would, creating its folder where the store has folders."""
-    fs, path = fsspec.core.url_to_fs(url, **store.storage_options)
+    fs, path = fsspec.core.url_to_fs(url, **store.fs_options)
     if store.kind == "local":
         fs.makedirs(fs._parent(path), exist_ok=True)
     fs.pipe_file(path, data)
@@ -155,7 +155,7 @@ def test_each_step_holds_its_payload_and_a_manifest_that_commits_it(store, tmp_p
 def test_metadata_is_read_without_downloading_the_payload(store):
     with manager(store) as m:
         m.save(b"big state", 1, metadata={"k": "v"})
-        fs, path = fsspec.core.url_to_fs(store.url("ckpts", "ckpt-1", payload_name(store, 1)), **store.storage_options)
+        fs, path = fsspec.core.url_to_fs(store.url("ckpts", "ckpt-1", payload_name(store, 1)), **store.fs_options)
         fs.rm_file(path)
         assert m.metadata(1) == {"k": "v"}
         with pytest.raises(CheckpointCorruptError, match=r"step 1 .*missing"):
@@ -554,7 +554,7 @@ def test_background_error_is_raised_by_the_next_query(tmp_path):
 
 
 # fsspec's memory filesystem shares one buffer between writer and listers, so it is left out here.
-@pytest.mark.parametrize("store", ["local", "s3", "gcs", "azure"], indirect=True)
+@pytest.mark.parametrize("store", ["local", "s3", "s3-obstore", "gcs", "azure"], indirect=True)
 def test_two_managers_saving_the_same_step_at_once_never_mix_their_data(store, tmp_path):
     trees = [make_tree(tmp_path / f"writer{i}", big=200_000 + i) for i in range(2)]
     (trees[1] / "only-in-b.txt").write_text("b")
@@ -719,7 +719,7 @@ def test_manager_is_exported():
 
 
 def test_unfinished_uploads_of_killed_payload_saves_are_aborted_after_the_grace_period(s3_store):
-    fs, root = fsspec.core.url_to_fs(s3_store.url("ckpts"), **s3_store.storage_options)
+    fs, root = fsspec.core.url_to_fs(s3_store.url("ckpts"), **s3_store.fs_options)
     bucket, _, prefix = root.partition("/")
 
     def start_upload(key: str) -> str:  # what a save killed in the middle of its multipart upload leaves

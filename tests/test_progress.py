@@ -220,14 +220,15 @@ def test_updates_come_at_least_once_a_second_while_a_slow_load_runs(tmp_path, s3
     assert max(_gaps(loaded, ended)) < 1.0
 
 
-def test_a_large_object_read_through_a_slow_network_is_counted_as_its_ranges_arrive(tmp_path, s3_server):
+@pytest.mark.parametrize("client", ["s3fs", "obstore"])
+def test_a_large_object_read_through_a_slow_network_is_counted_as_its_ranges_arrive(tmp_path, s3_server, client):
     # Above 16 MiB an object comes down as 8 MiB ranges, several at once; each is counted as it streams in.
     url = f"s3://taskpoint-tests/progress-ranges-{os.getpid()}-{time.monotonic_ns()}/ckpt"
     data = os.urandom(24 << 20)
     with Checkpoint(url, storage_options=s3_server.storage_options) as cp:
         cp.save_sync(data)
     with fault_proxy(s3_server.endpoint, throttle=4 << 20) as proxy:  # ~2 s for the three ranges in parallel
-        options = {**s3_server.storage_options, "endpoint_url": proxy.url}
+        options = {**s3_server.storage_options, "endpoint_url": proxy.url, "s3_client": client}
         loaded = Recorder()
         with Checkpoint(tmp_path / "unused", url, storage_options=options) as cp:
             assert cp.load_sync(progress=loaded).read_bytes() == data

@@ -212,6 +212,8 @@ def test_small_saves_and_loads_take_few_requests(s3_store, tmp_path):
     2. The very first save at a new name also checks that it is no prefix (a HEAD and a listing)."""
     from taskpoint import record
 
+    if "s3_client" in s3_store.storage_options:
+        pytest.skip("counts requests through botocore's event hooks, which obstore's requests never pass")
     dest = s3_store.url("ckpt")
     counter = _RequestCounter(Location(dest, s3_store.storage_options).fs)
     Checkpoint(dest, storage_options=s3_store.storage_options).save_sync(b"w" * 100)
@@ -234,7 +236,7 @@ def test_small_saves_and_loads_take_few_requests(s3_store, tmp_path):
     assert len(load) <= 2, load
 
 
-@pytest.mark.parametrize("store", ["local", "s3", "gcs", "azure"], indirect=True)
+@pytest.mark.parametrize("store", ["local", "s3", "s3-obstore", "gcs", "azure"], indirect=True)
 def test_two_writers_never_drop_each_others_entry(store, tmp_path, monkeypatch):
     """Issue 11, on local disk (a flock of the folder), S3 (If-Match), GCS (ifGenerationMatch) and Azure
     (If-Match): writer A has read the record

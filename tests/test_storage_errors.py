@@ -61,10 +61,12 @@ def test_missing_s3_credentials_are_access_denied_naming_the_default_chain(s3_st
     options = {k: v for k, v in s3_store.storage_options.items() if k not in ("key", "secret")}
     retry = fast_counting()
     cp = Checkpoint(s3_store.url("d"), s3_store.url("prev"), storage_options=options, retry=retry)
-    with pytest.raises(StorageAccessDenied, match="botocore's default chain") as info:
+    obstore = "s3_client" in options  # obstore: its own chain, and no probe of the metadata address
+    with pytest.raises(StorageAccessDenied, match="obstore's default chain" if obstore else
+                       "botocore's default chain") as info:
         cp.save_sync(b"x")
     assert len(retry.runs) == 1  # not retried
-    assert "NoCredentialsError" in str(info.value)
+    assert ("no S3 credentials" if obstore else "NoCredentialsError") in str(info.value)
     with pytest.raises(StorageAccessDenied):
         cp.load_sync()  # never "no checkpoint"
 
@@ -234,6 +236,16 @@ def _wrapped(outer: BaseException, inner: BaseException) -> BaseException:
     (lambda: _wrapped(RuntimeError("Failed to upload block"), _azure("HttpResponseError", 400, "InvalidBlockList")),
      Failure.TRANSIENT),  # two writers racing on one blob: an unknown client error is retried
     (lambda: OSError("Forbidden: https://storage.googleapis.com/b/o"), Failure.DENIED),  # gcsfs's 403
+    # obstore: its types, and the status and S3 code that only its text carries (as its answers read)
+    (lambda: _obstore("NotFoundError", 404, "NoSuchBucket"), Failure.NO_CONTAINER),
+    (lambda: _obstore("NotFoundError", 404, "NoSuchKey"), Failure.ABSENT),
+    (lambda: _obstore("NotFoundError", 404, None), Failure.ABSENT),  # a HEAD: no body, no code
+    (lambda: _obstore("PermissionDeniedError", 403, "AccessDenied"), Failure.DENIED),
+    (lambda: _obstore("UnauthenticatedError", None, None), Failure.DENIED),
+    (lambda: _obstore("GenericError", 503, "SlowDown"), Failure.TRANSIENT),
+    (lambda: _obstore("GenericError", None, None), Failure.TRANSIENT),  # "error sending request": the network
+    (lambda: _obstore("InvalidPathError", None, None), Failure.BROKEN),
+    (lambda: OSError(_obstore_text(400, "EntityTooSmall")), Failure.BROKEN),  # its writer's close, refused
     (lambda: OSError(errno.ENOSPC, "No space left on device"), Failure.FULL),
     (lambda: OSError(errno.EDQUOT, "Disk quota exceeded"), Failure.FULL),
     (lambda: OSError(errno.EIO, "Input/output error"), Failure.TRANSIENT),
@@ -247,6 +259,19 @@ def _wrapped(outer: BaseException, inner: BaseException) -> BaseException:
 ])
 def test_the_error_map_classifies_by_type_and_by_code(make: Callable[[], BaseException], expected: Failure):
     assert classify(make()) is expected
+
+
+def _obstore_text(status: int | None, code: str | None) -> str:
+    answer = (f" - Server returned non-2xx status code: {status} Status" if status else
+              " - HTTP error: error sending request")
+    body = f': <?xml version="1.0" encoding="utf-8"?><Error><Code>{code}</Code></Error>' if code else ""
+    return f"Generic S3 error: Error performing PUT http://127.0.0.1:9/b/k in 3ms{answer}{body}"
+
+
+def _obstore(name: str, status: int | None, code: str | None) -> Exception:
+    import obstore.exceptions as obstore_errors
+
+    return getattr(obstore_errors, name)(_obstore_text(status, code))  # type: ignore[no-any-return]
 
 
 def _azure(name: str, status: int, code: str) -> Exception:

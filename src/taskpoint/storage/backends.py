@@ -6,6 +6,8 @@
   (:class:`GCSBackend` pins them to the object's generation).
 - :class:`S3Backend`: taskpoint's own multipart writer (parts in flight, aborted on failure), and the
   listing and aborting of unfinished uploads.
+- :class:`~taskpoint.storage._obstore.ObstoreS3Backend` (``s3_client="obstore"``): S3 with obstore moving the
+  bytes and s3fs doing the rest.
 - :class:`MovingBackend` (``memory://`` and any other filesystem): a temp object beside the destination,
   then a move.
 

@@ -3,8 +3,9 @@
 Every read, write, listing and delete of a :class:`~taskpoint.storage.Location` runs inside
 :func:`map_errors` (and its retries ask :func:`classify`). Exceptions are told apart by their type and by the
 HTTP status or error code the client reports (botocore's ``response``, azure-core's ``status_code`` and
-``error_code``, gcsfs's ``code``, aiohttp's ``status``, the ``errno`` of an ``OSError``), walking the chain of
-causes because clients wrap each other (s3fs raises ``PermissionError`` from botocore's ``ClientError``).
+``error_code``, gcsfs's ``code``, aiohttp's ``status``, the status and S3 code in the text of obstore's errors,
+the ``errno`` of an ``OSError``), walking the chain of causes because clients wrap each other (s3fs raises
+``PermissionError`` from botocore's ``ClientError``).
 Client classes are looked up only in modules already imported: an exception of a module's type cannot
 exist before that module is loaded, so nothing heavy is imported here.
 """
@@ -77,6 +78,7 @@ _CREDENTIAL_TYPES = (
                              "NoAuthTokenError", "TokenRetrievalError", "UnauthorizedSSOTokenError")),
     ("google.auth.exceptions", ("DefaultCredentialsError", "RefreshError")),
     ("azure.core.exceptions", ("ClientAuthenticationError",)),
+    ("obstore.exceptions", ("UnauthenticatedError", "PermissionDeniedError")),
 )
 #: Client exceptions of the transport (connection, timeout, truncated answer).
 _TRANSPORT_TYPES = (
@@ -92,9 +94,13 @@ _CLIENT_TYPES = (
     ("botocore.exceptions", ("BotoCoreError", "ClientError")),
     ("azure.core.exceptions", ("AzureError",)),
     ("gcsfs.retry", ("HttpError",)),
+    ("obstore.exceptions", ("BaseError",)),
 )
 #: Client exceptions of a request the client refused to send (bad parameters): not retried.
-_INVALID_REQUEST_TYPES = (("botocore.exceptions", ("ParamValidationError",)),)
+_INVALID_REQUEST_TYPES = (
+    ("botocore.exceptions", ("ParamValidationError",)),
+    ("obstore.exceptions", ("InvalidPathError", "UnknownConfigurationKeyError", "NotSupportedError")),
+)
 #: Exceptions that are programming errors or taskpoint's own: never reinterpreted as storage failures.
 _OWN = (CheckpointError, ValueError, TypeError, NotImplementedError, ImportError, AttributeError, KeyError,
         AssertionError)
@@ -138,10 +144,29 @@ def code_and_status(exc: BaseException) -> tuple[str | None, int | None]:
     status = getattr(exc, "status", None)  # aiohttp's ClientResponseError
     if isinstance(status, int) and not isinstance(exc, OSError):
         return None, status
+    if _from_obstore(exc):  # obstore gives the status and S3's code only in the text
+        return _obstore_code_and_status(str(exc))
     if type(exc).__name__ == "HttpError" and type(exc).__module__.startswith("gcsfs"):
         code = getattr(exc, "code", None)
         return None, code if isinstance(code, int) else None
     return None, None
+
+
+_OBSTORE_STATUS = re.compile(r"status code: (\d{3})")
+_OBSTORE_CODE = re.compile(r"<Code>(\w+)</Code>")
+
+
+def _from_obstore(exc: BaseException) -> bool:
+    """An obstore error: its own types, and the plain OSError its writer raises (``Generic S3 error: ...``)."""
+    return type(exc).__module__ == "obstore.exceptions" or (
+        type(exc) is OSError and str(exc).startswith("Generic S3 error"))
+
+
+def _obstore_code_and_status(text: str) -> tuple[str | None, int | None]:
+    """The S3 error code and HTTP status in the text of an obstore error (``... non-2xx status code: 404 Not
+    Found: <?xml ...><Code>NoSuchBucket</Code>...``); answers without a body (HEAD) carry only the status."""
+    status, code = _OBSTORE_STATUS.search(text), _OBSTORE_CODE.search(text)
+    return (code.group(1) if code else None), (int(status.group(1)) if status else None)
 
 
 def _by_code(code: str | None, status: int | None) -> Failure | None:
@@ -179,6 +204,8 @@ def _one(exc: BaseException) -> Failure | None:
     by_code = _by_code(code, status)
     if by_code is not None:
         return by_code
+    if status == 400 and _from_obstore(exc):
+        return Failure.BROKEN  # a request S3 refuses (EntityTooSmall...): s3fs makes these EINVAL
     if isinstance(exc, _loaded(_CREDENTIAL_TYPES)):
         return Failure.DENIED
     if isinstance(exc, _loaded(_INVALID_REQUEST_TYPES)):

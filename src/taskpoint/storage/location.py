@@ -21,6 +21,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from ..errors import StorageAccessDenied
+from ._obstore import ObstoreS3Backend, require_obstore
 from .backends import (
     _OBJECT_STORES,
     NO_HOOKS,
@@ -34,7 +35,7 @@ from .backends import (
 )
 from .errormap import Failure, classify, describe, map_errors
 from .objectstores import AzureBackend, GCSBackend, ObjectStoreBackend, S3Backend
-from .retry import RetryPolicy
+from .retry import CLIENT_TIMEOUT, RetryPolicy
 
 T = TypeVar("T")
 
@@ -51,10 +52,11 @@ class Location:
         self.storage_options = options
         self.retry = retry or RetryPolicy()
         scheme = uri.partition("://")[0] if "://" in uri else "file"
+        client, fs_options = s3_client(scheme, options)
         try:
             # Some clients check credentials as they connect (gcsfs with token="google_default").
-            with map_errors("connect to", uri, credential_source((scheme,), options)):
-                self.fs, self.path = fsspec.core.url_to_fs(uri, **client_timeouts(scheme, options,
+            with map_errors("connect to", uri, credential_source((scheme,), fs_options)):
+                self.fs, self.path = fsspec.core.url_to_fs(uri, **client_timeouts(scheme, fs_options,
                                                                                    self.retry.deadline))
         except ImportError as exc:
             raise ImportError(f"{uri}: {exc}. Install the matching extra, e.g. pip install 'taskpoint[s3]', "
@@ -65,7 +67,9 @@ class Location:
             raise StorageAccessDenied(
                 f"could not connect to {uri}: the credentials could not be used ({describe(exc)}). taskpoint used "
                 f"{credential_source((scheme,), options)}; check that they are complete and valid.") from exc
-        self.backend: Backend = backend_for(self.fs, options)
+        self.backend: Backend = backend_for(self.fs, fs_options)
+        if client == "obstore" and isinstance(self.backend, S3Backend):
+            self.backend = ObstoreS3Backend(self.fs, fs_options, self.retry.deadline)
 
     def _moved(self, uri: str, path: str) -> Location:
         other = object.__new__(Location)
@@ -244,18 +248,13 @@ class Location:
         self.backend.abort_upload(self.path, key, upload_id)
 
 
-#: Client timeouts (seconds) that a retry deadline shorter than this lowers, so that one attempt cannot outlast
-#: it by much (botocore's connect and read timeouts are 60 s by default).
-_CLIENT_TIMEOUT = 60.0
-
-
 def client_timeouts(scheme: str, options: dict[str, Any], deadline: float | None) -> dict[str, Any]:
     """``options`` with the client's per-request timeouts lowered to ``deadline`` where it is shorter than
-    :data:`_CLIENT_TIMEOUT` and the caller set none: s3fs's ``config_kwargs`` connect and read timeouts,
+    :data:`CLIENT_TIMEOUT` and the caller set none: s3fs's ``config_kwargs`` connect and read timeouts,
     gcsfs's ``requests_timeout``, adlfs's ``connection_timeout`` and ``read_timeout``. Clients fix them when the
     filesystem is created, so they cannot shrink with the time left; the clients' own retries (botocore's,
     s3fs's) still multiply them."""
-    if deadline is None or deadline >= _CLIENT_TIMEOUT:
+    if deadline is None or deadline >= CLIENT_TIMEOUT:
         return options
     out = dict(options)
     if scheme in ("s3", "s3a"):
@@ -269,6 +268,29 @@ def client_timeouts(scheme: str, options: dict[str, Any], deadline: float | None
         out.setdefault("connection_timeout", deadline)
         out.setdefault("read_timeout", deadline)
     return out
+
+
+#: The storage option, and the environment variable, that choose the client of ``s3://`` locations.
+S3_CLIENT_OPTION = "s3_client"
+S3_CLIENT_ENV = "TASKPOINT_S3_CLIENT"
+#: The clients there are: s3fs (the default) and obstore (the fast path, extra ``taskpoint[obstore]``).
+S3_CLIENTS = ("s3fs", "obstore")
+
+
+def s3_client(scheme: str, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The client for an ``s3://`` location (``storage_options["s3_client"]``, else ``$TASKPOINT_S3_CLIENT``,
+    else s3fs), and the options without taskpoint's key, for fsspec. ImportError naming the extra when
+    obstore is chosen and not installed; ValueError for an unknown client."""
+    fs_options = {key: value for key, value in options.items() if key != S3_CLIENT_OPTION}
+    chosen = options.get(S3_CLIENT_OPTION) or os.environ.get(S3_CLIENT_ENV) or "s3fs"
+    if chosen not in S3_CLIENTS:
+        raise ValueError(f"unknown S3 client {chosen!r} (storage option {S3_CLIENT_OPTION!r} or "
+                         f"${S3_CLIENT_ENV}); choose one of {', '.join(S3_CLIENTS)}")
+    if scheme not in ("s3", "s3a"):
+        return "s3fs", fs_options
+    if chosen == "obstore":
+        require_obstore()
+    return chosen, fs_options
 
 
 class LostInFlight(OSError):

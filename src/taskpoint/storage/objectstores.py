@@ -265,19 +265,23 @@ class S3Backend(ObjectStoreBackend):
     """S3: taskpoint's multipart writer (parts in flight, one PUT up to 64 MiB), upload listing and abort; large
     objects are read as ranged GETs pinned to the ETag seen when the read began (``If-Match``)."""
 
-    range_reader = _s3.S3RangeReader
+    range_reader: ClassVar[type[ConcurrentRangeReader]] = _s3.S3RangeReader
 
     def version_of(self, info: dict[str, Any]) -> str | None:
         etag = info.get("ETag")
         return etag if isinstance(etag, str) and etag else None
 
+    def writer(self, path: str, size_hint: int | None, hooks: WriteHooks) -> Any:
+        """The multipart writer of one object: ``close(before_commit=...)`` makes it visible, ``abort()`` drops it."""
+        single = size_hint is not None and size_hint <= _s3.SINGLE_PUT_MAX
+        return _s3.S3MultipartWriter(self.fs, path, part_size=_s3.SINGLE_PUT_MAX + 1 if single
+                                     else _s3.UPLOAD_PART_SIZE, on_upload_started=hooks.on_partial)
+
     @contextlib.contextmanager
     def open_write(self, path: str, size_hint: int | None, hooks: WriteHooks) -> Iterator[IO[bytes]]:
-        single = size_hint is not None and size_hint <= _s3.SINGLE_PUT_MAX
-        writer = _s3.S3MultipartWriter(self.fs, path, part_size=_s3.SINGLE_PUT_MAX + 1 if single
-                                       else _s3.UPLOAD_PART_SIZE, on_upload_started=hooks.on_partial)
+        writer = self.writer(path, size_hint, hooks)
         try:
-            yield writer  # type: ignore[misc]
+            yield writer
             writer.close(before_commit=hooks.before_commit)
         except BaseException:
             writer.abort()

@@ -18,6 +18,9 @@ T = TypeVar("T")
 
 #: Default of :attr:`RetryPolicy.deadline`, in seconds.
 DEFAULT_DEADLINE = 120.0
+#: Client timeouts (seconds) that a retry deadline shorter than this lowers, so that one attempt cannot outlast
+#: it by much (botocore's connect and read timeouts are 60 s by default; obstore's are set to the same).
+CLIENT_TIMEOUT = 60.0
 
 _running = threading.local()
 
@@ -42,7 +45,8 @@ class RetryPolicy:
             of the async clients (s3fs, gcsfs, adlfs: checks, record reads, listings) are given the time left
             and cancelled when it runs out; a streaming transfer cannot be interrupted from Python, and is
             bounded only by the client's own timeouts (lowered to the deadline when it is under 60 s, see
-            :func:`~taskpoint.storage.location.client_timeouts`). Default 120 s.
+            :func:`~taskpoint.storage.location.client_timeouts`). Each of obstore's requests (``s3_client="obstore"``)
+            lasts at most the deadline of the policy the location was made with. Default 120 s.
     """
 
     attempts: int = 4
