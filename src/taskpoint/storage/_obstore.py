@@ -3,8 +3,8 @@
 Chosen with ``storage_options={"s3_client": "obstore"}`` or ``TASKPOINT_S3_CLIENT=obstore`` (extra
 ``taskpoint[obstore]``). obstore moves every byte of the data path: atomic writes (one PUT, or a multipart
 upload aborted on failure), conditional record writes on the ETag, and reads (one GET for small objects,
-ranged GETs in parallel pinned to the ETag for large ones). A 1 GiB save costs 0.76 CPU-s against 1.62 on
-s3fs, at a lower wall time (docs/performance.md). What carries no bytes stays on s3fs, whose filesystem
+ranged GETs in parallel pinned to the ETag for large ones). A 1 GiB save costs 58% less client CPU than
+on s3fs, at a lower wall time (docs/performance.md). What carries no bytes stays on s3fs, whose filesystem
 the :class:`~taskpoint.storage.Location` holds anyway: listings, ``kind``, deletes, the bucket check, and the
 listing and aborting of unfinished multipart uploads, which obstore's Python API does not offer.
 """
