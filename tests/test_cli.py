@@ -359,3 +359,62 @@ def test_ls_tells_committed_damaged_and_incomplete_steps_apart(capsys, tmp_path)
     assert rows[4]["leftovers"] == ["payload-" + "cd" * 16]
     code, out, _ = tp(capsys, "ls", steps)
     assert "1 committed step(s)" in out and out.count("damaged") == 2 and "incomplete" in out
+
+
+def test_deduplicated_steps_push_ls_show_verify_pull_rm_gc(capsys, where, tmp_path):
+    """Steps saved with dedup=True hold no payload object of their own: ls checks their chunks against the
+    listing, show counts files and chunks, verify fetches and hashes every chunk, and damage names the file."""
+    base, opts, options = where
+    model = make_tree(tmp_path / "model", big=300_000)
+    steps = f"{base}/steps"
+    code, out, err = tp(capsys, "push", model, steps, "--step", 1, "--dedup", *opts)
+    assert code == 0 and " of new chunks in " in out, err
+    code, out, _ = tp(capsys, "push", model, steps, "--step", 2, "--dedup", *opts)
+    assert code == 0 and "0 B of new chunks" in out  # every chunk is already in the store
+    assert tp(capsys, "push", model, f"{base}/one", "--dedup", *opts)[0] == 1  # --dedup goes with --step
+
+    code, out, _ = tp(capsys, "ls", steps, "--json", *opts)
+    rows = {row["step"]: row for row in json.loads(out)["steps"]}
+    assert code == 0 and {n: r["state"] for n, r in rows.items()} == {1: "committed", 2: "committed"}
+    total = sum(p.stat().st_size for p in model.rglob("*") if p.is_file() and not p.is_symlink())
+    assert rows[2]["chunks"] == 5 and rows[2]["size"] == total and rows[2]["kind"] == "directory"
+    assert "2 committed step(s)" in tp(capsys, "ls", steps, *opts)[1]
+    code, out, _ = tp(capsys, "show", steps, "--step", 2, "--json", *opts)
+    shown = json.loads(out)
+    assert code == 0 and (shown["files"], shown["folders"], shown["links"], shown["chunks"]) == (5, 3, 2, 5)
+    code, out, _ = tp(capsys, "show", steps, *opts)
+    assert code == 0 and "codec: chunked" in out and "\npayload:" not in out
+
+    code, out, _ = tp(capsys, "verify", steps, *opts)
+    assert code == 0 and out.count("deduplicated: 5 files in 5 chunks, each matches its sha256") == 2
+    code, out, err = tp(capsys, "pull", steps, tmp_path / "back", "--step", 2, *opts)
+    assert code == 0, err
+    assert snapshot(tmp_path / "back") == snapshot(model)
+
+    doc = json.loads(read_object(f"{steps}/ckpt-2/taskpoint.json", options))
+    (bulk,) = [e["chunks"][0] for e in doc["tree"]["entries"] if e["path"] == "bulk.bin"]
+    chunk = f"{steps}/chunks/{bulk[:2]}/{bulk}"
+    intact = read_object(chunk, options)
+    flip_byte(chunk, options, offset=len(intact) // 2)
+    code, out, err = tp(capsys, "verify", steps, *opts)
+    assert code == 2 and "step 1: DAMAGED" in out and "step 2: DAMAGED" in out and "'bulk.bin'" in out
+    code, _, err = tp(capsys, "verify", steps, "--step", 2, *opts)
+    assert code == 2 and f"step 2 in {steps}" in err and "'bulk.bin'" in err and err.count("\n") == 1
+    assert tp(capsys, "pull", steps, tmp_path / "bad", "--step", 2, *opts)[0] == 2
+
+    fs, path = fsspec.core.url_to_fs(chunk, **options)
+    fs.rm(path)  # deleted outside taskpoint
+    code, out, _ = tp(capsys, "ls", steps, "--json", *opts)
+    rows = {row["step"]: row for row in json.loads(out)["steps"]}
+    assert {r["state"] for r in rows.values()} == {"damaged"} and "'bulk.bin' needs chunk" in rows[2]["problem"]
+    code, _, err = tp(capsys, "verify", steps, "--step", 1, *opts)
+    assert code == 2 and "'bulk.bin'" in err and "missing" in err
+
+    write_object(chunk, options, intact)  # put back: both steps verify again
+    assert tp(capsys, "verify", steps, *opts)[0] == 0
+    for step in (1, 2):
+        assert tp(capsys, "rm", steps, "--step", step, *opts)[0] == 0
+    code, out, _ = tp(capsys, "gc", steps, "--grace", 0, *opts)
+    assert code == 0 and "5 leftover(s) removed" in out
+    fs.invalidate_cache()
+    assert [p for p in fs.find(f"{path.rsplit('/chunks/', 1)[0]}/chunks")] == []

@@ -41,8 +41,8 @@ def _transfers() -> Iterator[list[TransferStats]]:
         logger.setLevel(level)
 
 
-def _figures(stats: TransferStats) -> str:
-    return f"{stats.kind}, {_human(stats.bytes)} in {stats.total_seconds:.2f} s, {stats.mb_per_s:.1f} MB/s"
+def _figures(stats: TransferStats, moved: str = "") -> str:
+    return f"{stats.kind}, {_human(stats.bytes)}{moved} in {stats.total_seconds:.2f} s, {stats.mb_per_s:.1f} MB/s"
 
 
 @cli.command("pull")
@@ -87,25 +87,28 @@ def pull_command(uri: str, dest: Path, step: int | None, progress: bool | None) 
               help="save as this step of a manager directory (URI is then the directory)")
 @click.option("--metadata", default=None, metavar="JSON", help="with --step: the step's metadata, a JSON object")
 @click.option("--overwrite", is_flag=True, help="with --step: replace the step if it exists")
-@click.option("--codec", type=click.Choice(["gzip", "zstd", "none"]), default="gzip", show_default=True,
-              help="archive codec for folders")
+@click.option("--dedup", is_flag=True,
+              help="with --step: save a deduplicated step (only chunks the directory's chunk store lacks are uploaded)")
+@click.option("--codec", type=click.Choice(["gzip", "zstd", "none"]), default=None,
+              help="archive codec for folders (default gzip); with --dedup, each chunk's (default zstd)")
 @progress_option
 @_command
-def push_command(src: Path, uri: str, step: int | None, metadata: str | None, overwrite: bool, codec: str,
-                 progress: bool | None) -> int:
+def push_command(src: Path, uri: str, step: int | None, metadata: str | None, overwrite: bool, dedup: bool,
+                 codec: str | None, progress: bool | None) -> int:
     """Save the file or folder SRC to URI (atomic, checksummed, as the API saves).
 
     \b
     Examples:
       taskpoint push ./model s3://bucket/runs/job7/train/1/checkpoint
       taskpoint push ./model s3://bucket/runs/steps --step 1200 --metadata '{"loss": 0.31}'
+      taskpoint push ./model s3://bucket/runs/steps --step 1300 --dedup
     """
     loc = _location(uri)
-    if step is None and (metadata is not None or overwrite):
-        raise _Failed(ERROR, "--metadata and --overwrite go with --step (a manager directory)")
+    if step is None and (metadata is not None or overwrite or dedup):
+        raise _Failed(ERROR, "--metadata, --overwrite and --dedup go with --step (a manager directory)")
     with _transfers() as seen:
         if step is None:
-            with Checkpoint(loc.uri, storage_options=loc.storage_options, codec=codec) as cp:
+            with Checkpoint(loc.uri, storage_options=loc.storage_options, codec=codec or "gzip") as cp:
                 cp.save_sync(src, progress=progress)
             where = loc.uri
         else:
@@ -113,9 +116,11 @@ def push_command(src: Path, uri: str, step: int | None, metadata: str | None, ov
                 meta = json.loads(metadata) if metadata is not None else None
             except ValueError as exc:
                 raise _Failed(ERROR, f"--metadata must be a JSON object: {exc}") from None
-            with CheckpointManager(loc.uri, storage_options=loc.storage_options, codec=codec) as manager:
+            with CheckpointManager(loc.uri, storage_options=loc.storage_options, codec=codec,
+                                   dedup=dedup) as manager:
                 where = manager.save(src, step, metadata=meta, overwrite=overwrite, progress=progress)
-    click.echo(f"pushed {src} -> {safe_uri(where)}" + (f" ({_figures(seen[-1])})" if seen else ""))
+    moved = " of new chunks" if dedup else ""
+    click.echo(f"pushed {src} -> {safe_uri(where)}" + (f" ({_figures(seen[-1], moved)})" if seen else ""))
     return OK
 
 

@@ -12,6 +12,7 @@ import click
 from ..errors import CheckpointCorruptError
 from ..format.records import MANIFEST_SUFFIX
 from ..manager import CheckpointManager
+from ..manager.chunks import CHUNK_FOLDER
 from ..manager.claims import Claims
 from ..manager.steps import MANIFEST_NAME, STEP_FOLDER, StepStore
 from ..record import read_record
@@ -90,8 +91,11 @@ def _manager_view(loc: Location) -> dict[str, Any] | None:
     root = loc.path.rstrip("/")
     listing = loc.list_tree()
     sizes: dict[int, dict[str, int]] = {}
+    stored_chunks: set[str] = set()  # the chunk store of deduplicated steps, by key
     for path, info in listing.items():
         parts = path[len(root) + 1:].split("/") if path.startswith(root + "/") else []
+        if len(parts) == 3 and parts[0] == CHUNK_FOLDER and info.get("type") != "directory":
+            stored_chunks.add(parts[2])
         match = STEP_FOLDER.fullmatch(parts[0]) if parts else None
         if match is None:
             continue
@@ -124,6 +128,14 @@ def _manager_view(loc: Location) -> dict[str, Any] | None:
             if manifest.shards is not None:
                 row["shards"] = len(manifest.shards)
             row["state"] = "committed"
+            if manifest.tree is not None:  # deduplicated: its bytes are chunks in the shared store
+                objects = []
+                row["chunks"] = sum(len(entry.chunks) for entry in manifest.tree.entries)
+                missing = next(((entry.path, key) for entry in manifest.tree.entries for key in entry.chunks
+                                if key not in stored_chunks), None)
+                if missing is not None:
+                    row.update(state="damaged", problem=f"file {missing[0]!r} needs chunk {missing[1]}, which is "
+                                                        "missing")
             for name, part in objects:
                 stored = names.get(name)
                 if stored is None:
@@ -264,6 +276,12 @@ def show_command(uri: str, step: int | None, as_json: bool) -> int:
         if manifest.shards is not None:
             view["shards"] = [{"rank": s.rank, "payload": s.payload, "size": s.record.size,
                                "sha256": s.record.sha256} for s in manifest.shards]
+        if manifest.tree is not None:  # deduplicated: each file's bytes are chunks of the shared store
+            entries = manifest.tree.entries
+            view.update(files=sum(e.type == "file" for e in entries), folders=sum(e.type == "dir" for e in entries),
+                        links=sum(e.type == "link" for e in entries), chunk_size=manifest.tree.chunk_size,
+                        chunks=sum(len(e.chunks) for e in entries),
+                        unique_chunks=len({key for e in entries for key in e.chunks}))
     if as_json:
         _print_json(view)
         return OK
@@ -277,6 +295,8 @@ def show_command(uri: str, step: int | None, as_json: bool) -> int:
             click.echo("metadata: " + json.dumps(value, indent=2, sort_keys=True).replace("\n", "\n  "))
         elif key == "created":
             click.echo(f"created: {_time(value)} UTC")
+        elif key == "payload" and not value:
+            continue  # a deduplicated step or one of several ranks: no payload object of its own
         else:
             click.echo(f"{key}: {value}")
     return OK

@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from .._progress import NO_PROGRESS, Progress
@@ -36,7 +37,6 @@ class Rebuilder:
         self.chunks = chunks
         self.workers = workers
 
-
     def restore(self, step: int, manifest: StepManifest, workspace: Path, progress: Progress = NO_PROGRESS
                 ) -> Path:
         """Rebuild ``manifest``'s tree in a staging folder of ``workspace``, every chunk verified, then publish
@@ -53,11 +53,23 @@ class Rebuilder:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
+    def verify(self, step: int, manifest: StepManifest, progress: Progress = NO_PROGRESS) -> int:
+        """Fetch and check every chunk of ``manifest``'s tree as :meth:`restore` does, writing nothing
+        (``taskpoint verify``); the plain bytes of its files. MissingChunk and CheckpointCorruptError as there."""
+        tree = manifest.tree
+        assert tree is not None
+        self._check_tree(step, tree)
+        total = sum(e.size for e in tree.entries if e.type == "file")
+        progress.set_total(total)
+        self._fetch_all(step, tree, progress, lambda entry, offset, data: None)
+        return total
+
     def _damaged(self, step: int, path: str, why: str) -> CheckpointCorruptError:
         return CheckpointCorruptError(f"step {step} in {self.steps.directory}: file {path!r} is damaged: {why}. "
                                       "Restore an older step (fallback=True), or save it again.")
 
-    def _rebuild(self, step: int, tree: ChunkedTree, staging: Path, progress: Progress) -> None:
+    def _check_tree(self, step: int, tree: ChunkedTree) -> None:
+        """Refuse a manifest whose tree could write outside the staging folder or does not add up."""
         seen: dict[str, str] = {}
         for entry in tree.entries:
             parts = entry.path.split("/")
@@ -78,6 +90,9 @@ class Rebuilder:
             for i in range(1, len(parts)):
                 if seen.get("/".join(parts[:i]), "dir") != "dir":
                     raise self._damaged(step, entry.path, "it lies below an entry that is not a folder")
+
+    def _rebuild(self, step: int, tree: ChunkedTree, staging: Path, progress: Progress) -> None:
+        self._check_tree(step, tree)
         check_room(staging, sum(e.size for e in tree.entries), self.steps.step_uri(step))
         # Folders and empty files first; links last, so that nothing is ever written through one.
         for entry in tree.entries:
@@ -93,7 +108,15 @@ class Rebuilder:
                 finally:
                     os.close(fd)
         progress.set_total(sum(e.size for e in tree.entries if e.type == "file"))
-        self._fetch_all(step, tree, staging, progress)
+
+        def write(entry: TreeEntry, offset: int, data: bytes) -> None:
+            fd = os.open(staging / entry.path, os.O_WRONLY | os.O_NOFOLLOW)
+            try:
+                os.pwrite(fd, data, offset)
+            finally:
+                os.close(fd)
+
+        self._fetch_all(step, tree, progress, write)
         for entry in tree.entries:
             target = staging / entry.path
             if entry.type == "file":
@@ -112,7 +135,9 @@ class Rebuilder:
                 if entry.mtime is not None:
                     os.utime(target, (entry.mtime, entry.mtime))
 
-    def _fetch_all(self, step: int, tree: ChunkedTree, staging: Path, progress: Progress) -> None:
+    def _fetch_all(self, step: int, tree: ChunkedTree, progress: Progress,
+                   write: Callable[[TreeEntry, int, bytes], None]) -> None:
+        """Fetch every chunk on the pool, each verified, and hand it to ``write(entry, offset, data)``."""
         def fetch(entry: TreeEntry, index: int, key: str) -> None:
             offset = index * tree.chunk_size
             length = min(tree.chunk_size, entry.size - offset)
@@ -122,11 +147,7 @@ class Rebuilder:
                 raise MissingChunk(entry.path, self.chunks.uri(key)) from None
             except CheckpointCorruptError as exc:
                 raise self._damaged(step, entry.path, str(exc)) from exc
-            fd = os.open(staging / entry.path, os.O_WRONLY | os.O_NOFOLLOW)
-            try:
-                os.pwrite(fd, data, offset)
-            finally:
-                os.close(fd)
+            write(entry, offset, data)
             progress.update(length)
 
         slots = threading.BoundedSemaphore(2 * self.workers)  # chunks in memory at once
