@@ -260,7 +260,8 @@ def test_a_secret_storage_option_is_never_printed(capsys, s3_server, tmp_path, m
         assert code != 0
         outputs.append(out + err)
     monkeypatch.setenv("TASKPOINT_STORAGE_OPTIONS", json.dumps({**options, "endpoint_url": "http://127.0.0.1:9",
-                                                                "config_kwargs": {"connect_timeout": 1}}))
+                                                                "config_kwargs": {"connect_timeout": 1,
+                                                                                  "retries": {"max_attempts": 1}}}))
     code, out, err = tp(capsys, "--debug", "verify", steps)
     assert code == 1
     outputs.append(out + err)
@@ -297,7 +298,8 @@ def test_storage_options_from_the_environment_and_from_fsspec_config(capsys, s3_
     assert json.loads(out.stdout)["state"] == "saved"
     env.pop("FSSPEC_S3")
     env["FSSPEC_S3_ENDPOINT_URL"] = "http://127.0.0.1:9"  # and the variables are really what it used
-    out = subprocess.run([sys.executable, "-m", "taskpoint", "ls", uri, "-o", 'config_kwargs={"connect_timeout": 1}'],
+    out = subprocess.run([sys.executable, "-m", "taskpoint", "ls", uri, "-o",
+                          'config_kwargs={"connect_timeout": 1, "retries": {"max_attempts": 1}}'],
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 1 and "127.0.0.1:9" in out.stderr
 
