@@ -62,8 +62,21 @@ _OBSTORE_MODULES = frozenset({"test_stores.py", "test_record_protocol.py", "test
                               "test_storage_errors.py", "test_integrity.py", "test_obstore.py", "test_manager.py"})
 
 
+#: Set by the full ``make reliability`` for its child pytest: tests marked ``campaign`` (the same checks as a
+#: bounded test of the suite, at campaign counts) run only then; ``make test`` skips them, saying why.
+CAMPAIGN = bool(os.environ.get("TASKPOINT_CAMPAIGN"))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Leave out the ``s3-obstore`` runs of the modules outside :data:`_OBSTORE_MODULES`."""
+    """Leave out the ``s3-obstore`` runs of the modules outside :data:`_OBSTORE_MODULES`; skip the tests
+    marked ``campaign`` unless :data:`CAMPAIGN`."""
+    if not CAMPAIGN:
+        for item in items:
+            marker = item.get_closest_marker("campaign")
+            if marker is not None:
+                what = marker.args[0] if marker.args else "a campaign-size run"
+                item.add_marker(pytest.mark.skip(
+                    reason=f"{what}: make reliability runs it (TASKPOINT_CAMPAIGN=1); make test runs the bounded test"))
     def elsewhere(item: pytest.Item) -> bool:
         callspec = getattr(item, "callspec", None)
         on_obstore = callspec is not None and "s3-obstore" in callspec.params.values()

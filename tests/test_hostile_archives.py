@@ -759,9 +759,8 @@ def _load_outcome(root: Path, src: Path, expected: dict[str, Any] | bytes) -> st
 
 @pytest.mark.parametrize("trials", [
     DAMAGE_TRIALS,
-    pytest.param(3000, id="3000", marks=[pytest.mark.slow, pytest.mark.skipif(
-        not os.environ.get("TASKPOINT_CAMPAIGN"),
-        reason="the 3000-trial run belongs to make reliability (TASKPOINT_CAMPAIGN=1); make test runs 200")]),
+    pytest.param(3000, id="3000", marks=[pytest.mark.slow,
+                                         pytest.mark.campaign(f"3000 damages (make test: {DAMAGE_TRIALS})")]),
 ], ids=lambda n: str(n))
 def test_random_damage_to_objects_and_records_is_always_detected(tmp_path, trials):
     rng = random.Random(20261201 + trials)

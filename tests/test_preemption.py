@@ -318,6 +318,7 @@ def test_sigterm_at_random_moments_commits_the_emergency_step_and_the_next_attem
 
 
 @pytest.mark.slow
+@pytest.mark.campaign("30 SIGTERMs on S3 (the test above: 10)")
 def test_sigterm_at_random_moments_many_trials(s3_store: Any, tmp_path: Path) -> None:
     delays, waits = _preempt_many(s3_store, tmp_path, trials=30, seed=1212)
     assert max(delays) < preemption.DEFAULT_GRACE_SECONDS
@@ -453,6 +454,7 @@ def test_a_background_save_in_flight_when_the_trainer_is_killed_is_committed_or_
 
 
 @pytest.mark.slow
+@pytest.mark.campaign("30 SIGKILLs during background saves on S3 (the test above: 10)")
 def test_a_background_save_in_flight_when_the_trainer_is_killed_many_trials(s3_store: Any) -> None:
     outcomes = _sigkill_trials(s3_store, trials=30, seed=33)
     print(f"\nSIGKILL during a background save: {outcomes}")

@@ -3,7 +3,8 @@
 Scenarios, one module each: :mod:`.sigkill` (savers killed at random moments), :mod:`.faults` (a
 fault-injecting proxy on the wire), :mod:`.roundtrip` (Hypothesis trees), :mod:`.credentials` (secrets in
 errors, warnings and logs), :mod:`.resources` (leaks over many cycles), :mod:`.concurrency` (two writers
-and a reader), :mod:`.hostile` (the hostile-archive module of the suite, when present). docs/reliability.md
+and a reader), :mod:`.hostile` (the hostile-archive module of the suite, when present), :mod:`.suite` (the suite's
+``campaign`` tests, full campaign only). docs/reliability.md
 describes each and holds the table of the last full run.
 """
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from . import FULL_COUNTS, QUICK_COUNTS
 from ._common import RESULTS_DIR, Result, Servers, table
 
-SCENARIOS = ("sigkill", "faults", "roundtrip", "secrets", "resources", "concurrency", "hostile")
+SCENARIOS = ("sigkill", "faults", "roundtrip", "secrets", "resources", "concurrency", "hostile", "campaign")
 STORES = ("local", "memory", "s3", "gcs", "azure")
 
 def _store_counts(text: str) -> dict[str, int]:
@@ -86,7 +86,7 @@ def plan(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> tuple[list[Result], dict]:
-    from . import concurrency, credentials, faults, hostile, resources, roundtrip, sigkill
+    from . import concurrency, credentials, faults, hostile, resources, roundtrip, sigkill, suite
 
     counts = plan(args)
     only = [s for s in args.only.split(",") if s]
@@ -124,6 +124,8 @@ def run(args: argparse.Namespace) -> tuple[list[Result], dict]:
                     results += concurrency.run(servers, kinds, counts["concurrency_seconds"], sub)
                 elif scenario == "hostile":
                     results += hostile.run(sub)
+                elif scenario == "campaign" and not args.quick:  # the bounded versions are make test's own
+                    results += suite.campaign(sub)
     finally:
         if args.keep_scratch:
             print(f"scratch kept at {scratch}")

@@ -1,0 +1,41 @@
+"""Rows that run tests of the suite itself in a child pytest, one trial per test that ran.
+
+:func:`campaign` runs the tests marked ``campaign`` (the campaign-size runs of bounded tests of the suite:
+30 SIGTERMs and 30 SIGKILLs of trainers on S3, 3000 random damages) with ``TASKPOINT_CAMPAIGN=1``, which
+``make test`` skips; :mod:`.hostile` runs the hostile-archive module at the suite's own counts.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from ._common import REPO_ROOT, Result, child_env, tail, timed
+
+
+def pytest_row(result: Result, targets: list[str], scratch: Path, **env: str) -> None:
+    """Run pytest on ``targets`` (paths and options) in a child process and count each test that ran as a
+    trial of ``result`` (a failure or error as a failed one, with its message); skipped tests do not count."""
+    report = scratch / "junit.xml"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *targets,
+                           f"--junitxml={report}"], cwd=REPO_ROOT, env=child_env(**env), capture_output=True,
+                          text=True, timeout=3600)
+    if not report.exists():
+        result.trial(f"pytest exited with {proc.returncode} without a report: {tail(proc.stdout + proc.stderr)}")
+        return
+    for case in ET.parse(report).getroot().iter("testcase"):
+        if case.find("skipped") is not None:
+            continue
+        problem = case.find("failure") if case.find("failure") is not None else case.find("error")
+        name = case.get("name", "?")
+        result.trial(None if problem is None else f"{name}: {(problem.get('message') or '')[:300]}")
+    result.note(f"pytest exit code {proc.returncode}")
+
+
+def campaign(scratch: Path) -> list[Result]:
+    result = Result("Campaign-size tests of the suite (pytest -m campaign)", "local+servers")
+    with timed(result):
+        pytest_row(result, ["-m", "campaign", "tests"], scratch, TASKPOINT_CAMPAIGN="1")
+    return [result]
