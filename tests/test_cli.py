@@ -420,3 +420,27 @@ def test_deduplicated_steps_push_ls_show_verify_pull_rm_gc(capsys, where, tmp_pa
     assert code == 0 and "5 leftover(s) removed" in out
     fs.invalidate_cache()
     assert [p for p in fs.find(f"{path.rsplit('/chunks/', 1)[0]}/chunks")] == []
+
+
+def test_verify_of_a_deduplicated_step_overwritten_meanwhile_says_so_instead_of_damaged(tmp_path):
+    """verify read the manifest, then another writer replaced the step and a sweep removed the old chunks: the
+    missing chunk is not damage (as a restore, verify reads the manifest again and sees the new save)."""
+    from taskpoint.cli.verify import _verify_chunked_step
+    from taskpoint.errors import CheckpointCorruptError, CheckpointError
+    from taskpoint.manager.claims import Claims
+    from taskpoint.manager.steps import StepStore
+    from taskpoint.storage import Location
+
+    url = str(tmp_path / "steps")
+    first, second = make_tree(tmp_path / "a", big=100_000), make_tree(tmp_path / "b", big=100_001)
+    with CheckpointManager(url, dedup=True, grace_seconds=0) as mgr:
+        mgr.save(first, 1)
+        root = Location(url, {})
+        steps = StepStore(root, Claims((str(root.fs.protocol), root.path)))
+        read_before = steps.manifest(1)
+        mgr.save(second, 1, overwrite=True)
+        assert mgr.gc()  # the chunks only the first save named
+    with pytest.raises(CheckpointError, match="overwritten or deleted while it was verified") as caught:
+        _verify_chunked_step(steps, 1, read_before, progress=False)
+    assert not isinstance(caught.value, CheckpointCorruptError)
+    assert "step 1: healthy" in _verify_chunked_step(steps, 1, steps.manifest(1), progress=False)

@@ -14,7 +14,7 @@ import click
 
 from .. import _progress
 from .._log import short_name
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, CheckpointError
 from ..format.codecs import Codec
 from ..format.fileset import FileSetManifest
 from ..format.records import FILESET_CODEC, MANIFEST_SUFFIX, ObjectRecord, Record, StepManifest
@@ -174,6 +174,10 @@ def _verify_chunked_step(steps: StepStore, step: int, manifest: StepManifest, pr
         with _progress.resolve(progress, f"verify step {step}") as tracker:
             total = rebuilder.verify(step, manifest, tracker)
     except MissingChunk as missing:
+        now = steps.manifest(step)
+        if now is None or now.record.save_id != manifest.record.save_id:  # as a restore follows it
+            raise CheckpointError(f"step {step} in {steps.directory} was overwritten or deleted while it was "
+                                  "verified; verify it again") from None
         raise CheckpointCorruptError(f"step {step} in {steps.directory} is damaged: {missing}") from None
     files = sum(entry.type == "file" for entry in manifest.tree.entries)
     chunks = sum(len(entry.chunks) for entry in manifest.tree.entries)
