@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import fsspec
@@ -444,3 +446,45 @@ def test_verify_of_a_deduplicated_step_overwritten_meanwhile_says_so_instead_of_
         _verify_chunked_step(steps, 1, read_before, progress=False)
     assert not isinstance(caught.value, CheckpointCorruptError)
     assert "step 1: healthy" in _verify_chunked_step(steps, 1, steps.manifest(1), progress=False)
+
+
+def _until(condition, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def test_sigterm_ends_a_pull_or_push_at_once_cleaning_up_and_keeping_the_previous_step(tmp_path):
+    """A real SIGTERM to a real `taskpoint` process in the middle of a transfer: exit 143 at once (not when the
+    transfer ends), a pull leaves no staging folder and nothing in DEST, a push commits nothing and the
+    previous step still restores."""
+    big = tmp_path / "big"
+    big.mkdir()
+    for i in range(3):
+        (big / f"w{i}.bin").write_bytes(os.urandom(100 << 20))
+    steps = tmp_path / "steps"
+    with CheckpointManager(steps, codec="none") as mgr:
+        mgr.save(big, 1)
+
+    dest = tmp_path / "dest"
+    proc = subprocess.Popen([sys.executable, "-m", "taskpoint", "pull", str(steps), str(dest), "--step", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert _until(lambda: dest.is_dir() and any(dest.iterdir())), "the pull never started extracting"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "terminated (SIGTERM)" in err and "pulled" not in out, (out, err)
+    assert list(dest.iterdir()) == []  # the staging folder is gone, and nothing half-extracted is left
+
+    proc = subprocess.Popen([sys.executable, "-m", "taskpoint", "push", str(big), str(steps), "--step", "2",
+                             "--codec", "none"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    folder = steps / "ckpt-2"
+    assert _until(lambda: folder.is_dir() and any(folder.iterdir())), "the push never started writing"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "terminated (SIGTERM)" in err and "pushed" not in out, (out, err)
+    with CheckpointManager(steps) as mgr:
+        assert mgr.steps() == [1]
+        assert snapshot(mgr.restore(1, into=tmp_path / "back")) == snapshot(big)

@@ -14,10 +14,12 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import signal
 import sys
+import threading
 import traceback
-from collections.abc import Callable
-from contextlib import suppress
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 from urllib.parse import quote, quote_plus
 
@@ -32,6 +34,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 #: Exit codes of every command but ``run``.
 OK, ERROR, DAMAGED, NOT_FOUND = 0, 1, 2, 3
+#: The exit code of a command ended by SIGTERM (128 + 15, as a shell reports a process the signal ended).
+TERMINATED = 128 + signal.SIGTERM
 
 #: Storage option keys whose values are not secret (they stay readable in error messages).
 _PLAIN_OPTIONS = frozenset({"endpoint_url", "region_name", "region", "project", "anon", "account_name",
@@ -113,6 +117,29 @@ progress_option = click.option(
     help="show a progress bar on stderr, or never (default: only on a terminal, for transfers over ~2 s)")
 
 
+class _Terminated(BaseException):
+    """SIGTERM arrived while a command ran: raised in the main thread, so that the command's clean-up runs (a
+    pull's staging folder, an upload's abort) as for Ctrl-C, and the process ends with 128 + SIGTERM."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
+@contextmanager
+def _ended_by_sigterm() -> Iterator[None]:
+    """While a command runs, SIGTERM ends it at once, cleaning up (Python's default ends the process without
+    running any ``finally``). Only from the main thread; the previous handler comes back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _command(fn: F) -> F:
     """A command's common options, and its errors as one line on stderr with the matching exit code."""
 
@@ -121,8 +148,12 @@ def _command(fn: F) -> F:
         state = _state()
         name = click.get_current_context().info_name
         try:
-            result = fn(*args, **kwargs)
+            with _ended_by_sigterm():
+                result = fn(*args, **kwargs)
             return int(result or OK)
+        except _Terminated:
+            click.echo(f"taskpoint {name}: terminated (SIGTERM); nothing half-written is left visible", err=True)
+            return TERMINATED
         except Exception as exc:
             code, message = _describe(exc)
             secrets = _secret_values(state)

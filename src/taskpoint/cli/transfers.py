@@ -72,7 +72,7 @@ def pull_command(uri: str, dest: Path, step: int | None, progress: bool | None) 
             if result is None:
                 raise _Missing(f"nothing taskpoint saved is at {loc.uri}")
         else:
-            with CheckpointManager(loc.uri, storage_options=loc.storage_options) as manager:
+            with CheckpointManager(loc.uri, storage_options=loc.storage_options, preemption=False) as manager:
                 if step is None and manager.latest_step() is None:
                     raise _Missing(f"nothing taskpoint saved is at {loc.uri}")
                 result = manager.restore(step, into=dest, progress=progress)
@@ -117,7 +117,7 @@ def push_command(src: Path, uri: str, step: int | None, metadata: str | None, ov
             except ValueError as exc:
                 raise _Failed(ERROR, f"--metadata must be a JSON object: {exc}") from None
             with CheckpointManager(loc.uri, storage_options=loc.storage_options, codec=codec,
-                                   dedup=dedup) as manager:
+                                   dedup=dedup, preemption=False) as manager:
                 where = manager.save(src, step, metadata=meta, overwrite=overwrite, progress=progress)
     moved = " of new chunks" if dedup else ""
     click.echo(f"pushed {src} -> {safe_uri(where)}" + (f" ({_figures(seen[-1], moved)})" if seen else ""))
@@ -139,7 +139,7 @@ def rm_command(uri: str, step: int) -> int:
       taskpoint rm s3://bucket/runs/steps --step 1100
     """
     loc = _location(uri)
-    with CheckpointManager(loc.uri, storage_options=loc.storage_options) as manager:
+    with CheckpointManager(loc.uri, storage_options=loc.storage_options, preemption=False) as manager:
         manager.delete(step)
     click.echo(f"deleted step {step} of {safe_uri(loc.uri)}")
     return OK
@@ -163,7 +163,7 @@ def gc_command(directory: str, grace: float | None, dry_run: bool) -> int:
       taskpoint gc ./checkpoints --grace 0
     """
     loc = _location(directory)
-    with CheckpointManager(loc.uri, storage_options=loc.storage_options) as manager:
+    with CheckpointManager(loc.uri, storage_options=loc.storage_options, preemption=False) as manager:
         removed = manager.gc(grace_seconds=grace, dry_run=dry_run)
     verb = "would remove" if dry_run else "removed"
     for found in removed:

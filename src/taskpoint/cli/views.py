@@ -260,7 +260,7 @@ def show_command(uri: str, step: int | None, as_json: bool) -> int:
     loc = _location(uri)
     view = None if step is not None else _checkpoint_view(loc)
     if view is None:
-        with CheckpointManager(loc.uri, storage_options=loc.storage_options) as manager:
+        with CheckpointManager(loc.uri, storage_options=loc.storage_options, preemption=False) as manager:
             chosen = step if step is not None else manager.latest_step()
             if chosen is None:
                 if _task_root_view(loc) is not None:
