@@ -174,15 +174,13 @@ def _verify_chunked_step(steps: StepStore, step: int, manifest: StepManifest, pr
         with _progress.resolve(progress, f"verify step {step}") as tracker:
             total = rebuilder.verify(step, manifest, tracker)
     except MissingChunk as missing:
-        now = steps.manifest(step)
-        if now is None or now.record.save_id != manifest.record.save_id:  # as a restore follows it
+        if not manifest.same_save(steps.manifest(step)):  # as a restore follows it
             raise CheckpointError(f"step {step} in {steps.directory} was overwritten or deleted while it was "
                                   "verified; verify it again") from None
         raise CheckpointCorruptError(f"step {step} in {steps.directory} is damaged: {missing}") from None
-    files = sum(entry.type == "file" for entry in manifest.tree.entries)
-    chunks = sum(len(entry.chunks) for entry in manifest.tree.entries)
-    return (f"step {step}: healthy ({_human(total)}, deduplicated: {files} files in {chunks} chunks, each matches "
-            "its sha256)")
+    tree = manifest.tree
+    return (f"step {step}: healthy ({_human(total)}, deduplicated: {tree.count('file')} files in "
+            f"{tree.chunk_count()} chunks, each matches its sha256)")
 
 
 @cli.command("verify")

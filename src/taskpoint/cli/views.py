@@ -119,8 +119,9 @@ def _manager_view(loc: Location) -> dict[str, Any] | None:
                 continue
             assert manifest is not None
             record = manifest.record
+            # The objects of the step's folder its manifest names: none for a deduplicated step (chunks, below).
             objects = ([(s.payload, s.record) for s in manifest.shards] if manifest.shards is not None
-                       else [(manifest.payload, record)])
+                       else [] if manifest.tree is not None else [(manifest.payload, record)])
             named = {MANIFEST_NAME, *(name for name, _ in objects)}
             row.update(size=record.size, created=record.created, attempt=manifest.attempt, kind=record.kind,
                        metadata_keys=sorted(manifest.metadata), payload=manifest.payload,
@@ -129,8 +130,7 @@ def _manager_view(loc: Location) -> dict[str, Any] | None:
                 row["shards"] = len(manifest.shards)
             row["state"] = "committed"
             if manifest.tree is not None:  # deduplicated: its bytes are chunks in the shared store
-                objects = []
-                row["chunks"] = sum(len(entry.chunks) for entry in manifest.tree.entries)
+                row["chunks"] = manifest.tree.chunk_count()
                 missing = next(((entry.path, key) for entry in manifest.tree.entries for key in entry.chunks
                                 if key not in stored_chunks), None)
                 if missing is not None:
@@ -277,11 +277,9 @@ def show_command(uri: str, step: int | None, as_json: bool) -> int:
             view["shards"] = [{"rank": s.rank, "payload": s.payload, "size": s.record.size,
                                "sha256": s.record.sha256} for s in manifest.shards]
         if manifest.tree is not None:  # deduplicated: each file's bytes are chunks of the shared store
-            entries = manifest.tree.entries
-            view.update(files=sum(e.type == "file" for e in entries), folders=sum(e.type == "dir" for e in entries),
-                        links=sum(e.type == "link" for e in entries), chunk_size=manifest.tree.chunk_size,
-                        chunks=sum(len(e.chunks) for e in entries),
-                        unique_chunks=len({key for e in entries for key in e.chunks}))
+            tree = manifest.tree
+            view.update(files=tree.count("file"), folders=tree.count("dir"), links=tree.count("link"),
+                        chunk_size=tree.chunk_size, chunks=tree.chunk_count(), unique_chunks=len(tree.chunk_keys()))
     if as_json:
         _print_json(view)
         return OK

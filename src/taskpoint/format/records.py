@@ -185,6 +185,18 @@ class ChunkedTree:
     def chunk_keys(self) -> set[str]:
         return {key for entry in self.entries for key in entry.chunks}
 
+    def chunk_count(self) -> int:
+        """How many chunks the files name, a chunk named twice counted twice."""
+        return sum(len(entry.chunks) for entry in self.entries)
+
+    def count(self, kind: str) -> int:
+        """How many entries are of ``kind`` (``file``, ``dir`` or ``link``)."""
+        return sum(entry.type == kind for entry in self.entries)
+
+    def file_bytes(self) -> int:
+        """The plain bytes of every file: what a restore writes."""
+        return sum(entry.size for entry in self.entries if entry.type == "file")
+
 
 @dataclass(frozen=True)
 class StepManifest:
@@ -214,6 +226,11 @@ class StepManifest:
         if self.shards is not None:
             doc["shards"] = [shard.to_json() for shard in self.shards]
         return json.dumps(doc, sort_keys=True, allow_nan=False).encode()
+
+    def same_save(self, other: StepManifest | None) -> bool:
+        """Whether ``other`` (the step's manifest read again) is the commit of the same save as this one: not
+        deleted, not overwritten since."""
+        return other is not None and other.record.save_id == self.record.save_id
 
     def payload_names(self) -> set[str]:
         """The payload objects in the step's folder this manifest names (none for a deduplicated step)."""

@@ -59,7 +59,7 @@ class Rebuilder:
         tree = manifest.tree
         assert tree is not None
         self._check_tree(step, tree)
-        total = sum(e.size for e in tree.entries if e.type == "file")
+        total = tree.file_bytes()
         progress.set_total(total)
         self._fetch_all(step, tree, progress, lambda entry, offset, data: None)
         return total
@@ -107,7 +107,7 @@ class Rebuilder:
                     os.ftruncate(fd, entry.size)
                 finally:
                     os.close(fd)
-        progress.set_total(sum(e.size for e in tree.entries if e.type == "file"))
+        progress.set_total(tree.file_bytes())
 
         def write(entry: TreeEntry, offset: int, data: bytes) -> None:
             fd = os.open(staging / entry.path, os.O_WRONLY | os.O_NOFOLLOW)

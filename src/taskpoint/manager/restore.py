@@ -118,7 +118,7 @@ class StepReader:
             if result is not None:
                 return result
             now = self._steps.manifest(step)
-            if now is not None and now.record.save_id == manifest.record.save_id:
+            if manifest.same_save(now):
                 raise CheckpointCorruptError(
                     f"step {step} in {self.directory} is committed but its payload {self._part(step, manifest)[0]} "
                     "is missing; it was deleted outside taskpoint. Restore an older step (fallback=True), or delete "
@@ -145,8 +145,7 @@ class StepReader:
             try:
                 return self._rebuilder.restore(step, manifest, workspace, progress)
             except MissingChunk as missing:
-                now = self._steps.manifest(step)
-                if now is None or now.record.save_id != manifest.record.save_id:
+                if not manifest.same_save(self._steps.manifest(step)):
                     return None  # overwritten or deleted while we read: follow it
                 raise CheckpointCorruptError(
                     f"step {step} in {self.directory} is damaged: {missing} (deleted outside taskpoint). Restore an "
