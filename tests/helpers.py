@@ -28,6 +28,16 @@ from taskpoint.ranks import RANK_VARIABLES
 T = TypeVar("T")
 
 
+def wait_until(predicate: Callable[[], object], timeout: float = 5.0) -> bool:
+    """Poll ``predicate`` every 5 ms until it is true (True) or ``timeout`` seconds pass (False)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return False
+
+
 class AcceptLoop:
     """A TCP listener on 127.0.0.1 whose accept loop runs on a daemon thread and hands each connection to
     ``handle`` (called on that thread): the part the tests' proxies share. :meth:`close` stops the loop and

@@ -7,13 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import fsspec
 import pytest
 
-from helpers import make_tree, read_object, snapshot, write_object
+from helpers import make_tree, read_object, snapshot, wait_until, write_object
 from taskpoint import CheckpointManager, ctx, task
 from taskpoint.cli import main
 
@@ -448,15 +447,6 @@ def test_verify_of_a_deduplicated_step_overwritten_meanwhile_says_so_instead_of_
     assert "step 1: healthy" in _verify_chunked_step(steps, 1, steps.manifest(1), progress=False)
 
 
-def _until(condition, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.005)
-    return False
-
-
 def test_sigterm_ends_a_pull_or_push_at_once_cleaning_up_and_keeping_the_previous_step(tmp_path):
     """A real SIGTERM to a real `taskpoint` process in the middle of a transfer: exit 143 at once (not when the
     transfer ends), a pull leaves no staging folder and nothing in DEST, a push commits nothing and the
@@ -472,7 +462,7 @@ def test_sigterm_ends_a_pull_or_push_at_once_cleaning_up_and_keeping_the_previou
     dest = tmp_path / "dest"
     proc = subprocess.Popen([sys.executable, "-m", "taskpoint", "pull", str(steps), str(dest), "--step", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert _until(lambda: dest.is_dir() and any(dest.iterdir())), "the pull never started extracting"
+    assert wait_until(lambda: dest.is_dir() and any(dest.iterdir()), timeout=60), "the pull never started extracting"
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 143 and "terminated (SIGTERM)" in err and "pulled" not in out, (out, err)
@@ -481,7 +471,7 @@ def test_sigterm_ends_a_pull_or_push_at_once_cleaning_up_and_keeping_the_previou
     proc = subprocess.Popen([sys.executable, "-m", "taskpoint", "push", str(big), str(steps), "--step", "2",
                              "--codec", "none"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     folder = steps / "ckpt-2"
-    assert _until(lambda: folder.is_dir() and any(folder.iterdir())), "the push never started writing"
+    assert wait_until(lambda: folder.is_dir() and any(folder.iterdir()), timeout=60), "the push never started writing"
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 143 and "terminated (SIGTERM)" in err and "pushed" not in out, (out, err)

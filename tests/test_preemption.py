@@ -25,6 +25,7 @@ import anyio
 import pytest
 
 import taskpoint
+from helpers import wait_until
 from taskpoint import preemption
 from taskpoint.runtime.layout import STEPS_FOLDER
 
@@ -45,15 +46,6 @@ def fresh() -> Iterator[None]:
         signal.signal(sig, handler)
 
 
-def _wait_for(predicate: Any, timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.005)
-    return False
-
-
 # -- noticing -----------------------------------------------------------------------------------------------
 
 
@@ -64,14 +56,14 @@ def test_a_handler_installed_before_runs_and_the_notice_is_recorded(fresh: None)
     assert preemption.install(["SIGUSR1"])  # idempotent: the previous handler is not chained to ourselves
     before = time.time()
     os.kill(os.getpid(), signal.SIGUSR1)
-    assert _wait_for(lambda: preemption.notice() is not None)
+    assert wait_until(lambda: preemption.notice() is not None)
     notice = preemption.notice()
     assert notice is not None and notice.signal == signal.SIGUSR1 and notice.name == "SIGUSR1"
     assert before <= notice.at <= time.time()
     assert notice.deadline == pytest.approx(notice.at + 30.0)
     assert seen == [signal.SIGUSR1]  # chained once, not twice
     os.kill(os.getpid(), signal.SIGUSR1)
-    assert _wait_for(lambda: seen == [signal.SIGUSR1] * 2)
+    assert wait_until(lambda: seen == [signal.SIGUSR1] * 2)
     assert preemption.notices() == 2 and preemption.notice() == notice  # the first notice wins
     # A handler installed over ours that chains to it (as torchelastic's would) is not replaced by a later
     # install: replacing it would make the two call each other forever.
@@ -80,7 +72,7 @@ def test_a_handler_installed_before_runs_and_the_notice_is_recorded(fresh: None)
     signal.signal(signal.SIGUSR1, lambda signum, frame: (seen.append(-signum), ours(signum, frame)))
     assert preemption.install(["USR1"])
     os.kill(os.getpid(), signal.SIGUSR1)
-    assert _wait_for(lambda: len(seen) == 4)
+    assert wait_until(lambda: len(seen) == 4)
     assert seen == [signal.SIGUSR1, signal.SIGUSR1, -signal.SIGUSR1, signal.SIGUSR1]
     assert preemption.notices() == 3
     preemption.uninstall()
@@ -346,7 +338,7 @@ def test_a_second_sigterm_during_the_emergency_save_does_not_break_it(s3_store: 
     _wait_ready(proc, log, 1)
     time.sleep(0.3)
     proc.send_signal(signal.SIGTERM)
-    assert _wait_for(marker.exists, timeout=30)
+    assert wait_until(marker.exists, timeout=30)
     proc.send_signal(signal.SIGTERM)  # the default disposition, signalled again: would end the process
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err.decode()
@@ -569,5 +561,5 @@ def test_reinstalling_over_our_own_handler_never_chains_to_itself(fresh: None) -
     signal.signal(signal.SIGTERM, ours)  # put back by someone who saved it
     preemption.install(["TERM"])
     os.kill(os.getpid(), signal.SIGTERM)
-    assert _wait_for(lambda: preemption.notice() is not None)
+    assert wait_until(lambda: preemption.notice() is not None)
     assert preemption.notice().signal == signal.SIGTERM
