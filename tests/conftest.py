@@ -77,6 +77,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 what = marker.args[0] if marker.args else "a campaign-size run"
                 item.add_marker(pytest.mark.skip(
                     reason=f"{what}: make reliability runs it (TASKPOINT_CAMPAIGN=1); make test runs the bounded test"))
+
     def elsewhere(item: pytest.Item) -> bool:
         callspec = getattr(item, "callspec", None)
         on_obstore = callspec is not None and "s3-obstore" in callspec.params.values()
