@@ -6,6 +6,7 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
     "Preempted",
+    "SaveStalledError",
     "StepAbandonedError",
     "StorageAccessDenied",
     "StorageError",
@@ -31,6 +32,12 @@ class UnsafeArchiveError(CheckpointCorruptError):
 class StepAbandonedError(CheckpointError, TimeoutError):
     """Rank 0 of a multi-rank save gave up waiting for the other ranks' shards: the step was not committed
     (it never appears in ``steps()``), and its stored shards are removed by ``gc()`` after the grace period."""
+
+
+class SaveStalledError(CheckpointError):
+    """A save ran past what its lease or the grace period covers (the process was paused, frozen or starved)
+    and a sweep took what it had stored for a dead save's leftovers: the save committed nothing (or took back
+    its commit), the previous steps are intact, and saving again works."""
 
 
 class StorageError(CheckpointError):

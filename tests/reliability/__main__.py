@@ -20,8 +20,10 @@ from pathlib import Path
 
 from . import FULL_COUNTS, QUICK_COUNTS
 from ._common import RESULTS_DIR, Result, Servers, table
+from .suite import TIME_ROWS
 
-SCENARIOS = ("sigkill", "faults", "roundtrip", "secrets", "resources", "concurrency", "hostile", "campaign")
+SCENARIOS = ("sigkill", "faults", "roundtrip", "secrets", "resources", "concurrency", "hostile", *TIME_ROWS,
+             "campaign")
 STORES = ("local", "memory", "s3", "gcs", "azure")
 
 def _store_counts(text: str) -> dict[str, int]:
@@ -124,6 +126,8 @@ def run(args: argparse.Namespace) -> tuple[list[Result], dict]:
                     results += concurrency.run(servers, kinds, counts["concurrency_seconds"], sub)
                 elif scenario == "hostile":
                     results += hostile.run(sub)
+                elif scenario in suite.TIME_ROWS and not args.quick:  # make test runs their bounded tests
+                    results += suite.time_row(scenario, sub)
                 elif scenario == "campaign" and not args.quick:  # the bounded versions are make test's own
                     results += suite.campaign(sub)
     finally:

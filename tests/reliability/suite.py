@@ -34,8 +34,25 @@ def pytest_row(result: Result, targets: list[str], scratch: Path, **env: str) ->
     result.note(f"pytest exit code {proc.returncode}")
 
 
+#: Rows of their own: promises against time (issue 21), each a module of the suite run whole, its campaign-size
+#: tests included (``TASKPOINT_CAMPAIGN=1``); the ``campaign`` row leaves these modules out.
+TIME_ROWS = {
+    "stalls": ("Stalls (SIGSTOP past the grace), mixed graces, late ranks", ["tests/test_stalls.py"]),
+}
+
+
 def campaign(scratch: Path) -> list[Result]:
     result = Result("Campaign-size tests of the suite (pytest -m campaign)", "local+servers")
+    ignored = [f"--ignore={module}" for _, modules in TIME_ROWS.values() for module in modules]
     with timed(result):
-        pytest_row(result, ["-m", "campaign", "tests"], scratch, TASKPOINT_CAMPAIGN="1")
+        pytest_row(result, ["-m", "campaign", "tests", *ignored], scratch, TASKPOINT_CAMPAIGN="1")
+    return [result]
+
+
+def time_row(name: str, scratch: Path) -> list[Result]:
+    """One of :data:`TIME_ROWS`: every test of its modules, campaign-size ones included, one trial each."""
+    title, modules = TIME_ROWS[name]
+    result = Result(title, "local+s3")
+    with timed(result):
+        pytest_row(result, modules, scratch, TASKPOINT_CAMPAIGN="1")
     return [result]

@@ -5,11 +5,16 @@ Layout under the manager's directory::
 
     chunks/{key[:2]}/{key}     one chunk: ``key`` is ``<sha256 of its plain bytes>.<codec>``, the object
                                its bytes compressed alone with that codec (``zst``, ``gz`` or ``raw``)
-    leases/save-{id}           a save in flight (written before it relies on any chunk, removed after its
-                               commit); while fresh, no sweep removes a chunk
+    leases/save-{id}           a save in flight (written before it relies on any chunk, renewed while it runs,
+                               removed after its commit); while fresh, no sweep removes a chunk
     leases/gc-{id}             a sweep in flight; saves that start meanwhile wait for it to finish
-    leases/epoch               rewritten by every sweep before it removes a chunk: a manager that sees it
-                               change forgets which chunks it believed stored and lists the store again
+    leases/epoch               rewritten by every sweep before it removes a chunk: a save that sees it change
+                               between its start and its commit fails (a sweep judged its lease stale), and a
+                               manager that sees it change lists the store again
+
+A lease's body records its writer's grace: a lease is fresh while younger than the longer of that grace and
+the grace of whoever judges it, so that ``gc --grace 1`` never takes a live lease of a save with a grace of
+15 minutes for a dead one.
 
 A chunk is written atomically, once, under the name of its content: two writers of the same chunk write the
 same bytes, and a chunk object is complete or absent. The codec is part of the name, so a chunk compressed
@@ -23,7 +28,6 @@ import hashlib
 import os
 import re
 import stat
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -34,6 +38,7 @@ from ..format.codecs import ZSTD_MAX_WINDOW
 from ..format.records import TreeEntry
 from ..payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, FilePayload, Payload
 from ..storage import Location
+from .leases import alive, lease_body
 from .steps import modified_time
 
 CHUNK_FOLDER = "chunks"
@@ -150,14 +155,18 @@ class ChunkStore:
 
     # -- leases and the epoch ------------------------------------------------------------------------------
 
-    def new_lease(self, kind: str) -> str:
+    def new_lease(self, kind: str, grace: float) -> str:
         name = f"{kind}-{uuid.uuid4().hex}"
-        self.write_lease(name)
+        self.write_lease(name, grace)
         return name
 
-    def write_lease(self, name: str) -> None:
-        self.root.child(f"{LEASE_FOLDER}/{name}").write_small(f'{{"written": {time.time()}}}'.encode(),
-                                                               action="write a lease at")
+    def write_lease(self, name: str, grace: float) -> None:
+        """Write (or renew) lease ``name``, recording its writer's grace (see :mod:`.leases`)."""
+        self.root.child(f"{LEASE_FOLDER}/{name}").write_small(lease_body(grace), action="write a lease at")
+
+    def alive(self, name: str, mtime: float | None, now: float, grace: float) -> bool:
+        """Whether lease ``name``, written at ``mtime``, is fresh for a judge of ``grace`` (:func:`.leases.alive`)."""
+        return alive(mtime, now, grace, self.root.child(f"{LEASE_FOLDER}/{name}").read_small)
 
     def remove_lease(self, name: str) -> None:
         self.root.child(f"{LEASE_FOLDER}/{name}").remove()

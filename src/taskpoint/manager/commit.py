@@ -14,6 +14,7 @@ from .. import _log
 from .._log import TransferStats
 from .._progress import NO_PROGRESS, Progress
 from ..format.codecs import Codec
+from ..format.fileset import FileSetManifest
 from ..format.records import FILESET_CODEC, ObjectRecord, StepManifest
 from ..payloads import Payload
 from .background import store_payload
@@ -33,7 +34,7 @@ class StepWriter:
         self._steps, self._claims, self._dedup = steps, claims, dedup
         self._codec, self._level = codec, level
         self._retention, self._grace = retention, grace
-        self._shards = ShardWriter(steps, plan) if plan is not None and plan.ranks.distributed else None
+        self._shards = ShardWriter(steps, plan, grace) if plan is not None and plan.ranks.distributed else None
         #: The last step this writer saved (its shard, with several ranks), committed or not.
         self.last_step: int | None = None
 
@@ -70,11 +71,19 @@ class StepWriter:
                 tree, sent = None, size
             manifest = dataclasses.replace(manifest, tree=tree,
                                            record=dataclasses.replace(record, size=size, sha256=digest))
+
             # A failed commit leaves the payload in place: the write may have landed although it raised (a lost
             # response, an interrupt after the PUT), and then the manifest names this payload. Deleting it would
             # leave a committed step naming nothing; if the manifest did not land, the payload is a leftover
             # that no manifest names, removed by a later save or gc() once older than the grace period.
-            manifest_loc.write_small(manifest.to_bytes(), action="commit the checkpoint at")
+            def write() -> None:
+                manifest_loc.write_small(manifest.to_bytes(), action="commit the checkpoint at")
+
+            if tree is not None and self._dedup is not None:
+                self._dedup.commit(tree, write, manifest_loc.remove)
+            else:
+                self._steps.check_stored(step, {name: size})
+                write()
         self._steps.committed(step)
         if replaced is not None and replaced != name and not self._claims.is_restoring(step):
             quietly(self._steps.object(step, replaced).remove)
@@ -103,6 +112,8 @@ class StepWriter:
         record = ObjectRecord(kind=FILESET_CODEC, codec=FILESET_CODEC, save_id=uuid.uuid4().hex, created=time.time(),
                               size=len(data), sha256=hashlib.sha256(data).hexdigest())
         manifest = StepManifest(step=step, payload=name, record=record, attempt=attempt, metadata=metadata)
+        files = FileSetManifest.from_bytes(data, self._steps.object(step, name).uri).files
+        self._steps.check_stored(step, {name: len(data), **{each: entry.size for each, entry in files.items()}})
         self._steps.object(step, MANIFEST_NAME).write_small(manifest.to_bytes(), action="commit the checkpoint at")
         self._steps.committed(step)
         self._tidy()

@@ -9,8 +9,10 @@ to be stored. Restores are :mod:`.rebuild`'s. :meth:`Dedup.collect` removes the 
 Why a save never commits a step naming a deleted chunk is argued in docs/manager.md: a save writes its lease
 before it decides which chunks are stored and removes it only after its manifest; a sweep writes its lock
 before it lists the leases, removes nothing while a fresh save lease exists, and rewrites the epoch before
-its first removal, which a save that waited for it reads before trusting what it listed.
-Both write before they list, so of a save and a sweep that overlap, at least one sees the other.
+its first removal, then reads the manifests again. Both write before they list, so of a save and a sweep that
+overlap, at least one sees the other. A save does not trust its own clock to know that its lease stayed
+fresh (a process stopped by SIGSTOP resumes with its heartbeat): it reads the epoch before and after its
+commit, and a sweep that began removing meanwhile makes it fail rather than commit.
 """
 
 from __future__ import annotations
@@ -20,15 +22,16 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .._progress import NO_PROGRESS, Progress
-from ..errors import CheckpointCorruptError, CheckpointError
+from ..errors import CheckpointCorruptError, SaveStalledError
 from ..format.records import ChunkedTree
 from ..payloads import BytesPayload, DirectoryPayload, Payload
 from .chunks import ChunkStore, source_tree
+from .leases import fresh, renewing
 from .snapshots import ReadIndex, Snapshot, trust_lstat
 from .steps import StepStore, quietly
 
@@ -54,11 +57,6 @@ class SaveStats:
     unread_bytes: int = 0
 
 
-def _fresh(mtime: float | None, now: float, grace: float) -> bool:
-    """Whether a lease or lock written at ``mtime`` still counts (with ``grace`` 0, none does)."""
-    return grace > 0 and (mtime is None or now - mtime < grace)
-
-
 class Dedup:
     """Deduplicated saves, restores and chunk collection for one manager directory."""
 
@@ -70,7 +68,7 @@ class Dedup:
         self.chunk_size = chunk_size
         self.workers = workers
         self._known_lock = threading.Lock()
-        self._renewed = 0.0  # when the lease of the save in flight was last written
+        self._lease_epoch: bytes | None = None  # the epoch when the lease of the save in flight began
         self._reads = ReadIndex()  # what the last save read from each file
         #: The figures of the last deduplicated save.
         self.last: SaveStats | None = None
@@ -82,41 +80,63 @@ class Dedup:
 
     @contextlib.contextmanager
     def lease(self) -> Iterator[None]:
-        """Hold a save lease for the block: written first, kept fresh, removed after the block (the commit)."""
-        name = self.chunks.new_lease("save")
-        self._renewed = time.time()
-        stop = threading.Event()
-
-        def heartbeat() -> None:
-            while not stop.wait(self.grace / 4):
-                renewing = time.time()
-                with contextlib.suppress(Exception):  # a lease left unrenewed fails the save before its commit
-                    self.chunks.write_lease(name)
-                    self._renewed = renewing
-
-        beat = threading.Thread(target=heartbeat, name="taskpoint-lease", daemon=True) if self.grace > 0 else None
-        if beat is not None:
-            beat.start()
+        """Hold a save lease for the block: written first, kept fresh, removed after the block (the commit).
+        Inside it, :meth:`commit` writes the manifest only if no sweep began removing chunks meanwhile."""
+        name = self.chunks.new_lease("save", self.grace)
         try:
-            self._wait_for_sweeps()
-            epoch = self.chunks.read_epoch()
-            if self.chunks.known is None or epoch != self.chunks.epoch:
-                self.chunks.known = set(self.chunks.listing())  # a sweep removed chunks: list the store again
-                self.chunks.epoch = epoch
-            yield
+            with renewing(lambda: self.chunks.write_lease(name, self.grace), self.grace, "taskpoint-lease"):
+                self._lease_epoch = self._settled_epoch()
+                if self.chunks.known is None or self._lease_epoch != self.chunks.epoch:
+                    self.chunks.known = set(self.chunks.listing())  # a sweep removed chunks: list the store again
+                    self.chunks.epoch = self._lease_epoch
+                yield
         finally:
-            stop.set()
-            if beat is not None:
-                beat.join()
             quietly(lambda: self.chunks.remove_lease(name))
 
-    def _wait_for_sweeps(self) -> None:
+    def _settled_epoch(self) -> bytes | None:
+        """The epoch, read before a listing of the leases that shows no sweep in flight (waiting for those it
+        shows). A sweep that starts after that listing sees this save's lease; if it takes it for stale (the save
+        was stopped), it rewrites the epoch before its first removal, and :meth:`commit` sees the change."""
         while True:
+            epoch = self.chunks.read_epoch()
             now = time.time()
-            if not any(name.startswith("gc-") and _fresh(mtime, now, self.grace)
+            if not any(name.startswith("gc-") and self.chunks.alive(name, mtime, now, self.grace)
                        for name, mtime in self.chunks.leases().items()):
-                return
+                return epoch
             time.sleep(POLL)
+
+    def commit(self, tree: ChunkedTree, write: Callable[[], None], undo: Callable[[], None]) -> None:
+        """Write the manifest naming ``tree`` with ``write`` (inside :meth:`lease`), unless a sweep began removing
+        chunks since the lease began; if one began while the manifest was being written, check, once it is
+        over, that every chunk ``tree`` names is still stored, and otherwise ``undo`` the manifest. Raises
+        :class:`SaveStalledError` when nothing is committed."""
+        if self.chunks.read_epoch() != self._lease_epoch:
+            raise self._stalled("nothing was committed")
+        write()
+        if self.chunks.read_epoch() == self._lease_epoch:
+            return  # a sweep that starts removing later reads the manifests again after its epoch: it sees ours
+        self._settled_epoch()  # the sweep that moved it is over (or stopped removing)
+        stored = self.chunks.listing()
+        self.chunks.known, self.chunks.epoch = set(stored), self.chunks.read_epoch()
+        missing = tree.chunk_keys() - stored.keys()
+        if missing:
+            undo()
+            raise self._stalled(f"{len(missing)} of the chunks it names had been removed, so its manifest was "
+                                "removed again")
+
+    def _swept_meanwhile(self) -> bool:
+        """Whether the epoch moved since the lease began (best effort: False when it cannot be read)."""
+        try:
+            return self.chunks.read_epoch() != self._lease_epoch
+        except Exception:
+            return False
+
+    def _stalled(self, outcome: str) -> SaveStalledError:
+        return SaveStalledError(
+            f"a deduplicated save to {self.steps.directory} was stalled past its lease: a sweep took the save for "
+            f"dead (its lease older than the grace of {self.grace:g} s, or of the sweep's) and removed chunks while "
+            f"it ran; {outcome}. Save again; if the process is paused for long (a debugger, SIGSTOP, a frozen VM), "
+            "raise grace_seconds above the longest pause.")
 
     # -- saving --------------------------------------------------------------------------------------------
 
@@ -133,46 +153,48 @@ class Dedup:
         if reads is not None:
             reads.begin()
         slots = threading.BoundedSemaphore(2 * self.workers)  # chunks in memory at once
-        with concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="taskpoint-chunk") as pool:
-            pending: list[tuple[int, list[concurrent.futures.Future[tuple[str, int]]], os.stat_result | None]] = []
-            for index, entry in enumerate(entries):
-                if entry.type != "file":
-                    continue
-                path = files.get(entry.path)
-                before = os.stat(path) if reads is not None and path is not None else None
-                keys = self._unchanged(reads, before, entry.path in linked, entry.size)
-                if keys is not None:
-                    entries[index] = replace(entry, chunks=keys)
-                    stats.size += entry.size
-                    stats.chunks += len(keys)
-                    stats.unread_bytes += entry.size
-                    progress.update(entry.size)
-                    continue
-                futures = []
-                for offset in range(0, entry.size, size):
-                    length = min(size, entry.size - offset)
-                    slots.acquire()
-                    future = pool.submit(self._store_chunk, files.get(entry.path), view, offset, length, progress)
-                    future.add_done_callback(lambda _: slots.release())
-                    futures.append(future)
-                pending.append((index, futures, before))
-            for index, futures, before in pending:
-                results = [future.result() for future in futures]
-                entries[index] = replace(entries[index], chunks=tuple(k for k, _ in results))
-                if reads is not None and before is not None:
-                    reads.record(before, os.stat(files[entries[index].path]), entries[index].chunks)
-                stats.size += entries[index].size
-                stats.chunks += len(results)
-                stats.uploaded_chunks += sum(1 for _, sent in results if sent)
-                stats.uploaded_bytes += sum(sent for _, sent in results)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="taskpoint-chunk") as pool:
+                pending: list[tuple[int, list[concurrent.futures.Future[tuple[str, int]]], os.stat_result | None]] = []
+                for index, entry in enumerate(entries):
+                    if entry.type != "file":
+                        continue
+                    path = files.get(entry.path)
+                    before = os.stat(path) if reads is not None and path is not None else None
+                    keys = self._unchanged(reads, before, entry.path in linked, entry.size)
+                    if keys is not None:
+                        entries[index] = replace(entry, chunks=keys)
+                        stats.size += entry.size
+                        stats.chunks += len(keys)
+                        stats.unread_bytes += entry.size
+                        progress.update(entry.size)
+                        continue
+                    futures = []
+                    for offset in range(0, entry.size, size):
+                        length = min(size, entry.size - offset)
+                        slots.acquire()
+                        future = pool.submit(self._store_chunk, files.get(entry.path), view, offset, length, progress)
+                        future.add_done_callback(lambda _: slots.release())
+                        futures.append(future)
+                    pending.append((index, futures, before))
+                for index, futures, before in pending:
+                    results = [future.result() for future in futures]
+                    entries[index] = replace(entries[index], chunks=tuple(k for k, _ in results))
+                    if reads is not None and before is not None:
+                        reads.record(before, os.stat(files[entries[index].path]), entries[index].chunks)
+                    stats.size += entries[index].size
+                    stats.chunks += len(results)
+                    stats.uploaded_chunks += sum(1 for _, sent in results if sent)
+                    stats.uploaded_bytes += sum(sent for _, sent in results)
+        except Exception as exc:
+            if self._swept_meanwhile():
+                # A sweep took this save for dead and removed what it was writing (on local disk, the temp file
+                # of a chunk): say that, not what the write ran into.
+                raise self._stalled(f"a chunk write failed ({exc}) and nothing was committed") from exc
+            raise
         self.last = stats
         if reads is not None:
             reads.commit()
-        if self.grace > 0 and time.time() - self._renewed > self.grace / 2:
-            # A sweep may have taken the lease for a dead save's and removed chunks this step names.
-            raise CheckpointError(f"a save to {self.steps.directory} could not renew its lease for "
-                                  f"{time.time() - self._renewed:.0f} s (the grace is {self.grace:g} s); nothing was "
-                                  "committed. Save again.")
         return stats.size, None, ChunkedTree(chunk_size=size, entries=tuple(entries))
 
     def _unchanged(self, reads: ReadIndex | None, before: os.stat_result | None, linked: bool, size: int
@@ -228,45 +250,46 @@ class Dedup:
 
     def collect(self, grace: float, *, dry_run: bool = False) -> list[str]:
         """Remove the chunks that no committed manifest names, older than ``grace``, unless a save is in flight
-        (a fresh save lease); return their URIs. Also removes leases older than ``grace`` (of killed saves)."""
+        (a fresh save lease, by the longer of ``grace`` and its own); return their URIs. Also removes leases
+        stale by that rule (of killed saves) and temp files older than ``grace``."""
         if not self.chunks.listing() and not self.chunks.leases() and not self.chunks.temp_files():
             return []
-        lock = None if dry_run else self.chunks.new_lease("gc")
+        lock = None if dry_run else self.chunks.new_lease("gc", grace)
         started = time.time()
         try:
             leases = self.chunks.leases()
-            if any(name.startswith("save-") and _fresh(mtime, started, grace) for name, mtime in leases.items()):
+            alive = {name for name, mtime in leases.items()
+                     if name != lock and self.chunks.alive(name, mtime, started, grace)}
+            if any(name.startswith("save-") for name in alive):
                 self._unswept = self._unswept or not dry_run  # blocked: sweep again later
                 return []  # a save may be about to name any chunk: sweep another time
             if not dry_run:
-                for name, mtime in leases.items():  # of killed saves and sweeps
-                    if name != lock and not _fresh(mtime, started, grace):
-                        quietly(lambda name=name: self.chunks.remove_lease(name))  # type: ignore[misc]
+                for name in leases.keys() - alive - {lock}:  # of killed saves and sweeps
+                    quietly(lambda name=name: self.chunks.remove_lease(name))  # type: ignore[misc]
                 for relative, mtime in self.chunks.temp_files().items():  # of killed writes (local disk)
-                    if not _fresh(mtime, started, grace):
+                    if not fresh(mtime, started, grace):
                         quietly(self.chunks.root.child(relative).remove)
-            referenced: set[str] = set()
-            for step, folder in sorted(self.steps.scan().items()):
-                if not folder.committed:
-                    continue
-                try:
-                    manifest = self.steps.manifest(step)
-                except CheckpointCorruptError:
-                    self._unswept = self._unswept or not dry_run
-                    return []  # never guess what an unreadable manifest names
-                if manifest is not None and manifest.tree is not None:
-                    referenced |= manifest.tree.chunk_keys()
+            referenced = self._referenced()
+            if referenced is None:
+                self._unswept = self._unswept or not dry_run
+                return []  # never guess what an unreadable manifest names
             now = time.time()
             unreferenced = {key: mtime for key, mtime in sorted(self.chunks.listing().items()) if key not in referenced}
             doomed = [key for key, mtime in unreferenced.items()
                       if grace == 0 or (mtime is not None and now - mtime >= grace)]
-            removed = [self.chunks.uri(key) for key in doomed]
             if not dry_run:
                 self._unswept = len(doomed) < len(unreferenced)  # young ones wait for a later sweep
             if dry_run or not doomed:
-                return removed
-            self.chunks.bump_epoch()  # before the first removal: every save lists the store again
+                return [self.chunks.uri(key) for key in doomed]
+            self.chunks.bump_epoch()  # before the first removal: a save in flight then fails, or lists the store
             self.chunks.epoch = self.chunks.read_epoch()
+            # A save that committed before the epoch moved, after the manifests were read above, names chunks
+            # this sweep must keep: read the manifests again.
+            again = self._referenced()
+            if again is None:
+                self._unswept = True
+                return []
+            doomed = [key for key in doomed if key not in again]
             removed = []
             for key in doomed:
                 if grace > 0 and time.time() - started > grace / 2:
@@ -281,6 +304,21 @@ class Dedup:
         finally:
             if lock is not None:
                 quietly(lambda: self.chunks.remove_lease(lock))
+
+    def _referenced(self) -> set[str] | None:
+        """Every chunk that a committed manifest names, from a fresh listing of the steps; None when a manifest
+        cannot be read (what it names is unknown)."""
+        referenced: set[str] = set()
+        for step, folder in sorted(self.steps.scan().items()):
+            if not folder.committed:
+                continue
+            try:
+                manifest = self.steps.manifest(step)
+            except CheckpointCorruptError:
+                return None
+            if manifest is not None and manifest.tree is not None:
+                referenced |= manifest.tree.chunk_keys()
+        return referenced
 
 
 def deduplicable(payload: Payload) -> bool:

@@ -24,6 +24,12 @@ from .steps import StepStore
 RESTORE_ATTEMPTS = 5
 
 
+#: What removes an object a committed step names. taskpoint's own retention and sweeps never do: a save that a
+#: sweep took for dead fails before (or takes back) its commit, and a sweep reads the manifests again after its
+#: epoch. A taskpoint without those checks could, for a save stalled past the grace period.
+GONE_HOW = (", which taskpoint's retention and sweeps never do: by hand, by a bucket lifecycle rule, or by a "
+            "sweep of a taskpoint without these checks while the save was stalled")
+
 class StepReader:
     """Reads steps of one directory into a folder of the caller's, or into a workspace of its own."""
 
@@ -121,8 +127,8 @@ class StepReader:
             if manifest.same_save(now):
                 raise CheckpointCorruptError(
                     f"step {step} in {self.directory} is committed but its payload {self._part(step, manifest)[0]} "
-                    "is missing; it was deleted outside taskpoint. Restore an older step (fallback=True), or delete "
-                    "this one.")
+                    f"is missing: it was removed after the commit{GONE_HOW}. Restore an older step (fallback=True), "
+                    "or delete this one.")
             manifest = now  # overwritten or deleted while we read: follow it
         raise CheckpointError(f"step {step} in {self.directory} kept being overwritten while it was restored; "
                               "try again once the other writer has finished")
@@ -148,8 +154,8 @@ class StepReader:
                 if not manifest.same_save(self._steps.manifest(step)):
                     return None  # overwritten or deleted while we read: follow it
                 raise CheckpointCorruptError(
-                    f"step {step} in {self.directory} is damaged: {missing} (deleted outside taskpoint). Restore an "
-                    "older step (fallback=True), or save it again.") from None
+                    f"step {step} in {self.directory} is damaged: {missing} (removed after the commit{GONE_HOW}). "
+                    "Restore an older step (fallback=True), or save it again.") from None
         name, record = self._part(step, manifest)
         src = self._steps.object(step, name)
 

@@ -34,6 +34,7 @@ from ..format.records import ObjectRecord, Shard, ShardRecord, StepManifest
 from ..payloads import Payload
 from ..ranks import Ranks, incarnation_from_environment, resolve_ranks
 from ..storage import Location
+from .leases import lease_body, renewing
 from .steps import MANIFEST_NAME, RANK_RECORD, StepStore, quietly, shard_record_name
 
 #: How long rank 0 waits, by default, for every rank's shard of a step before abandoning it (seconds).
@@ -83,8 +84,8 @@ def save_round(attempt: int | None) -> str:
 class ShardWriter:
     """Stores this rank's shard of a step; on rank 0, also gathers the others' records and commits."""
 
-    def __init__(self, steps: StepStore, plan: RankPlan) -> None:
-        self._steps, self._plan = steps, plan
+    def __init__(self, steps: StepStore, plan: RankPlan, grace: float) -> None:
+        self._steps, self._plan, self._grace = steps, plan, grace
 
     @property
     def commits(self) -> bool:
@@ -99,20 +100,34 @@ class ShardWriter:
         save_id = uuid.uuid4().hex
         name = f"payload-{save_id}"
         record = ObjectRecord(kind=payload.kind, codec=codec, save_id=save_id, created=time.time())
-        size, digest = store(self._steps.object(step, name))
-        shard = Shard(ranks.rank, name, dataclasses.replace(record, size=size, sha256=digest))
-        round_ = save_round(attempt)
         if ranks.rank != 0:
+            size, digest = store(self._steps.object(step, name))
+            shard = Shard(ranks.rank, name, dataclasses.replace(record, size=size, sha256=digest))
             self._steps.object(step, shard_record_name(ranks.rank)).write_small(
-                ShardRecord(step, ranks.world_size, round_, shard).to_bytes(), action="record the shard at")
+                ShardRecord(step, ranks.world_size, save_round(attempt), shard).to_bytes(),
+                action="record the shard at")
             return size
-        shards = self._gather(step, round_, shard)
-        commit = ObjectRecord(kind="shards", codec="shards", save_id=uuid.uuid4().hex, created=time.time(),
-                              size=sum(s.record.size or 0 for s in shards))
-        manifest = StepManifest(step=step, payload="", record=commit, attempt=attempt, metadata=metadata,
-                                shards=shards)
-        # As for one payload: a failed commit leaves the shards in place (the manifest may have landed).
-        self._steps.object(step, MANIFEST_NAME).write_small(manifest.to_bytes(), action="commit the checkpoint at")
+        # Rank 0 holds a lease on the folder from before its own shard until the commit: no sweep removes the
+        # shards it is gathering, however long the others take (a sweep with a shorter grace included).
+        lease = self._steps.object(step, f"commit-{save_id}.json")
+        lease.write_small(lease_body(self._grace), action="write a lease at")
+        try:
+            with renewing(lambda: lease.write_small(lease_body(self._grace), action="write a lease at"),
+                          self._grace, "taskpoint-commit-lease"):
+                size, digest = store(self._steps.object(step, name))
+                shard = Shard(0, name, dataclasses.replace(record, size=size, sha256=digest))
+                shards = self._gather(step, save_round(attempt), shard)
+                commit = ObjectRecord(kind="shards", codec="shards", save_id=uuid.uuid4().hex, created=time.time(),
+                                      size=sum(s.record.size or 0 for s in shards))
+                manifest = StepManifest(step=step, payload="", record=commit, attempt=attempt, metadata=metadata,
+                                        shards=shards)
+                # A shard stored long before this lease (a rank far ahead of rank 0) may have been swept.
+                self._steps.check_stored(step, {s.payload: s.record.size or 0 for s in shards})
+                # As for one payload: a failed commit leaves the shards in place (the manifest may have landed).
+                self._steps.object(step, MANIFEST_NAME).write_small(manifest.to_bytes(),
+                                                                    action="commit the checkpoint at")
+        finally:
+            quietly(lease.remove)
         self._forget_records(step, range(1, len(shards)))
         return size
 

@@ -6,11 +6,15 @@ Layout under the manager's directory (any fsspec URL)::
     ckpt-{step}/taskpoint.json      the step's manifest, written after the payload: the commit
     ckpt-{step}/rank-{k}.json       a step saved by several ranks: rank k's record of its shard (a payload
                                     like the above), until rank 0 commits the step (see :mod:`.shards`)
+    ckpt-{step}/commit-{id}.json    rank 0's lease while it gathers the shards and commits (:mod:`.leases`)
     chunks/, leases/                the chunk store of deduplicated steps (see :mod:`.chunks`)
 
 A step exists when, and only when, its manifest does. Objects in a step folder that no manifest names are
 leftovers of interrupted or superseded saves; they are removed once older than a grace period, so that a
-save still in progress elsewhere is never disturbed.
+save still in progress elsewhere is never disturbed. A save that was stalled for longer than that finds what it
+stored gone when it checks, just before its commit (:meth:`StepStore.check_stored`), and commits nothing; a
+sweep reads the manifest of an uncommitted folder again just before removing from it, so a save that commits
+meanwhile keeps its payload.
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from ..errors import CheckpointCorruptError, StorageNotFound
+from ..errors import CheckpointCorruptError, SaveStalledError, StorageNotFound
 from ..format.fileset import DCP_DATA_FILE, DCP_MANIFEST_NAME, DCP_METADATA_NAME, FileSetManifest
 from ..format.records import FILESET_CODEC, StepManifest
 from ..storage import Location
 from .claims import Claims
+from .leases import alive, fresh
 from .retention import KeepPolicy
 
 #: Name of a step's manifest inside its folder; its presence is the step's commit.
@@ -42,11 +47,13 @@ _FILESET = re.compile(rf"\.?(?:{DCP_DATA_FILE.pattern}|{re.escape(DCP_METADATA_N
                       r"(?:\.[0-9a-f]{12}\.tmp)?")
 #: The manifest of a file-set step's files, named by the step's own manifest.
 FILESET_NAME = DCP_MANIFEST_NAME
-_OURS = re.compile(r"\.?(?:payload-[0-9a-f]{32}|taskpoint\.json|rank-(?:0|[1-9][0-9]*)\.json)"
+_OURS = re.compile(r"\.?(?:payload-[0-9a-f]{32}|taskpoint\.json|rank-(?:0|[1-9][0-9]*)\.json|commit-[0-9a-f]{32}\.json)"
                    r"(?:\.[0-9a-f]{12}\.tmp)?")
 
 
 RANK_RECORD = re.compile(r"rank-(0|[1-9][0-9]*)\.json")
+#: Rank 0's lease on a step it is gathering the shards of: while fresh, no sweep removes anything in the folder.
+COMMIT_LEASE = re.compile(r"commit-[0-9a-f]{32}\.json")
 
 
 def shard_record_name(rank: int) -> str:
@@ -124,6 +131,20 @@ class StepStore:
         except CheckpointCorruptError:
             return True, None
         return True, name if PAYLOAD_NAME.fullmatch(name) else None
+
+    def check_stored(self, step: int, sizes: dict[str, int]) -> None:
+        """Just before a commit: every object it will name is stored, at its size. Raises SaveStalledError
+        otherwise: a sweep took the object for a dead save's leftover, older than its grace period, so this save
+        was stalled for longer than that (or another process sweeps with a shorter ``grace_seconds``)."""
+        for name, size in sizes.items():
+            found = self.object(step, name).size()
+            if found != size:
+                state = "is gone" if found is None else f"holds {found} bytes instead of {size}"
+                raise SaveStalledError(
+                    f"step {step} was not committed to {self.directory}: {self.object(step, name).uri} {state}. A "
+                    "sweep (gc(), or the tidy-up of another save) took it for the leftover of a dead save: this "
+                    "save was stalled (paused, frozen or starved) for longer than the grace period, or another "
+                    "process sweeps with a shorter grace_seconds. The previous steps are intact; save again.")
 
     # -- listing -------------------------------------------------------------------------------------------
 
@@ -245,14 +266,20 @@ class StepStore:
 
     def sweep_folder(self, step: int, folder: Folder, grace: float, keep: set[str], *,
                      dry_run: bool = False) -> list[str]:
-        """Remove our objects in ``folder`` that are not in ``keep`` and older than ``grace``."""
+        """Remove our objects in ``folder`` that are not in ``keep`` and older than ``grace``; nothing while rank
+        0 holds a fresh lease on the folder (it is gathering the shards to commit them). ``keep`` empty: the
+        folder was listed with no manifest, which is read again before the first removal."""
         now = time.time()
+        if any(COMMIT_LEASE.fullmatch(name) and alive(mtime, now, grace, self.object(step, name).read_small)
+               for name, mtime in folder.objects.items()):
+            return []
+        doomed = [name for name, mtime in folder.objects.items()
+                  if name not in keep and (_OURS.fullmatch(name) or (not keep and _FILESET.fullmatch(name)))
+                  and not fresh(mtime, now, grace)]  # the files of a file-set step: ours where nothing commits
+        if doomed and not keep and not dry_run and self.object(step, MANIFEST_NAME).read_small() is not None:
+            return []  # committed since it was listed: the next sweep reads what its manifest names
         removed: list[str] = []
-        for name, mtime in folder.objects.items():
-            if name in keep or not (_OURS.fullmatch(name) or (not keep and _FILESET.fullmatch(name))):
-                continue  # the files of a file-set step are ours only in a folder that nothing commits
-            if grace > 0 and (mtime is None or now - mtime < grace):
-                continue  # maybe a save still in progress
+        for name in doomed:
             target = self.object(step, name)
             if not dry_run:
                 target.remove()

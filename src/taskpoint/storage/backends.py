@@ -32,6 +32,7 @@ from typing import IO, Any, ClassVar
 
 from fsspec.asyn import AsyncFileSystem
 
+from ..errors import SaveStalledError
 from ._localio import LOCAL_READ_BUFFER, EarlyWriteback, folder_lock, fsync_dir, local_version
 from .errormap import Failure, classify
 from .retry import time_left
@@ -146,6 +147,17 @@ class Backend:
         """True when ``path`` is an object (a folder or prefix is not); errors other than "not found" raise."""
         return self.kind(path) is Kind.OBJECT
 
+    def size(self, path: str) -> int | None:
+        """The size of the object at ``path``, None when there is none; errors other than "not found" raise."""
+        self.fs.invalidate_cache(path)
+        try:
+            info = self.fs.info(path, **bounded(self.fs))
+        except FileNotFoundError as exc:
+            if classify(exc) is Failure.NO_CONTAINER:
+                raise
+            return None
+        return int(info["size"]) if info.get("type") == "file" else None
+
     def read_small(self, path: str) -> bytes:
         self.fs.invalidate_cache(path)
         return self.fs.cat_file(path, **bounded(self.fs))  # type: ignore[no-any-return]
@@ -242,6 +254,15 @@ class LocalBackend(Backend):
             return Kind.FOLDER
         raise OSError(errno.EINVAL, "neither a file nor a folder (a fifo, socket or device)", path)
 
+    def size(self, path: str) -> int | None:
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            if _is_absent(exc):
+                return None
+            raise
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
+
     def list_tree(self, path: str, prefix: str = "") -> dict[str, dict[str, Any]]:
         """Like fsspec's ``find`` (folders included, symlinks not followed), but a folder that cannot be read
         raises instead of being left out (fsspec's walk omits it silently, as if it were empty). An entry that
@@ -317,7 +338,18 @@ class LocalBackend(Backend):
                 f.flush()
                 os.fsync(raw.fileno())
             hooks.before_commit()
-            os.replace(tmp, path)
+            try:
+                os.replace(tmp, path)
+            except FileNotFoundError:
+                if not os.path.isdir(folder):
+                    raise
+                # The temp file was removed while it was written: a sweep (of another process, or with a shorter
+                # grace) took it for a dead writer's leftover because this writer was stopped for that long.
+                raise SaveStalledError(
+                    f"{path} was not written: its temp file {tmp} was removed while it was being written, by a "
+                    "sweep that took it for the leftover of a dead save (older than the sweep's grace period). This "
+                    "save was stalled (paused, frozen or starved) for longer than that, or another process sweeps "
+                    "with a shorter grace_seconds. Nothing was committed; save again.") from None
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)

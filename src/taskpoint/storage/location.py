@@ -121,6 +121,11 @@ class Location:
         that cannot be read (denied, I/O error, stale handle, outage) raises the matching StorageError."""
         return self.run(lambda: self.backend.exists(self.path), action="check")
 
+    def size(self) -> int | None:
+        """The size of the object here, None when there is none (a folder or prefix is none). A location that
+        cannot be read raises the matching StorageError."""
+        return self.run(lambda: self.backend.size(self.path), action="check")
+
     def kind(self) -> Kind:
         """What is here: an object, a folder (local) or a prefix with objects under it, or nothing. Only "not
         found" is :attr:`Kind.NOTHING`; a location that cannot be read raises the matching StorageError."""
