@@ -237,6 +237,22 @@ class Backend:
         raise NotImplementedError(f"{type(self).__name__} has no unfinished uploads to abort")
 
 
+#: How often a local write makes its folder again when a sweep removed it, empty, before the file was created.
+_FOLDER_ATTEMPTS = 3
+
+
+def _create_in(folder: str, path: str) -> IO[bytes]:
+    """Create the new file ``path`` in ``folder``, making the folder first. A sweep of another writer removes
+    empty folders (a step folder it lists empty, a chunk folder it emptied), so the folder may vanish between
+    its making and the file's creation: make it again, a few times."""
+    for _ in range(_FOLDER_ATTEMPTS - 1):
+        os.makedirs(folder, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            return open(path, "xb+", buffering=0)
+    os.makedirs(folder, exist_ok=True)
+    return open(path, "xb+", buffering=0)
+
+
 class LocalBackend(Backend):
     """Local disk: durable atomic writes by temp file, fsync and rename; reads straight from the file."""
 
@@ -329,10 +345,9 @@ class LocalBackend(Backend):
     @contextlib.contextmanager
     def open_write(self, path: str, size_hint: int | None, hooks: WriteHooks) -> Iterator[IO[bytes]]:
         folder, name = os.path.split(path)
-        os.makedirs(folder, exist_ok=True)
         tmp = os.path.join(folder, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
         try:
-            with open(tmp, "xb+", buffering=0) as raw:
+            with _create_in(folder, tmp) as raw:
                 f = EarlyWriteback(raw)
                 yield f
                 f.flush()
