@@ -339,18 +339,20 @@ def _check(doc: dict[str, Any], digest: str) -> str:
 def _parse(data: bytes, fmt: str, uri: str, build: Callable[[dict[str, Any], bool], T], newest: int,
            what_to_do: str, digest: str = SHA256) -> T:
     """``build`` applied to the ``fmt`` document in ``data`` and whether it carried its check; anything
-    unreadable, and a check that fails (before the version is believed), is CheckpointCorruptError."""
+    unreadable, and a check that fails, is CheckpointCorruptError."""
     try:
         doc = json.loads(data)
         if not isinstance(doc, dict) or doc.get("format") != fmt:
             raise ValueError("not a taskpoint manifest")
         checked = CHECK in doc
-        if checked and doc[CHECK] != _check(doc, digest):
-            raise ValueError(f"it fails its {digest} check: a byte of it is damaged")
+        intact = not checked or doc[CHECK] == _check(doc, digest)
         if int(doc.get("version", 0)) > newest:
             raise CheckpointCorruptError(
                 f"the checkpoint record {uri} has format version {doc['version']}, newer than this "
-                f"taskpoint understands ({newest}); upgrade taskpoint to load it.")
+                f"taskpoint understands ({newest}); upgrade taskpoint to load it"
+                f"{'' if intact else ' (or it is damaged: it fails its check)'}.")
+        if not intact:
+            raise ValueError(f"it fails its {digest} check: a byte of it is damaged")
         return build(doc, checked)
     except CheckpointCorruptError:
         raise
