@@ -352,7 +352,7 @@ def _parse(data: bytes, fmt: str, uri: str, build: Callable[[dict[str, Any], boo
                 f"taskpoint understands ({newest}); upgrade taskpoint to load it"
                 f"{'' if intact else ' (or it is damaged: it fails its check)'}.")
         if not intact:
-            raise ValueError(f"it fails its {digest} check: a byte of it is damaged")
+            raise ValueError(f"it fails its check ({digest}): a byte of it is damaged")
         return build(doc, checked)
     except CheckpointCorruptError:
         raise
