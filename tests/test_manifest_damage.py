@@ -131,7 +131,8 @@ def place(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
     return request.getfixturevalue("s3_server").new_location()
 
 
-def test_gc_keeps_every_chunk_a_damaged_manifest_might_name(place: Any, tmp_path: Path) -> None:
+def test_gc_keeps_every_chunk_a_damaged_manifest_might_name(place: Any, tmp_path: Path,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
     """The issue's finding: gc --grace 0 read a manifest with a flipped chunk key as valid and removed the real chunk
     (6 -> 4 chunks). Now it removes no chunk at all until the manifest is repaired or the step removed."""
     expected = saved_steps(place, tmp_path, dedup=True)
@@ -145,6 +146,7 @@ def test_gc_keeps_every_chunk_a_damaged_manifest_might_name(place: Any, tmp_path
     with manager(place, dedup=True) as mgr:
         assert mgr.gc(grace_seconds=0) == []
         assert [o for o in list_objects(place, "steps") if o.startswith("chunks/")] == chunks
+        assert "the manifest of step 2 in" in caplog.text and "no chunk is removed until" in caplog.text
         write_object(manifest_url(place, 2), place.storage_options, pristine)  # repaired: step 0's chunks go
         removed = mgr.gc(grace_seconds=0)
         assert removed and all("chunks/" in uri for uri in removed)

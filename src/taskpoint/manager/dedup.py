@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from .. import _log
 from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..format.records import ChunkedTree
@@ -253,6 +254,8 @@ class Dedup:
                     manifest = self.steps.manifest(step)
                 except CheckpointCorruptError:
                     self._unswept = self._unswept or not dry_run
+                    _log.logger.warning("the manifest of step %d in %s is damaged: no chunk is removed until it is "
+                                        "repaired or the step deleted", step, _log.safe_uri(self.steps.directory))
                     return []  # never guess what an unreadable manifest names
                 if manifest is not None and manifest.tree is not None:
                     referenced |= manifest.tree.chunk_keys()
