@@ -3,9 +3,9 @@
 Scenarios, one module each: :mod:`.sigkill` (savers killed at random moments), :mod:`.faults` (a
 fault-injecting proxy on the wire), :mod:`.roundtrip` (Hypothesis trees), :mod:`.credentials` (secrets in
 errors, warnings and logs), :mod:`.resources` (leaks over many cycles), :mod:`.concurrency` (two writers
-and a reader), :mod:`.hostile` (the hostile-archive module of the suite, when present), :mod:`.suite` (the suite's
-``campaign`` tests, full campaign only). docs/reliability.md
-describes each and holds the table of the last full run.
+and a reader), :mod:`.hostile` (the hostile-archive module of the suite, when present), :mod:`.manifests` (a bit
+of a manifest or record damaged), :mod:`.suite` (the suite's ``campaign`` tests, full campaign only).
+docs/reliability.md describes each and holds the table of the last full run.
 """
 
 #: Trial counts of the full campaign (issue 11's figures; SIGKILL counts are per store and per way of saving).
@@ -16,6 +16,7 @@ FULL_COUNTS = {
     "roundtrip": {"memory": 150, "local": 150, "s3": 40},
     "resource_cycles": 1000,
     "concurrency_seconds": 30.0,
+    "manifest_damage": {"local": 1000, "s3": 100},
 }
 #: The bounded campaign (``--quick``, and tests/test_reliability.py in ``make test``).
 QUICK_COUNTS = {
@@ -25,4 +26,5 @@ QUICK_COUNTS = {
     "roundtrip": {"memory": 20, "local": 20, "s3": 6},
     "resource_cycles": 100,
     "concurrency_seconds": 5.0,
+    "manifest_damage": {"local": 100},
 }

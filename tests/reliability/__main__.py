@@ -22,8 +22,8 @@ from . import FULL_COUNTS, QUICK_COUNTS
 from ._common import RESULTS_DIR, Result, Servers, table
 from .suite import TIME_ROWS
 
-SCENARIOS = ("sigkill", "faults", "roundtrip", "secrets", "resources", "concurrency", "hostile", *TIME_ROWS,
-             "campaign")
+SCENARIOS = ("sigkill", "faults", "roundtrip", "secrets", "resources", "concurrency", "hostile", "manifests",
+             *TIME_ROWS, "campaign")
 STORES = ("local", "memory", "s3", "gcs", "azure")
 
 def _store_counts(text: str) -> dict[str, int]:
@@ -56,6 +56,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--roundtrip", type=_store_counts, help="Hypothesis examples, e.g. memory=150,local=150,s3=40")
     p.add_argument("--resource-cycles", type=int, help="save/load cycles of the resources scenario")
     p.add_argument("--concurrency-seconds", type=float, help="how long the writers of the concurrency scenario run")
+    p.add_argument("--manifest-damage", type=_store_counts,
+                   help="damaged manifests and records per store, e.g. local=1000,s3=100")
     p.add_argument("--seed", type=int, default=20261201, help="seed of every random choice (default %(default)s)")
     p.add_argument("--json", type=Path, help="where to write the results (default: tests/reliability/results/)")
     p.add_argument("--keep-scratch", action="store_true", help="keep the scratch folder (printed) for inspection")
@@ -69,9 +71,10 @@ def plan(args: argparse.Namespace) -> dict:
         counts["sigkill"] = dict.fromkeys(counts["sigkill"], n)
         counts["fault_cycles"] = dict.fromkeys(counts["fault_cycles"], n)
         counts["roundtrip"] = dict.fromkeys(counts["roundtrip"], n)
+        counts["manifest_damage"] = dict.fromkeys(counts["manifest_damage"], n)
         counts["resource_cycles"] = n
         counts["concurrency_seconds"] = float(n)
-    for name in ("sigkill", "fault_cycles", "roundtrip"):
+    for name in ("sigkill", "fault_cycles", "roundtrip", "manifest_damage"):
         if getattr(args, name) is not None:
             counts[name] = getattr(args, name)
     if args.resource_cycles is not None:
@@ -81,14 +84,14 @@ def plan(args: argparse.Namespace) -> dict:
     if args.no_outage:
         counts["outage"] = {}
     stores = set(args.stores.split(","))
-    for name in ("sigkill", "fault_cycles", "roundtrip", "outage"):
+    for name in ("sigkill", "fault_cycles", "roundtrip", "outage", "manifest_damage"):
         counts[name] = {k: v for k, v in counts[name].items() if k in stores}
     counts["stores"] = sorted(stores)
     return counts
 
 
 def run(args: argparse.Namespace) -> tuple[list[Result], dict]:
-    from . import concurrency, credentials, faults, hostile, resources, roundtrip, sigkill, suite
+    from . import concurrency, credentials, faults, hostile, manifests, resources, roundtrip, sigkill, suite
 
     counts = plan(args)
     only = [s for s in args.only.split(",") if s]
@@ -126,6 +129,8 @@ def run(args: argparse.Namespace) -> tuple[list[Result], dict]:
                     results += concurrency.run(servers, kinds, counts["concurrency_seconds"], sub)
                 elif scenario == "hostile":
                     results += hostile.run(sub)
+                elif scenario == "manifests":
+                    results += manifests.run(servers, counts["manifest_damage"], random.Random(seed), sub)
                 elif scenario in suite.TIME_ROWS and not args.quick:  # make test runs their bounded tests
                     results += suite.time_row(scenario, sub)
                 elif scenario == "campaign" and not args.quick:  # the bounded versions are make test's own

@@ -48,6 +48,8 @@ class Result:
     errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
     skipped: bool = False
+    #: Counts a scenario reports beyond trials and failures (the JSON results keep them).
+    figures: dict[str, Any] = field(default_factory=dict)
 
     def trial(self, error: str | None = None) -> None:
         """Count one trial; a failure when ``error`` says what went wrong."""

@@ -40,10 +40,13 @@ TIME_ROWS = {
     "stalls": ("Stalls (SIGSTOP past the grace), mixed graces, late ranks", ["tests/test_stalls.py"]),
 }
 
+#: Modules whose campaign-size tests another row runs at the same counts (the ``manifests`` row).
+ROWED = ("tests/test_manifest_damage.py",)
+
 
 def campaign(scratch: Path) -> list[Result]:
     result = Result("Campaign-size tests of the suite (pytest -m campaign)", "local+servers")
-    ignored = [f"--ignore={module}" for _, modules in TIME_ROWS.values() for module in modules]
+    ignored = [f"--ignore={module}" for module in (*ROWED, *(m for _, modules in TIME_ROWS.values() for m in modules))]
     with timed(result):
         pytest_row(result, ["-m", "campaign", "tests", *ignored], scratch, TASKPOINT_CAMPAIGN="1")
     return [result]

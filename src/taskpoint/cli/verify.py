@@ -27,7 +27,7 @@ from ..record import load_object, read_record
 from ..storage import WRITE_PIECE, Location, digest_by_reading
 from ..transfer import DIGESTS, read_payload
 from ._app import OK, _command, _Missing, cli, progress_option
-from .views import _human, _location, _object_size, _steps
+from .views import UNCHECKED, _human, _location, _object_size, _steps
 
 
 class _Discard(Payload):
@@ -162,7 +162,12 @@ def _verify_step(steps: StepStore, step: int, progress: bool | None) -> str:
                                          f"{name} is missing") from None
     shards = (f", {len(parts)} shards" if manifest.shards is not None else
               f", {len(parts) - 1} files" if manifest.record.codec == FILESET_CODEC else "")
-    return f"step {step}: healthy ({_human(total)}{shards}, sha256 matches its manifest)"
+    return f"step {step}: healthy ({_human(total)}{shards}, sha256 matches its manifest){_unchecked(manifest)}"
+
+
+def _unchecked(manifest: StepManifest) -> str:
+    """What a healthy step's line adds when its manifest carries no check of its own."""
+    return "" if manifest.checked else f"; {UNCHECKED}"
 
 
 def _verify_chunked_step(steps: StepStore, step: int, manifest: StepManifest, progress: bool | None) -> str:
@@ -180,7 +185,7 @@ def _verify_chunked_step(steps: StepStore, step: int, manifest: StepManifest, pr
         raise CheckpointCorruptError(f"step {step} in {steps.directory} is damaged: {missing}") from None
     tree = manifest.tree
     return (f"step {step}: healthy ({_human(total)}, deduplicated: {tree.count('file')} files in "
-            f"{tree.chunk_count()} chunks, each matches its sha256)")
+            f"{tree.chunk_count()} chunks, each matches its sha256){_unchecked(manifest)}")
 
 
 @cli.command("verify")

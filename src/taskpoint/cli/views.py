@@ -20,6 +20,10 @@ from ..runtime import layout
 from ..storage import Location
 from ._app import ERROR, OK, _command, _Failed, _Missing, _state, cli
 
+#: What ``ls`` and ``show`` say of a step whose manifest carries no check.
+UNCHECKED = ("manifest unchecked: written by a taskpoint older than manifest checks, so damage to the manifest "
+             "itself cannot be detected; save the step again to have it checked")
+
 
 def _location(uri: str) -> Location:
     return Location(uri.rstrip("/") if not uri.endswith("://") else uri, _state().storage_options())
@@ -125,7 +129,7 @@ def _manager_view(loc: Location) -> dict[str, Any] | None:
             named = {MANIFEST_NAME, *(name for name, _ in objects)}
             row.update(size=record.size, created=record.created, attempt=manifest.attempt, kind=record.kind,
                        metadata_keys=sorted(manifest.metadata), payload=manifest.payload,
-                       leftovers=sorted(n for n in names if n not in named))
+                       leftovers=sorted(n for n in names if n not in named), checked=manifest.checked)
             if manifest.shards is not None:
                 row["shards"] = len(manifest.shards)
             row["state"] = "committed"
@@ -227,8 +231,11 @@ def ls_command(uri: str, as_json: bool) -> int:
         click.echo(f"{'STEP':>6}  {'STATE':<10}  {'KIND':<9}  {'SIZE':>10}  {'SAVED (UTC)':<19}  ATTEMPT  METADATA")
         for row in view["steps"]:
             attempt = "-" if row["attempt"] is None else str(row["attempt"])
-            click.echo(f"{row['step']:>6}  {row['state']:<10}  {row['kind'] or '-':<9}  {_human(row['size']):>10}  "
+            state = row["state"] + ("*" if row.get("checked") is False else "")
+            click.echo(f"{row['step']:>6}  {state:<10}  {row['kind'] or '-':<9}  {_human(row['size']):>10}  "
                        f"{_time(row['created']):<19}  {attempt:>7}  {','.join(row['metadata_keys']) or '-'}")
+        if any(row.get("checked") is False for row in view["steps"]):
+            click.echo(f"* {UNCHECKED}")
     else:
         click.echo(f"{view['uri']}: {len(view['actions'])} action(s)")
         for row in view["actions"]:
@@ -272,7 +279,7 @@ def show_command(uri: str, step: int | None, as_json: bool) -> int:
             raise _Missing(f"step {chosen} does not exist in {loc.uri}")
         view = {"type": "step", "uri": _steps(loc).step_uri(chosen), "step": manifest.step,
                 "payload": manifest.payload, "attempt": manifest.attempt, **asdict(manifest.record),
-                "metadata": manifest.metadata}
+                "checked": manifest.checked, "metadata": manifest.metadata}
         if manifest.shards is not None:
             view["shards"] = [{"rank": s.rank, "payload": s.payload, "size": s.record.size,
                                "sha256": s.record.sha256} for s in manifest.shards]
@@ -293,6 +300,8 @@ def show_command(uri: str, step: int | None, as_json: bool) -> int:
             click.echo("metadata: " + json.dumps(value, indent=2, sort_keys=True).replace("\n", "\n  "))
         elif key == "created":
             click.echo(f"created: {_time(value)} UTC")
+        elif key == "checked" and not value:
+            click.echo(f"checked: no ({UNCHECKED})")
         elif key == "payload" and not value:
             continue  # a deduplicated step or one of several ranks: no payload object of its own
         else:

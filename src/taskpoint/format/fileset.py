@@ -2,20 +2,19 @@
 
 A file set is committed by a file its format names (PyTorch DCP's ``.metadata`` for :mod:`taskpoint.torch`),
 written after this manifest, which lists that commit file too: every byte a load reads is checked against
-it. The manifest guards itself with ``check``, the sha256 of the rest of the document, so a flipped byte in
-the manifest reads as damage, never as a file that seems damaged.
+it. The manifest guards itself with ``check``, the sha256 of the rest of the document (as every manifest does,
+:func:`~taskpoint.format.records.sealed`), so a flipped byte in the manifest reads as damage, never as a file
+that seems damaged.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointCorruptError
-from .records import _parse
+from .records import _parse, sealed
 
 FILESET_FORMAT = "taskpoint.fileset"
 #: The file-set manifest of a PyTorch DCP checkpoint (taskpoint.torch), beside DCP's own files; a manager step of
@@ -58,14 +57,13 @@ class FileSetManifest:
             "created": self.created, "attempt": self.attempt, "metadata": self.metadata,
             "files": {name: {"size": e.size, "sha256": e.sha256} for name, e in sorted(self.files.items())},
         }
-        doc["check"] = _check(doc)
-        return json.dumps(doc, sort_keys=True, allow_nan=False).encode()
+        return sealed(doc)
 
     @classmethod
     def from_bytes(cls, data: bytes, uri: str) -> FileSetManifest:
-        def build(doc: dict[str, Any]) -> FileSetManifest:
-            if doc.get("check") != _check({k: v for k, v in doc.items() if k != "check"}):
-                raise ValueError("the manifest fails its check (a damaged byte)")
+        def build(doc: dict[str, Any], checked: bool) -> FileSetManifest:
+            if not checked:
+                raise ValueError("the manifest carries no check (a damaged byte)")
             files = {str(name): FileEntry(size=int(e["size"]), sha256=str(e["sha256"]))
                      for name, e in doc["files"].items()}
             attempt, metadata = doc.get("attempt"), doc.get("metadata", {})
@@ -84,7 +82,3 @@ class FileSetManifest:
             raise CheckpointCorruptError(f"{where}/{name} is not listed in the checkpoint's manifest, so it cannot "
                                          "be verified: the checkpoint was changed after its save; save it again")
         return found
-
-
-def _check(doc: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()

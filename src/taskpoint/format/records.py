@@ -7,15 +7,26 @@ object's digest while it writes the object's temp file or parts, and writes the 
 object beside the previous ones *before* the object becomes visible (the rename, the PUT, the multipart
 completion). So every object a reader can see has a digest to check, whenever the saver is killed; a load
 accepts whichever listed object it finds, verified. Format 1 (``committed`` and ``pending``) is still read.
-The record guards itself too: it carries a ``check``, the CRC32 of the rest of the document, and a field it
-does not know is damage, so any flipped byte of a record is detected.
 
 The versioned manager (:mod:`taskpoint.manager`) keeps a :class:`StepManifest` in each step's folder instead: it
 is written once, after the payload, and is the step's commit.
+
+Every document here guards itself: :func:`sealed` writes it with a ``check``, the digest of the rest of it
+(canonical JSON), and :func:`_parse` refuses one that fails it as damaged, so a flipped byte anywhere is
+CheckpointCorruptError, never a wrong name, size, mode or metadata value. Manifests (a step's, a rank's record,
+a file set's, :mod:`.fileset`) use sha256: a step's manifest lists every chunk of a tree and can reach
+megabytes, and it is the one file that vouches for every other byte. The record beside a checkpoint keeps
+CRC32 (its format 2 shipped with it): it is a few kB, and at that size CRC32 detects every error of up to
+three bits and every burst of up to 32 (any flipped or replaced byte); with a field it does not know also
+counted as damage. Step manifests and rank records written before they carried a check still read, marked
+unchecked (:attr:`StepManifest.checked`); such a document with a field an older taskpoint never wrote is
+damage (a ``check`` whose name a flip changed). Older taskpoints read checked manifests as before: they
+ignore a field they do not know.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import zlib
 from collections.abc import Callable
@@ -50,6 +61,10 @@ RECORD_RECENT_MAX = 32
 STEP_FORMAT = "taskpoint.step"
 #: The format name of the record one rank writes beside its shard of a step (version 1).
 SHARD_FORMAT = "taskpoint.shard"
+#: The field in which a record or manifest carries the digest of the rest of itself (:func:`sealed`).
+CHECK = "check"
+#: The digests of a document's check: sha256 for manifests, CRC32 for the record beside a checkpoint.
+SHA256, CRC32 = "sha256", "crc32"
 
 T = TypeVar("T")
 
@@ -87,8 +102,7 @@ class Record:
                                "objects": [asdict(o) for o in self.objects], "confirmed": self.confirmed}
         if self.sweep:
             doc["sweep"] = True
-        doc["check"] = _check(doc)
-        return json.dumps(doc, sort_keys=True).encode()
+        return sealed(doc, CRC32)
 
     def with_new(self, entry: ObjectRecord, *, sweep: bool) -> Record:
         """This record with ``entry`` first; older entries beyond :data:`RECORD_KEEPS` go unless they are recent
@@ -111,13 +125,13 @@ class Record:
 
     @classmethod
     def from_bytes(cls, data: bytes, uri: str) -> Record:
-        def build(doc: dict[str, Any]) -> Record:
+        def build(doc: dict[str, Any], checked: bool) -> Record:
             version = int(doc["version"])
             unknown = set(doc) - (_RECORD_KEYS if version >= 2 else _RECORD_1_KEYS)
             if unknown or version < 1:
                 raise ValueError(f"unknown fields {sorted(unknown)} or version {version}")
-            if version >= 2 and doc.get("check") != _check({k: v for k, v in doc.items() if k != "check"}):
-                raise ValueError("the record fails its check (a damaged byte)")
+            if version >= 2 and not checked:
+                raise ValueError("the record carries no check (a damaged byte)")
             entries = doc["objects"] if version >= 2 else [doc.get("committed"), doc.get("pending")]
             if any(e is not None and set(e) - _ENTRY_KEYS for e in entries):
                 raise ValueError("an entry has fields this taskpoint does not know")
@@ -132,7 +146,7 @@ class Record:
                        confirmed=None if confirmed is None else str(confirmed), sweep=bool(doc.get("sweep", False)))
 
         return _parse(data, FORMAT, uri, build, RECORD_VERSION,
-                      "delete it to load the checkpoint without verification, or save a new checkpoint")
+                      "delete it to load the checkpoint without verification, or save a new checkpoint", CRC32)
 
 
 @dataclass(frozen=True)
@@ -214,6 +228,9 @@ class StepManifest:
     #: A step saved by several ranks (version 3): rank k's shard is ``shards[k]``; ``payload`` is then empty
     #: and ``record`` describes the commit (its ``size`` is the shards' total).
     shards: tuple[Shard, ...] | None = None
+    #: Whether the manifest as read carried its check (False: written by a taskpoint before manifests carried
+    #: one, so damage to the manifest itself cannot be told). Every manifest written now carries one.
+    checked: bool = True
 
     def to_bytes(self) -> bytes:
         version = (PAYLOAD_FORMAT_VERSION if self.tree is None and self.shards is None else
@@ -225,7 +242,7 @@ class StepManifest:
             doc["tree"] = {"chunk_size": self.tree.chunk_size, "entries": [e.to_json() for e in self.tree.entries]}
         if self.shards is not None:
             doc["shards"] = [shard.to_json() for shard in self.shards]
-        return json.dumps(doc, sort_keys=True, allow_nan=False).encode()
+        return sealed(doc)
 
     def same_save(self, other: StepManifest | None) -> bool:
         """Whether ``other`` (the step's manifest read again) is the commit of the same save as this one: not
@@ -240,7 +257,8 @@ class StepManifest:
 
     @classmethod
     def from_bytes(cls, data: bytes, uri: str) -> StepManifest:
-        def build(doc: dict[str, Any]) -> StepManifest:
+        def build(doc: dict[str, Any], checked: bool) -> StepManifest:
+            _known_fields_if_unchecked(doc, checked, _STEP_KEYS)
             attempt, metadata, record = doc.get("attempt"), doc["metadata"], _record(doc)
             if not isinstance(metadata, dict) or record is None:
                 raise TypeError("metadata is not a JSON object")
@@ -257,7 +275,7 @@ class StepManifest:
                     raise ValueError("the chunk size is not positive")
             return cls(step=int(doc["step"]), payload=str(doc["payload"]), record=record,
                        attempt=None if attempt is None else int(attempt), metadata=metadata, tree=tree,
-                       shards=shards)
+                       shards=shards, checked=checked)
 
         return _parse(data, STEP_FORMAT, uri, build, FORMAT_VERSION,
                       "delete the step, or save it again with overwrite=True")
@@ -295,29 +313,47 @@ class ShardRecord:
     def to_bytes(self) -> bytes:
         doc = {"format": SHARD_FORMAT, "version": 1, "step": self.step, "world_size": self.world_size,
                "round": self.round, "shard": self.shard.to_json()}
-        return json.dumps(doc, sort_keys=True).encode()
+        return sealed(doc)
 
     @classmethod
     def from_bytes(cls, data: bytes, uri: str) -> ShardRecord:
-        def build(doc: dict[str, Any]) -> ShardRecord:
+        def build(doc: dict[str, Any], checked: bool) -> ShardRecord:
+            _known_fields_if_unchecked(doc, checked, _SHARD_RECORD_KEYS)
             return cls(step=int(doc["step"]), world_size=int(doc["world_size"]), round=str(doc["round"]),
                        shard=Shard.from_json(doc["shard"]))
 
         return _parse(data, SHARD_FORMAT, uri, build, 1, "it is removed by gc() once older than the grace period")
 
 
-def _parse(data: bytes, fmt: str, uri: str, build: Callable[[dict[str, Any]], T], newest: int,
-           what_to_do: str) -> T:
-    """``build`` applied to the ``fmt`` document in ``data``; anything unreadable is CheckpointCorruptError."""
+def sealed(doc: dict[str, Any], digest: str = SHA256) -> bytes:
+    """``doc`` as stored: canonical JSON (sorted keys) with :data:`CHECK`, the ``digest`` of the rest of it."""
+    return json.dumps({**doc, CHECK: _check(doc, digest)}, sort_keys=True, allow_nan=False).encode()
+
+
+def _check(doc: dict[str, Any], digest: str) -> str:
+    """The ``digest`` (hex) of ``doc`` without its own check, canonically serialized."""
+    body = json.dumps({k: v for k, v in doc.items() if k != CHECK}, sort_keys=True).encode()
+    return f"{zlib.crc32(body):08x}" if digest == CRC32 else hashlib.sha256(body).hexdigest()
+
+
+def _parse(data: bytes, fmt: str, uri: str, build: Callable[[dict[str, Any], bool], T], newest: int,
+           what_to_do: str, digest: str = SHA256) -> T:
+    """``build`` applied to the ``fmt`` document in ``data`` and whether it carried its check; anything
+    unreadable, and a check that fails, is CheckpointCorruptError."""
     try:
         doc = json.loads(data)
         if not isinstance(doc, dict) or doc.get("format") != fmt:
             raise ValueError("not a taskpoint manifest")
+        checked = CHECK in doc
+        intact = not checked or doc[CHECK] == _check(doc, digest)
         if int(doc.get("version", 0)) > newest:
             raise CheckpointCorruptError(
                 f"the checkpoint record {uri} has format version {doc['version']}, newer than this "
-                f"taskpoint understands ({newest}); upgrade taskpoint to load it.")
-        return build(doc)
+                f"taskpoint understands ({newest}); upgrade taskpoint to load it"
+                f"{'' if intact else ' (or it is damaged: it fails its check)'}.")
+        if not intact:
+            raise ValueError(f"it fails its check ({digest}): a byte of it is damaged")
+        return build(doc, checked)
     except CheckpointCorruptError:
         raise
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
@@ -325,15 +361,24 @@ def _parse(data: bytes, fmt: str, uri: str, build: Callable[[dict[str, Any]], T]
 
 
 #: The fields of a checkpoint's record (format 2, and format 1); any other is damage.
-_RECORD_KEYS = frozenset({"format", "version", "objects", "confirmed", "sweep", "check"})
+_RECORD_KEYS = frozenset({"format", "version", "objects", "confirmed", "sweep", CHECK})
 _RECORD_1_KEYS = frozenset({"format", "version", "committed", "pending", "interrupted"})
 #: The fields of an entry (``check``: written by one development version of format 1, accepted).
 _ENTRY_KEYS = frozenset({f.name for f in fields(ObjectRecord)} | {"check"})
 
 
-def _check(doc: dict[str, Any]) -> str:
-    """CRC32 of a record document without its own check, canonically serialized."""
-    return f"{zlib.crc32(json.dumps(doc, sort_keys=True).encode()):08x}"
+#: Every field of a step's manifest and of a rank's record as written before they carried a check.
+_STEP_KEYS = frozenset({"format", "version", "step", "payload", "attempt", "metadata", "tree", "shards",
+                        *(f.name for f in fields(ObjectRecord))})
+_SHARD_RECORD_KEYS = frozenset({"format", "version", "step", "world_size", "round", "shard"})
+
+
+def _known_fields_if_unchecked(doc: dict[str, Any], checked: bool, known: frozenset[str]) -> None:
+    """A document without its check must be one an older taskpoint wrote: a field it never wrote is damage
+    (most likely the name ``check`` with a flipped bit). A checked document may hold newer fields."""
+    unknown = set(doc) - known
+    if not checked and unknown:
+        raise ValueError(f"it has no check and fields no taskpoint writes without one ({sorted(unknown)})")
 
 
 def _record(value: Any) -> ObjectRecord | None:

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from .. import _log
 from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointCorruptError, SaveStalledError
 from ..format.records import ChunkedTree
@@ -315,6 +316,8 @@ class Dedup:
             try:
                 manifest = self.steps.manifest(step)
             except CheckpointCorruptError:
+                _log.logger.warning("the manifest of step %d in %s is damaged: no chunk is removed until it is "
+                                    "repaired or the step deleted", step, _log.safe_uri(self.steps.directory))
                 return None
             if manifest is not None and manifest.tree is not None:
                 referenced |= manifest.tree.chunk_keys()
