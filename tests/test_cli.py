@@ -12,7 +12,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from helpers import make_tree, read_object, snapshot, wait_until, write_object
+from helpers import make_tree, object_exists, read_object, snapshot, wait_until, write_object
 from taskpoint import CheckpointManager, ctx, task
 from taskpoint.cli import main
 
@@ -423,28 +423,103 @@ def test_deduplicated_steps_push_ls_show_verify_pull_rm_gc(capsys, where, tmp_pa
     assert [p for p in fs.find(f"{path.rsplit('/chunks/', 1)[0]}/chunks")] == []
 
 
-def test_verify_of_a_deduplicated_step_overwritten_meanwhile_says_so_instead_of_damaged(tmp_path):
-    """verify read the manifest, then another writer replaced the step and a sweep removed the old chunks: the
-    missing chunk is not damage (as a restore, verify reads the manifest again and sees the new save)."""
-    from taskpoint.cli.verify import _verify_chunked_step
-    from taskpoint.errors import CheckpointCorruptError, CheckpointError
+def _step_store(url: str, options: dict):
     from taskpoint.manager.claims import Claims
     from taskpoint.manager.steps import StepStore
     from taskpoint.storage import Location
 
-    url = str(tmp_path / "steps")
-    first, second = make_tree(tmp_path / "a", big=100_000), make_tree(tmp_path / "b", big=100_001)
-    with CheckpointManager(url, dedup=True, grace_seconds=0) as mgr:
-        mgr.save(first, 1)
-        root = Location(url, {})
-        steps = StepStore(root, Claims((str(root.fs.protocol), root.path)))
+    root = Location(url, options)
+    return StepStore(root, Claims((str(root.fs.protocol), root.path)))
+
+
+def _exit_code(exc: BaseException) -> int:
+    from taskpoint.cli._app import _describe
+
+    return _describe(exc)[0]
+
+
+#: What another writer does to step 1 between verify's read of its manifest and its read of the bytes: retention
+#: deletes it (a payload step, or a deduplicated one whose chunks a sweep then removes), or it is saved again.
+MEANWHILE = ["payload-deleted-by-retention", "payload-overwritten", "dedup-deleted-by-retention-and-swept",
+             "dedup-overwritten-and-swept"]
+
+
+@pytest.mark.parametrize("meanwhile", MEANWHILE)
+def test_verify_of_a_step_deleted_or_overwritten_after_its_manifest_was_read_exits_1_not_damaged(
+        capsys, where, tmp_path, meanwhile):
+    """verify read the manifest, then another writer's retention deleted the step (manifest first, then its
+    payload or, by a sweep, its chunks) or a save replaced it: the missing bytes are not damage (exit 2) and
+    the step is not "not found" (3); as a restore does, verify reads the manifest again and says so (exit 1)."""
+    from taskpoint.cli.verify import _verify_manifest
+    from taskpoint.errors import CheckpointCorruptError, CheckpointError
+
+    base, _, options = where
+    url, dedup = f"{base}/steps", meanwhile.startswith("dedup")
+    trees = [make_tree(tmp_path / name, big=100_000 + i) for i, name in enumerate("abc")]
+    with CheckpointManager(url, storage_options=options, dedup=dedup, keep=2, grace_seconds=0,
+                           preemption=False) as writer:
+        writer.save(trees[0], 1)
+        writer.save(trees[1], 2)
+        steps = _step_store(url, options)
         read_before = steps.manifest(1)
-        mgr.save(second, 1, overwrite=True)
-        assert mgr.gc()  # the chunks only the first save named
-    with pytest.raises(CheckpointError, match="overwritten or deleted while it was verified") as caught:
-        _verify_chunked_step(steps, 1, read_before, progress=False)
-    assert not isinstance(caught.value, CheckpointCorruptError)
-    assert "step 1: healthy" in _verify_chunked_step(steps, 1, steps.manifest(1), progress=False)
+        assert read_before is not None
+        if "overwritten" in meanwhile:
+            writer.save(trees[2], 1, overwrite=True)
+        else:
+            writer.save(trees[2], 3)  # keep=2: step 1 goes
+            assert writer.steps() == [2, 3]
+        if dedup:  # the chunks only the first save named go (by the save's own sweep, or this gc)
+            writer.gc()
+            (bulk,) = [e.chunks[0] for e in read_before.tree.entries if e.path == "bulk.bin"]
+            assert not object_exists(f"{url}/chunks/{bulk[:2]}/{bulk}", options)
+    with pytest.raises(CheckpointError, match=r"step 1 .* was overwritten or deleted while it was verified") as caught:
+        _verify_manifest(steps, 1, read_before, progress=False)
+    assert not isinstance(caught.value, CheckpointCorruptError) and _exit_code(caught.value) == 1
+    if "overwritten" in meanwhile:  # the step as it is now verifies
+        assert "step 1: healthy" in _verify_manifest(steps, 1, steps.manifest(1), progress=False)
+
+
+def test_verify_of_a_step_whose_bytes_were_deleted_outside_taskpoint_is_still_damaged(where, tmp_path):
+    """The other side of the check above: the manifest read again is the same save, so a missing payload is
+    damage (exit 2)."""
+    from taskpoint.cli.verify import _verify_manifest
+    from taskpoint.errors import CheckpointCorruptError
+
+    base, _, options = where
+    url = f"{base}/steps"
+    with CheckpointManager(url, storage_options=options, preemption=False) as writer:
+        writer.save(make_tree(tmp_path / "a"), 1)
+    steps = _step_store(url, options)
+    read_before = steps.manifest(1)
+    fs, path = fsspec.core.url_to_fs(payload_url(url, 1, options), **options)
+    fs.rm(path)
+    with pytest.raises(CheckpointCorruptError, match=r"its payload payload-.* is missing") as caught:
+        _verify_manifest(steps, 1, read_before, progress=False)
+    assert _exit_code(caught.value) == 2
+
+
+def test_verify_of_a_directory_whose_step_retention_deleted_after_the_listing_exits_1(capsys, where, tmp_path):
+    """verify listed the committed steps, then another writer's retention deleted one before verify read its
+    manifest: that step is said to be gone meanwhile (exit 1, not 3 "does not exist"), the others are checked."""
+    from taskpoint.cli.verify import _verify_steps
+    from taskpoint.errors import CheckpointCorruptError, CheckpointError
+
+    base, _, options = where
+    url = f"{base}/steps"
+    with CheckpointManager(url, storage_options=options, keep=3, preemption=False) as writer:
+        for step in (1, 2, 3):
+            writer.save(b"step %d" % step, step)
+        steps = _step_store(url, options)
+        listed = sorted(n for n, folder in steps.scan().items() if folder.committed)
+        writer.save(b"step 4", 4)  # keep=3: step 1 goes
+    capsys.readouterr()
+    with pytest.raises(CheckpointError, match=r"1 of 3 step\(s\) .* overwritten or deleted while they were "
+                                              r"verified .*: 1; verify again") as caught:
+        _verify_steps(steps, listed, progress=False)
+    assert not isinstance(caught.value, CheckpointCorruptError) and _exit_code(caught.value) == 1
+    out = capsys.readouterr().out
+    assert "step 1: not checked: overwritten or deleted while it was verified" in out
+    assert "step 2: healthy" in out and "step 3: healthy" in out
 
 
 def test_sigterm_ends_a_pull_or_push_at_once_cleaning_up_and_keeping_the_previous_step(tmp_path):
@@ -478,3 +553,71 @@ def test_sigterm_ends_a_pull_or_push_at_once_cleaning_up_and_keeping_the_previou
     with CheckpointManager(steps) as mgr:
         assert mgr.steps() == [1]
         assert snapshot(mgr.restore(1, into=tmp_path / "back")) == snapshot(big)
+
+
+#: A writer that saves a new step in a loop with keep=2 (retention deletes a step at each save); it says "ready"
+#: once it has committed 3.
+_RETAINING_WRITER = """
+import json, os, sys
+from taskpoint import CheckpointManager
+url, options, dedup = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "dedup"
+src = sys.argv[4]
+with CheckpointManager(url, storage_options=options, keep=2, grace_seconds=0, dedup=dedup,
+                       preemption=False) as writer:
+    step = 0
+    while True:
+        step += 1
+        with open(os.path.join(src, "state.bin"), "wb") as f:
+            f.write(os.urandom(200_000))
+        writer.save(src, step)
+        if step == 3:
+            print("ready", flush=True)
+"""
+
+
+def _verify_beside_a_retaining_writer(capsys, where, tmp_path, *, runs: int, dedup: bool) -> None:
+    base, opts, options = where
+    url = f"{base}/steps"
+    (tmp_path / "src").mkdir()
+    writer = subprocess.Popen([sys.executable, "-c", _RETAINING_WRITER, url, json.dumps(options),
+                               "dedup" if dedup else "payload", str(tmp_path / "src")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout is not None
+        assert writer.stdout.readline() == "ready\n", writer.stderr.read() if writer.stderr else ""
+        codes: dict[int, int] = {}
+        for i in range(runs):
+            args = ["verify", url, *opts] if i % 2 else ["verify", url, "--step", str(_oldest_step(url, options)),
+                                                         *opts]
+            code, out, err = tp(capsys, *args)
+            codes[code] = codes.get(code, 0) + 1
+            # 0 healthy; 1 a step overwritten or deleted meanwhile; 3 only for --step of a step already gone
+            # before verify read its manifest (never for a step the directory's listing found).
+            assert code in (0, 1) or (code == 3 and "--step" in args and "does not exist" in err), (args, out, err)
+            if code == 1:
+                assert "overwritten or deleted while" in err and "Traceback" not in err, err
+        assert writer.poll() is None, writer.stderr.read() if writer.stderr else ""
+    finally:
+        writer.kill()
+        writer.wait(30)
+    print(f"verify beside a writer with keep=2 ({'dedup' if dedup else 'payload'}): exit codes {codes}")
+
+
+def _oldest_step(url: str, options: dict) -> int:
+    with CheckpointManager(url, storage_options=options, preemption=False) as reader:
+        steps = reader.steps()
+    return steps[0] if steps else 1
+
+
+@pytest.mark.parametrize("dedup", [False, True], ids=["payload", "dedup"])
+def test_verify_beside_a_writer_whose_retention_deletes_steps_exits_0_or_1(capsys, where, tmp_path, dedup):
+    """A real writer process saves with keep=2 in a loop while verify runs again and again (the directory,
+    and --step of the oldest step): never "does not exist" for a listed step, never damage, never a traceback."""
+    _verify_beside_a_retaining_writer(capsys, where, tmp_path, runs=40, dedup=dedup)
+
+
+@pytest.mark.slow
+@pytest.mark.campaign("400 verifies beside a retaining writer (make test: 40)")
+@pytest.mark.parametrize("dedup", [False, True], ids=["payload", "dedup"])
+def test_verify_beside_a_writer_whose_retention_deletes_steps_many_runs(capsys, where, tmp_path, dedup):
+    _verify_beside_a_retaining_writer(capsys, where, tmp_path, runs=400, dedup=dedup)
