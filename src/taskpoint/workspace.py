@@ -18,6 +18,7 @@ import time
 import zlib
 from pathlib import Path
 
+from ._signals import uninterrupted
 from .errors import CheckpointError
 from .storage import LEFTOVER_GRACE_SECONDS, normalize_uri
 
@@ -27,6 +28,35 @@ STAGING_PREFIX = ".taskpoint-staging-"
 WORKSPACE_PREFIX = "taskpoint-"
 #: A process sweeps a temp folder for dead processes' workspaces at most this often (a listing of it).
 SWEEP_INTERVAL_SECONDS = 60.0
+
+
+class Staging:
+    """``with Staging(workspace) as staging:`` a new folder in ``workspace`` where a load is staged until it is
+    verified, removed when the block ends however it ends. Made and removed :func:`uninterrupted
+    <taskpoint._signals.uninterrupted>`, so that a signal ending the load (SIGTERM in the command line, Ctrl-C)
+    never leaves it behind: not between its creation and the block, nor halfway through its removal. A class,
+    so that nothing runs between the folder's creation and the start of the block."""
+
+    def __init__(self, workspace: Path) -> None:
+        self._workspace = workspace
+        self._path: Path | None = None
+
+    def __enter__(self) -> Path:
+        try:
+            with uninterrupted():
+                self._path = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=self._workspace))
+        except BaseException:
+            self._remove()  # a signal held meanwhile ends the load here
+            raise
+        return self._path
+
+    def __exit__(self, *exc: object) -> None:
+        self._remove()
+
+    def _remove(self) -> None:
+        with uninterrupted():
+            if self._path is not None:
+                shutil.rmtree(self._path, ignore_errors=True)
 
 
 def host_tag() -> str:
