@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import fsspec
@@ -15,6 +17,7 @@ import pytest
 from helpers import make_tree, object_exists, read_object, snapshot, wait_until, write_object
 from taskpoint import CheckpointManager, ctx, task
 from taskpoint.cli import main
+from taskpoint.workspace import STAGING_PREFIX
 
 SECRET = "tp-CLI-SECRET-4b7e19d0"
 COMMANDS = ("ls", "show", "verify", "pull", "push", "rm", "gc", "run")
@@ -621,3 +624,296 @@ def test_verify_beside_a_writer_whose_retention_deletes_steps_exits_0_or_1(capsy
 @pytest.mark.parametrize("dedup", [False, True], ids=["payload", "dedup"])
 def test_verify_beside_a_writer_whose_retention_deletes_steps_many_runs(capsys, where, tmp_path, dedup):
     _verify_beside_a_retaining_writer(capsys, where, tmp_path, runs=400, dedup=dedup)
+
+
+# -- SIGTERM at any moment of a pull or a push ------------------------------------------------------------------
+
+
+def test_a_deferrable_handler_waits_for_the_end_of_the_outermost_uninterrupted_section():
+    """A real signal inside nested sections: its handler runs when the outer one ends (a raising one raises
+    there), and at once outside any section."""
+    from taskpoint import _signals
+
+    seen: list[int] = []
+
+    def note(signum: int, frame: object) -> None:
+        seen.append(signum)
+        if len(seen) == 2:
+            raise RuntimeError("the handler's own error")
+
+    previous = signal.signal(signal.SIGUSR1, _signals.deferrable(note))
+    try:
+        with _signals.uninterrupted():
+            with _signals.uninterrupted():
+                signal.raise_signal(signal.SIGUSR1)
+                assert seen == []
+            assert seen == []  # still inside the outer section
+        assert seen == [signal.SIGUSR1]
+        with pytest.raises(RuntimeError, match="the handler's own error"), _signals.uninterrupted():
+            signal.raise_signal(signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1] * 2
+        signal.raise_signal(signal.SIGUSR1)  # outside any section: at once
+        assert seen == [signal.SIGUSR1] * 3
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+#: Ended by SIGTERM: 143 from taskpoint's handler, or -SIGTERM (the signal's default action) when the signal came
+#: before main() installed the handler (interpreter start-up, imports) or after it returned (interpreter
+#: shutdown), when there is nothing to clean up; a shell reports 143 for both.
+ENDED_BY_SIGTERM = (128 + signal.SIGTERM, -signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def both_cores_busy():
+    """Two busy-loop processes for the duration of the block: a loaded machine."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait(30)
+
+
+def _terminated_when(args: list[str], env: dict[str, str], when) -> tuple[int, str]:
+    """Run ``taskpoint ARGS``; send SIGTERM once ``when(seconds since the start)`` is true (polled every 0.2 ms),
+    unless the command ended first. Its exit code and stderr."""
+    proc = subprocess.Popen([sys.executable, "-m", "taskpoint", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    start = time.monotonic()
+    while proc.poll() is None and not when(time.monotonic() - start):
+        time.sleep(0.0002)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+class _Trials:
+    """SIGTERM trials against real `taskpoint pull` and `push` processes on one store, each checked at once:
+    exit 143 (or 0 when the command ended first), no staging folder in DEST and either nothing or the whole
+    result there; for a push, nothing committed and no half upload (a temp file, an unfinished multipart upload),
+    or the whole step; and the previous step intact. ``rows`` keeps what each trial saw (for the report)."""
+
+    def __init__(self, tmp_path: Path, base: str, options: dict, size: int) -> None:
+        self.tmp, self.options = tmp_path, options
+        self.env = {**os.environ, "TASKPOINT_STORAGE_OPTIONS": json.dumps(options)}
+        self.src = tmp_path / "big"
+        self.src.mkdir()
+        for i in range(3):
+            (self.src / f"w{i}.bin").write_bytes(os.urandom(size // 3))
+        self.steps = f"{base}/steps"
+        with CheckpointManager(self.steps, codec="none", storage_options=options, preemption=False) as mgr:
+            mgr.save(self.src, 1)
+        self.want = snapshot(self.src)
+        self.rows: list[tuple[str, str, int, str]] = []
+        self._count = 0
+
+    def duration(self, command: str) -> float:
+        """How long one whole run takes here (to spread the moments over it); asserts it succeeds."""
+        start = time.monotonic()
+        code, err = self._run(command, lambda elapsed: False)
+        assert code == 0, err
+        return time.monotonic() - start
+
+    def at_delays(self, command: str, count: int) -> None:
+        """``count`` moments from the first milliseconds to past the end of an undisturbed run."""
+        end = 1.2 * self.duration(command)
+        delays = [0.0, 0.001, 0.01] + [0.03 + k * (end - 0.03) / (count - 4) for k in range(count - 3)]
+        for delay in delays:
+            self._run(command, lambda elapsed, delay=delay: elapsed >= delay, f"{delay:.3f} s")
+
+    def pull_when_staging_appears(self) -> None:
+        """The moment of issue 21: DEST's staging folder was just made."""
+        self._run("pull", lambda elapsed: self._dest_entries(), "staging folder made")
+
+    def pull_while_publishing(self) -> None:
+        """The first entry has landed in DEST, maybe not the others."""
+        self._run("pull", lambda elapsed: any(not n.startswith(STAGING_PREFIX) for n in self._dest_entries()),
+                  "publishing")
+
+    def push_when_the_step_folder_fills(self) -> None:
+        """Local disk: the payload's temp file was just made."""
+        def writing(elapsed: float) -> bool:
+            folder = Path(f"{self.steps}/ckpt-{100 + self._count}")
+            return folder.is_dir() and any(folder.iterdir())
+
+        self._run("push", writing, "writing the payload")
+
+    def _dest_entries(self) -> list[str]:
+        dest = self.tmp / f"dest{self._count}"
+        return sorted(p.name for p in dest.iterdir()) if dest.is_dir() else []
+
+    def _run(self, command: str, when, moment: str = "never") -> tuple[int, str]:
+        self._count += 1
+        n = self._count
+        if command == "pull":
+            args = ["pull", self.steps, str(self.tmp / f"dest{n}"), "--step", "1"]
+        else:
+            args = ["push", str(self.src), self.steps, "--step", str(100 + n), "--codec", "none"]
+        code, err = _terminated_when(args, self.env, when)
+        assert code == 0 or code in ENDED_BY_SIGTERM, (command, moment, code, err)
+        assert "Traceback" not in err, err
+        outcome = self._check_pull(n, code) if command == "pull" else self._check_push(100 + n, code)
+        self.rows.append((command, moment, code, outcome))
+        return code, err
+
+    def _check_pull(self, n: int, code: int) -> str:
+        entries = self._dest_entries()
+        assert not [e for e in entries if e.startswith(STAGING_PREFIX)], entries  # no staging folder, ever
+        if entries:
+            assert snapshot(self.tmp / f"dest{n}") == self.want, entries  # never a partial result
+        assert entries or code != 0
+        return "whole" if entries else "nothing"
+
+    def _check_push(self, step: int, code: int) -> str:
+        with CheckpointManager(self.steps, storage_options=self.options, preemption=False) as mgr:
+            listed = mgr.steps()
+            assert 1 in listed
+            if step in listed:
+                assert snapshot(mgr.restore(step, into=self.tmp / f"back{step}")) == self.want
+                return "committed"
+        assert code != 0
+        left = [p for p in fsspec_find(f"{self.steps}/ckpt-{step}", self.options) if p.endswith(".tmp")]
+        assert left == [], left  # no half-written temp file
+        from taskpoint.storage import Location
+
+        uploads = Location(f"{self.steps}/ckpt-{step}", self.options).unfinished_uploads()
+        assert uploads == [], uploads  # no upload left open (S3)
+        return "nothing"
+
+    def check_the_previous_step(self) -> None:
+        with CheckpointManager(self.steps, storage_options=self.options, preemption=False) as mgr:
+            assert snapshot(mgr.restore(1, into=self.tmp / "back1")) == self.want
+
+    def report(self, title: str) -> None:
+        print(f"\n{title}: command, moment, exit code, what was left")
+        for row in self.rows:
+            print("  ", *row)
+
+
+def fsspec_find(url: str, options: dict) -> list[str]:
+    fs, path = fsspec.core.url_to_fs(url, **options)
+    fs.invalidate_cache()
+    try:
+        return list(fs.find(path))
+    except FileNotFoundError:
+        return []
+
+
+class _SigtermAt:
+    """Sends this process a real SIGTERM as a pull is about to do something (an audit event, ``sys.addaudithook``;
+    the handler runs at once, inside the hook, so the operation itself does not happen): make its staging folder
+    in DEST (``os.mkdir``), move the *second* entry of the verified result into DEST (``os.rename``, which
+    ``os.replace`` raises: the first is in DEST already), or remove the staging folder (``shutil.rmtree``). Once
+    per arming; an audit hook stays for the process's life, so it is disarmed after."""
+
+    installed: _SigtermAt | None = None
+
+    def __init__(self) -> None:
+        self.event: str | None = None
+        self.dest: Path | None = None
+        self.skip = 0
+        self.fired = False
+        sys.addaudithook(self._hook)
+
+    @classmethod
+    def get(cls) -> _SigtermAt:
+        if cls.installed is None:
+            cls.installed = cls()
+        return cls.installed
+
+    def arm(self, event: str, dest: Path, skip: int = 0) -> None:
+        self.event, self.dest, self.skip, self.fired = event, dest, skip, False
+
+    def disarm(self) -> None:
+        self.event = None
+
+    def _hook(self, event: str, args: tuple) -> None:
+        if self.fired or event != self.event or self.dest is None:
+            return
+        path = Path(os.fsdecode(args[0])) if args and isinstance(args[0], (str, bytes, os.PathLike)) else None
+        if path is None:
+            return
+        staging = path.name.startswith(STAGING_PREFIX) and path.parent == self.dest
+        publishing = event == "os.rename" and path.parent.name.startswith(STAGING_PREFIX) and \
+            path.parent.parent == self.dest
+        if staging or publishing:
+            if self.skip:
+                self.skip -= 1
+                return
+            self.fired = True
+            self.event = None
+            signal.raise_signal(signal.SIGTERM)
+
+
+#: (audit event, matching events to let pass first) of each moment.
+_MOMENTS = {"making-staging": ("os.mkdir", 0), "publishing": ("os.rename", 1), "removing-staging": ("shutil.rmtree", 0)}
+
+
+@pytest.mark.parametrize("moment", list(_MOMENTS))
+@pytest.mark.parametrize("kind", ["payload-step", "dedup-step", "checkpoint"])
+def test_a_sigterm_the_moment_a_pull_reaches_each_step_of_its_staging_leaves_nothing_half_done(
+        capsys, tmp_path, kind, moment):
+    """Interleavings of issue 21 built on purpose with a real signal: the pull (in this process, as the command
+    line runs it) gets SIGTERM as it is about to make its staging folder in DEST, to move the second entry of the
+    verified result into DEST (the first is there), or to remove its staging folder. It exits 143, leaves no
+    staging folder, and DEST holds nothing or the whole result, never a part."""
+    model = make_tree(tmp_path / "model", big=200_000)
+    steps, uri = tmp_path / "steps", tmp_path / "ckpt"
+    if kind == "checkpoint":
+        assert tp(capsys, "push", model, uri)[0] == 0
+        args = ["pull", uri]
+    else:
+        assert tp(capsys, "push", model, steps, "--step", 1, *(["--dedup"] if kind == "dedup-step" else []))[0] == 0
+        args = ["pull", steps]
+    dest = tmp_path / "dest"
+    trap = _SigtermAt.get()
+    trap.arm(*_MOMENTS[moment][:1], dest, _MOMENTS[moment][1])
+    try:
+        code, out, err = tp(capsys, *args, dest, *([] if kind == "checkpoint" else ["--step", "1"]))
+    finally:
+        trap.disarm()
+    assert trap.fired, "the pull never reached that moment"
+    assert code == 143 and "terminated (SIGTERM)" in err, (code, out, err)
+    entries = sorted(p.name for p in dest.iterdir()) if dest.exists() else []
+    assert not [e for e in entries if e.startswith(STAGING_PREFIX)], entries
+    if entries:
+        assert snapshot(dest) == snapshot(model), entries
+    assert bool(entries) == (moment != "making-staging")  # once verified and moving in, all of it lands
+
+
+def test_sigterm_at_many_moments_of_pull_and_push_on_a_loaded_machine_leaves_nothing_half_done(tmp_path):
+    """Real SIGTERMs at moments spread over whole pulls and pushes (from the first milliseconds to past the end),
+    the moment DEST's staging folder is made, during the publish and while the payload is written, with both
+    cores busy: never a staging folder or a partial result, never a half upload, the previous step intact."""
+    trials = _Trials(tmp_path, str(tmp_path / "store"), {}, size=48 << 20)
+    with both_cores_busy():
+        for command in ("pull", "push"):
+            trials.at_delays(command, 7)
+        for _ in range(3):
+            trials.pull_when_staging_appears()
+        trials.pull_while_publishing()
+        trials.push_when_the_step_folder_fills()
+    trials.check_the_previous_step()
+    trials.report("SIGTERM trials, local disk, both cores busy")
+    assert any(code in ENDED_BY_SIGTERM for _, _, code, _ in trials.rows)
+
+
+@pytest.mark.slow
+@pytest.mark.campaign("20 moments per command, idle and loaded, local and S3, 30 at the staging folder's creation")
+@pytest.mark.parametrize("loaded", [False, True], ids=["idle", "loaded"])
+def test_sigterm_at_many_moments_of_pull_and_push_many_trials(where, tmp_path, loaded):
+    base, _, options = where
+    trials = _Trials(tmp_path, base, options, size=96 << 20)
+    with both_cores_busy() if loaded else contextlib.nullcontext():
+        for command in ("pull", "push"):
+            trials.at_delays(command, 20)
+        if not options:  # local disk: the moments seen in its folders
+            for _ in range(30):
+                trials.pull_when_staging_appears()
+            for _ in range(5):
+                trials.pull_while_publishing()
+                trials.push_when_the_step_folder_fills()
+    trials.check_the_previous_step()
+    trials.report(f"SIGTERM trials, {'S3' if options else 'local disk'}, {'both cores busy' if loaded else 'idle'}")

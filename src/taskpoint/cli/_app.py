@@ -29,6 +29,7 @@ from .. import __version__, _signals
 from .._log import logger
 from ..errors import CheckpointCorruptError, CheckpointError, StorageError
 from ..runtime import layout
+from ..workspace import Staging
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -155,7 +156,10 @@ def _command(fn: F) -> F:
         state = _state()
         name = click.get_current_context().info_name
         try:
-            return int(fn(*args, **kwargs) or OK)
+            try:
+                return int(fn(*args, **kwargs) or OK)
+            finally:
+                Staging.remove_all()  # what a signal kept from its removal (a pull's staging folder)
         except _Terminated:
             click.echo(f"taskpoint {name}: terminated (SIGTERM); nothing half-written is left visible", err=True)
             return TERMINATED
