@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import fsspec
 import pytest
 
-from helpers import make_tree, read_object, snapshot, wait_until, write_object
+from helpers import make_tree, object_exists, read_object, snapshot, wait_until, write_object
 from taskpoint import CheckpointManager, ctx, task
 from taskpoint.cli import main
+from taskpoint.workspace import STAGING_PREFIX
 
 SECRET = "tp-CLI-SECRET-4b7e19d0"
 COMMANDS = ("ls", "show", "verify", "pull", "push", "rm", "gc", "run")
@@ -423,28 +426,103 @@ def test_deduplicated_steps_push_ls_show_verify_pull_rm_gc(capsys, where, tmp_pa
     assert [p for p in fs.find(f"{path.rsplit('/chunks/', 1)[0]}/chunks")] == []
 
 
-def test_verify_of_a_deduplicated_step_overwritten_meanwhile_says_so_instead_of_damaged(tmp_path):
-    """verify read the manifest, then another writer replaced the step and a sweep removed the old chunks: the
-    missing chunk is not damage (as a restore, verify reads the manifest again and sees the new save)."""
-    from taskpoint.cli.verify import _verify_chunked_step
-    from taskpoint.errors import CheckpointCorruptError, CheckpointError
+def _step_store(url: str, options: dict):
     from taskpoint.manager.claims import Claims
     from taskpoint.manager.steps import StepStore
     from taskpoint.storage import Location
 
-    url = str(tmp_path / "steps")
-    first, second = make_tree(tmp_path / "a", big=100_000), make_tree(tmp_path / "b", big=100_001)
-    with CheckpointManager(url, dedup=True, grace_seconds=0) as mgr:
-        mgr.save(first, 1)
-        root = Location(url, {})
-        steps = StepStore(root, Claims((str(root.fs.protocol), root.path)))
+    root = Location(url, options)
+    return StepStore(root, Claims((str(root.fs.protocol), root.path)))
+
+
+def _exit_code(exc: BaseException) -> int:
+    from taskpoint.cli._app import _describe
+
+    return _describe(exc)[0]
+
+
+#: What another writer does to step 1 between verify's read of its manifest and its read of the bytes: retention
+#: deletes it (a payload step, or a deduplicated one whose chunks a sweep then removes), or it is saved again.
+MEANWHILE = ["payload-deleted-by-retention", "payload-overwritten", "dedup-deleted-by-retention-and-swept",
+             "dedup-overwritten-and-swept"]
+
+
+@pytest.mark.parametrize("meanwhile", MEANWHILE)
+def test_verify_of_a_step_deleted_or_overwritten_after_its_manifest_was_read_exits_1_not_damaged(
+        capsys, where, tmp_path, meanwhile):
+    """verify read the manifest, then another writer's retention deleted the step (manifest first, then its
+    payload or, by a sweep, its chunks) or a save replaced it: the missing bytes are not damage (exit 2) and
+    the step is not "not found" (3); as a restore does, verify reads the manifest again and says so (exit 1)."""
+    from taskpoint.cli.verify import _verify_manifest
+    from taskpoint.errors import CheckpointCorruptError, CheckpointError
+
+    base, _, options = where
+    url, dedup = f"{base}/steps", meanwhile.startswith("dedup")
+    trees = [make_tree(tmp_path / name, big=100_000 + i) for i, name in enumerate("abc")]
+    with CheckpointManager(url, storage_options=options, dedup=dedup, keep=2, grace_seconds=0,
+                           preemption=False) as writer:
+        writer.save(trees[0], 1)
+        writer.save(trees[1], 2)
+        steps = _step_store(url, options)
         read_before = steps.manifest(1)
-        mgr.save(second, 1, overwrite=True)
-        assert mgr.gc()  # the chunks only the first save named
-    with pytest.raises(CheckpointError, match="overwritten or deleted while it was verified") as caught:
-        _verify_chunked_step(steps, 1, read_before, progress=False)
-    assert not isinstance(caught.value, CheckpointCorruptError)
-    assert "step 1: healthy" in _verify_chunked_step(steps, 1, steps.manifest(1), progress=False)
+        assert read_before is not None
+        if "overwritten" in meanwhile:
+            writer.save(trees[2], 1, overwrite=True)
+        else:
+            writer.save(trees[2], 3)  # keep=2: step 1 goes
+            assert writer.steps() == [2, 3]
+        if dedup:  # the chunks only the first save named go (by the save's own sweep, or this gc)
+            writer.gc()
+            (bulk,) = [e.chunks[0] for e in read_before.tree.entries if e.path == "bulk.bin"]
+            assert not object_exists(f"{url}/chunks/{bulk[:2]}/{bulk}", options)
+    with pytest.raises(CheckpointError, match=r"step 1 .* was overwritten or deleted while it was verified") as caught:
+        _verify_manifest(steps, 1, read_before, progress=False)
+    assert not isinstance(caught.value, CheckpointCorruptError) and _exit_code(caught.value) == 1
+    if "overwritten" in meanwhile:  # the step as it is now verifies
+        assert "step 1: healthy" in _verify_manifest(steps, 1, steps.manifest(1), progress=False)
+
+
+def test_verify_of_a_step_whose_bytes_were_deleted_outside_taskpoint_is_still_damaged(where, tmp_path):
+    """The other side of the check above: the manifest read again is the same save, so a missing payload is
+    damage (exit 2)."""
+    from taskpoint.cli.verify import _verify_manifest
+    from taskpoint.errors import CheckpointCorruptError
+
+    base, _, options = where
+    url = f"{base}/steps"
+    with CheckpointManager(url, storage_options=options, preemption=False) as writer:
+        writer.save(make_tree(tmp_path / "a"), 1)
+    steps = _step_store(url, options)
+    read_before = steps.manifest(1)
+    fs, path = fsspec.core.url_to_fs(payload_url(url, 1, options), **options)
+    fs.rm(path)
+    with pytest.raises(CheckpointCorruptError, match=r"its payload payload-.* is missing") as caught:
+        _verify_manifest(steps, 1, read_before, progress=False)
+    assert _exit_code(caught.value) == 2
+
+
+def test_verify_of_a_directory_whose_step_retention_deleted_after_the_listing_exits_1(capsys, where, tmp_path):
+    """verify listed the committed steps, then another writer's retention deleted one before verify read its
+    manifest: that step is said to be gone meanwhile (exit 1, not 3 "does not exist"), the others are checked."""
+    from taskpoint.cli.verify import _verify_steps
+    from taskpoint.errors import CheckpointCorruptError, CheckpointError
+
+    base, _, options = where
+    url = f"{base}/steps"
+    with CheckpointManager(url, storage_options=options, keep=3, preemption=False) as writer:
+        for step in (1, 2, 3):
+            writer.save(b"step %d" % step, step)
+        steps = _step_store(url, options)
+        listed = sorted(n for n, folder in steps.scan().items() if folder.committed)
+        writer.save(b"step 4", 4)  # keep=3: step 1 goes
+    capsys.readouterr()
+    with pytest.raises(CheckpointError, match=r"1 of 3 step\(s\) .* overwritten or deleted while they were "
+                                              r"verified .*: 1; verify again") as caught:
+        _verify_steps(steps, listed, progress=False)
+    assert not isinstance(caught.value, CheckpointCorruptError) and _exit_code(caught.value) == 1
+    out = capsys.readouterr().out
+    assert "step 1: not checked: overwritten or deleted while it was verified" in out
+    assert "step 2: healthy" in out and "step 3: healthy" in out
 
 
 def test_sigterm_ends_a_pull_or_push_at_once_cleaning_up_and_keeping_the_previous_step(tmp_path):
@@ -478,3 +556,364 @@ def test_sigterm_ends_a_pull_or_push_at_once_cleaning_up_and_keeping_the_previou
     with CheckpointManager(steps) as mgr:
         assert mgr.steps() == [1]
         assert snapshot(mgr.restore(1, into=tmp_path / "back")) == snapshot(big)
+
+
+#: A writer that saves a new step in a loop with keep=2 (retention deletes a step at each save); it says "ready"
+#: once it has committed 3.
+_RETAINING_WRITER = """
+import json, os, sys
+from taskpoint import CheckpointManager
+url, options, dedup = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "dedup"
+src = sys.argv[4]
+with CheckpointManager(url, storage_options=options, keep=2, grace_seconds=0, dedup=dedup,
+                       preemption=False) as writer:
+    step = 0
+    while True:
+        step += 1
+        with open(os.path.join(src, "state.bin"), "wb") as f:
+            f.write(os.urandom(200_000))
+        writer.save(src, step)
+        if step == 3:
+            print("ready", flush=True)
+"""
+
+
+def _verify_beside_a_retaining_writer(capsys, where, tmp_path, *, runs: int, dedup: bool) -> None:
+    base, opts, options = where
+    url = f"{base}/steps"
+    (tmp_path / "src").mkdir()
+    writer = subprocess.Popen([sys.executable, "-c", _RETAINING_WRITER, url, json.dumps(options),
+                               "dedup" if dedup else "payload", str(tmp_path / "src")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout is not None
+        assert writer.stdout.readline() == "ready\n", writer.stderr.read() if writer.stderr else ""
+        codes: dict[int, int] = {}
+        for i in range(runs):
+            args = ["verify", url, *opts] if i % 2 else ["verify", url, "--step", str(_oldest_step(url, options)),
+                                                         *opts]
+            code, out, err = tp(capsys, *args)
+            codes[code] = codes.get(code, 0) + 1
+            # 0 healthy; 1 a step overwritten or deleted meanwhile; 3 only for --step of a step already gone
+            # before verify read its manifest (never for a step the directory's listing found).
+            assert code in (0, 1) or (code == 3 and "--step" in args and "does not exist" in err), (args, out, err)
+            if code == 1:
+                assert "overwritten or deleted while" in err and "Traceback" not in err, err
+        assert writer.poll() is None, writer.stderr.read() if writer.stderr else ""
+    finally:
+        writer.kill()
+        writer.wait(30)
+    print(f"verify beside a writer with keep=2 ({'dedup' if dedup else 'payload'}): exit codes {codes}")
+
+
+def _oldest_step(url: str, options: dict) -> int:
+    with CheckpointManager(url, storage_options=options, preemption=False) as reader:
+        steps = reader.steps()
+    return steps[0] if steps else 1
+
+
+@pytest.mark.parametrize("dedup", [False, True], ids=["payload", "dedup"])
+def test_verify_beside_a_writer_whose_retention_deletes_steps_exits_0_or_1(capsys, where, tmp_path, dedup):
+    """A real writer process saves with keep=2 in a loop while verify runs again and again (the directory,
+    and --step of the oldest step): never "does not exist" for a listed step, never damage, never a traceback."""
+    _verify_beside_a_retaining_writer(capsys, where, tmp_path, runs=40, dedup=dedup)
+
+
+@pytest.mark.slow
+@pytest.mark.campaign("400 verifies beside a retaining writer (make test: 40)")
+@pytest.mark.parametrize("dedup", [False, True], ids=["payload", "dedup"])
+def test_verify_beside_a_writer_whose_retention_deletes_steps_many_runs(capsys, where, tmp_path, dedup):
+    _verify_beside_a_retaining_writer(capsys, where, tmp_path, runs=400, dedup=dedup)
+
+
+# -- SIGTERM at any moment of a pull or a push ------------------------------------------------------------------
+
+
+def test_a_deferrable_handler_waits_for_the_end_of_the_outermost_uninterrupted_section():
+    """A real signal inside nested sections: its handler runs when the outer one ends (a raising one raises
+    there), and at once outside any section."""
+    from taskpoint import _signals
+
+    seen: list[int] = []
+
+    def note(signum: int, frame: object) -> None:
+        seen.append(signum)
+        if len(seen) == 2:
+            raise RuntimeError("the handler's own error")
+
+    previous = signal.signal(signal.SIGUSR1, _signals.deferrable(note))
+    try:
+        with _signals.uninterrupted():
+            with _signals.uninterrupted():
+                signal.raise_signal(signal.SIGUSR1)
+                assert seen == []
+            assert seen == []  # still inside the outer section
+        assert seen == [signal.SIGUSR1]
+        with pytest.raises(RuntimeError, match="the handler's own error"), _signals.uninterrupted():
+            signal.raise_signal(signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1] * 2
+        signal.raise_signal(signal.SIGUSR1)  # outside any section: at once
+        assert seen == [signal.SIGUSR1] * 3
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+#: Ended by SIGTERM: 143 from taskpoint's handler, or -SIGTERM (the signal's default action) when the signal came
+#: before main() installed the handler (interpreter start-up, imports) or after it returned (interpreter
+#: shutdown), when there is nothing to clean up; a shell reports 143 for both.
+ENDED_BY_SIGTERM = (128 + signal.SIGTERM, -signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def both_cores_busy():
+    """Two busy-loop processes for the duration of the block: a loaded machine."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait(30)
+
+
+def _terminated_when(args: list[str], env: dict[str, str], when) -> tuple[int, str]:
+    """Run ``taskpoint ARGS``; send SIGTERM once ``when(seconds since the start)`` is true (polled every 0.2 ms),
+    unless the command ended first. Its exit code and stderr."""
+    proc = subprocess.Popen([sys.executable, "-m", "taskpoint", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    start = time.monotonic()
+    while proc.poll() is None and not when(time.monotonic() - start):
+        time.sleep(0.0002)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+class _Trials:
+    """SIGTERM trials against real `taskpoint pull` and `push` processes on one store, each checked at once:
+    exit 143 (or 0 when the command ended first), no staging folder in DEST and either nothing or the whole
+    result there; for a push, nothing committed and no half upload (a temp file, an unfinished multipart upload),
+    or the whole step; and the previous step intact. ``rows`` keeps what each trial saw (for the report)."""
+
+    def __init__(self, tmp_path: Path, base: str, options: dict, size: int) -> None:
+        self.tmp, self.options = tmp_path, options
+        self.env = {**os.environ, "TASKPOINT_STORAGE_OPTIONS": json.dumps(options)}
+        self.src = tmp_path / "big"
+        self.src.mkdir()
+        for i in range(3):
+            (self.src / f"w{i}.bin").write_bytes(os.urandom(size // 3))
+        self.steps = f"{base}/steps"
+        with CheckpointManager(self.steps, codec="none", storage_options=options, preemption=False) as mgr:
+            mgr.save(self.src, 1)
+        self.want = snapshot(self.src)
+        self.rows: list[tuple[str, str, int, str]] = []
+        self._count = 0
+
+    def duration(self, command: str) -> float:
+        """How long one whole run takes here (to spread the moments over it); asserts it succeeds."""
+        start = time.monotonic()
+        code, err = self._run(command, lambda elapsed: False)
+        assert code == 0, err
+        return time.monotonic() - start
+
+    def at_delays(self, command: str, count: int) -> None:
+        """``count`` moments from the first milliseconds to past the end of an undisturbed run."""
+        end = 1.2 * self.duration(command)
+        delays = [0.0, 0.001, 0.01] + [0.03 + k * (end - 0.03) / (count - 4) for k in range(count - 3)]
+        for delay in delays:
+            self._run(command, lambda elapsed, delay=delay: elapsed >= delay, f"{delay:.3f} s")
+
+    def pull_when_staging_appears(self) -> None:
+        """The moment of issue 21: DEST's staging folder was just made."""
+        self._run("pull", lambda elapsed: self._dest_entries(), "staging folder made")
+
+    def pull_while_publishing(self) -> None:
+        """The first entry has landed in DEST, maybe not the others."""
+        self._run("pull", lambda elapsed: any(not n.startswith(STAGING_PREFIX) for n in self._dest_entries()),
+                  "publishing")
+
+    def push_when_the_step_folder_fills(self) -> None:
+        """Local disk: the payload's temp file was just made."""
+        def writing(elapsed: float) -> bool:
+            folder = Path(f"{self.steps}/ckpt-{100 + self._count}")
+            return folder.is_dir() and any(folder.iterdir())
+
+        self._run("push", writing, "writing the payload")
+
+    def _dest_entries(self) -> list[str]:
+        dest = self.tmp / f"dest{self._count}"
+        return sorted(p.name for p in dest.iterdir()) if dest.is_dir() else []
+
+    def _run(self, command: str, when, moment: str = "never") -> tuple[int, str]:
+        self._count += 1
+        n = self._count
+        if command == "pull":
+            args = ["pull", self.steps, str(self.tmp / f"dest{n}"), "--step", "1"]
+        else:
+            args = ["push", str(self.src), self.steps, "--step", str(100 + n), "--codec", "none"]
+        code, err = _terminated_when(args, self.env, when)
+        assert code == 0 or code in ENDED_BY_SIGTERM, (command, moment, code, err)
+        assert "Traceback" not in err, err
+        outcome = self._check_pull(n, code) if command == "pull" else self._check_push(100 + n, code)
+        self.rows.append((command, moment, code, outcome))
+        return code, err
+
+    def _check_pull(self, n: int, code: int) -> str:
+        entries = self._dest_entries()
+        assert not [e for e in entries if e.startswith(STAGING_PREFIX)], entries  # no staging folder, ever
+        if entries:
+            assert snapshot(self.tmp / f"dest{n}") == self.want, entries  # never a partial result
+        assert entries or code != 0
+        return "whole" if entries else "nothing"
+
+    def _check_push(self, step: int, code: int) -> str:
+        with CheckpointManager(self.steps, storage_options=self.options, preemption=False) as mgr:
+            listed = mgr.steps()
+            assert 1 in listed
+            if step in listed:
+                assert snapshot(mgr.restore(step, into=self.tmp / f"back{step}")) == self.want
+                return "committed"
+        assert code != 0
+        left = [p for p in fsspec_find(f"{self.steps}/ckpt-{step}", self.options) if p.endswith(".tmp")]
+        assert left == [], left  # no half-written temp file
+        from taskpoint.storage import Location
+
+        uploads = Location(f"{self.steps}/ckpt-{step}", self.options).unfinished_uploads()
+        assert uploads == [], uploads  # no upload left open (S3)
+        return "nothing"
+
+    def check_the_previous_step(self) -> None:
+        with CheckpointManager(self.steps, storage_options=self.options, preemption=False) as mgr:
+            assert snapshot(mgr.restore(1, into=self.tmp / "back1")) == self.want
+
+    def report(self, title: str) -> None:
+        print(f"\n{title}: command, moment, exit code, what was left")
+        for row in self.rows:
+            print("  ", *row)
+
+
+def fsspec_find(url: str, options: dict) -> list[str]:
+    fs, path = fsspec.core.url_to_fs(url, **options)
+    fs.invalidate_cache()
+    try:
+        return list(fs.find(path))
+    except FileNotFoundError:
+        return []
+
+
+class _SigtermAt:
+    """Sends this process a real SIGTERM as a pull is about to do something (an audit event, ``sys.addaudithook``;
+    the handler runs at once, inside the hook, so the operation itself does not happen): make its staging folder
+    in DEST (``os.mkdir``), move the *second* entry of the verified result into DEST (``os.rename``, which
+    ``os.replace`` raises: the first is in DEST already), or remove the staging folder (``shutil.rmtree``). Once
+    per arming; an audit hook stays for the process's life, so it is disarmed after."""
+
+    installed: _SigtermAt | None = None
+
+    def __init__(self) -> None:
+        self.event: str | None = None
+        self.dest: Path | None = None
+        self.skip = 0
+        self.fired = False
+        sys.addaudithook(self._hook)
+
+    @classmethod
+    def get(cls) -> _SigtermAt:
+        if cls.installed is None:
+            cls.installed = cls()
+        return cls.installed
+
+    def arm(self, event: str, dest: Path, skip: int = 0) -> None:
+        self.event, self.dest, self.skip, self.fired = event, dest, skip, False
+
+    def disarm(self) -> None:
+        self.event = None
+
+    def _hook(self, event: str, args: tuple) -> None:
+        if self.fired or event != self.event or self.dest is None:
+            return
+        path = Path(os.fsdecode(args[0])) if args and isinstance(args[0], (str, bytes, os.PathLike)) else None
+        if path is None:
+            return
+        staging = path.name.startswith(STAGING_PREFIX) and path.parent == self.dest
+        publishing = event == "os.rename" and path.parent.name.startswith(STAGING_PREFIX) and \
+            path.parent.parent == self.dest
+        if staging or publishing:
+            if self.skip:
+                self.skip -= 1
+                return
+            self.fired = True
+            self.event = None
+            signal.raise_signal(signal.SIGTERM)
+
+
+#: (audit event, matching events to let pass first) of each moment.
+_MOMENTS = {"making-staging": ("os.mkdir", 0), "publishing": ("os.rename", 1), "removing-staging": ("shutil.rmtree", 0)}
+
+
+@pytest.mark.parametrize("moment", list(_MOMENTS))
+@pytest.mark.parametrize("kind", ["payload-step", "dedup-step", "checkpoint"])
+def test_a_sigterm_the_moment_a_pull_reaches_each_step_of_its_staging_leaves_nothing_half_done(
+        capsys, tmp_path, kind, moment):
+    """Interleavings of issue 21 built on purpose with a real signal: the pull (in this process, as the command
+    line runs it) gets SIGTERM as it is about to make its staging folder in DEST, to move the second entry of the
+    verified result into DEST (the first is there), or to remove its staging folder. It exits 143, leaves no
+    staging folder, and DEST holds nothing or the whole result, never a part."""
+    model = make_tree(tmp_path / "model", big=200_000)
+    steps, uri = tmp_path / "steps", tmp_path / "ckpt"
+    if kind == "checkpoint":
+        assert tp(capsys, "push", model, uri)[0] == 0
+        args = ["pull", uri]
+    else:
+        assert tp(capsys, "push", model, steps, "--step", 1, *(["--dedup"] if kind == "dedup-step" else []))[0] == 0
+        args = ["pull", steps]
+    dest = tmp_path / "dest"
+    trap = _SigtermAt.get()
+    trap.arm(*_MOMENTS[moment][:1], dest, _MOMENTS[moment][1])
+    try:
+        code, out, err = tp(capsys, *args, dest, *([] if kind == "checkpoint" else ["--step", "1"]))
+    finally:
+        trap.disarm()
+    assert trap.fired, "the pull never reached that moment"
+    assert code == 143 and "terminated (SIGTERM)" in err, (code, out, err)
+    entries = sorted(p.name for p in dest.iterdir()) if dest.exists() else []
+    assert not [e for e in entries if e.startswith(STAGING_PREFIX)], entries
+    if entries:
+        assert snapshot(dest) == snapshot(model), entries
+    assert bool(entries) == (moment != "making-staging")  # once verified and moving in, all of it lands
+
+
+def test_sigterm_at_many_moments_of_pull_and_push_on_a_loaded_machine_leaves_nothing_half_done(tmp_path):
+    """Real SIGTERMs at moments spread over whole pulls and pushes (from the first milliseconds to past the end),
+    the moment DEST's staging folder is made, during the publish and while the payload is written, with both
+    cores busy: never a staging folder or a partial result, never a half upload, the previous step intact."""
+    trials = _Trials(tmp_path, str(tmp_path / "store"), {}, size=48 << 20)
+    with both_cores_busy():
+        for command in ("pull", "push"):
+            trials.at_delays(command, 7)
+        for _ in range(3):
+            trials.pull_when_staging_appears()
+        trials.pull_while_publishing()
+        trials.push_when_the_step_folder_fills()
+    trials.check_the_previous_step()
+    trials.report("SIGTERM trials, local disk, both cores busy")
+    assert any(code in ENDED_BY_SIGTERM for _, _, code, _ in trials.rows)
+
+
+@pytest.mark.slow
+@pytest.mark.campaign("20 moments per command, idle and loaded, local and S3, 30 at the staging folder's creation")
+@pytest.mark.parametrize("loaded", [False, True], ids=["idle", "loaded"])
+def test_sigterm_at_many_moments_of_pull_and_push_many_trials(where, tmp_path, loaded):
+    base, _, options = where
+    trials = _Trials(tmp_path, base, options, size=96 << 20)
+    with both_cores_busy() if loaded else contextlib.nullcontext():
+        for command in ("pull", "push"):
+            trials.at_delays(command, 20)
+        if not options:  # local disk: the moments seen in its folders
+            for _ in range(30):
+                trials.pull_when_staging_appears()
+            for _ in range(5):
+                trials.pull_while_publishing()
+                trials.push_when_the_step_folder_fills()
+    trials.check_the_previous_step()
+    trials.report(f"SIGTERM trials, {'S3' if options else 'local disk'}, {'both cores busy' if loaded else 'idle'}")

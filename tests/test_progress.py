@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import itertools
 import json
 import os
 import pty
@@ -184,28 +183,100 @@ def test_a_restore_that_falls_back_counts_the_older_step_from_zero(tmp_path):
     assert sum(n for _, n in restored.updates()) == 300_000
 
 
-def _gaps(recorder: Recorder, ended: float) -> list[float]:
-    """The pauses between the moment the total was known, each update that moved the count, and the end."""
-    times = [recorder.events[0][0]] + [t for t, n in recorder.updates() if n > 0] + [ended]
-    return [b - a for a, b in itertools.pairwise(times)]
+class ManualTicks(_progress.Ticks):
+    """The tracker's ticks given by the test: :meth:`tick` lets the ticker thread hand the count over once and
+    returns when it has; no tick comes otherwise (no clock)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._go = threading.Semaphore(0)
+        self._done = threading.Semaphore(0)
+        self._waiting = False
+
+    def wait(self) -> bool:
+        if self._waiting:
+            self._done.release()  # the tick before this one is handed over
+        self._waiting = True
+        self._go.acquire()
+        return not self.stopped.is_set()
+
+    def tick(self) -> None:
+        self._go.release()
+        assert self._done.acquire(timeout=60), "the ticker thread did not come back"
+
+    def stop(self) -> None:
+        super().stop()
+        self._go.release()
 
 
-def test_updates_come_at_least_once_a_second_while_a_slow_save_runs(tmp_path):
-    # Slow on purpose: a large folder, at gzip's highest level.
+def test_each_tick_hands_the_callback_all_that_was_counted_since_the_tick_before():
+    """What the ticker promises, tick by tick: counts reach the callback at the next tick, all of them, in one
+    call; a tick with nothing new calls nothing; the end hands over the rest."""
+    ticks, recorder = ManualTicks(), Recorder()
+    with _progress._Tracker(recorder, owned=False, ticks=ticks) as progress:
+        progress.set_total(1000)
+        progress.update(100)
+        progress.update(50)
+        assert recorder.updates() == []  # nothing before a tick
+        ticks.tick()
+        assert [n for _, n in recorder.updates()] == [150]
+        ticks.tick()
+        assert [n for _, n in recorder.updates()] == [150]  # nothing new: no call
+        piece = progress.piece()
+        piece.update(600)
+        progress.update(100)
+        ticks.tick()
+        assert [n for _, n in recorder.updates()] == [150, 700]
+        progress.update(150)
+    recorder.assert_exact(1000)  # the last 150 at the end, without a tick
+
+
+class Counted(_progress.Progress):
+    """Where a transfer reports: records each count the pipeline makes, in the order it makes them."""
+
+    active = True
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+        self._lock = threading.Lock()
+
+    def update(self, n: int) -> None:
+        with self._lock:
+            self.counts.append(n)
+
+    def _add(self, n: int) -> None:  # from the pieces of a folder's files
+        self.update(n)
+
+
+def test_a_slow_save_is_counted_as_its_source_is_read(tmp_path):
+    """A large folder at gzip's highest level (slow on purpose): the save counts each piece of the source as it
+    reads it, so that with the ticks above, updates keep coming while it runs (a count at the end only would
+    leave the bar still until then)."""
+    from taskpoint.format.codecs import BLOCK_SIZE, get_codec
+    from taskpoint.payloads import payload_for
+    from taskpoint.storage import Location
+    from taskpoint.transfer import write_payload
+
     (tmp_path / "tree").mkdir()
     for i in range(3):
         (tmp_path / "tree" / f"part{i}.bin").write_bytes(os.urandom(32 << 20))
     saved = Recorder()
     with Checkpoint(tmp_path / "ckpt", level=9) as cp:
         cp.save_sync(tmp_path / "tree", progress=saved)
-        ended = time.monotonic()
     saved.assert_exact(96 << 20)
-    assert max(_gaps(saved, ended)) < 1.0
+    counted = Counted()
+    write_payload(Location(str(tmp_path / "again"), {}), payload_for(tmp_path / "tree"), get_codec("gzip"), 9,
+                  progress=counted)
+    assert sum(counted.counts) == 96 << 20
+    assert max(counted.counts) <= BLOCK_SIZE and len(counted.counts) >= 96  # a MiB at most at a time
 
 
-def test_updates_come_at_least_once_a_second_while_a_slow_load_runs(tmp_path, s3_server):
+def test_a_slow_load_is_counted_as_each_object_arrives(tmp_path, s3_server):
     # A folder checkpoint (flytekit's layout: one object per file) read through a throttled network: the count
     # moves as each object arrives (from an object store, each request's bytes count when it completes).
+    from taskpoint.folders import load_folder
+    from taskpoint.storage import Location
+
     prefix = f"taskpoint-tests/progress-slow-{os.getpid()}-{time.monotonic_ns()}"
     fs = fsspec.filesystem("s3", **s3_server.storage_options)
     for i in range(40):
@@ -215,14 +286,20 @@ def test_updates_come_at_least_once_a_second_while_a_slow_load_runs(tmp_path, s3
         loaded = Recorder()
         with Checkpoint(tmp_path / "unused", f"s3://{prefix}", storage_options=options) as cp:
             assert cp.load_sync(progress=loaded) is not None
-            ended = time.monotonic()
+        counted = Counted()
+        load_folder(Location(f"s3://{prefix}", options), tmp_path / "again", counted)
     loaded.assert_exact(40 * (256 << 10))
-    assert max(_gaps(loaded, ended)) < 1.0
+    assert sum(counted.counts) == 40 * (256 << 10) and len(counted.counts) >= 40
+    assert max(counted.counts) <= 256 << 10  # never more than one object at a time
 
 
 @pytest.mark.parametrize("client", ["s3fs", "obstore"])
 def test_a_large_object_read_through_a_slow_network_is_counted_as_its_ranges_arrive(tmp_path, s3_server, client):
     # Above 16 MiB an object comes down as 8 MiB ranges, several at once; each is counted as it streams in.
+    from taskpoint.record import load_object
+    from taskpoint.storage import Location
+    from taskpoint.storage._s3 import RECEIVED_PIECE
+
     url = f"s3://taskpoint-tests/progress-ranges-{os.getpid()}-{time.monotonic_ns()}/ckpt"
     data = os.urandom(24 << 20)
     with Checkpoint(url, storage_options=s3_server.storage_options) as cp:
@@ -232,9 +309,12 @@ def test_a_large_object_read_through_a_slow_network_is_counted_as_its_ranges_arr
         loaded = Recorder()
         with Checkpoint(tmp_path / "unused", url, storage_options=options) as cp:
             assert cp.load_sync(progress=loaded).read_bytes() == data
-            ended = time.monotonic()
+        counted = Counted()
+        assert load_object(Location(url, options), tmp_path / "again", counted) is not None
     loaded.assert_exact(len(data))
-    assert max(_gaps(loaded, ended)) < 1.0
+    assert sum(counted.counts) == len(data)
+    # Each 8 MiB range counted in pieces of about RECEIVED_PIECE as it streams in (obstore's are at least that).
+    assert max(counted.counts) <= 2 * RECEIVED_PIECE and len(counted.counts) >= len(data) // (2 * RECEIVED_PIECE)
 
 
 # -- the bar --------------------------------------------------------------------------------------------------

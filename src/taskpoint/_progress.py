@@ -88,12 +88,30 @@ class Piece:
 NO_PROGRESS = Progress()
 
 
+class Ticks:
+    """When the ticker thread hands the count over: every :data:`TICK` seconds. A test gives its own, one tick at
+    a time, to check what each tick hands over without timing anything."""
+
+    def __init__(self, interval: float = TICK) -> None:
+        self._interval = interval
+        self.stopped = threading.Event()
+
+    def wait(self) -> bool:
+        """Wait for the next tick: True, or False once :meth:`stop` was called (the ticker ends)."""
+        return not self.stopped.wait(self._interval)
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
 class _Tracker(Progress):
-    """Adds up the pipeline's counts and hands them to ``sink`` from a ticker thread (and at the end)."""
+    """Adds up the pipeline's counts and hands them to ``sink`` at each of ``ticks`` (from a ticker thread) and
+    at the end: every tick hands over all that was counted since the one before, and a tick with nothing new
+    calls nothing."""
 
     active = True
 
-    def __init__(self, sink: Callback, *, owned: bool) -> None:
+    def __init__(self, sink: Callback, *, owned: bool, ticks: Ticks | None = None) -> None:
         self._sink = sink
         self._owned = owned  # our own bar: closed with the transfer; a caller's callback is the caller's
         self._lock = threading.RLock()
@@ -101,7 +119,7 @@ class _Tracker(Progress):
         self._pending = 0
         self._shown = 0
         self._main = Piece(self)
-        self._stop = threading.Event()
+        self._ticks = ticks or Ticks()
         self._ticker: threading.Thread | None = None
         self._broken = False  # the callback raised: it is not called again
 
@@ -131,7 +149,7 @@ class _Tracker(Progress):
             self._close()
 
     def _tick(self) -> None:
-        while not self._stop.wait(TICK):
+        while self._ticks.wait():
             with self._lock:
                 self._flush()
                 if isinstance(self._sink, _Bar):
@@ -182,7 +200,7 @@ class _Tracker(Progress):
                 self._sink.tick()
 
     def _close(self) -> None:
-        self._stop.set()
+        self._ticks.stop()
         if self._ticker is not None and self._ticker is not threading.current_thread():
             self._ticker.join()
         if self._owned:

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import shutil
-import tempfile
 import threading
 import warnings
 from dataclasses import dataclass
@@ -25,10 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from ._progress import NO_PROGRESS, Progress
+from ._signals import uninterrupted
 from .errors import CheckpointCorruptError, CheckpointError, UnsafeArchiveError
 from .payloads import DirectoryPayload
 from .storage import WRITE_PIECE, Kind, Location, copy_fd_in_kernel
-from .workspace import STAGING_PREFIX
+from .workspace import Staging
 
 #: Objects downloaded at once from an object store.
 DOWNLOADS_IN_FLIGHT = 8
@@ -88,8 +87,7 @@ def load_folder(src: Location, workspace: Path, progress: Progress = NO_PROGRESS
         raise CheckpointCorruptError(f"the folder at {src.uri} vanished while it was being loaded; load it again")
     entries = _plan(listing, root, src)
     workspace.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=workspace))
-    try:
+    with Staging(workspace) as staging:
         folders = [e for e in entries if e.kind == "folder"]
         for entry in folders:
             os.makedirs(staging.joinpath(*entry.parts), exist_ok=True)
@@ -108,9 +106,8 @@ def load_folder(src: Location, workspace: Path, progress: Progress = NO_PROGRESS
                 raise _unsafe(src, entry.relative, f"a symlink to {entry.info['destination']!r} that leads outside")
         for entry in reversed(folders):
             _copy_metadata(staging.joinpath(*entry.parts), entry.info, src.is_local)
-        return DirectoryPayload.publish(staging, workspace)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        with uninterrupted():  # a signal waits until every entry has landed
+            return DirectoryPayload.publish(staging, workspace)
 
 
 def _inside(root: str, target: str) -> bool:

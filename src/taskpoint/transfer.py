@@ -12,14 +12,13 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 from . import _progress
 from ._progress import NO_PROGRESS, Progress
+from ._signals import uninterrupted
 from .errors import CheckpointCorruptError, CheckpointError
 from .format.codecs import BLOCK_SIZE, Codec, detect_codec, holds_tar
 from .format.pgzip import crc32
@@ -27,7 +26,7 @@ from .format.space import check_room
 from .payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, Payload
 from .storage import Location, WriteHooks, copy_fd_in_kernel, digest_by_reading, digest_of_fd
 from .storage.streams import ConcurrentRangeReader, read_up_to
-from .workspace import STAGING_PREFIX
+from .workspace import Staging
 
 _HEAD_SIZE = 1024
 
@@ -254,8 +253,7 @@ def _read_once(src: Location, workspace: Path, choose: KindChooser, verify: Veri
         progress.set_total(stored_size)
         cls = choose(head, stored_size)
         workspace.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=workspace))
-        try:
+        with Staging(workspace) as staging:
             if not cls.archived and stored_size is not None:
                 check_room(staging, stored_size, src.uri)  # StorageFull before a raw object fills the disk
             if cls.archived:
@@ -280,14 +278,14 @@ def _read_once(src: Location, workspace: Path, choose: KindChooser, verify: Veri
                     if hashed.result() != copied:
                         raise CheckpointCorruptError(f"{src.uri} changed while it was being loaded; load it again")
                 verify(cls.kind, copied, str(hasher.hexdigest()))
-                return cls.publish(staging, workspace)
+                with uninterrupted():  # a signal waits until every entry has landed
+                    return cls.publish(staging, workspace)
             else:
                 cls.materialize(reader, staging, src.uri)  # type: ignore[arg-type]
             reader.drain()
             verify(cls.kind, reader.size, reader.hexdigest())
-            return cls.publish(staging, workspace)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            with uninterrupted():  # a signal waits until every entry has landed
+                return cls.publish(staging, workspace)
 
 
 def object_size(raw: IO[bytes]) -> int | None:

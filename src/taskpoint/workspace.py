@@ -18,6 +18,7 @@ import time
 import zlib
 from pathlib import Path
 
+from ._signals import uninterrupted
 from .errors import CheckpointError
 from .storage import LEFTOVER_GRACE_SECONDS, normalize_uri
 
@@ -27,6 +28,57 @@ STAGING_PREFIX = ".taskpoint-staging-"
 WORKSPACE_PREFIX = "taskpoint-"
 #: A process sweeps a temp folder for dead processes' workspaces at most this often (a listing of it).
 SWEEP_INTERVAL_SECONDS = 60.0
+
+
+class Staging:
+    """``with Staging(workspace) as staging:`` a new folder in ``workspace`` where a load is staged until it is
+    verified, removed when the block ends however it ends. Made and removed :func:`uninterrupted
+    <taskpoint._signals.uninterrupted>`, so that a signal ending the load (SIGTERM in the command line, Ctrl-C)
+    never leaves it behind halfway removed, nor between its creation and the block (a class, so that nothing
+    runs in between). A signal can still land as the block's end begins, before the removal starts: the
+    folders not yet removed are kept here, process-wide like the signal, and :meth:`remove_all` removes them
+    (the command line when a command ends, and this process's exit)."""
+
+    _open: set[Path] = set()
+    _guard = threading.Lock()
+    _exit_hook = False
+
+    def __init__(self, workspace: Path) -> None:
+        self._workspace = workspace
+        self._path: Path | None = None
+
+    def __enter__(self) -> Path:
+        try:
+            with uninterrupted():
+                self._path = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=self._workspace))
+                with self._guard:
+                    if not Staging._exit_hook:
+                        atexit.register(Staging.remove_all)
+                        Staging._exit_hook = True
+                    self._open.add(self._path)
+        except BaseException:
+            self._remove()  # a signal held meanwhile ends the load here
+            raise
+        return self._path
+
+    def __exit__(self, *exc: object) -> None:
+        self._remove()
+
+    def _remove(self) -> None:
+        with uninterrupted():
+            if self._path is not None:
+                shutil.rmtree(self._path, ignore_errors=True)
+                with self._guard:
+                    self._open.discard(self._path)
+
+    @classmethod
+    def remove_all(cls) -> None:
+        """Remove the staging folders of this process that a signal kept from their removal."""
+        with uninterrupted():
+            with cls._guard:
+                paths, cls._open = list(cls._open), set()
+            for path in paths:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def host_tag() -> str:

@@ -25,10 +25,11 @@ from urllib.parse import quote, quote_plus
 
 import click
 
-from .. import __version__
+from .. import __version__, _signals
 from .._log import logger
 from ..errors import CheckpointCorruptError, CheckpointError, StorageError
 from ..runtime import layout
+from ..workspace import Staging
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -118,8 +119,8 @@ progress_option = click.option(
 
 
 class _Terminated(BaseException):
-    """SIGTERM arrived while a command ran: raised in the main thread, so that the command's clean-up runs (a
-    pull's staging folder, an upload's abort) as for Ctrl-C, and the process ends with 128 + SIGTERM."""
+    """SIGTERM arrived while the command line ran: raised in the main thread, so that the command's clean-up runs
+    (a pull's staging folder, an upload's abort) as for Ctrl-C, and the process ends with 128 + SIGTERM."""
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -127,17 +128,24 @@ def _terminate(signum: int, frame: object) -> None:
 
 
 @contextmanager
-def _ended_by_sigterm() -> Iterator[None]:
-    """While a command runs, SIGTERM ends it at once, cleaning up (Python's default ends the process without
-    running any ``finally``). Only from the main thread; the previous handler comes back after."""
+def _ended_by_signals() -> Iterator[None]:
+    """While the command line runs, SIGTERM ends it at once, cleaning up (Python's default ends the process
+    without running any ``finally``); SIGTERM and Ctrl-C both wait for the steps that a signal must not cut in
+    half (:func:`taskpoint._signals.uninterrupted`: a staging folder's creation and removal, a publish, the
+    start of an upload). Only from the main thread; the previous handlers come back after."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    installed: list[tuple[int, Any]] = []
     try:
+        installed.append((signal.SIGTERM, signal.signal(signal.SIGTERM, _signals.deferrable(_terminate))))
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not an embedding program's own
+            installed.append((signal.SIGINT, signal.signal(signal.SIGINT,
+                                                           _signals.deferrable(signal.default_int_handler))))
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, previous in reversed(installed):
+            signal.signal(signum, previous)
 
 
 def _command(fn: F) -> F:
@@ -148,9 +156,10 @@ def _command(fn: F) -> F:
         state = _state()
         name = click.get_current_context().info_name
         try:
-            with _ended_by_sigterm():
-                result = fn(*args, **kwargs)
-            return int(result or OK)
+            try:
+                return int(fn(*args, **kwargs) or OK)
+            finally:
+                Staging.remove_all()  # what a signal kept from its removal (a pull's staging folder)
         except _Terminated:
             click.echo(f"taskpoint {name}: terminated (SIGTERM); nothing half-written is left visible", err=True)
             return TERMINATED
@@ -252,7 +261,17 @@ def cli(verbose: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The console script: run the command line and return its exit code."""
+    """The console script: run the command line and return its exit code. SIGTERM ends it with 143 from the
+    moment this is called until it returns (:func:`_ended_by_signals`)."""
+    try:
+        with _ended_by_signals():
+            return _run(argv)
+    except _Terminated:  # before or after a command (while one runs, the command says so itself)
+        click.echo("taskpoint: terminated (SIGTERM)", err=True)
+        return TERMINATED
+
+
+def _run(argv: list[str] | None) -> int:
     try:
         result = cli.main(args=argv, prog_name="taskpoint", standalone_mode=False)
     except click.exceptions.UsageError as exc:

@@ -133,17 +133,52 @@ def _matches(record: Record, size: int, hexdigest: str) -> bool:
     return any(record.matching(kind, size, hexdigest) is not None for kind in {o.kind for o in record.objects})
 
 
-def _verify_step(steps: StepStore, step: int, progress: bool | None) -> str:
+class _ChangedMeanwhile(CheckpointError):
+    """The step was deleted or overwritten (by another writer, or by its retention) between the read of its
+    manifest and the end of the check: an error (exit 1), not damage, and not "no such step"."""
+
+    def __init__(self, steps: StepStore, step: int) -> None:
+        super().__init__(f"step {step} in {steps.directory} was overwritten or deleted while it was verified; "
+                         "verify it again")
+
+
+def _verify_step(steps: StepStore, step: int, progress: bool | None, *, listed: bool = False) -> str:
+    """Check one step against its manifest; the line to print. ``listed``: the step was listed as committed,
+    so a manifest gone by now was deleted meanwhile (:class:`_ChangedMeanwhile`), not never there."""
     manifest = steps.manifest(step)
     if manifest is None:
+        if listed:
+            raise _ChangedMeanwhile(steps, step)
         raise _Missing(f"step {step} does not exist in {steps.directory}")
+    return _verify_manifest(steps, step, manifest, progress)
+
+
+def _verify_manifest(steps: StepStore, step: int, manifest: StepManifest, progress: bool | None) -> str:
+    """Check the save ``manifest`` commits as ``step``. Damage is reported only when the manifest, read again,
+    still commits that save; otherwise :class:`_ChangedMeanwhile`."""
+    try:
+        return _check_step(steps, step, manifest, progress)
+    except (CheckpointCorruptError, _Missing, FileNotFoundError) as exc:
+        # A retention or an overwrite deletes the manifest first, then the objects it names: what is missing
+        # or short is damage only if the step is still the save that was read.
+        if not manifest.same_save(steps.manifest(step, tolerate_corrupt=True)):
+            raise _ChangedMeanwhile(steps, step) from None
+        if isinstance(exc, CheckpointCorruptError):
+            raise
+        raise CheckpointCorruptError(f"step {step} in {steps.directory} is damaged: {exc}") from None
+
+
+def _check_step(steps: StepStore, step: int, manifest: StepManifest, progress: bool | None) -> str:
     if manifest.tree is not None:
         return _verify_chunked_step(steps, step, manifest, progress)
     parts = ([(s.payload, s.record) for s in manifest.shards] if manifest.shards is not None
              else [(manifest.payload, manifest.record)])
     if manifest.record.codec == FILESET_CODEC:  # a DCP step (taskpoint.torch): its manifest, then every file it lists
-        data = steps.object(step, manifest.payload).read_small() or b""
-        listed = FileSetManifest.from_bytes(data, steps.object(step, manifest.payload).uri).files
+        files = steps.object(step, manifest.payload)
+        data = files.read_small()
+        if data is None:
+            raise _Missing(f"its manifest of files {manifest.payload} is missing")
+        listed = FileSetManifest.from_bytes(data, files.uri).files
         parts += [(name, ObjectRecord(kind="file", codec="raw", save_id="", created=0.0, size=entry.size,
                                       sha256=entry.sha256)) for name, entry in sorted(listed.items())]
     total = 0
@@ -157,9 +192,8 @@ def _verify_step(steps: StepStore, step: int, progress: bool | None) -> str:
         try:
             total += _stream_check(steps.object(step, name), "sha256", record.size, check, progress,
                                    f"verify step {step}" if len(parts) == 1 else f"verify step {step}: {name}")
-        except _Missing:
-            raise CheckpointCorruptError(f"step {step} in {steps.directory} is damaged: its payload "
-                                         f"{name} is missing") from None
+        except (_Missing, FileNotFoundError):  # FileNotFoundError: deleted under a streaming read (object stores)
+            raise _Missing(f"its payload {name} is missing") from None
     shards = (f", {len(parts)} shards" if manifest.shards is not None else
               f", {len(parts) - 1} files" if manifest.record.codec == FILESET_CODEC else "")
     return f"step {step}: healthy ({_human(total)}{shards}, sha256 matches its manifest){_unchecked(manifest)}"
@@ -172,17 +206,15 @@ def _unchecked(manifest: StepManifest) -> str:
 
 def _verify_chunked_step(steps: StepStore, step: int, manifest: StepManifest, progress: bool | None) -> str:
     """A deduplicated step: every chunk its tree names fetched and checked against its sha256, as a restore
-    checks them (in parallel), with nothing written."""
+    checks them (in parallel), with nothing written. A missing chunk is :class:`_Missing` (the caller tells
+    damage from a step changed meanwhile)."""
     assert manifest.tree is not None
     rebuilder = Rebuilder(steps, ChunkStore(steps.root, "zstd", None), WORKERS)
     try:
         with _progress.resolve(progress, f"verify step {step}") as tracker:
             total = rebuilder.verify(step, manifest, tracker)
     except MissingChunk as missing:
-        if not manifest.same_save(steps.manifest(step)):  # as a restore follows it
-            raise CheckpointError(f"step {step} in {steps.directory} was overwritten or deleted while it was "
-                                  "verified; verify it again") from None
-        raise CheckpointCorruptError(f"step {step} in {steps.directory} is damaged: {missing}") from None
+        raise _Missing(str(missing)) from None
     tree = manifest.tree
     return (f"step {step}: healthy ({_human(total)}, deduplicated: {tree.count('file')} files in "
             f"{tree.chunk_count()} chunks, each matches its sha256){_unchecked(manifest)}")
@@ -198,7 +230,8 @@ def verify_command(uri: str, step: int | None, progress: bool | None) -> int:
     """Stream every byte of a checkpoint (or of a manager's steps) and check it against its recorded checksum.
 
     Nothing is extracted: the stored bytes are hashed as they stream. Exit code 0 healthy, 1 error (storage,
-    usage), 2 damaged (the object or step is named), 3 not found.
+    usage, a step overwritten or deleted while it was verified), 2 damaged (the object or step is named), 3 not
+    found.
 
     \b
     Examples:
@@ -217,19 +250,32 @@ def verify_command(uri: str, step: int | None, progress: bool | None) -> int:
     committed = sorted(n for n, folder in steps.scan().items() if folder.committed)
     if not committed:
         raise _Missing(f"nothing taskpoint saved is at {loc.uri}")
-    damaged = []
+    _verify_steps(steps, committed, progress)
+    click.echo(f"{loc.uri}: {len(committed)} step(s) healthy in {time.perf_counter() - started:.2f} s")
+    return OK
+
+
+def _verify_steps(steps: StepStore, committed: list[int], progress: bool | None) -> None:
+    """Check each of the ``committed`` steps a listing found, printing a line for each. CheckpointCorruptError
+    when any is damaged; else CheckpointError when any was overwritten or deleted after the listing (another
+    writer, or its retention), each of them said on its line."""
+    damaged, changed = [], []
     for number in committed:
         try:
-            click.echo(_verify_step(steps, number, progress))
+            click.echo(_verify_step(steps, number, progress, listed=True))
         except CheckpointCorruptError as exc:
             damaged.append(number)
             click.echo(f"step {number}: DAMAGED: {' '.join(str(exc).split())}")
-    elapsed = time.perf_counter() - started
+        except _ChangedMeanwhile:
+            changed.append(number)
+            click.echo(f"step {number}: not checked: overwritten or deleted while it was verified")
     if damaged:
-        raise CheckpointCorruptError(f"{len(damaged)} of {len(committed)} step(s) in {loc.uri} are damaged: "
+        raise CheckpointCorruptError(f"{len(damaged)} of {len(committed)} step(s) in {steps.directory} are damaged: "
                                      f"{', '.join(map(str, damaged))}")
-    click.echo(f"{loc.uri}: {len(committed)} step(s) healthy in {elapsed:.2f} s")
-    return OK
+    if changed:
+        raise CheckpointError(f"{len(changed)} of {len(committed)} step(s) in {steps.directory} were overwritten or "
+                              f"deleted while they were verified (another writer, or its retention): "
+                              f"{', '.join(map(str, changed))}; verify again")
 
 
 # -- pull and push --------------------------------------------------------------------------------------------

@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import shutil
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from .._progress import NO_PROGRESS, Progress
+from .._signals import uninterrupted
 from ..errors import CheckpointCorruptError
 from ..format.records import ChunkedTree, StepManifest, TreeEntry
 from ..format.space import check_room
 from ..payloads import payload_class
-from ..workspace import STAGING_PREFIX
+from ..workspace import Staging
 from .chunks import ChunkStore
 from .steps import StepStore
 
@@ -46,12 +45,10 @@ class Rebuilder:
         assert tree is not None
         cls = payload_class(manifest.record.kind, self.steps.step_uri(step))
         workspace.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=workspace))
-        try:
+        with Staging(workspace) as staging:
             self._rebuild(step, tree, staging, progress)
-            return cls.publish(staging, workspace)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            with uninterrupted():  # a signal waits until every entry has landed
+                return cls.publish(staging, workspace)
 
     def verify(self, step: int, manifest: StepManifest, progress: Progress = NO_PROGRESS) -> int:
         """Fetch and check every chunk of ``manifest``'s tree as :meth:`restore` does, writing nothing

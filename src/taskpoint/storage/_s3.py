@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .._signals import uninterrupted
 from .errormap import chain, code_and_status
 from .streams import ConcurrentRangeReader, ObjectChanged, VersionConflict
 
@@ -70,8 +71,11 @@ class S3MultipartWriter(io.RawIOBase):
         if self._upload_id is None:
             if self._on_upload_started is not None:
                 self._on_upload_started()
-            started = self._fs.call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key)
-            self._upload_id = started["UploadId"]
+            # Uninterrupted: an upload started on the server is aborted only if its id is kept (the request runs
+            # on fsspec's IO thread and completes even when a signal ends the wait for it).
+            with uninterrupted():
+                started = self._fs.call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key)
+                self._upload_id = started["UploadId"]
         number = len(self._parts) + 1
         # Bounded: settle the oldest parts (raising a failed one's error) until another may leave memory's
         # reach. A deque of the unsettled ones keeps this O(1) per part, also for 10,000-part uploads.
