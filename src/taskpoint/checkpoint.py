@@ -110,9 +110,12 @@ class Checkpoint(BaseCheckpoint):
             raise ValueError(f"max_expand must be at least 0 bytes, got {max_expand}")
         self._max_expand = max_expand
         self._retry = retry or RetryPolicy()
-        self._dest = Location(dest, storage_options, self._retry)
         source = clean_source_uri(checkpoint_src)
-        self._src = Location(source, storage_options, self._retry) if source is not None else None
+        # One dict of options serves both: an option is refused only when neither store takes it.
+        Location.check_options([dest] if source is None else [dest, source], storage_options)
+        self._dest = Location(dest, storage_options, self._retry, options_checked=True)
+        self._src = Location(source, storage_options, self._retry, options_checked=True) if source is not None \
+            else None
         self._lock = threading.Lock()
         self._loaded: Path | None = None
         self._closed = False

@@ -1,0 +1,162 @@
+"""The traps of a new user's first hour: a malformed URL never goes to a local folder named after it, an option
+the store does not take is refused with the name meant, and each error names the URI and says what to do.
+
+Through the public API and real CLI processes, on local disk, ``memory://`` and the S3 server (moto on
+127.0.0.1); each test asserts the message's content (the URI, the option, the advice).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import taskpoint
+from taskpoint import Checkpoint, CheckpointManager
+
+#: What the malformed URLs of the issue were, and the fix each message proposes (None: an unknown protocol).
+_MALFORMED = [("s3:/ckpts/typo", "s3://ckpts/typo"), ("s3:ckpts/typo", "s3://ckpts/typo"),
+              ("gs:/bucket/run", "gs://bucket/run"), ("s4://b/k", None)]
+_SRC = Path(taskpoint.__file__).resolve().parents[1]
+
+
+def _cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``taskpoint ARGS`` in a fresh process running this worktree's code, in ``cwd``."""
+    environment = {**(env if env is not None else os.environ), "PYTHONPATH": str(_SRC)}
+    return subprocess.run([sys.executable, "-m", "taskpoint.cli", *args], cwd=cwd, env=environment,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _assert_refused(message: str, uri: str, fixed: str | None) -> None:
+    assert repr(uri) in message
+    if fixed is None:
+        assert "fsspec does not know" in message and "did you mean 's3'" in message
+    else:
+        assert "must be followed by '//'" in message and f"did you mean {fixed!r}" in message
+    assert "Protocols fsspec can use here:" in message
+    for protocol in ("file", "memory", "s3"):
+        assert f" {protocol}," in message or f" {protocol}." in message
+
+
+def _entry_points(uri: str) -> list:
+    """Every way the library takes a location: a destination, a source, a manager directory, a task root."""
+
+    @taskpoint.task(retries=1, root=uri, preemption=False)
+    def job() -> int:
+        return 1
+
+    return [lambda: Checkpoint(uri), lambda: Checkpoint("memory://first-hour/ok", uri),
+            lambda: CheckpointManager(uri, preemption=False), job]
+
+
+@pytest.mark.parametrize(("uri", "fixed"), _MALFORMED, ids=[u for u, _ in _MALFORMED])
+def test_a_malformed_url_is_refused_everywhere_and_nothing_is_written_locally(uri, fixed, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for make in _entry_points(uri):
+        with pytest.raises(ValueError) as info:
+            make()
+        _assert_refused(str(info.value), uri, fixed)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("uri", "fixed"), _MALFORMED[:1], ids=["s3:/"])
+def test_taskpoint_root_that_is_a_malformed_url_is_refused_naming_the_variable(uri, fixed, tmp_path):
+    """The issue's row: TASKPOINT_ROOT=s3:/ckpts/typo wrote its checkpoints to ./s3:/ckpts/typo/."""
+    script = ("import taskpoint\n"
+              "@taskpoint.task(retries=1)\n"
+              "def job():\n"
+              "    taskpoint.ctx().checkpoint.save_sync(b'progress')\n"
+              "job()\n")
+    env = {**os.environ, "TASKPOINT_ROOT": uri, "PYTHONPATH": str(_SRC)}
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1
+    assert "ValueError: $TASKPOINT_ROOT=" in out.stderr
+    _assert_refused(out.stderr, uri, fixed)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_taskpoint_run_refuses_a_malformed_root_before_running_the_command(tmp_path):
+    command = ["--", sys.executable, "-c", "open('ran', 'w')"]
+    out = _cli("run", "--root", "s3:/ckpts/typo", "--run-name", "job7", *command, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr  # a usage error of taskpoint run
+    assert out.stderr.startswith("taskpoint run: --root='s3:/ckpts/typo' is not a valid URL")
+    _assert_refused(out.stderr, "s3:/ckpts/typo", "s3://ckpts/typo")
+    out = _cli("run", "--run-name", "job7", *command, cwd=tmp_path, env={**os.environ, "TASKPOINT_ROOT": "s3:x"})
+    assert out.returncode == 2 and "$TASKPOINT_ROOT='s3:x' is not a valid URL" in out.stderr
+    out = _cli("run", "--checkpoint-path", "s4://b/k", *command, cwd=tmp_path)
+    assert out.returncode == 2 and "--checkpoint-path='s4://b/k' names the protocol 's4'" in out.stderr
+    assert list(tmp_path.iterdir()) == []  # the command never ran
+
+
+@pytest.mark.parametrize(("uri", "fixed"), _MALFORMED, ids=[u for u, _ in _MALFORMED])
+def test_the_cli_refuses_a_malformed_url(uri, fixed, tmp_path):
+    for args in (["ls", uri], ["push", str(tmp_path / "f"), uri]):
+        (tmp_path / "f").write_bytes(b"state")
+        out = _cli(*args, cwd=tmp_path)
+        assert out.returncode == 1, out.stderr
+        _assert_refused(out.stderr, uri, fixed)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
+def test_a_local_folder_that_starts_like_a_url_is_written_when_marked_as_a_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Checkpoint("./s3:/ckpts/typo").save_sync(b"meant")  # what the message proposes
+    assert (tmp_path / "s3:" / "ckpts" / "typo").read_bytes() == b"meant"
+
+
+# -- storage options -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("uri", "option", "closest"), [
+    ("memory://first-hour/ckpt", "endpoint", None),
+    ("memory://first-hour/ckpt", "global_stor", "global_store"),
+    ("{tmp}/ckpt", "auto_mkdirs", "auto_mkdir"),
+    ("gs://bucket/ckpt", "tokn", "token"),  # refused before gcsfs connects: no server needed
+])
+def test_an_option_the_store_does_not_take_is_refused_with_the_closest_name(uri, option, closest, tmp_path):
+    uri = uri.format(tmp=tmp_path)
+    with pytest.raises(ValueError) as info:
+        Checkpoint(uri, storage_options={option: "value-never-shown"})
+    message = str(info.value)
+    assert message.startswith(f"{uri}: ") and f"takes no storage option {option!r}" in message
+    assert "The options it takes:" in message and "skip_instance_cache" in message
+    if closest is not None:
+        assert f"did you mean {closest}?" in message
+    assert "value-never-shown" not in message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_endpoint_instead_of_endpoint_url_is_refused_on_s3(s3_store):
+    """The issue's row: s3fs took it and aiobotocore failed at the first request with a TypeError."""
+    options = {k: v for k, v in s3_store.storage_options.items() if k != "endpoint_url"}
+    options["endpoint"] = s3_store.storage_options["endpoint_url"]
+    with pytest.raises(ValueError) as info:
+        Checkpoint(s3_store.url("ckpt"), storage_options=options).save_sync(b"x")
+    message = str(info.value)
+    assert message.startswith(s3_store.url("ckpt")) and "s3:// (s3fs.core.S3FileSystem)" in message
+    assert "takes no storage option 'endpoint' (did you mean endpoint_url=..., or " \
+           "client_kwargs={'endpoint_url': ...}?)" in message
+
+
+def test_an_option_is_valid_when_either_store_of_a_checkpoint_takes_it(s3_store, tmp_path):
+    with Checkpoint(s3_store.url("ckpt"), storage_options=s3_store.storage_options) as cp:
+        cp.save_sync(b"state")
+    with Checkpoint(str(tmp_path / "next"), s3_store.url("ckpt"), storage_options=s3_store.storage_options) as cp:
+        assert cp.load_sync().read_bytes() == b"state"  # endpoint_url and key mean nothing to local disk
+    with pytest.raises(ValueError, match="take no storage option 'endpoint'"):
+        Checkpoint(str(tmp_path / "next"), s3_store.url("ckpt"), storage_options={"endpoint": "x"})
+
+
+def test_the_cli_refuses_an_option_the_store_does_not_take(tmp_path):
+    out = _cli("ls", "memory://first-hour/ckpt", "-o", "endpoint=http://127.0.0.1:9000", cwd=tmp_path)
+    assert out.returncode == 1
+    assert "taskpoint ls: memory://first-hour/ckpt: memory:// (fsspec.implementations.memory.MemoryFileSystem) " \
+           "takes no storage option 'endpoint'" in out.stderr
+    env = {**os.environ, "TASKPOINT_STORAGE_OPTIONS": '{"endpoint": "http://127.0.0.1:9000"}'}
+    out = _cli("ls", "s3://bucket/ckpt", cwd=tmp_path, env=env)
+    assert out.returncode == 1 and "did you mean endpoint_url=..." in out.stderr
+    assert "TypeError" not in out.stderr
