@@ -7,15 +7,24 @@ Through the public API and real CLI processes, on local disk, ``memory://`` and 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import socket
 import subprocess
 import sys
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
+import fsspec
 import pytest
 
 import taskpoint
-from taskpoint import Checkpoint, CheckpointManager
+from _faults import closed_port_url
+from _servers import StoreLocation
+from helpers import AcceptLoop, fs_options
+from taskpoint import Checkpoint, CheckpointCorruptError, CheckpointManager, RetryPolicy, StorageUnavailable
 
 #: What the malformed URLs of the issue were, and the fix each message proposes (None: an unknown protocol).
 _MALFORMED = [("s3:/ckpts/typo", "s3://ckpts/typo"), ("s3:ckpts/typo", "s3://ckpts/typo"),
@@ -160,3 +169,155 @@ def test_the_cli_refuses_an_option_the_store_does_not_take(tmp_path):
     out = _cli("ls", "s3://bucket/ckpt", cwd=tmp_path, env=env)
     assert out.returncode == 1 and "did you mean endpoint_url=..." in out.stderr
     assert "TypeError" not in out.stderr
+
+
+# -- errors that say what to do -----------------------------------------------------------------------------
+
+
+def _damaged(store, change) -> str:
+    """A bytes checkpoint saved on ``store``, then changed by ``change(path)`` behind taskpoint's back."""
+    url = store.url("ckpt")
+    with Checkpoint(url, storage_options=store.storage_options) as cp:
+        cp.save_sync(bytes(range(256)) * 100)  # 25600 bytes
+    fs, path = fsspec.core.url_to_fs(url, **fs_options(store.storage_options))
+    data = bytearray(fs.cat_file(path))
+    fs.pipe_file(path, bytes(change(data)))
+    return url
+
+
+def _flip(data: bytearray) -> bytearray:
+    data[1000] ^= 0x01
+    return data
+
+
+@pytest.mark.parametrize(("change", "what"), [
+    (_flip, "does not match the checksum recorded when it was saved"),
+    (lambda data: data[:20000], "holds an object of 20000 bytes, which its record does not list"),
+], ids=["flipped-byte", "truncated"])
+def test_a_damaged_bytes_checkpoint_raises_the_public_class_and_says_what_to_do(store, change, what, tmp_path):
+    url = _damaged(store, change)
+    with Checkpoint(str(tmp_path / "next"), url, storage_options=store.storage_options) as cp, \
+            pytest.raises(CheckpointCorruptError) as info:
+        cp.load_sync()
+    assert type(info.value) is CheckpointCorruptError  # no private class reaches the user
+    printed = "".join(traceback.format_exception(info.value))
+    assert "_Unlisted" not in printed and "taskpoint.record." not in printed
+    message = str(info.value)
+    assert url in message and what in message
+    assert "Save a new checkpoint, or load an older one" in message
+
+
+def test_the_cli_says_what_to_do_with_a_truncated_checkpoint(tmp_path):
+    store = StoreLocation("local", str(tmp_path / "store"), {})
+    url = _damaged(store, lambda data: data[:20000])
+    out = _cli("pull", url, str(tmp_path / "restored"), cwd=tmp_path)
+    assert out.returncode == 2, out.stderr  # damaged
+    assert "holds an object of 20000 bytes" in out.stderr and "Save a new checkpoint" in out.stderr
+    assert "_Unlisted" not in out.stderr
+
+
+def _s3_options(s3_store, endpoint: str, **config: object) -> dict:
+    """The S3 store's options at another endpoint, with botocore's own retries off (taskpoint's retry)."""
+    return {**s3_store.storage_options, "endpoint_url": endpoint,
+            "config_kwargs": {"retries": {"max_attempts": 1}, **config}}
+
+
+@pytest.mark.parametrize("client_retries", [False, True], ids=["attempts", "deadline"])
+def test_a_refused_connection_is_described_as_refused(s3_store, client_retries):
+    """The issue's row: nothing listening was described as "an endpoint that accepts connections and never
+    answers". With botocore's own retries on, the deadline cancels the call while botocore retries the refused
+    connections: the failure itself says only that no answer came, and one connection to the endpoint tells."""
+    endpoint = closed_port_url()
+    if client_retries:
+        options = {**s3_store.storage_options, "endpoint_url": endpoint}
+        retry = RetryPolicy(attempts=100, initial_delay=0.05, deadline=1.0)
+    else:
+        options, retry = _s3_options(s3_store, endpoint), RetryPolicy(attempts=2, initial_delay=0.01)
+    with pytest.raises(StorageUnavailable) as info:
+        Checkpoint(s3_store.url("ckpt"), storage_options=options, retry=retry).save_sync(b"x")
+    message = str(info.value)
+    assert s3_store.url("ckpt") in message
+    assert "Nothing accepted a connection at the endpoint (connection refused)" in message
+    assert "accepts connections and never answers" not in message
+    assert "deadline" in message if client_retries else "2 attempts" in message
+
+
+@contextlib.contextmanager
+def _silent_endpoint() -> Iterator[str]:
+    """An endpoint on 127.0.0.1 that accepts connections and never answers."""
+    held: list[socket.socket] = []
+    loop = AcceptLoop(held.append, "silent-endpoint")
+    try:
+        yield loop.url
+    finally:
+        loop.close()
+        for conn in held:
+            conn.close()
+
+
+@pytest.mark.parametrize("timeout", ["client", "deadline"])
+def test_a_silent_endpoint_is_described_as_silent(s3_store, timeout):
+    with _silent_endpoint() as endpoint:
+        if timeout == "client":  # botocore's read timeout: the client says it connected
+            options, retry = _s3_options(s3_store, endpoint, read_timeout=0.5), RetryPolicy(attempts=2,
+                                                                                             initial_delay=0.01)
+        else:  # taskpoint's deadline cancels the call: one connection tells it accepts
+            options, retry = _s3_options(s3_store, endpoint), RetryPolicy(attempts=5, deadline=1.0)
+        with pytest.raises(StorageUnavailable) as info:
+            Checkpoint(s3_store.url("ckpt"), storage_options=options, retry=retry).save_sync(b"x")
+    message = str(info.value)
+    assert s3_store.url("ckpt") in message
+    assert "The endpoint accepted connections and did not answer in time" in message
+    assert "refused" not in message
+
+
+# -- unverified loads ---------------------------------------------------------------------------------------
+
+
+def _without_record(store) -> str:
+    url = store.url("ckpt")
+    with Checkpoint(url, storage_options=store.storage_options) as cp:
+        cp.save_sync(b"written by another tool")
+    fs, path = fsspec.core.url_to_fs(url + ".taskpoint.json", **fs_options(store.storage_options))
+    fs.rm_file(path)
+    return url
+
+
+def test_a_load_without_a_record_warns_once_naming_the_uri(store, caplog, tmp_path):
+    url = _without_record(store)
+    with caplog.at_level(logging.WARNING, logger="taskpoint"), \
+            Checkpoint(str(tmp_path / "next"), url, storage_options=store.storage_options) as cp:
+        assert cp.load_sync().read_bytes() == b"written by another tool"
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    text = warnings[0].getMessage()
+    assert url in text and "could not be verified" in text
+    assert "written by Flyte or another tool, or its record was removed" in text and "verify='strict'" in text
+
+
+def test_verify_strict_refuses_a_checkpoint_without_a_record(store, tmp_path):
+    url = _without_record(store)
+    workspace = tmp_path / "workspace"
+    with Checkpoint(str(tmp_path / "next"), url, storage_options=store.storage_options, workspace=workspace,
+                    verify="strict") as cp, pytest.raises(CheckpointCorruptError) as info:
+        cp.load_sync()
+    message = str(info.value)
+    assert url in message and "could not be verified" in message and "save it again with taskpoint" in message
+    assert not workspace.exists() or list(workspace.iterdir()) == []
+    with Checkpoint(str(tmp_path / "other"), url, storage_options=store.storage_options, verify="strict") as cp:
+        cp.save_sync(b"saved by taskpoint")
+    with Checkpoint(str(tmp_path / "n"), str(tmp_path / "other"), verify="strict") as cp:
+        assert cp.load_sync().read_bytes() == b"saved by taskpoint"  # a record: strict loads it
+
+
+def test_verify_strict_refuses_a_folder_checkpoint(tmp_path):
+    (tmp_path / "flytekit" / "model").mkdir(parents=True)
+    (tmp_path / "flytekit" / "model" / "w.bin").write_bytes(b"weights")
+    with Checkpoint(str(tmp_path / "next"), str(tmp_path / "flytekit"), verify="strict") as cp, \
+            pytest.raises(CheckpointCorruptError, match="could not be verified"):
+        cp.load_sync()
+
+
+def test_verify_takes_only_its_documented_values(tmp_path):
+    with pytest.raises(ValueError, match="verify must be one of 'warn', 'strict', got 'on'"):
+        Checkpoint(str(tmp_path / "c"), verify="on")

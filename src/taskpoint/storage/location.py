@@ -125,7 +125,7 @@ class Location:
                         raise LostInFlight(errno.EAGAIN, f"the store lost part of the write to {self.uri}") from exc
                     raise
         with map_errors(action, self.uri, self.backend.credentials(), writing=writing):
-            return self.retry.call(call, action=action, uri=self.uri)
+            return self.retry.call(call, action=action, uri=self.uri, endpoint=self.backend.endpoint())
 
     # -- reads -------------------------------------------------------------------------------------------
 
