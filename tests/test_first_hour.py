@@ -321,3 +321,25 @@ def test_verify_strict_refuses_a_folder_checkpoint(tmp_path):
 def test_verify_takes_only_its_documented_values(tmp_path):
     with pytest.raises(ValueError, match="verify must be one of 'warn', 'strict', got 'on'"):
         Checkpoint(str(tmp_path / "c"), verify="on")
+
+
+def test_the_cli_says_a_checkpoint_without_a_record_cannot_be_verified(tmp_path):
+    url = _without_record(StoreLocation("local", str(tmp_path / "store"), {}))
+    out = _cli("ls", url, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "unrecorded" in out.stdout and "a load cannot verify it" in out.stdout
+    assert "saved - UTC" not in out.stdout  # the row: a time it does not know
+    out = _cli("pull", url, str(tmp_path / "restored"), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "restored" / "payload").read_bytes() == b"written by another tool"
+    assert out.stderr.count("taskpoint: warning:") == 1
+    assert url in out.stderr and "could not be verified" in out.stderr
+
+
+def test_the_cli_describes_a_refused_connection_as_refused(tmp_path):
+    endpoint = closed_port_url()
+    out = _cli("ls", "s3://taskpoint-tests/ckpt", "-o", f"endpoint_url={endpoint}",
+               "-o", 'config_kwargs={"retries": {"max_attempts": 1}}', cwd=tmp_path)
+    assert out.returncode == 1
+    assert "s3://taskpoint-tests/ckpt" in out.stderr and "(connection refused)" in out.stderr
+    assert "never answers" not in out.stderr
