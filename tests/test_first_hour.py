@@ -222,6 +222,14 @@ def _s3_options(s3_store, endpoint: str, **config: object) -> dict:
             "config_kwargs": {"retries": {"max_attempts": 1}, **config}}
 
 
+def _unavailable(s3_store, options: dict, retry: RetryPolicy) -> str:
+    """The message of the StorageUnavailable that a save with these options meets; it names the URI."""
+    with pytest.raises(StorageUnavailable) as info:
+        Checkpoint(s3_store.url("ckpt"), storage_options=options, retry=retry).save_sync(b"x")
+    assert s3_store.url("ckpt") in str(info.value)
+    return str(info.value)
+
+
 @pytest.mark.parametrize("client_retries", [False, True], ids=["attempts", "deadline"])
 def test_a_refused_connection_is_described_as_refused(s3_store, client_retries):
     """The issue's row: nothing listening was described as "an endpoint that accepts connections and never
@@ -233,10 +241,7 @@ def test_a_refused_connection_is_described_as_refused(s3_store, client_retries):
         retry = RetryPolicy(attempts=100, initial_delay=0.05, deadline=1.0)
     else:
         options, retry = _s3_options(s3_store, endpoint), RetryPolicy(attempts=2, initial_delay=0.01)
-    with pytest.raises(StorageUnavailable) as info:
-        Checkpoint(s3_store.url("ckpt"), storage_options=options, retry=retry).save_sync(b"x")
-    message = str(info.value)
-    assert s3_store.url("ckpt") in message
+    message = _unavailable(s3_store, options, retry)
     assert "Nothing accepted a connection at the endpoint (connection refused)" in message
     assert "accepts connections and never answers" not in message
     assert "deadline" in message if client_retries else "2 attempts" in message
@@ -263,10 +268,7 @@ def test_a_silent_endpoint_is_described_as_silent(s3_store, timeout):
                                                                                              initial_delay=0.01)
         else:  # taskpoint's deadline cancels the call: one connection tells it accepts
             options, retry = _s3_options(s3_store, endpoint), RetryPolicy(attempts=5, deadline=1.0)
-        with pytest.raises(StorageUnavailable) as info:
-            Checkpoint(s3_store.url("ckpt"), storage_options=options, retry=retry).save_sync(b"x")
-    message = str(info.value)
-    assert s3_store.url("ckpt") in message
+        message = _unavailable(s3_store, options, retry)
     assert "The endpoint accepted connections and did not answer in time" in message
     assert "refused" not in message
 
