@@ -164,11 +164,11 @@ class CountingRetry(RetryPolicy):
 
     runs: list[str] = field(default_factory=list, compare=False)
 
-    def call(self, fn: Callable[[], T], *, action: str, uri: str) -> T:
+    def call(self, fn: Callable[[], T], *, action: str, uri: str, endpoint: str | None = None) -> T:
         def counted() -> T:
             self.runs.append(action)
             return fn()
-        return super().call(counted, action=action, uri=uri)
+        return super().call(counted, action=action, uri=uri, endpoint=endpoint)
 
 
 def fast_counting() -> CountingRetry:

@@ -201,6 +201,24 @@ def test_target_that_does_not_match_names_the_first_mismatching_path(tmp_path, c
         load_pytree_sync(cp, target=target)
 
 
+def test_a_target_that_does_not_match_names_the_checkpoints_uri_not_a_temporary_folder(tmp_path):
+    """The issue's row: the message named the scratch folder a restore extracts into, gone afterwards."""
+    target = every_leaf()
+    target["params"]["dense"].update(kernel=jnp.zeros((4, 4)))
+    steps = str(tmp_path / "steps")
+    with OrbaxCheckpointHandler() as h:
+        h.save(steps, every_leaf(), step=3)
+        with pytest.raises(ValueError) as info:
+            h.restore(steps, target=target, step=3)
+    assert f"(step 3 in {steps} does not match the target's structure" in str(info.value)
+    Checkpoint(tmp_path / "a").save_sync(PyTree(every_leaf()))
+    with Checkpoint(tmp_path / "b", tmp_path / "a") as cp, pytest.raises(ValueError) as loaded:
+        load_pytree_sync(cp, target=target)
+    assert f"(the checkpoint at {tmp_path / 'a'} does not match" in str(loaded.value)
+    for message in (str(info.value), str(loaded.value)):
+        assert "/taskpoint-" not in message  # neither the restore's scratch folder nor the workspace
+
+
 def test_unsupported_leaves_are_refused_with_their_path(tmp_path):
     with pytest.raises(TypeError, match="opt/state: a PyTree leaf cannot be a object"):
         Checkpoint(tmp_path / "a").save_sync(PyTree({"opt": {"state": object()}}))

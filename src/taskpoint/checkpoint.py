@@ -14,12 +14,12 @@ import anyio.to_thread
 from fsspec.callbacks import Callback
 
 from . import _log, _progress
-from .errors import CheckpointError
+from .errors import CheckpointCorruptError, CheckpointError
 from .folders import load_folder, source_exists
 from .format.codecs import Codec, get_codec
 from .format.space import expansion_limit
 from .payloads import payload_for
-from .record import load_object, read_record, save_object
+from .record import VERIFY_MODES, load_object, read_record, save_object, unverified
 from .storage import Location, RetryPolicy, normalize_uri
 from .transfer import SourceIsFolder
 from .workspace import Workspace
@@ -81,6 +81,11 @@ class Checkpoint(BaseCheckpoint):
             checkpoint that would expand to more stops with :class:`~taskpoint.StorageFull` before writing
             past it. None (default): only the free space of the local disk limits a load (and
             ``taskpoint.format.extract.MAX_EXPAND`` where set).
+        verify: what a load does with an object that has no record beside it (``<src>.taskpoint.json``), whose
+            bytes nothing can verify: one written by Flyte or another tool, or whose record was removed.
+            ``"warn"`` (default) loads it with the archive's own checks and logs a WARNING naming the URI;
+            ``"strict"`` raises :class:`~taskpoint.CheckpointCorruptError` instead. A folder source (flytekit
+            1.x's layout) has no record either, and is treated the same.
     """
 
     def __init__(
@@ -94,6 +99,7 @@ class Checkpoint(BaseCheckpoint):
         level: int | None = None,
         retry: RetryPolicy | None = None,
         max_expand: int | None = None,
+        verify: str = "warn",
     ) -> None:
         dest = normalize_uri(checkpoint_dest, "checkpoint_dest").strip()
         if not dest or _TEMPLATE.search(dest):
@@ -109,10 +115,16 @@ class Checkpoint(BaseCheckpoint):
         if max_expand is not None and max_expand < 0:
             raise ValueError(f"max_expand must be at least 0 bytes, got {max_expand}")
         self._max_expand = max_expand
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {', '.join(map(repr, VERIFY_MODES))}, got {verify!r}")
+        self._strict = verify == "strict"
         self._retry = retry or RetryPolicy()
-        self._dest = Location(dest, storage_options, self._retry)
         source = clean_source_uri(checkpoint_src)
-        self._src = Location(source, storage_options, self._retry) if source is not None else None
+        # One dict of options serves both: an option is refused only when neither store takes it.
+        Location.check_options([dest] if source is None else [dest, source], storage_options)
+        self._dest = Location(dest, storage_options, self._retry, options_checked=True)
+        self._src = Location(source, storage_options, self._retry, options_checked=True) if source is not None \
+            else None
         self._lock = threading.Lock()
         self._loaded: Path | None = None
         self._closed = False
@@ -208,10 +220,13 @@ class Checkpoint(BaseCheckpoint):
             with expansion_limit(self._max_expand), \
                     _progress.resolve(progress, f"load {_log.short_name(self._src.uri)}") as tracker:
                 try:
-                    result = load_object(self._src, self.path, tracker)
+                    result = load_object(self._src, self.path, tracker, strict=self._strict)
                 except SourceIsFolder:  # a folder or prefix (flytekit 1.x's layout): a directory checkpoint
+                    if self._strict:
+                        raise CheckpointCorruptError(unverified(self._src.uri, strict=True)) from None
                     tracker.rewind()
                     result = load_folder(self._src, self.path, tracker)
+                    _log.logger.warning(unverified(_log.safe_uri(self._src.uri), strict=False))
             if result is not None:
                 _log.transferred("load", self._src.uri, *_log.take_verified(), clock)
             self._loaded = result

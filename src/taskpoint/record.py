@@ -169,25 +169,44 @@ def _parsed(data: bytes | None, uri: str, *, tolerate_corrupt: bool) -> Record |
 
 
 class _Unlisted(CheckpointCorruptError):
-    """The object read is none of those the record lists (maybe a save that listed it has not been seen)."""
+    """The object read is none of those the record lists (maybe a save that listed it has not been seen). The
+    signal of :func:`load_object`'s rereads: what leaves it is a plain :class:`CheckpointCorruptError`."""
 
 
-def load_object(src: Location, workspace: Path, progress: Progress = NO_PROGRESS) -> Path | None:
-    """Load the checkpoint at ``src`` into ``workspace``; None when nothing was ever saved there."""
+#: What a load does with an object that has no record beside it (written by Flyte or another tool, or its record
+#: was removed), so that nothing can verify its bytes: ``"warn"`` loads it with the archive's own checks and
+#: logs a WARNING; ``"strict"`` refuses it with :class:`CheckpointCorruptError`.
+VERIFY_MODES = ("warn", "strict")
+
+
+def unverified(uri: str, *, strict: bool) -> str:
+    """What to say of the checkpoint at ``uri`` that has no record: the WARNING of a load, or the refusal."""
+    why = (f"the checkpoint at {uri} has no record ({uri}{MANIFEST_SUFFIX} is missing), so its bytes could not be "
+           "verified: it was written by Flyte or another tool, or its record was removed.")
+    if strict:
+        return (f"{why} verify='strict' refuses it: save it again with taskpoint, or load it with verify='warn' "
+                "if you trust where it came from.")
+    return f"{why} It was loaded unverified; Checkpoint(..., verify='strict') refuses such a checkpoint."
+
+
+def load_object(src: Location, workspace: Path, progress: Progress = NO_PROGRESS, *,
+                strict: bool = False) -> Path | None:
+    """Load the checkpoint at ``src`` into ``workspace``; None when nothing was ever saved there. An object
+    with no record is loaded unverified with a WARNING, or refused when ``strict`` (see :data:`VERIFY_MODES`)."""
     record_loc = src.sibling(MANIFEST_SUFFIX)
     record = read_record(record_loc)
     paused = False
     for reread in range(_RECORD_REREADS + 1):
         try:
-            result = _load_listed(src, workspace, record, progress)
+            result = _load_listed(src, workspace, record, progress, strict)
             break
-        except _Unlisted:
+        except _Unlisted as unlisted:
             # A save writes its record before its object becomes visible: a reader that meets an object its
             # copy of the record does not list finds it listed when it reads the record again (once more after
             # a short pause: two writers may race). A record that stays the same means the object is damaged.
             newer = read_record(record_loc)
             if reread == _RECORD_REREADS or (newer == record and paused):
-                raise
+                raise CheckpointCorruptError(str(unlisted)) from None
             if newer == record:  # another writer may be about to make the object its record lists visible
                 time.sleep(_RECORD_PAUSE)
                 paused = True
@@ -200,21 +219,34 @@ def load_object(src: Location, workspace: Path, progress: Progress = NO_PROGRESS
         if src.container_missing():
             raise StorageNotFound(f"could not load {src.uri}: the bucket or container does not exist. "
                                   "Create it, or fix the URI.")
+    elif record is None:
+        _log.logger.warning(unverified(_log.safe_uri(src.uri), strict=False))
     return result
 
 
-def _load_listed(src: Location, workspace: Path, record: Record | None, progress: Progress) -> Path | None:
-    """One load of ``src``, verified against ``record`` (objects without a record are Flyte's: unverified)."""
+#: The advice of a load that met an object its record does not list.
+_UNLISTED_ADVICE = (f"Save a new checkpoint, or load an older one; if another tool replaced it on purpose, delete "
+                    f"its record ({MANIFEST_SUFFIX}) to load it unverified.")
+
+
+def _load_listed(src: Location, workspace: Path, record: Record | None, progress: Progress,
+                 strict: bool) -> Path | None:
+    """One load of ``src``, verified against ``record`` (objects without a record are Flyte's: unverified,
+    refused when ``strict``)."""
 
     def choose(head: bytes, size: int | None) -> type[Payload]:
         if record is None:
+            if strict:
+                raise CheckpointCorruptError(unverified(src.uri, strict=True))
             return guess_kind(head)
         listed = record.of_size(size) or record.unverified or record.of_size(None)
         if listed is None:
-            raise _Unlisted(f"the checkpoint at {src.uri} has a record that lists no object")
+            raise _Unlisted(f"the checkpoint at {src.uri} has a record that lists no object: the record was "
+                            f"emptied or written by another tool. {_UNLISTED_ADVICE}")
         if size is not None and listed.size not in (None, size) and record.unverified is None:
             raise _Unlisted(f"the checkpoint at {src.uri} holds an object of {size} bytes, which its record "
-                            "does not list")
+                            f"does not list: it is truncated or damaged, or was replaced by something other than "
+                            f"a taskpoint save. {_UNLISTED_ADVICE}")
         return payload_class(listed.kind, src.uri)
 
     def verify(kind: str, size: int, digest: str) -> None:

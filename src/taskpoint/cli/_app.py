@@ -253,6 +253,19 @@ def cli(verbose: int) -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.DEBUG if verbose > 1 else logging.INFO)
+    elif _ECHO_WARNINGS not in logger.handlers:
+        logger.addHandler(_ECHO_WARNINGS)
+
+
+class _EchoWarnings(logging.Handler):
+    """The library's WARNINGs (a load that could not be verified) on stderr, one line each: they are for whoever
+    runs the command, also without -v."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(f"taskpoint: warning: {record.getMessage()}", err=True)
+
+
+_ECHO_WARNINGS = _EchoWarnings(logging.WARNING)
 
 
 # -- what a URI holds -----------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import sys
 import click
 
 from ..runtime import layout
+from ..storage.uris import check_uri
 from ._app import cli
 
 
@@ -56,6 +57,14 @@ def run_command(checkpoint_path: str | None, prev_checkpoint: str | None, root: 
     if not env.get(layout.ENV_CHECKPOINT_PATH) and not (env.get(layout.ENV_ROOT) and env.get(layout.ENV_RUN_NAME)):
         click.echo("taskpoint run: give --checkpoint-path, or --root with --run-name", err=True)
         return 2
+    for flag, name, given in (("--checkpoint-path", layout.ENV_CHECKPOINT_PATH, checkpoint_path),
+                              ("--prev-checkpoint", layout.ENV_PREV_CHECKPOINT, prev_checkpoint),
+                              ("--root", layout.ENV_ROOT, root)):
+        try:  # here, not in CMD: a malformed URL must never start a run that saves to a local folder
+            check_uri(env.get(name, "").strip(), flag if given is not None else f"${name}")
+        except ValueError as exc:
+            click.echo(f"taskpoint run: {exc}", err=True)
+            return 2
     sys.stdout.flush()
     try:
         os.execvpe(args[0], args, env)

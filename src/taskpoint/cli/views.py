@@ -224,8 +224,13 @@ def ls_command(uri: str, as_json: bool) -> int:
         _print_json(view)
     elif view["type"] == "checkpoint":
         listed = len(view["objects"])
-        click.echo(f"{view['uri']}  {view['state']}  {view['kind'] or '-'}  {_human(view['size'])}  "
-                   f"saved {_time(view['created'])} UTC  ({listed} object(s) in its record)")
+        if view["state"] == "unrecorded":
+            when = ("no record: written by Flyte or another tool, or its record was removed; a load cannot verify "
+                    "it")
+        else:
+            saved = f"saved {_time(view['created'])} UTC  " if view["created"] is not None else ""
+            when = f"{saved}({listed} object(s) in its record)"
+        click.echo(f"{view['uri']}  {view['state']}  {view['kind'] or '-'}  {_human(view['size'])}  {when}")
     elif view["type"] == "manager":
         click.echo(f"{view['uri']}: {sum(r['state'] == 'committed' for r in view['steps'])} committed step(s)")
         click.echo(f"{'STEP':>6}  {'STATE':<10}  {'KIND':<9}  {'SIZE':>10}  {'SAVED (UTC)':<19}  ATTEMPT  METADATA")

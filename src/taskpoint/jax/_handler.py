@@ -26,8 +26,7 @@ from fsspec.callbacks import Callback
 from ..errors import CheckpointError
 from ..manager import CheckpointManager
 from ..manager._checks import check_step
-from ._payload import load_pytree_sync
-from ._pytree import PyTree
+from ._pytree import PyTree, read_tree
 
 #: Folder of the unversioned checkpoint (``step=None``), and the step it is saved as inside it.
 UNVERSIONED_FOLDER = "checkpoint"
@@ -94,7 +93,10 @@ class Checkpointer:
         manager, step = self._located(directory)
         manager.wait_until_finished()
         with tempfile.TemporaryDirectory(prefix="taskpoint-restore-") as scratch:
-            return load_pytree_sync(manager.restore(step, into=scratch, progress=progress), target=item)
+            # Messages name the step and its URI: the scratch folder is gone once this returns.
+            where = (f"the checkpoint at {manager.directory}" if step == UNVERSIONED_STEP
+                     else f"step {step} in {manager.directory}")
+            return read_tree(manager.restore(step, into=scratch, progress=progress), item, where)
 
     def metadata(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
         """The metadata saved with the checkpoint at ``directory``, read without its payload."""

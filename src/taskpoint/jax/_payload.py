@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio.to_thread
 
-from ..checkpoint import BaseCheckpoint
+from ..checkpoint import BaseCheckpoint, Checkpoint
 from ..payloads import DirectoryPayload, Payload, register_payload
 from ..workspace import owned_folder, sweep_dead_folders
 from ._pytree import PyTree, read_tree, write_tree
@@ -63,7 +63,7 @@ register_payload(PyTreePayload)
 def load_pytree_sync(cp: BaseCheckpoint | str | os.PathLike[str], target: Any = None) -> Any:
     """Blocking twin of :func:`load_pytree`."""
     folder = cp.load_sync() if isinstance(cp, BaseCheckpoint) else Path(os.fspath(cp))
-    return None if folder is None else read_tree(folder, target)
+    return None if folder is None else read_tree(folder, target, _where(cp))
 
 
 async def load_pytree(cp: BaseCheckpoint | str | os.PathLike[str], target: Any = None) -> Any:
@@ -77,4 +77,10 @@ async def load_pytree(cp: BaseCheckpoint | str | os.PathLike[str], target: Any =
     does not match raises ValueError naming the first path that differs.
     """
     folder = await cp.load() if isinstance(cp, BaseCheckpoint) else Path(os.fspath(cp))
-    return None if folder is None else await anyio.to_thread.run_sync(read_tree, folder, target)
+    return None if folder is None else await anyio.to_thread.run_sync(read_tree, folder, target, _where(cp))
+
+
+def _where(cp: BaseCheckpoint | str | os.PathLike[str]) -> str | None:
+    """What messages call the checkpoint: a Checkpoint's source URI, not the workspace it was loaded into."""
+    source = cp.remote_source if isinstance(cp, Checkpoint) else None
+    return f"the checkpoint at {source}" if source else None

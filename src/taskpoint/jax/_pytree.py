@@ -193,20 +193,23 @@ def _orbax_version() -> str:
 # -- reading -----------------------------------------------------------------------------------------------
 
 
-def read_tree(folder: Path, target: Any = None) -> Any:
-    """The tree serialized in ``folder``; shaped, typed and placed like ``target`` when it is given.
+def read_tree(folder: Path, target: Any = None, where: str | None = None) -> Any:
+    """The tree serialized in ``folder``; shaped, typed and placed like ``target`` when it is given. ``where``
+    names the checkpoint in messages ("the checkpoint at s3://...", "step 3 in s3://..."): ``folder`` is a
+    workspace, gone once the load returns.
 
     Without a target, containers come back as saved (dict, list, tuple, None; other registered nodes as
     dicts of their children), jax arrays on the default device. With one, the result has the target's
     structure, dtypes and shardings; a mismatch raises ValueError naming the first path that differs.
     """
-    sidecar = _read_sidecar(folder)
+    where = where or f"the checkpoint in {folder}"
+    sidecar = _read_sidecar(folder, where)
     specs: list[dict[str, Any]] = sidecar["leaves"]
     if target is None:
         values = _Restorer(folder, specs, [None] * len(specs)).values()
         return _build(sidecar["structure"], values)
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
-    order = _match(folder, specs, [tuple(_entry_key(e) for e in path) for path, _ in flat], [leaf for _, leaf in flat])
+    order = _match(where, specs, [tuple(_entry_key(e) for e in path) for path, _ in flat], [leaf for _, leaf in flat])
     targets: list[Any] = [None] * len(specs)
     for position, index in enumerate(order):
         targets[index] = flat[position][1]
@@ -214,14 +217,14 @@ def read_tree(folder: Path, target: Any = None) -> Any:
     return jax.tree_util.tree_unflatten(treedef, [values[index] for index in order])
 
 
-def _read_sidecar(folder: Path) -> dict[str, Any]:
+def _read_sidecar(folder: Path, where: str) -> dict[str, Any]:
     if not (folder / SIDECAR_NAME).is_file():
-        raise CheckpointError(f"{folder} holds no taskpoint.jax.PyTree ({SIDECAR_NAME} is missing): it was saved "
+        raise CheckpointError(f"{where} holds no taskpoint.jax.PyTree ({SIDECAR_NAME} is missing): it was saved "
                               "from something else. Save trees with taskpoint.jax.PyTree(tree).")
     text = (folder / SIDECAR_NAME).read_text(encoding="utf-8")
     sidecar: dict[str, Any] = json.loads(text)
     if sidecar.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{folder / SIDECAR_NAME} has format {sidecar.get('format')!r}; this taskpoint "
+        raise CheckpointError(f"{where} has {SIDECAR_NAME} format {sidecar.get('format')!r}; this taskpoint "
                               f"reads format {FORMAT_VERSION}. Upgrade taskpoint to load it.")
     return sidecar
 
@@ -243,20 +246,20 @@ def _build(node: Any, values: list[Any]) -> Any:
 # -- matching a target -------------------------------------------------------------------------------------
 
 
-def _match(folder: Path, specs: list[dict[str, Any]], paths: list[Path_], leaves: list[Any]) -> list[int]:
+def _match(where: str, specs: list[dict[str, Any]], paths: list[Path_], leaves: list[Any]) -> list[int]:
     """For each target leaf, the index of its checkpoint leaf; ValueError at the first path that differs."""
     by_path = {tuple(spec["path"]): index for index, spec in enumerate(specs)}
     order: list[int] = []
     for path, leaf in zip(paths, leaves, strict=True):
         index = by_path.pop(path, None)
         if index is None:
-            _mismatch(folder, path, "the target has this leaf, the checkpoint does not")
+            _mismatch(where, path, "the target has this leaf, the checkpoint does not")
         problem = _differs(specs[index], leaf)
         if problem:
-            _mismatch(folder, path, problem)
+            _mismatch(where, path, problem)
         order.append(index)
     if by_path:
-        _mismatch(folder, next(iter(by_path)), "the checkpoint has this leaf, the target does not")
+        _mismatch(where, next(iter(by_path)), "the checkpoint has this leaf, the target does not")
     return order
 
 
@@ -300,8 +303,8 @@ def _describe(leaf: Any) -> str:
     return f"{type(leaf).__module__}.{type(leaf).__qualname__}".removeprefix("builtins.")
 
 
-def _mismatch(folder: Path, path: Path_, problem: str) -> NoReturn:
-    raise ValueError(f"{show_path(path)}: {problem} (the checkpoint in {folder} does not match the target's "
+def _mismatch(where: str, path: Path_, problem: str) -> NoReturn:
+    raise ValueError(f"{show_path(path)}: {problem} ({where} does not match the target's "
                      "structure; restore without a target to see what it holds)")
 
 

@@ -21,6 +21,7 @@ from .layout import (
     RESTART_COUNTERS,
     attempt_from_environment,
     clean_name,
+    env_root,
     env_storage_options,
     rank_object,
 )
@@ -131,7 +132,7 @@ def _build_environment_context() -> TaskContext | None:
         return TaskContext(run_name=run_name or "", action_name=action_name or "", attempt=attempt or 1,
                            max_attempts=None, checkpoint=checkpoint, storage_options=options, rank=ranks.rank,
                            world_size=ranks.world_size, local_rank=ranks.local_rank)
-    root = os.environ.get(ENV_ROOT, "").strip()
+    root = env_root()
     if root and run_name and action_name:
         store = ActionStore(root, clean_name(run_name, "run name"), clean_name(action_name, "action"), options,
                             ranks=ranks)

@@ -17,6 +17,7 @@ import re
 from typing import Any
 
 from ..ranks import Ranks
+from ..storage.uris import check_uri
 
 #: Name of the checkpoint object inside an attempt folder.
 CHECKPOINT_NAME = "checkpoint"
@@ -54,10 +55,18 @@ def clean_name(name: str, what: str) -> str:
     return cleaned
 
 
+def env_root() -> str:
+    """``$TASKPOINT_ROOT`` ("" when unset); ValueError when it looks like a URL and is not one (``s3:/b/x``),
+    rather than a root in a local folder named after it."""
+    root = os.environ.get(ENV_ROOT, "").strip()
+    if root:
+        check_uri(root, f"${ENV_ROOT}")
+    return root
+
+
 def default_root() -> str:
     """``$TASKPOINT_ROOT``, else ``.taskpoint`` in the working directory (as an absolute path)."""
-    root = os.environ.get(ENV_ROOT, "").strip()
-    return root if root else os.path.abspath(DEFAULT_ROOT)
+    return env_root() or os.path.abspath(DEFAULT_ROOT)
 
 
 def env_storage_options() -> dict[str, Any] | None:

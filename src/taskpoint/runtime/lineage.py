@@ -21,6 +21,7 @@ from .. import _log
 from ..checkpoint import Checkpoint
 from ..ranks import Ranks
 from ..storage import Location
+from ..storage.uris import check_uri
 from .layout import ATTEMPT_MARKER, CHECKPOINT_NAME, RENDEZVOUS_FOLDER, STEPS_FOLDER, rank_object, rendezvous_timeout
 from .rendezvous import agree
 from .state import TaskContext
@@ -34,6 +35,7 @@ class ActionStore:
         self.manager_options = dict(manager_options or {})
         self.ranks = ranks or Ranks()
         self._claimed: int | None = None  # the attempt the ranks last agreed on
+        check_uri(root, "root")  # before a malformed URL becomes a local folder below
         self.root = root.rstrip("/") if "://" in root else os.path.abspath(root)
         self.run_name = run_name
         self.action_name = action_name

@@ -130,6 +130,10 @@ class Backend:
         """Which credentials this store uses, in words (never their values); None where none apply."""
         return credential_source(protocols(self.fs), self.options)
 
+    def endpoint(self) -> str | None:
+        """The URL of the server this store's client talks to, where it was given (None: the client's own)."""
+        return None
+
     def kind(self, path: str) -> Kind:
         """What ``path`` holds. Only "not found" is :attr:`Kind.NOTHING`; any other failure is raised."""
         # Not fs.isfile() or fs.exists(): they answer False for any error, which would report an outage or a

@@ -241,6 +241,70 @@ def is_transient(exc: BaseException) -> bool:
     return classify(exc) is Failure.TRANSIENT
 
 
+class Symptom(enum.Enum):
+    """What a transient failure says about the endpoint, for the advice of :class:`StorageUnavailable`; in the
+    order of evidence (a refusal seen once says more than a timeout after it)."""
+
+    #: Nothing accepted the connection (ECONNREFUSED): no server at that host and port.
+    REFUSED = "refused"
+    #: The connection attempt got no answer in time: packets dropped, or a wrong address.
+    UNREACHABLE = "unreachable"
+    #: Connected, then no answer in time (a client's read timeout).
+    SILENT = "silent"
+    #: No answer before taskpoint's deadline cancelled the call: connected or not, the client does not say (it
+    #: may have been retrying refused connections on its own, as botocore does for about 15 s).
+    NO_ANSWER = "no answer"
+
+
+#: The advice for each symptom: what happened, and what to check.
+SYMPTOM_ADVICE = {
+    Symptom.REFUSED: "Nothing accepted a connection at the endpoint (connection refused): check that the storage "
+                     "server runs and that the endpoint's host and port are right",
+    Symptom.UNREACHABLE: "No answer came to the connection attempts (a firewall that drops packets, or a wrong "
+                         "address, looks like this): check the endpoint's address and the network",
+    Symptom.SILENT: "The endpoint accepted connections and did not answer in time (a stuck or overloaded server, or "
+                    "a port that is not the storage service's, looks like this): check the storage service",
+    Symptom.NO_ANSWER: "No answer came in time (nothing listening while the client retries on its own, or an "
+                       "endpoint that accepts connections and never answers, looks like this): check the endpoint "
+                       "and the storage service",
+}
+#: Client timeouts of a connection attempt, and of a connection's answer, by module and class name.
+_CONNECT_TIMEOUT_TYPES = (
+    ("botocore.exceptions", ("ConnectTimeoutError",)),
+    ("aiohttp", ("ConnectionTimeoutError",)),
+    ("urllib3.exceptions", ("ConnectTimeoutError",)),
+)
+_READ_TIMEOUT_TYPES = (
+    ("botocore.exceptions", ("ReadTimeoutError",)),
+    ("aiohttp", ("ServerTimeoutError",)),
+    ("urllib3.exceptions", ("ReadTimeoutError",)),
+)
+#: How clients that keep only the text (obstore, azure-core) say that a connection was refused.
+_REFUSED_TEXT = re.compile(r"connection refused|os error 111\b", re.IGNORECASE)
+
+
+def symptom(exc: BaseException) -> Symptom | None:
+    """What ``exc`` (a transient failure) says about the endpoint; None when it says nothing of it (a reset
+    connection, a 5xx answer, throttling)."""
+    found: set[Symptom] = set()
+    for e in chain(exc):
+        if isinstance(e, ConnectionRefusedError) or (isinstance(e, OSError) and e.errno == errno.ECONNREFUSED) \
+                or _REFUSED_TEXT.search(str(e)):
+            found.add(Symptom.REFUSED)
+        elif isinstance(e, _loaded(_CONNECT_TIMEOUT_TYPES)):
+            found.add(Symptom.UNREACHABLE)
+        elif isinstance(e, _loaded(_READ_TIMEOUT_TYPES)):
+            found.add(Symptom.SILENT)
+        elif isinstance(e, (TimeoutError, asyncio.TimeoutError)):
+            found.add(Symptom.NO_ANSWER)
+    return strongest(found)
+
+
+def strongest(found: set[Symptom]) -> Symptom | None:
+    """The symptom that says the most of those ``found`` (see :class:`Symptom`)."""
+    return next((s for s in Symptom if s in found), None)
+
+
 _URL_QUERY = re.compile(r"(https?://[^\s?'\"]+)\?[^\s'\"]*")
 
 

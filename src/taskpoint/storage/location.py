@@ -36,6 +36,7 @@ from .backends import (
 from .errormap import Failure, classify, describe, map_errors
 from .objectstores import AzureBackend, GCSBackend, ObjectStoreBackend, S3Backend
 from .retry import CLIENT_TIMEOUT, RetryPolicy
+from .uris import check_storage_options, check_uri, extra_for
 
 T = TypeVar("T")
 
@@ -44,14 +45,19 @@ class Location:
     """One object (file) on an fsspec filesystem, with the operations a checkpoint needs."""
 
     def __init__(self, uri: str, storage_options: dict[str, Any] | None = None,
-                 retry: RetryPolicy | None = None) -> None:
+                 retry: RetryPolicy | None = None, *, options_checked: bool = False) -> None:
+        """ValueError for a malformed URL and for an option its filesystem does not take; ``options_checked``:
+        the caller checked them with :meth:`check_options`, over every location they serve."""
         options = dict(storage_options or {})
         if options.get("asynchronous"):
             raise ValueError("storage_options may not set asynchronous=True; taskpoint manages async itself")
+        check_uri(uri)
         self.uri = uri
         self.storage_options = options
         self.retry = retry or RetryPolicy()
         scheme = uri.partition("://")[0] if "://" in uri else "file"
+        if not options_checked:
+            self.check_options([uri], options)
         client, fs_options = s3_client(scheme, options)
         try:
             # Some clients check credentials as they connect (gcsfs with token="google_default").
@@ -59,8 +65,7 @@ class Location:
                 self.fs, self.path = fsspec.core.url_to_fs(uri, **client_timeouts(scheme, fs_options,
                                                                                    self.retry.deadline))
         except ImportError as exc:
-            raise ImportError(f"{uri}: {exc}. Install the matching extra, e.g. pip install 'taskpoint[s3]', "
-                              "'taskpoint[gcs]' or 'taskpoint[azure]'.") from exc
+            raise ImportError(f"{uri}: {exc}. To use {scheme}://, {extra_for(scheme.rpartition('::')[2])}.") from exc
         except (KeyError, ValueError, TypeError) as exc:
             if not _raised_by_credentials(exc):
                 raise
@@ -70,6 +75,14 @@ class Location:
         self.backend: Backend = backend_for(self.fs, fs_options)
         if client == "obstore" and isinstance(self.backend, S3Backend):
             self.backend = ObstoreS3Backend(self.fs, fs_options, self.retry.deadline)
+
+    @staticmethod
+    def check_options(uris: list[str], storage_options: dict[str, Any] | None) -> None:
+        """ValueError naming each storage option that none of the filesystems of ``uris`` takes (one dict can
+        serve a checkpoint's destination and its source, on two stores), with the closest valid name.
+        taskpoint's own :data:`S3_CLIENT_OPTION` is valid anywhere."""
+        options = {key: value for key, value in (storage_options or {}).items() if key != S3_CLIENT_OPTION}
+        check_storage_options(uris, options)
 
     def _moved(self, uri: str, path: str) -> Location:
         other = object.__new__(Location)
@@ -112,7 +125,7 @@ class Location:
                         raise LostInFlight(errno.EAGAIN, f"the store lost part of the write to {self.uri}") from exc
                     raise
         with map_errors(action, self.uri, self.backend.credentials(), writing=writing):
-            return self.retry.call(call, action=action, uri=self.uri)
+            return self.retry.call(call, action=action, uri=self.uri, endpoint=self.backend.endpoint())
 
     # -- reads -------------------------------------------------------------------------------------------
 

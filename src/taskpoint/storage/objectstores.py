@@ -267,6 +267,12 @@ class S3Backend(ObjectStoreBackend):
 
     range_reader: ClassVar[type[ConcurrentRangeReader]] = _s3.S3RangeReader
 
+    def endpoint(self) -> str | None:
+        """``endpoint_url`` (an option, ``client_kwargs`` or fsspec's configuration); None: AWS's own."""
+        url = getattr(self.fs, "endpoint_url", None) or (getattr(self.fs, "client_kwargs", None) or {}).get(
+            "endpoint_url")
+        return url if isinstance(url, str) else None
+
     def version_of(self, info: dict[str, Any]) -> str | None:
         etag = info.get("ETag")
         return etag if isinstance(etag, str) and etag else None

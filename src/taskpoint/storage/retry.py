@@ -4,15 +4,17 @@ exponential backoff."""
 from __future__ import annotations
 
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 from .._log import logger, safe_uri
 from ..errors import StorageUnavailable
-from .errormap import describe, is_transient
+from .errormap import SYMPTOM_ADVICE, Symptom, describe, is_transient, strongest, symptom
 
 T = TypeVar("T")
 
@@ -61,44 +63,83 @@ class RetryPolicy:
         if self.deadline is not None and not self.deadline > 0:
             raise ValueError("RetryPolicy.deadline must be a positive number of seconds, or None")
 
-    def call(self, fn: Callable[[], T], *, action: str, uri: str) -> T:
+    def call(self, fn: Callable[[], T], *, action: str, uri: str, endpoint: str | None = None) -> T:
         """Run ``fn``; retry transient failures with jittered exponential backoff, then raise
         :class:`~taskpoint.errors.StorageUnavailable` (after :attr:`attempts` attempts, or once
-        :attr:`deadline` has passed). Other failures are raised at once, unchanged."""
+        :attr:`deadline` has passed), whose advice says whether the connections were refused or unanswered
+        (``endpoint``: the store's URL, connected to once when the failures do not say). Other failures are
+        raised at once, unchanged."""
         started = time.monotonic()
         outer: float | None = getattr(_running, "end", None)
         if self.deadline is not None:
             end = started + self.deadline
             _running.end = end if outer is None else min(end, outer)
         try:
-            return self._attempts(fn, action, uri, started)
+            return self._attempts(fn, action, uri, endpoint, started)
         finally:
             _running.end = outer
 
-    def _attempts(self, fn: Callable[[], T], action: str, uri: str, started: float) -> T:
+    def _attempts(self, fn: Callable[[], T], action: str, uri: str, endpoint: str | None, started: float) -> T:
         delay = self.initial_delay
+        seen: set[Symptom] = set()  # what the failures said about the endpoint, over every attempt
         for attempt in range(1, self.attempts + 1):
             try:
                 return fn()
             except BaseException as exc:
                 if not is_transient(exc):
                     raise
+                found = symptom(exc)
+                if found is not None:
+                    seen.add(found)
                 pause = delay * random.uniform(0.5, 1.0)
                 if attempt == self.attempts:
                     raise StorageUnavailable(
                         f"could not {action} {uri}: storage kept failing after {attempt} attempts "
-                        f"({describe(exc)}). Check the network and the storage service, then "
-                        "run again; no checkpoint was lost or reported missing."
-                    ) from exc
+                        f"({describe(exc)}). {_advice(seen, endpoint)}") from exc
                 if self.deadline is not None and time.monotonic() - started + pause >= self.deadline:
                     raise StorageUnavailable(
                         f"could not {action} {uri}: storage kept failing until the retry deadline of "
-                        f"{self.deadline:g} s passed ({attempt} attempts; last: {describe(exc)}). Check the "
-                        "network and the storage service (an endpoint that accepts connections and never "
-                        "answers looks like this), then run again; no checkpoint was lost or reported missing."
-                    ) from exc
+                        f"{self.deadline:g} s passed ({attempt} attempts; last: {describe(exc)}). "
+                        f"{_advice(seen, endpoint)}") from exc
                 logger.debug("retrying %s %s in %.2f s (attempt %d of %d failed: %s)", action, safe_uri(uri), pause,
                              attempt, self.attempts, describe(exc))
                 time.sleep(pause)
                 delay = min(delay * self.multiplier, self.max_delay)
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _advice(seen: set[Symptom], endpoint: str | None) -> str:
+    """What to check, from what the failures said about the endpoint; when they say only that no answer came,
+    from one TCP connection to ``endpoint`` (where it is known), which tells refused from silent."""
+    found = strongest(seen)
+    if found is Symptom.NO_ANSWER and endpoint is not None:
+        found = probe(endpoint) or found
+    check = SYMPTOM_ADVICE[found] if found is not None else "Check the network and the storage service"
+    return f"{check}. Then run again; no checkpoint was lost or reported missing."
+
+
+#: How long :func:`probe` waits for a TCP connection (seconds).
+PROBE_TIMEOUT = 1.0
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def probe(endpoint: str) -> Symptom | None:
+    """What one TCP connection to the host and port of the URL ``endpoint`` meets: REFUSED, UNREACHABLE (no
+    answer within :data:`PROBE_TIMEOUT`) or SILENT (it connects: the endpoint accepts connections, and the
+    requests went unanswered); None when the URL names no host or the connection fails otherwise."""
+    parts = urlsplit(endpoint)
+    try:
+        port = parts.port or _DEFAULT_PORTS.get(parts.scheme)
+    except ValueError:
+        return None
+    if not parts.hostname or port is None:
+        return None
+    try:
+        with socket.create_connection((parts.hostname, port), timeout=PROBE_TIMEOUT):
+            return Symptom.SILENT
+    except ConnectionRefusedError:
+        return Symptom.REFUSED
+    except TimeoutError:
+        return Symptom.UNREACHABLE
+    except OSError:
+        return None
