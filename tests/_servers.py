@@ -589,12 +589,15 @@ def running_seaweed_server(bucket: str | None = BUCKET) -> Iterator[RunningServe
         options = s3_storage_options(endpoint)
         if bucket:
             _make_bucket("s3", options, bucket)  # already there (the probe made it): proves the options
-        else:
-            fs = fsspec.filesystem("s3", skip_instance_cache=True, **options)
-            try:
+        fs = fsspec.filesystem("s3", skip_instance_cache=True, **options)
+        try:
+            # The first write grows the volumes (about 5 s): done here, so that no test's first write waits for it.
+            fs.pipe_file(f"{probe}/tp-warm-up", b"")
+            fs.rm_file(f"{probe}/tp-warm-up")
+            if not bucket:
                 fs.rmdir(probe)
-            finally:
-                close_filesystem(fs)
+        finally:
+            close_filesystem(fs)
         yield RunningServer("s3", endpoint, options, bucket or BUCKET)
 
 
