@@ -54,9 +54,19 @@ class SaveStats:
     unread_bytes: int = 0
 
 
+#: How much earlier than its write a modification time listed in whole seconds may be: S3 lists
+#: ``LastModified`` so (AWS, moto and SeaweedFS alike), and a lease written at 10.9 s is listed as written at 10 s.
+MTIME_RESOLUTION = 1.0
+
+
 def _fresh(mtime: float | None, now: float, grace: float) -> bool:
-    """Whether a lease or lock written at ``mtime`` still counts (with ``grace`` 0, none does)."""
-    return grace > 0 and (mtime is None or now - mtime < grace)
+    """Whether a lease or lock written at ``mtime`` still counts (with ``grace`` 0, none does). A time in whole
+    seconds is taken as truncated: up to :data:`MTIME_RESOLUTION` early."""
+    if grace <= 0:
+        return False
+    if mtime is None:
+        return True
+    return now - mtime < grace + (MTIME_RESOLUTION if mtime == int(mtime) else 0.0)
 
 
 class Dedup:
