@@ -112,10 +112,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         items[:] = [item for item in items if not elsewhere(item)]
         config.hook.pytest_deselected(items=dropped)
-    for item in items:
+    for item in items:  # on SeaweedFS: through its fixture, a store kind, or a param naming its fixture
         callspec = getattr(item, "callspec", None)
-        if "seaweed_server" in getattr(item, "fixturenames", ()) or (
-                callspec is not None and "s3-seaweed" in callspec.params.values()):
+        params = callspec.params.values() if callspec is not None else ()
+        if "seaweed_server" in getattr(item, "fixturenames", ()) or any(
+                isinstance(value, str) and value in ("s3-seaweed", "seaweed_server") for value in params):
             item.add_marker(pytest.mark.seaweed)
 
 
