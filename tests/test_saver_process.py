@@ -88,12 +88,12 @@ def test_a_helper_killed_in_the_middle_of_a_save_loses_nothing(store, tmp_path, 
     real = _saver.SaverProcess.store_payload
     killed = []
 
-    def kill_then_write(self, *args):
+    def kill_then_write(self, *args, **kwargs):
         if not killed:  # a real SIGKILL of the real child, at the moment its request is about to be sent
             os.kill(self.pid, signal.SIGKILL)
             self._process.wait(TIMEOUT)
             killed.append(self.pid)
-        return real(self, *args)
+        return real(self, *args, **kwargs)
 
     monkeypatch.setattr(_saver.SaverProcess, "store_payload", kill_then_write)
     with manager(store) as m:

@@ -30,7 +30,7 @@ from ..format.codecs import Codec, get_codec
 from ..payloads import Payload, payload_for
 from ..storage import LEFTOVER_GRACE_SECONDS, Location, RetryPolicy, normalize_uri
 from ._checks import check_grace, check_metadata, check_step
-from .background import Background
+from .background import Background, Handover
 from .chunks import ChunkStore
 from .claims import Claims
 from .commit import StepWriter
@@ -39,7 +39,6 @@ from .emergency import PreemptionPolicy
 from .queries import StepQueries
 from .restore import StepReader
 from .retention import KeepPolicy
-from .saver import SaverProcess
 from .shards import DEFAULT_COMMIT_TIMEOUT, RankPlan
 from .steps import StepStore
 
@@ -249,7 +248,7 @@ class CheckpointManager(StepQueries):
             if not background:
                 job(payload)
             else:
-                self._background.start(step, payload, job)
+                self._background.start(step, payload, job, helper=not self._writer.deduplicates(payload))
         clock.release()  # a background save's record, at its commit, counts the caller's wait until here
         return self._steps.step_uri(step)
 
@@ -262,7 +261,7 @@ class CheckpointManager(StepQueries):
             self._writer.commit_files(check_step(step), name, data, _attempt_source(), record_metadata)
 
     def _write_step(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: str | None,
-                    payload: Payload, saver: SaverProcess | None = None, *, clock: _log.Clock,
+                    payload: Payload, saver: Handover | None = None, *, clock: _log.Clock,
                     progress: _progress.Progress) -> None:
         self.last_save = self._writer.write(step, metadata, attempt, replaced, payload, saver, clock=clock,
                                             progress=progress)

@@ -167,6 +167,11 @@ class SnapshotCache:
                      self.copied)
         return Snapshot(copy, frozenset(linked))
 
+    @property
+    def kept(self) -> Path | None:
+        """The folder of the kept snapshot (None when there is none)."""
+        return self._folder
+
     def keep(self, scratch: Path) -> bool:
         """After the upload of the snapshot in ``scratch``: keep it for the next one (dropping the one kept
         before). False when it is not a snapshot this cache took: the caller removes it."""
