@@ -3,7 +3,8 @@
 Scenarios, one module each: :mod:`.sigkill` (savers killed at random moments), :mod:`.faults` (a
 fault-injecting proxy on the wire), :mod:`.roundtrip` (Hypothesis trees), :mod:`.credentials` (secrets in
 errors, warnings and logs), :mod:`.resources` (leaks over many cycles), :mod:`.concurrency` (two writers
-and a reader), :mod:`.hostile` (the hostile-archive module of the suite, when present), :mod:`.suite` (the suite's
+and a reader), :mod:`.hostile` (the hostile-archive module of the suite, when present), :mod:`.handover` (trainers
+killed after ``save(blocking=False)`` returned), :mod:`.suite` (the suite's
 ``campaign`` tests, full campaign only). docs/reliability.md
 describes each and holds the table of the last full run.
 """
@@ -16,6 +17,7 @@ FULL_COUNTS = {
     "roundtrip": {"memory": 150, "local": 150, "s3": 40},
     "resource_cycles": 1000,
     "concurrency_seconds": 30.0,
+    "kill_after_return": {"local": 20, "s3": 20},
 }
 #: The bounded campaign (``--quick``, and tests/test_reliability.py in ``make test``).
 QUICK_COUNTS = {
@@ -25,4 +27,5 @@ QUICK_COUNTS = {
     "roundtrip": {"memory": 20, "local": 20, "s3": 6},
     "resource_cycles": 100,
     "concurrency_seconds": 5.0,
+    "kill_after_return": {"local": 6, "s3": 6},
 }

@@ -21,7 +21,8 @@ from pathlib import Path
 from . import FULL_COUNTS, QUICK_COUNTS
 from ._common import RESULTS_DIR, Result, Servers, table
 
-SCENARIOS = ("sigkill", "faults", "roundtrip", "secrets", "resources", "concurrency", "hostile", "campaign")
+SCENARIOS = ("sigkill", "faults", "roundtrip", "secrets", "resources", "concurrency", "hostile", "kill-after-return",
+             "campaign")
 STORES = ("local", "memory", "s3", "gcs", "azure")
 
 def _store_counts(text: str) -> dict[str, int]:
@@ -67,6 +68,7 @@ def plan(args: argparse.Namespace) -> dict:
         counts["sigkill"] = dict.fromkeys(counts["sigkill"], n)
         counts["fault_cycles"] = dict.fromkeys(counts["fault_cycles"], n)
         counts["roundtrip"] = dict.fromkeys(counts["roundtrip"], n)
+        counts["kill_after_return"] = dict.fromkeys(counts["kill_after_return"], n)
         counts["resource_cycles"] = n
         counts["concurrency_seconds"] = float(n)
     for name in ("sigkill", "fault_cycles", "roundtrip"):
@@ -79,14 +81,14 @@ def plan(args: argparse.Namespace) -> dict:
     if args.no_outage:
         counts["outage"] = {}
     stores = set(args.stores.split(","))
-    for name in ("sigkill", "fault_cycles", "roundtrip", "outage"):
+    for name in ("sigkill", "fault_cycles", "roundtrip", "outage", "kill_after_return"):
         counts[name] = {k: v for k, v in counts[name].items() if k in stores}
     counts["stores"] = sorted(stores)
     return counts
 
 
 def run(args: argparse.Namespace) -> tuple[list[Result], dict]:
-    from . import concurrency, credentials, faults, hostile, resources, roundtrip, sigkill, suite
+    from . import concurrency, credentials, faults, handover, hostile, resources, roundtrip, sigkill, suite
 
     counts = plan(args)
     only = [s for s in args.only.split(",") if s]
@@ -124,6 +126,10 @@ def run(args: argparse.Namespace) -> tuple[list[Result], dict]:
                     results += concurrency.run(servers, kinds, counts["concurrency_seconds"], sub)
                 elif scenario == "hostile":
                     results += hostile.run(sub)
+                elif scenario == "kill-after-return":  # the full campaign also with every core busy
+                    results += handover.run(servers, counts["kill_after_return"], sub,
+                                            size=handover.QUICK_SIZE if args.quick else handover.FULL_SIZE,
+                                            loaded=(False,) if args.quick else (False, True))
                 elif scenario == "campaign" and not args.quick:  # the bounded versions are make test's own
                     results += suite.campaign(sub)
     finally:
