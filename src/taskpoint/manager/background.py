@@ -24,7 +24,7 @@ from ..storage import Location
 from ..transfer import write_payload
 from ..workspace import owned_folder, sweep_dead_folders
 from .saver import NotTransferable, SaverProcess, SaverUnavailable, release_freed_memory
-from .snapshots import SnapshotCache
+from .snapshots import SnapshotCache, spool
 
 
 class BackgroundSave:
@@ -167,9 +167,9 @@ class Background:
         process holds the save (``handover`` is None without one, or with ``helper=False``: a job that never
         uses it). A kind that cannot be snapshotted runs ``job(payload)`` here, with a warning.
 
-        Waiting for the save process to hold the save costs a pipe round trip plus the pickled payload (bytes
-        travel whole; files and directories as their snapshot's path), and on the first save the start of
-        the process; docs/manager.md has the figures."""
+        Waiting for the save process to hold the save costs a pipe round trip (bytes are written into the
+        snapshot folder for it, files and directories travel as their snapshot's path), and on the first
+        save the start of the process; docs/manager.md has the figures."""
         scratch = owned_folder(SNAPSHOT_PREFIX, self._snapshot_dir)
         # Each snapshot is as large as the data it copied: those of killed processes must not pile up.
         sweep_dead_folders(scratch.parent, SNAPSHOT_PREFIX)
@@ -186,6 +186,8 @@ class Background:
             return
         try:
             process = self._helper_process() if helper else None
+            if process is not None:
+                snapshot = spool(snapshot, scratch)
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
             raise

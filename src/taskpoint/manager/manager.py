@@ -93,8 +93,9 @@ class CheckpointManager(StepQueries):
         codec: ``"gzip"``, ``"zstd"`` or ``"none"``: the archive codec of directories (None: gzip), and the
             codec of each chunk of deduplicated steps (None: zstd).
         level: compression level for the codec; None picks a fast default.
-        async_save: when True, :meth:`save` returns once the data is snapshotted and uploads in the
-            background (``save(..., blocking=...)`` overrides it per call).
+        async_save: when True, :meth:`save` returns once the data is snapshotted (and handed to the save
+            process, which then commits it even if this process dies) and uploads in the background
+            (``save(..., blocking=...)`` overrides it per call).
         retry: how storage failures are retried; see :class:`~taskpoint.RetryPolicy`.
         grace_seconds: age after which an object that no manifest names (left by a killed or superseded
             save) is removed by later saves and :meth:`gc`. It must exceed the time between a payload's
@@ -223,9 +224,11 @@ class CheckpointManager(StepQueries):
         ``metadata`` is a dict of JSON values, given back exactly by :meth:`metadata`. Saving a step that
         exists raises FileExistsError unless ``overwrite=True`` (two writers checking at the same moment
         can both pass the check; the last to commit wins, with its own complete data). With
-        ``blocking=False`` (or ``async_save=True``) the call returns once the data is snapshotted: the caller
-        may change or delete it at once. At most one save is in flight; the next call waits for it, and an
-        error it met is raised by the next call instead of doing anything else. ``progress``: as for
+        ``blocking=False`` (or ``async_save=True``) the call returns once the data is snapshotted, and handed
+        to the save process where there is one (so that the step is committed even if this process is killed
+        next; see docs/manager.md): the caller may change or delete it at once. At most one save is in
+        flight; the next call waits for it, and an error it met is raised by the next call instead of doing
+        anything else. ``progress``: as for
         :meth:`Checkpoint.save_sync <taskpoint.Checkpoint.save_sync>` (a background save shows no bar unless True).
         """
         clock = _log.Clock()

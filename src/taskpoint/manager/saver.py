@@ -71,8 +71,11 @@ NICENESS = 10
 #: The child's reply once it holds a request (before it uploads anything).
 TAKEN = "taken"
 #: The parent's message once it has committed (or failed to commit) the step of the last request: the child's
-#: duty for that step ends. ``None`` instead says the manager closes (the child exits, leaving the folders).
+#: duty for that step ends.
 DONE = "done"
+#: The parent's last message, from a manager that closes: the child exits, leaving the snapshot folders (which
+#: a pipe closed without it, by the parent's death, makes the child remove).
+CLOSE = "close"
 #: How often a child whose parent died refreshes the modification time of the snapshot folders it took over:
 #: far below the age (LEFTOVER_GRACE_SECONDS, 15 min) after which a sweep removes a dead process's folder.
 KEEP_FRESH_SECONDS = 60.0
@@ -220,7 +223,7 @@ class SaverProcess:
         """Close the pipe; the child exits after any request in progress. Killed if it hangs."""
         if self._process.stdin is not None:
             with contextlib.suppress(OSError, ValueError):
-                _send(self._process.stdin, _pickle(None))  # a close, not a death: the child leaves the folders
+                _send(self._process.stdin, _pickle(CLOSE))
         for stream in (self._process.stdin, self._process.stdout):
             if stream is not None:
                 with contextlib.suppress(OSError):
@@ -390,11 +393,11 @@ def serve(parent: int) -> None:
     while True:
         try:
             message = _receive(requests)
-        except EOFError:  # the parent died (a closing manager says None first)
+        except EOFError:  # the parent died (a closing manager says CLOSE first)
             duty.commit_for_dead_parent()
             duty.leave()
             return
-        if message is None:
+        if message == CLOSE:
             return
         if message == DONE:
             duty.end()
