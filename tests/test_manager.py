@@ -66,16 +66,20 @@ def leftover_name() -> str:
 class Gate:
     """Holds a manager's upload (``write_payload``) or download (``read_payload``) of chosen steps.
 
-    ``hold(step)`` arms it; ``entered(step)`` waits until the transfer of that step has started and is
-    held; ``release(step)`` lets it go on. Transfers of other steps pass straight through.
+    ``hold(step)`` arms it; ``entered(step)`` waits until the transfer of that step is held; ``release(step)``
+    lets it go on. Transfers of other steps pass straight through. An upload is held once its payload is
+    stored and before its commit: a background save must be handed over to the save process before ``save()``
+    returns, so the save's own thread is held, not the process. ``before=True`` holds it before anything is
+    read instead (for saves that have no save process: ``background_process=False``).
     """
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, function: str) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, function: str, *, before: bool = False) -> None:
         # Where the manager looks each transfer up: uploads (through its save process, when it has one) in
         # the commit module, downloads in the restore module.
         module, function = {"write_payload": (_commit, "store_payload"),
                             "read_payload": (_restore, "read_payload")}[function]
         self._real = getattr(module, function)
+        self._before = before or module is _restore
         self._held: dict[int, tuple[threading.Event, threading.Event]] = {}
         #: Called with the step as each transfer starts (tests record what they need to see then).
         self.on_start: Callable[[int], object] = lambda step: None
@@ -85,11 +89,18 @@ class Gate:
         match = re.search(r"/ckpt-(\d+)/", location.uri)
         step = int(match.group(1)) if match else -1
         self.on_start(step)
+        if self._before:
+            self._wait(step)
+        result = self._real(location, *args, **kwargs)
+        if not self._before:
+            self._wait(step)
+        return result
+
+    def _wait(self, step: int) -> None:
         events = self._held.get(step)
         if events is not None:
             events[0].set()
             assert events[1].wait(TIMEOUT), "the test never released the gate"
-        return self._real(location, *args, **kwargs)
 
     def hold(self, step: int) -> None:
         self._held[step] = (threading.Event(), threading.Event())
@@ -409,7 +420,7 @@ def test_retention_never_deletes_a_step_being_restored(store, monkeypatch, tmp_p
 
 @LOCAL_AND_S3
 def test_background_save_keeps_the_data_as_it_was_when_save_returned(store, monkeypatch, tmp_path):
-    uploads = Gate(monkeypatch, "write_payload")
+    uploads = Gate(monkeypatch, "write_payload", before=True)  # (no save process: nothing is read meanwhile)
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     tree = make_tree(tmp_path / "tree", big=1 << 20)
@@ -417,7 +428,7 @@ def test_background_save_keeps_the_data_as_it_was_when_save_returned(store, monk
     single.write_bytes(os.urandom(300_000))
     buffer = bytearray(b"A" * 10_000)
     tree_before, single_before = snapshot(tree), single.read_bytes()
-    with manager(store, snapshot_dir=scratch) as m:
+    with manager(store, snapshot_dir=scratch, background_process=False) as m:
         for step, data in ((1, tree), (2, single), (3, buffer)):
             uploads.hold(step)
             m.save(data, step, blocking=False)

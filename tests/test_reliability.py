@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from reliability import QUICK_COUNTS, concurrency, credentials, faults, resources, roundtrip, sigkill
+from reliability import QUICK_COUNTS, concurrency, credentials, faults, handover, resources, roundtrip, sigkill
 from reliability._common import Result, Servers, table
 
 pytestmark = pytest.mark.timeout(600)
@@ -38,6 +38,11 @@ def _check(results: list[Result]) -> None:
 
 def test_sigkill_during_save(servers, tmp_path):
     _check(sigkill.run(servers, QUICK_COUNTS["sigkill"], random.Random(1), tmp_path))
+
+
+def test_a_trainer_killed_after_save_returned_loses_no_step(servers, tmp_path):
+    _check(handover.run(servers, QUICK_COUNTS["kill_after_return"], tmp_path, size=handover.QUICK_SIZE,
+                        loaded=(False,)))
 
 
 def test_faults_on_the_wire(servers, tmp_path):

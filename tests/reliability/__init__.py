@@ -4,7 +4,8 @@ Scenarios, one module each: :mod:`.sigkill` (savers killed at random moments), :
 fault-injecting proxy on the wire), :mod:`.roundtrip` (Hypothesis trees), :mod:`.credentials` (secrets in
 errors, warnings and logs), :mod:`.resources` (leaks over many cycles), :mod:`.concurrency` (two writers
 and a reader), :mod:`.hostile` (the hostile-archive module of the suite, when present), :mod:`.manifests` (a bit
-of a manifest or record damaged), :mod:`.suite` (the suite's ``campaign`` tests, full campaign only).
+of a manifest or record damaged), :mod:`.handover` (trainers killed after ``save(blocking=False)``
+returned), :mod:`.suite` (the suite's ``campaign`` tests, full campaign only).
 docs/reliability.md describes each and holds the table of the last full run.
 """
 
@@ -17,6 +18,7 @@ FULL_COUNTS = {
     "resource_cycles": 1000,
     "concurrency_seconds": 30.0,
     "manifest_damage": {"local": 1000, "s3": 100},
+    "kill_after_return": {"local": 20, "s3": 20},
 }
 #: The bounded campaign (``--quick``, and tests/test_reliability.py in ``make test``).
 QUICK_COUNTS = {
@@ -27,4 +29,5 @@ QUICK_COUNTS = {
     "resource_cycles": 100,
     "concurrency_seconds": 5.0,
     "manifest_damage": {"local": 100},
+    "kill_after_return": {"local": 6, "s3": 6},
 }

@@ -23,7 +23,7 @@ from ._common import RESULTS_DIR, Result, Servers, table
 from .suite import TIME_ROWS
 
 SCENARIOS = ("sigkill", "faults", "roundtrip", "secrets", "resources", "concurrency", "hostile", "manifests",
-             *TIME_ROWS, "campaign")
+             "kill-after-return", *TIME_ROWS, "campaign")
 STORES = ("local", "memory", "s3", "gcs", "azure")
 
 def _store_counts(text: str) -> dict[str, int]:
@@ -72,6 +72,7 @@ def plan(args: argparse.Namespace) -> dict:
         counts["fault_cycles"] = dict.fromkeys(counts["fault_cycles"], n)
         counts["roundtrip"] = dict.fromkeys(counts["roundtrip"], n)
         counts["manifest_damage"] = dict.fromkeys(counts["manifest_damage"], n)
+        counts["kill_after_return"] = dict.fromkeys(counts["kill_after_return"], n)
         counts["resource_cycles"] = n
         counts["concurrency_seconds"] = float(n)
     for name in ("sigkill", "fault_cycles", "roundtrip", "manifest_damage"):
@@ -84,14 +85,14 @@ def plan(args: argparse.Namespace) -> dict:
     if args.no_outage:
         counts["outage"] = {}
     stores = set(args.stores.split(","))
-    for name in ("sigkill", "fault_cycles", "roundtrip", "outage", "manifest_damage"):
+    for name in ("sigkill", "fault_cycles", "roundtrip", "outage", "manifest_damage", "kill_after_return"):
         counts[name] = {k: v for k, v in counts[name].items() if k in stores}
     counts["stores"] = sorted(stores)
     return counts
 
 
 def run(args: argparse.Namespace) -> tuple[list[Result], dict]:
-    from . import concurrency, credentials, faults, hostile, manifests, resources, roundtrip, sigkill, suite
+    from . import concurrency, credentials, faults, handover, hostile, manifests, resources, roundtrip, sigkill, suite
 
     counts = plan(args)
     only = [s for s in args.only.split(",") if s]
@@ -133,6 +134,10 @@ def run(args: argparse.Namespace) -> tuple[list[Result], dict]:
                     results += manifests.run(servers, counts["manifest_damage"], random.Random(seed), sub)
                 elif scenario in suite.TIME_ROWS and not args.quick:  # make test runs their bounded tests
                     results += suite.time_row(scenario, sub)
+                elif scenario == "kill-after-return":  # the full campaign also with every core busy
+                    results += handover.run(servers, counts["kill_after_return"], sub,
+                                            size=handover.QUICK_SIZE if args.quick else handover.FULL_SIZE,
+                                            loaded=(False,) if args.quick else (False, True))
                 elif scenario == "campaign" and not args.quick:  # the bounded versions are make test's own
                     results += suite.campaign(sub)
     finally:

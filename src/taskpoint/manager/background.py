@@ -2,7 +2,9 @@
 
 A background save copies the caller's data into a snapshot folder (so the caller may change it at once),
 then uploads it on a thread of its own, from the manager's save process when there is one (see
-:mod:`.saver`). Its error is kept until the next call of the manager, or reported at exit: never lost.
+:mod:`.saver`). With a save process, ``save()`` returns only once that process holds the save (the
+:class:`Handover`): a trainer killed after the return loses nothing the process can finish. Its error is
+kept until the next call of the manager, or reported at exit: never lost.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import shutil
 import threading
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointError, add_note
@@ -21,7 +24,7 @@ from ..storage import Location
 from ..transfer import write_payload
 from ..workspace import owned_folder, sweep_dead_folders
 from .saver import NotTransferable, SaverProcess, SaverUnavailable, release_freed_memory
-from .snapshots import SnapshotCache
+from .snapshots import SnapshotCache, spool
 
 
 class BackgroundSave:
@@ -87,15 +90,53 @@ def _say_in_message(error: BaseException, what: str) -> None:
 SNAPSHOT_PREFIX = "taskpoint-snapshot-"
 
 
+class Handover:
+    """One background save's way to the save process: the request is sent from the save's thread while
+    ``save()`` waits in :meth:`wait` until the process holds it (or it is clear that it never will: the
+    payload does not pickle, the process died, the save failed before its upload), so that the process can
+    finish and commit the step if this process dies after ``save()`` returned.
+
+    ``folders`` are the snapshot folders the process removes in that case: the snapshot's own and the one
+    kept for the next snapshot (:class:`~.snapshots.SnapshotCache`). :meth:`finish`, once the save's thread
+    is done with the step, tells the process that its commit is no longer needed.
+    """
+
+    def __init__(self, process: SaverProcess, folders: tuple[Path, ...]) -> None:
+        self.process = process
+        self._folders = tuple(str(folder) for folder in folders)
+        self._taken = threading.Event()
+        self._held = False  # the process stored the payload, and would commit it were this process to die
+
+    def store_payload(self, location: Location, payload: Payload, codec: str, level: int | None,
+                      commit: tuple[Location, StepManifest] | None, progress: Progress) -> tuple[int, str]:
+        try:
+            stored = self.process.store_payload(location, payload, codec, level, commit, progress,
+                                                folders=self._folders, taken=self._taken.set)
+        finally:
+            self._taken.set()
+        self._held = commit is not None
+        return stored
+
+    def wait(self) -> None:
+        self._taken.wait()
+
+    def finish(self) -> None:
+        """After the save's thread committed the step (or failed to): the process need not commit it."""
+        self._taken.set()
+        if self._held:
+            self._held = False
+            self.process.done()
+
+
 def store_payload(location: Location, payload: Payload, codec: Codec, level: int | None,
-                  saver: SaverProcess | None = None,
+                  saver: Handover | None = None,
                   commit: tuple[Location, StepManifest] | None = None,
                   progress: Progress = NO_PROGRESS) -> tuple[int, str]:
     """Write a step's payload to ``location``: from ``saver``'s process when given and it can reach the
     location (the manager starts one only for a directory other processes can reach), else from this thread.
     A save process that dies or cannot take the payload is never fatal: the payload (under its unique name)
     is written again from here; a killed process's partial object has no manifest and is swept like any
-    leftover. ``commit`` is what the save process commits itself if this process dies during the upload."""
+    leftover. ``commit`` is what the save process commits itself if this process dies before committing it."""
     if saver is not None:
         try:
             return saver.store_payload(location, payload, codec.name, level, commit, progress)
@@ -121,9 +162,14 @@ class Background:
         #: The last snapshot of a directory, whose unchanged files the next one links instead of copying.
         self._snapshots = SnapshotCache()
 
-    def start(self, step: int, payload: Payload, job: Callable[..., None]) -> None:
-        """Snapshot ``payload``, then run ``job(snapshot, save_process)`` in the background; a kind that
-        cannot be snapshotted runs ``job(payload)`` here, with a warning."""
+    def start(self, step: int, payload: Payload, job: Callable[..., None], *, helper: bool = True) -> None:
+        """Snapshot ``payload``, then run ``job(snapshot, handover)`` in the background, returning once the save
+        process holds the save (``handover`` is None without one, or with ``helper=False``: a job that never
+        uses it). A kind that cannot be snapshotted runs ``job(payload)`` here, with a warning.
+
+        Waiting for the save process to hold the save costs a pipe round trip (bytes are written into the
+        snapshot folder for it, files and directories travel as their snapshot's path), and on the first
+        save the start of the process; docs/manager.md has the figures."""
         scratch = owned_folder(SNAPSHOT_PREFIX, self._snapshot_dir)
         # Each snapshot is as large as the data it copied: those of killed processes must not pile up.
         sweep_dead_folders(scratch.parent, SNAPSHOT_PREFIX)
@@ -138,15 +184,28 @@ class Background:
                           "the foreground", stacklevel=3)
             job(payload)
             return
+        try:
+            process = self._helper_process() if helper else None
+            if process is not None:
+                snapshot = spool(snapshot, scratch)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        kept = self._snapshots.kept
+        handover = None if process is None else Handover(process, (scratch,) if kept is None else (scratch, kept))
 
         def upload() -> None:
             try:
-                job(snapshot, self._helper_process())
+                job(snapshot, handover)
             finally:
+                if handover is not None:
+                    handover.finish()
                 if not self._snapshots.keep(scratch):  # a directory's snapshot is kept for the next one
                     shutil.rmtree(scratch, ignore_errors=True)
 
         self.slot.start(step, upload)
+        if handover is not None:
+            handover.wait()
 
     def settle(self, *, wait: bool) -> None:
         """Raise the error of a finished background save; with ``wait``, first let it finish."""

@@ -17,11 +17,10 @@ from ..format.codecs import Codec
 from ..format.fileset import FileSetManifest
 from ..format.records import FILESET_CODEC, ObjectRecord, StepManifest
 from ..payloads import Payload
-from .background import store_payload
+from .background import Handover, store_payload
 from .claims import Claims
 from .dedup import Dedup, deduplicable
 from .retention import KeepPolicy
-from .saver import SaverProcess
 from .shards import RankPlan, ShardWriter
 from .steps import FILESET_NAME, MANIFEST_NAME, StepStore, quietly
 
@@ -39,7 +38,7 @@ class StepWriter:
         self.last_step: int | None = None
 
     def write(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: str | None,
-              payload: Payload, saver: SaverProcess | None = None, *, clock: _log.Clock,
+              payload: Payload, saver: Handover | None = None, *, clock: _log.Clock,
               progress: Progress = NO_PROGRESS) -> TransferStats:
         """Upload the payload under a fresh name (or, deduplicated, its missing chunks), then commit it with the
         manifest; then tidy up. Returns the save's figures (``CheckpointManager.last_save``). With several ranks,
@@ -51,10 +50,14 @@ class StepWriter:
                 return self._write_shard(step, metadata, attempt, payload, saver, clock=clock, progress=progress)
             return self._write(step, metadata, attempt, replaced, payload, saver, clock, progress)
 
+    def deduplicates(self, payload: Payload) -> bool:
+        """Whether ``payload`` is saved as a deduplicated step, whose chunks this process uploads itself."""
+        return self._dedup is not None and deduplicable(payload)
+
     def _write(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: str | None,
-               payload: Payload, saver: SaverProcess | None, clock: _log.Clock, progress: Progress) -> TransferStats:
+               payload: Payload, saver: Handover | None, clock: _log.Clock, progress: Progress) -> TransferStats:
         save_id = uuid.uuid4().hex
-        chunked = self._dedup is not None and deduplicable(payload)  # its chunks: named by a lease until the commit
+        chunked = self.deduplicates(payload)  # its chunks: named by a lease until the commit
         name = "" if chunked else f"payload-{save_id}"
         manifest_loc = self._steps.object(step, MANIFEST_NAME)
         record = ObjectRecord(kind=payload.kind, codec="chunked" if chunked else
@@ -91,7 +94,7 @@ class StepWriter:
         return _log.transferred("save", self._steps.step_uri(step), payload.kind, sent, clock, step)
 
     def _write_shard(self, step: int, metadata: dict[str, Any], attempt: int | None, payload: Payload,
-                     saver: SaverProcess | None, *, clock: _log.Clock, progress: Progress) -> TransferStats:
+                     saver: Handover | None, *, clock: _log.Clock, progress: Progress) -> TransferStats:
         assert self._shards is not None
         codec = self._codec.name if payload.archived else "raw"
         # No commit for the save process to finish: a step of several ranks is committed by rank 0 alone.

@@ -30,7 +30,7 @@ from ..format.codecs import Codec, get_codec
 from ..payloads import Payload, payload_for
 from ..storage import LEFTOVER_GRACE_SECONDS, Location, RetryPolicy, normalize_uri
 from ._checks import check_grace, check_metadata, check_step
-from .background import Background
+from .background import Background, Handover
 from .chunks import ChunkStore
 from .claims import Claims
 from .commit import StepWriter
@@ -39,7 +39,6 @@ from .emergency import PreemptionPolicy
 from .queries import StepQueries
 from .restore import StepReader
 from .retention import KeepPolicy
-from .saver import SaverProcess
 from .shards import DEFAULT_COMMIT_TIMEOUT, RankPlan
 from .steps import StepStore
 
@@ -94,8 +93,9 @@ class CheckpointManager(StepQueries):
         codec: ``"gzip"``, ``"zstd"`` or ``"none"``: the archive codec of directories (None: gzip), and the
             codec of each chunk of deduplicated steps (None: zstd).
         level: compression level for the codec; None picks a fast default.
-        async_save: when True, :meth:`save` returns once the data is snapshotted and uploads in the
-            background (``save(..., blocking=...)`` overrides it per call).
+        async_save: when True, :meth:`save` returns once the data is snapshotted (and handed to the save
+            process, which then commits it even if this process dies) and uploads in the background
+            (``save(..., blocking=...)`` overrides it per call).
         retry: how storage failures are retried; see :class:`~taskpoint.RetryPolicy`.
         grace_seconds: age after which an object that no manifest names (left by a killed or superseded
             save) is removed by later saves and :meth:`gc`. It must exceed the time between a payload's
@@ -224,9 +224,11 @@ class CheckpointManager(StepQueries):
         ``metadata`` is a dict of JSON values, given back exactly by :meth:`metadata`. Saving a step that
         exists raises FileExistsError unless ``overwrite=True`` (two writers checking at the same moment
         can both pass the check; the last to commit wins, with its own complete data). With
-        ``blocking=False`` (or ``async_save=True``) the call returns once the data is snapshotted: the caller
-        may change or delete it at once. At most one save is in flight; the next call waits for it, and an
-        error it met is raised by the next call instead of doing anything else. ``progress``: as for
+        ``blocking=False`` (or ``async_save=True``) the call returns once the data is snapshotted, and handed
+        to the save process where there is one (so that the step is committed even if this process is killed
+        next; see docs/manager.md): the caller may change or delete it at once. At most one save is in
+        flight; the next call waits for it, and an error it met is raised by the next call instead of doing
+        anything else. ``progress``: as for
         :meth:`Checkpoint.save_sync <taskpoint.Checkpoint.save_sync>` (a background save shows no bar unless True).
         """
         clock = _log.Clock()
@@ -249,7 +251,7 @@ class CheckpointManager(StepQueries):
             if not background:
                 job(payload)
             else:
-                self._background.start(step, payload, job)
+                self._background.start(step, payload, job, helper=not self._writer.deduplicates(payload))
         clock.release()  # a background save's record, at its commit, counts the caller's wait until here
         return self._steps.step_uri(step)
 
@@ -262,7 +264,7 @@ class CheckpointManager(StepQueries):
             self._writer.commit_files(check_step(step), name, data, _attempt_source(), record_metadata)
 
     def _write_step(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: str | None,
-                    payload: Payload, saver: SaverProcess | None = None, *, clock: _log.Clock,
+                    payload: Payload, saver: Handover | None = None, *, clock: _log.Clock,
                     progress: _progress.Progress) -> None:
         self.last_save = self._writer.write(step, metadata, attempt, replaced, payload, saver, clock=clock,
                                             progress=progress)

@@ -10,18 +10,28 @@ saves for the same reason.
 :class:`SaverProcess` runs :func:`serve` in a plain child process (``python -c``) (not ``multiprocessing``:
 its spawn mode would import the caller's ``__main__`` again, running an unguarded training script twice).
 It writes payloads as :func:`taskpoint.transfer.write_payload` does, one request at a time, over a pipe of
-length-prefixed pickles. Only the payload's bytes travel this way: the manager still commits (writes the
-manifest) and applies retention in its own process, where it knows which steps are being restored. The
-child runs at a lower CPU priority, and exits when the pipe closes.
+length-prefixed pickles. Only the payload's bytes travel this way: while it lives the manager still commits
+(writes the manifest) and applies retention in its own process, where it knows which steps are being
+restored. The child runs at a lower CPU priority, and exits when the pipe closes.
 
-When the parent dies (SIGKILL, the OOM killer) while the child is uploading, the child outlives it: it
-finishes the upload and commits the step itself, with the manifest the parent sent along with the request
-(completed with the size and digest it computed), unless a manifest for that step exists already (a writer
-of the same step that got there first is never overwritten). It does so within ``$TASKPOINT_GRACE_SECONDS``
-(default 30) of noticing the death (it looks every 0.2 s); when the upload cannot finish in time it exits
-and leaves only an uncommitted payload, which no reader sees and a later save or ``gc()`` sweeps. An idle
-child exits at once. It ignores the preemption signals (``SIGTERM`` by default), which a platform may send to
-every process of the job: the trainer decides, and the child ends with it.
+A background save is *handed over* before ``save()`` returns: the helper acknowledges each request (one
+reply on the pipe) as soon as it holds it, so that it holds everything it needs to finish and commit the step
+(the payload, or the path of its snapshot on local disk; the destination; the codec; the manifest to write)
+the moment the trainer may die. The ack costs a pipe round trip, not an upload (measured in docs/manager.md).
+
+When the parent dies (SIGKILL, the OOM killer) after the handover, the child outlives it: it finishes the
+upload and commits the step itself, with the manifest the parent sent along with the request (completed with
+the size and digest it computed), unless a manifest for that step exists already (the parent committed it
+before dying, or a writer of the same step got there first: never overwritten). Its duty for a step ends
+when the parent says it has committed it (the ``done`` message), so no moment is left where neither writes
+the manifest. It does so within ``$TASKPOINT_GRACE_SECONDS`` (default 30) of noticing the death (it looks
+every 0.2 s, and the pipe closing tells it at once); when the upload cannot finish in time it exits and leaves
+only an uncommitted payload, which no reader sees and a later save or ``gc()`` sweeps. The snapshot folders a
+request names are then the child's: it keeps them fresh (so no sweep of a dead process's folders takes them
+meanwhile) and removes them before it exits. An idle child exits at once (removing the snapshot folders the
+last request named, which the dead parent kept for its next snapshot). It ignores the preemption signals
+(``SIGTERM`` by default), which a platform may send to every process of the job: the trainer decides, and
+the child ends with it.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import ctypes
 import dataclasses
 import os
 import pickle
+import shutil
 import signal
 import struct
 import subprocess
@@ -39,6 +50,7 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from typing import IO, Any
 
 from .. import _progress, preemption
@@ -56,6 +68,17 @@ _LENGTH = struct.Struct("<Q")
 _CHILD = "import sys; from taskpoint.manager.saver import serve; serve(int(sys.argv[1]))"
 #: How much lower the child's CPU priority is than its parent's (``nice``): a training loop keeps its core.
 NICENESS = 10
+#: The child's reply once it holds a request (before it uploads anything).
+TAKEN = "taken"
+#: The parent's message once it has committed (or failed to commit) the step of the last request: the child's
+#: duty for that step ends.
+DONE = "done"
+#: The parent's last message, from a manager that closes: the child exits, leaving the snapshot folders (which
+#: a pipe closed without it, by the parent's death, makes the child remove).
+CLOSE = "close"
+#: How often a child whose parent died refreshes the modification time of the snapshot folders it took over:
+#: far below the age (LEFTOVER_GRACE_SECONDS, 15 min) after which a sweep removes a dead process's folder.
+KEEP_FRESH_SECONDS = 60.0
 
 
 def _pickle(message: Any) -> bytes:
@@ -125,13 +148,15 @@ class SaverProcess:
 
     def store_payload(self, location: Location, payload: Payload, codec: str, level: int | None,
                       commit: tuple[Location, StepManifest] | None = None,
-                      progress: Progress = NO_PROGRESS) -> tuple[int, str]:
+                      progress: Progress = NO_PROGRESS, *, folders: tuple[str, ...] = (),
+                      taken: Callable[[], None] | None = None) -> tuple[int, str]:
         """What :func:`taskpoint.transfer.write_payload` does, done by the helper process.
 
         ``commit`` is the manifest's location and the manifest (its size and digest still to fill in) that the
-        child writes itself if this process dies before the upload ends (see the module's docstring). The
-        child reports its progress as ``("progress", "size" | "update", n)`` messages before its answer; they
-        go to ``progress``.
+        child writes itself if this process dies before it has called :meth:`done` (see the module's
+        docstring); ``folders`` are the snapshot folders the child removes then. ``taken`` is called once the
+        child holds the request, before it uploads. The child reports its progress as
+        ``("progress", "size" | "update", n)`` messages before its answer; they go to ``progress``.
 
         Raises what the child raised (with its traceback as a note), or SaverUnavailable when the request
         cannot be sent (the payload does not pickle) or the child died; nothing was committed then.
@@ -140,7 +165,7 @@ class SaverProcess:
             orphan = None if commit is None else (commit[0].uri, commit[0].storage_options, commit[0].retry,
                                                   commit[1])
             request = _pickle((location.uri, location.storage_options, location.retry, payload, codec, level,
-                               orphan, progress.active))
+                               orphan, progress.active, folders))
         except Exception as exc:
             raise NotTransferable(f"this payload cannot be sent to the save process ({exc})") from exc
         with self._lock:
@@ -148,6 +173,12 @@ class SaverProcess:
             assert stdin is not None and stdout is not None
             try:
                 _send(stdin, request)
+                answer = _receive(stdout)
+                if answer != TAKEN:
+                    raise SaverUnavailable(f"the save process (pid {self.pid}) answered {answer!r} instead of "
+                                           f"{TAKEN!r}")
+                if taken is not None:
+                    taken()
                 answer = _receive(stdout)
                 while answer[0] == "progress":
                     _, what, n = answer
@@ -176,11 +207,23 @@ class SaverProcess:
             add_note(error, f"{where}:\n{remote_traceback}")
         raise error
 
+    def done(self) -> None:
+        """Tell the child that the step of its last request (stored with a ``commit``) is committed, or that
+        committing it failed here: it no longer commits it itself. A child that died needs no telling."""
+        with self._lock:
+            stdin = self._process.stdin
+            assert stdin is not None
+            with contextlib.suppress(OSError):
+                _send(stdin, _pickle(DONE))
+
     def alive(self) -> bool:
         return self._process.poll() is None
 
     def close(self) -> None:
         """Close the pipe; the child exits after any request in progress. Killed if it hangs."""
+        if self._process.stdin is not None:
+            with contextlib.suppress(OSError, ValueError):
+                _send(self._process.stdin, _pickle(CLOSE))
         for stream in (self._process.stdin, self._process.stdout):
             if stream is not None:
                 with contextlib.suppress(OSError):
@@ -216,13 +259,66 @@ _malloc_trim: Any = None
 # -- the child --------------------------------------------------------------------------------------------
 
 
-#: Set while the child serves a request: its parent's death then waits for the grace period.
-_busy = threading.Event()
+class _Duty:
+    """What the child owes its parent: the request it serves (``busy`` until the parent said ``done``, or the
+    child committed the step for it), the manifest to write if the parent dies first, and the snapshot folders
+    to remove then. The main loop and the watchdog share it; :meth:`commit_for_dead_parent` runs once."""
+
+    def __init__(self) -> None:
+        self.busy = threading.Event()
+        self._lock = threading.Lock()
+        self._commit: tuple[str, Any, Any, StepManifest] | None = None
+        self._stored: tuple[int, str] | None = None
+        self.folders: tuple[str, ...] = ()
+
+    def take(self, commit: tuple[str, Any, Any, StepManifest] | None, folders: tuple[str, ...]) -> None:
+        with self._lock:
+            self.busy.set()
+            self._commit, self._stored, self.folders = commit, None, folders
+
+    def stored(self, size: int, digest: str) -> None:
+        """The payload is uploaded: the step is committed by the parent, or else by this child."""
+        with self._lock:
+            if self._commit is None:
+                self.busy.clear()  # nothing to commit here (a shard): the request is over
+            else:
+                self._stored = (size, digest)
+
+    @property
+    def uploaded(self) -> bool:
+        return self._stored is not None
+
+    def end(self) -> None:
+        """The request is over (the parent committed its step, or it failed)."""
+        with self._lock:
+            self._commit = self._stored = None
+            self.busy.clear()
+
+    def commit_for_dead_parent(self) -> None:
+        """The parent died: commit the step it did not say it committed (unless a manifest is there)."""
+        with self._lock:
+            if self._commit is not None and self._stored is not None:
+                with contextlib.suppress(Exception):  # nobody is left to tell; the payload stays a leftover
+                    _commit_orphan(self._commit, *self._stored)
+            self._commit = self._stored = None
+            self.busy.clear()
+
+    def keep_fresh(self) -> None:
+        now = time.time()
+        for folder in self.folders:
+            with contextlib.suppress(OSError):
+                os.utime(folder, (now, now))
+
+    def leave(self) -> None:
+        """Remove the snapshot folders of the dead parent that the last request named."""
+        for folder in self.folders:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
-def _die_with_parent(parent: int) -> None:
-    """End this process when its parent dies: at once when idle, else once the request in progress ends (it
-    commits the step itself) or the grace period has passed, whichever comes first.
+def _die_with_parent(parent: int, duty: _Duty) -> None:
+    """End this process when its parent dies: at once when idle, else once the request in progress ends (the
+    child commits the step itself) or the grace period has passed, whichever comes first; the snapshot folders
+    of the last request are removed first.
 
     Polls the parent pid (re-parenting changes it) rather than using Linux's PR_SET_PDEATHSIG, which fires
     when the *thread* that started the child ends: here, the background save thread, after every save.
@@ -232,8 +328,16 @@ def _die_with_parent(parent: int) -> None:
         while os.getppid() == parent:
             time.sleep(0.2)
         deadline = time.monotonic() + preemption.grace_seconds()
-        while _busy.is_set() and time.monotonic() < deadline:
+        refreshed = -KEEP_FRESH_SECONDS
+        while duty.busy.is_set() and time.monotonic() < deadline:
+            if duty.uploaded:
+                duty.commit_for_dead_parent()
+                break
+            if time.monotonic() - refreshed >= KEEP_FRESH_SECONDS:
+                duty.keep_fresh()
+                refreshed = time.monotonic()
             time.sleep(0.02)
+        duty.leave()
         os._exit(0)
 
     threading.Thread(target=watch, name="taskpoint-saver-watchdog", daemon=True).start()
@@ -262,12 +366,18 @@ def _commit_orphan(commit: tuple[str, Any, Any, StepManifest], size: int, digest
 def _relayed(replies: IO[bytes]) -> Progress:
     """The child's progress: each count sent to the parent as a message before the answer (which is sent only
     after this progress is closed, so messages never interleave)."""
-    return _progress.relay(lambda what, n: _send(replies, _pickle(("progress", what, n))))
+
+    def send(what: str, n: int) -> None:
+        with contextlib.suppress(OSError):  # a parent that died hears nothing; the upload goes on
+            _send(replies, _pickle(("progress", what, n)))
+
+    return _progress.relay(send)
 
 
 def serve(parent: int) -> None:
     """The child's loop: answer write requests until the pipe closes."""
-    _die_with_parent(parent)
+    duty = _Duty()
+    _die_with_parent(parent, duty)
     with contextlib.suppress(OSError, AttributeError):
         os.nice(NICENESS)
     # The pipe to the parent is a private copy of stdout; fd 1 now points at stderr, so a stray print from
@@ -283,24 +393,32 @@ def serve(parent: int) -> None:
     while True:
         try:
             message = _receive(requests)
-        except EOFError:
+        except EOFError:  # the parent died (a closing manager says CLOSE first)
+            duty.commit_for_dead_parent()
+            duty.leave()
             return
-        _busy.set()
+        if message == CLOSE:
+            return
+        if message == DONE:
+            duty.end()
+            continue
+        uri, options, retry, payload, codec, level, orphan, report, folders = message
+        duty.take(orphan, folders)
+        with contextlib.suppress(OSError):  # a parent dead already: the step is done all the same
+            _send(replies, _pickle(TAKEN))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             value: Any
             try:
-                uri, options, retry, payload, codec, level, orphan, report = message
                 with _relayed(replies) if report else NO_PROGRESS as progress:
                     value = write_payload(Location(uri, options, retry), payload, get_codec(codec), level,
                                           progress=progress)
-                if orphan is not None and os.getppid() != parent:
-                    _commit_orphan(orphan, *value)
+                duty.stored(*value)
                 status = "ok"
             except BaseException as exc:
+                duty.end()
                 status, value = "error", (_portable_error(exc), traceback.format_exc())
-            finally:
-                _busy.clear()
-        _send(replies, _pickle((status, value, [(w.category, str(w.message)) for w in caught])))
+        with contextlib.suppress(OSError):  # the parent died meanwhile: EOF or the watchdog commits
+            _send(replies, _pickle((status, value, [(w.category, str(w.message)) for w in caught])))
         message = payload = value = None  # the payload (bytes can be large) is not kept until the next request
         release_freed_memory()
