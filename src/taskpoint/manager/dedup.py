@@ -116,9 +116,9 @@ class Dedup:
         write()
         if self.chunks.read_epoch() == self._lease_epoch:
             return  # a sweep that starts removing later reads the manifests again after its epoch: it sees ours
-        self._settled_epoch()  # the sweep that moved it is over (or stopped removing)
+        epoch = self._settled_epoch()  # the sweep that moved it is over (or stopped removing)
         stored = self.chunks.listing()
-        self.chunks.known, self.chunks.epoch = set(stored), self.chunks.read_epoch()
+        self.chunks.known, self.chunks.epoch = set(stored), epoch
         missing = tree.chunk_keys() - stored.keys()
         if missing:
             undo()

@@ -35,7 +35,7 @@ from ..payloads import Payload
 from ..ranks import Ranks, incarnation_from_environment, resolve_ranks
 from ..storage import Location
 from .leases import lease_body, renewing
-from .steps import MANIFEST_NAME, RANK_RECORD, StepStore, quietly, shard_record_name
+from .steps import MANIFEST_NAME, RANK_RECORD, StepStore, commit_lease_name, quietly, shard_record_name
 
 #: How long rank 0 waits, by default, for every rank's shard of a step before abandoning it (seconds).
 DEFAULT_COMMIT_TIMEOUT = 600.0
@@ -109,11 +109,14 @@ class ShardWriter:
             return size
         # Rank 0 holds a lease on the folder from before its own shard until the commit: no sweep removes the
         # shards it is gathering, however long the others take (a sweep with a shorter grace included).
-        lease = self._steps.object(step, f"commit-{save_id}.json")
-        lease.write_small(lease_body(self._grace), action="write a lease at")
+        lease = self._steps.object(step, commit_lease_name(save_id))
+
+        def renew() -> None:
+            lease.write_small(lease_body(self._grace), action="write a lease at")
+
+        renew()
         try:
-            with renewing(lambda: lease.write_small(lease_body(self._grace), action="write a lease at"),
-                          self._grace, "taskpoint-commit-lease"):
+            with renewing(renew, self._grace, "taskpoint-commit-lease"):
                 size, digest = store(self._steps.object(step, name))
                 shard = Shard(0, name, dataclasses.replace(record, size=size, sha256=digest))
                 shards = self._gather(step, save_round(attempt), shard)

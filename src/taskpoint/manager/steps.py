@@ -47,13 +47,18 @@ _FILESET = re.compile(rf"\.?(?:{DCP_DATA_FILE.pattern}|{re.escape(DCP_METADATA_N
                       r"(?:\.[0-9a-f]{12}\.tmp)?")
 #: The manifest of a file-set step's files, named by the step's own manifest.
 FILESET_NAME = DCP_MANIFEST_NAME
-_OURS = re.compile(r"\.?(?:payload-[0-9a-f]{32}|taskpoint\.json|rank-(?:0|[1-9][0-9]*)\.json|commit-[0-9a-f]{32}\.json)"
+#: Rank 0's lease on a step it is gathering the shards of: while fresh, no sweep removes anything in the folder.
+COMMIT_LEASE = re.compile(r"commit-[0-9a-f]{32}\.json")
+_OURS = re.compile(rf"\.?(?:payload-[0-9a-f]{{32}}|taskpoint\.json|rank-(?:0|[1-9][0-9]*)\.json|{COMMIT_LEASE.pattern})"
                    r"(?:\.[0-9a-f]{12}\.tmp)?")
 
 
 RANK_RECORD = re.compile(r"rank-(0|[1-9][0-9]*)\.json")
-#: Rank 0's lease on a step it is gathering the shards of: while fresh, no sweep removes anything in the folder.
-COMMIT_LEASE = re.compile(r"commit-[0-9a-f]{32}\.json")
+
+
+def commit_lease_name(save_id: str) -> str:
+    """The name of rank 0's lease on a step folder while it gathers the shards of save ``save_id``."""
+    return f"commit-{save_id}.json"
 
 
 def shard_record_name(rank: int) -> str:
