@@ -312,7 +312,9 @@ def test_rank_zero_stopped_while_it_gathers_fails_the_commit_once_the_shards_wer
     than the grace; a gc takes the folder for abandoned (rank 0's lease is stale) and removes the shards. Rank 2
     saves, rank 0 resumes and has every record, checks the shards before writing the manifest, and raises
     SaveStalledError naming the shard that is gone (not "deleted outside taskpoint"); step 1 never appears,
-    and step 2 saved by all three commits and restores."""
+    and step 2 saved by all three commits and restores. On a loaded machine the stop can land before rank 0's
+    first listing read rank 1's record, which the gc then removes too: rank 0 then never holds every record
+    and abandons the step (StepAbandonedError naming rank 1), the other way of committing nothing."""
     grace = {"grace_seconds": GRACE, "commit_timeout": GRACE - 0.1}
     ones = [rank_manager(store, rank, **grace) for rank in (1, 2)]
     zero = None
@@ -332,8 +334,9 @@ def test_rank_zero_stopped_while_it_gathers_fails_the_commit_once_the_shards_wer
         ones[1].save(b"shard of rank 2", 1)
         os.kill(zero.process.pid, signal.SIGCONT)
         error = zero.wait_for("error", step=1)
-        assert error["type"] == "SaveStalledError", error
-        assert "is gone" in error["message"] and "outside taskpoint" not in error["message"]
+        assert error["type"] in ("SaveStalledError", "StepAbandonedError"), error
+        assert ("is gone" if error["type"] == "SaveStalledError" else "ranks [1]") in error["message"], error
+        assert "outside taskpoint" not in error["message"]
         assert zero.finish(60) == 3
         ones.insert(0, rank_manager(store, 0, **grace))
         threads = [in_thread(lambda mgr=mgr, rank=rank: mgr.save(f"{rank}".encode(), 2))
