@@ -460,11 +460,14 @@ def test_saves_racing_deletes_and_sweeps_never_commit_a_step_naming_a_removed_ch
     """Real races, with a grace of a fraction of a second so that leases, locks and ages all matter: one
     manager saves contents that alternate (every save reuses the chunks of a step the other thread has just
     deleted), another deletes every step but the newest and sweeps, in a loop. Every step that was ever
-    seen committed restores when it is still there, and the sweeps did remove chunks. On S3 (SeaweedFS), where a
-    sweep takes longer than a save, both pause longer: a sweep meets no save lease only between two saves, and
-    a save waits for the sweep in flight."""
+    seen committed restores when it is still there, and the sweeps did remove chunks. A sweep meets no save
+    lease only between two saves, so the saver pauses a random time (up to twice its pause) between them: with
+    no pause at all, a save on local disk takes a few milliseconds and the next one's lease is written at once,
+    and CI once saw 1,100 saves in 8 s and no sweep that removed anything. On S3 (SeaweedFS), where a sweep takes
+    longer than a save, both pause longer, and a save waits for the sweep in flight."""
     grace = 0.4
-    saver_pause, sweeper_pause = (0.05, 0.3) if store.kind == "s3" else (0.0, 0.05)
+    saver_pause, sweeper_pause = (0.05, 0.3) if store.kind == "s3" else (0.01, 0.05)
+    pauses = random.Random(7)
     contents = [weights(tmp_path / f"c{i}", seed=20 + i, files=2, size=100_000) for i in range(3)]
     stop = threading.Event()
     errors: list[BaseException] = []
