@@ -2,7 +2,8 @@
 #   make demo   set up .venv with the core only (no extras), then run the quick-start example on the local default root
 #   make test   set up .venv and the object-store servers, check the import layers, then run the whole suite
 #   make reliability  the reliability campaign of issue 11 (RELIABILITY_ARGS="--quick" for the bounded run)
-#   make docs   build the documentation site into site/ (mkdocs --strict: a broken link or API reference fails)
+#   make docs   set up .venv with the docs extra only, build the documentation site into site/ (mkdocs --strict:
+#               a broken link or API reference fails)
 #   make bench  the speed benchmark of issues 3 and 5, and its sections: preemption (12), dcp (13), dedup (15)
 #               (BENCH_ARGS="--size 0.0625 --runs 1" for a quick run; "--methods dedup" for one section alone)
 PYTHON ?= python3
@@ -24,6 +25,8 @@ ROOT ?=
 BENCH_ARGS ?=
 RELIABILITY_ARGS ?=
 BENCH_STAMP := $(VENV)/.installed-bench
+# The site needs only the docs extra (mkdocs and the API reference read the source, importing no extra).
+DOCS_STAMP := $(VENV)/.installed-docs
 
 .PHONY: demo test docs bench reliability lint typecheck clean venv servers
 
@@ -57,7 +60,11 @@ demo: $(DEMO_STAMP)
 	$(if $(DEMO_EXTRA),$(PIP) install --quiet --disable-pip-version-check -e ".[$(DEMO_EXTRA)]")
 	TASKPOINT_ROOT="$(ROOT)" $(PY) examples/quickstart.py
 
-docs: $(STAMP)
+$(DOCS_STAMP): pyproject.toml | $(VENV)/bin/python
+	$(PIP) install --quiet --disable-pip-version-check -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 PYTHONPATH=$(CURDIR)/src $(VENV)/bin/mkdocs build --strict
 
 # The site is built (strictly) by tests/test_docs.py, not a second time here.
