@@ -256,3 +256,16 @@ def test_site_builds_strictly_with_the_docstrings(tmp_path: Path) -> None:
     jax_page = (site / "api" / "jax.html").read_text(encoding="utf-8")
     assert "OrbaxCheckpointHandler" in jax_page and "load_pytree_sync" in jax_page
     assert (site / "performance.html").read_text(encoding="utf-8").count("performance.png") >= 1
+    # Search from file:// (the offline plugin): the index as a script, the Worker shim from the site itself.
+    home = (site / "index.html").read_text(encoding="utf-8")
+    assert (site / "search" / "search_index.js").is_file()
+    assert 'src="javascripts/iframe-worker-shim.js"' in home and "unpkg.com" not in home
+
+
+def test_user_pages_speak_no_tracker_vocabulary() -> None:
+    """The pages are for users: no issue or item numbers of the project's tracker, no PASS/FAIL of its targets."""
+    tracker = re.compile(r"\b[Ii]ssues? \d|\b[Ii]tems? \d|\b(?:PASS|FAIL)\b|#\d{2,}\b")
+    pages = [*DOCS.rglob("*.md"), REPO / "README.md"]
+    found = [f"{p.relative_to(REPO)}:{i}: {line.strip()}" for p in pages
+             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if tracker.search(line)]
+    assert not found, "\n".join(found)
