@@ -1,5 +1,6 @@
 """The documentation runs: every python block of docs/ is executed, the CLI examples name real commands and
-options, the API reference covers every public name, and the site builds with mkdocs --strict.
+options, the install commands are ones that work today, the API reference covers every public name, and the
+site builds with mkdocs --strict.
 
 Blocks of one page run in order in one namespace (as a reader runs them), in a fresh process whose working
 directory is a temp folder, with TASKPOINT_ROOT at ``.taskpoint`` inside it (the default root, made explicit).
@@ -227,6 +228,32 @@ def test_cli_examples_name_real_commands_and_options() -> None:
         command = cli.commands.get(args[0])
         assert command is not None, f"{where}: taskpoint has no command {args[0]!r}"
         _check_arguments(command, args[1:], where)
+
+
+# -- installing --------------------------------------------------------------------------------------------
+
+#: ``pip install`` of the published package (``"taskpoint[s3]"``, ``taskpoint``): not on PyPI yet.
+_PYPI_FORM = re.compile(r"""pip install\s+(?:-U\s+)?["']?taskpoint(?:\[|["'\s`]|$)""")
+#: ``pip install -e ".[s3]"`` run in the user's project installs the user's project, not taskpoint.
+_DOT_FORM = re.compile(r"""pip install\s+(?:-e\s+)?["']?\.(?:\[|["'\s`]|$)""")
+_PUBLISHED = "once taskpoint is published"
+
+
+def test_install_commands_work_today_and_the_pypi_form_says_it_waits_for_publishing() -> None:
+    """Issue 27: every guide said `pip install "taskpoint[s3]"` (No matching distribution found), and
+    getting-started's `pip install -e ".[s3]"` installed the reader's own project."""
+    for page in PAGES:
+        for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), start=1):
+            where = f"{page.relative_to(REPO)}:{n}"
+            assert not _DOT_FORM.search(line), f"{where}: installs the current folder, not taskpoint: {line}"
+            assert not _PYPI_FORM.search(line) or _PUBLISHED in line, f"{where}: say '{_PUBLISHED}': {line}"
+    version = re.search(r'^version = "(.+)"', (REPO / "pyproject.toml").read_text(encoding="utf-8"), re.M)[1]
+    for page in (REPO / "README.md", DOCS / "getting-started.md"):
+        text = page.read_text(encoding="utf-8")
+        for works in ('pip install -e "path/to/taskpoint[s3]"', "make -C path/to/taskpoint dist",
+                      f'pip install "path/to/taskpoint/dist/taskpoint-{version}-py3-none-any.whl[s3]"',
+                      f'`pip install "taskpoint[s3]"` is the form for {_PUBLISHED} on PyPI'):
+            assert works in text, f"{page.relative_to(REPO)} does not say {works}"
 
 
 # -- the API reference and the site ------------------------------------------------------------------------
