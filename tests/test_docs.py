@@ -171,8 +171,12 @@ def test_included_examples_exist_and_tests_run_them() -> None:
 
 # -- the command line --------------------------------------------------------------------------------------
 
+#: How a shell block types the command: plain, or by its path in the venv of ``make demo`` (issue 27).
+_COMMAND = re.compile(r"^(?:\.venv/bin/)?taskpoint ")
+
+
 def _command_lines() -> list[tuple[str, str]]:
-    """Each `taskpoint ...` command of the shell blocks, with where it is."""
+    """Each `taskpoint ...` (or `.venv/bin/taskpoint ...`) command of the shell blocks, with where it is."""
     found = []
     for block in BLOCKS:
         if block.lang not in ("sh", "bash", "console", "shell"):
@@ -185,7 +189,7 @@ def _command_lines() -> list[tuple[str, str]]:
                 line = line[2:]
             for part in re.split(r"\|\||&&|;|\|", line.split(" #")[0]):
                 part = part.strip()
-                if part.startswith("taskpoint "):
+                if _COMMAND.match(part):
                     found.append((f"{block.page.relative_to(REPO)}:{n}", part))
     return found
 
@@ -254,6 +258,13 @@ def test_install_commands_work_today_and_the_pypi_form_says_it_waits_for_publish
                       f'pip install "path/to/taskpoint/dist/taskpoint-{version}-py3-none-any.whl[s3]"',
                       f'`pip install "taskpoint[s3]"` is the form for {_PUBLISHED} on PyPI'):
             assert works in text, f"{page.relative_to(REPO)} does not say {works}"
+
+
+def test_the_pages_say_how_to_type_the_command_make_demo_installed() -> None:
+    """Issue 27: `taskpoint ls ...` after `make demo` was `command not found`: the venv is not active."""
+    for page in (REPO / "README.md", DOCS / "getting-started.md"):
+        text = page.read_text(encoding="utf-8")
+        assert ".venv/bin/taskpoint ls" in text and "source .venv/bin/activate" in text, page.name
 
 
 # -- the API reference and the site ------------------------------------------------------------------------
