@@ -1,6 +1,6 @@
-"""The documentation runs: every python block of docs/ is executed, the CLI examples name real commands and
-options, the install commands are ones that work today, the API reference covers every public name, and the
-site builds with mkdocs --strict.
+"""The documentation runs: every python block of docs/ and README.md is executed, the CLI examples name real
+commands and options, the install commands are ones that work today, the API reference covers every public
+name, and the site builds with mkdocs --strict.
 
 Blocks of one page run in order in one namespace (as a reader runs them), in a fresh process whose working
 directory is a temp folder, with TASKPOINT_ROOT at ``.taskpoint`` inside it (the default root, made explicit).
@@ -96,7 +96,7 @@ def parse_blocks(page: Path) -> list[Block]:
     return blocks
 
 
-PAGES = sorted(DOCS.rglob("*.md"))
+PAGES = [*sorted(DOCS.rglob("*.md")), REPO / "README.md"]
 BLOCKS = [block for page in PAGES for block in parse_blocks(page)]
 PYTHON = [b for b in BLOCKS if b.lang in ("python", "py")]
 SHELL = [b for b in BLOCKS if b.shell_runs]
@@ -126,7 +126,11 @@ def _store_environment(request: pytest.FixtureRequest, needs: set[str]) -> dict[
     return env
 
 
-@pytest.mark.parametrize("page", RUN_PAGES, ids=[str(p.relative_to(DOCS)) for p in RUN_PAGES])
+def _page_id(page: Path) -> str:
+    return str(page.relative_to(DOCS if DOCS in page.parents else REPO))
+
+
+@pytest.mark.parametrize("page", RUN_PAGES, ids=[_page_id(p) for p in RUN_PAGES])
 def test_python_blocks_of_the_page_run(page: Path, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     blocks = [b for b in PYTHON if b.page == page and b.not_run is None and b.include is None]
     needs = set().union(*(b.needs for b in blocks))
@@ -154,6 +158,7 @@ def test_every_python_block_is_run_included_or_says_why_not() -> None:
     assert all(b.not_run.strip() for b in not_run), [b.where for b in not_run if not b.not_run.strip()]
     assert len(not_run) <= MAX_NOT_RUN, [f"{b.where}: {b.not_run}" for b in not_run]
     assert len(RUN_PAGES) >= 10  # the parser found the pages' blocks
+    assert REPO / "README.md" in RUN_PAGES  # issue 27: its "In a retried task" block raised NameError
     for block in BLOCKS:
         assert not (block.needs and block.lang not in ("python", "py")), f"{block.where}: needs: on a non-python block"
         assert not (block.shell_runs and block.lang not in ("bash", "sh")), f"{block.where}: shell: on another block"
