@@ -5,8 +5,9 @@ its state, a small model folder (weights, optimizer state, a JSON file), every 1
 are "preempted" at random; each new attempt loads the newest checkpoint, says where it resumed and how fast
 saving and loading went, and the last attempt finishes the work with the same result as an uninterrupted
 run. At the end, ``taskpoint ls`` shows what the run left in storage, printed as a command that works here
-(``.venv/bin/taskpoint ls ...`` after ``make demo``, whose venv is not active in the user's shell). Checkpoints go to ``./.taskpoint``
-unless ``TASKPOINT_ROOT`` (or ``make demo ROOT=s3://bucket/prefix``) points elsewhere.
+(``.venv/bin/taskpoint ls ...`` after ``make demo``, whose venv is not active in the user's shell).
+Checkpoints go to ``./.taskpoint`` unless ``TASKPOINT_ROOT`` (or ``make demo ROOT=s3://bucket/prefix``)
+points elsewhere.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def test_make_demo_on_a_fresh_clone_installs_the_core_only_and_runs(tmp_path):
     venv_bin = str(clone / ".venv" / "bin")
     shell_env = {**env, "PATH": os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p != venv_bin)}
     # The run's folder lists its attempts; the last attempt's checkpoint is a saved directory.
-    for (command, args), listed in zip(printed, ("attempts 1", "  saved  directory  6.0 MiB")):
+    for (command, args), listed in zip(printed, ("attempts 1", "  saved  directory  6.0 MiB"), strict=True):
         typed = subprocess.run(["bash", "-c", f"{command} {args}"], cwd=clone, env=shell_env, capture_output=True,
                                text=True, timeout=120)
         assert typed.returncode == 0, typed.stdout + typed.stderr
