@@ -6,6 +6,8 @@
 #               a broken link or API reference fails)
 #   make bench  the speed benchmark of issues 3 and 5, and its sections: preemption (12), dcp (13), dedup (15)
 #               (BENCH_ARGS="--size 0.0625 --runs 1" for a quick run; "--methods dedup" for one section alone)
+#   make dist   build the sdist and the wheel into dist/ (python -m build); then install the wheel with its extras:
+#               pip install "dist/taskpoint-<version>-py3-none-any.whl[s3]"
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -27,8 +29,10 @@ RELIABILITY_ARGS ?=
 BENCH_STAMP := $(VENV)/.installed-bench
 # The site needs only the docs extra (mkdocs and the API reference read the source, importing no extra).
 DOCS_STAMP := $(VENV)/.installed-docs
+# make dist needs only the build frontend (it builds in an isolated environment of its own).
+DIST_STAMP := $(VENV)/.installed-build
 
-.PHONY: demo test docs bench reliability lint typecheck clean venv servers
+.PHONY: demo test dist docs bench reliability lint typecheck clean venv servers
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +64,15 @@ demo: $(DEMO_STAMP)
 	$(if $(DEMO_EXTRA),$(PIP) install --quiet --disable-pip-version-check -e ".[$(DEMO_EXTRA)]")
 	TASKPOINT_ROOT="$(ROOT)" $(PY) examples/quickstart.py
 
+$(DIST_STAMP): | $(VENV)/bin/python
+	$(PIP) install --quiet --disable-pip-version-check build
+	touch $(DIST_STAMP)
+
+# dist/ is emptied first, so that it holds this version's two files only.
+dist: $(DIST_STAMP)
+	rm -rf dist
+	$(PY) -m build --outdir dist
+
 $(DOCS_STAMP): pyproject.toml | $(VENV)/bin/python
 	$(PIP) install --quiet --disable-pip-version-check -e ".[docs]"
 	touch $(DOCS_STAMP)
@@ -89,4 +102,4 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
 
 clean:
-	rm -rf $(VENV) $(FLYTE_VENV) $(NPM_DIR)/node_modules .taskpoint site
+	rm -rf $(VENV) $(FLYTE_VENV) $(NPM_DIR)/node_modules .taskpoint site dist build

@@ -4,8 +4,10 @@ Run it with ``make demo`` (or ``python examples/quickstart.py``). A task works t
 its state, a small model folder (weights, optimizer state, a JSON file), every 10 steps. The first attempts
 are "preempted" at random; each new attempt loads the newest checkpoint, says where it resumed and how fast
 saving and loading went, and the last attempt finishes the work with the same result as an uninterrupted
-run. At the end, ``taskpoint ls`` shows what the run left in storage. Checkpoints go to ``./.taskpoint``
-unless ``TASKPOINT_ROOT`` (or ``make demo ROOT=s3://bucket/prefix``) points elsewhere.
+run. At the end, ``taskpoint ls`` shows what the run left in storage, printed as a command that works here
+(``.venv/bin/taskpoint ls ...`` after ``make demo``, whose venv is not active in the user's shell).
+Checkpoints go to ``./.taskpoint`` unless ``TASKPOINT_ROOT`` (or ``make demo ROOT=s3://bucket/prefix``)
+points elsewhere.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import argparse
 import json
 import logging
 import random
+import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -105,10 +109,26 @@ def main() -> None:
     run_folder = last.rsplit("/", 3)[0]
     expected = sum(i * i for i in range(STEPS))
     print(f"result: {result} (expected {expected}) {'OK' if result == expected else 'MISMATCH'}")
+    command = installed_command()
     for uri in (run_folder, last):
-        print(f"\n$ taskpoint ls {uri}")
+        print(f"\n$ {command} ls {uri}")
         taskpoint_command(["ls", uri])
-    print(f"\nMore: taskpoint show, verify or pull {last} (taskpoint --help, docs/cli.md)")
+    print(f"\nMore: {command} show, verify or pull {last} ({command} --help, docs/cli.md)")
+    activate = Path(command).parent / "activate"
+    if command.endswith("/taskpoint") and activate.exists():
+        print(f"(or activate the venv, `source {activate}`, and type `taskpoint`)")
+
+
+def installed_command() -> str:
+    """The ``taskpoint`` command as this shell can type it: plain when PATH finds this python's script (an active
+    venv), else the script's path, relative when it is below the current folder (``.venv/bin/taskpoint``)."""
+    script = Path(sys.executable).parent / "taskpoint"
+    if not script.exists():
+        return f"{sys.executable} -m taskpoint.cli"
+    found = shutil.which("taskpoint")
+    if found is not None and Path(found).resolve() == script.resolve():
+        return "taskpoint"
+    return str(script.relative_to(Path.cwd())) if script.is_relative_to(Path.cwd()) else str(script)
 
 
 def summary(saves: list) -> str:

@@ -1,5 +1,6 @@
-"""The documentation runs: every python block of docs/ is executed, the CLI examples name real commands and
-options, the API reference covers every public name, and the site builds with mkdocs --strict.
+"""The documentation runs: every python block of docs/ and README.md is executed, the CLI examples name real
+commands and options, the install commands are ones that work today, the API reference covers every public
+name, and the site builds with mkdocs --strict.
 
 Blocks of one page run in order in one namespace (as a reader runs them), in a fresh process whose working
 directory is a temp folder, with TASKPOINT_ROOT at ``.taskpoint`` inside it (the default root, made explicit).
@@ -95,7 +96,7 @@ def parse_blocks(page: Path) -> list[Block]:
     return blocks
 
 
-PAGES = sorted(DOCS.rglob("*.md"))
+PAGES = [*sorted(DOCS.rglob("*.md")), REPO / "README.md"]
 BLOCKS = [block for page in PAGES for block in parse_blocks(page)]
 PYTHON = [b for b in BLOCKS if b.lang in ("python", "py")]
 SHELL = [b for b in BLOCKS if b.shell_runs]
@@ -125,7 +126,11 @@ def _store_environment(request: pytest.FixtureRequest, needs: set[str]) -> dict[
     return env
 
 
-@pytest.mark.parametrize("page", RUN_PAGES, ids=[str(p.relative_to(DOCS)) for p in RUN_PAGES])
+def _page_id(page: Path) -> str:
+    return str(page.relative_to(DOCS if DOCS in page.parents else REPO))
+
+
+@pytest.mark.parametrize("page", RUN_PAGES, ids=[_page_id(p) for p in RUN_PAGES])
 def test_python_blocks_of_the_page_run(page: Path, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     blocks = [b for b in PYTHON if b.page == page and b.not_run is None and b.include is None]
     needs = set().union(*(b.needs for b in blocks))
@@ -153,6 +158,7 @@ def test_every_python_block_is_run_included_or_says_why_not() -> None:
     assert all(b.not_run.strip() for b in not_run), [b.where for b in not_run if not b.not_run.strip()]
     assert len(not_run) <= MAX_NOT_RUN, [f"{b.where}: {b.not_run}" for b in not_run]
     assert len(RUN_PAGES) >= 10  # the parser found the pages' blocks
+    assert REPO / "README.md" in RUN_PAGES  # issue 27: its "In a retried task" block raised NameError
     for block in BLOCKS:
         assert not (block.needs and block.lang not in ("python", "py")), f"{block.where}: needs: on a non-python block"
         assert not (block.shell_runs and block.lang not in ("bash", "sh")), f"{block.where}: shell: on another block"
@@ -170,8 +176,12 @@ def test_included_examples_exist_and_tests_run_them() -> None:
 
 # -- the command line --------------------------------------------------------------------------------------
 
+#: How a shell block types the command: plain, or by its path in the venv of ``make demo`` (issue 27).
+_COMMAND = re.compile(r"^(?:\.venv/bin/)?taskpoint ")
+
+
 def _command_lines() -> list[tuple[str, str]]:
-    """Each `taskpoint ...` command of the shell blocks, with where it is."""
+    """Each `taskpoint ...` (or `.venv/bin/taskpoint ...`) command of the shell blocks, with where it is."""
     found = []
     for block in BLOCKS:
         if block.lang not in ("sh", "bash", "console", "shell"):
@@ -184,7 +194,7 @@ def _command_lines() -> list[tuple[str, str]]:
                 line = line[2:]
             for part in re.split(r"\|\||&&|;|\|", line.split(" #")[0]):
                 part = part.strip()
-                if part.startswith("taskpoint "):
+                if _COMMAND.match(part):
                     found.append((f"{block.page.relative_to(REPO)}:{n}", part))
     return found
 
@@ -227,6 +237,39 @@ def test_cli_examples_name_real_commands_and_options() -> None:
         command = cli.commands.get(args[0])
         assert command is not None, f"{where}: taskpoint has no command {args[0]!r}"
         _check_arguments(command, args[1:], where)
+
+
+# -- installing --------------------------------------------------------------------------------------------
+
+#: ``pip install`` of the published package (``"taskpoint[s3]"``, ``taskpoint``): not on PyPI yet.
+_PYPI_FORM = re.compile(r"""pip install\s+(?:-U\s+)?["']?taskpoint(?:\[|["'\s`]|$)""")
+#: ``pip install -e ".[s3]"`` run in the user's project installs the user's project, not taskpoint.
+_DOT_FORM = re.compile(r"""pip install\s+(?:-e\s+)?["']?\.(?:\[|["'\s`]|$)""")
+_PUBLISHED = "once taskpoint is published"
+
+
+def test_install_commands_work_today_and_the_pypi_form_says_it_waits_for_publishing() -> None:
+    """Issue 27: every guide said `pip install "taskpoint[s3]"` (No matching distribution found), and
+    getting-started's `pip install -e ".[s3]"` installed the reader's own project."""
+    for page in PAGES:
+        for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), start=1):
+            where = f"{page.relative_to(REPO)}:{n}"
+            assert not _DOT_FORM.search(line), f"{where}: installs the current folder, not taskpoint: {line}"
+            assert not _PYPI_FORM.search(line) or _PUBLISHED in line, f"{where}: say '{_PUBLISHED}': {line}"
+    version = re.search(r'^version = "(.+)"', (REPO / "pyproject.toml").read_text(encoding="utf-8"), re.M)[1]
+    for page in (REPO / "README.md", DOCS / "getting-started.md"):
+        text = page.read_text(encoding="utf-8")
+        for works in ('pip install -e "path/to/taskpoint[s3]"', "make -C path/to/taskpoint dist",
+                      f'pip install "path/to/taskpoint/dist/taskpoint-{version}-py3-none-any.whl[s3]"',
+                      f'`pip install "taskpoint[s3]"` is the form for {_PUBLISHED} on PyPI'):
+            assert works in text, f"{page.relative_to(REPO)} does not say {works}"
+
+
+def test_the_pages_say_how_to_type_the_command_make_demo_installed() -> None:
+    """Issue 27: `taskpoint ls ...` after `make demo` was `command not found`: the venv is not active."""
+    for page in (REPO / "README.md", DOCS / "getting-started.md"):
+        text = page.read_text(encoding="utf-8")
+        assert ".venv/bin/taskpoint ls" in text and "source .venv/bin/activate" in text, page.name
 
 
 # -- the API reference and the site ------------------------------------------------------------------------

@@ -31,7 +31,9 @@ def test_quickstart_survives_random_failures_on_the_local_default_root(tmp_path)
     assert len(re.findall(r"saves? of 6\.0 MiB, \d+ ms each \(\d+ MB/s\)", out)) == 3
     # Then taskpoint ls shows the run's three attempts, each with its checkpoint, and the last checkpoint.
     [run] = [p for p in (tmp_path / ".taskpoint").iterdir()]
-    assert f"$ taskpoint ls {run}\n" in out
+    # ...typed as this shell can run it: `taskpoint` when PATH finds it, else the script's path (issue 27).
+    command = re.search(rf"\n\$ (\S+) ls {re.escape(str(run))}\n", out)[1]
+    assert command == "taskpoint" or (Path(command).name == "taskpoint" and Path(command).is_file()), command
     assert re.search(r"\n  train  attempts 1\(6\.0 MiB\) 2\(6\.0 MiB\) 3\(6\.0 MiB\)\n", out)
     assert re.search(rf"\n{re.escape(str(run))}/train/3/checkpoint  saved  directory  6\.0 MiB  saved ", out)
 
