@@ -365,7 +365,9 @@ def show_command(uri: str, step: int | None, as_json: bool) -> int:
         _print_json(view)
         return OK
     for key, value in view.items():
-        if key == "objects":
+        if key == "objects" and not value:
+            click.echo("objects: -")
+        elif key == "objects":
             click.echo("objects (newest first; current: the object stored now, which a load reads):")
             for entry in value:
                 click.echo(f"  - {_object_line(entry)}")
