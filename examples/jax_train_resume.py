@@ -60,10 +60,10 @@ def main() -> None:
         assert c is not None and c.checkpoints is not None
         manager = c.checkpoints
         state = initial_state()
-        latest = manager.latest_step()
-        if latest is not None:
-            # The initial state is the target: the restored tree gets its structure, dtypes and placement.
-            state = load_pytree_sync(manager.restore(latest), target=state)
+        if manager.latest_step() is not None:
+            # The initial state is the target: the restored tree gets its structure, dtypes and placement (the
+            # newest step; a mismatch names the step and the manager's URI).
+            state = load_pytree_sync(manager, target=state)
         print(f"attempt {c.attempt}: resumed at step {state['step']}", flush=True)
         params: dict[str, jax.Array] = state["params"]
         key: jax.Array = state["rng"]

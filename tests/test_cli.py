@@ -15,7 +15,7 @@ import fsspec
 import pytest
 
 from helpers import make_tree, object_exists, read_object, snapshot, wait_until, write_object
-from taskpoint import CheckpointManager, ctx, task
+from taskpoint import Checkpoint, CheckpointManager, ctx, task
 from taskpoint.cli import main
 from taskpoint.workspace import STAGING_PREFIX
 
@@ -424,6 +424,113 @@ def test_deduplicated_steps_push_ls_show_verify_pull_rm_gc(capsys, where, tmp_pa
     assert code == 0 and "5 leftover(s) removed" in out
     fs.invalidate_cache()
     assert [p for p in fs.find(f"{path.rsplit('/chunks/', 1)[0]}/chunks")] == []
+
+
+def _note(uri: str, chunks: bool = False) -> str:
+    """The line ls prints below states it judged by sizes alone."""
+    judged = "sizes compared only (deduplicated steps: each chunk is stored)" if chunks else "sizes compared only"
+    return f"{judged}; run `taskpoint verify {uri}` to check every byte"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_each_kind_of_step_is_listed_shown_and_verified_with_the_size_of_the_data_it_holds(capsys, where, tmp_path):
+    """The issue's row: ls showed a DCP step as `fileset 1.1 KiB` (its file-set manifest) where verify said
+    97.9 KiB. A payload step's size is its stored payload, a deduplicated step's the plain bytes of its files, a
+    DCP step's every file its manifest lists; ls, show and verify say the same, and ls says it compared sizes."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    import taskpoint.torch
+
+    base, opts, options = where
+    steps = f"{base}/steps"
+    model = make_tree(tmp_path / "model", big=100_000)
+    assert tp(capsys, "push", model, steps, "--step", 1, *opts)[0] == 0
+    assert tp(capsys, "push", model, steps, "--step", 2, "--dedup", *opts)[0] == 0
+    with CheckpointManager(steps, storage_options=options, preemption=False) as manager:
+        state = {"w": torch.randn(64, 256), "b": torch.randn(300), "step": 3}
+        dcp.save(state, storage_writer=taskpoint.torch.Writer.for_step(manager, 3))
+    fs, path = fsspec.core.url_to_fs(f"{steps}/ckpt-3", **options)
+    fs.invalidate_cache()
+    dcp_files = {p.rsplit("/", 1)[1]: int(fs.size(p)) for p in fs.find(path)}
+    data = {name: size for name, size in dcp_files.items() if name not in ("taskpoint.json", "taskpoint.dcp.json")}
+    assert sorted(data)[0] == ".metadata" and len(data) >= 2  # DCP's metadata and its data files
+    expected = {1: size_of(payload_url(steps, 1, options), options),
+                2: sum(p.stat().st_size for p in model.rglob("*") if p.is_file() and not p.is_symlink()),
+                3: sum(data.values())}
+    assert expected[3] > 64 * 256 * 4 > dcp_files["taskpoint.dcp.json"]
+
+    code, out, _ = tp(capsys, "ls", steps, "--json", *opts)
+    rows = {row["step"]: row for row in json.loads(out)["steps"]}
+    assert code == 0 and {n: (r["state"], r["size"]) for n, r in rows.items()} == {
+        n: ("committed", size) for n, size in expected.items()}
+    assert rows[3]["files"] == len(data) and rows[3]["leftovers"] == []  # DCP's files were listed as leftovers before
+    code, out, _ = tp(capsys, "ls", steps, *opts)
+    lines = out.splitlines()
+    for step, size in expected.items():
+        (row,) = [line for line in lines if line.split()[:2] == [str(step), "committed"]]
+        assert f"  {_human(size)}  " in row
+    assert lines[-1] == _note(steps, chunks=True)
+    for step, size in expected.items():
+        code, out, _ = tp(capsys, "verify", steps, "--step", step, *opts)
+        assert code == 0 and out.startswith(f"step {step}: healthy ({_human(size)}")
+        code, out, _ = tp(capsys, "show", steps, "--step", step, "--json", *opts)
+        assert code == 0 and json.loads(out)["size"] == size
+    code, out, _ = tp(capsys, "show", steps, "--step", 3, *opts)
+    assert f"\nsize: {expected[3]}\n" in out and f"\npayload_size: {dcp_files['taskpoint.dcp.json']}\n" in out
+
+    # A DCP file deleted outside taskpoint: ls finds it by the listing, naming the file.
+    shard = next(name for name in data if name.endswith(".distcp"))
+    fs.rm(f"{path}/{shard}")
+    code, out, _ = tp(capsys, "ls", steps, "--json", *opts)
+    row = {r["step"]: r for r in json.loads(out)["steps"]}[3]
+    assert code == 0 and row["state"] == "damaged" and row["problem"] == f"its file {shard} is missing"
+
+
+def test_show_marks_the_object_stored_now_and_leaves_the_records_bookkeeping_to_json(capsys, where):
+    """The issue's row: show listed a healthy checkpoint's live object as `confirmed=False`, explained nowhere.
+    It is marked current, an older listed object says it is not stored, the flag is in --json and --help."""
+    base, opts, options = where
+    uri = f"{base}/ckpt"
+    Checkpoint(uri, storage_options=options).save_sync(b"first save")
+    code, out, _ = tp(capsys, "show", uri, *opts)
+    assert code == 0 and "objects (newest first; current: the object stored now, which a load reads):" in out
+    assert "\n  - current: kind=bytes, codec=raw, " in out and "size=10, sha256=-, crc32=" in out
+    for hidden in ("confirmed", "size_matches", "None"):
+        assert hidden not in out
+    code, out, _ = tp(capsys, "ls", uri, *opts)
+    assert code == 0 and out.splitlines()[1] == _note(uri)
+
+    Checkpoint(uri, storage_options=options).save_sync(b"the second save")
+    code, out, _ = tp(capsys, "show", uri, *opts)
+    assert "\n  - current: kind=bytes, codec=raw, " in out and "size=15, " in out
+    assert "\n  - listed, not stored now: kind=bytes, codec=raw, " in out and "size=10, " in out
+    code, out, _ = tp(capsys, "show", uri, "--json", *opts)
+    objects = json.loads(out)["objects"]
+    assert [(o["size"], o["current"], o["size_matches"]) for o in objects] == [(15, True, True), (10, False, False)]
+    assert all(isinstance(o["confirmed"], bool) for o in objects)
+    code, out, _ = tp(capsys, "show", "--help")
+    text = " ".join(out.split())
+    assert "`current` marks the one stored now, which a load reads and verifies" in text
+    assert "`confirmed`: the record's own bookkeeping" in text and "says nothing about its health" in text
+
+
+def test_values_the_cli_does_not_know_print_a_dash(capsys, tmp_path):
+    """Missing times, kinds and attempts print `-`, never `None` nor `- UTC`."""
+    (tmp_path / "other").write_bytes(b"written by another tool")  # no record: no kind, no save time
+    code, out, _ = tp(capsys, "show", tmp_path / "other")
+    assert code == 0 and "\nkind: -\ncreated: -\nobjects: -\nrecord: -\n" in out
+    code, out, _ = tp(capsys, "ls", tmp_path / "other")
+    assert code == 0 and "  unrecorded  -  23 B  no record" in out and "UTC" not in out
+    steps = tmp_path / "steps"
+    assert tp(capsys, "push", make_tree(tmp_path / "model"), steps, "--step", 1)[0] == 0  # outside a task: no attempt
+    code, out, _ = tp(capsys, "show", steps)
+    assert code == 0 and "\nattempt: -\n" in out and "\ncrc32: -\n" in out
+    code, out, _ = tp(capsys, "ls", steps)
+    assert code == 0 and out.splitlines()[2].split()[-2:] == ["-", "-"]  # attempt, metadata keys
+    for command in ("show", "ls"):
+        out = tp(capsys, command, steps)[1] + tp(capsys, command, tmp_path / "other")[1]
+        assert "None" not in out and "- UTC" not in out
 
 
 def _step_store(url: str, options: dict):

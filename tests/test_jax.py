@@ -219,6 +219,44 @@ def test_a_target_that_does_not_match_names_the_checkpoints_uri_not_a_temporary_
         assert "/taskpoint-" not in message  # neither the restore's scratch folder nor the workspace
 
 
+def test_a_target_that_does_not_match_a_managers_step_names_the_step_and_its_directory(tmp_path):
+    """The issue's row through load_pytree: given the manager, not the folder its restore returned (a temporary
+    one of the manager's, gone once it closes), the message names the step and the manager's directory."""
+    target = every_leaf()
+    target["params"]["dense"].update(kernel=jnp.zeros((4, 4)))
+    steps = str(tmp_path / "steps")
+    with CheckpointManager(steps, preemption=False) as manager:
+        assert load_pytree_sync(manager, target=every_leaf()) is None  # no step yet, as a first attempt
+        manager.save(PyTree(every_leaf()), 3)
+        manager.save(PyTree(every_leaf()), 4)
+        with pytest.raises(ValueError) as newest:
+            load_pytree_sync(manager, target=target)
+        with pytest.raises(ValueError) as chosen:
+            anyio.run(lambda: load_pytree(manager, target=target, step=3))
+        assert_same(load_pytree_sync(manager, target=every_leaf(), step=3), every_leaf())
+    assert str(newest.value).startswith("params/dense/kernel: shape (3, 4) in the checkpoint vs (4, 4)")
+    assert f"(step 4 in {steps} does not match the target's structure" in str(newest.value)
+    assert f"(step 3 in {steps} does not match" in str(chosen.value)
+    for message in (str(newest.value), str(chosen.value)):
+        assert "/taskpoint-" not in message  # the manager's own folder a restore lands in
+    with pytest.raises(TypeError, match="step= is for a CheckpointManager, not a Checkpoint"):
+        load_pytree_sync(Checkpoint(tmp_path / "c"), step=3)
+
+
+def test_an_orbax_error_restoring_into_a_target_names_the_step_and_keeps_the_original(tmp_path):
+    """A target leaf Orbax cannot restore into (a numpy array of strings) fails inside Orbax, after the
+    structure matched: the message names the step's URI, never the workspace, and Orbax's error is chained."""
+    steps = str(tmp_path / "steps")
+    with OrbaxCheckpointHandler() as h:
+        h.save(steps, {"w": jnp.arange(12, dtype=jnp.float32).reshape(3, 4)}, step=2)
+        with pytest.raises(ValueError) as info:
+            h.restore(steps, target={"w": np.zeros((3, 4), dtype="<U1")}, step=2)
+    message = str(info.value)
+    assert message.startswith(f"step 2 in {steps}: Orbax could not restore its arrays as the target asks (")
+    assert "/taskpoint-" not in message
+    assert info.value.__cause__ is not None and str(info.value.__cause__) in message
+
+
 def test_unsupported_leaves_are_refused_with_their_path(tmp_path):
     with pytest.raises(TypeError, match="opt/state: a PyTree leaf cannot be a object"):
         Checkpoint(tmp_path / "a").save_sync(PyTree({"opt": {"state": object()}}))

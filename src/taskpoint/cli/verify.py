@@ -16,8 +16,7 @@ from .. import _progress
 from .._log import short_name
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..format.codecs import Codec
-from ..format.fileset import FileSetManifest
-from ..format.records import FILESET_CODEC, MANIFEST_SUFFIX, ObjectRecord, Record, StepManifest
+from ..format.records import MANIFEST_SUFFIX, ObjectRecord, Record, StepManifest
 from ..manager.chunks import ChunkStore
 from ..manager.dedup import WORKERS
 from ..manager.rebuild import MissingChunk, Rebuilder
@@ -27,7 +26,7 @@ from ..record import load_object, read_record
 from ..storage import WRITE_PIECE, Location, digest_by_reading
 from ..transfer import DIGESTS, read_payload
 from ._app import OK, _command, _Missing, cli, progress_option
-from .views import UNCHECKED, _human, _location, _object_size, _steps
+from .views import UNCHECKED, _human, _location, _object_size, _steps, fileset_files
 
 
 class _Discard(Payload):
@@ -173,12 +172,8 @@ def _check_step(steps: StepStore, step: int, manifest: StepManifest, progress: b
         return _verify_chunked_step(steps, step, manifest, progress)
     parts = ([(s.payload, s.record) for s in manifest.shards] if manifest.shards is not None
              else [(manifest.payload, manifest.record)])
-    if manifest.record.codec == FILESET_CODEC:  # a DCP step (taskpoint.torch): its manifest, then every file it lists
-        files = steps.object(step, manifest.payload)
-        data = files.read_small()
-        if data is None:
-            raise _Missing(f"its manifest of files {manifest.payload} is missing")
-        listed = FileSetManifest.from_bytes(data, files.uri).files
+    listed = fileset_files(steps, step, manifest)
+    if listed is not None:  # a DCP step (taskpoint.torch): its manifest, then every file it lists
         parts += [(name, ObjectRecord(kind="file", codec="raw", save_id="", created=0.0, size=entry.size,
                                       sha256=entry.sha256)) for name, entry in sorted(listed.items())]
     total = 0
@@ -194,8 +189,10 @@ def _check_step(steps: StepStore, step: int, manifest: StepManifest, progress: b
                                    f"verify step {step}" if len(parts) == 1 else f"verify step {step}: {name}")
         except (_Missing, FileNotFoundError):  # FileNotFoundError: deleted under a streaming read (object stores)
             raise _Missing(f"its payload {name} is missing") from None
+    if listed is not None:  # the data the step holds, as ls shows it: its files, not the manifest of them
+        total = sum(entry.size for entry in listed.values())
     shards = (f", {len(parts)} shards" if manifest.shards is not None else
-              f", {len(parts) - 1} files" if manifest.record.codec == FILESET_CODEC else "")
+              f", {len(listed)} files" if listed is not None else "")
     return f"step {step}: healthy ({_human(total)}{shards}, sha256 matches its manifest){_unchecked(manifest)}"
 
 

@@ -10,7 +10,8 @@ from typing import Any
 import click
 
 from ..errors import CheckpointCorruptError
-from ..format.records import MANIFEST_SUFFIX
+from ..format.fileset import FileEntry, FileSetManifest
+from ..format.records import FILESET_CODEC, MANIFEST_SUFFIX, StepManifest
 from ..manager import CheckpointManager
 from ..manager.chunks import CHUNK_FOLDER
 from ..manager.claims import Claims
@@ -23,6 +24,8 @@ from ._app import ERROR, OK, _command, _Failed, _Missing, _state, cli
 #: What ``ls`` and ``show`` say of a step whose manifest carries no check.
 UNCHECKED = ("manifest unchecked: written by a taskpoint older than manifest checks, so damage to the manifest "
              "itself cannot be detected; save the step again to have it checked")
+#: The states ``ls`` gives without reading a byte of the data (listing sizes, and chunks present or not).
+SIZE_JUDGED = frozenset({"saved", "committed"})
 
 
 def _location(uri: str) -> Location:
@@ -65,6 +68,26 @@ def _human(size: int | None) -> str:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+def _sizes_only(uri: str, chunks: bool = False) -> str:
+    """The note below ``ls`` output whose states come from sizes alone (``chunks``: deduplicated steps, from
+    chunks being stored)."""
+    judged = "sizes compared only (deduplicated steps: each chunk is stored)" if chunks else "sizes compared only"
+    return f"{judged}; run `taskpoint verify {uri}` to check every byte"
+
+
+def fileset_files(steps: StepStore, step: int, manifest: StepManifest) -> dict[str, FileEntry] | None:
+    """The files a DCP step (taskpoint.torch) holds, as its file-set manifest lists them (DCP's ``.metadata``
+    too); None for any other kind of step. _Missing when that manifest is gone, CheckpointCorruptError when it
+    is damaged."""
+    if manifest.record.codec != FILESET_CODEC:
+        return None
+    files = steps.object(step, manifest.payload)
+    data = files.read_small()
+    if data is None:
+        raise _Missing(f"its manifest of files {manifest.payload} is missing")
+    return FileSetManifest.from_bytes(data, files.uri).files
+
+
 def _checkpoint_view(loc: Location) -> dict[str, Any] | None:
     """A checkpoint object and its record (``<uri>.taskpoint.json``); None when neither is there."""
     record = read_record(loc.sibling(MANIFEST_SUFFIX))
@@ -74,7 +97,11 @@ def _checkpoint_view(loc: Location) -> dict[str, Any] | None:
     # The entry a load verifies the object against: the newest listed one of the stored size.
     visible = record.of_size(size) if record is not None and size is not None else None
     confirmed = record.confirmed if record is not None else None
-    objects = [{**asdict(entry), "confirmed": entry.save_id == confirmed, "size_matches": entry.size == size}
+    # current: the stored object (a load reads it); confirmed: the record's own bookkeeping (a later save by the
+    # same process saw this one return, so the record keeps it), false for the newest object of a healthy
+    # checkpoint until the next save.
+    objects = [{**asdict(entry), "current": visible is not None and entry.save_id == visible.save_id,
+                "confirmed": entry.save_id == confirmed, "size_matches": entry.size == size}
                for entry in (record.objects if record is not None else ())]
     if record is None:
         state = "unrecorded"  # Flyte's, or written by hand: only the archive's own checks apply
@@ -150,8 +177,31 @@ def _manager_view(loc: Location) -> dict[str, Any] | None:
                 else:
                     continue
                 break
+            if row["state"] == "committed":
+                _fileset_row(row, steps, step, manifest, names)
         rows.append(row)
     return {"type": "manager", "uri": loc.uri, "steps": rows}
+
+
+def _fileset_row(row: dict[str, Any], steps: StepStore, step: int, manifest: StepManifest,
+                 names: dict[str, int]) -> None:
+    """A DCP step's size is the data it holds (every file its file-set manifest lists, not that manifest), and
+    it is committed only when each of those files is stored with its listed size."""
+    try:
+        files = fileset_files(steps, step, manifest)
+    except (CheckpointCorruptError, _Missing) as exc:
+        row.update(state="damaged", problem=" ".join(str(exc).split()))
+        return
+    if files is None:
+        return
+    row.update(size=sum(entry.size for entry in files.values()), files=len(files),
+               leftovers=[name for name in row["leftovers"] if name not in files])
+    for name, entry in sorted(files.items()):
+        stored = names.get(name)
+        if stored != entry.size:
+            row.update(state="damaged", problem=f"its file {name} is missing" if stored is None else
+                       f"its file {name} holds {stored} bytes, its manifest lists {entry.size}")
+            return
 
 
 def _task_root_view(loc: Location) -> dict[str, Any] | None:
@@ -210,8 +260,10 @@ def ls_command(uri: str, as_json: bool) -> int:
     """List what URI holds: a checkpoint object, a CheckpointManager directory, or a task root.
 
     A checkpoint object shows its record (<uri>.taskpoint.json); a manager directory its steps (state, size,
-    save time, attempt, metadata keys); a task root its runs, actions and attempts. States come from the
-    listing and the manifests (sizes checked); `taskpoint verify` checks every byte.
+    save time, attempt, metadata keys); a task root its runs, actions and attempts. A size is the data a step
+    holds: its payload as stored, every file of a DCP step, the plain bytes of a deduplicated step's files.
+    States come from the listing and the manifests: sizes are compared, no byte is read (a note below the
+    output says so); `taskpoint verify` checks every byte. A time or attempt that is not known prints `-`.
 
     \b
     Examples:
@@ -231,6 +283,8 @@ def ls_command(uri: str, as_json: bool) -> int:
             saved = f"saved {_time(view['created'])} UTC  " if view["created"] is not None else ""
             when = f"{saved}({listed} object(s) in its record)"
         click.echo(f"{view['uri']}  {view['state']}  {view['kind'] or '-'}  {_human(view['size'])}  {when}")
+        if view["state"] in SIZE_JUDGED:
+            click.echo(_sizes_only(view["uri"]))
     elif view["type"] == "manager":
         click.echo(f"{view['uri']}: {sum(r['state'] == 'committed' for r in view['steps'])} committed step(s)")
         click.echo(f"{'STEP':>6}  {'STATE':<10}  {'KIND':<9}  {'SIZE':>10}  {'SAVED (UTC)':<19}  ATTEMPT  METADATA")
@@ -241,6 +295,9 @@ def ls_command(uri: str, as_json: bool) -> int:
                        f"{_time(row['created']):<19}  {attempt:>7}  {','.join(row['metadata_keys']) or '-'}")
         if any(row.get("checked") is False for row in view["steps"]):
             click.echo(f"* {UNCHECKED}")
+        judged = [row for row in view["steps"] if row["state"] in SIZE_JUDGED]
+        if judged:
+            click.echo(_sizes_only(view["uri"], chunks=any("chunks" in row for row in judged)))
     else:
         click.echo(f"{view['uri']}: {len(view['actions'])} action(s)")
         for row in view["actions"]:
@@ -264,6 +321,14 @@ def ls_command(uri: str, as_json: bool) -> int:
 def show_command(uri: str, step: int | None, as_json: bool) -> int:
     """Show the record of a checkpoint object, or the manifest and user metadata of one step.
 
+    A record lists the objects that may be stored at the URI, newest first; `current` marks the one stored
+    now, which a load reads and verifies. The others are kept in case a save's answer was lost. With --json
+    each object also has `size_matches` (its size is the stored object's) and `confirmed`: the record's own
+    bookkeeping (a later save by the same process saw this save return, so the record keeps it however many
+    saves follow); the newest object of a healthy checkpoint is not confirmed until the next save, which says
+    nothing about its health. A step's size is the data it holds (for a DCP step every file it lists, for a
+    deduplicated one the plain bytes of its files). A value that is not known prints `-`.
+
     \b
     Examples:
       taskpoint show ./.taskpoint/job7/train/3/checkpoint
@@ -285,6 +350,10 @@ def show_command(uri: str, step: int | None, as_json: bool) -> int:
         view = {"type": "step", "uri": _steps(loc).step_uri(chosen), "step": manifest.step,
                 "payload": manifest.payload, "attempt": manifest.attempt, **asdict(manifest.record),
                 "checked": manifest.checked, "metadata": manifest.metadata}
+        files = fileset_files(_steps(loc), chosen, manifest)
+        if files is not None:  # a DCP step: its payload is the manifest of the files that hold its data
+            view.update(size=sum(entry.size for entry in files.values()), payload_size=manifest.record.size,
+                        files=len(files))
         if manifest.shards is not None:
             view["shards"] = [{"rank": s.rank, "payload": s.payload, "size": s.record.size,
                                "sha256": s.record.sha256} for s in manifest.shards]
@@ -296,22 +365,36 @@ def show_command(uri: str, step: int | None, as_json: bool) -> int:
         _print_json(view)
         return OK
     for key, value in view.items():
-        if key == "objects":
-            click.echo("objects:")
+        if key == "objects" and not value:
+            click.echo("objects: -")
+        elif key == "objects":
+            click.echo("objects (newest first; current: the object stored now, which a load reads):")
             for entry in value:
-                click.echo("  - " + ", ".join(f"{k}={_time(v) + ' UTC' if k == 'created' else v}"
-                                              for k, v in entry.items()))
+                click.echo(f"  - {_object_line(entry)}")
         elif key == "metadata":
             click.echo("metadata: " + json.dumps(value, indent=2, sort_keys=True).replace("\n", "\n  "))
         elif key == "created":
-            click.echo(f"created: {_time(value)} UTC")
+            click.echo(f"created: {_when(value)}")
         elif key == "checked" and not value:
             click.echo(f"checked: no ({UNCHECKED})")
         elif key == "payload" and not value:
             continue  # a deduplicated step or one of several ranks: no payload object of its own
         else:
-            click.echo(f"{key}: {value}")
+            click.echo(f"{key}: {'-' if value is None else value}")
     return OK
+
+
+def _when(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{_time(seconds)} UTC"
+
+
+def _object_line(entry: dict[str, Any]) -> str:
+    """One object of a record for ``show``: whether it is the stored one, then its fields (``-``: not known);
+    the record's bookkeeping (``confirmed``, ``size_matches``) only in --json."""
+    status = "current" if entry["current"] else "listed, not stored now"
+    fields = ", ".join(f"{k}={_when(v) if k == 'created' else '-' if v is None else v}" for k, v in entry.items()
+                       if k not in ("current", "confirmed", "size_matches"))
+    return f"{status}: {fields}"
 
 
 # -- verify ---------------------------------------------------------------------------------------------------

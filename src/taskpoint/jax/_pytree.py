@@ -206,14 +206,14 @@ def read_tree(folder: Path, target: Any = None, where: str | None = None) -> Any
     sidecar = _read_sidecar(folder, where)
     specs: list[dict[str, Any]] = sidecar["leaves"]
     if target is None:
-        values = _Restorer(folder, specs, [None] * len(specs)).values()
+        values = _Restorer(folder, specs, [None] * len(specs), where).values()
         return _build(sidecar["structure"], values)
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
     order = _match(where, specs, [tuple(_entry_key(e) for e in path) for path, _ in flat], [leaf for _, leaf in flat])
     targets: list[Any] = [None] * len(specs)
     for position, index in enumerate(order):
         targets[index] = flat[position][1]
-    values = _Restorer(folder, specs, targets, with_target=True).values()
+    values = _Restorer(folder, specs, targets, where, with_target=True).values()
     return jax.tree_util.tree_unflatten(treedef, [values[index] for index in order])
 
 
@@ -318,6 +318,8 @@ class _Restorer:
     folder: Path
     specs: list[dict[str, Any]]
     targets: list[Any]
+    #: What messages call the checkpoint (its URI, or its step and directory): ``folder`` is a workspace.
+    where: str
     with_target: bool = False
 
     def values(self) -> list[Any]:
@@ -330,8 +332,16 @@ class _Restorer:
                 for index, (spec, target) in enumerate(zip(self.specs, self.targets, strict=True)) if _in_orbax(spec)}
         if not args:
             return {}
-        restored: dict[str, Any] = ocp.PyTreeCheckpointer().restore(
-            self.folder / ARRAYS_FOLDER, args=ocp.args.PyTreeRestore(restore_args=args))
+        try:
+            restored: dict[str, Any] = ocp.PyTreeCheckpointer().restore(
+                self.folder / ARRAYS_FOLDER, args=ocp.args.PyTreeRestore(restore_args=args))
+        except Exception as exc:  # Orbax names the workspace it reads, gone once the load returns
+            problem = " ".join(str(exc).replace(str(self.folder), "<checkpoint>").split())
+            if self.with_target:
+                raise ValueError(f"{self.where}: Orbax could not restore its arrays as the target asks "
+                                 f"({type(exc).__name__}: {problem})") from exc
+            raise CheckpointError(f"{self.where}: Orbax could not restore its arrays "
+                                  f"({type(exc).__name__}: {problem})") from exc
         return restored
 
     def _restore_args(self, spec: dict[str, Any], target: Any) -> ocp.RestoreArgs:
