@@ -135,7 +135,9 @@ def test_manager_directory_push_ls_show_verify_pull_rm_gc(capsys, where, tmp_pat
     code, out, err = tp(capsys, "pull", steps, tmp_path / "newest", *opts)
     assert code == 0 and (tmp_path / "newest" / "payload").read_bytes() == (model / "state.json").read_bytes()
 
-    assert tp(capsys, "rm", steps, "--step", 2, *opts)[:2] == (0, f"deleted step 2 of {steps}\n")
+    code, _, err = tp(capsys, "rm", steps, "--step", 2, *opts)  # the newest step that verifies: protected
+    assert code == 1 and "is protected: it is the newest committed step that verifies" in err and "force" in err
+    assert tp(capsys, "rm", steps, "--step", 2, "--force", *opts)[:2] == (0, f"deleted step 2 of {steps}\n")
     with CheckpointManager(steps, storage_options=options) as manager:
         assert manager.steps() == [1]
     code, _, err = tp(capsys, "rm", steps, "--step", 2, *opts)
@@ -419,7 +421,7 @@ def test_deduplicated_steps_push_ls_show_verify_pull_rm_gc(capsys, where, tmp_pa
     write_object(chunk, options, intact)  # put back: both steps verify again
     assert tp(capsys, "verify", steps, *opts)[0] == 0
     for step in (1, 2):
-        assert tp(capsys, "rm", steps, "--step", step, *opts)[0] == 0
+        assert tp(capsys, "rm", steps, "--step", step, "--force", *opts)[0] == 0
     code, out, _ = tp(capsys, "gc", steps, "--grace", 0, *opts)
     assert code == 0 and "5 leftover(s) removed" in out
     fs.invalidate_cache()

@@ -182,8 +182,8 @@ def test_gc_removes_only_chunks_no_step_names(store, tmp_path):
         for step in range(3):
             mgr.save(weights(tmp_path / f"s{step}", seed=step), step)
         mgr.save(weights(tmp_path / "s0", seed=0), 3)  # the same content as step 0
-        mgr.delete(0)
-        mgr.delete(1)
+        mgr.delete(0, force=True)
+        mgr.delete(1, force=True)
         assert len(chunks(store)) == 9 and len(referenced(store)) == 6
         removed = mgr.gc()
         assert len(removed) == 3 and all("/chunks/" in uri for uri in removed)
@@ -191,8 +191,8 @@ def test_gc_removes_only_chunks_no_step_names(store, tmp_path):
         for step in (2, 3):
             assert snapshot(mgr.restore(step, into=tmp_path / f"out{step}")) == snapshot(
                 tmp_path / f"s{step if step != 3 else 0}")
-        mgr.delete(2)
-        mgr.delete(3)
+        mgr.delete(2, force=True)
+        mgr.delete(3, force=True)
         mgr.gc()
         assert chunks(store) == {}
 
@@ -200,7 +200,7 @@ def test_gc_removes_only_chunks_no_step_names(store, tmp_path):
 def test_gc_keeps_chunks_younger_than_the_grace(tmp_path):
     with CheckpointManager(str(tmp_path / "ckpts"), dedup=True, grace_seconds=60) as mgr:
         mgr.save(weights(tmp_path / "s", seed=5), 1)
-        mgr.delete(1)
+        mgr.delete(1, force=True)
         assert mgr.gc() == []
         assert len(list((tmp_path / "ckpts" / "chunks").rglob("*.zst"))) == 3
         assert len(mgr.gc(grace_seconds=0)) == 3
@@ -211,7 +211,7 @@ def test_a_fresh_save_lease_stops_gc_until_it_is_stale(tmp_path):
     root = tmp_path / "ckpts"
     with CheckpointManager(str(root), dedup=True, grace_seconds=1.5) as mgr:
         mgr.save(weights(tmp_path / "s", seed=6), 1)
-        mgr.delete(1)
+        mgr.delete(1, force=True)
         time.sleep(1.6)  # the chunks are older than the grace
         (root / "leases").mkdir(exist_ok=True)
         (root / "leases" / f"save-{uuid.uuid4().hex}").write_text("{}")
@@ -250,7 +250,7 @@ def test_retention_and_deletes_free_their_chunks_at_the_next_save(store, tmp_pat
             mgr.save(weights(tmp_path / f"s{step}", seed=step), step)
             assert set(chunks(store)) == referenced(store)
         assert mgr.steps() == [3, 4] and len(chunks(store)) == 6
-        mgr.delete(3)
+        mgr.delete(3, force=True)
         assert len(chunks(store)) == 6  # a delete removes the manifest; the chunks wait for a sweep
         mgr.save(tmp_path / "s4", 5)  # step 4's content: nothing uploaded, step 3's chunks swept
         assert mgr._dedup.last.uploaded_chunks == 0
@@ -263,7 +263,7 @@ def test_a_save_leaves_chunks_younger_than_the_grace_to_a_later_save(tmp_path):
     root = tmp_path / "ckpts"
     with CheckpointManager(str(root), dedup=True, grace_seconds=1.5) as mgr:
         mgr.save(weights(tmp_path / "a", seed=1), 1)
-        mgr.delete(1)
+        mgr.delete(1, force=True)
         mgr.save(weights(tmp_path / "b", seed=2), 2)  # step 1's chunks are younger than the grace: kept
         assert len(list((root / "chunks").rglob("*.zst"))) == 6
         time.sleep(1.6)
@@ -285,7 +285,7 @@ def test_saves_that_delete_nothing_do_not_list_the_chunk_store(tmp_path, monkeyp
         for step in range(2, 5):
             mgr.save(src, step)
         assert len(listings) == first
-        mgr.delete(2)
+        mgr.delete(2, force=True)
         mgr.save(src, 5)
         assert len(listings) > first
 
@@ -298,7 +298,7 @@ def test_a_manager_forgets_chunks_that_another_managers_gc_removed(store, tmp_pa
     src = weights(tmp_path / "src", seed=8)
     with manager(store, grace_seconds=0) as a, manager(store, grace_seconds=0) as b:
         a.save(src, 1)
-        b.delete(1)
+        b.delete(1, force=True)
         assert len(b.gc()) == 3
         a.save(src, 2)
         assert a._dedup.last.uploaded_chunks == 3
@@ -341,7 +341,7 @@ def _run_sequence(url: str, options: dict, ops, tmp: Path) -> None:
                 mgr.save(_content_dir(base, content), step, overwrite=True)
                 model[step] = content
             elif op == "delete" and step in model:
-                mgr.delete(step)
+                mgr.delete(step, force=True)
                 del model[step]
             elif op == "gc":
                 mgr.gc()
@@ -363,7 +363,7 @@ def _run_sequence(url: str, options: dict, ops, tmp: Path) -> None:
             named |= {c for e in doc["tree"]["entries"] for c in e.get("chunks", [])}
         assert stored_chunks == named  # nothing unreferenced remains, nothing referenced is gone
         for step in list(model):
-            a.delete(step)
+            a.delete(step, force=True)
         a.gc()
         fs.invalidate_cache()
         assert [p for p in fs.find(f"{root}/chunks") if CHUNK.fullmatch(p.rpartition("/")[2])] == []
@@ -450,7 +450,7 @@ def test_sigkill_at_random_moments_loses_no_committed_step(store, tmp_path):
         assert set(stored(store, "chunks")) == referenced(store)  # no unreferenced chunk, no temp file
         assert stored(store, "leases").keys() <= {"epoch"}
         for step in mgr.steps():
-            mgr.delete(step)
+            mgr.delete(step, force=True)
         mgr.gc()
         assert chunks(store) == {}
 

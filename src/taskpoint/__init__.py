@@ -25,7 +25,7 @@ from .errors import (
     UnsafeArchiveError,
 )
 from .latest import latest_checkpoint
-from .manager import CheckpointManager
+from .manager import CheckpointManager, KeepBest
 from .runtime import TaskContext, ctx, repair_prev_checkpoint_uri, task
 from .storage import RetryPolicy
 
@@ -35,6 +35,7 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointManager",
+    "KeepBest",
     "Preempted",
     "RetryPolicy",
     "SaveStalledError",

@@ -130,9 +130,14 @@ def push_command(src: Path, uri: str, step: int | None, metadata: str | None, ov
 @cli.command("rm")
 @click.argument("uri")
 @click.option("--step", type=click.IntRange(min=0), required=True, help="the step to delete")
+@click.option("--force", is_flag=True, help="delete a protected step too (the newest committed step that verifies, "
+              "or one another process is restoring)")
 @_command
-def rm_command(uri: str, step: int) -> int:
+def rm_command(uri: str, step: int, force: bool) -> int:
     """Delete one step of a CheckpointManager directory (its manifest first, so it stops existing at once).
+
+    A protected step is refused (exit 1, naming the rule) unless --force: the newest committed step that
+    verifies, and a step another process is restoring.
 
     \b
     Example:
@@ -140,7 +145,7 @@ def rm_command(uri: str, step: int) -> int:
     """
     loc = _location(uri)
     with CheckpointManager(loc.uri, storage_options=loc.storage_options, preemption=False) as manager:
-        manager.delete(step)
+        manager.delete(step, force=force)
     click.echo(f"deleted step {step} of {safe_uri(loc.uri)}")
     return OK
 

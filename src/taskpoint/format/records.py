@@ -326,8 +326,9 @@ class ShardRecord:
 
 
 def sealed(doc: dict[str, Any], digest: str = SHA256) -> bytes:
-    """``doc`` as stored: canonical JSON (sorted keys) with :data:`CHECK`, the ``digest`` of the rest of it."""
-    return json.dumps({**doc, CHECK: _check(doc, digest)}, sort_keys=True, allow_nan=False).encode()
+    """``doc`` as stored: canonical JSON (sorted keys) with :data:`CHECK`, the ``digest`` of the rest of it.
+    Metadata may hold NaN and infinities (a diverged run's loss), written as Python's JSON writes them."""
+    return json.dumps({**doc, CHECK: _check(doc, digest)}, sort_keys=True).encode()
 
 
 def _check(doc: dict[str, Any], digest: str) -> str:

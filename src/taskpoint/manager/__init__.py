@@ -1,7 +1,8 @@
 """The manager layer: numbered steps in one directory, each committed by a manifest written last.
 
 Owns: :class:`CheckpointManager` (the orchestrator), the step layout and sweeping of leftovers (``steps``),
-retention as a policy (``retention``), verified restores (``restore``), background saves with snapshots
+retention as a policy (``retention``, with :class:`KeepBest`), the steps it never deletes (``protect``), when to
+save (``schedule``), verified restores (``restore``), background saves with snapshots
 (``background``) and the process they upload from (``saver``), steps saved by several ranks and rank 0's
 commit of them (``shards``), and the per-process claims on steps being restored or deleted (``claims``).
 
@@ -11,5 +12,6 @@ tells it the running attempt through :func:`set_attempt_source`.
 """
 
 from .manager import CheckpointManager, set_attempt_source
+from .retention import KeepBest
 
-__all__ = ["CheckpointManager", "set_attempt_source"]
+__all__ = ["CheckpointManager", "KeepBest", "set_attempt_source"]

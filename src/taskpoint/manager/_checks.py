@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import operator
 from typing import Any
 
@@ -36,17 +37,31 @@ def check_step(step: Any) -> int:
 
 
 def check_metadata(metadata: Any) -> dict[str, Any]:
-    """A private copy of ``metadata`` after checking that JSON gives it back exactly as passed."""
+    """A private copy of ``metadata`` after checking that JSON gives it back exactly as passed. Floats may be
+    NaN or infinite (a diverged run's loss): Python's JSON writes and reads them as ``NaN`` and ``Infinity``."""
     if metadata is None:
         return {}
     if not isinstance(metadata, dict):
         raise TypeError(f"metadata must be a dict of JSON values, not {type(metadata).__name__}")
     try:
-        copy = json.loads(json.dumps(metadata, allow_nan=False))
+        copy = json.loads(json.dumps(metadata))
     except (TypeError, ValueError) as exc:
         raise TypeError(f"metadata must hold only JSON values (dict, list, str, int, float, bool, None): {exc}. "
                         "Convert numpy numbers, paths or datetimes first; nothing was saved.") from exc
-    if copy != metadata:
+    if not same_json(copy, metadata):
         raise TypeError("metadata would not come back as passed: use str keys and lists rather than tuples; "
                         "nothing was saved.")
     return copy  # type: ignore[no-any-return]
+
+
+def same_json(a: Any, b: Any) -> bool:
+    """``a == b`` for JSON values, where NaN equals NaN and a bool never equals a number."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return a == b or (math.isnan(a) and math.isnan(b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_json(a[key], b[key]) for key in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same_json(x, y) for x, y in zip(a, b))
+    return bool(a == b)

@@ -20,7 +20,7 @@ from ..payloads import Payload
 from .background import Handover, store_payload
 from .claims import Claims
 from .dedup import Dedup, deduplicable
-from .retention import KeepPolicy
+from .protect import Guard
 from .shards import RankPlan, ShardWriter
 from .steps import FILESET_NAME, MANIFEST_NAME, StepStore, quietly
 
@@ -28,11 +28,11 @@ from .steps import FILESET_NAME, MANIFEST_NAME, StepStore, quietly
 class StepWriter:
     """Writes the steps of one manager: each a payload of its own name, committed by its manifest."""
 
-    def __init__(self, steps: StepStore, claims: Claims, codec: Codec, level: int | None, retention: KeepPolicy,
+    def __init__(self, steps: StepStore, claims: Claims, codec: Codec, level: int | None, guard: Guard,
                  grace: float, dedup: Dedup | None = None, plan: RankPlan | None = None) -> None:
         self._steps, self._claims, self._dedup = steps, claims, dedup
         self._codec, self._level = codec, level
-        self._retention, self._grace = retention, grace
+        self._guard, self._grace = guard, grace
         self._shards = ShardWriter(steps, plan, grace) if plan is not None and plan.ranks.distributed else None
         #: The last step this writer saved (its shard, with several ranks), committed or not.
         self.last_step: int | None = None
@@ -88,6 +88,7 @@ class StepWriter:
                 self._steps.check_stored(step, {name: size})
                 write()
         self._steps.committed(step)
+        self._guard.committed(step, metadata)
         if replaced is not None and replaced != name and not self._claims.is_restoring(step):
             quietly(self._steps.object(step, replaced).remove)
         self._tidy()
@@ -103,6 +104,7 @@ class StepWriter:
                                                                  progress=progress))
         if self._shards.commits:
             self._steps.committed(step)
+            self._guard.committed(step, metadata)
             self._tidy()
         return _log.transferred("save", self._steps.step_uri(step), payload.kind, size, clock, step)
 
@@ -119,12 +121,13 @@ class StepWriter:
         self._steps.check_stored(step, {name: len(data), **{each: entry.size for each, entry in files.items()}})
         self._steps.object(step, MANIFEST_NAME).write_small(manifest.to_bytes(), action="commit the checkpoint at")
         self._steps.committed(step)
+        self._guard.committed(step, metadata)
         self._tidy()
 
     def _tidy(self) -> None:
         """After a commit: apply retention and remove old leftovers. Never fails the save that committed."""
         try:
-            removed = self._steps.tidy(self._retention, self._grace)
+            removed = self._steps.tidy(self._guard.choose, self._grace)
             if self._dedup is not None and self._dedup.sweep_due():
                 removed += self._dedup.sweep()  # the chunks of the steps deleted since the last sweep
             if removed:

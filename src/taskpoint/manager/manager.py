@@ -12,6 +12,7 @@ payload.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import os
 import threading
@@ -38,7 +39,9 @@ from .dedup import Dedup
 from .emergency import PreemptionPolicy
 from .queries import StepQueries
 from .restore import StepReader
-from .retention import KeepPolicy
+from .protect import Guard
+from .retention import KeepBest, KeepPolicy
+from .schedule import SaveSchedule
 from .shards import DEFAULT_COMMIT_TIMEOUT, RankPlan
 from .steps import StepStore
 
@@ -88,7 +91,14 @@ class CheckpointManager(StepQueries):
         directory: where the steps live; created on first save.
         keep: keep the ``keep`` newest committed steps and delete older ones after each save; None (the
             default) keeps everything.
-        keep_every: with ``keep``, also keep every step divisible by ``keep_every``.
+        keep_every: also keep every step divisible by ``keep_every`` (with ``keep`` or ``keep_best``).
+        keep_best: a :class:`~taskpoint.KeepBest`: also keep the ``k`` steps with the best value of a metric of
+            their metadata; without ``keep``, only those (as Lightning's ``save_top_k``). Retention never deletes
+            a protected step (the newest that verifies, the one this manager restored from, one being restored
+            or committed elsewhere): see docs/manager.md, "What to keep".
+        save_interval_steps: :meth:`should_save` is True on every step divisible by it.
+        save_interval: :meth:`should_save` is True on the first step at or after each interval (a
+            ``datetime.timedelta`` or seconds) since this manager's last save, measured on a monotonic clock.
         storage_options: passed to fsspec (credentials, endpoint_url, ...).
         codec: ``"gzip"``, ``"zstd"`` or ``"none"``: the archive codec of directories (None: gzip), and the
             codec of each chunk of deduplicated steps (None: zstd).
@@ -129,6 +139,9 @@ class CheckpointManager(StepQueries):
         *,
         keep: int | None = None,
         keep_every: int | None = None,
+        keep_best: KeepBest | None = None,
+        save_interval_steps: int | None = None,
+        save_interval: float | datetime.timedelta | None = None,
         storage_options: dict[str, Any] | None = None,
         codec: str | None = None,
         level: int | None = None,
@@ -151,7 +164,8 @@ class CheckpointManager(StepQueries):
             uri = uri.rstrip("/") or "/"
         if storage_options is not None and not isinstance(storage_options, dict):
             raise TypeError(f"storage_options must be a dict, not {type(storage_options).__name__}")
-        self._retention = KeepPolicy(keep, keep_every)
+        self._retention = KeepPolicy(keep, keep_every, keep_best)
+        self._schedule = SaveSchedule(save_interval_steps, save_interval)
         self._grace = check_grace(grace_seconds)
         self._plan = RankPlan.from_args(rank, world_size, commit_timeout, self._grace, bool(dedup))
         snapshots = None if snapshot_dir is None else os.fspath(normalize_uri(snapshot_dir, "snapshot_dir"))
@@ -164,7 +178,8 @@ class CheckpointManager(StepQueries):
         self._claims = Claims((str(root.fs.protocol), root.path))
         self._steps = StepStore(root, self._claims)
         self._dedup = Dedup(self._steps, ChunkStore(root, "zstd" if codec is None else codec, level), self._grace)
-        self._reader = StepReader(self._steps, self._claims, self._dedup, self._plan.ranks)
+        self._reader = StepReader(self._steps, self._claims, self._dedup, self._plan.ranks, self._grace)
+        self._guard = Guard(self._steps, self._claims, self._retention, self._grace)
         self._lock = threading.RLock()  # save, delete, gc, close and wait_until_finished, one at a time
         #: The step the last successful :meth:`restore` returned (useful with ``fallback=True``).
         self.restored_step: int | None = None
@@ -172,7 +187,7 @@ class CheckpointManager(StepQueries):
         self.last_save: TransferStats | None = None
         self._closed = False
         self._background = Background(uri, snapshots, bool(background_process) and root.backend.shared)
-        self._writer = StepWriter(self._steps, self._claims, self._codec, self._level, self._retention, self._grace,
+        self._writer = StepWriter(self._steps, self._claims, self._codec, self._level, self._guard, self._grace,
                                   self._dedup if dedup else None, self._plan)
         self._preemption = PreemptionPolicy(preemption, on_preemption)
         weakref.finalize(self, self._background.slot.report_unclaimed, uri)
@@ -181,7 +196,8 @@ class CheckpointManager(StepQueries):
 
     def __repr__(self) -> str:
         policy = self._retention
-        return f"CheckpointManager({self.directory!r}, keep={policy.keep}, keep_every={policy.keep_every})"
+        best = "" if policy.best is None else f", keep_best={policy.best!r}"
+        return f"CheckpointManager({self.directory!r}, keep={policy.keep}, keep_every={policy.keep_every}{best})"
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -231,7 +247,7 @@ class CheckpointManager(StepQueries):
         anything else. ``progress``: as for
         :meth:`Checkpoint.save_sync <taskpoint.Checkpoint.save_sync>` (a background save shows no bar unless True).
         """
-        clock = _log.Clock()
+        clock, began = _log.Clock(), self._schedule.now()
         step = check_step(step)
         record_metadata = check_metadata(metadata)
         attempt = _attempt_source()
@@ -252,6 +268,7 @@ class CheckpointManager(StepQueries):
                 job(payload)
             else:
                 self._background.start(step, payload, job, helper=not self._writer.deduplicates(payload))
+            self._schedule.saved(step, began)
         clock.release()  # a background save's record, at its commit, counts the caller's wait until here
         return self._steps.step_uri(step)
 
@@ -310,12 +327,18 @@ class CheckpointManager(StepQueries):
         self.restored_step, result = self._reader.read_first(candidates, target, fallback=fallback,
                                                              requested=step is not None, clock=clock,
                                                              progress=tracker)
+        self._guard.restored_from(self.restored_step)
+        self._schedule.seen(self.restored_step)
         return result
 
     # -- delete and garbage collection ---------------------------------------------------------------------
 
-    def delete(self, step: int) -> None:
-        """Delete a committed step: its manifest first (so it stops existing at once), then its payload."""
+    def delete(self, step: int, *, force: bool = False) -> None:
+        """Delete a committed step: its manifest first (so it stops existing at once), then its payload.
+
+        A protected step (the newest committed step that verifies, the step this manager restored from until it
+        commits a newer one, a step another process is restoring or committing) raises CheckpointError naming
+        the rule, unless ``force=True``. A step being restored in this process is never deleted."""
         step = check_step(step)
         with self._lock:
             self._check_open()
@@ -323,11 +346,16 @@ class CheckpointManager(StepQueries):
             folder = self._steps.scan(step).get(step)
             if folder is None or not folder.committed:
                 raise FileNotFoundError(f"step {step} does not exist in {self.directory}")
+            rule = None if force else self._guard.rule(step, self._guard.newest_verified(set(self.steps())), folder)
+            if rule is not None and not self._claims.is_restoring(step):
+                raise CheckpointError(f"step {step} in {self.directory} is protected: {rule}. Pass force=True to "
+                                      "delete it anyway")
             if not self._claims.start_delete(step):
                 raise CheckpointError(f"step {step} in {self.directory} is being restored; delete it once the "
                                       "restore has finished")
             try:
                 self._steps.delete_step(step, folder, self._grace)
+                self._guard.deleted(step)
             finally:
                 self._claims.end_delete(step)
 

@@ -1,10 +1,13 @@
-"""The read-only side of a manager: its committed steps and their metadata, read without any payload."""
+"""The read-only side of a manager: its committed steps, their metadata, and its policies' answers (should a step
+be saved, which step is the best, which are protected), read without any payload."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ._checks import check_step
+from .protect import Guard
+from .schedule import SaveSchedule
 from .shards import RankPlan
 from .steps import StepStore
 
@@ -18,6 +21,8 @@ class StepQueries:
 
     _steps: StepStore
     _plan: RankPlan
+    _guard: Guard
+    _schedule: SaveSchedule
 
     @property
     def directory(self) -> str:
@@ -36,6 +41,35 @@ class StepQueries:
 
     def _ready(self) -> None:
         raise NotImplementedError
+
+    def reached_preemption(self) -> bool:
+        raise NotImplementedError
+
+    def should_save(self, step: int) -> bool:
+        """Whether the loop should save ``step`` now: True on every ``save_interval_steps``-th step, on the first
+        step at or after each ``save_interval`` since this manager's last save (on a monotonic clock), and
+        whenever a preemption notice is pending; False for a step at or before the newest this manager saved or
+        restored. No storage request: ``if mgr.should_save(step): mgr.save(state, step)`` costs nothing per step.
+        """
+        return self._schedule.due(check_step(step), notice=self.reached_preemption())
+
+    def best_step(self) -> int | None:
+        """The committed step with the best value of ``keep_best``'s metric (ties: the newer), or None when
+        there is no ``keep_best`` or no committed step has a finite value. Reads each manifest once."""
+        best = self._guard.policy.best
+        if best is None:
+            return None
+        ranked = best.best({step: self._guard.metric(step) for step in self.steps()})
+        return ranked[0] if ranked else None
+
+    def protected_steps(self) -> dict[int, str]:
+        """The committed steps that retention never deletes (nor :meth:`delete` without ``force``), each with
+        the rule that protects it."""
+        self._ready()
+        folders = {step: folder for step, folder in self._steps.scan().items() if folder.committed}
+        newest = self._guard.newest_verified(set(folders))
+        rules = {step: self._guard.rule(step, newest, folder) for step, folder in sorted(folders.items())}
+        return {step: rule for step, rule in rules.items() if rule is not None}
 
     def steps(self) -> list[int]:
         """The committed steps, oldest first. A background save appears once it has committed."""

@@ -16,6 +16,7 @@ from ..ranks import Ranks
 from ..transfer import read_payload
 from ..workspace import Workspace
 from .claims import Claims
+from .protect import restore_lease
 from .dedup import Dedup
 from .rebuild import MissingChunk, Rebuilder
 from .steps import StepStore
@@ -33,8 +34,10 @@ GONE_HOW = (", which taskpoint's retention and sweeps never do: by hand, by a bu
 class StepReader:
     """Reads steps of one directory into a folder of the caller's, or into a workspace of its own."""
 
-    def __init__(self, steps: StepStore, claims: Claims, dedup: Dedup, ranks: Ranks | None = None) -> None:
+    def __init__(self, steps: StepStore, claims: Claims, dedup: Dedup, ranks: Ranks | None = None,
+                 grace: float = 0.0) -> None:
         self._steps = steps
+        self._grace = grace  # of the lease a restore holds on its step (other processes' retention keeps it)
         self._ranks = ranks or Ranks()
         self._rebuilder = Rebuilder(dedup.steps, dedup.chunks, dedup.workers)
         self._claims = claims
@@ -94,20 +97,24 @@ class StepReader:
         if not self._claims.start_restore(step):
             raise FileNotFoundError(f"step {step} in {self.directory} is being deleted")
         try:
-            if into is not None:
-                return self._read_step(step, into, progress)
-            with self._lock:
-                if self._workspace is None:
-                    self._workspace = Workspace(None)
-                folder = self._workspace.path / f"ckpt-{step}"
-                shutil.rmtree(folder, ignore_errors=True)
-                try:
-                    return self._read_step(step, folder, progress)
-                except BaseException:
-                    shutil.rmtree(folder, ignore_errors=True)
-                    raise
+            with restore_lease(self._steps, step, self._grace):
+                return self._read_held(step, into, progress)
         finally:
             self._claims.end_restore(step)
+
+    def _read_held(self, step: int, into: Path | None, progress: Progress) -> Path:
+        if into is not None:
+            return self._read_step(step, into, progress)
+        with self._lock:
+            if self._workspace is None:
+                self._workspace = Workspace(None)
+            folder = self._workspace.path / f"ckpt-{step}"
+            shutil.rmtree(folder, ignore_errors=True)
+            try:
+                return self._read_step(step, folder, progress)
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
 
     def _read_step(self, step: int, workspace: Path, progress: Progress) -> Path:
         """Stream the payload the manifest names into ``workspace``, following concurrent overwrites."""

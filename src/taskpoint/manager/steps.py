@@ -33,7 +33,6 @@ from ..format.records import FILESET_CODEC, StepManifest
 from ..storage import Location
 from .claims import Claims
 from .leases import alive, fresh
-from .retention import KeepPolicy
 
 #: Name of a step's manifest inside its folder; its presence is the step's commit.
 MANIFEST_NAME = "taskpoint.json"
@@ -49,8 +48,10 @@ _FILESET = re.compile(rf"\.?(?:{DCP_DATA_FILE.pattern}|{re.escape(DCP_METADATA_N
 FILESET_NAME = DCP_MANIFEST_NAME
 #: Rank 0's lease on a step it is gathering the shards of: while fresh, no sweep removes anything in the folder.
 COMMIT_LEASE = re.compile(r"commit-[0-9a-f]{32}\.json")
-_OURS = re.compile(rf"\.?(?:payload-[0-9a-f]{{32}}|taskpoint\.json|rank-(?:0|[1-9][0-9]*)\.json|{COMMIT_LEASE.pattern})"
-                   r"(?:\.[0-9a-f]{12}\.tmp)?")
+#: A restore's lease on the step it reads: while fresh, retention in other processes keeps the step.
+RESTORE_LEASE = re.compile(r"restore-[0-9a-f]{32}\.json")
+_OURS = re.compile(rf"\.?(?:payload-[0-9a-f]{{32}}|taskpoint\.json|rank-(?:0|[1-9][0-9]*)\.json|{COMMIT_LEASE.pattern}"
+                   rf"|{RESTORE_LEASE.pattern})(?:\.[0-9a-f]{{12}}\.tmp)?")
 
 
 RANK_RECORD = re.compile(r"rank-(0|[1-9][0-9]*)\.json")
@@ -189,8 +190,9 @@ class StepStore:
         if self._known is not None:
             self._known.add(step)
 
-    def tidy(self, retention: KeepPolicy, grace: float) -> list[str]:
-        """After a commit: apply retention and sweep leftovers.
+    def tidy(self, choose: Callable[[set[int], dict[int, Folder] | None], list[int]], grace: float) -> list[str]:
+        """After a commit: delete the steps retention lets go (``choose(committed, folders)``, ``folders`` when
+        just listed) and sweep leftovers.
 
         The directory is listed on the first save, and again once the grace period has passed since the last
         listing (leftovers can only be swept once older than it; with ``grace`` 0, every time). In between,
@@ -201,12 +203,11 @@ class StepStore:
             self._listed_at = time.time()
             folders = self.scan()
             self._known = {step for step, folder in folders.items() if folder.committed}
-            self.let_go(retention.to_delete(self._known), folders, grace)
+            self.let_go(choose(set(self._known), folders), folders, grace)
             return self.sweep(folders, grace)
-        gone = retention.to_delete(self._known)
+        gone = choose(set(self._known), None)
         self.let_go(gone, {step: Folder() for step in gone}, grace)
         return []
-
 
     def let_go(self, steps: list[int], folders: dict[int, Folder], grace: float) -> None:
         """Delete ``steps`` (retention's choice), taking each out of ``folders``; a step being restored in this

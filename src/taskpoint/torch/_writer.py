@@ -248,7 +248,7 @@ class _StepWriter(Writer):
             if not self.overwrite:
                 raise FileExistsError(f"step {self._step} already exists in {self._manager.directory}; pass "
                                       "overwrite=True to Writer.for_step, or save under a new step")
-            self._manager.delete(self._step)  # un-commit first: a failed overwrite leaves no half step
+            self._manager.delete(self._step, force=True)  # un-commit first: a failed overwrite leaves no half step
         return super().prepare_global_plan(plans)
 
     def commit(self, manifest: FileSetManifest, metadata_blob: bytes) -> None:
