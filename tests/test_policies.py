@@ -4,6 +4,7 @@ metadata, and the protected steps that retention (and delete without force) neve
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
 import random
@@ -389,3 +390,37 @@ def test_random_sequences_keep_exactly_the_union_of_the_rules_and_never_a_protec
 @pytest.mark.campaign(f"{CAMPAIGN_EXAMPLES:,} random sequences (make test: {EXAMPLES:,})")
 def test_random_sequences_at_campaign_size():
     _sequences(CAMPAIGN_EXAMPLES)()
+
+
+# -- the command line --------------------------------------------------------------------------------------
+
+
+def _taskpoint(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "taskpoint", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_ls_marks_the_protected_steps_and_the_best_and_rm_needs_force_for_a_protected_one(tmp_path):
+    root = tmp_path / "ckpts"
+    with manager(root) as mgr:
+        for step, (loss, acc) in enumerate([(0.5, 0.7), (0.2, 0.9), (0.9, 0.1), (float("nan"), 0.0)]):
+            mgr.save(b"x", step, metadata={"val_loss": loss, "acc": acc})
+    (root / "ckpt-0" / f"restore-{'a' * 32}.json").write_text("{}")  # another process restoring step 0
+    out = _taskpoint("ls", str(root), "--best", "val_loss")
+    lines = {line.split()[0]: line for line in out.stdout.splitlines() if line.strip()[:1].isdigit()}
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[1].split()[-1] == "MARK"
+    assert lines["0"].endswith("protected: restore lease")
+    assert lines["1"].endswith("best (val_loss=0.2)")  # NaN at step 3 is never the best
+    assert lines["2"].endswith("  -")
+    assert lines["3"].endswith("protected: newest that verifies")
+    rows = {row["step"]: row for row in json.loads(_taskpoint("ls", str(root), "--json", "--best", "acc",
+                                                              "--mode", "max").stdout)["steps"]}
+    assert [step for step, row in rows.items() if row["best"]] == [1]
+    assert rows[0]["restore_leases"] == [f"restore-{'a' * 32}.json"] and rows[0]["leftovers"] == []
+    assert {step: row["protected"] for step, row in rows.items()} == {
+        0: "restore lease", 1: None, 2: None, 3: "newest that verifies"}
+    refused = _taskpoint("rm", str(root), "--step", "3")
+    assert refused.returncode == 1 and "is protected: it is the newest committed step that verifies" in refused.stderr
+    assert _taskpoint("rm", str(root), "--step", "3", "--force").returncode == 0
+    with manager(root) as mgr:
+        assert mgr.steps() == [0, 1, 2]

@@ -12,10 +12,10 @@ import click
 from ..errors import CheckpointCorruptError
 from ..format.fileset import FileEntry, FileSetManifest
 from ..format.records import FILESET_CODEC, MANIFEST_SUFFIX, StepManifest
-from ..manager import CheckpointManager
+from ..manager import CheckpointManager, KeepBest
 from ..manager.chunks import CHUNK_FOLDER
 from ..manager.claims import Claims
-from ..manager.steps import MANIFEST_NAME, STEP_FOLDER, StepStore
+from ..manager.steps import MANIFEST_NAME, RESTORE_LEASE, STEP_FOLDER, StepStore
 from ..record import read_record
 from ..runtime import layout
 from ..storage import Location
@@ -117,8 +117,9 @@ def _checkpoint_view(loc: Location) -> dict[str, Any] | None:
             "record": None if record is None else loc.sibling(MANIFEST_SUFFIX).uri}
 
 
-def _manager_view(loc: Location) -> dict[str, Any] | None:
-    """The steps of a CheckpointManager directory; None when it holds no ``ckpt-N`` folder."""
+def _manager_view(loc: Location, metric: str | None = None) -> dict[str, Any] | None:
+    """The steps of a CheckpointManager directory (with the value of ``metric`` in each step's metadata, when
+    named); None when it holds no ``ckpt-N`` folder."""
     root = loc.path.rstrip("/")
     listing = loc.list_tree()
     sizes: dict[int, dict[str, int]] = {}
@@ -138,9 +139,11 @@ def _manager_view(loc: Location) -> dict[str, Any] | None:
     steps = _steps(loc)
     rows = []
     for step, names in sorted(sizes.items()):
+        leases = sorted(n for n in names if RESTORE_LEASE.fullmatch(n))
+        names = {n: size for n, size in names.items() if n not in leases}
         row: dict[str, Any] = {"step": step, "uri": steps.step_uri(step), "state": "incomplete", "size": None,
                                "created": None, "attempt": None, "kind": None, "metadata_keys": [],
-                               "leftovers": sorted(n for n in names if n != MANIFEST_NAME)}
+                               "leftovers": sorted(n for n in names if n != MANIFEST_NAME), "restore_leases": leases}
         if MANIFEST_NAME in names:
             try:
                 manifest = steps.manifest(step)
@@ -157,6 +160,8 @@ def _manager_view(loc: Location) -> dict[str, Any] | None:
             row.update(size=record.size, created=record.created, attempt=manifest.attempt, kind=record.kind,
                        metadata_keys=sorted(manifest.metadata), payload=manifest.payload,
                        leftovers=sorted(n for n in names if n not in named), checked=manifest.checked)
+            if metric is not None:
+                row["metric"] = manifest.metadata.get(metric)
             if manifest.shards is not None:
                 row["shards"] = len(manifest.shards)
             row["state"] = "committed"
@@ -235,9 +240,10 @@ def _task_root_view(loc: Location) -> dict[str, Any] | None:
     return {"type": "task-root", "uri": loc.uri, "actions": rows}
 
 
-def _what(loc: Location) -> dict[str, Any]:
-    """What the URI holds: a checkpoint object, a manager directory or a task root; _Missing otherwise."""
-    view = _checkpoint_view(loc) or _manager_view(loc) or _task_root_view(loc)
+def _what(loc: Location, metric: str | None = None) -> dict[str, Any]:
+    """What the URI holds: a checkpoint object, a manager directory (each step's ``metric`` too, when named) or
+    a task root; _Missing otherwise."""
+    view = _checkpoint_view(loc) or _manager_view(loc, metric) or _task_root_view(loc)
     if view is None:
         if loc.container_missing():
             raise _Failed(ERROR, f"{loc.uri}: the bucket or container does not exist. Create it, or fix the URI.")
@@ -252,11 +258,29 @@ def _print_json(value: Any) -> None:
 # -- ls -------------------------------------------------------------------------------------------------------
 
 
+def _mark(view: dict[str, Any], best: KeepBest | None) -> None:
+    """Mark the steps of a manager view that retention never deletes (``protected``: the rule), and with
+    ``best`` the best step by its metric (``best``: True), as CheckpointManager judges them from a listing."""
+    committed = [row for row in view["steps"] if row["state"] == "committed"]
+    for row in view["steps"]:
+        row["protected"] = "restore lease" if row["restore_leases"] and row["state"] == "committed" else None
+    if committed:
+        committed[-1]["protected"] = "newest that verifies"
+    if best is not None:
+        ranked = best.best({row["step"]: best.value({best.metric: row.get("metric")}) for row in committed})
+        for row in view["steps"]:
+            row["best"] = bool(ranked) and row["step"] == ranked[0]
+
+
 @cli.command("ls")
 @click.argument("uri")
 @click.option("--json", "as_json", is_flag=True, help="print JSON for machines")
+@click.option("--best", "metric", default=None, metavar="METRIC",
+              help="mark the best step by this key of the steps' metadata (the lowest; --mode max: the highest)")
+@click.option("--mode", type=click.Choice(["min", "max"]), default="min", show_default=True,
+              help="with --best: whether the lowest or the highest value is best")
 @_command
-def ls_command(uri: str, as_json: bool) -> int:
+def ls_command(uri: str, as_json: bool, metric: str | None, mode: str) -> int:
     """List what URI holds: a checkpoint object, a CheckpointManager directory, or a task root.
 
     A checkpoint object shows its record (<uri>.taskpoint.json); a manager directory its steps (state, size,
@@ -264,6 +288,8 @@ def ls_command(uri: str, as_json: bool) -> int:
     holds: its payload as stored, every file of a DCP step, the plain bytes of a deduplicated step's files.
     States come from the listing and the manifests: sizes are compared, no byte is read (a note below the
     output says so); `taskpoint verify` checks every byte. A time or attempt that is not known prints `-`.
+    MARK names the steps retention never deletes (`protected`: the newest step that verifies, a step with a
+    restore lease) and, with --best, the best step by a metric of their metadata (as keep_best judges it).
 
     \b
     Examples:
@@ -271,7 +297,9 @@ def ls_command(uri: str, as_json: bool) -> int:
       taskpoint ls s3://bucket/runs/job7/train/steps --json
       taskpoint ls gs://bucket/ckpt -o token=anon
     """
-    view = _what(_location(uri))
+    view = _what(_location(uri), metric)
+    if view["type"] == "manager":
+        _mark(view, None if metric is None else KeepBest(metric, mode))
     if as_json:
         _print_json(view)
     elif view["type"] == "checkpoint":
@@ -287,12 +315,16 @@ def ls_command(uri: str, as_json: bool) -> int:
             click.echo(_sizes_only(view["uri"]))
     elif view["type"] == "manager":
         click.echo(f"{view['uri']}: {sum(r['state'] == 'committed' for r in view['steps'])} committed step(s)")
-        click.echo(f"{'STEP':>6}  {'STATE':<10}  {'KIND':<9}  {'SIZE':>10}  {'SAVED (UTC)':<19}  ATTEMPT  METADATA")
+        click.echo(f"{'STEP':>6}  {'STATE':<10}  {'KIND':<9}  {'SIZE':>10}  {'SAVED (UTC)':<19}  ATTEMPT  "
+                   f"{'METADATA':<16}  MARK")
         for row in view["steps"]:
             attempt = "-" if row["attempt"] is None else str(row["attempt"])
             state = row["state"] + ("*" if row.get("checked") is False else "")
+            marks = [f"best ({metric}={row['metric']})"] if row.get("best") else []
+            marks += [f"protected: {row['protected']}"] if row["protected"] else []
             click.echo(f"{row['step']:>6}  {state:<10}  {row['kind'] or '-':<9}  {_human(row['size']):>10}  "
-                       f"{_time(row['created']):<19}  {attempt:>7}  {','.join(row['metadata_keys']) or '-'}")
+                       f"{_time(row['created']):<19}  {attempt:>7}  {','.join(row['metadata_keys']) or '-':<16}  "
+                       f"{', '.join(marks) or '-'}")
         if any(row.get("checked") is False for row in view["steps"]):
             click.echo(f"* {UNCHECKED}")
         judged = [row for row in view["steps"] if row["state"] in SIZE_JUDGED]
