@@ -529,7 +529,8 @@ def test_values_the_cli_does_not_know_print_a_dash(capsys, tmp_path):
     code, out, _ = tp(capsys, "show", steps)
     assert code == 0 and "\nattempt: -\n" in out and "\ncrc32: -\n" in out
     code, out, _ = tp(capsys, "ls", steps)
-    assert code == 0 and out.splitlines()[2].split()[-2:] == ["-", "-"]  # attempt, metadata keys
+    row = out.splitlines()[2].split()
+    assert code == 0 and row[-6:] == ["-", "-", "protected:", "newest", "that", "verifies"]  # attempt, keys, mark
     for command in ("show", "ls"):
         out = tp(capsys, command, steps)[1] + tp(capsys, command, tmp_path / "other")[1]
         assert "None" not in out and "- UTC" not in out
