@@ -487,7 +487,7 @@ def test_saves_racing_deletes_and_sweeps_never_commit_a_step_naming_a_removed_ch
                         # sweep takes it for dead; it then commits nothing (the safe answer). Anything else fails.
                         continue
                     saved.append(step)
-                    stop.wait(saver_pause)
+                    stop.wait(pauses.uniform(0, 2 * saver_pause))
         except BaseException as exc:  # reported by the test thread
             errors.append(exc)
 

@@ -198,8 +198,8 @@ def test_delete_refuses_the_newest_step_that_verifies_unless_forced(tmp_path):
     with manager(tmp_path / "ckpts") as mgr:
         for step in (1, 2):
             mgr.save(b"x", step)
-        with pytest.raises(CheckpointError, match="step 2 .* is protected: it is the newest committed step that "
-                                                  "verifies .* Pass force=True"):
+        with pytest.raises(CheckpointError, match=r"step 2 .* is protected: it is the newest committed step that "
+                                                  r"verifies .* Pass force=True"):
             mgr.delete(2)
         assert list(mgr.protected_steps()) == [2]
         mgr.delete(1)
@@ -234,7 +234,7 @@ def test_the_step_a_manager_restored_from_stays_until_it_commits_a_newer_one(tmp
         assert mgr.protected_steps() == {
             1: "this manager restored from it and has not committed a newer step since",
             3: "it is the newest committed step that verifies (a run must have a step to resume from)"}
-        with pytest.raises(CheckpointError, match="step 1 .* protected: this manager restored from it"):
+        with pytest.raises(CheckpointError, match=r"step 1 .* protected: this manager restored from it"):
             mgr.delete(1)
         mgr.delete(2)
         mgr.save(b"s4", 4, overwrite=True)  # retention: keep 1, so 1 and 3 go now

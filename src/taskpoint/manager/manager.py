@@ -37,9 +37,9 @@ from .claims import Claims
 from .commit import StepWriter
 from .dedup import Dedup
 from .emergency import PreemptionPolicy
+from .protect import Guard
 from .queries import StepQueries
 from .restore import StepReader
-from .protect import Guard
 from .retention import KeepBest, KeepPolicy
 from .schedule import SaveSchedule
 from .shards import DEFAULT_COMMIT_TIMEOUT, RankPlan

@@ -16,8 +16,8 @@ from ..ranks import Ranks
 from ..transfer import read_payload
 from ..workspace import Workspace
 from .claims import Claims
-from .protect import restore_lease
 from .dedup import Dedup
+from .protect import restore_lease
 from .rebuild import MissingChunk, Rebuilder
 from .steps import StepStore
 
