@@ -19,7 +19,9 @@ DEMO_STAMP := $(VENV)/.installed-core
 DEMO_EXTRA = $(if $(filter s3://%,$(ROOT)),s3,$(if $(filter gs://% gcs://%,$(ROOT)),gcs,$(if $(filter az://% abfs://% abfss://%,$(ROOT)),azure,)))
 NPM_DIR := tests/servers
 NPM_STAMP := $(NPM_DIR)/node_modules/.installed
-# The real flyte package, for the format-compatibility tests; its pins clash with ours, so it has its own venv.
+# The real flyte package, for the format-compatibility tests and the Flyte bridge (tests/test_flyte_bridge.py, tasks
+# that use taskpoint inside flyte); its pins clash with ours, so it has its own venv, with taskpoint installed there
+# too (editable, after flyte, so that flyte's pins win; taskpoint's own needs are loose enough to fit them).
 FLYTE_VENV := .venv-flyte
 FLYTE_STAMP := $(FLYTE_VENV)/.installed
 FLYTE_VERSION ?= 2.12.1
@@ -50,10 +52,12 @@ $(NPM_STAMP): $(NPM_DIR)/package.json
 	cd $(NPM_DIR) && npm install --no-audit --no-fund --loglevel=error
 	touch $(NPM_STAMP)
 
-$(FLYTE_STAMP):
+$(FLYTE_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(FLYTE_VENV)
 	$(FLYTE_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(FLYTE_VENV)/bin/python -m pip install --quiet "flyte==$(FLYTE_VERSION)"
+	$(FLYTE_VENV)/bin/python -m pip install --quiet -e .
+	$(FLYTE_VENV)/bin/python -m pip check
 	touch $(FLYTE_STAMP)
 
 venv: $(STAMP)

@@ -86,6 +86,10 @@ class Checkpoint(BaseCheckpoint):
             ``"warn"`` (default) loads it with the archive's own checks and logs a WARNING naming the URI;
             ``"strict"`` raises :class:`~taskpoint.CheckpointCorruptError` instead. A folder source (flytekit
             1.x's layout) has no record either, and is treated the same.
+        copy_of: where ``checkpoint_src`` was copied from without its record (Flyte's local retries copy only
+            the object, see docs/guides/platforms.md). When the source has no record of its own, the record
+            beside ``copy_of`` verifies it if it lists those bytes; otherwise the source loads as one without a
+            record (``verify=``).
     """
 
     def __init__(
@@ -100,6 +104,7 @@ class Checkpoint(BaseCheckpoint):
         retry: RetryPolicy | None = None,
         max_expand: int | None = None,
         verify: str = "warn",
+        copy_of: str | os.PathLike[str] | None = None,
     ) -> None:
         dest = normalize_uri(checkpoint_dest, "checkpoint_dest").strip()
         if not dest or _TEMPLATE.search(dest):
@@ -120,11 +125,14 @@ class Checkpoint(BaseCheckpoint):
         self._strict = verify == "strict"
         self._retry = retry or RetryPolicy()
         source = clean_source_uri(checkpoint_src)
-        # One dict of options serves both: an option is refused only when neither store takes it.
-        Location.check_options([dest] if source is None else [dest, source], storage_options)
+        original = clean_source_uri(copy_of) if source is not None else None
+        # One dict of options serves all: an option is refused only when no store takes it.
+        Location.check_options([u for u in (dest, source, original) if u is not None], storage_options)
         self._dest = Location(dest, storage_options, self._retry, options_checked=True)
         self._src = Location(source, storage_options, self._retry, options_checked=True) if source is not None \
             else None
+        self._copy_of = Location(original, storage_options, self._retry, options_checked=True) \
+            if original is not None else None
         self._lock = threading.Lock()
         self._loaded: Path | None = None
         self._closed = False
@@ -220,7 +228,8 @@ class Checkpoint(BaseCheckpoint):
             with expansion_limit(self._max_expand), \
                     _progress.resolve(progress, f"load {_log.short_name(self._src.uri)}") as tracker:
                 try:
-                    result = load_object(self._src, self.path, tracker, strict=self._strict)
+                    result = load_object(self._src, self.path, tracker, strict=self._strict,
+                                         copy_of=self._copy_of)
                 except SourceIsFolder:  # a folder or prefix (flytekit 1.x's layout): a directory checkpoint
                     if self._strict:
                         raise CheckpointCorruptError(unverified(self._src.uri, strict=True)) from None

@@ -179,10 +179,14 @@ class _Unlisted(CheckpointCorruptError):
 VERIFY_MODES = ("warn", "strict")
 
 
-def unverified(uri: str, *, strict: bool) -> str:
-    """What to say of the checkpoint at ``uri`` that has no record: the WARNING of a load, or the refusal."""
+def unverified(uri: str, *, strict: bool, copy_of: str | None = None) -> str:
+    """What to say of the checkpoint at ``uri`` that has no record: the WARNING of a load, or the refusal.
+    ``copy_of``: the object it was copied from, whose record did not verify it either."""
     why = (f"the checkpoint at {uri} has no record ({uri}{MANIFEST_SUFFIX} is missing), so its bytes could not be "
            "verified: it was written by Flyte or another tool, or its record was removed.")
+    if copy_of is not None:
+        why += (f" It is a copy of {copy_of}, and no record there lists it either (no taskpoint save wrote it "
+                "there, or the copy differs from what was saved).")
     if strict:
         return (f"{why} verify='strict' refuses it: save it again with taskpoint, or load it with verify='warn' "
                 "if you trust where it came from.")
@@ -190,15 +194,24 @@ def unverified(uri: str, *, strict: bool) -> str:
 
 
 def load_object(src: Location, workspace: Path, progress: Progress = NO_PROGRESS, *,
-                strict: bool = False) -> Path | None:
+                strict: bool = False, copy_of: Location | None = None) -> Path | None:
     """Load the checkpoint at ``src`` into ``workspace``; None when nothing was ever saved there. An object
-    with no record is loaded unverified with a WARNING, or refused when ``strict`` (see :data:`VERIFY_MODES`)."""
+    with no record is loaded unverified with a WARNING, or refused when ``strict`` (see :data:`VERIFY_MODES`).
+
+    ``copy_of``: where ``src`` was copied from without its record (Flyte's local retries copy only the object).
+    When ``src`` has no record, the record beside ``copy_of`` verifies it if it lists the copied bytes; if it
+    does not (or there is none), the object is what it would be without ``copy_of``: unverified."""
     record_loc = src.sibling(MANIFEST_SUFFIX)
     record = read_record(record_loc)
+    if record is None and copy_of is not None:
+        copied = _load_copy(src, copy_of, workspace, progress)
+        if copied is not None:
+            return copied
     paused = False
     for reread in range(_RECORD_REREADS + 1):
         try:
-            result = _load_listed(src, workspace, record, progress, strict)
+            result = _load_listed(src, workspace, record, progress, strict,
+                                  copy_of.uri if copy_of is not None else None)
             break
         except _Unlisted as unlisted:
             # A save writes its record before its object becomes visible: a reader that meets an object its
@@ -220,8 +233,22 @@ def load_object(src: Location, workspace: Path, progress: Progress = NO_PROGRESS
             raise StorageNotFound(f"could not load {src.uri}: the bucket or container does not exist. "
                                   "Create it, or fix the URI.")
     elif record is None:
-        _log.logger.warning(unverified(_log.safe_uri(src.uri), strict=False))
+        origin = _log.safe_uri(copy_of.uri) if copy_of is not None else None
+        _log.logger.warning(unverified(_log.safe_uri(src.uri), strict=False, copy_of=origin))
     return result
+
+
+def _load_copy(src: Location, copy_of: Location, workspace: Path, progress: Progress) -> Path | None:
+    """``src`` loaded and verified against the record beside ``copy_of``; None (nothing loaded, the progress
+    rewound) when there is no such record, no object at ``src``, or the record does not list its bytes."""
+    record = read_record(copy_of.sibling(MANIFEST_SUFFIX), tolerate_corrupt=True)
+    if record is None or not record.objects:
+        return None
+    try:
+        return _load_listed(src, workspace, record, progress, strict=False)
+    except _Unlisted:
+        progress.rewind()  # the unverified load that follows counts the object again, from zero
+        return None
 
 
 #: The advice of a load that met an object its record does not list.
@@ -230,14 +257,14 @@ _UNLISTED_ADVICE = (f"Save a new checkpoint, or load an older one; if another to
 
 
 def _load_listed(src: Location, workspace: Path, record: Record | None, progress: Progress,
-                 strict: bool) -> Path | None:
+                 strict: bool, copy_of: str | None = None) -> Path | None:
     """One load of ``src``, verified against ``record`` (objects without a record are Flyte's: unverified,
     refused when ``strict``)."""
 
     def choose(head: bytes, size: int | None) -> type[Payload]:
         if record is None:
             if strict:
-                raise CheckpointCorruptError(unverified(src.uri, strict=True))
+                raise CheckpointCorruptError(unverified(src.uri, strict=True, copy_of=copy_of))
             return guess_kind(head)
         listed = record.of_size(size) or record.unverified or record.of_size(None)
         if listed is None:

@@ -7,7 +7,8 @@ from the environment (``context``), and the :func:`task` decorator (``task``).
 
 May import: :mod:`taskpoint.manager`, :mod:`taskpoint.checkpoint` and everything below them. Inside the
 package the modules form layers too (``task`` > ``context`` > ``lineage`` > ``rendezvous`` > ``repair`` >
-``state`` > ``layout``), checked by import-linter like the package layers.
+``state`` > ``layout``; ``flyte_bridge``, the context inside a Flyte 2 task, beside ``lineage``), checked by
+import-linter like the package layers.
 """
 
 from .context import ctx, environment_context, repair_prev_checkpoint_uri

@@ -25,6 +25,7 @@ from .layout import (
     env_storage_options,
     rank_object,
 )
+from .flyte_bridge import flyte_context
 from .lineage import ActionStore
 from .repair import repair_uri
 from .state import TaskContext, running
@@ -36,9 +37,11 @@ def ctx() -> TaskContext | None:
     Inside ``@taskpoint.task`` it is the attempt's context (also in asyncio and trio tasks and in threads
     started through ``contextvars``-aware helpers; a plain thread sees it while only one task runs in the
     process). Outside, a process started by ``taskpoint run`` or given the ``TASKPOINT_*`` environment
-    variables gets a context built from them.
+    variables gets a context built from them; else, inside a Flyte 2 task, one on the checkpoint locations
+    Flyte gives the attempt (``flyte.ctx().checkpoint``; flyte is never imported, only consulted once the
+    program has imported it).
     """
-    return running() or environment_context()
+    return running() or environment_context() or flyte_context()
 
 
 def repair_prev_checkpoint_uri(
