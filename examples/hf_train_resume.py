@@ -95,12 +95,14 @@ def main() -> None:
     opts = parser.parse_args()
     output_dir = opts.output_dir or tempfile.mkdtemp(prefix="hf-output-")
 
+    # --8<-- [start:glue]
     callback = CheckpointCallback(opts.directory, storage_options=opts.storage_options)
     trainer = build_trainer(output_dir, max_steps=opts.max_steps, save_steps=opts.save_steps,
                             callbacks=[callback, Progress(opts.step_delay)])
     checkpoint = resume(opts.directory, output_dir, storage_options=opts.storage_options)
     print(f"resuming from {checkpoint}" if checkpoint else "starting from scratch", flush=True)
     trainer.train(resume_from_checkpoint=checkpoint)
+    # --8<-- [end:glue]
 
     result = {"global_step": trainer.state.global_step, "sha256": weights_sha256(trainer.model),
               "resumed_from": checkpoint and Path(checkpoint).name}
