@@ -49,7 +49,7 @@ class RandomTokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-class Progress(TrainerCallback):  # type: ignore[misc]
+class Progress(TrainerCallback):
     """Prints ``step N`` after each optimizer step (flushed), slowed by ``delay`` seconds so a kill can land."""
 
     def __init__(self, delay: float) -> None:

@@ -191,7 +191,7 @@ def continue_in_process(example: ModuleType, store: Any, tmp_path: Path, expect_
 
     started: list[int] = []
 
-    class StartStep(TrainerCallback):  # type: ignore[misc]
+    class StartStep(TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             started.append(state.global_step)
 

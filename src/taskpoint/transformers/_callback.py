@@ -19,11 +19,13 @@ from taskpoint import CheckpointManager, Preempted, preemption
 
 #: The Trainer's name for its checkpoint folders (``transformers.trainer_utils.PREFIX_CHECKPOINT_DIR``).
 FOLDER_PREFIX = "checkpoint-"
+#: Where the Trainer writes when ``output_dir`` is None (``TrainingArguments`` fills it in; older versions did not).
+DEFAULT_OUTPUT_DIR = "trainer_output"
 
 _log = logging.getLogger("taskpoint")
 
 
-class CheckpointCallback(TrainerCallback):  # type: ignore[misc]
+class CheckpointCallback(TrainerCallback):
     """Store every checkpoint the Trainer saves as step ``global_step`` of a manager at ``directory``.
 
     Args:
@@ -77,7 +79,7 @@ class CheckpointCallback(TrainerCallback):  # type: ignore[misc]
         if manager is None:
             return
         step = state.global_step
-        folder = Path(args.output_dir) / f"{FOLDER_PREFIX}{step}"
+        folder = Path(args.output_dir or DEFAULT_OUTPUT_DIR) / f"{FOLDER_PREFIX}{step}"
         metadata = {"global_step": step, "epoch": state.epoch, "checkpoint": folder.name}
         notice = preemption.notice() if manager.reached_preemption() else None
         if notice is None:
