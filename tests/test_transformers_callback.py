@@ -219,6 +219,8 @@ def sigkill_at_random_then_resume(example: ModuleType, reference: dict[str, Any]
 
     with manager(store) as mgr:
         steps = mgr.steps()
+    print(f"trial {trial}: SIGKILL {pause:.2f} s into training, after step {last_step([*seen, 'step 0'])}; "
+          f"committed steps {steps}")
     if not steps:  # killed before the first commit: nothing to resume, a fresh start is right
         assert status == -signal.SIGKILL, context
         from taskpoint.transformers import resume
@@ -245,14 +247,15 @@ def sigkill_at_random_then_resume(example: ModuleType, reference: dict[str, Any]
         assert mgr.latest_step() == MAX_STEPS
 
 
-@pytest.mark.parametrize(("store", "trial"), [("local", 0), ("s3", 1), ("local", 2)], indirect=["store"])
+# Two trials in make test (pauses 1.18 s and 0.87 s: late, in a background save, and midway), forty in the campaign.
+@pytest.mark.parametrize(("store", "trial"), [("local", 0), ("s3", 5)], indirect=["store"])
 def test_sigkill_at_a_random_moment_resumes_with_equal_weights_and_step(
         example: ModuleType, reference: dict[str, Any], store: Any, tmp_path: Path, trial: int) -> None:
     sigkill_at_random_then_resume(example, reference, store, tmp_path, trial)
 
 
 @pytest.mark.campaign("20 more SIGKILLs at random moments")
-@pytest.mark.parametrize("trial", range(3, 23))
+@pytest.mark.parametrize("trial", range(10, 30))
 @pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
 def test_sigkill_campaign(example: ModuleType, reference: dict[str, Any], store: Any, tmp_path: Path,
                           trial: int) -> None:
