@@ -1,0 +1,302 @@
+"""taskpoint.transformers with the real Hugging Face Trainer: a tiny GPT-2 built from a config (nothing from the
+hub), on local disk and the S3 server.
+
+Each checkpoint the Trainer writes must become its step, with the very files the Trainer wrote; ``resume()``
+must bring back the newest step that verifies; a process SIGKILLed at a random moment must resume from its
+newest committed step and end with the weights of an uninterrupted run, bit for bit (one CPU thread; the
+Trainer restores its RNG states and skips the batches it had trained); a SIGTERM must end the process with
+status 143 after committing the step it stopped at. The killed processes run examples/hf_train_resume.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: never a download
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "hf_train_resume.py"
+MAX_STEPS, SAVE_STEPS = 10, 2
+TIMEOUT = 120
+
+
+@pytest.fixture(scope="module")
+def example() -> Iterator[ModuleType]:
+    """examples/hf_train_resume.py as a module: the tests train in-process with the example's own model,
+    data and arguments (on one thread, as the example does; the thread count is put back afterwards)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    spec = importlib.util.spec_from_file_location("hf_train_resume", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    yield module
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def reference(example: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The weights after MAX_STEPS uninterrupted steps (no callback)."""
+    trainer = example.build_trainer(str(tmp_path_factory.mktemp("reference")), max_steps=MAX_STEPS,
+                                    save_steps=SAVE_STEPS, callbacks=[])
+    trainer.train()
+    assert trainer.state.global_step == MAX_STEPS
+    return {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+
+def same_files(a: Path, b: Path) -> None:
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir())
+    assert "model.safetensors" in names and "trainer_state.json" in names
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def same_weights(state: dict[str, Any], reference: dict[str, Any]) -> None:
+    import torch
+
+    assert state.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(state[name], tensor), name
+
+
+def manager(store: Any) -> Any:
+    import taskpoint
+
+    return taskpoint.CheckpointManager(store.base, storage_options=store.storage_options, preemption=False)
+
+
+# -- in this process ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
+def test_each_trainer_checkpoint_becomes_its_step_with_the_same_files(
+        example: ModuleType, store: Any, tmp_path: Path) -> None:
+    from taskpoint.transformers import CheckpointCallback, resume
+
+    callback = CheckpointCallback(store.base, storage_options=store.storage_options)
+    trainer = example.build_trainer(str(tmp_path / "out"), max_steps=6, save_steps=SAVE_STEPS, callbacks=[callback])
+    trainer.train()
+    assert callback.manager is None  # on_train_end waited for the last upload and closed the manager
+    with manager(store) as mgr:
+        assert mgr.steps() == [2, 4, 6]
+        assert mgr.metadata(6) == {"global_step": 6, "epoch": trainer.state.epoch, "checkpoint": "checkpoint-6"}
+
+    restored = resume(store.base, tmp_path / "elsewhere", storage_options=store.storage_options)
+    assert restored == str(tmp_path / "elsewhere" / "checkpoint-6")
+    same_files(Path(restored), tmp_path / "out" / "checkpoint-6")
+    assert [p.name for p in (tmp_path / "elsewhere").iterdir()] == ["checkpoint-6"]  # no staging folder left
+
+
+@pytest.mark.parametrize(("keep", "save_total_limit", "kept"), [(None, 2, [6, 8]), (3, 1, [4, 6, 8]),
+                                                                 (None, None, [2, 4, 6, 8])])
+def test_keep_follows_save_total_limit_unless_given(
+        example: ModuleType, tmp_path: Path, keep: int | None, save_total_limit: int | None, kept: list[int]) -> None:
+    import taskpoint
+    from taskpoint.transformers import CheckpointCallback
+
+    callback = CheckpointCallback(tmp_path / "steps", keep=keep, blocking=True)
+    trainer = example.build_trainer(str(tmp_path / "out"), max_steps=8, save_steps=SAVE_STEPS, callbacks=[callback],
+                                    save_total_limit=save_total_limit)
+    trainer.train()
+    assert taskpoint.CheckpointManager(tmp_path / "steps", preemption=False).steps() == kept
+
+
+def test_resume_returns_none_when_nothing_was_saved(example: ModuleType, tmp_path: Path) -> None:
+    from taskpoint.transformers import resume
+
+    assert resume(tmp_path / "steps", tmp_path / "out") is None
+
+
+def test_resume_skips_a_step_that_does_not_verify(example: ModuleType, tmp_path: Path) -> None:
+    from taskpoint.transformers import CheckpointCallback, resume
+
+    trainer = example.build_trainer(str(tmp_path / "out"), max_steps=4, save_steps=SAVE_STEPS,
+                                    callbacks=[CheckpointCallback(tmp_path / "steps")])
+    trainer.train()
+    manifest = tmp_path / "steps" / "ckpt-4" / "taskpoint.json"
+    data = bytearray(manifest.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit: the manifest fails its own check
+    manifest.write_bytes(bytes(data))
+
+    restored = resume(tmp_path / "steps", tmp_path / "elsewhere")
+    assert restored == str(tmp_path / "elsewhere" / "checkpoint-2")
+    same_files(Path(restored), tmp_path / "out" / "checkpoint-2")
+
+
+# -- real processes, real signals ----------------------------------------------------------------------------
+
+
+def start_example(store: Any, workdir: Path, *args: str) -> subprocess.Popen[str]:
+    import json
+
+    (workdir / "tmp").mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TASKPOINT_")}
+    env.update(PYTHONPATH=os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")]), HF_HUB_OFFLINE="1",
+               TMPDIR=str(workdir / "tmp"))
+    command = [sys.executable, str(EXAMPLE), "--directory", store.base, "--output-dir", str(workdir / "out"),
+               "--max-steps", str(MAX_STEPS), "--save-steps", str(SAVE_STEPS), "--out", str(workdir / "result.json"),
+               *args]
+    if store.storage_options:
+        command += ["--storage-options", json.dumps(store.storage_options)]
+    return subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def read_until(proc: subprocess.Popen[str], line: str, seen: list[str]) -> None:
+    """Read the process's output into ``seen`` until a line equal to ``line`` (fails if it ends first)."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        out = proc.stdout.readline()
+        if not out:
+            pytest.fail(f"the example ended (status {proc.wait()}) before printing {line!r}:\n{''.join(seen)}")
+        seen.append(out)
+        if out.rstrip("\n") == line:
+            return
+    pytest.fail(f"no {line!r} within {TIMEOUT} s:\n{''.join(seen)}")
+
+
+def finish(proc: subprocess.Popen[str], seen: list[str]) -> int:
+    assert proc.stdout is not None
+    seen.extend(proc.stdout.readlines())
+    return proc.wait(timeout=TIMEOUT)
+
+
+def last_step(seen: list[str]) -> int:
+    return max(int(line.split()[1]) for line in seen if line.startswith("step "))
+
+
+def continue_in_process(example: ModuleType, store: Any, tmp_path: Path, expect_step: int) -> Any:
+    """``resume()`` into a fresh output folder and train on to MAX_STEPS with the callback; the trainer."""
+    from transformers import TrainerCallback
+
+    from taskpoint.transformers import CheckpointCallback, resume
+
+    started: list[int] = []
+
+    class StartStep(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            started.append(state.global_step)
+
+    output = tmp_path / "resumed"
+    checkpoint = resume(store.base, output, storage_options=store.storage_options)
+    assert checkpoint == str(output / f"checkpoint-{expect_step}")
+    trainer = example.build_trainer(str(output), max_steps=MAX_STEPS, save_steps=SAVE_STEPS, callbacks=[
+        CheckpointCallback(store.base, storage_options=store.storage_options), StartStep()])
+    trainer.train(resume_from_checkpoint=checkpoint)
+    assert started == [expect_step]  # the Trainer continued from the restored step, not from 0
+    assert trainer.state.global_step == MAX_STEPS
+    return trainer
+
+
+def sigkill_at_random_then_resume(example: ModuleType, reference: dict[str, Any], store: Any, tmp_path: Path,
+                                  trial: int) -> None:
+    pause = random.Random(trial).uniform(0.0, 1.4)  # about the length of the training at --step-delay 0.1
+    proc = start_example(store, tmp_path / "killed", "--step-delay", "0.1")
+    seen: list[str] = []
+    read_until(proc, "training from step 0", seen)
+    time.sleep(pause)
+    proc.send_signal(signal.SIGKILL)
+    status = finish(proc, seen)
+    context = f"trial {trial}: SIGKILL {pause:.2f} s into training, status {status}:\n{''.join(seen)}"
+
+    with manager(store) as mgr:
+        steps = mgr.steps()
+    print(f"trial {trial}: SIGKILL {pause:.2f} s into training, after step {last_step([*seen, 'step 0'])}; "
+          f"committed steps {steps}")
+    if not steps:  # killed before the first commit: nothing to resume, a fresh start is right
+        assert status == -signal.SIGKILL, context
+        from taskpoint.transformers import resume
+
+        assert resume(store.base, tmp_path / "resumed", storage_options=store.storage_options) is None
+        return
+    newest = steps[-1]
+    assert newest % SAVE_STEPS == 0 and newest <= MAX_STEPS, context
+    # The newest committed step holds exactly the files the Trainer of the killed process wrote.
+    from taskpoint.transformers import resume
+
+    restored = resume(store.base, tmp_path / "check", storage_options=store.storage_options)
+    assert restored is not None, context
+    same_files(Path(restored), tmp_path / "killed" / "out" / f"checkpoint-{newest}")
+    if newest == MAX_STEPS:  # killed after its last commit: the restored weights are the final ones
+        from safetensors.torch import load_file
+
+        weights = load_file(Path(restored) / "model.safetensors")  # without lm_head.weight: tied to the embedding
+        same_weights(weights, {name: reference[name] for name in weights})
+        return
+    trainer = continue_in_process(example, store, tmp_path, newest)
+    same_weights(trainer.model.state_dict(), reference)
+    with manager(store) as mgr:
+        assert mgr.latest_step() == MAX_STEPS
+
+
+# Two trials in make test (pauses 1.18 s and 0.87 s: late, in a background save, and midway), forty in the campaign.
+@pytest.mark.parametrize(("store", "trial"), [("local", 0), ("s3", 5)], indirect=["store"])
+def test_sigkill_at_a_random_moment_resumes_with_equal_weights_and_step(
+        example: ModuleType, reference: dict[str, Any], store: Any, tmp_path: Path, trial: int) -> None:
+    sigkill_at_random_then_resume(example, reference, store, tmp_path, trial)
+
+
+@pytest.mark.campaign("20 more SIGKILLs at random moments")
+@pytest.mark.parametrize("trial", range(10, 30))
+@pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
+def test_sigkill_campaign(example: ModuleType, reference: dict[str, Any], store: Any, tmp_path: Path,
+                          trial: int) -> None:
+    sigkill_at_random_then_resume(example, reference, store, tmp_path, trial)
+
+
+@pytest.mark.parametrize("store", ["s3"], indirect=True)
+def test_sigterm_commits_the_step_it_stopped_at_exits_143_and_the_example_resumes_from_it(
+        example: ModuleType, reference: dict[str, Any], store: Any, tmp_path: Path) -> None:
+    import json
+
+    # Saves every 3 steps; the SIGTERM lands in the delay after step 4, so the Trainer saves step 5 only
+    # because the callback asks it to (a notice that lands before a due save stops at that save).
+    proc = start_example(store, tmp_path / "first", "--step-delay", "0.3", "--save-steps", "3")
+    seen: list[str] = []
+    read_until(proc, "step 4", seen)
+    proc.send_signal(signal.SIGTERM)
+    status = finish(proc, seen)
+    context = "".join(seen)
+    assert status == 143, context
+    stopped = last_step(seen)  # the step on which the Trainer saved and stopped
+    assert stopped == 5, context
+    assert not (tmp_path / "first" / "result.json").exists()
+    with manager(store) as mgr:
+        assert mgr.latest_step() == stopped, context
+        assert mgr.metadata(stopped)["global_step"] == stopped
+    from taskpoint.transformers import resume
+
+    restored = resume(store.base, tmp_path / "check", storage_options=store.storage_options)
+    assert restored is not None
+    same_files(Path(restored), tmp_path / "first" / "out" / f"checkpoint-{stopped}")
+
+    second = start_example(store, tmp_path / "second", "--save-steps", "3")
+    seen = []
+    assert finish(second, seen) == 0, "".join(seen)
+    assert f"training from step {stopped}\n" in seen, "".join(seen)
+    assert last_step(seen) == MAX_STEPS and f"step {stopped}\n" not in seen  # no step trained twice
+    result = json.loads((tmp_path / "second" / "result.json").read_text())
+    assert result["global_step"] == MAX_STEPS and result["resumed_from"] == f"checkpoint-{stopped}"
+    model = example.build_trainer(str(tmp_path / "unused"), max_steps=1, save_steps=1, callbacks=[]).model
+    model.load_state_dict(reference)
+    assert result["sha256"] == example.weights_sha256(model)
+    with manager(store) as mgr:
+        assert mgr.latest_step() == MAX_STEPS
