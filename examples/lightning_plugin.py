@@ -46,7 +46,7 @@ class Regressor(L.LightningModule):
 
 
 class Report(Callback):
-    """Prints each step; records the step and weights the fit started from and ended with."""
+    """Prints each step; records the step and weights the fit started from and the last step it finished."""
 
     def __init__(self, out: Path | None, sleep: float) -> None:
         self.out, self.sleep, self.result = out, sleep, {}
@@ -60,16 +60,15 @@ class Report(Callback):
         self._write()
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        self.result.update(end_step=trainer.global_step, end_weights=self._weights(module))
+        self._write()
         print(f"step {trainer.global_step}", flush=True)
         time.sleep(self.sleep)
 
-    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        self.result.update(end_step=trainer.global_step, end_weights=self._weights(module))
-        self._write()
-
     def _write(self) -> None:
-        if self.out is not None:
-            self.out.write_text(json.dumps(self.result))
+        if self.out is not None:  # whole or not at all, whenever the process is killed
+            self.out.with_suffix(".tmp").write_text(json.dumps(self.result))
+            self.out.with_suffix(".tmp").replace(self.out)
 
 
 def main() -> None:

@@ -2,10 +2,10 @@
 
     python tests/_lightning_trials.py SPEC.json RESULT.json
 
-SPEC: ``{"argv": [...], "trials": [{"signal": "KILL"|"TERM"|null, "after_step": N | null, "after_s": S | null}]}``.
+SPEC: ``{"argv": [...], "trials": [{"signal": "KILL"|"TERM"|null, "after_steps": N | null, "after_s": S | null}]}``.
 Each trial forks a child that runs the example's ``main()`` with ``argv`` plus ``--out <dir>/trial-I.json``
 (importing torch and Lightning takes seconds on a loaded machine; a fork takes milliseconds). The parent reads
-the child's ``step N`` lines and sends the signal once step ``after_step`` is printed, or ``after_s`` seconds
+the child's ``step N`` lines and sends the signal once it printed ``after_steps`` of them, or ``after_s`` seconds
 after the fork, whichever comes first; then waits for the child. RESULT lists, per trial, the exit status (a
 negative number: killed by that signal), the steps printed, and what the example wrote with ``--out``.
 """
@@ -77,8 +77,8 @@ def run_trial(example, argv: list[str], trial: dict, out: Path) -> dict:  # type
                     steps.append(int(text.split()[1]))
                 elif text.startswith("error "):
                     errors.append(text)
-            if sig is not None and not signalled and trial.get("after_step") is not None and steps \
-                    and steps[-1] >= trial["after_step"]:
+            if sig is not None and not signalled and trial.get("after_steps") is not None \
+                    and len(steps) >= trial["after_steps"]:
                 os.kill(pid, sig)
                 signalled = True
     _, status = os.waitpid(pid, 0)

@@ -58,6 +58,7 @@ def find_last(trainer: pl.Trainer, plugin: CheckpointIO) -> str | None:
         folder = checkpoint_folder(callback, trainer)
         fs, inner = plugin.filesystem(folder)
         pattern = re.compile(rf"^{re.escape(callback.CHECKPOINT_NAME_LAST)}(-(\d+))?{re.escape(callback.FILE_EXTENSION)}$")
+        fs.invalidate_cache(inner)  # fsspec instances are shared and cache listings: this one must be fresh
         try:
             entries = fs.ls(inner, detail=True)
         except FileNotFoundError:
