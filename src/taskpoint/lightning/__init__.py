@@ -11,7 +11,7 @@ Install it with ``pip install "taskpoint[lightning]"``::
 
 :class:`CheckpointIO` saves each ``.ckpt`` atomically with its record beside it (``<ckpt>.taskpoint.json``),
 retried, and verifies every byte before ``torch.load``; ``ckpt_path="last"`` resolves on every store with the
-plug-in's storage options. :class:`SaveOnPreemption` turns SIGTERM (or a spot notice) into a checkpoint at the
+plug-in's storage options (Lightning 2.6 cannot resolve it on ``s3://``; see ``_last.py`` for how). :class:`SaveOnPreemption` turns SIGTERM (or a spot notice) into a checkpoint at the
 next batch end and exit status 143. See docs/guides/lightning.md.
 """
 
@@ -22,6 +22,6 @@ except ImportError as exc:
                       f'pip install "taskpoint[lightning]"') from exc
 
 from ._io import CheckpointIO
-from ._preemption import PREEMPTED_EXIT_STATUS, SaveOnPreemption
+from ._preemption import SaveOnPreemption
 
-__all__ = ["PREEMPTED_EXIT_STATUS", "CheckpointIO", "SaveOnPreemption"]
+__all__ = ["CheckpointIO", "SaveOnPreemption"]

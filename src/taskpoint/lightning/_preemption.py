@@ -31,10 +31,15 @@ class SaveOnPreemption(Callback):  # type: ignore[misc]
     0 only, as Lightning does, and every rank waits for it before leaving. All ranks agree on the step: a rank
     that saw the notice stops them all (``reduce_boolean_decision``).
 
+    The exit status is :attr:`exit_status`, 143 (128 + SIGTERM, what a process ended by SIGTERM reports), so
+    that an orchestrator counts the attempt as failed and retries it; never 0, which would end the task as done.
+
     Args:
         filename: the name of the checkpoint in that folder (default ``last.ckpt``; another ``last-*.ckpt``
             name is found by ``"last"`` too).
     """
+
+    exit_status = PREEMPTED_EXIT_STATUS
 
     def __init__(self, filename: str | None = None) -> None:
         self.filename = filename
@@ -69,8 +74,8 @@ class SaveOnPreemption(Callback):  # type: ignore[misc]
         self.saved = path
         _logger.warning("preempted (%s): saved step %d to %s; exiting with status %d",
                         notice.name if notice else "another rank", trainer.global_step, path,
-                        PREEMPTED_EXIT_STATUS)
-        raise SystemExit(PREEMPTED_EXIT_STATUS)
+                        self.exit_status)
+        raise SystemExit(self.exit_status)
 
 
 def _wait_for_commit(trainer: pl.Trainer) -> None:
