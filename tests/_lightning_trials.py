@@ -44,7 +44,7 @@ def run_trial(example, argv: list[str], trial: dict, out: Path) -> dict:  # type
             example.main()
         except SystemExit as exc:
             status = exc.code if isinstance(exc.code, int) else 1
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             print(f"error {type(exc).__name__}: {exc}", flush=True)
             status = 1
         sys.stdout.flush()

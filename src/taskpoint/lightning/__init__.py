@@ -11,8 +11,9 @@ Install it with ``pip install "taskpoint[lightning]"``::
 
 :class:`CheckpointIO` saves each ``.ckpt`` atomically with its record beside it (``<ckpt>.taskpoint.json``),
 retried, and verifies every byte before ``torch.load``; ``ckpt_path="last"`` resolves on every store with the
-plug-in's storage options (Lightning 2.6 cannot resolve it on ``s3://``; see ``_last.py`` for how). :class:`SaveOnPreemption` turns SIGTERM (or a spot notice) into a checkpoint at the
-next batch end and exit status 143. See docs/guides/lightning.md.
+plug-in's storage options (Lightning 2.6 alone cannot on ``s3://``; ``_last.py`` says how).
+:class:`SaveOnPreemption` turns SIGTERM (or a spot notice) into a checkpoint at the next batch end and exit
+status 143. See docs/guides/lightning.md.
 """
 
 try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -26,7 +27,7 @@ RECORD_SUFFIX = ".taskpoint.json"
 _TASKPOINT_OPTIONS = frozenset({"s3_client"})
 
 
-class CheckpointIO(_LightningCheckpointIO):  # type: ignore[misc]
+class CheckpointIO(_LightningCheckpointIO):
     """Lightning's checkpoint plug-in, saving every ``.ckpt`` through taskpoint.
 
     ``Trainer(plugins=[CheckpointIO(...)])``: what ``ModelCheckpoint`` (top-k, ``save_last``,
@@ -97,10 +98,8 @@ class CheckpointIO(_LightningCheckpointIO):  # type: ignore[misc]
         """Remove the object at ``path``, then its record (a record left alone names no ``.ckpt``)."""
         fs, inner = self.filesystem(path)
         for target in (inner, inner + RECORD_SUFFIX):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 fs.rm_file(target)
-            except FileNotFoundError:
-                pass
         _logger.debug("removed checkpoint %s and its record", path)
 
     def teardown(self) -> None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -34,7 +34,7 @@ def plugin_of(trainer: pl.Trainer) -> CheckpointIO | None:
     """The trainer's taskpoint plug-in, also when wrapped (``AsyncCheckpointIO``); None when it has none."""
     from ._io import CheckpointIO
 
-    io = trainer.strategy.checkpoint_io
+    io: Any = trainer.strategy.checkpoint_io
     while isinstance(io, _WrappingCheckpointIO):
         io = io.checkpoint_io
     return io if isinstance(io, CheckpointIO) else None
@@ -45,7 +45,7 @@ def checkpoint_folder(callback: ModelCheckpoint, trainer: pl.Trainer) -> str:
     ``default_root_dir`` (the same private method Lightning's own ``"last"`` lookup calls)."""
     if callback.dirpath is not None:
         return str(callback.dirpath)
-    return str(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))
+    return str(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))  # type: ignore[attr-defined]
 
 
 def find_last(trainer: pl.Trainer, plugin: CheckpointIO) -> str | None:
@@ -57,7 +57,8 @@ def find_last(trainer: pl.Trainer, plugin: CheckpointIO) -> str | None:
             continue
         folder = checkpoint_folder(callback, trainer)
         fs, inner = plugin.filesystem(folder)
-        pattern = re.compile(rf"^{re.escape(callback.CHECKPOINT_NAME_LAST)}(-(\d+))?{re.escape(callback.FILE_EXTENSION)}$")
+        last, extension = re.escape(callback.CHECKPOINT_NAME_LAST), re.escape(callback.FILE_EXTENSION)
+        pattern = re.compile(rf"^{last}(-(\d+))?{extension}$")
         fs.invalidate_cache(inner)  # fsspec instances are shared and cache listings: this one must be fresh
         try:
             entries = fs.ls(inner, detail=True)
@@ -93,4 +94,4 @@ def install() -> None:
         return found
 
     setattr(parse_ckpt_path, _MARK, True)
-    _CheckpointConnector._parse_ckpt_path = parse_ckpt_path
+    _CheckpointConnector._parse_ckpt_path = parse_ckpt_path  # type: ignore[method-assign]

@@ -20,15 +20,16 @@ _logger = logging.getLogger("taskpoint")
 PREEMPTED_EXIT_STATUS = 143
 
 
-class SaveOnPreemption(Callback):  # type: ignore[misc]
+class SaveOnPreemption(Callback):
     """On SIGTERM (or a spot notice, see :mod:`taskpoint.preemption`), stop at the next batch end, save a
     checkpoint of that step through the trainer, wait for its commit, and exit with status 143.
 
     The handler is :func:`taskpoint.preemption.install`, put in place at ``setup``; Lightning's own SIGTERM
-    handler, installed after it, chains it (and would on its own end the fit at the epoch's end with status 0). The checkpoint is
-    ``last.ckpt`` in the folder of the trainer's ``ModelCheckpoint`` (``default_root_dir/checkpoints`` without
-    a logger), where ``trainer.fit(ckpt_path="last")`` finds it; ``trainer.save_checkpoint`` writes it on rank
-    0 only, as Lightning does, and every rank waits for it before leaving. All ranks agree on the step: a rank
+    handler, installed after it, chains it (and would on its own end the fit at the epoch's end with status 0).
+    The checkpoint is ``last.ckpt`` in the folder of the trainer's ``ModelCheckpoint``
+    (``default_root_dir/checkpoints`` without a logger), where ``trainer.fit(ckpt_path="last")`` finds it;
+    ``trainer.save_checkpoint`` writes it on rank 0 only, as Lightning does, and every rank waits for it before
+    leaving. All ranks agree on the step: a rank
     that saw the notice stops them all (``reduce_boolean_decision``).
 
     The exit status is :attr:`exit_status`, 143 (128 + SIGTERM, what a process ended by SIGTERM reports), so
@@ -81,7 +82,7 @@ class SaveOnPreemption(Callback):  # type: ignore[misc]
 def _wait_for_commit(trainer: pl.Trainer) -> None:
     """A synchronous plug-in has committed when ``save_checkpoint`` returns; ``AsyncCheckpointIO`` saves in a
     thread, and its ``teardown`` waits for every save it queued (and raises the first failure)."""
-    io = trainer.strategy.checkpoint_io
+    io: Any = trainer.strategy.checkpoint_io
     while isinstance(io, _WrappingCheckpointIO):
         if isinstance(io, AsyncCheckpointIO):
             io.teardown()
