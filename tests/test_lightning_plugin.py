@@ -90,7 +90,7 @@ class StartedAt(L.Callback):  # type: ignore[misc]
 
 
 def fit(root: Root, max_steps: int, ckpt_path: str | None = None, *, wrap_async: bool = False,
-        model: Any = None) -> tuple[Any, StartedAt]:
+        model: Any = None, callbacks: tuple[Any, ...] = ()) -> tuple[Any, StartedAt]:
     torch.manual_seed(0)
     x = torch.randn(40, 4)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
@@ -99,7 +99,7 @@ def fit(root: Root, max_steps: int, ckpt_path: str | None = None, *, wrap_async:
     trainer = L.Trainer(
         default_root_dir=root.url, max_steps=max_steps, logger=False, accelerator="cpu", devices=1,
         plugins=[L.pytorch.plugins.io.AsyncCheckpointIO(io) if wrap_async else io],
-        callbacks=[started, L.pytorch.callbacks.ModelCheckpoint(every_n_train_steps=3, save_top_k=2, monitor="step",
+        callbacks=[started, *callbacks, L.pytorch.callbacks.ModelCheckpoint(every_n_train_steps=3, save_top_k=2, monitor="step",
                                                                mode="max", save_last=True)],
         enable_progress_bar=False, enable_model_summary=False,
     )
@@ -169,6 +169,29 @@ def test_async_checkpoint_io_around_the_plug_in(tmp_path: Path) -> None:
         "epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"}
     resumed, started = fit(root, max_steps=8, ckpt_path="last", wrap_async=True)
     assert (resumed.ckpt_path, started.step) == (root.join("checkpoints", "last.ckpt"), 6)
+
+
+def test_a_notice_after_the_last_batch_of_an_epoch_still_saves_and_exits_143(tmp_path: Path) -> None:
+    """Lightning ends the fit at the epoch's end on SIGTERM, with status 0: the callback saves first."""
+    from taskpoint import preemption
+
+    class NoticeAfterTheCheck(L.Callback):  # type: ignore[misc]
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == 10:  # the last of the epoch's 10 batches, after SaveOnPreemption's check
+                preemption.notify()
+
+    root = Root(str(tmp_path / "run"), {}, fsspec.filesystem("file"), str(tmp_path / "run"))
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            fit(root, max_steps=30, callbacks=(tl.SaveOnPreemption(), NoticeAfterTheCheck()))
+    finally:
+        preemption.clear()
+        preemption.uninstall()
+    assert stopped.value.code == 143
+    last = root.join("checkpoints", "last.ckpt")
+    assert tl.CheckpointIO().load_checkpoint(last)["global_step"] == 10
+    resumed, started = fit(root, max_steps=12, ckpt_path="last")
+    assert (resumed.ckpt_path, started.step) == (last, 10)
 
 
 # -- real processes, real signals ---------------------------------------------------------------------------------
