@@ -99,8 +99,8 @@ def fit(root: Root, max_steps: int, ckpt_path: str | None = None, *, wrap_async:
     trainer = L.Trainer(
         default_root_dir=root.url, max_steps=max_steps, logger=False, accelerator="cpu", devices=1,
         plugins=[L.pytorch.plugins.io.AsyncCheckpointIO(io) if wrap_async else io],
-        callbacks=[started, *callbacks, L.pytorch.callbacks.ModelCheckpoint(every_n_train_steps=3, save_top_k=2, monitor="step",
-                                                               mode="max", save_last=True)],
+        callbacks=[started, *callbacks, L.pytorch.callbacks.ModelCheckpoint(
+            every_n_train_steps=3, save_top_k=2, monitor="step", mode="max", save_last=True)],
         enable_progress_bar=False, enable_model_summary=False,
     )
     with warnings.catch_warnings():
