@@ -205,7 +205,7 @@ def run_trials(tmp_path: Path, root: str, trials: list[dict[str, Any]], env: dic
     environment = {k: v for k, v in os.environ.items() if not k.startswith("TASKPOINT_")}
     environment.update(env or {}, TMPDIR=str(tmp_path))
     proc = subprocess.run([sys.executable, str(TRIALS), str(spec), str(results)], env=environment,
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=120 + 10 * len(trials))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(results.read_text())
 
@@ -218,15 +218,26 @@ def assert_resumed_where_it_stopped(stopped: dict[str, Any], resumed: dict[str, 
 
 
 def test_sigkill_at_random_moments_then_sigterm_each_resume_loads_a_verified_checkpoint(tmp_path: Path) -> None:
+    kill_then_terminate(tmp_path, SIGKILL_TRIALS)
+
+
+@pytest.mark.campaign("100 SIGKILLs of a Lightning run at random moments, each resumed from last.ckpt")
+@pytest.mark.timeout(1800)
+def test_sigkill_campaign_each_resume_loads_a_verified_checkpoint(tmp_path: Path) -> None:
+    kill_then_terminate(tmp_path, 100)
+
+
+def kill_then_terminate(tmp_path: Path, kills: int) -> None:
+    """``kills`` children killed at random moments, each resuming from the last; then SIGTERM twice."""
     rng = random.Random(int(os.environ.get("TASKPOINT_TEST_SEED", "23")))
-    trials = [{"signal": "KILL", "after_s": rng.uniform(0.8, 3.0)} for _ in range(SIGKILL_TRIALS)]
+    trials: list[dict[str, Any]] = [{"signal": "KILL", "after_s": rng.uniform(0.8, 3.0)} for _ in range(kills)]
     trials += [{"signal": "TERM", "after_steps": 4}, {"signal": "TERM", "after_steps": 1}]
     run = tmp_path / "run"
     results = run_trials(tmp_path, str(run), trials, sleep=0.05)
 
     last = str(run / "checkpoints" / "last.ckpt")
     high = 0
-    for i, trial in enumerate(results[:SIGKILL_TRIALS]):
+    for i, trial in enumerate(results[:kills]):
         assert trial["status"] == -9 and not trial["errors"], (i, trial)
         if trial["out"] is None:
             continue  # killed before the fit began
@@ -238,7 +249,7 @@ def test_sigkill_at_random_moments_then_sigterm_each_resume_loads_a_verified_che
         high = max(high, start, *(s for s in trial["steps"][:-1] if s % 5 == 0))
     assert high > 0, "no trial lived long enough to save: the campaign tested nothing"
 
-    signalled, resumed = results[SIGKILL_TRIALS:]
+    signalled, resumed = results[kills:]
     assert signalled["status"] == resumed["status"] == 143
     assert not signalled["errors"] and not resumed["errors"]
     assert_resumed_where_it_stopped(signalled, resumed, last)
