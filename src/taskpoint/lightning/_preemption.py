@@ -27,8 +27,9 @@ class SaveOnPreemption(Callback):
 
     The handler is :func:`taskpoint.preemption.install`, put in place at ``setup``; Lightning's own SIGTERM
     handler, installed after it, chains it (and would on its own end the fit at the epoch's end with status 0).
-    The checkpoint is ``last.ckpt`` in the folder of the trainer's ``ModelCheckpoint``
-    (``default_root_dir/checkpoints`` without a logger), where ``trainer.fit(ckpt_path="last")`` finds it;
+    The checkpoint is ``last.ckpt`` in the folder of the trainer's ``ModelCheckpoint`` (its ``dirpath``, resolved
+    by Lightning at setup), where ``trainer.fit(ckpt_path="last")`` finds it (with checkpointing disabled it goes
+    to ``default_root_dir/checkpoints/last.ckpt``, which ``"last"`` does not search: pass that path);
     ``trainer.save_checkpoint`` writes it on rank 0 only, as Lightning does, and every rank waits for it before
     leaving. All ranks agree on the step: a rank
     that saw the notice stops them all (``reduce_boolean_decision``).
@@ -45,7 +46,6 @@ class SaveOnPreemption(Callback):
 
     def __init__(self, filename: str | None = None) -> None:
         self.filename = filename
-        self.saved: str | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
@@ -80,7 +80,6 @@ class SaveOnPreemption(Callback):
             trainer.save_checkpoint(path)
             _wait_for_commit(trainer)
             trainer.strategy.barrier("taskpoint.lightning.SaveOnPreemption")
-        self.saved = path
         _logger.warning("preempted (%s): saved step %d to %s; exiting with status %d",
                         notice.name if notice else "another rank", trainer.global_step, path,
                         self.exit_status)
