@@ -280,7 +280,7 @@ def test_api_reference_names_every_public_name() -> None:
     reference = "\n".join(p.read_text(encoding="utf-8") for p in (DOCS / "api").glob("*.md"))
     documented = set(re.findall(r"^::: taskpoint(?:\.\w+)*\.(\w+)\s*$", reference, re.M))
     assert set(taskpoint.__all__) - documented == set()
-    for extra in ("jax", "torch", "transformers"):
+    for extra in ("jax", "torch", "lightning", "transformers"):
         page = (DOCS / "api" / f"{extra}.md").read_text(encoding="utf-8")
         names = re.search(r"__all__ = \[(.*?)\]", (REPO / f"src/taskpoint/{extra}/__init__.py").read_text()).group(1)
         for name in re.findall(r'"(\w+)"', names):

@@ -1,0 +1,97 @@
+"""``SaveOnPreemption``: a preemption notice becomes a checkpoint where ``ckpt_path="last"`` finds it, then exit 143."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+
+from taskpoint import preemption
+
+_logger = logging.getLogger("taskpoint")
+
+#: The exit status after a preemption save: 128 + SIGTERM, what a process ended by SIGTERM reports, so that an
+#: orchestrator counts the attempt as failed and retries it (never 0, which would end the task as done).
+PREEMPTED_EXIT_STATUS = 143
+
+
+class SaveOnPreemption(Callback):
+    """On SIGTERM (or a spot notice, see :mod:`taskpoint.preemption`), stop at the next batch end (or the
+    epoch's end, when the notice comes after its last batch), save a
+    checkpoint of that step through the trainer, wait for its commit, and exit with status 143.
+
+    The handler is :func:`taskpoint.preemption.install`, put in place at ``setup``; Lightning's own SIGTERM
+    handler, installed after it, chains it (and would on its own end the fit at the epoch's end with status 0).
+    The checkpoint is ``last.ckpt`` in the folder of the trainer's ``ModelCheckpoint`` (its ``dirpath``, resolved
+    by Lightning at setup), where ``trainer.fit(ckpt_path="last")`` finds it (with checkpointing disabled it goes
+    to ``default_root_dir/checkpoints/last.ckpt``, which ``"last"`` does not search: pass that path);
+    ``trainer.save_checkpoint`` writes it on rank 0 only, as Lightning does, and every rank waits for it before
+    leaving. All ranks agree on the step: a rank
+    that saw the notice stops them all (``reduce_boolean_decision``).
+
+    The exit status is :attr:`exit_status`, 143 (128 + SIGTERM, what a process ended by SIGTERM reports), so
+    that an orchestrator counts the attempt as failed and retries it; never 0, which would end the task as done.
+
+    Args:
+        filename: the name of the checkpoint in that folder (default ``last.ckpt``; another ``last-*.ckpt``
+            name is found by ``"last"`` too).
+    """
+
+    exit_status = PREEMPTED_EXIT_STATUS
+
+    def __init__(self, filename: str | None = None) -> None:
+        self.filename = filename
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            preemption.install()
+
+    def target(self, trainer: pl.Trainer) -> str:
+        """Where the preemption checkpoint goes."""
+        callback = trainer.checkpoint_callback
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
+            folder = str(callback.dirpath)
+            name = self.filename or callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION
+        else:
+            folder = os.path.join(str(trainer.default_root_dir), "checkpoints")
+            name = self.filename or "last.ckpt"
+        return folder.rstrip("/") + "/" + name if "://" in folder else os.path.join(folder, name)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._stop_if_preempted(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A notice after the epoch's last batch end: Lightning would end the fit right after this hook, exit 0.
+        self._stop_if_preempted(trainer)
+
+    def _stop_if_preempted(self, trainer: pl.Trainer) -> None:
+        noticed = preemption.notice() is not None
+        if not trainer.strategy.reduce_boolean_decision(noticed, all=False):
+            return
+        path = self.target(trainer)
+        notice = preemption.notice()
+        with preemption.emergency():
+            trainer.save_checkpoint(path)
+            _wait_for_commit(trainer)
+            trainer.strategy.barrier("taskpoint.lightning.SaveOnPreemption")
+        _logger.warning("preempted (%s): saved step %d to %s; exiting with status %d",
+                        notice.name if notice else "another rank", trainer.global_step, path,
+                        self.exit_status)
+        raise SystemExit(self.exit_status)
+
+
+def _wait_for_commit(trainer: pl.Trainer) -> None:
+    """A synchronous plug-in has committed when ``save_checkpoint`` returns; ``AsyncCheckpointIO`` saves in a
+    thread, and its ``teardown`` waits for every save it queued (and raises the first failure)."""
+    io: Any = trainer.strategy.checkpoint_io
+    while isinstance(io, _WrappingCheckpointIO):
+        if isinstance(io, AsyncCheckpointIO):
+            io.teardown()
+            return
+        io = io.checkpoint_io
