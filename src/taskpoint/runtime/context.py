@@ -10,6 +10,7 @@ from .. import preemption
 from ..checkpoint import Checkpoint
 from ..manager import set_attempt_source
 from ..ranks import RANK_VARIABLES, ranks_from_environment
+from .flyte_bridge import flyte_context
 from .layout import (
     ENV_ACTION_NAME,
     ENV_ATTEMPT,
@@ -25,7 +26,6 @@ from .layout import (
     env_storage_options,
     rank_object,
 )
-from .flyte_bridge import flyte_context
 from .lineage import ActionStore
 from .repair import repair_uri
 from .state import TaskContext, running
