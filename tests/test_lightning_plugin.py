@@ -194,6 +194,39 @@ def test_a_notice_after_the_last_batch_of_an_epoch_still_saves_and_exits_143(tmp
     assert (resumed.ckpt_path, started.step) == (last, 10)
 
 
+def test_a_sigterm_during_validation_saves_the_step_reached_and_exits_143(tmp_path: Path) -> None:
+    """A real SIGTERM while a validation inside the fit runs: Lightning's evaluation loop would end the fit at once
+    with status 0 (its SIGTERMException); the callback saves the step the training reached and exits 143."""
+    import signal
+
+    from taskpoint import preemption
+
+    class SignalledWhileValidating(Regressor):
+        def validation_step(self, batch: Any, batch_idx: int) -> Any:
+            if self.trainer.global_step == 5 and batch_idx == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    torch.manual_seed(0)
+    x = torch.randn(40, 4)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+    run = tmp_path / "run"
+    trainer = L.Trainer(default_root_dir=str(run), max_steps=30, val_check_interval=5, num_sanity_val_steps=0,
+                        logger=False, accelerator="cpu", devices=1, plugins=[tl.CheckpointIO()],
+                        callbacks=[tl.SaveOnPreemption(), L.pytorch.callbacks.ModelCheckpoint(save_last=True)],
+                        enable_progress_bar=False, enable_model_summary=False)
+    try:
+        with warnings.catch_warnings(), pytest.raises(SystemExit) as stopped:
+            warnings.simplefilter("ignore")
+            trainer.fit(SignalledWhileValidating(), train_dataloaders=data, val_dataloaders=data)
+    finally:
+        preemption.clear()
+        preemption.uninstall()
+    assert stopped.value.code == 143
+    assert tl.CheckpointIO().load_checkpoint(str(run / "checkpoints" / "last.ckpt"))["global_step"] == 5
+
+
 # -- real processes, real signals ---------------------------------------------------------------------------------
 
 

@@ -21,8 +21,8 @@ PREEMPTED_EXIT_STATUS = 143
 
 
 class SaveOnPreemption(Callback):
-    """On SIGTERM (or a spot notice, see :mod:`taskpoint.preemption`), stop at the next batch end (or the
-    epoch's end, when the notice comes after its last batch), save a
+    """On SIGTERM (or a spot notice, see :mod:`taskpoint.preemption`), stop at the next batch end, of training or
+    of a validation inside the fit (or the epoch's end, when the notice comes after its last batch), save a
     checkpoint of that step through the trainer, wait for its commit, and exit with status 143.
 
     The handler is :func:`taskpoint.preemption.install`, put in place at ``setup``; Lightning's own SIGTERM
@@ -65,6 +65,13 @@ class SaveOnPreemption(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._stop_if_preempted(trainer)
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        # Validation inside a fit: Lightning's evaluation loop would end the fit right after this hook (its
+        # SIGTERMException, status 0); save the step the training reached instead.
+        if trainer.state.fn == "fit":
+            self._stop_if_preempted(trainer)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # A notice after the epoch's last batch end: Lightning would end the fit right after this hook, exit 0.
