@@ -8,6 +8,7 @@ Examples::
     python -m benchmarks --payloads directory --methods manager   # only issue 5's background saves
     python -m benchmarks --methods dcp --size 0.0625 --runs 1     # only issue 13's DCP section, 64 MiB
     python -m benchmarks --methods dedup --size 0.0625 --runs 1   # only issue 15's deduplicated steps, 64 MiB
+    python -m benchmarks --methods lightning                      # only Lightning's step time with the plug-in
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from ._operations import METHODS, PAYLOADS, STORES
 from ._runner import REPO_ROOT, Options, run_all
 
 BENCH_DIR = Path(__file__).resolve().parent
+#: The Lightning section (--methods lightning): benchmarks/lightning_step_time.py, run in a process of its own.
+LIGHTNING = "lightning"
 
 
 def _choices(allowed: tuple[str, ...]) -> Any:
@@ -117,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(REPO_ROOT)
     started = time.time()
     load_before = os.getloadavg()
-    separate = (_dcp.METHOD, _preemption.METHOD, _dedup.METHOD)  # sections with data of their own
+    separate = (_dcp.METHOD, _preemption.METHOD, _dedup.METHOD, LIGHTNING)  # sections with data of their own
     main_table = any(m not in separate for m in args.methods)
     dataset = _dataset.prepare(args.data_dir, args.size) if main_table else None
     mib = {k: v / 2**20 for k, v in dataset.sizes.items()} if dataset else {}
@@ -145,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     dcp_rows = _dcp.run(args.size, opts, args.data_dir / "work-dcp") if _dcp.METHOD in args.methods else []
     dedup_rows, dedup_stored = (_dedup.run(args.size, opts, args.data_dir / "work-dedup")
                                 if _dedup.METHOD in args.methods else ([], None))
+    lightning = (subprocess.run([sys.executable, "-m", "benchmarks.lightning_step_time"], check=True,
+                                capture_output=True, text=True).stdout.strip() if LIGHTNING in args.methods else "")
     summaries = [r.summary() for r in results]
     rows = _report.add_ratios([r for r in summaries if r["method"] != _background.METHOD])
     background = _report.add_background_ratios([r for r in summaries if r["method"] == _background.METHOD])
@@ -167,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
                      "locally); cpu s = the ranks' CPU, all threads", "", _dcp.table(dcp_rows), ""]
     if dedup_rows:
         sections += [_dedup.notes(args.size, opts), "", _dedup.table(dedup_rows, dedup_stored), ""]
+    if lightning:
+        sections += ["Lightning: a training loop's step time with a .ckpt every few steps (benchmarks/"
+                     "lightning_step_time.py)", "", lightning, ""]
     if preempt:
         sections += ["preemption (issue 12): a trainer with CheckpointManager(on_preemption=...) gets SIGTERM at a "
                      "random moment; and the loop cost of the handling when no notice comes", "",
