@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FLYTE_PYTHON = Path(os.environ.get("TASKPOINT_FLYTE_PYTHON", ROOT / ".venv-flyte" / "bin" / "python"))
+# make test passes the venv's python relative to the checkout (.venv-flyte/bin/python); the tasks run elsewhere.
+FLYTE_PYTHON = ROOT / os.environ.get("TASKPOINT_FLYTE_PYTHON", ".venv-flyte/bin/python")
 SCRIPT = Path(__file__).with_name("compat") / "flyte_bridge_side.py"
 
 if not FLYTE_PYTHON.exists():

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -335,7 +336,10 @@ def test_rank_zero_stopped_while_it_gathers_fails_the_commit_once_the_shards_wer
         os.kill(zero.process.pid, signal.SIGCONT)
         error = zero.wait_for("error", step=1)
         assert error["type"] in ("SaveStalledError", "StepAbandonedError"), error
-        assert ("is gone" if error["type"] == "SaveStalledError" else "ranks [1]") in error["message"], error
+        # Abandoned: rank 1's record was swept, and rank 0 may have given up (its commit_timeout passed while it was
+        # stopped) before a listing showed rank 2's record, stored meanwhile; either way nothing is committed.
+        assert re.search(r"is gone" if error["type"] == "SaveStalledError" else r"ranks \[1(, 2)?\] of 3",
+                         error["message"]), error
         assert "outside taskpoint" not in error["message"]
         assert zero.finish(60) == 3
         ones.insert(0, rank_manager(store, 0, **grace))
