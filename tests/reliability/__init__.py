@@ -22,8 +22,8 @@ FULL_COUNTS = {
 }
 #: The bounded campaign (``--quick``, and tests/test_reliability.py in ``make test``).
 QUICK_COUNTS = {
-    "sigkill": {"local": 3, "s3": 2, "gcs": 1, "azure": 1},
-    "fault_cycles": {"s3": 20, "gcs": 20},
+    "sigkill": {"local": 2, "s3": 1, "gcs": 1, "azure": 1},
+    "fault_cycles": {"s3": 10, "gcs": 10},
     "outage": {"s3": "no-stall", "gcs": False},
     "roundtrip": {"memory": 20, "local": 20, "s3": 6},
     "resource_cycles": 100,
