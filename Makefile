@@ -91,9 +91,9 @@ $(DOCS_STAMP): pyproject.toml | $(VENV)/bin/python
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 PYTHONPATH=$(CURDIR)/src $(VENV)/bin/mkdocs build --strict
 
-# The site is built (strictly) by tests/test_docs.py, not a second time here.
 # The environments install side by side (pip and npm wait mostly on the disk and the package index): a minute
-# less from a fresh clone than one after the other.
+# less from a fresh clone than one after the other. The site is built (strictly) by tests/test_docs.py, not a
+# second time here.
 test:
 	$(MAKE) --no-print-directory -j3 $(STAMP) $(NPM_STAMP) $(FLYTE_STAMP)
 	$(VENV)/bin/lint-imports --no-cache
