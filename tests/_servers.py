@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import json
 import os
 import shutil
 import signal
@@ -771,3 +772,79 @@ async def async_filesystem(location: StoreLocation) -> AsyncIterator[AsyncFileSy
             _detach_finalizers(fs)
     else:  # pragma: no cover
         raise ValueError(f"unknown store kind {location.kind!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# One set of servers for several test processes (pytest-xdist)
+# --------------------------------------------------------------------------------------------
+
+#: The environment variable naming the folder where :class:`SharedServers` publishes its servers.
+SHARED_SERVERS_ENV = "TASKPOINT_TEST_SERVERS_DIR"
+#: Each shared server: its fixture name and the context manager that runs it.
+SHARED_SERVER_STARTERS: dict[str, Callable[[], contextlib.AbstractContextManager[RunningServer]]] = {
+    "s3_server": running_s3_server, "seaweed_server": running_seaweed_server,
+    "gcs_server": running_gcs_server, "azure_server": running_azure_server,
+}
+
+
+class SharedServers:
+    """Runs every server of :data:`SHARED_SERVER_STARTERS` once, for all the workers of one pytest-xdist run.
+
+    The controlling process starts each server in a thread of its own that lives until :meth:`close` (a
+    subprocess server is stopped by the parent-death signal when the thread that started it exits, and by its
+    context manager at the end), and writes ``<name>.json`` (where it listens) or ``<name>.error`` (why it did
+    not start) into ``folder``, which the workers learn through :data:`SHARED_SERVERS_ENV`. Workers read them
+    with :func:`shared_server`. Started side by side, the four take as long as the slowest (SeaweedFS, 5-10 s),
+    while the workers import and collect; a test waits only when it needs a server that is not up yet.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(name, start), name=f"shared-{name}", daemon=True)
+                         for name, start in SHARED_SERVER_STARTERS.items()]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, name: str, start: Callable[[], contextlib.AbstractContextManager[RunningServer]]) -> None:
+        try:
+            with start() as server:
+                _publish(self.folder / f"{name}.json", json.dumps(
+                    {"kind": server.kind, "endpoint": server.endpoint, "storage_options": server.storage_options,
+                     "bucket": server.bucket}))
+                self._stop.wait()
+        except Exception as exc:  # said to every worker that asks for this server
+            _publish(self.folder / f"{name}.error", f"{type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        """Stop every server (each thread leaves its context manager) and wait for them."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=30)
+
+
+def _publish(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole: a reader polling for the file never sees half of it."""
+    partial = path.with_suffix(path.suffix + ".partial")
+    partial.write_text(text, encoding="utf-8")
+    os.replace(partial, path)
+
+
+def shared_server(name: str) -> RunningServer | None:
+    """The server ``name`` (a key of :data:`SHARED_SERVER_STARTERS`) that the controlling process runs, once it is
+    up; None when no :class:`SharedServers` runs (plain pytest: the fixture starts its own). Raises
+    :class:`ServerStartError` when it did not start."""
+    folder = os.environ.get(SHARED_SERVERS_ENV)
+    if not folder:
+        return None
+    ready, failed = Path(folder, f"{name}.json"), Path(folder, f"{name}.error")
+
+    def published() -> bool:
+        return ready.exists() or failed.exists()
+
+    _poll_until(published, what=f"the shared {name}", timeout=2 * _START_TIMEOUT)
+    if failed.exists():
+        raise ServerStartError(f"the shared {name} did not start: {failed.read_text(encoding='utf-8')}")
+    info = json.loads(ready.read_text(encoding="utf-8"))
+    return RunningServer(info["kind"], info["endpoint"], info["storage_options"], info["bucket"])
+

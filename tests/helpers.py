@@ -251,3 +251,42 @@ class RankProcess:
             os.kill(self.process.pid, signal.SIGKILL)
         self.process.wait(30)
         self._reader.join(5)
+
+
+class LazyModule:
+    """A module imported on first attribute access, so that collecting a test module costs no framework import.
+
+    ``torch = LazyModule("torch")`` at module level, then ``torch.zeros(3)`` in a test: each pytest-xdist worker
+    collects every module, and importing Lightning, torch and JAX there took 20-30 s of CPU per worker. Pair it
+    with :func:`requires` for the skip that ``pytest.importorskip`` gave. Private names are not forwarded: pytest
+    looks for ``_mock_name`` and the like on every attribute of a test module.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attribute: str) -> Any:
+        import importlib
+
+        if attribute.startswith("_"):  # collection probes module attributes (fixtures, mocks): never import for it
+            raise AttributeError(attribute)
+        return getattr(importlib.import_module(self._name), attribute)
+
+    def __repr__(self) -> str:
+        return f"LazyModule({self._name!r})"
+
+
+def requires(*modules: str) -> Any:
+    """A ``skipif`` mark for a test module whose ``modules`` are not installed, found without importing them."""
+    import importlib.util
+
+    import pytest
+
+    def missing(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is None
+        except ModuleNotFoundError:  # a parent package is missing
+            return True
+
+    absent = [name for name in modules if missing(name)]
+    return pytest.mark.skipif(bool(absent), reason=f"{', '.join(absent)} not installed")

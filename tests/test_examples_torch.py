@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from helpers import requires
 
-pytest.importorskip("torch")
+pytestmark = [pytest.mark.slow, requires("torch")]
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TIMEOUT = 180

@@ -16,18 +16,19 @@ import anyio
 import numpy as np
 import pytest
 
+from helpers import LazyModule, requires
 from taskpoint import Checkpoint, CheckpointCorruptError, CheckpointError, CheckpointManager
 
 # Two virtual CPU devices, so that restoring onto a target's sharding is visible. It only takes effect
 # when jax is first imported here; the sharding test skips otherwise.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 
-jax = pytest.importorskip("jax")
-pytest.importorskip("orbax.checkpoint")
+pytestmark = requires("jax", "orbax.checkpoint")
 
-import jax.numpy as jnp  # noqa: E402
-
-from taskpoint.jax import Checkpointable, OrbaxCheckpointHandler, PyTree, load_pytree, load_pytree_sync  # noqa: E402
+# Imported when a test first uses them: collecting this module imports no jax.
+jax = LazyModule("jax")
+jnp = LazyModule("jax.numpy")
+tpjax = LazyModule("taskpoint.jax")
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 Point = namedtuple("Point", "x y")
@@ -86,14 +87,14 @@ def assert_same(actual: Any, expected: Any, path: str = "") -> None:
 @pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
 def test_every_leaf_type_round_trips_through_a_checkpoint(store):
     opts = store.storage_options
-    Checkpoint(store.url("a"), storage_options=opts).save_sync(PyTree(every_leaf()))
+    Checkpoint(store.url("a"), storage_options=opts).save_sync(tpjax.PyTree(every_leaf()))
     with Checkpoint(store.url("b"), store.url("a"), storage_options=opts) as cp:
-        assert_same(load_pytree_sync(cp), as_saved_without_target(every_leaf()))
-        assert_same(load_pytree_sync(cp, target=every_leaf()), every_leaf())
+        assert_same(tpjax.load_pytree_sync(cp), as_saved_without_target(every_leaf()))
+        assert_same(tpjax.load_pytree_sync(cp, target=every_leaf()), every_leaf())
 
 
 def test_strings_and_scalars_are_kept_whole_in_the_sidecar_and_arrays_in_orbax(tmp_path):
-    Checkpoint(tmp_path / "a").save_sync(PyTree({"name": "abc", "n": 3, "w": jnp.ones(2)}))
+    Checkpoint(tmp_path / "a").save_sync(tpjax.PyTree({"name": "abc", "n": 3, "w": jnp.ones(2)}))
     with Checkpoint(tmp_path / "b", tmp_path / "a") as cp:
         folder = cp.load_sync()
         assert sorted(os.listdir(folder)) == ["orbax", "taskpoint-pytree.json"]
@@ -103,9 +104,9 @@ def test_strings_and_scalars_are_kept_whole_in_the_sidecar_and_arrays_in_orbax(t
 
 def test_typed_keys_keep_their_implementation_and_raw_keys_stay_uint32(tmp_path):
     tree = {"fry": jax.random.key(0), "rbg": jax.random.key(0, impl="unsafe_rbg"), "raw": jax.random.PRNGKey(0)}
-    Checkpoint(tmp_path / "a").save_sync(PyTree(tree))
+    Checkpoint(tmp_path / "a").save_sync(tpjax.PyTree(tree))
     with Checkpoint(tmp_path / "b", tmp_path / "a") as cp:
-        out = load_pytree_sync(cp)
+        out = tpjax.load_pytree_sync(cp)
     assert str(jax.random.key_impl(out["fry"])) == "threefry2x32"
     assert str(jax.random.key_impl(out["rbg"])) == "unsafe_rbg"
     assert out["raw"].dtype == jnp.uint32 and out["raw"].shape == (2,)
@@ -115,9 +116,9 @@ def test_typed_keys_keep_their_implementation_and_raw_keys_stay_uint32(tmp_path)
 
 def test_manager_saves_a_pytree_step_and_load_pytree_reads_its_restored_folder(tmp_path):
     with CheckpointManager(tmp_path / "steps") as m:
-        m.save(PyTree(every_leaf()), 3, metadata={"epoch": 1})
+        m.save(tpjax.PyTree(every_leaf()), 3, metadata={"epoch": 1})
         assert m.metadata(3) == {"epoch": 1}
-        assert_same(load_pytree_sync(m.restore(3), target=every_leaf()), every_leaf())
+        assert_same(tpjax.load_pytree_sync(m.restore(3), target=every_leaf()), every_leaf())
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
@@ -125,41 +126,41 @@ def test_load_pytree_async_on_asyncio_and_trio(tmp_path, backend):
     tree = {"w": jnp.arange(3.0), "name": "x"}
 
     async def main() -> Any:
-        await Checkpoint(tmp_path / "a").save(PyTree(tree))
+        await Checkpoint(tmp_path / "a").save(tpjax.PyTree(tree))
         with Checkpoint(tmp_path / "b", tmp_path / "a") as cp:
-            return await load_pytree(cp, target=tree)
+            return await tpjax.load_pytree(cp, target=tree)
 
     assert_same(anyio.run(main, backend=backend), tree)
 
 
 def test_load_pytree_without_a_previous_checkpoint_returns_none(tmp_path):
     with Checkpoint(tmp_path / "a") as cp:
-        assert load_pytree_sync(cp) is None
+        assert tpjax.load_pytree_sync(cp) is None
 
 
 def test_load_pytree_of_a_checkpoint_that_holds_no_pytree_says_so(tmp_path):
     Checkpoint(tmp_path / "a").save_sync(b"not a tree")
     with Checkpoint(tmp_path / "b", tmp_path / "a") as cp, pytest.raises(CheckpointError, match="holds no taskpoint"):
-        load_pytree_sync(cp)
+        tpjax.load_pytree_sync(cp)
 
 
 def test_the_caller_may_change_its_arrays_once_save_returns(tmp_path):
     weights = np.zeros(1000)
     with CheckpointManager(tmp_path / "steps", async_save=True) as m:
-        m.save(PyTree({"w": weights}), 1)
+        m.save(tpjax.PyTree({"w": weights}), 1)
         weights[:] = 7.0
     with CheckpointManager(tmp_path / "steps") as m:
-        assert not load_pytree_sync(m.restore(1))["w"].any()
+        assert not tpjax.load_pytree_sync(m.restore(1))["w"].any()
 
 
 def test_target_sets_dtypes_array_types_and_abstract_shapes(tmp_path):
     saved = {"kernel": jnp.ones((2, 3), jnp.float32), "table": np.arange(4, dtype=np.int32), "scale": 2,
              "key": jax.random.key(1)}
-    Checkpoint(tmp_path / "a").save_sync(PyTree(saved))
+    Checkpoint(tmp_path / "a").save_sync(tpjax.PyTree(saved))
     target = {"kernel": jax.ShapeDtypeStruct((2, 3), jnp.bfloat16), "table": jnp.zeros(4, jnp.int32),
               "scale": 0.0, "key": jax.ShapeDtypeStruct((), jax.random.key(0).dtype)}
     with Checkpoint(tmp_path / "b", tmp_path / "a") as cp:
-        out = load_pytree_sync(cp, target=target)
+        out = tpjax.load_pytree_sync(cp, target=target)
     assert out["kernel"].dtype == jnp.bfloat16 and isinstance(out["kernel"], jax.Array)
     assert isinstance(out["table"], jax.Array) and out["table"].tolist() == [0, 1, 2, 3]
     assert out["scale"] == 2.0 and type(out["scale"]) is float
@@ -173,10 +174,10 @@ def test_target_places_arrays_and_keys_on_its_shardings(tmp_path):
     split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     second = jax.sharding.SingleDeviceSharding(jax.devices()[1])
     saved = {"w": jnp.arange(8.0), "key": jax.random.key(5)}
-    Checkpoint(tmp_path / "a").save_sync(PyTree(saved))
+    Checkpoint(tmp_path / "a").save_sync(tpjax.PyTree(saved))
     target = {"w": jax.device_put(jnp.zeros(8), split), "key": jax.device_put(jax.random.key(0), second)}
     with Checkpoint(tmp_path / "b", tmp_path / "a") as cp:
-        out = load_pytree_sync(cp, target=target)
+        out = tpjax.load_pytree_sync(cp, target=target)
     assert out["w"].sharding == split and out["w"].tolist() == list(range(8))
     assert out["key"].sharding == second
     assert_same(out["key"], saved["key"])
@@ -194,11 +195,11 @@ def test_target_places_arrays_and_keys_on_its_shardings(tmp_path):
      "key: PRNG key implementation threefry2x32 in the checkpoint vs rbg in the target"),
 ])
 def test_target_that_does_not_match_names_the_first_mismatching_path(tmp_path, change, message):
-    Checkpoint(tmp_path / "a").save_sync(PyTree(every_leaf()))
+    Checkpoint(tmp_path / "a").save_sync(tpjax.PyTree(every_leaf()))
     target = every_leaf()
     change(target)
     with Checkpoint(tmp_path / "b", tmp_path / "a") as cp, pytest.raises(ValueError, match=re.escape(message)):
-        load_pytree_sync(cp, target=target)
+        tpjax.load_pytree_sync(cp, target=target)
 
 
 def test_a_target_that_does_not_match_names_the_checkpoints_uri_not_a_temporary_folder(tmp_path):
@@ -206,14 +207,14 @@ def test_a_target_that_does_not_match_names_the_checkpoints_uri_not_a_temporary_
     target = every_leaf()
     target["params"]["dense"].update(kernel=jnp.zeros((4, 4)))
     steps = str(tmp_path / "steps")
-    with OrbaxCheckpointHandler() as h:
+    with tpjax.OrbaxCheckpointHandler() as h:
         h.save(steps, every_leaf(), step=3)
         with pytest.raises(ValueError) as info:
             h.restore(steps, target=target, step=3)
     assert f"(step 3 in {steps} does not match the target's structure" in str(info.value)
-    Checkpoint(tmp_path / "a").save_sync(PyTree(every_leaf()))
+    Checkpoint(tmp_path / "a").save_sync(tpjax.PyTree(every_leaf()))
     with Checkpoint(tmp_path / "b", tmp_path / "a") as cp, pytest.raises(ValueError) as loaded:
-        load_pytree_sync(cp, target=target)
+        tpjax.load_pytree_sync(cp, target=target)
     assert f"(the checkpoint at {tmp_path / 'a'} does not match" in str(loaded.value)
     for message in (str(info.value), str(loaded.value)):
         assert "/taskpoint-" not in message  # neither the restore's scratch folder nor the workspace
@@ -226,28 +227,28 @@ def test_a_target_that_does_not_match_a_managers_step_names_the_step_and_its_dir
     target["params"]["dense"].update(kernel=jnp.zeros((4, 4)))
     steps = str(tmp_path / "steps")
     with CheckpointManager(steps, preemption=False) as manager:
-        assert load_pytree_sync(manager, target=every_leaf()) is None  # no step yet, as a first attempt
-        manager.save(PyTree(every_leaf()), 3)
-        manager.save(PyTree(every_leaf()), 4)
+        assert tpjax.load_pytree_sync(manager, target=every_leaf()) is None  # no step yet, as a first attempt
+        manager.save(tpjax.PyTree(every_leaf()), 3)
+        manager.save(tpjax.PyTree(every_leaf()), 4)
         with pytest.raises(ValueError) as newest:
-            load_pytree_sync(manager, target=target)
+            tpjax.load_pytree_sync(manager, target=target)
         with pytest.raises(ValueError) as chosen:
-            anyio.run(lambda: load_pytree(manager, target=target, step=3))
-        assert_same(load_pytree_sync(manager, target=every_leaf(), step=3), every_leaf())
+            anyio.run(lambda: tpjax.load_pytree(manager, target=target, step=3))
+        assert_same(tpjax.load_pytree_sync(manager, target=every_leaf(), step=3), every_leaf())
     assert str(newest.value).startswith("params/dense/kernel: shape (3, 4) in the checkpoint vs (4, 4)")
     assert f"(step 4 in {steps} does not match the target's structure" in str(newest.value)
     assert f"(step 3 in {steps} does not match" in str(chosen.value)
     for message in (str(newest.value), str(chosen.value)):
         assert "/taskpoint-" not in message  # the manager's own folder a restore lands in
     with pytest.raises(TypeError, match="step= is for a CheckpointManager, not a Checkpoint"):
-        load_pytree_sync(Checkpoint(tmp_path / "c"), step=3)
+        tpjax.load_pytree_sync(Checkpoint(tmp_path / "c"), step=3)
 
 
 def test_an_orbax_error_restoring_into_a_target_names_the_step_and_keeps_the_original(tmp_path):
     """A target leaf Orbax cannot restore into (a numpy array of strings) fails inside Orbax, after the
     structure matched: the message names the step's URI, never the workspace, and Orbax's error is chained."""
     steps = str(tmp_path / "steps")
-    with OrbaxCheckpointHandler() as h:
+    with tpjax.OrbaxCheckpointHandler() as h:
         h.save(steps, {"w": jnp.arange(12, dtype=jnp.float32).reshape(3, 4)}, step=2)
         with pytest.raises(ValueError) as info:
             h.restore(steps, target={"w": np.zeros((3, 4), dtype="<U1")}, step=2)
@@ -259,13 +260,13 @@ def test_an_orbax_error_restoring_into_a_target_names_the_step_and_keeps_the_ori
 
 def test_unsupported_leaves_are_refused_with_their_path(tmp_path):
     with pytest.raises(TypeError, match="opt/state: a PyTree leaf cannot be a object"):
-        Checkpoint(tmp_path / "a").save_sync(PyTree({"opt": {"state": object()}}))
+        Checkpoint(tmp_path / "a").save_sync(tpjax.PyTree({"opt": {"state": object()}}))
     assert not (tmp_path / "a").exists()
 
 
 def test_import_taskpoint_never_imports_jax_and_a_pytree_step_loads_without_importing_the_extra(tmp_path):
     with CheckpointManager(tmp_path / "steps") as m:
-        m.save(PyTree({"w": jnp.arange(3.0)}), 1)
+        m.save(tpjax.PyTree({"w": jnp.arange(3.0)}), 1)
     script = f"""
         import sys, taskpoint
         assert not [m for m in sys.modules if m.split(".")[0] in ("jax", "orbax", "flax")], "jax imported"
@@ -279,7 +280,7 @@ def test_import_taskpoint_never_imports_jax_and_a_pytree_step_loads_without_impo
 
 def test_without_jax_importing_the_extra_or_loading_a_pytree_says_which_extra_to_install(tmp_path):
     with CheckpointManager(tmp_path / "steps") as m:
-        m.save(PyTree({"w": jnp.arange(3.0)}), 1)
+        m.save(tpjax.PyTree({"w": jnp.arange(3.0)}), 1)
     script = f"""
         import sys
         sys.modules["jax"] = None  # as if jax were not installed
@@ -305,7 +306,7 @@ def test_without_jax_importing_the_extra_or_loading_a_pytree_says_which_extra_to
 
 @pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
 def test_handler_saves_and_restores_a_pytree_by_step(store):
-    with OrbaxCheckpointHandler(storage_options=store.storage_options) as h:
+    with tpjax.OrbaxCheckpointHandler(storage_options=store.storage_options) as h:
         uri = h.save(store.base, every_leaf(), step=1, metadata={"epoch": 3})
         assert uri == f"{store.base}/ckpt-1"
         assert h.get_checkpoint_steps(store.base) == [1] and h.latest_step(store.base) == 1
@@ -332,8 +333,8 @@ def test_handler_restores_a_checkpointable_object_through_set_state(tmp_path):
     reader = Reader(seed=1)
     reader.position, reader.shard = 1234, "train-007"
     fresh = Reader(seed=2)
-    assert isinstance(reader, Checkpointable) and not isinstance({"a": 1}, Checkpointable)
-    with OrbaxCheckpointHandler() as h:
+    assert isinstance(reader, tpjax.Checkpointable) and not isinstance({"a": 1}, tpjax.Checkpointable)
+    with tpjax.OrbaxCheckpointHandler() as h:
         h.save(tmp_path, reader, step=10)
         assert h.restore(tmp_path, target=fresh) is fresh
     assert (fresh.position, fresh.shard) == (1234, "train-007")
@@ -355,7 +356,7 @@ def test_handler_updates_an_nnx_module_in_place_with_its_own_rngs(tmp_path):
     trained = Model(seed=0)
     trained(jnp.ones((2, 3)))  # advances the dropout stream
     other = Model(seed=5)
-    with OrbaxCheckpointHandler() as h:
+    with tpjax.OrbaxCheckpointHandler() as h:
         h.save(tmp_path, trained, step=1)
         assert h.restore(tmp_path, target=other) is other
     assert_same(other.dense.kernel[...], trained.dense.kernel[...])
@@ -365,7 +366,7 @@ def test_handler_updates_an_nnx_module_in_place_with_its_own_rngs(tmp_path):
 
 
 def test_metadata_only_reads_the_metadata_and_not_the_payload(tmp_path):
-    with OrbaxCheckpointHandler() as h:
+    with tpjax.OrbaxCheckpointHandler() as h:
         h.save(tmp_path, {"w": jnp.ones(3)}, step=2, metadata={"loss": 0.25, "tags": ["a"]})
         for payload in (tmp_path / "ckpt-2").glob("payload-*"):
             payload.unlink()  # only metadata_only can still succeed
@@ -375,7 +376,7 @@ def test_metadata_only_reads_the_metadata_and_not_the_payload(tmp_path):
 
 
 def test_keep_keeps_the_newest_steps_and_the_default_keeps_them_all(tmp_path):
-    with OrbaxCheckpointHandler() as h:
+    with tpjax.OrbaxCheckpointHandler() as h:
         for step in range(1, 6):
             h.save(tmp_path / "all", {"step": step}, step=step)
             h.save(tmp_path / "two", {"step": step}, step=step, keep=2)
@@ -390,7 +391,7 @@ def test_keep_keeps_the_newest_steps_and_the_default_keeps_them_all(tmp_path):
 
 
 def test_save_without_step_writes_directory_checkpoint_and_restore_prefers_steps(tmp_path):
-    with OrbaxCheckpointHandler() as h:
+    with tpjax.OrbaxCheckpointHandler() as h:
         with pytest.raises(FileNotFoundError):
             h.restore(tmp_path)
         assert h.save(tmp_path, {"v": "single"}, metadata={"kind": "single"}) == f"{tmp_path}/checkpoint"
@@ -408,7 +409,7 @@ def test_save_without_step_writes_directory_checkpoint_and_restore_prefers_steps
 
 def test_async_checkpointing_snapshots_at_save_and_wait_until_finished_commits(tmp_path):
     weights = np.zeros(10_000)
-    with OrbaxCheckpointHandler(async_checkpointing=True) as h:
+    with tpjax.OrbaxCheckpointHandler(async_checkpointing=True) as h:
         for step in (1, 2, 3):
             weights[:] = step
             h.save(tmp_path, {"w": weights}, step=step, keep=2)
@@ -429,7 +430,7 @@ _KILLED_SAVE = """
     from taskpoint.jax import OrbaxCheckpointHandler
 
     directory = sys.argv[1]
-    with OrbaxCheckpointHandler() as h:
+    with tpjax.OrbaxCheckpointHandler() as h:
         h.save(directory, {"w": np.arange(4.0), "step": 1}, step=1)
 
     real_write_tar = payloads.write_tar
@@ -448,7 +449,7 @@ _KILLED_SAVE = """
 
     payloads.write_tar = lambda path, sink, codec, level, **kw: real_write_tar(path, DiesMidway(sink), codec, level,
                                                                                **kw)
-    OrbaxCheckpointHandler().save(directory, {"w": np.arange(40_000.0), "step": 2}, step=2)
+    tpjax.OrbaxCheckpointHandler().save(directory, {"w": np.arange(40_000.0), "step": 2}, step=2)
 """
 
 
@@ -461,7 +462,7 @@ def test_save_killed_midway_leaves_the_previous_step_restorable_and_its_leftover
     assert out.returncode == -9, out.stderr
     leftovers = list((directory / "ckpt-2").iterdir())
     assert leftovers and not (directory / "ckpt-2" / "taskpoint.json").exists()
-    with OrbaxCheckpointHandler() as h:
+    with tpjax.OrbaxCheckpointHandler() as h:
         assert h.get_checkpoint_steps(directory) == [1] and h.latest_step(directory) == 1
         assert_same(h.restore(directory), {"w": np.arange(4.0), "step": 1})
         for leftover in leftovers:  # older than the grace period that protects a save in progress

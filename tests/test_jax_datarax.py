@@ -3,47 +3,56 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
 import pytest
 
-jax = pytest.importorskip("jax")
-pytest.importorskip("orbax.checkpoint")
-nnx = pytest.importorskip("flax.nnx")
+from helpers import LazyModule, requires
 
-import jax.numpy as jnp  # noqa: E402
+pytestmark = requires("jax", "orbax.checkpoint", "flax")
 
-from taskpoint.jax import Checkpointable, OrbaxCheckpointHandler  # noqa: E402
+# Imported when a test first uses them: collecting this module imports no jax.
+jax = LazyModule("jax")
+jnp = LazyModule("jax.numpy")
+nnx = LazyModule("flax.nnx")
+tpjax = LazyModule("taskpoint.jax")
 
 
-class PipelineModule(nnx.Module):
-    """Shaped like a Datarax module: an nnx module with parameters whose checkpoint is what ``get_state``
-    says (here the position in the data and the parameters under names of its own), not ``nnx.state``."""
+@functools.cache
+def pipeline_module() -> type:
+    """An nnx module class shaped like a Datarax module (defined on first use: it subclasses ``nnx.Module``)."""
 
-    def __init__(self, seed: int) -> None:
-        self.linear = nnx.Linear(2, 3, rngs=nnx.Rngs(seed))
-        self.position = nnx.Variable(jnp.array(0))
-        self.set_state_calls = 0
+    class PipelineModule(nnx.Module):  # type: ignore[misc]
+        """Its checkpoint is what ``get_state`` says (here the position in the data and the parameters under names
+        of its own), not ``nnx.state``."""
 
-    def get_state(self) -> dict[str, Any]:
-        return {"position": int(self.position[...]), "weights": {"w": self.linear.kernel[...]},
-                "source": "shard-0"}
+        def __init__(self, seed: int) -> None:
+            self.linear = nnx.Linear(2, 3, rngs=nnx.Rngs(seed))
+            self.position = nnx.Variable(jnp.array(0))
+            self.set_state_calls = 0
 
-    def set_state(self, state: dict[str, Any]) -> None:
-        self.set_state_calls += 1
-        self.position[...] = jnp.array(state["position"])
-        self.linear.kernel[...] = state["weights"]["w"]
-        self.source = state["source"]
+        def get_state(self) -> dict[str, Any]:
+            return {"position": int(self.position[...]), "weights": {"w": self.linear.kernel[...]},
+                    "source": "shard-0"}
+
+        def set_state(self, state: dict[str, Any]) -> None:
+            self.set_state_calls += 1
+            self.position[...] = jnp.array(state["position"])
+            self.linear.kernel[...] = state["weights"]["w"]
+            self.source = state["source"]
+
+    return PipelineModule
 
 
 @pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
 def test_an_nnx_module_that_is_checkpointable_goes_through_get_state_and_set_state(store):
-    trained = PipelineModule(seed=0)
+    trained = pipeline_module()(seed=0)
     trained.position[...] = jnp.array(41)
-    fresh = PipelineModule(seed=7)
-    assert isinstance(trained, nnx.Module) and isinstance(trained, Checkpointable)
-    with OrbaxCheckpointHandler(storage_options=store.storage_options) as h:
+    fresh = pipeline_module()(seed=7)
+    assert isinstance(trained, nnx.Module) and isinstance(trained, tpjax.Checkpointable)
+    with tpjax.OrbaxCheckpointHandler(storage_options=store.storage_options) as h:
         h.save(store.base, trained, step=1)
         saved = h.restore(store.base, step=1)  # without a target: what was saved, which is get_state()
         assert sorted(saved) == ["position", "source", "weights"] and saved["source"] == "shard-0"
@@ -70,7 +79,7 @@ class _Recording:
 
 
 def test_the_handler_saves_restores_and_waits_through_its_checkpointer(tmp_path):
-    h = OrbaxCheckpointHandler(async_checkpointing=True)
+    h = tpjax.OrbaxCheckpointHandler(async_checkpointing=True)
     for name in ("save", "restore", "wait_until_finished", "close"):
         assert callable(getattr(h.checkpointer, name))
     h.checkpointer = recording = _Recording(h.checkpointer)
@@ -86,7 +95,7 @@ def test_the_handler_saves_restores_and_waits_through_its_checkpointer(tmp_path)
 def test_checkpointer_calls_read_and_write_the_handlers_checkpoints(tmp_path, async_checkpointing):
     """Datarax code calls ``handler.checkpointer.save(path, state, force=...)``, ``.restore(path, item=...)``
     and ``.wait_until_finished()`` with the paths the handler uses (``dir/ckpt-N``, ``dir/checkpoint``)."""
-    with OrbaxCheckpointHandler(async_checkpointing=async_checkpointing) as h:
+    with tpjax.OrbaxCheckpointHandler(async_checkpointing=async_checkpointing) as h:
         checkpointer = h.checkpointer
         assert checkpointer.save(str(tmp_path / "ckpt-3"), {"w": jnp.arange(3)}) == f"{tmp_path}/ckpt-3"
         checkpointer.wait_until_finished()

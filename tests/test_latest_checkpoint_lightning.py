@@ -10,28 +10,17 @@ from pathlib import Path
 
 import pytest
 
+from helpers import LazyModule, requires
 from taskpoint.latest import latest_checkpoint
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, requires("lightning", "torch")]
 
-L = pytest.importorskip("lightning")
-torch = pytest.importorskip("torch")
+L = LazyModule("lightning")
+torch = LazyModule("torch")
+models = LazyModule("_lightning_models")
 
 SAME_MTIME = 1_700_000_000
 STEPS_PER_EPOCH = 2
-
-
-class TinyRegressor(L.LightningModule):  # type: ignore[misc]
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.layer(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
 def train(root: Path, epochs: int) -> Path:
@@ -53,7 +42,7 @@ def train(root: Path, epochs: int) -> Path:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    trainer.fit(TinyRegressor(), train_dataloaders=data)
+    trainer.fit(models.Regressor(), train_dataloaders=data)
     return Path(trainer.log_dir)
 
 

@@ -26,13 +26,15 @@ from typing import Any
 import fsspec
 import pytest
 
+from helpers import LazyModule, requires
 from taskpoint import CheckpointCorruptError
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, requires("lightning", "torch")]
 
-L = pytest.importorskip("lightning")
-torch = pytest.importorskip("torch")
-tl = pytest.importorskip("taskpoint.lightning")
+L = LazyModule("lightning")
+torch = LazyModule("torch")
+tl = LazyModule("taskpoint.lightning")
+models = LazyModule("_lightning_models")
 
 TRIALS = Path(__file__).resolve().parent / "_lightning_trials.py"
 RECORD = ".taskpoint.json"
@@ -68,34 +70,13 @@ def root(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.Mon
     yield Root(location.base, dict(location.storage_options), fs, location.base.removeprefix("s3://"))
 
 
-class Regressor(L.LightningModule):  # type: ignore[misc]
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.layer(x), y)
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
-class StartedAt(L.Callback):  # type: ignore[misc]
-    """Records the step and weights a fit started from."""
-
-    def on_train_start(self, trainer: Any, module: Any) -> None:
-        self.step = trainer.global_step
-        self.weights = {k: v.clone() for k, v in module.state_dict().items()}
-
-
 def fit(root: Root, max_steps: int, ckpt_path: str | None = None, *, wrap_async: bool = False,
-        model: Any = None, callbacks: tuple[Any, ...] = ()) -> tuple[Any, StartedAt]:
+        model: Any = None, callbacks: tuple[Any, ...] = ()) -> tuple[Any, Any]:
     torch.manual_seed(0)
     x = torch.randn(40, 4)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
     io = tl.CheckpointIO(storage_options=root.options)
-    started = StartedAt()
+    started = models.StartedAt()
     trainer = L.Trainer(
         default_root_dir=root.url, max_steps=max_steps, logger=False, accelerator="cpu", devices=1,
         plugins=[L.pytorch.plugins.io.AsyncCheckpointIO(io) if wrap_async else io],
@@ -105,7 +86,7 @@ def fit(root: Root, max_steps: int, ckpt_path: str | None = None, *, wrap_async:
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(model or Regressor(), train_dataloaders=data, ckpt_path=ckpt_path)
+        trainer.fit(model or models.Regressor(), train_dataloaders=data, ckpt_path=ckpt_path)
     return trainer, started
 
 
@@ -201,7 +182,7 @@ def test_a_sigterm_during_validation_saves_the_step_reached_and_exits_143(tmp_pa
 
     from taskpoint import preemption
 
-    class SignalledWhileValidating(Regressor):
+    class SignalledWhileValidating(models.Regressor):
         def validation_step(self, batch: Any, batch_idx: int) -> Any:
             if self.trainer.global_step == 5 and batch_idx == 0:
                 os.kill(os.getpid(), signal.SIGTERM)

@@ -2,7 +2,7 @@
 
 The full campaign is ``make reliability`` (``python -m tests.reliability``); docs/reliability.md describes
 the scenarios. Here every scenario runs with the ``--quick`` counts of tests/reliability/__main__.py, on the
-suite's session servers' kinds (each scenario starts the servers it needs). The hostile-archive row is left
+suite's session servers (shared with the rest of the suite). The hostile-archive row is left
 out: its module is part of the suite itself.
 """
 
@@ -15,12 +15,14 @@ import pytest
 from reliability import QUICK_COUNTS, concurrency, credentials, faults, handover, resources, roundtrip, sigkill
 from reliability._common import Result, Servers, table
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def servers():
-    with Servers() as running:
+def servers(request):
+    """The scenarios' servers: the suite's own session servers (shared by every worker), not a second set."""
+    session = {kind: request.getfixturevalue(f"{kind}_server") for kind in ("s3", "gcs", "azure")}
+    with Servers(session.__getitem__) as running:
         yield running
 
 

@@ -19,19 +19,22 @@ from typing import Any
 
 import pytest
 
-torch = pytest.importorskip("torch")
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # noqa: E402
-from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+import taskpoint
+from _fault_proxy import FaultProxy
+from helpers import LazyModule, requires
+from taskpoint import RetryPolicy
+from taskpoint.errors import CheckpointCorruptError, StorageNotFound, StorageUnavailable
 
-import taskpoint.torch  # noqa: E402
-from _dcp_worker import SEED, build_model  # noqa: E402
-from _fault_proxy import FaultProxy  # noqa: E402
-from taskpoint import RetryPolicy  # noqa: E402
-from taskpoint.errors import CheckpointCorruptError, StorageNotFound, StorageUnavailable  # noqa: E402
+# Imported when a test first uses them: collecting this module imports no torch.
+torch = LazyModule("torch")
+dcp = LazyModule("torch.distributed.checkpoint")
+dcp_api = LazyModule("torch.distributed.checkpoint.api")
+fsspec_dcp = LazyModule("torch.distributed.checkpoint._fsspec_filesystem")
+tp_torch = LazyModule("taskpoint.torch")
+worker = LazyModule("_dcp_worker")
 
 WORKER = Path(__file__).with_name("_dcp_worker.py")
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"), requires("torch")]
 
 
 def _free_port() -> int:
@@ -62,7 +65,7 @@ def finish_ranks(procs: list[subprocess.Popen[str]], expect: dict[int, int] | No
     assert not failed, "\n".join(f"rank {rank} failed:\n{out[-3000:]}" for rank, out in failed)
 
 
-def failures(exc: CheckpointException) -> list[BaseException]:
+def failures(exc: BaseException) -> list[BaseException]:
     """The errors each rank raised inside DCP's CheckpointException."""
     return [error for error, _ in exc.failures.values()]
 
@@ -93,9 +96,9 @@ def test_a_rank_killed_mid_upload_commits_nothing_and_the_previous_checkpoint_lo
     assert not fs.exists(f"{failing}/.metadata") and not fs.exists(f"{failing}/taskpoint.dcp.json")
     assert isinstance(load_error(failing, options), FileNotFoundError)
     # The previous checkpoint, saved on 4 ranks, loads whole into one process (DCP reshards 4 -> 1).
-    expected = build_model(SEED).state_dict()
+    expected = worker.build_model(worker.SEED).state_dict()
     target = {"model": {k: torch.zeros_like(v) for k, v in expected.items()}, "extra": {"step": 0, "note": ""}}
-    dcp.load(target, storage_reader=taskpoint.torch.Reader(previous, storage_options=options))
+    dcp.load(target, storage_reader=tp_torch.Reader(previous, storage_options=options))
     assert all(torch.equal(target["model"][k], v) for k, v in expected.items())
     assert target["extra"] == {"step": 7, "note": "taskpoint"}
 
@@ -116,7 +119,7 @@ def empty_state() -> dict[str, Any]:
 
 def saved(s3_store: Any, name: str) -> tuple[str, dict[str, Any]]:
     uri, state = s3_store.url(name), small_state()
-    dcp.save(state, storage_writer=taskpoint.torch.Writer(uri, storage_options=s3_store.storage_options))
+    dcp.save(state, storage_writer=tp_torch.Writer(uri, storage_options=s3_store.storage_options))
     return uri, state
 
 
@@ -133,8 +136,8 @@ def data_file_holding(fs: Any, uri: str, tensor: Any) -> tuple[str, bytes, int]:
 
 
 def load_error(uri: str, options: dict[str, Any]) -> BaseException:
-    with pytest.raises(CheckpointException) as caught:
-        dcp.load(empty_state(), storage_reader=taskpoint.torch.Reader(uri, storage_options=options))
+    with pytest.raises(dcp_api.CheckpointException) as caught:
+        dcp.load(empty_state(), storage_reader=tp_torch.Reader(uri, storage_options=options))
     (error,) = failures(caught.value)
     return error
 
@@ -154,7 +157,7 @@ def test_flipped_byte_raises_corrupt_naming_the_file_while_dcps_fsspec_reader_lo
 
     # DCP's own fsspec reader: no error, and a tensor that is not the one saved.
     target = empty_state()
-    dcp.load(target, storage_reader=FsspecReader(uri, **s3_store.storage_options))
+    dcp.load(target, storage_reader=fsspec_dcp.FsspecReader(uri, **s3_store.storage_options))
     assert not torch.equal(target["w"], state["w"])
     assert torch.equal(target["b"], state["b"])  # the rest loads: the damage goes unnoticed
 
@@ -203,25 +206,25 @@ def test_no_metadata_is_not_found_and_a_missing_bucket_is_storage_not_found(s3_s
 
 def test_wrong_arguments_are_clear_errors(s3_store: Any, tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="checkpoint URI must be a str"):
-        taskpoint.torch.Writer(123)  # type: ignore[arg-type]
+        tp_torch.Writer(123)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="storage_options must be a dict"):
-        taskpoint.torch.Reader(s3_store.url("x"), storage_options="key=1")  # type: ignore[arg-type]
+        tp_torch.Reader(s3_store.url("x"), storage_options="key=1")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="URI is empty"):
-        taskpoint.torch.Writer("")
+        tp_torch.Writer("")
     with pytest.raises(ValueError, match="threads must be a positive int"):
-        taskpoint.torch.Reader(str(tmp_path), threads=0)
+        tp_torch.Reader(str(tmp_path), threads=0)
     with pytest.raises(TypeError, match="retry must be"):
-        taskpoint.torch.Writer(str(tmp_path), retry=3)  # type: ignore[arg-type]
+        tp_torch.Writer(str(tmp_path), retry=3)  # type: ignore[arg-type]
 
 
 def test_a_committed_checkpoint_is_refused_unless_overwrite(tmp_path: Path) -> None:
     uri = str(tmp_path / "ckpt")
-    dcp.save(small_state(0), storage_writer=taskpoint.torch.Writer(uri))
-    with pytest.raises(CheckpointException) as caught:
-        dcp.save(small_state(1), storage_writer=taskpoint.torch.Writer(uri))
+    dcp.save(small_state(0), storage_writer=tp_torch.Writer(uri))
+    with pytest.raises(dcp_api.CheckpointException) as caught:
+        dcp.save(small_state(1), storage_writer=tp_torch.Writer(uri))
     assert isinstance(failures(caught.value)[0], FileExistsError)
 
-    writer = taskpoint.torch.Writer(uri, overwrite=True)
+    writer = tp_torch.Writer(uri, overwrite=True)
     dcp.save(small_state(1), storage_writer=writer)
     # The manifest lists every stored file but itself, .metadata included, with its true size and sha256.
     listed = json.loads((Path(uri) / "taskpoint.dcp.json").read_bytes())["files"]
@@ -230,7 +233,7 @@ def test_a_committed_checkpoint_is_refused_unless_overwrite(tmp_path: Path) -> N
     assert listed == stored and ".metadata" in listed
     assert writer.committed is not None and set(writer.committed.files) == set(stored)
     target = empty_state()
-    dcp.load(target, storage_reader=taskpoint.torch.Reader(uri))
+    dcp.load(target, storage_reader=tp_torch.Reader(uri))
     assert torch.equal(target["w"], small_state(1)["w"])
     files = sorted(p.name for p in Path(uri).iterdir())
     assert len({name.split("-")[-1] for name in files if name.endswith(".distcp")}) == 1  # the old save's went
@@ -258,8 +261,8 @@ def test_storage_failing_midway_commits_nothing_and_the_previous_checkpoint_load
         options = {**copy.deepcopy(s3_store.storage_options), "endpoint_url": proxy.url,
                    "config_kwargs": {"retries": {"total_max_attempts": 1}}}
         quick = RetryPolicy(attempts=2, initial_delay=0.01, max_delay=0.02)
-        with pytest.raises(CheckpointException) as caught:
-            dcp.save(small_state(5), storage_writer=taskpoint.torch.Writer(failing, storage_options=options,
+        with pytest.raises(dcp_api.CheckpointException) as caught:
+            dcp.save(small_state(5), storage_writer=tp_torch.Writer(failing, storage_options=options,
                                                                            retry=quick, threads=4))
         assert proxy.stats()["passed"] == 4 and proxy.stats()["500"] > 0
     assert any(isinstance(e, StorageUnavailable) for e in failures(caught.value))
@@ -270,16 +273,16 @@ def test_storage_failing_midway_commits_nothing_and_the_previous_checkpoint_load
     error = load_error(failing, s3_store.storage_options)
     assert isinstance(error, FileNotFoundError)
     target = empty_state()
-    dcp.load(target, storage_reader=taskpoint.torch.Reader(previous, storage_options=s3_store.storage_options))
+    dcp.load(target, storage_reader=tp_torch.Reader(previous, storage_options=s3_store.storage_options))
     assert all(torch.equal(target[k], state[k]) for k in ("w", "b", "ids")) and target["extra"] == {"step": 3}
 
 
 def test_async_save_in_one_process(tmp_path: Path) -> None:
     uri = str(tmp_path / "async")
     state = small_state(2)
-    dcp.async_save(state, storage_writer=taskpoint.torch.Writer(uri)).result(timeout=60)
+    dcp.async_save(state, storage_writer=tp_torch.Writer(uri)).result(timeout=60)
     target = empty_state()
-    dcp.load(target, storage_reader=taskpoint.torch.Reader(uri))
+    dcp.load(target, storage_reader=tp_torch.Reader(uri))
     assert torch.equal(target["w"], state["w"]) and target["extra"] == {"step": 3}
 
 
@@ -295,9 +298,9 @@ def test_import_without_torch_says_which_extra(tmp_path: Path) -> None:
 def test_every_store_round_trips_and_verifies(store: Any) -> None:
     """local, memory, s3, gcs and azure: a save, a verified load, and a flipped byte caught."""
     uri, state = store.url("ckpt"), small_state(4)
-    dcp.save(state, storage_writer=taskpoint.torch.Writer(uri, storage_options=store.storage_options))
+    dcp.save(state, storage_writer=tp_torch.Writer(uri, storage_options=store.storage_options))
     target = empty_state()
-    dcp.load(target, storage_reader=taskpoint.torch.Reader(uri, storage_options=store.storage_options))
+    dcp.load(target, storage_reader=tp_torch.Reader(uri, storage_options=store.storage_options))
     assert all(torch.equal(target[k], state[k]) for k in ("w", "b", "ids")) and target["extra"] == {"step": 3}
     fs = store.fs()
     path, content, at = data_file_holding(fs, uri, state["w"])
@@ -317,19 +320,19 @@ def test_dcp_checkpoints_are_manager_steps_with_retention_and_verified_loads(sto
     with taskpoint.CheckpointManager(store.url("m"), storage_options=store.storage_options, keep=2) as mgr:
         states = {step: small_state(step) for step in (1, 2, 3)}
         for step, state in states.items():
-            dcp.save(state, storage_writer=taskpoint.torch.Writer.for_step(mgr, step, metadata={"loss": step / 10}))
+            dcp.save(state, storage_writer=tp_torch.Writer.for_step(mgr, step, metadata={"loss": step / 10}))
         assert mgr.steps() == [2, 3] and mgr.latest_step() == 3 and mgr.metadata(3) == {"loss": 0.3}
         fs = store.fs()
         assert not fs.exists(fs._strip_protocol(mgr.step_uri(1)) + "/.metadata")  # retention took its files
         target = empty_state()
-        dcp.load(target, storage_reader=taskpoint.torch.Reader.for_step(mgr))  # the newest step
+        dcp.load(target, storage_reader=tp_torch.Reader.for_step(mgr))  # the newest step
         assert all(torch.equal(target[k], states[3][k]) for k in ("w", "b", "ids"))
         with pytest.raises(taskpoint.CheckpointError, match=r"dcp\.load"):
             mgr.restore(3)
-        with pytest.raises(CheckpointException) as caught:
-            dcp.save(small_state(9), storage_writer=taskpoint.torch.Writer.for_step(mgr, 3))
+        with pytest.raises(dcp_api.CheckpointException) as caught:
+            dcp.save(small_state(9), storage_writer=tp_torch.Writer.for_step(mgr, 3))
         assert isinstance(failures(caught.value)[0], FileExistsError)
-        dcp.save(small_state(9), storage_writer=taskpoint.torch.Writer.for_step(mgr, 3, overwrite=True))
+        dcp.save(small_state(9), storage_writer=tp_torch.Writer.for_step(mgr, 3, overwrite=True))
         assert mgr.steps() == [2, 3]
         from taskpoint.cli import main
 
@@ -337,8 +340,8 @@ def test_dcp_checkpoints_are_manager_steps_with_retention_and_verified_loads(sto
         assert main(["verify", store.url("m"), *options]) == 0  # every file of every DCP step, by sha256
         path, content, at = data_file_holding(fs, mgr.step_uri(2), states[2]["w"])
         fs.pipe_file(path, content[:at] + bytes([content[at] ^ 1]) + content[at + 1:])
-        with pytest.raises(CheckpointException) as caught:
-            dcp.load(empty_state(), storage_reader=taskpoint.torch.Reader.for_step(mgr, 2))
+        with pytest.raises(dcp_api.CheckpointException) as caught:
+            dcp.load(empty_state(), storage_reader=tp_torch.Reader.for_step(mgr, 2))
         assert isinstance(failures(caught.value)[0], CheckpointCorruptError)
         assert main(["verify", store.url("m"), "--step", "2", *options]) == 2  # damaged, naming the file
 
@@ -347,13 +350,13 @@ def test_a_dcp_step_that_never_committed_is_not_listed_and_gc_removes_its_files(
     from taskpoint.torch import _writer
 
     with taskpoint.CheckpointManager(tmp_path / "m", grace_seconds=0) as mgr:
-        dcp.save(small_state(1), storage_writer=taskpoint.torch.Writer.for_step(mgr, 1))
+        dcp.save(small_state(1), storage_writer=tp_torch.Writer.for_step(mgr, 1))
 
         class DiesBeforeCommit(_writer._StepWriter):
             def commit(self, manifest: Any, metadata_blob: bytes) -> None:
                 raise OSError("the coordinator died before the commit")
 
-        with pytest.raises(CheckpointException):
+        with pytest.raises(dcp_api.CheckpointException):
             dcp.save(small_state(2), storage_writer=DiesBeforeCommit(mgr, 2, None, overwrite=False, threads=2))
         folder = tmp_path / "m" / "ckpt-2"
         assert any(name.endswith(".distcp") for name in os.listdir(folder))
@@ -362,5 +365,5 @@ def test_a_dcp_step_that_never_committed_is_not_listed_and_gc_removes_its_files(
         assert any(".distcp" in uri for uri in removed)
         assert not folder.exists() or not any(name.endswith(".distcp") for name in os.listdir(folder))
         target = empty_state()
-        dcp.load(target, storage_reader=taskpoint.torch.Reader.for_step(mgr))
+        dcp.load(target, storage_reader=tp_torch.Reader.for_step(mgr))
         assert torch.equal(target["w"], small_state(1)["w"])

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,10 +107,13 @@ def describe_exception(exc: BaseException) -> str:
 class Servers:
     """The object-store servers of one campaign run, each started on first use and stopped at the end."""
 
-    def __init__(self) -> None:
+    def __init__(self, running: Callable[[str], _servers.RunningServer] | None = None) -> None:
+        """``running``, when given, returns the server of a kind that runs already (the test suite's session
+        servers, shared by its workers): a scenario inside ``make test`` then starts no server of its own."""
         self._stack = contextlib.ExitStack()
         self._running: dict[str, _servers.RunningServer] = {}
         self._failed: dict[str, str] = {}
+        self._provided = running
 
     def get(self, kind: str) -> _servers.RunningServer:
         if kind in self._failed:
@@ -119,6 +122,9 @@ class Servers:
             start = {"s3": _servers.running_s3_server, "gcs": _servers.running_gcs_server,
                      "azure": _servers.running_azure_server}[kind]
             try:
+                if self._provided is not None:
+                    self._running[kind] = self._provided(kind)
+                    return self._running[kind]
                 self._running[kind] = self._stack.enter_context(start())
             except Exception as exc:
                 self._failed[kind] = f"the {kind} server did not start: {describe_exception(exc)}"
