@@ -30,6 +30,7 @@ FLYTE_VERSION ?= 2.12.1
 ROOT ?=
 BENCH_ARGS ?=
 RELIABILITY_ARGS ?=
+TEST_WORKERS ?= 3
 BENCH_STAMP := $(VENV)/.installed-bench
 # The site needs only the docs extra (mkdocs and the API reference read the source, importing no extra).
 DOCS_STAMP := $(VENV)/.installed-docs
@@ -94,10 +95,12 @@ docs: $(DOCS_STAMP)
 # The environments install side by side (pip and npm wait mostly on the disk and the package index): a minute
 # less from a fresh clone than one after the other. The site is built (strictly) by tests/test_docs.py, not a
 # second time here.
+# The suite runs on TEST_WORKERS pytest-xdist workers: most tests wait on servers, subprocesses and signals, so
+# three workers keep two cores busy; one set of object-store servers serves them all (tests/conftest.py).
 test:
 	$(MAKE) --no-print-directory -j3 $(STAMP) $(NPM_STAMP) $(FLYTE_STAMP)
 	$(VENV)/bin/lint-imports --no-cache
-	TASKPOINT_FLYTE_PYTHON=$(FLYTE_VENV)/bin/python $(PY) -m pytest --durations=25
+	TASKPOINT_FLYTE_PYTHON=$(FLYTE_VENV)/bin/python $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=25
 
 reliability: $(STAMP) $(NPM_STAMP)
 	$(PY) -m tests.reliability $(RELIABILITY_ARGS)
