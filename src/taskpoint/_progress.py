@@ -17,8 +17,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import IO, Any
 
 from fsspec.callbacks import Callback
@@ -252,28 +251,6 @@ def _is_terminal(stream: IO[str] | None) -> bool:
         return stream is not None and stream.isatty()
     except (AttributeError, ValueError):  # replaced by an object without isatty, or closed
         return False
-
-
-# -- the thread's running save, for payload kinds that count the bytes they read themselves -----------------
-
-_current = threading.local()
-
-
-@contextmanager
-def counting(progress: Progress) -> Iterator[None]:
-    """Within the block, :func:`source_counter` in this thread gives ``progress.update``."""
-    previous = getattr(_current, "progress", None)
-    _current.progress = progress
-    try:
-        yield
-    finally:
-        _current.progress = previous
-
-
-def source_counter() -> Callable[[int], None] | None:
-    """Where a payload writing in this thread reports the source bytes it reads (None when nothing listens)."""
-    progress = getattr(_current, "progress", None)
-    return progress.update if progress is not None and progress.active else None
 
 
 # -- the bar ------------------------------------------------------------------------------------------------

@@ -168,6 +168,19 @@ def _parsed(data: bytes | None, uri: str, *, tolerate_corrupt: bool) -> Record |
         raise
 
 
+#: Hears the payload kind and stored size of a read that passed its checks.
+Verified = Callable[[str, int], None]
+
+
+@dataclass(frozen=True)
+class _Load:
+    """What one load hands down its calls: where it counts, how far it may expand, who hears what it verified."""
+
+    progress: Progress
+    max_expand: int | None
+    on_verified: Verified | None
+
+
 class _Unlisted(CheckpointCorruptError):
     """The object read is none of those the record lists (maybe a save that listed it has not been seen). The
     signal of :func:`load_object`'s rereads: what leaves it is a plain :class:`CheckpointCorruptError`."""
@@ -194,23 +207,27 @@ def unverified(uri: str, *, strict: bool, copy_of: str | None = None) -> str:
 
 
 def load_object(src: Location, workspace: Path, progress: Progress = NO_PROGRESS, *,
-                strict: bool = False, copy_of: Location | None = None) -> Path | None:
+                strict: bool = False, copy_of: Location | None = None, max_expand: int | None = None,
+                on_verified: Verified | None = None) -> Path | None:
     """Load the checkpoint at ``src`` into ``workspace``; None when nothing was ever saved there. An object
     with no record is loaded unverified with a WARNING, or refused when ``strict`` (see :data:`VERIFY_MODES`).
+    ``max_expand``: the most bytes the load may write (the caller's ``Checkpoint(max_expand=...)``);
+    ``on_verified(kind, size)`` hears what the read that passed its checks held (the load's log record names it).
 
     ``copy_of``: where ``src`` was copied from without its record (Flyte's local retries copy only the object).
     When ``src`` has no record, the record beside ``copy_of`` verifies it if it lists the copied bytes; if it
     does not (or there is none), the object is what it would be without ``copy_of``: unverified."""
+    load = _Load(progress, max_expand, on_verified)
     record_loc = src.sibling(MANIFEST_SUFFIX)
     record = read_record(record_loc)
     if record is None and copy_of is not None:
-        copied = _load_copy(src, copy_of, workspace, progress)
+        copied = _load_copy(src, copy_of, workspace, load)
         if copied is not None:
             return copied
     paused = False
     for reread in range(_RECORD_REREADS + 1):
         try:
-            result = _load_listed(src, workspace, record, progress, strict,
+            result = _load_listed(src, workspace, record, load, strict,
                                   copy_of.uri if copy_of is not None else None)
             break
         except _Unlisted as unlisted:
@@ -238,16 +255,16 @@ def load_object(src: Location, workspace: Path, progress: Progress = NO_PROGRESS
     return result
 
 
-def _load_copy(src: Location, copy_of: Location, workspace: Path, progress: Progress) -> Path | None:
+def _load_copy(src: Location, copy_of: Location, workspace: Path, load: _Load) -> Path | None:
     """``src`` loaded and verified against the record beside ``copy_of``; None (nothing loaded, the progress
     rewound) when there is no such record, no object at ``src``, or the record does not list its bytes."""
     record = read_record(copy_of.sibling(MANIFEST_SUFFIX), tolerate_corrupt=True)
     if record is None or not record.objects:
         return None
     try:
-        return _load_listed(src, workspace, record, progress, strict=False)
+        return _load_listed(src, workspace, record, load, strict=False)
     except _Unlisted:
-        progress.rewind()  # the unverified load that follows counts the object again, from zero
+        load.progress.rewind()  # the unverified load that follows counts the object again, from zero
         return None
 
 
@@ -256,7 +273,7 @@ _UNLISTED_ADVICE = (f"Save a new checkpoint, or load an older one; if another to
                     f"its record ({MANIFEST_SUFFIX}) to load it unverified.")
 
 
-def _load_listed(src: Location, workspace: Path, record: Record | None, progress: Progress,
+def _load_listed(src: Location, workspace: Path, record: Record | None, load: _Load,
                  strict: bool, copy_of: str | None = None) -> Path | None:
     """One load of ``src``, verified against ``record`` (objects without a record are Flyte's: unverified,
     refused when ``strict``)."""
@@ -278,12 +295,13 @@ def _load_listed(src: Location, workspace: Path, record: Record | None, progress
 
     def verify(kind: str, size: int, digest: str) -> None:
         _verify(record, kind, size, digest, src.uri)
-        _log.note_verified(kind, size)
+        if load.on_verified is not None:
+            load.on_verified(kind, size)
 
     newest = record.of_size(None) if record is not None else None
     digest = "sha256" if newest is not None and newest.crc32 is None and newest.sha256 else "crc32"
     return read_payload(src, workspace, choose, verify, digest, size_hint=newest.size if newest else None,
-                        progress=progress)
+                        progress=load.progress, max_expand=load.max_expand)
 
 
 def _verify(record: Record | None, kind: str, size: int, digest: str, uri: str) -> None:
