@@ -18,7 +18,7 @@ from .errors import CheckpointCorruptError, CheckpointError
 from .folders import load_folder, source_exists
 from .format.codecs import Codec, get_codec
 from .payloads import payload_for
-from .record import VERIFY_MODES, load_object, read_record, save_object, unverified
+from .record import VERIFY_MODES, SaveMemory, load_object, read_record, save_object, unverified
 from .storage import Location, RetryPolicy, normalize_uri
 from .transfer import SourceIsFolder
 from .workspace import Workspace
@@ -133,6 +133,7 @@ class Checkpoint(BaseCheckpoint):
         self._copy_of = Location(original, storage_options, self._retry, options_checked=True) \
             if original is not None else None
         self._lock = threading.Lock()
+        self._memory = SaveMemory()  # what this checkpoint's saves learned of its destination
         self._loaded: Path | None = None
         self._closed = False
         self._workspace = Workspace(workspace)
@@ -209,7 +210,7 @@ class Checkpoint(BaseCheckpoint):
         payload = payload_for(data)
         with self._lock, tracker:
             self._check_open()
-            saved = save_object(self._dest, payload, self._codec, self._level, tracker)
+            saved = save_object(self._dest, payload, self._codec, self._level, tracker, self._memory)
         _log.transferred("save", self._dest.uri, saved.kind, saved.size, clock)
 
     # -- load --------------------------------------------------------------------------------------------
