@@ -23,18 +23,16 @@ differently is another object and every reader knows how to inflate what it read
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import os
 import re
 import stat
 import uuid
 from pathlib import Path
-from typing import Any
 
 from ..errors import CheckpointCorruptError
 from ..format.archive import MAX_DEPTH, skip_special
-from ..format.codecs import ZSTD_MAX_WINDOW
+from ..format.codecs import Codec, get_codec
 from ..format.records import TreeEntry
 from ..payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, FilePayload, Payload
 from ..storage import Location
@@ -52,10 +50,8 @@ LEASE_NAME = re.compile(r"(save|gc)-[0-9a-f]{32}")
 TEMP_NAME = re.compile(r"\.(?:[0-9a-f]{64}\.(?:zst|gz|raw)|(?:save|gc)-[0-9a-f]{32}|epoch)\.[0-9a-f]{12}\.tmp")
 
 
-def _zstd() -> Any:
-    import zstandard
-
-    return zstandard
+#: The codec of each chunk name's extension: chunks are read with the codec they were written with.
+_CODEC_OF_EXT: dict[str, Codec] = {ext: get_codec(name) for name, ext in CHUNK_CODECS.items()}
 
 
 class ChunkStore:
@@ -66,6 +62,7 @@ class ChunkStore:
             raise ValueError(f"codec must be one of {sorted(CHUNK_CODECS)} for deduplicated steps, got {codec!r}")
         self.root = root
         self.ext = CHUNK_CODECS[codec]
+        self.codec = get_codec(codec)
         self.level = level
         #: Chunk keys known to be stored (None until listed once); valid while :attr:`epoch` is unchanged.
         self.known: set[str] | None = None
@@ -83,16 +80,7 @@ class ChunkStore:
         return f"{hashlib.sha256(data).hexdigest()}.{self.ext}"
 
     def compress(self, data: bytes | memoryview) -> bytes:
-        if self.ext == "zst":
-            level = 1 if self.level is None else self.level
-            return bytes(_zstd().ZstdCompressor(level=level, write_content_size=True).compress(data))
-        if self.ext == "gz":
-            try:
-                from isal import igzip
-            except ImportError:  # pragma: no cover - isal is a dependency
-                return gzip.compress(data, 1 if self.level is None else self.level)
-            return bytes(igzip.compress(data, min(3, max(0, (1 if self.level is None else self.level) // 3))))
-        return bytes(data)
+        return self.codec.compress(data, self.level)
 
     def put(self, key: str, blob: bytes) -> None:
         """Store one chunk atomically (with retries)."""
@@ -116,14 +104,7 @@ class ChunkStore:
         if blob is None:
             raise FileNotFoundError(self.uri(key))
         try:
-            ext = match.group(2)
-            if ext == "zst":
-                data = _zstd().ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).decompress(
-                    blob, max_output_size=size)
-            elif ext == "gz":
-                data = _inflate(blob, size)
-            else:
-                data = blob
+            data = _CODEC_OF_EXT[match.group(2)].decompress(blob, size)
         except Exception as exc:
             raise CheckpointCorruptError(f"chunk {self.uri(key)} does not inflate ({exc})") from exc
         if len(data) != size or hashlib.sha256(data).hexdigest() != match.group(1):
@@ -181,14 +162,6 @@ class ChunkStore:
     def bump_epoch(self) -> None:
         self.root.child(f"{LEASE_FOLDER}/{EPOCH_NAME}").write_small(uuid.uuid4().hex.encode(),
                                                                     action="write the chunk epoch at")
-
-
-def _inflate(blob: bytes, size: int) -> bytes:
-    try:
-        from isal import igzip
-    except ImportError:  # pragma: no cover - isal is a dependency
-        return gzip.decompress(blob)
-    return bytes(igzip.decompress(blob))  # type: ignore[no-untyped-call]
 
 
 def source_tree(payload: Payload) -> tuple[list[TreeEntry], dict[str, Path], memoryview | None]:
