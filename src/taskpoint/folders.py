@@ -24,6 +24,7 @@ from typing import Any
 from ._progress import NO_PROGRESS, Progress
 from ._signals import uninterrupted
 from .errors import CheckpointCorruptError, CheckpointError, UnsafeArchiveError
+from .format.archive import link_leaves
 from .payloads import DirectoryPayload
 from .storage import WRITE_PIECE, Kind, Location, copy_fd_in_kernel
 from .workspace import Staging
@@ -129,8 +130,7 @@ def _plan(listing: dict[str, dict[str, Any]], root: str, src: Location) -> list[
             entries.append(_Entry(parts, "file", size, info))
         elif info.get("islink") and src.is_local:
             target = str(info.get("destination", ""))
-            lexical = os.path.normpath(os.path.join(*parts[:-1], target) if len(parts) > 1 else target)
-            if not target or os.path.isabs(target) or lexical == ".." or lexical.startswith(".." + os.sep):
+            if link_leaves(len(parts) - 1, target):
                 raise _unsafe(src, relative, f"a symlink to {target!r} that leads outside")
             entries.append(_Entry(parts, "link", 0, info))
         else:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO, NoReturn, TypeVar
 
 from ..errors import CheckpointCorruptError, CheckpointError, StorageFull, UnsafeArchiveError
-from .archive import MAX_DEPTH, MAX_PATH_BYTES, _TarReader
+from .archive import MAX_DEPTH, MAX_PATH_BYTES, _TarReader, link_leaves
 from .codecs import BLOCK_SIZE, DECODE_ERRORS
 from .space import SpaceBudget
 
@@ -278,11 +278,8 @@ def _extract_member(tar: _TarReader, member: tarfile.TarInfo, folders: _Folders,
         link = member.linkname
         if not link or link.startswith(("/", "\\")) or os.path.isabs(link) or len(link) > MAX_PATH_BYTES:
             raise _unsafe(uri, member, f"symlink to an absolute or empty path {link!r}")
-        depth = len(parent_parts)
-        for piece in link.split("/"):
-            depth += -1 if piece == ".." else 0 if piece in ("", ".") else 1
-            if depth < 0:
-                raise _unsafe(uri, member, f"symlink {link!r} leads outside")
+        if link_leaves(len(parent_parts), link):
+            raise _unsafe(uri, member, f"symlink {link!r} leads outside")
     budget.charge(member.size if member.isreg() else 0, what=member.name, folder=member.isdir())
     try:
         parent = folders.get(parent_parts)

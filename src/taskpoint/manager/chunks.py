@@ -24,14 +24,13 @@ differently is another object and every reader knows how to inflate what it read
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import stat
 import uuid
 from pathlib import Path
 
 from ..errors import CheckpointCorruptError
-from ..format.archive import MAX_DEPTH, skip_special
+from ..format.archive import walk_source
 from ..format.codecs import Codec, get_codec
 from ..format.records import TreeEntry
 from ..payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, FilePayload, Payload
@@ -174,34 +173,16 @@ def source_tree(payload: Payload) -> tuple[list[TreeEntry], dict[str, Path], mem
         view = payload._view
         return [TreeEntry(RAW_RESULT_NAME, "file", size=view.nbytes)], {}, view
     assert isinstance(payload, DirectoryPayload)
-    root = payload._path
     entries: list[TreeEntry] = []
     files: dict[str, Path] = {}
-    real_root = os.path.realpath(root)
-
-    def walk(folder: Path, prefix: str) -> None:
-        for name in sorted(os.listdir(folder)):
-            path, rel = folder / name, f"{prefix}{name}"
-            if rel.count("/") >= MAX_DEPTH:
-                raise ValueError(f"{path!r} is nested deeper than {MAX_DEPTH} folders; flatten the tree")
-            st = os.lstat(path)
-            if stat.S_ISLNK(st.st_mode):
-                target = os.readlink(path)
-                resolved = os.path.normpath(os.path.join(real_root, os.path.dirname(rel), target))
-                if os.path.isabs(target) or not (resolved == real_root or resolved.startswith(real_root + os.sep)):
-                    raise ValueError(f"symlink {str(path)!r} points outside the directory being saved ({target!r}); "
-                                     "a checkpoint holds only links that stay inside its tree. Replace the link "
-                                     "with a copy, or remove it.")
-                entries.append(TreeEntry(rel, "link", target=target))
-            elif skip_special(str(path), st.st_mode, stacklevel=6):
-                continue
-            elif stat.S_ISDIR(st.st_mode):
-                entries.append(TreeEntry(rel, "dir", mode=stat.S_IMODE(st.st_mode) & 0o777, mtime=st.st_mtime))
-                walk(path, rel + "/")
-            else:
-                entries.append(TreeEntry(rel, "file", mode=stat.S_IMODE(st.st_mode) & 0o777, size=st.st_size,
-                                         mtime=st.st_mtime))
-                files[rel] = path
-
-    walk(root, "")
+    for entry in walk_source(payload._path):
+        st, rel = entry.stat, entry.relative
+        if entry.target is not None:
+            entries.append(TreeEntry(rel, "link", target=entry.target))
+        elif stat.S_ISDIR(st.st_mode):
+            entries.append(TreeEntry(rel, "dir", mode=stat.S_IMODE(st.st_mode) & 0o777, mtime=st.st_mtime))
+        else:
+            entries.append(TreeEntry(rel, "file", mode=stat.S_IMODE(st.st_mode) & 0o777, size=st.st_size,
+                                     mtime=st.st_mtime))
+            files[rel] = Path(entry.path)
     return entries, files, None
