@@ -15,7 +15,7 @@ import pytest
 
 import taskpoint
 from helpers import make_tree, object_exists, read_object, snapshot, snapshot_with_times, write_object
-from taskpoint import BaseCheckpoint, Checkpoint
+from taskpoint import BaseCheckpoint, Checkpoint, CheckpointManager
 
 # -- bytes, files, directories --------------------------------------------------------------------------
 
@@ -253,7 +253,9 @@ def test_fifo_given_directly_raises_value_error(tmp_path):
         cp.save_sync(tmp_path / "pipe")
 
 
-@pytest.mark.parametrize("target", ["/etc/passwd", "../outside.txt"])
+# "../src/state.json" leaves the tree and comes back in by the root's own name: a load refuses such a link (it is
+# read lexically, never through the names around the workspace), so a save refuses it too.
+@pytest.mark.parametrize("target", ["/etc/passwd", "../outside.txt", "../src/state.json"])
 def test_symlink_leaving_the_tree_is_refused_at_save(tmp_path, target):
     src = make_tree(tmp_path / "src")
     (tmp_path / "outside.txt").write_text("x")
@@ -263,6 +265,10 @@ def test_symlink_leaving_the_tree_is_refused_at_save(tmp_path, target):
     with pytest.raises(ValueError, match="points outside"):
         Checkpoint(dest).save_sync(src)
     assert dest.read_bytes() == b"previous"
+    with CheckpointManager(tmp_path / "steps", dedup=True) as manager:  # the same walk and check
+        with pytest.raises(ValueError, match="points outside"):
+            manager.save(src, 1)
+        assert manager.steps() == []
 
 
 # -- workspace ------------------------------------------------------------------------------------------

@@ -564,3 +564,43 @@ def test_listing_the_steps_does_not_list_the_chunk_store(store, tmp_path):
             assert mgr.steps() == [1, 2]
             listings = [url for url in sent if "list-type=2" in url]
             assert listings and all("prefix=" in url and "ckpt-" in url for url in listings), listings
+
+
+@pytest.mark.parametrize("codec", ["gzip", "zstd", "none"])
+@pytest.mark.parametrize("level", [None, 0, 1, 2, 3, 5, 9])
+def test_a_chunk_is_compressed_at_the_level_an_archive_of_the_same_codec_uses(tmp_path, codec, level):
+    """One level table for both paths: a chunk's compressed bytes are what the archive writer produces for the
+    same codec and level (gzip: the same deflate stream inside a plain header instead of a labelled member;
+    zstd: a frame that decompresses to the same bytes at the same level). Before, level 1 and None of gzip chunks
+    went to ISA-L's level 0 while archives used 1 and 2."""
+    import io
+
+    from taskpoint.format import pgzip
+    from taskpoint.format.codecs import get_codec
+    from taskpoint.manager.chunks import ChunkStore
+    from taskpoint.storage import Location
+
+    data = os.urandom(1000) * 300 + bytes(range(256)) * 500  # compressible, and different per level
+    if codec == "zstd" and level == 0:
+        level = 3  # zstd's 0 means "its default", not a level of its own
+    store = ChunkStore(Location(str(tmp_path / "steps"), {}), codec, level)
+    chunk = store.compress(data)
+    sink = io.BytesIO()
+    writer = get_codec(codec).writer(sink, level)
+    writer.write(data)
+    writer.close()
+    archive = sink.getvalue()
+    key = store.key_of(data)
+    assert get_codec(codec).decompress(chunk, len(data)) == data and key.endswith(store.ext)
+    if codec == "gzip":
+        assert chunk[10:-8] == archive[pgzip._HEADER_SIZE:-8]  # the same deflate stream
+    elif codec == "zstd":
+        import zstandard
+
+        # Both at zstd's level (1 for None, the documented default of archives and chunks alike); the archive
+        # is streamed on all cores, so its frames differ, and it decompresses to the same bytes.
+        one_shot = zstandard.ZstdCompressor(level=1 if level is None else level, write_content_size=True)
+        assert chunk == one_shot.compress(data)
+        assert zstandard.ZstdDecompressor().stream_reader(io.BytesIO(archive)).read() == data
+    else:
+        assert chunk == data == archive

@@ -209,21 +209,20 @@ class _RequestCounter:
 
 @pytest.mark.parametrize("s3_store", ["s3"], indirect=True)  # botocore's event hooks: obstore never passes them
 def test_small_saves_and_loads_take_few_requests(s3_store, tmp_path):
-    """Issue 11 item 19: a small save of a process that saved there before takes 2 requests (the record, written
-    with If-Match on the ETag it left, and the object), its first save 3 (the record is read once); a small load
-    2. The very first save at a new name also checks that it is no prefix (a HEAD and a listing)."""
-    from taskpoint import record
-
+    """Issue 11 item 19: a small save of a checkpoint that saved there before takes 2 requests (the record,
+    written with If-Match on the ETag it left, and the object), the first save of a new checkpoint 3 (the record
+    is read once); a small load 2. The very first save at a new name also checks that it is no prefix (a HEAD
+    and a listing)."""
     dest = s3_store.url("ckpt")
     counter = _RequestCounter(Location(dest, s3_store.storage_options).fs)
     Checkpoint(dest, storage_options=s3_store.storage_options).save_sync(b"w" * 100)
     very_first = list(counter.requests)
-    record._written.clear()  # what a new process knows: nothing
     counter.requests.clear()
-    Checkpoint(dest, storage_options=s3_store.storage_options).save_sync(b"x" * 100)
+    writer = Checkpoint(dest, storage_options=s3_store.storage_options)  # knows nothing, as a new process
+    writer.save_sync(b"x" * 100)
     first = list(counter.requests)
     counter.requests.clear()
-    Checkpoint(dest, storage_options=s3_store.storage_options).save_sync(b"y" * 100)
+    writer.save_sync(b"y" * 100)
     second = list(counter.requests)
     counter.requests.clear()
     with Checkpoint(tmp_path / "next", dest, storage_options=s3_store.storage_options) as reader:
@@ -246,18 +245,15 @@ def test_two_writers_never_drop_each_others_entry(store, tmp_path, monkeypatch):
     from taskpoint import record
 
     dest, opts = store.url("shared"), store.storage_options
-    Checkpoint(dest, storage_options=opts).save_sync(b"a0")
+    writer_a = Checkpoint(dest, storage_options=opts)  # remembers the record it wrote, and its version
+    writer_a.save_sync(b"a0")
     real_small, real_versioned = Location.write_small, getattr(Location, "write_versioned", None)
     cut_in = {"done": False}
 
     def other_writer_saves_now(loc: Location) -> None:
         if loc.uri.endswith(".taskpoint.json") and not cut_in["done"]:
             cut_in["done"] = True
-            mine = dict(record._written)
-            record._written.clear()  # process B knows nothing of A
-            Checkpoint(dest, storage_options=opts).save_sync(b"bb-1")
-            record._written.clear()
-            record._written.update(mine)
+            Checkpoint(dest, storage_options=opts).save_sync(b"bb-1")  # process B knows nothing of A
 
     def write_small(self: Location, data: bytes, **kwargs: Any) -> None:
         other_writer_saves_now(self)
@@ -270,7 +266,7 @@ def test_two_writers_never_drop_each_others_entry(store, tmp_path, monkeypatch):
 
     monkeypatch.setattr(Location, "write_small", write_small)
     monkeypatch.setattr(Location, "write_versioned", write_versioned, raising=False)
-    Checkpoint(dest, storage_options=opts).save_sync(b"a-2")  # process A
+    writer_a.save_sync(b"a-2")  # process A
     monkeypatch.undo()
     assert cut_in["done"]
     stored = record.read_record(Location(dest, opts).sibling(".taskpoint.json"))

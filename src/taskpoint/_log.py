@@ -9,7 +9,6 @@ information and query strings (``user:password@``, SAS tokens); storage options 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
@@ -95,19 +94,3 @@ def transferred(operation: str, uri: str, kind: str, size: int | None, clock: Cl
                 step: int | None = None) -> TransferStats:
     """The figures of an operation timed by ``clock``, logged at INFO."""
     return log_transfer(clock.stats(operation, uri, kind, size, step))
-
-
-# What the last verified read of this thread held (kind, stored size): loads report it once they return.
-_verified = threading.local()
-
-
-def note_verified(kind: str, size: int) -> None:
-    """Called where a read's size and digest were checked: remembers them for :func:`take_verified`."""
-    _verified.last = (kind, size)
-
-
-def take_verified() -> tuple[str, int]:
-    """The kind and size of this thread's last verified read (``("unknown", 0)`` when none), forgotten."""
-    last: tuple[str, int] = getattr(_verified, "last", ("unknown", 0))
-    _verified.last = ("unknown", 0)
-    return last

@@ -17,8 +17,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import IO, Any
 
 from fsspec.callbacks import Callback
@@ -29,6 +28,9 @@ TICK = 0.2
 AUTO_DELAY = 2.0
 
 ACCEPTED = "True, False, None or an fsspec.callbacks.Callback (e.g. fsspec.callbacks.TqdmCallback())"
+
+#: Seconds on a monotonic clock: what times the bar's delay and rate (``time.monotonic``; a test gives its own).
+Clock = Callable[[], float]
 
 
 class Progress:
@@ -207,17 +209,21 @@ class _Tracker(Progress):
             self._sink.close()
 
 
-def resolve(progress: object, label: str, *, background: bool = False) -> Progress:
+def resolve(progress: object, label: str, *, background: bool = False, stream: IO[str] | None = None,
+            clock: Clock = time.monotonic, ticks: Ticks | None = None) -> Progress:
     """The :class:`Progress` for a ``progress=`` argument; TypeError for anything else. ``label`` names the
-    transfer on a bar; ``background``: the caller does not wait (a background save shows no bar unless asked)."""
+    transfer on a bar; ``background``: the caller does not wait (a background save shows no bar unless asked).
+    ``stream`` (default: stderr at the call) takes the bar; ``clock`` times its delay and rate and ``ticks``
+    its redraws (a test gives its own of both, and times nothing)."""
+    stream = sys.stderr if stream is None else stream
     if progress is False:
         return NO_PROGRESS
     if progress is True:
-        return _Tracker(_Bar(label, 0.0, sys.stderr), owned=True)
+        return _Tracker(_Bar(label, 0.0, stream, clock), owned=True, ticks=ticks)
     if progress is None:
-        if background or not _is_terminal(sys.stderr):
+        if background or not _is_terminal(stream):
             return NO_PROGRESS
-        return _Tracker(_Bar(label, AUTO_DELAY, sys.stderr), owned=True)
+        return _Tracker(_Bar(label, AUTO_DELAY, stream, clock), owned=True, ticks=ticks)
     if isinstance(progress, Callback):
         return _Tracker(progress, owned=False)
     raise TypeError(f"progress must be {ACCEPTED}; got {type(progress).__name__}")
@@ -254,28 +260,6 @@ def _is_terminal(stream: IO[str] | None) -> bool:
         return False
 
 
-# -- the thread's running save, for payload kinds that count the bytes they read themselves -----------------
-
-_current = threading.local()
-
-
-@contextmanager
-def counting(progress: Progress) -> Iterator[None]:
-    """Within the block, :func:`source_counter` in this thread gives ``progress.update``."""
-    previous = getattr(_current, "progress", None)
-    _current.progress = progress
-    try:
-        yield
-    finally:
-        _current.progress = previous
-
-
-def source_counter() -> Callable[[int], None] | None:
-    """Where a payload writing in this thread reports the source bytes it reads (None when nothing listens)."""
-    progress = getattr(_current, "progress", None)
-    return progress.update if progress is not None and progress.active else None
-
-
 # -- the bar ------------------------------------------------------------------------------------------------
 
 
@@ -283,11 +267,12 @@ class _Bar(Callback):  # type: ignore[misc]
     """taskpoint's own bar: tqdm's when importable, else one line redrawn on ``stream``; it appears once the
     transfer has lasted ``delay`` seconds, and is drawn from the ticker (:meth:`tick`), never per update."""
 
-    def __init__(self, label: str, delay: float, stream: IO[str]) -> None:
+    def __init__(self, label: str, delay: float, stream: IO[str], clock: Clock = time.monotonic) -> None:
         super().__init__(size=None, value=0)
         self._label = label
         self._stream = stream
-        self._since = time.monotonic()
+        self._clock = clock
+        self._since = clock()
         self._delay = delay
         self._tqdm: Any = None
         self._line = False  # the own line was drawn
@@ -298,7 +283,7 @@ class _Bar(Callback):  # type: ignore[misc]
         """Updates only change :attr:`value` and :attr:`size`; the ticker draws."""
 
     def tick(self) -> None:
-        if self._closed or (not self._shown and time.monotonic() - self._since < self._delay):
+        if self._closed or (not self._shown and self._clock() - self._since < self._delay):
             return
         if not self._shown:
             self._shown = True
@@ -310,7 +295,7 @@ class _Bar(Callback):  # type: ignore[misc]
             self._draw()
 
     def _draw(self) -> None:
-        elapsed = max(time.monotonic() - self._since, 1e-9)
+        elapsed = max(self._clock() - self._since, 1e-9)
         done = _human(self.value)
         total = f"/{_human(self.size)}" if self.size else ""
         share = f"{100 * self.value / self.size:3.0f}% " if self.size else ""

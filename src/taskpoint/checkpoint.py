@@ -17,9 +17,8 @@ from . import _log, _progress
 from .errors import CheckpointCorruptError, CheckpointError
 from .folders import load_folder, source_exists
 from .format.codecs import Codec, get_codec
-from .format.space import expansion_limit
 from .payloads import payload_for
-from .record import VERIFY_MODES, load_object, read_record, save_object, unverified
+from .record import VERIFY_MODES, SaveMemory, load_object, read_record, save_object, unverified
 from .storage import Location, RetryPolicy, normalize_uri
 from .transfer import SourceIsFolder
 from .workspace import Workspace
@@ -134,6 +133,7 @@ class Checkpoint(BaseCheckpoint):
         self._copy_of = Location(original, storage_options, self._retry, options_checked=True) \
             if original is not None else None
         self._lock = threading.Lock()
+        self._memory = SaveMemory()  # what this checkpoint's saves learned of its destination
         self._loaded: Path | None = None
         self._closed = False
         self._workspace = Workspace(workspace)
@@ -210,7 +210,7 @@ class Checkpoint(BaseCheckpoint):
         payload = payload_for(data)
         with self._lock, tracker:
             self._check_open()
-            saved = save_object(self._dest, payload, self._codec, self._level, tracker)
+            saved = save_object(self._dest, payload, self._codec, self._level, tracker, self._memory)
         _log.transferred("save", self._dest.uri, saved.kind, saved.size, clock)
 
     # -- load --------------------------------------------------------------------------------------------
@@ -225,11 +225,12 @@ class Checkpoint(BaseCheckpoint):
             if self._src is None:
                 return None
             clock = _log.Clock()
-            with expansion_limit(self._max_expand), \
-                    _progress.resolve(progress, f"load {_log.short_name(self._src.uri)}") as tracker:
+            verified: list[tuple[str, int]] = [("unknown", 0)]  # a folder load has no verified read to name
+            with _progress.resolve(progress, f"load {_log.short_name(self._src.uri)}") as tracker:
                 try:
                     result = load_object(self._src, self.path, tracker, strict=self._strict,
-                                         copy_of=self._copy_of)
+                                         copy_of=self._copy_of, max_expand=self._max_expand,
+                                         on_verified=lambda kind, size: verified.append((kind, size)))
                 except SourceIsFolder:  # a folder or prefix (flytekit 1.x's layout): a directory checkpoint
                     if self._strict:
                         raise CheckpointCorruptError(unverified(self._src.uri, strict=True)) from None
@@ -237,7 +238,7 @@ class Checkpoint(BaseCheckpoint):
                     result = load_folder(self._src, self.path, tracker)
                     _log.logger.warning(unverified(_log.safe_uri(self._src.uri), strict=False))
             if result is not None:
-                _log.transferred("load", self._src.uri, *_log.take_verified(), clock)
+                _log.transferred("load", self._src.uri, *verified[-1], clock)
             self._loaded = result
             return result
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 from ._progress import NO_PROGRESS, Progress
 from ._signals import uninterrupted
 from .errors import CheckpointCorruptError, CheckpointError, UnsafeArchiveError
+from .format.archive import link_leaves
 from .payloads import DirectoryPayload
 from .storage import WRITE_PIECE, Kind, Location, copy_fd_in_kernel
 from .workspace import Staging
@@ -39,31 +39,16 @@ def source_exists(src: Location) -> bool:
     return src.kind() is not Kind.NOTHING
 
 
-_checked: dict[tuple[int, str], None] = {}
-_checked_lock = threading.Lock()
-_CHECKED_MAX = 4096
-
-
 def refuse_folder_destination(dest: Location) -> None:
     """Raise :class:`~taskpoint.errors.CheckpointError` when ``dest`` is a folder or a prefix with objects under
-    it. Checked before every save on local disk (one ``stat``), and before the first save to a destination in
-    this process elsewhere (one request, not paid by every save)."""
-    key = (id(dest.fs), dest.path)
-    if not dest.is_local:
-        with _checked_lock:
-            if key in _checked:
-                return
+    it (one ``stat`` on local disk, a HEAD and a listing elsewhere: the caller decides how often to ask, see
+    :class:`taskpoint.record.SaveMemory`)."""
     if dest.kind() is Kind.FOLDER:
         raise CheckpointError(
             f"checkpoint_dest {dest.uri} is a folder (or a prefix with objects under it), not an object. taskpoint "
             "saves a checkpoint as one object, which would land beside that folder or shadow it; nothing was "
             f"written. Save to a name that is not a folder (for instance {dest.uri.rstrip('/')}.tar.gz), or "
             "remove the folder. A folder or prefix still loads as checkpoint_src.")
-    if not dest.is_local:
-        with _checked_lock:
-            if len(_checked) >= _CHECKED_MAX:
-                _checked.clear()
-            _checked[key] = None
 
 
 @dataclass(frozen=True)
@@ -145,8 +130,7 @@ def _plan(listing: dict[str, dict[str, Any]], root: str, src: Location) -> list[
             entries.append(_Entry(parts, "file", size, info))
         elif info.get("islink") and src.is_local:
             target = str(info.get("destination", ""))
-            lexical = os.path.normpath(os.path.join(*parts[:-1], target) if len(parts) > 1 else target)
-            if not target or os.path.isabs(target) or lexical == ".." or lexical.startswith(".." + os.sep):
+            if link_leaves(len(parts) - 1, target):
                 raise _unsafe(src, relative, f"a symlink to {target!r} that leads outside")
             entries.append(_Entry(parts, "link", 0, info))
         else:

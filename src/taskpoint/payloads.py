@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 import shutil
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
-from ._progress import source_counter
 from .errors import CheckpointError
 from .format.archive import skip_special, tree_file_bytes, write_tar
 from .format.codecs import BLOCK_SIZE, Codec
@@ -32,8 +32,8 @@ class Payload(ABC):
     kind: ClassVar[str]
     #: True when stored as an archive (a codec applies); False when the object holds the raw bytes.
     archived: ClassVar[bool]
-    #: True when :meth:`write` reports the source bytes it reads itself (to
-    #: ``taskpoint._progress.source_counter()``); else a save's progress counts the stored bytes written.
+    #: True when :meth:`write` reports the source bytes it reads itself (it is then called with
+    #: ``on_read=``, where a save's progress counts); else a save's progress counts the stored bytes written.
     counts_source: ClassVar[bool] = False
 
     @classmethod
@@ -55,7 +55,8 @@ class Payload(ABC):
 
     @abstractmethod
     def write(self, sink: IO[bytes], codec: Codec, level: int | None) -> None:
-        """Stream the stored form into ``sink``."""
+        """Stream the stored form into ``sink``. Kinds with :attr:`counts_source` also take ``on_read``: a
+        function told each count of source bytes read (None when nothing listens)."""
 
     def snapshot(self, scratch: Path) -> Payload | None:
         """A payload that no longer reads the caller's data, copying what it needs below ``scratch``.
@@ -68,7 +69,9 @@ class Payload(ABC):
     @classmethod
     @abstractmethod
     def materialize(cls, source: IO[bytes], staging: Path, uri: str) -> None:
-        """Write the stored form read from ``source`` (decompressed for archived kinds) below ``staging``."""
+        """Write the stored form read from ``source`` (decompressed for archived kinds) below ``staging``.
+        :attr:`archived` kinds also take ``max_expand``: the most bytes the load may write (None: the default
+        of :func:`~taskpoint.format.extract.extract_tar`)."""
 
     @classmethod
     def publish(cls, staging: Path, workspace: Path) -> Path:
@@ -177,8 +180,9 @@ class DirectoryPayload(Payload):
         """The bytes of the regular files below the folder (what the archive holds, before compression)."""
         return tree_file_bytes(self._path)
 
-    def write(self, sink: IO[bytes], codec: Codec, level: int | None) -> None:
-        write_tar(self._path, sink, codec, level, on_read=source_counter())
+    def write(self, sink: IO[bytes], codec: Codec, level: int | None,
+              on_read: Callable[[int], None] | None = None) -> None:
+        write_tar(self._path, sink, codec, level, on_read=on_read)
 
     def snapshot(self, scratch: Path) -> Payload:
         copy = scratch / "tree"
@@ -187,8 +191,8 @@ class DirectoryPayload(Payload):
         return DirectoryPayload(copy)
 
     @classmethod
-    def materialize(cls, source: IO[bytes], staging: Path, uri: str) -> None:
-        extract_tar(source, staging, uri)
+    def materialize(cls, source: IO[bytes], staging: Path, uri: str, *, max_expand: int | None = None) -> None:
+        extract_tar(source, staging, uri, max_expand=max_expand)
 
 
 def special_entries(folder: str, names: list[str]) -> set[str]:

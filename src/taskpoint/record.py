@@ -22,14 +22,6 @@ from .payloads import Payload, payload_class
 from .storage import Location, RetryPolicy, VersionConflict
 from .transfer import guess_kind, read_payload, write_payload
 
-#: The record this process last wrote beside each destination (key: filesystem protocol and record path), with
-#: its stored version (S3's and Azure's ETag, GCS's generation, a local file's identity). A later save starts
-#: from it: where the store has conditional writes, its record write lands only over that version, and on a
-#: conflict it reads the record again and keeps what the other writer listed; elsewhere (``memory://``), just
-#: before it lists its new object it reads the record again, so that what another writer made visible stays
-#: listed.
-_written: dict[tuple[str, str], tuple[Record, str | None]] = {}
-_written_lock = threading.Lock()
 #: How often a load re-reads the record and follows it when the object it read is not listed (each time, a
 #: save of another process wrote the record after this load read it).
 _RECORD_REREADS = 4
@@ -40,18 +32,53 @@ _RECORD_PAUSE = 0.1
 _CONFLICT_TRIES = 16
 
 
-def _record_key(record_loc: Location) -> tuple[str, str]:
-    return str(record_loc.fs.protocol), record_loc.path
+class SaveMemory:
+    """What one writer knows of the destinations it saved to, kept by its owner (a :class:`~taskpoint.Checkpoint`)
+    for as long as it saves: the record it last wrote beside each, with its stored version (S3's and Azure's
+    ETag, GCS's generation, a local file's identity), and which destinations on object stores it found not to be
+    a folder or prefix.
+
+    A later save starts from that record: where the store has conditional writes, its record write lands only
+    over that version, and on a conflict it reads the record again and keeps what the other writer listed;
+    elsewhere (``memory://``), just before it lists its new object it reads the record again, so that what another
+    writer made visible stays listed. A new owner knows nothing, as a new process does: its first save reads the
+    record (and, without one, checks that the destination is no folder)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._records: dict[str, tuple[Record, str | None]] = {}
+        self._not_folders: set[str] = set()
+
+    def take(self, record_loc: Location) -> tuple[Record | None, str | None]:
+        """The record last written at ``record_loc`` and its version, forgotten until :meth:`keep` (None, None
+        when unknown): a save that fails leaves nothing to start from."""
+        with self._lock:
+            return self._records.pop(record_loc.path, (None, None))
+
+    def keep(self, record_loc: Location, record: Record, version: str | None) -> None:
+        with self._lock:
+            self._records[record_loc.path] = (record, version)
+
+    def refuse_folder(self, dest: Location) -> None:
+        """:func:`~taskpoint.folders.refuse_folder_destination`, paid once per destination on object stores (a
+        HEAD and a listing) and on every save on local disk (one ``stat``)."""
+        with self._lock:
+            if not dest.is_local and dest.path in self._not_folders:
+                return
+        refuse_folder_destination(dest)
+        if not dest.is_local:
+            with self._lock:
+                self._not_folders.add(dest.path)
 
 
 def save_object(dest: Location, payload: Payload, codec: Codec, level: int | None,
-                progress: Progress = NO_PROGRESS) -> ObjectRecord:
+                progress: Progress = NO_PROGRESS, memory: SaveMemory | None = None) -> ObjectRecord:
     """Write ``payload`` to ``dest`` atomically; its kind, size and CRC32 are recorded beside it before it
-    becomes visible, next to the objects that may still be there (see :mod:`taskpoint.format.records`)."""
+    becomes visible, next to the objects that may still be there (see :mod:`taskpoint.format.records`).
+    ``memory``: what the caller's earlier saves learned (None: nothing, as in a new process)."""
+    memory = memory if memory is not None else SaveMemory()
     record_loc = dest.sibling(MANIFEST_SUFFIX)
-    key = _record_key(record_loc)
-    with _written_lock:
-        known, version = _written.pop(key, (None, None))
+    known, version = memory.take(record_loc)
     read_at = time.monotonic()
     if known is None:
         stored, version = _read_versioned(record_loc)
@@ -61,7 +88,7 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
     if dest.is_local or not previous.objects:
         # A folder or prefix is refused before anything is written (folders.py). A destination with a record
         # was saved to as an object before: on object stores that spares the first save a HEAD and a listing.
-        refuse_folder_destination(dest)
+        memory.refuse_folder(dest)
     if previous.sweep or (known is None and dest.is_local):
         _log.logger.debug("sweeping leftovers of interrupted saves at %s", _log.safe_uri(dest.uri))
         dest.sweep_leftovers(started_before=time.time())  # what killed or failed saves left
@@ -94,8 +121,7 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
             state.loc = record_loc.with_retry(_MARK_RETRY)
             state.write(lambda record: replace(record, sweep=True), action="record a failed save at")
         raise
-    with _written_lock:
-        _written[key] = (replace(state.record, confirmed=entry.save_id, sweep=False), state.version)
+    memory.keep(record_loc, replace(state.record, confirmed=entry.save_id, sweep=False), state.version)
     return replace(entry, size=size, crc32=digest)
 
 
@@ -168,6 +194,19 @@ def _parsed(data: bytes | None, uri: str, *, tolerate_corrupt: bool) -> Record |
         raise
 
 
+#: Hears the payload kind and stored size of a read that passed its checks.
+Verified = Callable[[str, int], None]
+
+
+@dataclass(frozen=True)
+class _Load:
+    """What one load hands down its calls: where it counts, how far it may expand, who hears what it verified."""
+
+    progress: Progress
+    max_expand: int | None
+    on_verified: Verified | None
+
+
 class _Unlisted(CheckpointCorruptError):
     """The object read is none of those the record lists (maybe a save that listed it has not been seen). The
     signal of :func:`load_object`'s rereads: what leaves it is a plain :class:`CheckpointCorruptError`."""
@@ -194,23 +233,27 @@ def unverified(uri: str, *, strict: bool, copy_of: str | None = None) -> str:
 
 
 def load_object(src: Location, workspace: Path, progress: Progress = NO_PROGRESS, *,
-                strict: bool = False, copy_of: Location | None = None) -> Path | None:
+                strict: bool = False, copy_of: Location | None = None, max_expand: int | None = None,
+                on_verified: Verified | None = None) -> Path | None:
     """Load the checkpoint at ``src`` into ``workspace``; None when nothing was ever saved there. An object
     with no record is loaded unverified with a WARNING, or refused when ``strict`` (see :data:`VERIFY_MODES`).
+    ``max_expand``: the most bytes the load may write (the caller's ``Checkpoint(max_expand=...)``);
+    ``on_verified(kind, size)`` hears what the read that passed its checks held (the load's log record names it).
 
     ``copy_of``: where ``src`` was copied from without its record (Flyte's local retries copy only the object).
     When ``src`` has no record, the record beside ``copy_of`` verifies it if it lists the copied bytes; if it
     does not (or there is none), the object is what it would be without ``copy_of``: unverified."""
+    load = _Load(progress, max_expand, on_verified)
     record_loc = src.sibling(MANIFEST_SUFFIX)
     record = read_record(record_loc)
     if record is None and copy_of is not None:
-        copied = _load_copy(src, copy_of, workspace, progress)
+        copied = _load_copy(src, copy_of, workspace, load)
         if copied is not None:
             return copied
     paused = False
     for reread in range(_RECORD_REREADS + 1):
         try:
-            result = _load_listed(src, workspace, record, progress, strict,
+            result = _load_listed(src, workspace, record, load, strict,
                                   copy_of.uri if copy_of is not None else None)
             break
         except _Unlisted as unlisted:
@@ -238,16 +281,16 @@ def load_object(src: Location, workspace: Path, progress: Progress = NO_PROGRESS
     return result
 
 
-def _load_copy(src: Location, copy_of: Location, workspace: Path, progress: Progress) -> Path | None:
+def _load_copy(src: Location, copy_of: Location, workspace: Path, load: _Load) -> Path | None:
     """``src`` loaded and verified against the record beside ``copy_of``; None (nothing loaded, the progress
     rewound) when there is no such record, no object at ``src``, or the record does not list its bytes."""
     record = read_record(copy_of.sibling(MANIFEST_SUFFIX), tolerate_corrupt=True)
     if record is None or not record.objects:
         return None
     try:
-        return _load_listed(src, workspace, record, progress, strict=False)
+        return _load_listed(src, workspace, record, load, strict=False)
     except _Unlisted:
-        progress.rewind()  # the unverified load that follows counts the object again, from zero
+        load.progress.rewind()  # the unverified load that follows counts the object again, from zero
         return None
 
 
@@ -256,7 +299,7 @@ _UNLISTED_ADVICE = (f"Save a new checkpoint, or load an older one; if another to
                     f"its record ({MANIFEST_SUFFIX}) to load it unverified.")
 
 
-def _load_listed(src: Location, workspace: Path, record: Record | None, progress: Progress,
+def _load_listed(src: Location, workspace: Path, record: Record | None, load: _Load,
                  strict: bool, copy_of: str | None = None) -> Path | None:
     """One load of ``src``, verified against ``record`` (objects without a record are Flyte's: unverified,
     refused when ``strict``)."""
@@ -278,12 +321,13 @@ def _load_listed(src: Location, workspace: Path, record: Record | None, progress
 
     def verify(kind: str, size: int, digest: str) -> None:
         _verify(record, kind, size, digest, src.uri)
-        _log.note_verified(kind, size)
+        if load.on_verified is not None:
+            load.on_verified(kind, size)
 
     newest = record.of_size(None) if record is not None else None
     digest = "sha256" if newest is not None and newest.crc32 is None and newest.sha256 else "crc32"
     return read_payload(src, workspace, choose, verify, digest, size_hint=newest.size if newest else None,
-                        progress=progress)
+                        progress=load.progress, max_expand=load.max_expand)
 
 
 def _verify(record: Record | None, kind: str, size: int, digest: str, uri: str) -> None:

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from . import _progress
 from ._progress import NO_PROGRESS, Progress
 from ._signals import uninterrupted
 from .errors import CheckpointCorruptError, CheckpointError
@@ -185,7 +184,10 @@ def write_payload(dest: Location, payload: Payload, codec: Codec, level: int | N
             else:
                 out = HashingWriter(f, digest, NO_PROGRESS if payload.counts_source else progress)
                 try:
-                    with _progress.counting(progress):
+                    if payload.counts_source:  # such kinds count the source bytes they read themselves
+                        on_read = progress.update if progress.active else None
+                        payload.write(out, codec, level, on_read=on_read)  # type: ignore[arg-type, call-arg]
+                    else:
                         payload.write(out, codec, level)  # type: ignore[arg-type]
                 except BaseException as exc:
                     if out.failed or not isinstance(exc, Exception):
@@ -221,20 +223,22 @@ def _copy_local(source: Path, sink: Any, expected: int | None, digest: str, prog
 
 def read_payload(src: Location, workspace: Path, choose: KindChooser, verify: Verifier,
                  digest: str = "sha256", size_hint: int | None = None,
-                 progress: Progress = NO_PROGRESS) -> Path | None:
+                 progress: Progress = NO_PROGRESS, max_expand: int | None = None) -> Path | None:
     """Stream ``src`` into ``workspace`` and return what load returns; None when the object does not exist.
 
     Nothing reaches the workspace until ``verify`` accepted the whole object; transient failures restart
     the download. ``size_hint``: the size the caller expects (a small remote object comes in one request).
-    ``progress`` counts the stored bytes read (for an archive, its compressed bytes).
+    ``progress`` counts the stored bytes read (for an archive, its compressed bytes). ``max_expand``: the most
+    bytes the load may write (None: the file system's free space, and for archives
+    :data:`~taskpoint.format.extract.MAX_EXPAND`).
     """
     progress.set_total(size_hint)
-    return src.run(lambda: _read_once(src, workspace, choose, verify, digest, size_hint, progress),
+    return src.run(lambda: _read_once(src, workspace, choose, verify, digest, size_hint, progress, max_expand),
                    action="load the checkpoint from")
 
 
 def _read_once(src: Location, workspace: Path, choose: KindChooser, verify: Verifier,
-               digest: str, size_hint: int | None, progress: Progress) -> Path | None:
+               digest: str, size_hint: int | None, progress: Progress, max_expand: int | None) -> Path | None:
     progress.restart()
     try:
         raw = src.open_read(size_hint)
@@ -255,11 +259,12 @@ def _read_once(src: Location, workspace: Path, choose: KindChooser, verify: Veri
         workspace.mkdir(parents=True, exist_ok=True)
         with Staging(workspace) as staging:
             if not cls.archived and stored_size is not None:
-                check_room(staging, stored_size, src.uri)  # StorageFull before a raw object fills the disk
+                # StorageFull before a raw object fills the disk
+                check_room(staging, stored_size, src.uri, max_expand)
             if cls.archived:
                 stream = detect_codec(head, src.uri).reader(reader, head)  # type: ignore[arg-type]
                 try:
-                    cls.materialize(stream, staging, src.uri)
+                    cls.materialize(stream, staging, src.uri, max_expand=max_expand)  # type: ignore[call-arg]
                 finally:
                     stream.close()
             elif src.is_local:

@@ -12,7 +12,8 @@ import os
 import stat
 import tarfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -47,8 +48,18 @@ class _TellingWriter:
         pass
 
 
-def _inside(root: str, target: str) -> bool:
-    return target == root or target.startswith(root + os.sep)
+def link_leaves(parent_depth: int, target: str) -> bool:
+    """True when a symlink ``target``, read lexically from a folder ``parent_depth`` levels below the root, leads
+    above the root at any point; an empty or absolute target leaves too. The one check of links, on save (a
+    source tree, whose walk follows no link) and on load (tar members, folder listings, chunked manifests)."""
+    if not target or os.path.isabs(target):
+        return True
+    depth = parent_depth
+    for piece in target.split("/"):
+        depth += -1 if piece == ".." else 0 if piece in ("", ".") else 1
+        if depth < 0:
+            return True
+    return False
 
 
 class _CountingFile:
@@ -76,11 +87,54 @@ def tree_file_bytes(directory: Path) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class SourceEntry:
+    """One entry below a directory being saved, as :func:`walk_source` found it."""
+
+    #: Where it is on the local disk.
+    path: str
+    #: Its path below the directory, ``/``-separated (``model/weights.bin``).
+    relative: str
+    #: Its ``lstat``: links are not followed.
+    stat: os.stat_result
+    #: Where a symlink points (as written in the link); None for other entries.
+    target: str | None = None
+
+
+def walk_source(directory: str | os.PathLike[str]) -> Iterator[SourceEntry]:
+    """Every entry below ``directory`` in sorted order, each folder before what it holds: the one walk of a
+    directory being saved (archives and deduplicated steps alike), with the one check of what a checkpoint
+    may hold. ValueError for a tree deeper than :data:`MAX_DEPTH` folders or a path longer than
+    :data:`MAX_PATH_BYTES` (a load would refuse them), and for a symlink that points outside the directory;
+    sockets, fifos and devices are skipped with a warning."""
+    def walk(folder: str, prefix: str) -> Iterator[SourceEntry]:
+        for name in sorted(os.listdir(folder)):
+            path, relative = os.path.join(folder, name), f"{prefix}{name}"
+            if relative.count("/") >= MAX_DEPTH or len(os.fsencode(relative)) > MAX_PATH_BYTES:
+                raise ValueError(f"{path!r} is nested deeper than {MAX_DEPTH} folders or its path below the saved "
+                                 f"directory is longer than {MAX_PATH_BYTES} bytes; a checkpoint cannot hold it (a "
+                                 "load would refuse it). Flatten the tree.")
+            st = os.lstat(path)
+            target = None
+            if stat.S_ISLNK(st.st_mode):
+                target = os.readlink(path)
+                if link_leaves(relative.count("/"), target):
+                    raise ValueError(
+                        f"symlink {path!r} points outside the directory being saved ({target!r}); a checkpoint "
+                        "holds only links that stay inside its tree. Replace the link with a copy, or remove it.")
+            elif skip_special(path, st.st_mode, stacklevel=4):
+                continue
+            yield SourceEntry(path, relative, st, target)
+            if stat.S_ISDIR(st.st_mode):
+                yield from walk(path, relative + "/")
+
+    yield from walk(os.fspath(directory), "")
+
+
 def write_tar(directory: Path, sink: IO[bytes], codec: Codec, level: int | None,
               on_read: Callable[[int], None] | None = None) -> None:
     """Write ``directory``'s top-level entries, each under its own name, as a ``codec`` archive to ``sink``;
     ``on_read(n)`` is told of the bytes read from the files (a save's progress)."""
-    root = os.path.realpath(directory)
     stream = codec.writer(sink, level)
     try:
         tar = tarfile.TarFile(
@@ -90,8 +144,14 @@ def write_tar(directory: Path, sink: IO[bytes], codec: Codec, level: int | None,
             copybufsize=BLOCK_SIZE,
         )
         with tar:
-            for entry in sorted(os.listdir(directory)):
-                _add_tree(tar, root, os.path.join(directory, entry), entry, on_read)
+            for entry in walk_source(directory):
+                info = tar.gettarinfo(entry.path, entry.relative)
+                info.uname = info.gname = ""
+                if info.isreg():
+                    with open(entry.path, "rb") as f:
+                        tar.addfile(info, f if on_read is None else _CountingFile(f, on_read))
+                else:
+                    tar.addfile(info)
     except BaseException:
         with contextlib.suppress(Exception):  # the first error is the one to report
             abort = getattr(stream, "abort", None)
@@ -108,36 +168,6 @@ def skip_special(path: str, mode: int, *, stacklevel: int) -> bool:
     warnings.warn(f"taskpoint skipped {what} {path!r}: only files, folders and symlinks are saved",
                   stacklevel=stacklevel)
     return True
-
-
-def _add_tree(tar: tarfile.TarFile, root: str, path: str, arcname: str,
-              on_read: Callable[[int], None] | None) -> None:
-    if arcname.count("/") >= MAX_DEPTH or len(os.fsencode(arcname)) > MAX_PATH_BYTES:
-        raise ValueError(f"{path!r} is nested deeper than {MAX_DEPTH} folders or its path below the saved "
-                         f"directory is longer than {MAX_PATH_BYTES} bytes; a checkpoint cannot hold it (a load "
-                         "would refuse it). Flatten the tree.")
-    st = os.lstat(path)
-    mode = st.st_mode
-    if stat.S_ISLNK(mode):
-        target = os.readlink(path)
-        resolved = os.path.normpath(os.path.join(os.path.dirname(os.path.join(root, arcname)), target))
-        if os.path.isabs(target) or not _inside(root, resolved):
-            raise ValueError(
-                f"symlink {path!r} points outside the directory being saved ({target!r}); a checkpoint "
-                "holds only links that stay inside its tree. Replace the link with a copy, or remove it."
-            )
-    elif skip_special(path, mode, stacklevel=5):
-        return
-    info = tar.gettarinfo(path, arcname)
-    info.uname = info.gname = ""
-    if info.isreg():
-        with open(path, "rb") as f:
-            tar.addfile(info, f if on_read is None else _CountingFile(f, on_read))
-    else:
-        tar.addfile(info)
-    if stat.S_ISDIR(mode):
-        for entry in sorted(os.listdir(path)):
-            _add_tree(tar, root, os.path.join(path, entry), f"{arcname}/{entry}", on_read)
 
 
 class _TarReader:

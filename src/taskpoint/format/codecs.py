@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from typing import IO, Any, ClassVar
 
 from ..errors import CheckpointCorruptError
-from .pgzip import GzipFormatError, ParallelGzipReader, ParallelGzipWriter, labelled_length
+from .pgzip import GzipFormatError, ParallelGzipReader, ParallelGzipWriter, isal_level, labelled_length
 
 #: Size of the blocks the codecs hand to their compressors and to storage.
 BLOCK_SIZE = 1 << 20
@@ -64,12 +64,23 @@ class Codec(ABC):
     def matches(self, head: bytes) -> bool:
         """True when ``head`` (the first bytes of an object) starts a stream of this codec."""
 
+    @abstractmethod
+    def compress(self, data: bytes | memoryview, level: int | None) -> bytes:
+        """``data`` compressed alone into one blob (a chunk of a deduplicated step), at the level :meth:`writer`
+        would use for the same ``level``."""
+
+    @abstractmethod
+    def decompress(self, blob: bytes, size: int) -> bytes:
+        """The plain bytes of a blob :meth:`compress` made (or another tool, in the same format), which should be
+        ``size`` long; the caller checks that they are."""
+
 
 class GzipCodec(Codec):
     """Standard gzip, compressed and inflated on every core (see :mod:`.pgzip`); any gzip reader opens it.
 
     ISA-L when the ``isal`` package is present (same format, about 20x faster than zlib). ``level`` uses
-    zlib's 1-9 scale; ISA-L maps 1-3, 4-6 and 7-9 to its levels 1, 2 and 3. Streams written by other tools
+    zlib's 1-9 scale; ISA-L maps 1-3, 4-6 and 7-9 to its levels 1, 2 and 3 (:func:`~.pgzip.isal_level`, the
+    one mapping: archives and the chunks of deduplicated steps alike). Streams written by other tools
     (Flyte, ``tar czf``) are inflated sequentially.
     """
 
@@ -92,6 +103,20 @@ class GzipCodec(Codec):
     def matches(self, head: bytes) -> bool:
         return head.startswith(_GZIP_MAGIC)
 
+    def compress(self, data: bytes | memoryview, level: int | None) -> bytes:
+        try:
+            from isal import igzip
+        except ImportError:  # pragma: no cover - isal is a dependency
+            return gzip.compress(data, isal_level(level))  # without ISA-L, isal_level is zlib's level
+        return bytes(igzip.compress(data, isal_level(level)))
+
+    def decompress(self, blob: bytes, size: int) -> bytes:
+        try:
+            from isal import igzip
+        except ImportError:  # pragma: no cover - isal is a dependency
+            return gzip.decompress(blob)
+        return bytes(igzip.decompress(blob))  # type: ignore[no-untyped-call]
+
 
 class ZstdCodec(Codec):
     """Zstandard with frame checksums, compressed on all cores. Needs the ``zstandard`` package."""
@@ -106,9 +131,12 @@ class ZstdCodec(Codec):
             raise ImportError("codec='zstd' needs the zstandard package: pip install zstandard") from exc
         return zstandard
 
+    #: The level of ``level=None``: zstd's fastest positive level.
+    DEFAULT_LEVEL = 1
+
     def writer(self, sink: IO[bytes], level: int | None) -> IO[bytes]:
         zstd = self._module()
-        compressor = zstd.ZstdCompressor(level=1 if level is None else level, write_checksum=True, threads=-1)
+        compressor = zstd.ZstdCompressor(level=self._level(level), write_checksum=True, threads=-1)
         return compressor.stream_writer(_NonClosing(sink), closefd=False)  # type: ignore[no-any-return]
 
     def reader(self, source: IO[bytes], head: bytes = b"") -> IO[bytes]:
@@ -118,6 +146,17 @@ class ZstdCodec(Codec):
 
     def matches(self, head: bytes) -> bool:
         return head.startswith(_ZSTD_MAGIC)
+
+    def _level(self, level: int | None) -> int:
+        return self.DEFAULT_LEVEL if level is None else level
+
+    def compress(self, data: bytes | memoryview, level: int | None) -> bytes:
+        compressor = self._module().ZstdCompressor(level=self._level(level), write_content_size=True)
+        return bytes(compressor.compress(data))
+
+    def decompress(self, blob: bytes, size: int) -> bytes:
+        decompressor = self._module().ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
+        return bytes(decompressor.decompress(blob, max_output_size=size))
 
 
 class NoCodec(Codec):
@@ -133,6 +172,12 @@ class NoCodec(Codec):
 
     def matches(self, head: bytes) -> bool:
         return head[_TAR_MAGIC_OFFSET : _TAR_MAGIC_OFFSET + 5] == b"ustar"
+
+    def compress(self, data: bytes | memoryview, level: int | None) -> bytes:
+        return bytes(data)
+
+    def decompress(self, blob: bytes, size: int) -> bytes:
+        return blob
 
 
 CODECS: dict[str, Codec] = {c.name: c for c in (GzipCodec(), ZstdCodec(), NoCodec())}

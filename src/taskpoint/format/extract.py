@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import IO, NoReturn, TypeVar
 
 from ..errors import CheckpointCorruptError, CheckpointError, StorageFull, UnsafeArchiveError
-from .archive import MAX_DEPTH, MAX_PATH_BYTES, _TarReader
+from .archive import MAX_DEPTH, MAX_PATH_BYTES, _TarReader, link_leaves
 from .codecs import BLOCK_SIZE, DECODE_ERRORS
-from .space import SpaceBudget, current_limit
+from .space import SpaceBudget
 
 #: Largest number of bytes a directory checkpoint may expand to when it is loaded (the sum of its files'
 #: sizes), or None for no fixed limit. Whatever this says, a load also stops with StorageFull before it
@@ -148,14 +148,13 @@ def extract_tar(source: IO[bytes], staging: Path, uri: str, *, max_expand: int |
 
     Nothing is created outside ``staging``: every member is written relative to a descriptor of its folder,
     opened one component at a time without following links; a member whose path passes through a symlink
-    (even one that stays inside) is refused. ``max_expand`` (default: the running load's, set by
-    ``Checkpoint(max_expand=...)``, else :data:`MAX_EXPAND`) caps the bytes
+    (even one that stays inside) is refused. ``max_expand`` (the load's ``Checkpoint(max_expand=...)``;
+    None: :data:`MAX_EXPAND`) caps the bytes
     the archive may expand to; the free space of ``staging``'s file system caps them too (StorageFull).
     The stream is read to its end, so that the codec verifies its trailing checksums.
     """
     root = os.path.realpath(staging)
-    limit = next((x for x in (max_expand, current_limit(), MAX_EXPAND) if x is not None), None)
-    budget = SpaceBudget(root, uri, limit)
+    budget = SpaceBudget(root, uri, max_expand if max_expand is not None else MAX_EXPAND)
     folders = _Folders(os.open(root, _DIR_FLAGS))
     dir_modes: list[tuple[tuple[str, ...], int, float]] = []
     links: list[tuple[str, ...]] = []
@@ -279,11 +278,8 @@ def _extract_member(tar: _TarReader, member: tarfile.TarInfo, folders: _Folders,
         link = member.linkname
         if not link or link.startswith(("/", "\\")) or os.path.isabs(link) or len(link) > MAX_PATH_BYTES:
             raise _unsafe(uri, member, f"symlink to an absolute or empty path {link!r}")
-        depth = len(parent_parts)
-        for piece in link.split("/"):
-            depth += -1 if piece == ".." else 0 if piece in ("", ".") else 1
-            if depth < 0:
-                raise _unsafe(uri, member, f"symlink {link!r} leads outside")
+        if link_leaves(len(parent_parts), link):
+            raise _unsafe(uri, member, f"symlink {link!r} leads outside")
     budget.charge(member.size if member.isreg() else 0, what=member.name, folder=member.isdir())
     try:
         parent = folders.get(parent_parts)

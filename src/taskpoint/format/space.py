@@ -2,30 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
-from contextvars import ContextVar
 
 from ..errors import StorageFull
-
-#: The limit of the load running in this context (``Checkpoint(max_expand=...)``); None: no limit of its own.
-_LIMIT: ContextVar[int | None] = ContextVar("taskpoint_max_expand", default=None)
-
-
-@contextlib.contextmanager
-def expansion_limit(max_expand: int | None) -> Iterator[None]:
-    """Loads inside the block may expand to at most ``max_expand`` bytes (None: no limit of their own)."""
-    token = _LIMIT.set(max_expand)
-    try:
-        yield
-    finally:
-        _LIMIT.reset(token)
-
-
-def current_limit() -> int | None:
-    """The ``max_expand`` of the load running in this context, None when it set none."""
-    return _LIMIT.get()
 
 
 class SpaceBudget:
@@ -42,7 +21,7 @@ class SpaceBudget:
     def __init__(self, folder: str | os.PathLike[str], uri: str, max_expand: int | None = None) -> None:
         self.folder = os.fspath(folder)
         self.uri = uri
-        self.max_expand = max_expand if max_expand is not None else current_limit()
+        self.max_expand = max_expand
         self.expanded = 0  # bytes of content charged so far
         self._block = 4096
         self._room: int | None = None  # bytes that may still be used, None when unknown
@@ -92,9 +71,10 @@ class SpaceBudget:
                     "filling the disk. Free some space, or load into a folder on a larger disk; nothing was lost.")
 
 
-def check_room(folder: str | os.PathLike[str], size: int, uri: str) -> None:
-    """StorageFull when a file of ``size`` bytes would not fit in ``folder``'s file system (see SpaceBudget)."""
-    SpaceBudget(folder, uri).charge(size, what="the payload")
+def check_room(folder: str | os.PathLike[str], size: int, uri: str, max_expand: int | None = None) -> None:
+    """StorageFull when a file of ``size`` bytes would not fit in ``folder``'s file system, or exceeds
+    ``max_expand`` (see SpaceBudget)."""
+    SpaceBudget(folder, uri, max_expand).charge(size, what="the payload")
 
 
 # -- extraction -----------------------------------------------------------------------------------------------

@@ -23,18 +23,15 @@ differently is another object and every reader knows how to inflate what it read
 
 from __future__ import annotations
 
-import gzip
 import hashlib
-import os
 import re
 import stat
 import uuid
 from pathlib import Path
-from typing import Any
 
 from ..errors import CheckpointCorruptError
-from ..format.archive import MAX_DEPTH, skip_special
-from ..format.codecs import ZSTD_MAX_WINDOW
+from ..format.archive import walk_source
+from ..format.codecs import Codec, get_codec
 from ..format.records import TreeEntry
 from ..payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, FilePayload, Payload
 from ..storage import Location
@@ -52,10 +49,8 @@ LEASE_NAME = re.compile(r"(save|gc)-[0-9a-f]{32}")
 TEMP_NAME = re.compile(r"\.(?:[0-9a-f]{64}\.(?:zst|gz|raw)|(?:save|gc)-[0-9a-f]{32}|epoch)\.[0-9a-f]{12}\.tmp")
 
 
-def _zstd() -> Any:
-    import zstandard
-
-    return zstandard
+#: The codec of each chunk name's extension: chunks are read with the codec they were written with.
+_CODEC_OF_EXT: dict[str, Codec] = {ext: get_codec(name) for name, ext in CHUNK_CODECS.items()}
 
 
 class ChunkStore:
@@ -66,6 +61,7 @@ class ChunkStore:
             raise ValueError(f"codec must be one of {sorted(CHUNK_CODECS)} for deduplicated steps, got {codec!r}")
         self.root = root
         self.ext = CHUNK_CODECS[codec]
+        self.codec = get_codec(codec)
         self.level = level
         #: Chunk keys known to be stored (None until listed once); valid while :attr:`epoch` is unchanged.
         self.known: set[str] | None = None
@@ -83,16 +79,7 @@ class ChunkStore:
         return f"{hashlib.sha256(data).hexdigest()}.{self.ext}"
 
     def compress(self, data: bytes | memoryview) -> bytes:
-        if self.ext == "zst":
-            level = 1 if self.level is None else self.level
-            return bytes(_zstd().ZstdCompressor(level=level, write_content_size=True).compress(data))
-        if self.ext == "gz":
-            try:
-                from isal import igzip
-            except ImportError:  # pragma: no cover - isal is a dependency
-                return gzip.compress(data, 1 if self.level is None else self.level)
-            return bytes(igzip.compress(data, min(3, max(0, (1 if self.level is None else self.level) // 3))))
-        return bytes(data)
+        return self.codec.compress(data, self.level)
 
     def put(self, key: str, blob: bytes) -> None:
         """Store one chunk atomically (with retries)."""
@@ -116,14 +103,7 @@ class ChunkStore:
         if blob is None:
             raise FileNotFoundError(self.uri(key))
         try:
-            ext = match.group(2)
-            if ext == "zst":
-                data = _zstd().ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).decompress(
-                    blob, max_output_size=size)
-            elif ext == "gz":
-                data = _inflate(blob, size)
-            else:
-                data = blob
+            data = _CODEC_OF_EXT[match.group(2)].decompress(blob, size)
         except Exception as exc:
             raise CheckpointCorruptError(f"chunk {self.uri(key)} does not inflate ({exc})") from exc
         if len(data) != size or hashlib.sha256(data).hexdigest() != match.group(1):
@@ -183,14 +163,6 @@ class ChunkStore:
                                                                     action="write the chunk epoch at")
 
 
-def _inflate(blob: bytes, size: int) -> bytes:
-    try:
-        from isal import igzip
-    except ImportError:  # pragma: no cover - isal is a dependency
-        return gzip.decompress(blob)
-    return bytes(igzip.decompress(blob))  # type: ignore[no-untyped-call]
-
-
 def source_tree(payload: Payload) -> tuple[list[TreeEntry], dict[str, Path], memoryview | None]:
     """The entries of ``payload`` (sizes and modes, no chunks yet), where each file's bytes are, and the
     bytes of a bytes payload."""
@@ -201,34 +173,16 @@ def source_tree(payload: Payload) -> tuple[list[TreeEntry], dict[str, Path], mem
         view = payload._view
         return [TreeEntry(RAW_RESULT_NAME, "file", size=view.nbytes)], {}, view
     assert isinstance(payload, DirectoryPayload)
-    root = payload._path
     entries: list[TreeEntry] = []
     files: dict[str, Path] = {}
-    real_root = os.path.realpath(root)
-
-    def walk(folder: Path, prefix: str) -> None:
-        for name in sorted(os.listdir(folder)):
-            path, rel = folder / name, f"{prefix}{name}"
-            if rel.count("/") >= MAX_DEPTH:
-                raise ValueError(f"{path!r} is nested deeper than {MAX_DEPTH} folders; flatten the tree")
-            st = os.lstat(path)
-            if stat.S_ISLNK(st.st_mode):
-                target = os.readlink(path)
-                resolved = os.path.normpath(os.path.join(real_root, os.path.dirname(rel), target))
-                if os.path.isabs(target) or not (resolved == real_root or resolved.startswith(real_root + os.sep)):
-                    raise ValueError(f"symlink {str(path)!r} points outside the directory being saved ({target!r}); "
-                                     "a checkpoint holds only links that stay inside its tree. Replace the link "
-                                     "with a copy, or remove it.")
-                entries.append(TreeEntry(rel, "link", target=target))
-            elif skip_special(str(path), st.st_mode, stacklevel=6):
-                continue
-            elif stat.S_ISDIR(st.st_mode):
-                entries.append(TreeEntry(rel, "dir", mode=stat.S_IMODE(st.st_mode) & 0o777, mtime=st.st_mtime))
-                walk(path, rel + "/")
-            else:
-                entries.append(TreeEntry(rel, "file", mode=stat.S_IMODE(st.st_mode) & 0o777, size=st.st_size,
-                                         mtime=st.st_mtime))
-                files[rel] = path
-
-    walk(root, "")
+    for entry in walk_source(payload._path):
+        st, rel = entry.stat, entry.relative
+        if entry.target is not None:
+            entries.append(TreeEntry(rel, "link", target=entry.target))
+        elif stat.S_ISDIR(st.st_mode):
+            entries.append(TreeEntry(rel, "dir", mode=stat.S_IMODE(st.st_mode) & 0o777, mtime=st.st_mtime))
+        else:
+            entries.append(TreeEntry(rel, "file", mode=stat.S_IMODE(st.st_mode) & 0o777, size=st.st_size,
+                                     mtime=st.st_mtime))
+            files[rel] = Path(entry.path)
     return entries, files, None

@@ -12,6 +12,7 @@ from pathlib import Path
 from .._progress import NO_PROGRESS, Progress
 from .._signals import uninterrupted
 from ..errors import CheckpointCorruptError
+from ..format.archive import link_leaves
 from ..format.records import ChunkedTree, StepManifest, TreeEntry
 from ..format.space import check_room
 from ..payloads import payload_class
@@ -72,14 +73,8 @@ class Rebuilder:
             parts = entry.path.split("/")
             if entry.path in seen or any(p in ("", ".", "..") for p in parts) or "\\" in entry.path:
                 raise self._damaged(step, entry.path, "its manifest names an unsafe or repeated path")
-            if entry.type == "link":
-                depth = len(parts) - 1
-                for piece in (entry.target or "").split("/"):
-                    depth += -1 if piece == ".." else 0 if piece in ("", ".") else 1
-                    if depth < 0:
-                        break
-                if not entry.target or entry.target.startswith("/") or depth < 0:
-                    raise self._damaged(step, entry.path, f"symlink {entry.target!r} leads outside")
+            if entry.type == "link" and link_leaves(len(parts) - 1, entry.target or ""):
+                raise self._damaged(step, entry.path, f"symlink {entry.target!r} leads outside")
             expected = -(-entry.size // tree.chunk_size) if entry.type == "file" else 0
             if len(entry.chunks) != expected:
                 raise self._damaged(step, entry.path, "its manifest lists the wrong number of chunks")
