@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -213,3 +214,63 @@ def test_background_saves_of_killed_ranks_commit_the_step_whole_or_not_at_all(st
 def test_background_saves_of_killed_ranks_many_trials(store: Any) -> None:
     outcomes = sigkill_trials(store, trials=10, seed=44)
     assert outcomes["committed whole"] >= 5
+
+
+# -- in one process: what a missing rank does ------------------------------------------------------------------
+
+
+def test_a_rank_that_never_answers_ends_the_others_without_an_emergency_step(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Rank 1 of 2 had a notice; rank 0 never publishes its step: rank 1 waits commit_timeout, then ends with
+    Preempted (status 143) and no step, saying so; nothing is committed past the newest regular step."""
+    from taskpoint import preemption
+
+    directory = tmp_path / "steps"
+    rank1 = taskpoint.CheckpointManager(directory, rank=1, world_size=2, commit_timeout=0.5,
+                                        on_preemption=lambda: b"never saved")
+    try:
+        preemption.notify(signal.SIGTERM)
+        assert not rank1.should_save(5)  # rank 1 publishes step 5: every rank stops at 6 at the earliest
+        assert (directory / "preemption-agreement" / "rank-1.json").exists()
+        assert not rank1.reached_preemption(5)  # the same step again: still not the stop
+        with caplog.at_level("WARNING", logger="taskpoint"), pytest.raises(taskpoint.Preempted) as raised:
+            rank1.reached_preemption(6)
+        assert raised.value.code == 143 and raised.value.step is None
+        assert "ranks [0] did not answer" in caplog.text and "without an emergency step" in caplog.text
+        # Rank 1's failed agreement removed nothing of rank 0's, and no step was committed.
+        with taskpoint.CheckpointManager(directory, world_size=1, preemption=False) as reader:
+            assert reader.steps() == []
+    finally:
+        rank1.close()
+        preemption.clear()
+
+
+def test_rank_zeros_save_process_never_commits_a_step_with_a_shard_missing(tmp_path: Path) -> None:
+    """The commit a save process makes for a dead rank 0 needs every rank's record of the round: with rank 1's
+    missing it gives up at its deadline and the step is never listed; with it, the step commits whole."""
+    from taskpoint.format.records import ObjectRecord
+    from taskpoint.manager.shards import ShardOrphan, save_round
+    from taskpoint.manager.steps import shard_record_name
+    from taskpoint.ranks import Ranks
+
+    directory = tmp_path / "steps"
+    with taskpoint.CheckpointManager(directory, rank=1, world_size=2, preemption=False) as rank1:
+        rank1.save(b"rank 1's shard", 3)  # its shard and its record, as a live rank 1 stores them
+    own = b"rank 0's shard"
+    save_id = uuid.uuid4().hex
+    (directory / "ckpt-3" / f"payload-{save_id}").write_bytes(own)  # what rank 0's save process uploaded
+    orphan = ShardOrphan(str(directory / "ckpt-3"), {}, None, 3, Ranks(0, 2), save_round(None), f"payload-{save_id}",
+                         ObjectRecord(kind="bytes", codec="raw", save_id=save_id, created=time.time()), {"by": 0}, None)
+    record = directory / "ckpt-3" / shard_record_name(1)
+    kept = record.read_bytes()
+    record.unlink()  # rank 1 died before its record
+    orphan.finish(len(own), hashlib.sha256(own).hexdigest(), time.monotonic() + 0.3)
+    with taskpoint.CheckpointManager(directory, world_size=1, preemption=False) as reader:
+        assert reader.steps() == []  # never listed with a shard missing
+    record.write_bytes(kept)
+    orphan.finish(len(own), hashlib.sha256(own).hexdigest(), time.monotonic() + 5)
+    for rank, shard in ((0, own), (1, b"rank 1's shard")):
+        with taskpoint.CheckpointManager(directory, rank=rank, world_size=2, preemption=False) as mgr:
+            assert mgr.steps() == [3]
+            assert mgr.restore(3).read_bytes() == shard  # verified against the manifest's sha256
+            assert mgr.metadata(3) == {"by": 0}

@@ -369,12 +369,12 @@ def _portable_error(exc: BaseException) -> BaseException:
 
 
 def _commit_orphan(commit: tuple[str, Any, Any, StepManifest] | OrphanPart, size: int, digest: str,
-                   deadline: float) -> None:
+                   deadline: float | None = None) -> None:
     """Write the manifest of the step whose payload this child just uploaded for a parent that died; never
     over a manifest already there (another writer committed the step first). A part of a step of several
-    ranks finishes itself."""
+    ranks finishes itself by ``deadline`` (default: the grace period from now)."""
     if not isinstance(commit, tuple):
-        commit.finish(size, digest, deadline)
+        commit.finish(size, digest, time.monotonic() + preemption.grace_seconds() if deadline is None else deadline)
         return
     uri, options, retry, pending = commit
     manifest = dataclasses.replace(pending, record=dataclasses.replace(pending.record, size=size, sha256=digest))
