@@ -274,3 +274,46 @@ def test_rank_zeros_save_process_never_commits_a_step_with_a_shard_missing(tmp_p
             assert mgr.steps() == [3]
             assert mgr.restore(3).read_bytes() == shard  # verified against the manifest's sha256
             assert mgr.metadata(3) == {"by": 0}
+
+
+SILENT_RANK = """
+import logging, os, signal, sys, time
+import torch.distributed as dist
+import taskpoint
+from taskpoint import preemption
+dist.init_process_group("gloo")
+mgr = taskpoint.CheckpointManager(sys.argv[1], commit_timeout=5, on_preemption=lambda: b"never saved")
+if mgr.rank == 0:
+    time.sleep(float(sys.argv[2]))  # never reaches a safe point: the collective of rank 1 is not answered
+    os._exit(0)
+logging.basicConfig()
+preemption.notify(signal.SIGTERM)
+print("first", mgr.should_save(1), flush=True)
+try:
+    mgr.should_save(2)
+except taskpoint.Preempted as exc:
+    print("preempted", exc.code, exc.step, flush=True)
+    raise
+"""
+
+
+def test_a_rank_that_never_joins_the_collective_ends_the_others_at_the_deadline(tmp_path: Path) -> None:
+    """With a process group: rank 1 had a notice, rank 0 never reaches a safe point. Rank 1 waits for the
+    vote until its notice's deadline (TASKPOINT_GRACE_SECONDS), then ends with 143 and no emergency step (its
+    interpreter's exit then waits for the silent rank's process group: rank 0 ends after 10 s here)."""
+    pytest.importorskip("torch")
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TASKPOINT_GRACE_SECONDS": "3",
+               "PYTHONPATH": os.pathsep.join(sys.path)}
+        procs.append(subprocess.Popen([sys.executable, "-c", SILENT_RANK, str(tmp_path / "steps"), "10"], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    out, err = procs[1].communicate(timeout=120)
+    procs[0].communicate(timeout=60)
+    assert procs[1].returncode == 143, err[-3000:]
+    assert "first False" in out and "preempted 143 None" in out
+    assert "did not answer the preemption agreement" in err and "without an emergency step" in err
+    with taskpoint.CheckpointManager(tmp_path / "steps", world_size=1, preemption=False) as reader:
+        assert reader.steps() == []
