@@ -24,7 +24,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from . import _background, _dataset, _dcp, _dedup, _preemption, _report
+from . import _agreement, _background, _dataset, _dcp, _dedup, _preemption, _report
 from ._operations import METHODS, PAYLOADS, STORES
 from ._runner import REPO_ROOT, Options, run_all
 
@@ -67,8 +67,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(manager: issue 5's background saves through CheckpointManager, directory only; see "
                    "benchmarks/_background.py; dcp: issue 13's 4 ranks saving --size GiB through "
                    "torch.distributed.checkpoint, see benchmarks/_dcp.py; preemption: issue 12's signal-to-commit "
-                   "time and loop cost, see benchmarks/_preemption.py; dedup: issue 15's deduplicated steps of "
-                   "CheckpointManager against today's, see benchmarks/_dedup.py)")
+                   "time and loop cost, see benchmarks/_preemption.py; agreement: issue 28's cost per step "
+                   "of agreeing on a stopping step across 4 ranks, see benchmarks/_agreement.py; dedup: issue "
+                   "15's deduplicated steps of CheckpointManager against today's, see benchmarks/_dedup.py)")
     p.add_argument("--codec", default="gzip", help="taskpoint's codec (default gzip, the targets' default)")
     p.add_argument("--level", type=int, default=None, help="taskpoint's compression level (default: its own)")
     p.add_argument("--data-dir", type=Path, default=BENCH_DIR / "data", help="where the data set is built")
@@ -120,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(REPO_ROOT)
     started = time.time()
     load_before = os.getloadavg()
-    separate = (_dcp.METHOD, _preemption.METHOD, _dedup.METHOD, LIGHTNING)  # sections with data of their own
+    # sections with data of their own
+    separate = (_dcp.METHOD, _preemption.METHOD, _agreement.METHOD, _dedup.METHOD, LIGHTNING)
     main_table = any(m not in separate for m in args.methods)
     dataset = _dataset.prepare(args.data_dir, args.size) if main_table else None
     mib = {k: v / 2**20 for k, v in dataset.sizes.items()} if dataset else {}
@@ -145,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     results = run_all(dataset, opts) if dataset else []
     preempt = (_preemption.run(args.size, args.runs, args.data_dir / "work-preemption")
                if _preemption.METHOD in args.methods else None)
+    agreement = (_agreement.run(args.runs, args.data_dir / "work-agreement")
+                 if _agreement.METHOD in args.methods else [])
     dcp_rows = _dcp.run(args.size, opts, args.data_dir / "work-dcp") if _dcp.METHOD in args.methods else []
     dedup_rows, dedup_stored = (_dedup.run(args.size, opts, args.data_dir / "work-dedup")
                                 if _dedup.METHOD in args.methods else ([], None))
@@ -179,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         sections += ["preemption (issue 12): a trainer with CheckpointManager(on_preemption=...) gets SIGTERM at a "
                      "random moment; and the loop cost of the handling when no notice comes", "",
                      _preemption.table(preempt), ""]
+    if agreement:
+        sections += [f"preemption across ranks (issue 28): the cost per training step of the stopping-step "
+                     f"agreement while no notice is pending, {_agreement.RANKS} ranks on 2 shared cores", "",
+                     _agreement.table(agreement), ""]
     text = "\n".join([*sections, _report.targets_table(goals)])
     text += ("\n\ncolumns: RSS+ = peak RSS above the idle worker (plus the whole peak of taskpoint's save process, "
              "for background saves); tmp+ = peak extra temp disk; cpu s = the worker's CPU during the operation "
@@ -208,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         "git_commit": _git("rev-parse", "HEAD"), "git_dirty_src": _git("status", "--porcelain", "src"),
         "versions": _versions(),
         "dataset": {"sizes": dataset.sizes, "spec": _dataset.spec_for(args.size)} if dataset else None,
-        "preemption": preempt, "dedup_stored": dedup_stored,
+        "preemption": preempt, "agreement": agreement, "dedup_stored": dedup_stored,
         "mb": "10^6 bytes", "notes": "RSS+ is peak RSS above the idle worker (libraries imported, case prepared); "
         "tmp+ is the peak of bytes in TMPDIR, the load workspace and the local store folder minus what remains",
     }

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 METHODS = ("taskpoint", "taskpoint-progress", "taskpoint-async", "baseline", "raw", "raw-fsync", "manager", "dcp",
-           "preemption", "dedup", "lightning")
+           "preemption", "agreement", "dedup", "lightning")
 PAYLOADS = ("directory", "file", "bytes", "small")
 #: Payloads held in memory (``bytes`` objects) rather than read from a path by the save.
 IN_MEMORY = ("bytes", "small")
@@ -54,9 +54,9 @@ _COPY_BLOCK = 1 << 20
 def applies(method: str, payload: str, store: str) -> bool:
     """The async twin is only compared on the directory (the issue's async target), and so is the manager's
     background save (issue 5's target, ``benchmarks/_background.py``); raw-fsync is local only. ``dcp`` is a
-    section of its own, with its own data (``benchmarks/_dcp.py``), and so are ``preemption`` (``_preemption.py``)
-    and ``dedup`` (``_dedup.py``)."""
-    if method in ("dcp", "preemption", "dedup"):
+    section of its own, with its own data (``benchmarks/_dcp.py``), and so are ``preemption`` (``_preemption.py``),
+    ``agreement`` (``_agreement.py``) and ``dedup`` (``_dedup.py``)."""
+    if method in ("dcp", "preemption", "agreement", "dedup"):
         return False
     if method in ("taskpoint-async", "manager"):
         return payload == "directory"

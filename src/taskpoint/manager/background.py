@@ -18,12 +18,11 @@ from pathlib import Path
 from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointError, add_note
 from ..format.codecs import Codec
-from ..format.records import StepManifest
 from ..payloads import Payload
 from ..storage import Location
 from ..transfer import write_payload
 from ..workspace import owned_folder, sweep_dead_folders
-from .saver import NotTransferable, SaverProcess, SaverUnavailable, release_freed_memory
+from .saver import NotTransferable, Orphan, SaverProcess, SaverUnavailable, release_freed_memory
 from .snapshots import SnapshotCache, spool
 
 
@@ -108,7 +107,7 @@ class Handover:
         self._held = False  # the process stored the payload, and would commit it were this process to die
 
     def store_payload(self, location: Location, payload: Payload, codec: str, level: int | None,
-                      commit: tuple[Location, StepManifest] | None, progress: Progress) -> tuple[int, str]:
+                      commit: Orphan | None, progress: Progress) -> tuple[int, str]:
         try:
             stored = self.process.store_payload(location, payload, codec, level, commit, progress,
                                                 folders=self._folders, taken=self._taken.set)
@@ -130,13 +129,14 @@ class Handover:
 
 def store_payload(location: Location, payload: Payload, codec: Codec, level: int | None,
                   saver: Handover | None = None,
-                  commit: tuple[Location, StepManifest] | None = None,
+                  commit: Orphan | None = None,
                   progress: Progress = NO_PROGRESS) -> tuple[int, str]:
     """Write a step's payload to ``location``: from ``saver``'s process when given and it can reach the
     location (the manager starts one only for a directory other processes can reach), else from this thread.
     A save process that dies or cannot take the payload is never fatal: the payload (under its unique name)
     is written again from here; a killed process's partial object has no manifest and is swept like any
-    leftover. ``commit`` is what the save process commits itself if this process dies before committing it."""
+    leftover. ``commit`` is what the save process commits (or, for a shard, finishes) itself if this process dies
+    before doing so."""
     if saver is not None:
         try:
             return saver.store_payload(location, payload, codec.name, level, commit, progress)

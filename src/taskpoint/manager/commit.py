@@ -8,6 +8,7 @@ import hashlib
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from .. import _log
@@ -29,11 +30,14 @@ class StepWriter:
     """Writes the steps of one manager: each a payload of its own name, committed by its manifest."""
 
     def __init__(self, steps: StepStore, claims: Claims, codec: Codec, level: int | None, guard: Guard,
-                 grace: float, dedup: Dedup | None = None, plan: RankPlan | None = None) -> None:
+                 grace: float, dedup: Dedup | None = None, plan: RankPlan | None = None,
+                 waiting: Callable[[int], None] | None = None) -> None:
         self._steps, self._claims, self._dedup = steps, claims, dedup
         self._codec, self._level = codec, level
         self._guard, self._grace = guard, grace
-        self._shards = ShardWriter(steps, plan, grace) if plan is not None and plan.ranks.distributed else None
+        # ``waiting``: told the step while rank 0 waits for its shards (the preemption agreement).
+        self._shards = (ShardWriter(steps, plan, grace, waiting) if plan is not None and plan.ranks.distributed
+                        else None)
         #: The last step this writer saved (its shard, with several ranks), committed or not.
         self.last_step: int | None = None
 
@@ -98,10 +102,10 @@ class StepWriter:
                      saver: Handover | None, *, clock: _log.Clock, progress: Progress) -> TransferStats:
         assert self._shards is not None
         codec = self._codec.name if payload.archived else "raw"
-        # No commit for the save process to finish: a step of several ranks is committed by rank 0 alone.
+        # The save process finishes this rank's part (its record; on rank 0, the commit) if we die meanwhile.
         size = self._shards.write(step, metadata, attempt, payload, codec,
-                                  lambda location: store_payload(location, payload, self._codec, self._level, saver,
-                                                                 progress=progress))
+                                  lambda location, orphan: store_payload(location, payload, self._codec, self._level,
+                                                                         saver, orphan, progress=progress))
         if self._shards.commits:
             self._steps.committed(step)
             self._guard.committed(step, metadata)

@@ -31,6 +31,7 @@ from ..format.codecs import Codec, get_codec
 from ..payloads import Payload, payload_for
 from ..storage import LEFTOVER_GRACE_SECONDS, Location, RetryPolicy, normalize_uri
 from ._checks import check_grace, check_metadata, check_step
+from .agreement import AGREEMENT_FOLDER, Agreement
 from .background import Background, Handover
 from .chunks import ChunkStore
 from .claims import Claims
@@ -42,7 +43,7 @@ from .queries import StepQueries
 from .restore import StepReader
 from .retention import KeepBest, KeepPolicy
 from .schedule import SaveSchedule
-from .shards import DEFAULT_COMMIT_TIMEOUT, RankPlan
+from .shards import DEFAULT_COMMIT_TIMEOUT, RankPlan, save_round
 from .steps import StepStore
 
 P = ParamSpec("P")
@@ -187,9 +188,11 @@ class CheckpointManager(StepQueries):
         self.last_save: TransferStats | None = None
         self._closed = False
         self._background = Background(uri, snapshots, bool(background_process) and root.backend.shared)
+        agreement = Agreement(self._plan.ranks, self._plan.commit_timeout, root.child(AGREEMENT_FOLDER),
+                              lambda: save_round(_attempt_source()), lambda: self.restored_step)
         self._writer = StepWriter(self._steps, self._claims, self._codec, self._level, self._guard, self._grace,
-                                  self._dedup if dedup else None, self._plan)
-        self._preemption = PreemptionPolicy(preemption, on_preemption)
+                                  self._dedup if dedup else None, self._plan, agreement.while_committing)
+        self._preemption = PreemptionPolicy(preemption, on_preemption, agreement)
         weakref.finalize(self, self._background.slot.report_unclaimed, uri)
 
     # -- properties and lifecycle --------------------------------------------------------------------------
@@ -220,6 +223,7 @@ class CheckpointManager(StepQueries):
             if self._closed:
                 return
             self._closed = True
+            self._preemption.agreement.close()
             try:
                 self._background.settle(wait=True)
             finally:
@@ -253,7 +257,7 @@ class CheckpointManager(StepQueries):
         attempt = _attempt_source()
         background = self._async_save if blocking is None else not blocking
         tracker = _progress.resolve(progress, f"save step {step}", background=background)
-        self.checkpoint_if_preempted()  # a safe point: with on_preemption, a notice ends the attempt here
+        self.checkpoint_if_preempted(step=step)  # a safe point: with on_preemption, a notice ends the attempt
         with self._lock:
             self._check_open()
             self._background.settle(wait=True)
@@ -287,17 +291,17 @@ class CheckpointManager(StepQueries):
                                             progress=progress)
 
     # -- preemption: the notice, and the emergency save (emergency.py) --------------------------------------
-    def reached_preemption(self) -> bool:
-        """True once a preemption notice (a signal of :mod:`taskpoint.preemption`) has arrived."""
-        return self._preemption.reached()
+    def reached_preemption(self, step: int | None = None) -> bool:
+        """True once a preemption notice arrived; with several ranks, on all at one ``step`` (docs/distributed.md)."""
+        return self._preemption.reached(step, self.latest_step)
 
-    def checkpoint_if_preempted(self, state: Callable[[], Any] | None = None) -> None:
-        """After a notice, the emergency save of ``state()`` (default ``on_preemption``), then
-        :class:`~taskpoint.Preempted`; without a notice, or without either function, nothing."""
-        if self._preemption.due(state):
-            self._preemption.run(self.wait_until_finished,
-                                 lambda: self._plan.next_step(self.latest_step(), self._writer.last_step),
-                                 lambda data, step, meta: self.save(data, step, metadata=meta, blocking=True), state)
+    def checkpoint_if_preempted(self, state: Callable[[], Any] | None = None, *, step: int | None = None) -> None:
+        """After a notice, the emergency save of ``state()`` (default ``on_preemption``; with several ranks at the
+        agreed ``step``), then :class:`~taskpoint.Preempted`; without a notice, or either function, nothing."""
+        if self._preemption.due(state, step, self.latest_step):
+            self._preemption.run(self.wait_until_finished, lambda: self._plan.next_step(
+                self.latest_step(), self._writer.last_step), lambda data, at, meta: self.save(
+                data, at, metadata=meta, blocking=True), state, step)
 
     # -- restore -------------------------------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ class StepQueries:
     def _ready(self) -> None:
         raise NotImplementedError
 
-    def reached_preemption(self) -> bool:
+    def reached_preemption(self, step: int | None = None) -> bool:
         raise NotImplementedError
 
     def should_save(self, step: int) -> bool:
@@ -51,7 +51,8 @@ class StepQueries:
         whenever a preemption notice is pending; False for a step at or before the newest this manager saved or
         restored. No storage request: ``if mgr.should_save(step): mgr.save(state, step)`` costs nothing per step.
         """
-        return self._schedule.due(check_step(step), notice=self.reached_preemption())
+        step = check_step(step)
+        return self._schedule.due(step, notice=self.reached_preemption(step))
 
     def best_step(self) -> int | None:
         """The committed step with the best value of ``keep_best``'s metric (ties: the newer), or None when

@@ -22,7 +22,9 @@ the moment the trainer may die. The ack costs a pipe round trip, not an upload (
 When the parent dies (SIGKILL, the OOM killer) after the handover, the child outlives it: it finishes the
 upload and commits the step itself, with the manifest the parent sent along with the request (completed with
 the size and digest it computed), unless a manifest for that step exists already (the parent committed it
-before dying, or a writer of the same step got there first: never overwritten). Its duty for a step ends
+before dying, or a writer of the same step got there first: never overwritten). For a shard of a step of
+several ranks it writes the rank's record instead, and rank 0's child commits the step once every rank's
+record is there (:class:`OrphanPart`). Its duty for a step ends
 when the parent says it has committed it (the ``done`` message), so no moment is left where neither writes
 the manifest. It does so within ``$TASKPOINT_GRACE_SECONDS`` (default 30) of noticing the death (it looks
 every 0.2 s, and the pipe closing tells it at once); when the upload cannot finish in time it exits and leaves
@@ -51,7 +53,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from .. import _progress, preemption
 from .._progress import NO_PROGRESS, Progress
@@ -103,6 +105,19 @@ def _receive(stream: IO[bytes]) -> Any:
     return pickle.loads(data)
 
 
+class OrphanPart(Protocol):
+    """A part of a step that the child finishes for a parent that died once the payload was stored (a shard's
+    record, or rank 0's commit of a step of several ranks: :class:`~taskpoint.manager.shards.ShardOrphan`),
+    by ``deadline`` (``time.monotonic()``)."""
+
+    def finish(self, size: int, digest: str, deadline: float) -> None: ...
+
+
+#: What the child finishes for a dead parent: a single payload's manifest (its location, and the manifest with
+#: size and digest to fill in), or a part of a step of several ranks.
+Orphan = tuple[Location, StepManifest] | OrphanPart
+
+
 class SaveProcessTraceback(Exception):
     """The traceback, in the save process, of an error that the save process raised (set as its cause)."""
 
@@ -147,7 +162,7 @@ class SaverProcess:
         return self._process.pid
 
     def store_payload(self, location: Location, payload: Payload, codec: str, level: int | None,
-                      commit: tuple[Location, StepManifest] | None = None,
+                      commit: Orphan | None = None,
                       progress: Progress = NO_PROGRESS, *, folders: tuple[str, ...] = (),
                       taken: Callable[[], None] | None = None) -> tuple[int, str]:
         """What :func:`taskpoint.transfer.write_payload` does, done by the helper process.
@@ -162,8 +177,8 @@ class SaverProcess:
         cannot be sent (the payload does not pickle) or the child died; nothing was committed then.
         """
         try:
-            orphan = None if commit is None else (commit[0].uri, commit[0].storage_options, commit[0].retry,
-                                                  commit[1])
+            orphan = commit if commit is None or not isinstance(commit, tuple) else (
+                commit[0].uri, commit[0].storage_options, commit[0].retry, commit[1])
             request = _pickle((location.uri, location.storage_options, location.retry, payload, codec, level,
                                orphan, progress.active, folders))
         except Exception as exc:
@@ -267,11 +282,11 @@ class _Duty:
     def __init__(self) -> None:
         self.busy = threading.Event()
         self._lock = threading.Lock()
-        self._commit: tuple[str, Any, Any, StepManifest] | None = None
+        self._commit: tuple[str, Any, Any, StepManifest] | OrphanPart | None = None
         self._stored: tuple[int, str] | None = None
         self.folders: tuple[str, ...] = ()
 
-    def take(self, commit: tuple[str, Any, Any, StepManifest] | None, folders: tuple[str, ...]) -> None:
+    def take(self, commit: tuple[str, Any, Any, StepManifest] | OrphanPart | None, folders: tuple[str, ...]) -> None:
         with self._lock:
             self.busy.set()
             self._commit, self._stored, self.folders = commit, None, folders
@@ -280,7 +295,7 @@ class _Duty:
         """The payload is uploaded: the step is committed by the parent, or else by this child."""
         with self._lock:
             if self._commit is None:
-                self.busy.clear()  # nothing to commit here (a shard): the request is over
+                self.busy.clear()  # nothing to finish here: the request is over
             else:
                 self._stored = (size, digest)
 
@@ -294,12 +309,13 @@ class _Duty:
             self._commit = self._stored = None
             self.busy.clear()
 
-    def commit_for_dead_parent(self) -> None:
-        """The parent died: commit the step it did not say it committed (unless a manifest is there)."""
+    def commit_for_dead_parent(self, deadline: float) -> None:
+        """The parent died: commit the step it did not say it committed (unless a manifest is there), or finish
+        its part of a step of several ranks, by ``deadline``."""
         with self._lock:
             if self._commit is not None and self._stored is not None:
                 with contextlib.suppress(Exception):  # nobody is left to tell; the payload stays a leftover
-                    _commit_orphan(self._commit, *self._stored)
+                    _commit_orphan(self._commit, *self._stored, deadline)
             self._commit = self._stored = None
             self.busy.clear()
 
@@ -331,7 +347,7 @@ def _die_with_parent(parent: int, duty: _Duty) -> None:
         refreshed = -KEEP_FRESH_SECONDS
         while duty.busy.is_set() and time.monotonic() < deadline:
             if duty.uploaded:
-                duty.commit_for_dead_parent()
+                duty.commit_for_dead_parent(deadline)
                 break
             if time.monotonic() - refreshed >= KEEP_FRESH_SECONDS:
                 duty.keep_fresh()
@@ -352,9 +368,14 @@ def _portable_error(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
 
 
-def _commit_orphan(commit: tuple[str, Any, Any, StepManifest], size: int, digest: str) -> None:
+def _commit_orphan(commit: tuple[str, Any, Any, StepManifest] | OrphanPart, size: int, digest: str,
+                   deadline: float | None = None) -> None:
     """Write the manifest of the step whose payload this child just uploaded for a parent that died; never
-    over a manifest already there (another writer committed the step first)."""
+    over a manifest already there (another writer committed the step first). A part of a step of several
+    ranks finishes itself by ``deadline`` (default: the grace period from now)."""
+    if not isinstance(commit, tuple):
+        commit.finish(size, digest, time.monotonic() + preemption.grace_seconds() if deadline is None else deadline)
+        return
     uri, options, retry, pending = commit
     manifest = dataclasses.replace(pending, record=dataclasses.replace(pending.record, size=size, sha256=digest))
     location = Location(uri, options, retry)
@@ -394,7 +415,7 @@ def serve(parent: int) -> None:
         try:
             message = _receive(requests)
         except EOFError:  # the parent died (a closing manager says CLOSE first)
-            duty.commit_for_dead_parent()
+            duty.commit_for_dead_parent(time.monotonic() + preemption.grace_seconds())
             duty.leave()
             return
         if message == CLOSE:

@@ -84,8 +84,11 @@ def save_round(attempt: int | None) -> str:
 class ShardWriter:
     """Stores this rank's shard of a step; on rank 0, also gathers the others' records and commits."""
 
-    def __init__(self, steps: StepStore, plan: RankPlan, grace: float) -> None:
+    def __init__(self, steps: StepStore, plan: RankPlan, grace: float,
+                 waiting: Callable[[int], None] | None = None) -> None:
         self._steps, self._plan, self._grace = steps, plan, grace
+        #: Called with the step on every listing while rank 0 waits for the shards (the preemption agreement).
+        self._waiting = waiting
 
     @property
     def commits(self) -> bool:
@@ -93,19 +96,20 @@ class ShardWriter:
         return self._plan.ranks.rank == 0
 
     def write(self, step: int, metadata: dict[str, Any], attempt: int | None, payload: Payload, codec: str,
-              store: Callable[[Location], tuple[int, str]]) -> int:
+              store: Callable[[Location, ShardOrphan], tuple[int, str]]) -> int:
         """Store the shard with ``store`` under a fresh name, then record it (ranks > 0) or commit the step
-        (rank 0). Returns the shard's size."""
+        (rank 0). ``store`` hands the :class:`ShardOrphan` to the save process, which finishes this rank's part
+        if this process dies first. Returns the shard's size."""
         ranks = self._plan.ranks
         save_id = uuid.uuid4().hex
         name = f"payload-{save_id}"
         record = ObjectRecord(kind=payload.kind, codec=codec, save_id=save_id, created=time.time())
+        folder = self._steps.root.child(f"ckpt-{step}")
+        orphan = ShardOrphan(folder.uri, folder.storage_options, folder.retry, step, ranks, save_round(attempt),
+                             name, record, metadata, attempt)
         if ranks.rank != 0:
-            size, digest = store(self._steps.object(step, name))
-            shard = Shard(ranks.rank, name, dataclasses.replace(record, size=size, sha256=digest))
-            self._steps.object(step, shard_record_name(ranks.rank)).write_small(
-                ShardRecord(step, ranks.world_size, save_round(attempt), shard).to_bytes(),
-                action="record the shard at")
+            size, digest = store(self._steps.object(step, name), orphan)
+            orphan.record_shard(folder, size, digest)
             return size
         # Rank 0 holds a lease on the folder from before its own shard until the commit: no sweep removes the
         # shards it is gathering, however long the others take (a sweep with a shorter grace included).
@@ -117,24 +121,19 @@ class ShardWriter:
         renew()
         try:
             with renewing(renew, self._grace, "taskpoint-commit-lease"):
-                size, digest = store(self._steps.object(step, name))
-                shard = Shard(0, name, dataclasses.replace(record, size=size, sha256=digest))
-                shards = self._gather(step, save_round(attempt), shard)
-                commit = ObjectRecord(kind="shards", codec="shards", save_id=uuid.uuid4().hex, created=time.time(),
-                                      size=sum(s.record.size or 0 for s in shards))
-                manifest = StepManifest(step=step, payload="", record=commit, attempt=attempt, metadata=metadata,
-                                        shards=shards)
+                size, digest = store(self._steps.object(step, name), orphan)
+                shards = self._gather(folder, step, orphan.round, orphan.shard(size, digest))
                 # A shard stored long before this lease (a rank far ahead of rank 0) may have been swept.
                 self._steps.check_stored(step, {s.payload: s.record.size or 0 for s in shards})
                 # As for one payload: a failed commit leaves the shards in place (the manifest may have landed).
-                self._steps.object(step, MANIFEST_NAME).write_small(manifest.to_bytes(),
+                self._steps.object(step, MANIFEST_NAME).write_small(orphan.manifest(shards).to_bytes(),
                                                                     action="commit the checkpoint at")
         finally:
             quietly(lease.remove)
-        self._forget_records(step, range(1, len(shards)))
+        forget_records(folder, range(1, len(shards)))
         return size
 
-    def _gather(self, step: int, round_: str, own: Shard) -> tuple[Shard, ...]:
+    def _gather(self, folder: Location, step: int, round_: str, own: Shard) -> tuple[Shard, ...]:
         """Every rank's shard of this round, rank 0's first; StepAbandonedError after the timeout."""
         world = self._plan.ranks.world_size
         found: dict[int, Shard] = {0: own}
@@ -142,29 +141,14 @@ class ShardWriter:
         deadline = time.monotonic() + self._plan.commit_timeout
         pause = POLL_FIRST
         while True:
-            folder = self._steps.scan(step).get(step)
-            # A record not accepted yet is read again on every listing: a rewrite within the same second (the
-            # resolution of some stores' modification times) would leave its time unchanged.
-            for name in folder.objects if folder is not None else ():
-                rank = _rank_of(name, world)
-                if rank is None or rank in found:
-                    continue
-                record = self._read_record(step, name)
-                if record is None or record.step != step or record.round != round_ or record.shard.rank != rank:
-                    stale.add(rank)  # another launch's record of this step, or an unreadable one
-                    continue
-                if record.world_size != world:
-                    raise CheckpointError(
-                        f"rank {rank} saved its shard of step {step} in {self._steps.directory} as one of "
-                        f"{record.world_size} ranks, but rank 0 saves as one of {world}: give every rank the "
-                        "same world_size")
-                found[rank] = record.shard
-                stale.discard(rank)
+            collect(folder, step, world, round_, found, stale)
             if len(found) == world:
                 return tuple(found[rank] for rank in range(world))
+            if self._waiting is not None:
+                self._waiting(step)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                self._forget_records(step, [rank for rank in found if rank] + sorted(stale))
+                forget_records(folder, [rank for rank in found if rank] + sorted(stale))
                 missing = [rank for rank in range(world) if rank not in found]
                 also = f" (ranks {sorted(stale)} left records of another launch)" if stale else ""
                 if len(found) == 1 and not stale:
@@ -178,21 +162,98 @@ class ShardWriter:
             time.sleep(min(pause, remaining))
             pause = min(pause * 1.5, POLL_LONGEST)
 
-    def _read_record(self, step: int, name: str) -> ShardRecord | None:
-        location = self._steps.object(step, name)
-        data = location.read_small()
-        if data is None:
-            return None
-        try:
-            return ShardRecord.from_bytes(data, location.uri)
-        except CheckpointCorruptError:
-            return None
 
-    def _forget_records(self, step: int, ranks: Iterable[int]) -> None:
-        """Remove these ranks' records of the step (best effort: what stays is swept after the grace period)."""
-        for rank in ranks:
-            quietly(self._steps.object(step, shard_record_name(rank)).remove)
+def collect(folder: Location, step: int, world: int, round_: str, found: dict[int, Shard], stale: set[int]) -> None:
+    """One listing of the step's folder: add to ``found`` the shards whose records of ``round_`` appeared, and
+    to ``stale`` the ranks whose record is of another launch (or unreadable). A record not accepted yet is read
+    again on every listing: a rewrite within the same second (the resolution of some stores' modification
+    times) would leave its time unchanged."""
+    for name in folder.list_names():
+        rank = _rank_of(name, world)
+        if rank is None or rank in found:
+            continue
+        record = _read_record(folder.child(name))
+        if record is None or record.step != step or record.round != round_ or record.shard.rank != rank:
+            stale.add(rank)  # another launch's record of this step, or an unreadable one
+            continue
+        if record.world_size != world:
+            raise CheckpointError(
+                f"rank {rank} saved its shard of step {step} in {folder.uri} as one of {record.world_size} ranks, "
+                f"but rank 0 saves as one of {world}: give every rank the same world_size")
+        found[rank] = record.shard
+        stale.discard(rank)
 
+
+def _read_record(location: Location) -> ShardRecord | None:
+    data = location.read_small()
+    if data is None:
+        return None
+    try:
+        return ShardRecord.from_bytes(data, location.uri)
+    except CheckpointCorruptError:
+        return None
+
+
+def forget_records(folder: Location, ranks: Iterable[int]) -> None:
+    """Remove these ranks' records of the step (best effort: what stays is swept after the grace period)."""
+    for rank in ranks:
+        quietly(folder.child(shard_record_name(rank)).remove)
+
+
+@dataclass(frozen=True)
+class ShardOrphan:
+    """What the save process needs to finish this rank's part of a step when its trainer dies after
+    ``save(..., blocking=False)`` returned (pickled to it with the request): a rank > 0 writes its shard's
+    record; rank 0 gathers every rank's record of the round and commits the step, never over a manifest that
+    is there, and never with a shard missing (at its deadline it gives up, and the step is never listed)."""
+
+    folder: str
+    storage_options: dict[str, Any]
+    retry: Any
+    step: int
+    ranks: Ranks
+    round: str
+    name: str
+    record: ObjectRecord
+    metadata: dict[str, Any]
+    attempt: int | None
+
+    def shard(self, size: int, digest: str) -> Shard:
+        return Shard(self.ranks.rank, self.name, dataclasses.replace(self.record, size=size, sha256=digest))
+
+    def manifest(self, shards: tuple[Shard, ...]) -> StepManifest:
+        """The manifest (version 3) that commits ``shards``."""
+        commit = ObjectRecord(kind="shards", codec="shards", save_id=uuid.uuid4().hex, created=time.time(),
+                              size=sum(s.record.size or 0 for s in shards))
+        return StepManifest(step=self.step, payload="", record=commit, attempt=self.attempt, metadata=self.metadata,
+                            shards=shards)
+
+    def record_shard(self, folder: Location, size: int, digest: str) -> None:
+        """Write this rank's record of its stored shard (a rank > 0)."""
+        record = ShardRecord(self.step, self.ranks.world_size, self.round, self.shard(size, digest))
+        folder.child(shard_record_name(self.ranks.rank)).write_small(record.to_bytes(), action="record the shard at")
+
+    def finish(self, size: int, digest: str, deadline: float) -> None:
+        """In the save process, for a trainer that died once the shard was stored: record it, or (rank 0)
+        commit the step once every rank's record is there, until ``deadline`` (``time.monotonic()``)."""
+        folder = Location(self.folder, self.storage_options, self.retry)
+        if self.ranks.rank != 0:
+            self.record_shard(folder, size, digest)
+            return
+        found, stale = {0: self.shard(size, digest)}, set[int]()
+        while True:
+            collect(folder, self.step, self.ranks.world_size, self.round, found, stale)
+            if len(found) == self.ranks.world_size:
+                break
+            if time.monotonic() >= deadline:
+                return  # a shard never came: nothing is committed, and the shards are swept as leftovers
+            time.sleep(POLL_FIRST * 2)
+        shards = tuple(found[rank] for rank in range(self.ranks.world_size))
+        manifest = folder.child(MANIFEST_NAME)
+        if not manifest.exists():
+            manifest.write_small(self.manifest(shards).to_bytes(),
+                                 action="commit, for a trainer that died, the checkpoint at")
+        forget_records(folder, range(1, self.ranks.world_size))
 
 def _rank_of(name: str, world: int) -> int | None:
     """The rank whose record ``name`` is (1 .. world - 1), else None."""

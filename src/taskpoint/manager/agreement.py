@@ -1,0 +1,260 @@
+"""The stopping step that every rank of a job agrees on after a preemption notice reached any of them.
+
+A platform signals every process of a job within milliseconds, but each rank notices at its own next safe
+point, and ranks are rarely at the same step. Saving the emergency state where each rank happens to be would
+give shards of different steps, which rank 0 never commits. So the answer of ``reached_preemption()`` (and of
+``should_save()`` and ``checkpoint_if_preempted()``) becomes True on every rank at one step:
+
+- **Through the process group**, when ``torch.distributed`` is initialized: each safe point starts an
+  all-reduce (MAX) of this rank's notice (its signal number, or 0) without waiting for it, and the next safe
+  point reads the result of the previous one, which has long finished by then: while no notice is pending a
+  safe point costs starting one small collective (``make bench``, "agreement"). Every rank calls its safe
+  points in the same order, so every rank reads the first non-zero result at the same call.
+- **Through storage** otherwise: a rank that had a notice publishes the step it reached
+  (``preemption-agreement/rank-k.json`` beside the steps); a thread of every rank lists that folder every
+  :data:`POLL_SECONDS`, so ranks that were not signalled learn of it and publish theirs at their next safe
+  point (rank 0 also while it waits for the shards of a step: the rank that had the notice may be waiting for
+  it). At its safe point after the one it published, a rank waits until every rank has published; the stop
+  step is the largest published, plus one, so no rank has passed it. The wait lasts at most
+  ``commit_timeout`` (and never past the notice's deadline): a rank that never answers does not hold the
+  others, who then end without an emergency step (:class:`NoAgreement`).
+
+Records carry the *round* of the save (:func:`~.shards.save_round`) and are ignored when they are of another
+round or not after the step this manager restored (a relaunch that resumed from the emergency step never
+mistakes the records of the launch before for a new notice). Rank 0 removes them once the emergency step is
+committed, or once the agreement failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .. import preemption
+from ..ranks import Ranks
+from ..storage import Location
+
+#: The folder, beside the steps, where ranks publish the step they reached after a notice.
+AGREEMENT_FOLDER = "preemption-agreement"
+#: How often each rank lists that folder for a notice another rank received (seconds): the longest a rank
+#: that was not signalled trains on before it learns of it, on top of its step time.
+POLL_SECONDS = 0.5
+#: The pause between two listings of a rank that waits for the others' steps (seconds).
+WAIT_POLL_SECONDS = 0.05
+
+
+class NoAgreement(RuntimeError):
+    """Some ranks did not say which step they reached before the wait ended: no emergency step is saved."""
+
+    def __init__(self, missing: list[int], waited: float) -> None:
+        super().__init__(f"ranks {missing} did not answer the preemption agreement within {waited:.1f} s")
+        self.missing = missing
+
+
+class Agreement:
+    """One manager's side of the agreement (see the module's docstring); with one rank, the notice itself."""
+
+    def __init__(self, ranks: Ranks, timeout: float, folder: Location | None, round_: Callable[[], str],
+                 floor: Callable[[], int | None]) -> None:
+        self._ranks, self._folder, self._timeout = ranks, folder, timeout
+        self._round, self._floor = round_, floor
+        self._calls = 0
+        #: The agreed stop, once known: a step number (storage) or True (process group).
+        self.stop: int | None = None
+        self._agreed = False
+        self._signal = 0
+        self._group: _GroupVote | None = None
+        self._published: int | None = None
+        self._watcher: threading.Thread | None = None
+        self._heard = threading.Event()
+        self._heard_signal = 0
+        self._stop_watching = threading.Event()
+        self._publishing = threading.Lock()
+
+    @property
+    def distributed(self) -> bool:
+        return self._ranks.distributed
+
+    @property
+    def commits(self) -> bool:
+        """Whether this rank commits the steps (rank 0), and so removes the records once they served."""
+        return self._ranks.rank == 0
+
+    @property
+    def signal(self) -> int:
+        """The signal of the notice the job stops for (this rank's own, or the one another rank received)."""
+        notice = preemption.notice()
+        return notice.signal if notice is not None else self._signal
+
+    def reached(self, step: int | None) -> bool:
+        """Whether this safe point (at ``step``, or the next of this manager's safe points) is where every rank
+        stops. Raises :class:`NoAgreement` when the other ranks did not answer in time."""
+        notice = preemption.notice()
+        if not self._ranks.distributed:
+            return notice is not None
+        if self._agreed:
+            return step is None or self.stop is None or step >= self.stop
+        self._calls += 1
+        position = self._calls if step is None else step
+        if self._group is None and self._watcher is None:
+            self._group = _GroupVote.of_initialized()
+            if self._group is None and self._folder is not None:
+                self._watch()
+        if self._group is not None:
+            vote = self._group.vote(notice.signal if notice is not None else 0, notice)
+            if vote:
+                self._agree(vote, None)
+            return self._agreed
+        return self._storage(position, notice)
+
+    def _agree(self, signal: int, stop: int | None) -> None:
+        self._agreed, self._signal, self.stop = True, signal, stop
+        self._stop_watching.set()
+        if preemption.notice() is None:
+            preemption.notify(signal)  # a notice of this rank too: the emergency save says which signal
+
+    # -- through storage ---------------------------------------------------------------------------------------
+
+    def _storage(self, position: int, notice: preemption.Notice | None) -> bool:
+        if notice is None and not self._heard.is_set():
+            return False
+        if notice is None:
+            notice = preemption.notify(self._heard_signal or 15)
+        if self._published is None:
+            self._publish(position, notice.signal)
+            return False
+        assert self._published is not None
+        if position <= self._published:
+            return False
+        steps = self._wait_for_all(notice)
+        self._agree(notice.signal, max(steps.values()) + 1)
+        assert self.stop is not None
+        return position >= self.stop
+
+    def _record(self, rank: int) -> Location:
+        assert self._folder is not None
+        return self._folder.child(f"rank-{rank}.json")
+
+    def while_committing(self, step: int) -> None:
+        """Rank 0 waits for the shards of ``step``: a rank that had a notice may be waiting for rank 0's step,
+        and would never store its shard. So rank 0 publishes ``step`` now when it heard of a notice (it will not
+        pass the step after it before the agreement either)."""
+        if self._folder is None or self._group is not None or self._agreed or self._published is not None:
+            return
+        notice = preemption.notice()
+        if notice is None and not self._heard.is_set():
+            return
+        self._publish(step, notice.signal if notice is not None else self._heard_signal or 15)
+
+    def _publish(self, position: int, signal: int) -> None:
+        with self._publishing:
+            if self._published is None:
+                self._write(position, signal)
+
+    def _write(self, position: int, signal: int) -> None:
+        body = {"rank": self._ranks.rank, "step": position, "round": self._round(), "signal": signal,
+                "at": time.time()}
+        self._record(self._ranks.rank).write_small(json.dumps(body).encode(), action="publish the stopping step at")
+        self._published = position
+
+    def _read(self) -> dict[int, dict[str, Any]]:
+        """The records of this round, by rank."""
+        assert self._folder is not None
+        found: dict[int, dict[str, Any]] = {}
+        round_, floor = self._round(), self._floor()
+        for name in self._folder.list_names():
+            if not (name.startswith("rank-") and name.endswith(".json")):
+                continue
+            data = self._folder.child(name).read_small()
+            with contextlib.suppress(ValueError, TypeError, KeyError):
+                doc = json.loads(data or b"")
+                if doc["round"] != round_ or not 0 <= int(doc["rank"]) < self._ranks.world_size:
+                    continue
+                if floor is not None and int(doc["step"]) <= floor:
+                    continue  # a launch before this one published it: this one resumed past it
+                found[int(doc["rank"])] = doc
+        return found
+
+    def _wait_for_all(self, notice: preemption.Notice) -> dict[int, int]:
+        began = time.monotonic()
+        deadline = began + max(0.0, min(self._timeout, notice.remaining()))
+        while True:
+            found = self._read()
+            if len(found) == self._ranks.world_size:
+                return {rank: int(doc["step"]) for rank, doc in found.items()}
+            if time.monotonic() >= deadline:
+                missing = [rank for rank in range(self._ranks.world_size) if rank not in found]
+                raise NoAgreement(missing, time.monotonic() - began)
+            time.sleep(WAIT_POLL_SECONDS)
+
+    def _watch(self) -> None:
+        """Start the thread that learns of a notice another rank published."""
+
+        def run() -> None:
+            while not self._stop_watching.wait(POLL_SECONDS):
+                try:
+                    found = self._read()
+                except Exception:  # an unreachable store: asked again at the next interval
+                    continue
+                others = [doc for rank, doc in found.items() if rank != self._ranks.rank]
+                if others:
+                    self._heard_signal = int(others[0].get("signal") or 15)
+                    self._heard.set()
+                    return
+
+        self._watcher = threading.Thread(target=run, name="taskpoint-preemption-agreement", daemon=True)
+        self._watcher.start()
+
+    def forget(self) -> None:
+        """After the emergency step committed (rank 0): remove every rank's record of this round."""
+        if self._folder is None or self._group is not None:
+            return
+        for rank in range(self._ranks.world_size):
+            with contextlib.suppress(Exception):
+                self._record(rank).remove()
+
+    def close(self) -> None:
+        self._stop_watching.set()
+
+
+class _GroupVote:
+    """The agreement through ``torch.distributed``: one all-reduce (MAX) in flight, read at the next call."""
+
+    def __init__(self, dist: Any, torch: Any) -> None:
+        self._dist, self._torch = dist, torch
+        self._work: Any = None
+        self._tensor: Any = None
+
+    @classmethod
+    def of_initialized(cls) -> _GroupVote | None:
+        """A vote on the default process group when ``torch.distributed`` is imported and initialized (never
+        imports torch: a program that uses it has imported it)."""
+        dist = sys.modules.get("torch.distributed")
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return None
+        return cls(dist, sys.modules["torch"])
+
+    def vote(self, signal: int, notice: preemption.Notice | None) -> int:
+        """The largest signal any rank had at the previous call (0: none); then this call's vote is sent."""
+        result = 0
+        if self._work is not None:
+            if notice is None:
+                self._work.wait()
+            else:  # this rank stops anyway: a rank that never answers must not hold it past the deadline
+                waited = max(0.1, notice.remaining())
+                try:
+                    self._work.wait(timeout=datetime.timedelta(seconds=waited))
+                except RuntimeError as exc:
+                    raise NoAgreement([], waited) from exc
+            result = int(self._tensor.item())
+            if result:
+                return result
+        self._tensor = self._torch.tensor([signal], dtype=self._torch.int32)
+        self._work = self._dist.all_reduce(self._tensor, op=self._dist.ReduceOp.MAX, async_op=True)
+        return 0
