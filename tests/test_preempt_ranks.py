@@ -28,6 +28,7 @@ import taskpoint
 
 WORKER = Path(__file__).with_name("_preempt_ranks_worker.py")
 WORLD = 4
+pytestmark = pytest.mark.slow  # several processes per trial: scheduled first
 STORES = pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
 GROUPS = pytest.mark.parametrize("group", [True, False], ids=["process-group", "storage"])
 
