@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError, StepAbandonedError
-from ..format.records import ObjectRecord, Shard, ShardRecord, StepManifest
+from ..format.records import ObjectRecord, Shard, ShardRecord, StepContent, StepManifest
 from ..payloads import Payload
 from ..ranks import Ranks, incarnation_from_environment, resolve_ranks
 from ..storage import Location
@@ -93,9 +93,11 @@ class ShardWriter:
         return self._plan.ranks.rank == 0
 
     def write(self, step: int, metadata: dict[str, Any], attempt: int | None, payload: Payload, codec: str,
-              store: Callable[[Location], tuple[int, str]]) -> int:
+              content: Callable[[tuple[Shard, ...]], StepContent], store: Callable[[Location], tuple[int, str]]
+              ) -> tuple[int, set[str]]:
         """Store the shard with ``store`` under a fresh name, then record it (ranks > 0) or commit the step
-        (rank 0). Returns the shard's size."""
+        (rank 0) with a manifest holding ``content(shards)``. Returns the shard's size and the payloads the
+        manifest names (rank 0; others: their own)."""
         ranks = self._plan.ranks
         save_id = uuid.uuid4().hex
         name = f"payload-{save_id}"
@@ -106,7 +108,7 @@ class ShardWriter:
             self._steps.object(step, shard_record_name(ranks.rank)).write_small(
                 ShardRecord(step, ranks.world_size, save_round(attempt), shard).to_bytes(),
                 action="record the shard at")
-            return size
+            return size, {name}
         # Rank 0 holds a lease on the folder from before its own shard until the commit: no sweep removes the
         # shards it is gathering, however long the others take (a sweep with a shorter grace included).
         lease = self._steps.object(step, commit_lease_name(save_id))
@@ -122,8 +124,8 @@ class ShardWriter:
                 shards = self._gather(step, save_round(attempt), shard)
                 commit = ObjectRecord(kind="shards", codec="shards", save_id=uuid.uuid4().hex, created=time.time(),
                                       size=sum(s.record.size or 0 for s in shards))
-                manifest = StepManifest(step=step, payload="", record=commit, attempt=attempt, metadata=metadata,
-                                        shards=shards)
+                manifest = StepManifest(step=step, record=commit, attempt=attempt, metadata=metadata,
+                                        content=content(shards))
                 # A shard stored long before this lease (a rank far ahead of rank 0) may have been swept.
                 self._steps.check_stored(step, {s.payload: s.record.size or 0 for s in shards})
                 # As for one payload: a failed commit leaves the shards in place (the manifest may have landed).
@@ -132,7 +134,7 @@ class ShardWriter:
         finally:
             quietly(lease.remove)
         self._forget_records(step, range(1, len(shards)))
-        return size
+        return size, {shard.payload for shard in shards}
 
     def _gather(self, step: int, round_: str, own: Shard) -> tuple[Shard, ...]:
         """Every rank's shard of this round, rank 0's first; StepAbandonedError after the timeout."""
