@@ -387,10 +387,6 @@ class CheckpointManager(StepQueries):
 
     # -- async twins ---------------------------------------------------------------------------------------
 
-    save_async = _in_thread(save)
-    restore_async = _in_thread(restore)
-    commit_async = _in_thread(commit)
-    delete_async = _in_thread(delete)
-    gc_async = _in_thread(gc)
-    wait_until_finished_async = _in_thread(wait_until_finished)
-    close_async = _in_thread(close)
+    save_async, restore_async, commit_async = _in_thread(save), _in_thread(restore), _in_thread(commit)
+    delete_async, gc_async = _in_thread(delete), _in_thread(gc)
+    wait_until_finished_async, close_async = _in_thread(wait_until_finished), _in_thread(close)
