@@ -30,9 +30,7 @@ def _measure(uri: str, options: dict[str, Any], work: Path, runs: int = 3) -> tu
         (tree / f"w{i}.bin").write_bytes(os.urandom(SIZE // 4))
     mgr = taskpoint.CheckpointManager(uri, storage_options=options, codec="none")
     mgr.save(tree, 1)
-    manifest = mgr._steps.manifest(1)
-    assert manifest is not None
-    payload = mgr._steps.object(1, manifest.payload)
+    payload = mgr._steps.object(1, mgr.describe(1).payload)
     args = [f"-o{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in options.items()]
     download, verify = [], []
     for _ in range(runs):

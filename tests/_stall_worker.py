@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import taskpoint
-from taskpoint.manager import chunks, commit
+from taskpoint.manager import chunks
+from taskpoint.manager.kinds import payload as commit
 
 
 def say(**event: Any) -> None:

@@ -537,12 +537,28 @@ def test_values_the_cli_does_not_know_print_a_dash(capsys, tmp_path):
 
 
 def _step_store(url: str, options: dict):
-    from taskpoint.manager.claims import Claims
-    from taskpoint.manager.steps import StepStore
-    from taskpoint.storage import Location
+    """The steps of ``url`` as the library's verification reads them (a manager's parts)."""
+    return CheckpointManager(url, storage_options=options, preemption=False)._parts.steps
 
-    root = Location(url, options)
-    return StepStore(root, Claims((str(root.fs.protocol), root.path)))
+
+def _verify_manifest(steps, step, manifest, progress):
+    """The line ``taskpoint verify`` prints for the save ``manifest`` commits as ``step``."""
+    from taskpoint.cli.verify import step_line
+    from taskpoint.manager.kinds import KINDS
+    from taskpoint.manager.verify import verify_step
+
+    with CheckpointManager(steps.directory, storage_options=steps.root.storage_options, preemption=False) as mgr:
+        return step_line(verify_step(mgr._parts, KINDS, step, progress, manifest=manifest))
+
+
+def _verify_steps(steps, listed, progress):
+    """What ``taskpoint verify`` does with the steps a listing found: a line each, then the verdict."""
+    from taskpoint.cli.verify import report
+    from taskpoint.manager.kinds import KINDS
+    from taskpoint.manager.verify import verify_steps
+
+    with CheckpointManager(steps.directory, storage_options=steps.root.storage_options, preemption=False) as mgr:
+        report(verify_steps(mgr._parts, KINDS, listed, progress))
 
 
 def _exit_code(exc: BaseException) -> int:
@@ -563,7 +579,6 @@ def test_verify_of_a_step_deleted_or_overwritten_after_its_manifest_was_read_exi
     """verify read the manifest, then another writer's retention deleted the step (manifest first, then its
     payload or, by a sweep, its chunks) or a save replaced it: the missing bytes are not damage (exit 2) and
     the step is not "not found" (3); as a restore does, verify reads the manifest again and says so (exit 1)."""
-    from taskpoint.cli.verify import _verify_manifest
     from taskpoint.errors import CheckpointCorruptError, CheckpointError
 
     base, _, options = where
@@ -583,7 +598,7 @@ def test_verify_of_a_step_deleted_or_overwritten_after_its_manifest_was_read_exi
             assert writer.steps() == [2, 3]
         if dedup:  # the chunks only the first save named go (by the save's own sweep, or this gc)
             writer.gc()
-            (bulk,) = [e.chunks[0] for e in read_before.tree.entries if e.path == "bulk.bin"]
+            (bulk,) = [e.chunks[0] for e in read_before.content.tree.entries if e.path == "bulk.bin"]
             assert not object_exists(f"{url}/chunks/{bulk[:2]}/{bulk}", options)
     with pytest.raises(CheckpointError, match=r"step 1 .* was overwritten or deleted while it was verified") as caught:
         _verify_manifest(steps, 1, read_before, progress=False)
@@ -595,7 +610,6 @@ def test_verify_of_a_step_deleted_or_overwritten_after_its_manifest_was_read_exi
 def test_verify_of_a_step_whose_bytes_were_deleted_outside_taskpoint_is_still_damaged(where, tmp_path):
     """The other side of the check above: the manifest read again is the same save, so a missing payload is
     damage (exit 2)."""
-    from taskpoint.cli.verify import _verify_manifest
     from taskpoint.errors import CheckpointCorruptError
 
     base, _, options = where
@@ -614,7 +628,6 @@ def test_verify_of_a_step_whose_bytes_were_deleted_outside_taskpoint_is_still_da
 def test_verify_of_a_directory_whose_step_retention_deleted_after_the_listing_exits_1(capsys, where, tmp_path):
     """verify listed the committed steps, then another writer's retention deleted one before verify read its
     manifest: that step is said to be gone meanwhile (exit 1, not 3 "does not exist"), the others are checked."""
-    from taskpoint.cli.verify import _verify_steps
     from taskpoint.errors import CheckpointCorruptError, CheckpointError
 
     base, _, options = where

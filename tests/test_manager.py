@@ -23,8 +23,8 @@ import pytest
 import taskpoint
 from helpers import make_tree, read_object, snapshot, write_object
 from taskpoint import CheckpointCorruptError, CheckpointError, CheckpointManager, StorageError, TaskContext
-from taskpoint.manager import commit as _commit
-from taskpoint.manager import restore as _restore
+from taskpoint.manager import kinds as _restore
+from taskpoint.manager.kinds import payload as _commit
 from taskpoint.runtime.state import reset_context as _reset_context
 from taskpoint.runtime.state import set_context as _set_context
 
@@ -75,7 +75,7 @@ class Gate:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, function: str, *, before: bool = False) -> None:
         # Where the manager looks each transfer up: uploads (through its save process, when it has one) in
-        # the commit module, downloads in the restore module.
+        # the payload kind's module, downloads in the step kinds' module (read_object).
         module, function = {"write_payload": (_commit, "store_payload"),
                             "read_payload": (_restore, "read_payload")}[function]
         self._real = getattr(module, function)

@@ -505,7 +505,7 @@ def test_an_orphaned_helper_never_writes_over_a_manifest_already_there(tmp_path:
         before = first.read_bytes()
         pending = mgr._steps.manifest(1)
         assert pending is not None
-        other = dataclasses.replace(pending, payload="payload-other")
+        other = dataclasses.replace(pending, content=dataclasses.replace(pending.content, name="payload-other"))
         saver._commit_orphan((str(first), {}, None, other), 5, "0" * 64)
         assert first.read_bytes() == before  # not replaced
         assert mgr.restore(1).read_bytes() == b"the first writer"

@@ -25,7 +25,7 @@ from .errors import (
     UnsafeArchiveError,
 )
 from .latest import latest_checkpoint
-from .manager import CheckpointManager, KeepBest
+from .manager import CheckpointManager, KeepBest, StepDescription, StepSummary, StepVerification, Verification
 from .runtime import TaskContext, ctx, repair_prev_checkpoint_uri, task
 from .storage import RetryPolicy
 
@@ -40,6 +40,9 @@ __all__ = [
     "RetryPolicy",
     "SaveStalledError",
     "StepAbandonedError",
+    "StepDescription",
+    "StepSummary",
+    "StepVerification",
     "StorageAccessDenied",
     "StorageError",
     "StorageFull",
@@ -47,6 +50,7 @@ __all__ = [
     "StorageUnavailable",
     "TaskContext",
     "UnsafeArchiveError",
+    "Verification",
     "ctx",
     "latest_checkpoint",
     "repair_prev_checkpoint_uri",

@@ -18,12 +18,24 @@ from .errors import CheckpointCorruptError, CheckpointError
 from .folders import load_folder, source_exists
 from .format.codecs import Codec, get_codec
 from .payloads import payload_for
-from .record import VERIFY_MODES, SaveMemory, load_object, read_record, save_object, unverified
+from .record import (
+    VERIFY_MODES,
+    CheckpointDescription,
+    CheckpointVerification,
+    SaveMemory,
+    describe_object,
+    load_object,
+    read_record,
+    save_object,
+    unverified,
+    verify_object,
+)
 from .storage import Location, RetryPolicy, normalize_uri
 from .transfer import SourceIsFolder
 from .workspace import Workspace
 
-__all__ = ["BaseCheckpoint", "Checkpoint", "clean_source_uri", "load_object", "read_record", "save_object"]
+__all__ = ["BaseCheckpoint", "Checkpoint", "CheckpointDescription", "CheckpointVerification", "clean_source_uri",
+           "load_object", "read_record", "save_object"]
 
 _TEMPLATE = re.compile(r"\{\{.*?\}\}")
 
@@ -241,6 +253,25 @@ class Checkpoint(BaseCheckpoint):
                 _log.transferred("load", self._src.uri, *verified[-1], clock)
             self._loaded = result
             return result
+
+    def verify(self, *, source: bool = False, progress: bool | Callback | None = None) -> CheckpointVerification:
+        """Read every byte of the checkpoint this one saved (``source=True``: the previous attempt's) against
+        the checksum its record lists, extracting nothing; one without a record is loaded into a temporary
+        folder with the archive's own checks. CheckpointCorruptError when damaged (or recorded but missing),
+        FileNotFoundError when nothing is there."""
+        return verify_object(self._location(source), progress)
+
+    def describe(self, *, source: bool = False) -> CheckpointDescription:
+        """The checkpoint this one saved (``source=True``: the previous attempt's) and its record, read
+        without the payload; FileNotFoundError when neither is there."""
+        return describe_object(self._location(source))
+
+    def _location(self, source: bool) -> Location:
+        if not source:
+            return self._dest
+        if self._src is None:
+            raise FileNotFoundError("this checkpoint has no previous checkpoint (checkpoint_src)")
+        return self._src
 
 
 def clean_source_uri(value: str | os.PathLike[str] | None) -> str | None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -23,7 +25,7 @@ from .format.codecs import BLOCK_SIZE, Codec, detect_codec, holds_tar
 from .format.pgzip import crc32
 from .format.space import check_room
 from .payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, Payload
-from .storage import Location, WriteHooks, copy_fd_in_kernel, digest_by_reading, digest_of_fd
+from .storage import WRITE_PIECE, Location, WriteHooks, copy_fd_in_kernel, digest_by_reading, digest_of_fd
 from .storage.streams import ConcurrentRangeReader, read_up_to
 from .workspace import Staging
 
@@ -307,3 +309,57 @@ def object_size(raw: IO[bytes]) -> int | None:
 def guess_kind(head: bytes) -> type[Payload]:
     """Kind of an object with no record (written by Flyte or by hand): a tar archive is a directory."""
     return DirectoryPayload if holds_tar(head) else BytesPayload
+
+
+class _Discard(Payload):
+    """Reads stored bytes through :func:`read_payload` (hashing them) and keeps none: verification only."""
+
+    kind = "verify"
+    archived = False
+
+    @classmethod
+    def claim(cls, data: object) -> Payload | None:
+        return None
+
+    def write(self, sink: IO[bytes], codec: Codec, level: int | None) -> None:  # pragma: no cover - never saved
+        raise NotImplementedError
+
+    @classmethod
+    def materialize(cls, source: IO[bytes], staging: Path, uri: str) -> None:
+        while source.read(WRITE_PIECE):
+            pass
+
+    @classmethod
+    def publish(cls, staging: Path, workspace: Path) -> Path:
+        return workspace
+
+
+def hash_object(loc: Location, digest: str, size_hint: int | None, progress: Progress = NO_PROGRESS
+                ) -> tuple[int, str]:
+    """The size and ``digest`` (hex) of the object at ``loc``, every byte read (on local disk by positional
+    reads, elsewhere with the parallel ranged reads of :func:`read_payload`), nothing kept. ``progress`` counts
+    the bytes read. FileNotFoundError when there is no such object (or it was deleted while it was read)."""
+    seen: list[tuple[int, str]] = []
+    if loc.is_local:
+        def local() -> None:
+            progress.restart()
+            with loc.open_read() as raw:
+                fd = raw.fileno()
+                size = os.fstat(fd).st_size
+                progress.set_total(size)
+                hasher = DIGESTS[digest]()
+                hashed = digest_by_reading(fd, size, hasher, progress.update if progress.active else None)
+                seen.append((hashed, str(hasher.hexdigest())))
+
+        loc.run(local, action="verify")
+        return seen[-1]
+    scratch = Path(tempfile.mkdtemp(prefix="taskpoint-verify-"))
+    try:
+        found = read_payload(loc, scratch, lambda head, size: _Discard,
+                             lambda kind, size, hexdigest: seen.append((size, hexdigest)), digest,
+                             size_hint=size_hint, progress=progress)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if found is None:
+        raise FileNotFoundError(f"{loc.uri} does not exist")
+    return seen[-1]

@@ -14,9 +14,10 @@ from .._log import TransferStats, logger, safe_uri
 from ..checkpoint import Checkpoint
 from ..format.records import MANIFEST_SUFFIX
 from ..manager import CheckpointManager
+from ..record import object_size as _object_size
 from ..record import read_record
 from ._app import ERROR, OK, _command, _Failed, _Missing, cli, progress_option
-from .views import _human, _location, _object_size
+from .views import _human, _location
 
 
 @contextmanager

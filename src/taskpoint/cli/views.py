@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from datetime import datetime, timezone
 from typing import Any
 
 import click
 
-from ..errors import CheckpointCorruptError
-from ..format.fileset import FileEntry, FileSetManifest
-from ..format.records import FILESET_CODEC, MANIFEST_SUFFIX, StepManifest
-from ..manager import CheckpointManager, KeepBest
-from ..manager.chunks import CHUNK_FOLDER
-from ..manager.claims import Claims
-from ..manager.steps import MANIFEST_NAME, RESTORE_LEASE, STEP_FOLDER, StepStore
-from ..record import read_record
+from ..checkpoint import Checkpoint
+from ..manager import MANIFEST_NAME, STEP_FOLDER, CheckpointManager, KeepBest
 from ..runtime import layout
 from ..storage import Location
 from ._app import ERROR, OK, _command, _Failed, _Missing, _state, cli
@@ -30,25 +23,6 @@ SIZE_JUDGED = frozenset({"saved", "committed"})
 
 def _location(uri: str) -> Location:
     return Location(uri.rstrip("/") if not uri.endswith("://") else uri, _state().storage_options())
-
-
-def _object_size(loc: Location) -> int | None:
-    """The size of the object at ``loc``; None when there is none (or it is a folder)."""
-
-    def info() -> int | None:
-        try:
-            found = loc.fs.info(loc.path)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        if found.get("type") == "directory":
-            return None
-        return int(found.get("size") or 0)
-
-    return loc.run(info, action="check")
-
-
-def _steps(loc: Location) -> StepStore:
-    return StepStore(loc, Claims((str(loc.fs.protocol), loc.path)))
 
 
 def _time(seconds: float | None) -> str:
@@ -75,138 +49,42 @@ def _sizes_only(uri: str, chunks: bool = False) -> str:
     return f"{judged}; run `taskpoint verify {uri}` to check every byte"
 
 
-def fileset_files(steps: StepStore, step: int, manifest: StepManifest) -> dict[str, FileEntry] | None:
-    """The files a DCP step (taskpoint.torch) holds, as its file-set manifest lists them (DCP's ``.metadata``
-    too); None for any other kind of step. _Missing when that manifest is gone, CheckpointCorruptError when it
-    is damaged."""
-    if manifest.record.codec != FILESET_CODEC:
-        return None
-    files = steps.object(step, manifest.payload)
-    data = files.read_small()
-    if data is None:
-        raise _Missing(f"its manifest of files {manifest.payload} is missing")
-    return FileSetManifest.from_bytes(data, files.uri).files
+def _checkpoint(loc: Location) -> Checkpoint:
+    return Checkpoint(loc.uri, storage_options=loc.storage_options)
 
 
 def _checkpoint_view(loc: Location) -> dict[str, Any] | None:
     """A checkpoint object and its record (``<uri>.taskpoint.json``); None when neither is there."""
-    record = read_record(loc.sibling(MANIFEST_SUFFIX))
-    size = _object_size(loc)
-    if record is None and size is None:
+    try:
+        with _checkpoint(loc) as checkpoint:
+            described = checkpoint.describe()
+    except FileNotFoundError:
         return None
-    # The entry a load verifies the object against: the newest listed one of the stored size.
-    visible = record.of_size(size) if record is not None and size is not None else None
-    confirmed = record.confirmed if record is not None else None
-    # current: the stored object (a load reads it); confirmed: the record's own bookkeeping (a later save by the
-    # same process saw this one return, so the record keeps it), false for the newest object of a healthy
-    # checkpoint until the next save.
-    objects = [{**asdict(entry), "current": visible is not None and entry.save_id == visible.save_id,
-                "confirmed": entry.save_id == confirmed, "size_matches": entry.size == size}
-               for entry in (record.objects if record is not None else ())]
-    if record is None:
-        state = "unrecorded"  # Flyte's, or written by hand: only the archive's own checks apply
-    elif size is None:
-        state = "missing"
-    elif visible is None:
-        state = "damaged"
-    else:
-        state = "saved"
-    return {"type": "checkpoint", "uri": loc.uri, "state": state, "size": size,
-            "kind": visible.kind if visible else (objects[0]["kind"] if objects else None),
-            "created": visible.created if visible else None, "objects": objects,
-            "record": None if record is None else loc.sibling(MANIFEST_SUFFIX).uri}
+    return {"type": "checkpoint", "uri": described.uri, "state": described.state, "size": described.size,
+            "kind": described.kind, "created": described.created, "objects": list(described.objects),
+            "record": described.record}
 
 
 def _manager_view(loc: Location, metric: str | None = None) -> dict[str, Any] | None:
     """The steps of a CheckpointManager directory (with the value of ``metric`` in each step's metadata, when
     named); None when it holds no ``ckpt-N`` folder."""
-    root = loc.path.rstrip("/")
-    listing = loc.list_tree()
-    sizes: dict[int, dict[str, int]] = {}
-    stored_chunks: set[str] = set()  # the chunk store of deduplicated steps, by key
-    for path, info in listing.items():
-        parts = path[len(root) + 1:].split("/") if path.startswith(root + "/") else []
-        if len(parts) == 3 and parts[0] == CHUNK_FOLDER and info.get("type") != "directory":
-            stored_chunks.add(parts[2])
-        match = STEP_FOLDER.fullmatch(parts[0]) if parts else None
-        if match is None:
-            continue
-        names = sizes.setdefault(int(match.group(1)), {})
-        if len(parts) == 2 and parts[1] and info.get("type") != "directory":
-            names[parts[1]] = int(info.get("size") or 0)
-    if not sizes:
+    with CheckpointManager(loc.uri, storage_options=loc.storage_options, preemption=False) as manager:
+        summaries = manager.inventory()
+    if not summaries:
         return None
-    steps = _steps(loc)
     rows = []
-    for step, names in sorted(sizes.items()):
-        leases = sorted(n for n in names if RESTORE_LEASE.fullmatch(n))
-        names = {n: size for n, size in names.items() if n not in leases}
-        row: dict[str, Any] = {"step": step, "uri": steps.step_uri(step), "state": "incomplete", "size": None,
-                               "created": None, "attempt": None, "kind": None, "metadata_keys": [],
-                               "leftovers": sorted(n for n in names if n != MANIFEST_NAME), "restore_leases": leases}
-        if MANIFEST_NAME in names:
-            try:
-                manifest = steps.manifest(step)
-            except CheckpointCorruptError as exc:
-                row.update(state="damaged", problem=" ".join(str(exc).split()))
-                rows.append(row)
-                continue
-            assert manifest is not None
-            record = manifest.record
-            # The objects of the step's folder its manifest names: none for a deduplicated step (chunks, below).
-            objects = ([(s.payload, s.record) for s in manifest.shards] if manifest.shards is not None
-                       else [] if manifest.tree is not None else [(manifest.payload, record)])
-            named = {MANIFEST_NAME, *(name for name, _ in objects)}
-            row.update(size=record.size, created=record.created, attempt=manifest.attempt, kind=record.kind,
-                       metadata_keys=sorted(manifest.metadata), payload=manifest.payload,
-                       leftovers=sorted(n for n in names if n not in named), checked=manifest.checked)
-            if metric is not None:
-                row["metric"] = manifest.metadata.get(metric)
-            if manifest.shards is not None:
-                row["shards"] = len(manifest.shards)
-            row["state"] = "committed"
-            if manifest.tree is not None:  # deduplicated: its bytes are chunks in the shared store
-                row["chunks"] = manifest.tree.chunk_count()
-                missing = next(((entry.path, key) for entry in manifest.tree.entries for key in entry.chunks
-                                if key not in stored_chunks), None)
-                if missing is not None:
-                    row.update(state="damaged", problem=f"file {missing[0]!r} needs chunk {missing[1]}, which is "
-                                                        "missing")
-            for name, part in objects:
-                stored = names.get(name)
-                if stored is None:
-                    row.update(state="damaged", problem=f"its payload {name} is missing")
-                elif stored != part.size:
-                    row.update(state="damaged", problem=f"its payload holds {stored} bytes, the manifest records "
-                                                        f"{part.size}")
-                else:
-                    continue
-                break
-            if row["state"] == "committed":
-                _fileset_row(row, steps, step, manifest, names)
+    for summary in summaries:
+        row: dict[str, Any] = {"step": summary.step, "uri": summary.uri, "state": summary.state,
+                               "size": summary.size, "created": summary.created, "attempt": summary.attempt,
+                               "kind": summary.kind, "leftovers": summary.leftovers,
+                               "restore_leases": summary.restore_leases,
+                               "metadata_keys": sorted(summary.metadata or {}), **summary.extras}
+        if metric is not None and summary.metadata is not None:
+            row["metric"] = summary.metadata.get(metric)
+        if summary.problem is not None:
+            row["problem"] = summary.problem
         rows.append(row)
     return {"type": "manager", "uri": loc.uri, "steps": rows}
-
-
-def _fileset_row(row: dict[str, Any], steps: StepStore, step: int, manifest: StepManifest,
-                 names: dict[str, int]) -> None:
-    """A DCP step's size is the data it holds (every file its file-set manifest lists, not that manifest), and
-    it is committed only when each of those files is stored with its listed size."""
-    try:
-        files = fileset_files(steps, step, manifest)
-    except (CheckpointCorruptError, _Missing) as exc:
-        row.update(state="damaged", problem=" ".join(str(exc).split()))
-        return
-    if files is None:
-        return
-    row.update(size=sum(entry.size for entry in files.values()), files=len(files),
-               leftovers=[name for name in row["leftovers"] if name not in files])
-    for name, entry in sorted(files.items()):
-        stored = names.get(name)
-        if stored != entry.size:
-            row.update(state="damaged", problem=f"its file {name} is missing" if stored is None else
-                       f"its file {name} holds {stored} bytes, its manifest lists {entry.size}")
-            return
 
 
 def _task_root_view(loc: Location) -> dict[str, Any] | None:
@@ -376,23 +254,12 @@ def show_command(uri: str, step: int | None, as_json: bool) -> int:
                     raise _Failed(ERROR, f"{loc.uri} is a task root: give one attempt's checkpoint or a steps "
                                          "folder (taskpoint ls lists them)")
                 raise _Missing(f"nothing taskpoint saved is at {loc.uri}")
-        manifest = _steps(loc).manifest(chosen)
-        if manifest is None:
-            raise _Missing(f"step {chosen} does not exist in {loc.uri}")
-        view = {"type": "step", "uri": _steps(loc).step_uri(chosen), "step": manifest.step,
-                "payload": manifest.payload, "attempt": manifest.attempt, **asdict(manifest.record),
-                "checked": manifest.checked, "metadata": manifest.metadata}
-        files = fileset_files(_steps(loc), chosen, manifest)
-        if files is not None:  # a DCP step: its payload is the manifest of the files that hold its data
-            view.update(size=sum(entry.size for entry in files.values()), payload_size=manifest.record.size,
-                        files=len(files))
-        if manifest.shards is not None:
-            view["shards"] = [{"rank": s.rank, "payload": s.payload, "size": s.record.size,
-                               "sha256": s.record.sha256} for s in manifest.shards]
-        if manifest.tree is not None:  # deduplicated: each file's bytes are chunks of the shared store
-            tree = manifest.tree
-            view.update(files=tree.count("file"), folders=tree.count("dir"), links=tree.count("link"),
-                        chunk_size=tree.chunk_size, chunks=tree.chunk_count(), unique_chunks=len(tree.chunk_keys()))
+            described = manager.describe(chosen)
+        view = {"type": "step", "uri": described.uri, "step": described.step, "payload": described.payload,
+                "attempt": described.attempt, "kind": described.payload_kind, "codec": described.codec,
+                "save_id": described.save_id, "created": described.created, "size": described.size,
+                "sha256": described.sha256, "crc32": described.crc32, "checked": described.checked,
+                "metadata": described.metadata, **described.details}
     if as_json:
         _print_json(view)
         return OK

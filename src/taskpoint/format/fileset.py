@@ -1,7 +1,7 @@
 """The manifest of a file set: a folder of files saved together, each listed with its size and sha256.
 
-A file set is committed by a file its format names (PyTorch DCP's ``.metadata`` for :mod:`taskpoint.torch`),
-written after this manifest, which lists that commit file too: every byte a load reads is checked against
+A file set is committed by a file its writer's format names (``taskpoint.torch`` names PyTorch DCP's), written
+after this manifest, which lists that commit file too: every byte a load reads is checked against
 it. The manifest guards itself with ``check``, the sha256 of the rest of the document (as every manifest does,
 :func:`~taskpoint.format.records.sealed`), so a flipped byte in the manifest reads as damage, never as a file
 that seems damaged.
@@ -9,7 +9,6 @@ that seems damaged.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,13 +16,6 @@ from ..errors import CheckpointCorruptError
 from .records import _parse, sealed
 
 FILESET_FORMAT = "taskpoint.fileset"
-#: The file-set manifest of a PyTorch DCP checkpoint (taskpoint.torch), beside DCP's own files; a manager step of
-#: such a checkpoint names it.
-DCP_MANIFEST_NAME = "taskpoint.dcp.json"
-#: DCP's metadata file: its presence commits the checkpoint.
-DCP_METADATA_NAME = ".metadata"
-#: Data files of a DCP save by taskpoint.torch (``save`` is the first 12 hex digits of the coordinator's save id).
-DCP_DATA_FILE = re.compile(r"__(0|[1-9][0-9]*)_(0|[1-9][0-9]*)-[0-9a-f]{12}\.distcp")
 #: Newest version of the file-set manifest this taskpoint reads and the one it writes.
 FILESET_VERSION = 1
 

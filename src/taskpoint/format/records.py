@@ -31,7 +31,7 @@ import json
 import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from typing import Any, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from ..errors import CheckpointCorruptError
 
@@ -44,12 +44,13 @@ FORMAT = "taskpoint.checkpoint"
 RECORD_VERSION = 2
 #: Newest version of a manager step's manifest this taskpoint reads. Version 1 names one payload object;
 #: version 2 (written only for deduplicated steps) lists a tree of files and the chunks that hold them;
-#: version 3 (written only for steps saved by several ranks) names one payload object per rank.
-FORMAT_VERSION = 3
-#: The version written for a deduplicated step.
-TREE_FORMAT_VERSION = 2
-#: The version written for a step with one payload object, so that older taskpoints still read it.
-PAYLOAD_FORMAT_VERSION = 1
+#: version 3 (written only for steps saved by several ranks) names one payload object per rank; version 4
+#: names its step kind (:data:`STEP_KIND`) and holds that kind's content (:data:`CONTENT`).
+FORMAT_VERSION = 4
+#: The step kinds written in the layout of the version that introduced them, so that older taskpoints read them.
+LEGACY_VERSIONS = {"payload": 1, "chunked": 2, "sharded": 3, FILESET_CODEC: 1}
+#: The fields of a version-4 manifest that name its step kind and hold the kind's content.
+STEP_KIND, CONTENT = "step_kind", "content"
 #: Objects a record keeps besides the confirmed one: the newest few, in case saves failed after their
 #: object may have become visible (a lost answer to the final PUT).
 RECORD_KEEPS = 3
@@ -212,73 +213,90 @@ class ChunkedTree:
         return sum(entry.size for entry in self.entries if entry.type == "file")
 
 
+class StepContent(Protocol):
+    """What one kind of step holds, as its manifest records it: the kind's own content (see
+    :mod:`taskpoint.manager.kinds`). ``kind`` names the step kind that reads it back."""
+
+    kind: ClassVar[str]
+
+    def to_json(self) -> dict[str, Any]:
+        """The content as JSON fields of the manifest."""
+        ...
+
+
+#: Decodes the content of a step kind from its JSON fields: given the kind's name, the function that builds it.
+ContentDecoder = Callable[[str], Callable[[dict[str, Any]], StepContent]]
+
+
 @dataclass(frozen=True)
 class StepManifest:
-    """The commit of one manager step: which payload object holds it, its digest, and the user's metadata."""
+    """The commit of one manager step: its kind and that kind's content, the commit's record (save id, time,
+    payload kind, size), the task attempt and the user's metadata.
+
+    The manifest stores ``kind`` plus the kind's own content. The kinds that shipped before kinds were named
+    keep the layout of the format version that introduced them (:data:`LEGACY_VERSIONS`), so that older
+    taskpoints still read what is written now; any other kind is written as version 4, its content under
+    ``content``.
+    """
 
     step: int
-    #: Name of the payload object inside the step's folder (unique per save: ``payload-<save_id>``).
-    payload: str
     record: ObjectRecord
     #: The task attempt that saved it (from ``taskpoint.ctx()``), None outside a task.
     attempt: int | None
     metadata: dict[str, Any]
-    #: A deduplicated step (version 2): its files and their chunks; ``payload`` is then empty.
-    tree: ChunkedTree | None = None
-    #: A step saved by several ranks (version 3): rank k's shard is ``shards[k]``; ``payload`` is then empty
-    #: and ``record`` describes the commit (its ``size`` is the shards' total).
-    shards: tuple[Shard, ...] | None = None
+    content: StepContent
     #: Whether the manifest as read carried its check (False: written by a taskpoint before manifests carried
     #: one, so damage to the manifest itself cannot be told). Every manifest written now carries one.
     checked: bool = True
 
+    @property
+    def kind(self) -> str:
+        """The step kind (``payload``, ``chunked``, ``sharded``, or a plug-in's)."""
+        return self.content.kind
+
     def to_bytes(self) -> bytes:
-        version = (PAYLOAD_FORMAT_VERSION if self.tree is None and self.shards is None else
-                   TREE_FORMAT_VERSION if self.shards is None else FORMAT_VERSION)
-        doc: dict[str, Any] = {"format": STEP_FORMAT, "version": version, "step": self.step,
-                               "payload": self.payload, **asdict(self.record), "attempt": self.attempt,
-                               "metadata": self.metadata}
-        if self.tree is not None:
-            doc["tree"] = {"chunk_size": self.tree.chunk_size, "entries": [e.to_json() for e in self.tree.entries]}
-        if self.shards is not None:
-            doc["shards"] = [shard.to_json() for shard in self.shards]
-        return sealed(doc)
+        header: dict[str, Any] = {"format": STEP_FORMAT, "step": self.step, **asdict(self.record),
+                                  "attempt": self.attempt, "metadata": self.metadata}
+        version = LEGACY_VERSIONS.get(self.kind)
+        if version is not None:
+            return sealed({**header, "version": version, **self.content.to_json()})
+        return sealed({**header, "version": FORMAT_VERSION, STEP_KIND: self.kind, CONTENT: self.content.to_json()})
 
     def same_save(self, other: StepManifest | None) -> bool:
         """Whether ``other`` (the step's manifest read again) is the commit of the same save as this one: not
         deleted, not overwritten since."""
         return other is not None and other.record.save_id == self.record.save_id
 
-    def payload_names(self) -> set[str]:
-        """The payload objects in the step's folder this manifest names (none for a deduplicated step)."""
-        if self.shards is not None:
-            return {shard.payload for shard in self.shards}
-        return {self.payload} if self.payload else set()
-
     @classmethod
-    def from_bytes(cls, data: bytes, uri: str) -> StepManifest:
+    def from_bytes(cls, data: bytes, uri: str, contents: ContentDecoder) -> StepManifest:
+        """The manifest in ``data``; ``contents`` gives the decoder of its kind (an unknown kind raises there)."""
         def build(doc: dict[str, Any], checked: bool) -> StepManifest:
             _known_fields_if_unchecked(doc, checked, _STEP_KEYS)
             attempt, metadata, record = doc.get("attempt"), doc["metadata"], _record(doc)
             if not isinstance(metadata, dict) or record is None:
                 raise TypeError("metadata is not a JSON object")
-            tree, shards = None, None
-            if int(doc["version"]) >= 3:
-                shards = tuple(Shard.from_json(s) for s in doc["shards"])
-                if [shard.rank for shard in shards] != list(range(len(shards))) or len(shards) < 2:
-                    raise ValueError("the shards are not ranks 0 .. world_size - 1 in order")
-            elif int(doc["version"]) == 2:
-                raw = doc["tree"]
-                tree = ChunkedTree(chunk_size=int(raw["chunk_size"]),
-                                   entries=tuple(TreeEntry.from_json(e) for e in raw["entries"]))
-                if tree.chunk_size < 1:
-                    raise ValueError("the chunk size is not positive")
-            return cls(step=int(doc["step"]), payload=str(doc["payload"]), record=record,
-                       attempt=None if attempt is None else int(attempt), metadata=metadata, tree=tree,
-                       shards=shards, checked=checked)
+            kind, body = _kind_and_body(doc)
+            return cls(step=int(doc["step"]), record=record, attempt=None if attempt is None else int(attempt),
+                       metadata=metadata, content=contents(kind)(body), checked=checked)
 
         return _parse(data, STEP_FORMAT, uri, build, FORMAT_VERSION,
                       "delete the step, or save it again with overwrite=True")
+
+
+def _kind_and_body(doc: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The step kind a manifest names and its content: named in version 4; in versions 1 to 3 told by the
+    version (and a version-1 manifest with codec :data:`FILESET_CODEC` is a file set), the content being the
+    fields besides the common ones."""
+    version = int(doc["version"])
+    if version >= 4:
+        body = doc[CONTENT]
+        if not isinstance(body, dict):
+            raise TypeError("the content is not a JSON object")
+        return str(doc[STEP_KIND]), body
+    kind = next(k for k, v in LEGACY_VERSIONS.items() if v == version and k != FILESET_CODEC)
+    if version == 1 and doc.get("codec") == FILESET_CODEC:
+        kind = FILESET_CODEC
+    return kind, {k: v for k, v in doc.items() if k not in _HEADER_KEYS}
 
 
 @dataclass(frozen=True)
@@ -371,6 +389,9 @@ _ENTRY_KEYS = frozenset({f.name for f in fields(ObjectRecord)} | {"check"})
 #: Every field of a step's manifest and of a rank's record as written before they carried a check.
 _STEP_KEYS = frozenset({"format", "version", "step", "payload", "attempt", "metadata", "tree", "shards",
                         *(f.name for f in fields(ObjectRecord))})
+#: The fields every step's manifest has; in versions 1 to 3 the others are its kind's content.
+_HEADER_KEYS = frozenset({"format", "version", "step", "attempt", "metadata", CHECK,
+                          *(f.name for f in fields(ObjectRecord))})
 _SHARD_RECORD_KEYS = frozenset({"format", "version", "step", "world_size", "round", "shard"})
 
 

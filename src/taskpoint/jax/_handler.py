@@ -24,8 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 from fsspec.callbacks import Callback
 
 from ..errors import CheckpointError
-from ..manager import CheckpointManager
-from ..manager._checks import check_step
+from ..manager import CheckpointManager, check_step
 from ._pytree import PyTree, read_tree
 
 #: Folder of the unversioned checkpoint (``step=None``), and the step it is saved as inside it.

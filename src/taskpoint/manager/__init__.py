@@ -4,14 +4,22 @@ Owns: :class:`CheckpointManager` (the orchestrator), the step layout and sweepin
 retention as a policy (``retention``, with :class:`KeepBest`), the steps it never deletes (``protect``), when to
 save (``schedule``), verified restores (``restore``), background saves with snapshots
 (``background``) and the process they upload from (``saver``), steps saved by several ranks and rank 0's
-commit of them (``shards``), and the per-process claims on steps being restored or deleted (``claims``).
+commit of them (``shards``), the per-process claims on steps being restored or deleted (``claims``), the step
+kinds behind a :class:`StepKind` protocol, one module each (``kinds``), and verification, description and the
+listing of steps as typed results (``verify``, ``inventory``).
 
 May import: :mod:`taskpoint.checkpoint`'s layer and everything below it (``transfer``, ``payloads``,
 ``workspace``, ``format``, ``storage``, ``errors``). It never imports :mod:`taskpoint.runtime`: the runtime
 tells it the running attempt through :func:`set_attempt_source`.
 """
 
+from ._checks import check_step
+from .inventory import StepSummary
+from .kinds import StepKind, register_step_kind
 from .manager import CheckpointManager, set_attempt_source
 from .retention import KeepBest
+from .steps import MANIFEST_NAME, STEP_FOLDER
+from .verify import StepDescription, StepVerification, Verification
 
-__all__ = ["CheckpointManager", "KeepBest", "set_attempt_source"]
+__all__ = ["MANIFEST_NAME", "STEP_FOLDER", "CheckpointManager", "KeepBest", "StepDescription", "StepKind",
+           "StepSummary", "StepVerification", "Verification", "check_step", "register_step_kind", "set_attempt_source"]

@@ -315,12 +315,11 @@ class Dedup:
                 continue
             try:
                 manifest = self.steps.manifest(step)
-            except CheckpointCorruptError:
+                referenced |= set() if manifest is None else self.steps.named(step, manifest).chunks.keys()
+            except (CheckpointCorruptError, FileNotFoundError):
                 _log.logger.warning("the manifest of step %d in %s is damaged: no chunk is removed until it is "
                                     "repaired or the step deleted", step, _log.safe_uri(self.steps.directory))
                 return None
-            if manifest is not None and manifest.tree is not None:
-                referenced |= manifest.tree.chunk_keys()
         return referenced
 
 

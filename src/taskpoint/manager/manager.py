@@ -17,17 +17,17 @@ import functools
 import os
 import threading
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any
 
-import anyio.to_thread
 from fsspec.callbacks import Callback
 
 from .. import _log, _progress
 from .._log import TransferStats
 from ..errors import CheckpointError
 from ..format.codecs import Codec, get_codec
+from ..format.records import StepContent
 from ..payloads import Payload, payload_for
 from ..storage import LEFTOVER_GRACE_SECONDS, Location, RetryPolicy, normalize_uri
 from ._checks import check_grace, check_metadata, check_step
@@ -38,17 +38,19 @@ from .claims import Claims
 from .commit import StepWriter
 from .dedup import Dedup
 from .emergency import PreemptionPolicy
+from .kinds import KINDS, Parts
+from .kinds.chunked import CHUNKED
+from .kinds.payload import PAYLOAD
+from .kinds.sharded import SHARDED
 from .protect import Guard
-from .queries import StepQueries
+from .queries import StepQueries, _in_thread
+from .rebuild import Rebuilder
 from .restore import StepReader
 from .retention import KeepBest, KeepPolicy
 from .schedule import SaveSchedule
 from .shards import DEFAULT_COMMIT_TIMEOUT, RankPlan, save_round
 from .steps import StepStore
 
-P = ParamSpec("P")
-R = TypeVar("R")
-M = TypeVar("M")
 
 #: Says which task attempt is running (None outside a task), for the manifest. The runtime layer above
 #: installs its lookup with :func:`set_attempt_source`, so that this layer never imports it.
@@ -63,17 +65,6 @@ def set_attempt_source(source: Callable[[], int | None]) -> None:
     """Install the function that tells the running task attempt (the runtime calls this once)."""
     global _attempt_source
     _attempt_source = source
-
-
-def _in_thread(method: Callable[Concatenate[M, P], R]) -> Callable[Concatenate[M, P], Awaitable[R]]:
-    """The async twin of a blocking method: the same call, run in a worker thread (asyncio and trio)."""
-
-    async def twin(self: M, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        return await anyio.to_thread.run_sync(functools.partial(method, self, *args, **kwargs))
-
-    twin.__name__ = twin.__qualname__ = f"{method.__name__}_async"
-    twin.__doc__ = f"Async twin of :meth:`{method.__name__}`: the same call, run in a worker thread."
-    return twin
 
 
 class CheckpointManager(StepQueries):
@@ -177,9 +168,15 @@ class CheckpointManager(StepQueries):
         self._async_save = bool(async_save)
         root = Location(uri, storage_options, retry)
         self._claims = Claims((str(root.fs.protocol), root.path))
-        self._steps = StepStore(root, self._claims)
-        self._dedup = Dedup(self._steps, ChunkStore(root, "zstd" if codec is None else codec, level), self._grace)
-        self._reader = StepReader(self._steps, self._claims, self._dedup, self._plan.ranks, self._grace)
+        self._steps = StepStore(root, self._claims, KINDS)
+        chunks = ChunkStore(root, "zstd" if codec is None else codec, level)
+        self._dedup = Dedup(self._steps, chunks, self._grace)
+        agreement = Agreement(self._plan.ranks, self._plan.commit_timeout, root.child(AGREEMENT_FOLDER),
+                              lambda: save_round(_attempt_source()), lambda: self.restored_step)
+        self._parts = Parts(self._steps, self._codec, level, self._grace, self._plan,
+                            Rebuilder(self._steps, chunks, self._dedup.workers), self._dedup if dedup else None,
+                            agreement.while_committing)
+        self._reader = StepReader(self._parts, self._claims, KINDS)
         self._guard = Guard(self._steps, self._claims, self._retention, self._grace)
         self._lock = threading.RLock()  # save, delete, gc, close and wait_until_finished, one at a time
         #: The step the last successful :meth:`restore` returned (useful with ``fallback=True``).
@@ -188,10 +185,8 @@ class CheckpointManager(StepQueries):
         self.last_save: TransferStats | None = None
         self._closed = False
         self._background = Background(uri, snapshots, bool(background_process) and root.backend.shared)
-        agreement = Agreement(self._plan.ranks, self._plan.commit_timeout, root.child(AGREEMENT_FOLDER),
-                              lambda: save_round(_attempt_source()), lambda: self.restored_step)
-        self._writer = StepWriter(self._steps, self._claims, self._codec, self._level, self._guard, self._grace,
-                                  self._dedup if dedup else None, self._plan, agreement.while_committing)
+        # The kinds a payload is saved as, the first that accepts it: several ranks, dedup=True, else one object.
+        self._writer = StepWriter(self._parts, self._claims, self._guard, KINDS, (SHARDED, CHUNKED, PAYLOAD))
         self._preemption = PreemptionPolicy(preemption, on_preemption, agreement)
         weakref.finalize(self, self._background.slot.report_unclaimed, uri)
 
@@ -261,7 +256,7 @@ class CheckpointManager(StepQueries):
         with self._lock:
             self._check_open()
             self._background.settle(wait=True)
-            exists, replaced = self._steps.committed_payload(step)
+            exists, replaced = self._steps.committed_objects(step)
             if exists and not overwrite:
                 raise FileExistsError(f"step {step} already exists in {self.directory}; pass overwrite=True to "
                                       "replace it, or save under a new step")
@@ -271,20 +266,23 @@ class CheckpointManager(StepQueries):
             if not background:
                 job(payload)
             else:
-                self._background.start(step, payload, job, helper=not self._writer.deduplicates(payload))
+                self._background.start(step, payload, job, helper=self._writer.kind_for(payload).helper)
             self._schedule.saved(step, began)
         clock.release()  # a background save's record, at its commit, counts the caller's wait until here
         return self._steps.step_uri(step)
 
-    def _commit_files(self, step: int, name: str, data: bytes, metadata: dict[str, Any] | None = None) -> None:
-        """Commit ``step`` whose files another writer stored in :meth:`step_uri`'s folder (taskpoint.torch's
-        ``Writer.for_step``): the manifest names their manifest ``name`` (``data``) by size and sha256."""
+    def commit(self, step: int, content: StepContent, *, metadata: dict[str, Any] | None = None) -> str:
+        """Commit ``step`` whose objects another writer stored in :meth:`step_uri`'s folder, as ``content``
+        describes them (a step kind's content, e.g. ``taskpoint.torch``'s file set): its kind checks that they
+        are stored and writes the manifest; then retention applies. Returns the step's URI."""
         record_metadata = check_metadata(metadata)
         with self._lock:
             self._check_open()
-            self._writer.commit_files(check_step(step), name, data, _attempt_source(), record_metadata)
+            self._writer.write(check_step(step), record_metadata, _attempt_source(), None, content,
+                               clock=_log.Clock())
+        return self._steps.step_uri(step)
 
-    def _write_step(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: str | None,
+    def _write_step(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: set[str] | None,
                     payload: Payload, saver: Handover | None = None, *, clock: _log.Clock,
                     progress: _progress.Progress) -> None:
         self.last_save = self._writer.write(step, metadata, attempt, replaced, payload, saver, clock=clock,
@@ -394,13 +392,6 @@ class CheckpointManager(StepQueries):
 
     # -- async twins ---------------------------------------------------------------------------------------
 
-    save_async = _in_thread(save)
-    restore_async = _in_thread(restore)
-    metadata_async = _in_thread(StepQueries.metadata)
-    steps_async = _in_thread(StepQueries.steps)
-    latest_step_async = _in_thread(StepQueries.latest_step)
-    list_checkpoints_async = _in_thread(StepQueries.list_checkpoints)
-    delete_async = _in_thread(delete)
-    gc_async = _in_thread(gc)
-    wait_until_finished_async = _in_thread(wait_until_finished)
-    close_async = _in_thread(close)
+    save_async, restore_async, commit_async = _in_thread(save), _in_thread(restore), _in_thread(commit)
+    delete_async, gc_async = _in_thread(delete), _in_thread(gc)
+    wait_until_finished_async, close_async = _in_thread(wait_until_finished), _in_thread(close)

@@ -3,13 +3,36 @@ be saved, which step is the best, which are protected), read without any payload
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Awaitable, Callable
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
+import anyio.to_thread
+
+from ..storage import RetryPolicy
 from ._checks import check_step
+from .inventory import StepSummary, inventory
+from .kinds import KINDS, Parts
 from .protect import Guard
 from .schedule import SaveSchedule
 from .shards import RankPlan
 from .steps import StepStore
+from .verify import StepDescription, Verification, describe_step, verify_step, verify_steps
+
+P = ParamSpec("P")
+R = TypeVar("R")
+M = TypeVar("M")
+
+
+def _in_thread(method: Callable[Concatenate[M, P], R]) -> Callable[Concatenate[M, P], Awaitable[R]]:
+    """The async twin of a blocking method: the same call, run in a worker thread (asyncio and trio)."""
+
+    async def twin(self: M, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return await anyio.to_thread.run_sync(functools.partial(method, self, *args, **kwargs))
+
+    twin.__name__ = twin.__qualname__ = f"{method.__name__}_async"
+    twin.__doc__ = f"Async twin of :meth:`{method.__name__}`: the same call, run in a worker thread."
+    return twin
 
 
 class StepQueries:
@@ -20,6 +43,7 @@ class StepQueries:
     """
 
     _steps: StepStore
+    _parts: Parts
     _plan: RankPlan
     _guard: Guard
     _schedule: SaveSchedule
@@ -28,6 +52,16 @@ class StepQueries:
     def directory(self) -> str:
         """The URI of the directory that holds the steps."""
         return self._steps.directory
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """The storage options the manager was given (passed to fsspec)."""
+        return self._steps.root.storage_options
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """How the manager retries storage failures."""
+        return self._steps.root.retry
 
     @property
     def rank(self) -> int:
@@ -106,3 +140,43 @@ class StepQueries:
         if latest is None:
             raise FileNotFoundError(f"there is no committed checkpoint in {self.directory}")
         return latest
+
+    def verify(self, step: int | None = None, *, progress: object = None) -> Verification:
+        """Read every byte of ``step`` (every committed step when None) against the checksums of its manifest,
+        keeping nothing; ``progress`` as for :meth:`restore`. With ``step``: its :class:`~taskpoint.StepVerification`
+        is healthy, or CheckpointCorruptError says what is damaged, FileNotFoundError that it does not exist, and
+        CheckpointError that another writer overwrote or deleted it meanwhile. Without: each step's result, damage
+        and changes included; FileNotFoundError when there is no committed step."""
+        if step is not None:
+            self._ready()
+            return Verification(self.directory, (verify_step(self._parts, KINDS, check_step(step), progress),))
+        listed = self.steps()
+        if not listed:
+            raise FileNotFoundError(f"there is no committed checkpoint in {self.directory}")
+        return verify_steps(self._parts, KINDS, listed, progress)
+
+    def describe(self, step: int | None = None) -> StepDescription:
+        """What ``step``'s manifest (the newest step's when None) says: its kind, commit record, attempt,
+        metadata and the kind's own details; no payload is read. FileNotFoundError when it does not exist."""
+        if step is None:
+            step = self._newest()
+        else:
+            self._ready()
+        return describe_step(self._parts, KINDS, check_step(step))
+
+    def inventory(self) -> list[StepSummary]:
+        """Every ``ckpt-N`` folder, oldest first, with its state judged from one listing and the manifests
+        (``taskpoint ls``): listed sizes are compared and chunks looked up, no byte of the data is read (that is
+        :meth:`verify`'s)."""
+        self._ready()
+        return inventory(self._parts, KINDS)
+
+    # -- async twins ---------------------------------------------------------------------------------------
+
+    metadata_async = _in_thread(metadata)
+    steps_async = _in_thread(steps)
+    latest_step_async = _in_thread(latest_step)
+    list_checkpoints_async = _in_thread(list_checkpoints)
+    verify_async = _in_thread(verify)
+    describe_async = _in_thread(describe)
+    inventory_async = _in_thread(inventory)

@@ -13,7 +13,7 @@ from .._progress import NO_PROGRESS, Progress
 from .._signals import uninterrupted
 from ..errors import CheckpointCorruptError
 from ..format.archive import link_leaves
-from ..format.records import ChunkedTree, StepManifest, TreeEntry
+from ..format.records import ChunkedTree, TreeEntry
 from ..format.space import check_room
 from ..payloads import payload_class
 from ..workspace import Staging
@@ -37,25 +37,21 @@ class Rebuilder:
         self.chunks = chunks
         self.workers = workers
 
-    def restore(self, step: int, manifest: StepManifest, workspace: Path, progress: Progress = NO_PROGRESS
+    def restore(self, step: int, tree: ChunkedTree, kind: str, workspace: Path, progress: Progress = NO_PROGRESS
                 ) -> Path:
-        """Rebuild ``manifest``'s tree in a staging folder of ``workspace``, every chunk verified, then publish
-        it as the payload kind does. MissingChunk when a chunk is not stored; CheckpointCorruptError names the
-        step and the file when one does not match. ``progress`` counts the plain bytes of the files."""
-        tree = manifest.tree
-        assert tree is not None
-        cls = payload_class(manifest.record.kind, self.steps.step_uri(step))
+        """Rebuild ``step``'s ``tree`` in a staging folder of ``workspace``, every chunk verified, then publish
+        it as the payload kind ``kind`` does. MissingChunk when a chunk is not stored; CheckpointCorruptError
+        names the step and the file when one does not match. ``progress`` counts the plain bytes of the files."""
+        cls = payload_class(kind, self.steps.step_uri(step))
         workspace.mkdir(parents=True, exist_ok=True)
         with Staging(workspace) as staging:
             self._rebuild(step, tree, staging, progress)
             with uninterrupted():  # a signal waits until every entry has landed
                 return cls.publish(staging, workspace)
 
-    def verify(self, step: int, manifest: StepManifest, progress: Progress = NO_PROGRESS) -> int:
-        """Fetch and check every chunk of ``manifest``'s tree as :meth:`restore` does, writing nothing
-        (``taskpoint verify``); the plain bytes of its files. MissingChunk and CheckpointCorruptError as there."""
-        tree = manifest.tree
-        assert tree is not None
+    def verify(self, step: int, tree: ChunkedTree, progress: Progress = NO_PROGRESS) -> int:
+        """Fetch and check every chunk of ``step``'s ``tree`` as :meth:`restore` does, writing nothing; the plain
+        bytes of its files. MissingChunk and CheckpointCorruptError as there."""
         self._check_tree(step, tree)
         total = tree.file_bytes()
         progress.set_total(total)

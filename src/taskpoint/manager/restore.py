@@ -10,36 +10,22 @@ from pathlib import Path
 from .. import _log
 from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointCorruptError, CheckpointError, add_note
-from ..format.records import FILESET_CODEC, ObjectRecord, StepManifest
-from ..payloads import Payload, payload_class
-from ..ranks import Ranks
-from ..transfer import read_payload
 from ..workspace import Workspace
 from .claims import Claims
-from .dedup import Dedup
+from .kinds import Gone, Parts, StepKinds
 from .protect import restore_lease
-from .rebuild import MissingChunk, Rebuilder
-from .steps import StepStore
 
 #: How often restore follows a step that another writer overwrites while it is being read.
 RESTORE_ATTEMPTS = 5
 
 
-#: What removes an object a committed step names. taskpoint's own retention and sweeps never do: a save that a
-#: sweep took for dead fails before (or takes back) its commit, and a sweep reads the manifests again after its
-#: epoch. A taskpoint without those checks could, for a save stalled past the grace period.
-GONE_HOW = (", which taskpoint's retention and sweeps never do: by hand, by a bucket lifecycle rule, or by a "
-            "sweep of a taskpoint without these checks while the save was stalled")
-
 class StepReader:
     """Reads steps of one directory into a folder of the caller's, or into a workspace of its own."""
 
-    def __init__(self, steps: StepStore, claims: Claims, dedup: Dedup, ranks: Ranks | None = None,
-                 grace: float = 0.0) -> None:
-        self._steps = steps
-        self._grace = grace  # of the lease a restore holds on its step (other processes' retention keeps it)
-        self._ranks = ranks or Ranks()
-        self._rebuilder = Rebuilder(dedup.steps, dedup.chunks, dedup.workers)
+    def __init__(self, parts: Parts, claims: Claims, kinds: StepKinds) -> None:
+        self._parts, self._kinds = parts, kinds
+        self._steps = parts.steps
+        self._grace = parts.grace  # of the lease a restore holds on its step (other processes' retention keeps it)
         self._claims = claims
         self._lock = threading.Lock()  # restores into the reader's own workspace
         self._workspace: Workspace | None = None
@@ -117,70 +103,20 @@ class StepReader:
                 raise
 
     def _read_step(self, step: int, workspace: Path, progress: Progress) -> Path:
-        """Stream the payload the manifest names into ``workspace``, following concurrent overwrites."""
+        """Restore the save the manifest commits into ``workspace`` through its kind, following concurrent
+        overwrites."""
         manifest = self._steps.manifest(step)
         for _ in range(RESTORE_ATTEMPTS):
             if manifest is None:
                 raise FileNotFoundError(f"step {step} does not exist in {self.directory} (or was just deleted)")
-            if manifest.record.codec == FILESET_CODEC:
-                raise CheckpointError(
-                    f"step {step} in {self.directory} is a PyTorch Distributed Checkpoint: load it with "
-                    f"dcp.load(state, storage_reader=taskpoint.torch.Reader.for_step(manager, {step}))")
+            kind = self._kinds.kind(manifest.kind, self._steps.step_uri(step))
             progress.rewind()  # a manifest followed after an overwrite: its payload is counted from zero
-            result = self._read_payload(step, manifest, workspace, progress)
-            if result is not None:
-                return result
-            now = self._steps.manifest(step)
-            if manifest.same_save(now):
-                raise CheckpointCorruptError(
-                    f"step {step} in {self.directory} is committed but its payload {self._part(step, manifest)[0]} "
-                    f"is missing: it was removed after the commit{GONE_HOW}. Restore an older step (fallback=True), "
-                    "or delete this one.")
-            manifest = now  # overwritten or deleted while we read: follow it
+            try:
+                return kind.restore(self._parts, step, manifest, workspace, progress)
+            except Gone as gone:
+                now = self._steps.manifest(step)
+                if manifest.same_save(now):
+                    raise CheckpointCorruptError(gone.message) from None
+                manifest = now  # overwritten or deleted while we read: follow it
         raise CheckpointError(f"step {step} in {self.directory} kept being overwritten while it was restored; "
                               "try again once the other writer has finished")
-
-    def _part(self, step: int, manifest: StepManifest) -> tuple[str, ObjectRecord]:
-        """The payload object this rank restores, and its record: its own shard of a step of several ranks."""
-        if manifest.shards is None:
-            return manifest.payload, manifest.record  # the same payload for every rank
-        world = len(manifest.shards)
-        if world != self._ranks.world_size:
-            raise CheckpointError(
-                f"step {step} in {self.directory} was saved by {world} ranks and holds one shard per rank; this "
-                f"manager is rank {self._ranks.rank} of {self._ranks.world_size}. Restore it with {world} ranks "
-                "(for another number of ranks, save through taskpoint.torch, whose checkpoints reshard).")
-        shard = manifest.shards[self._ranks.rank]
-        return shard.payload, shard.record
-
-    def _read_payload(self, step: int, manifest: StepManifest, workspace: Path, progress: Progress) -> Path | None:
-        if manifest.tree is not None:  # a deduplicated step: its chunks, each verified
-            try:
-                return self._rebuilder.restore(step, manifest, workspace, progress)
-            except MissingChunk as missing:
-                if not manifest.same_save(self._steps.manifest(step)):
-                    return None  # overwritten or deleted while we read: follow it
-                raise CheckpointCorruptError(
-                    f"step {step} in {self.directory} is damaged: {missing} (removed after the commit{GONE_HOW}). "
-                    "Restore an older step (fallback=True), or save it again.") from None
-        name, record = self._part(step, manifest)
-        src = self._steps.object(step, name)
-
-        def choose(head: bytes, size: int | None) -> type[Payload]:
-            return payload_class(record.kind, src.uri)
-
-        def verify(kind: str, size: int, digest: str) -> None:
-            if (kind, size, digest) != (record.kind, record.size, record.sha256):
-                raise CheckpointCorruptError(
-                    f"step {step} in {self.directory} does not match the sha256 recorded when it was saved "
-                    f"(read {size} bytes, expected {record.size}); it is damaged. Restore an older step "
-                    "(fallback=True), or save it again.")
-
-        try:
-            return read_payload(src, workspace, choose, verify, size_hint=record.size, progress=progress)
-        except FileNotFoundError:  # deleted under a streaming read (object stores): check the manifest
-            return None
-        except CheckpointCorruptError as exc:
-            if f"step {step} " in str(exc):
-                raise
-            raise type(exc)(f"step {step} in {self.directory} is damaged: {exc}") from exc

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError, StepAbandonedError
-from ..format.records import ObjectRecord, Shard, ShardRecord, StepManifest
+from ..format.records import ObjectRecord, Shard, ShardRecord, StepContent, StepManifest
 from ..payloads import Payload
 from ..ranks import Ranks, incarnation_from_environment, resolve_ranks
 from ..storage import Location
@@ -96,21 +96,23 @@ class ShardWriter:
         return self._plan.ranks.rank == 0
 
     def write(self, step: int, metadata: dict[str, Any], attempt: int | None, payload: Payload, codec: str,
-              store: Callable[[Location, ShardOrphan], tuple[int, str]]) -> int:
+              content: Callable[[tuple[Shard, ...]], StepContent],
+              store: Callable[[Location, ShardOrphan], tuple[int, str]]) -> tuple[int, set[str]]:
         """Store the shard with ``store`` under a fresh name, then record it (ranks > 0) or commit the step
-        (rank 0). ``store`` hands the :class:`ShardOrphan` to the save process, which finishes this rank's part
-        if this process dies first. Returns the shard's size."""
+        (rank 0) with a manifest holding ``content(shards)``. ``store`` hands the :class:`ShardOrphan` to the
+        save process, which finishes this rank's part if this process dies first. Returns the shard's size and
+        the payloads the manifest names (rank 0; others: their own)."""
         ranks = self._plan.ranks
         save_id = uuid.uuid4().hex
         name = f"payload-{save_id}"
         record = ObjectRecord(kind=payload.kind, codec=codec, save_id=save_id, created=time.time())
         folder = self._steps.root.child(f"ckpt-{step}")
         orphan = ShardOrphan(folder.uri, folder.storage_options, folder.retry, step, ranks, save_round(attempt),
-                             name, record, metadata, attempt)
+                             name, record, metadata, attempt, content)
         if ranks.rank != 0:
             size, digest = store(self._steps.object(step, name), orphan)
             orphan.record_shard(folder, size, digest)
-            return size
+            return size, {name}
         # Rank 0 holds a lease on the folder from before its own shard until the commit: no sweep removes the
         # shards it is gathering, however long the others take (a sweep with a shorter grace included).
         lease = self._steps.object(step, commit_lease_name(save_id))
@@ -131,7 +133,7 @@ class ShardWriter:
         finally:
             quietly(lease.remove)
         forget_records(folder, range(1, len(shards)))
-        return size
+        return size, {shard.payload for shard in shards}
 
     def _gather(self, folder: Location, step: int, round_: str, own: Shard) -> tuple[Shard, ...]:
         """Every rank's shard of this round, rank 0's first; StepAbandonedError after the timeout."""
@@ -217,16 +219,18 @@ class ShardOrphan:
     record: ObjectRecord
     metadata: dict[str, Any]
     attempt: int | None
+    #: The step kind's content naming the shards (a class of the sharded kind: pickled by reference).
+    content: Callable[[tuple[Shard, ...]], StepContent]
 
     def shard(self, size: int, digest: str) -> Shard:
         return Shard(self.ranks.rank, self.name, dataclasses.replace(self.record, size=size, sha256=digest))
 
     def manifest(self, shards: tuple[Shard, ...]) -> StepManifest:
-        """The manifest (version 3) that commits ``shards``."""
+        """The manifest that commits ``shards``."""
         commit = ObjectRecord(kind="shards", codec="shards", save_id=uuid.uuid4().hex, created=time.time(),
                               size=sum(s.record.size or 0 for s in shards))
-        return StepManifest(step=self.step, payload="", record=commit, attempt=self.attempt, metadata=self.metadata,
-                            shards=shards)
+        return StepManifest(step=self.step, record=commit, attempt=self.attempt, metadata=self.metadata,
+                            content=self.content(shards))
 
     def record_shard(self, folder: Location, size: int, digest: str) -> None:
         """Write this rank's record of its stored shard (a rank > 0)."""

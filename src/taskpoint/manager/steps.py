@@ -7,7 +7,11 @@ Layout under the manager's directory (any fsspec URL)::
     ckpt-{step}/rank-{k}.json       a step saved by several ranks: rank k's record of its shard (a payload
                                     like the above), until rank 0 commits the step (see :mod:`.shards`)
     ckpt-{step}/commit-{id}.json    rank 0's lease while it gathers the shards and commits (:mod:`.leases`)
+    ckpt-{step}/...                 what another kind of step stores (:mod:`.kinds`: a plug-in's own files)
     chunks/, leases/                the chunk store of deduplicated steps (see :mod:`.chunks`)
+
+What a step's manifest names, how it is deleted and which leftovers are whose is its kind's to say
+(:class:`StoredKind`, looked up by name in the registry the manager passes in): this module knows no kind.
 
 A step exists when, and only when, its manifest does. Objects in a step folder that no manifest names are
 leftovers of interrupted or superseded saves; they are removed once older than a grace period, so that a
@@ -22,14 +26,13 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import CheckpointCorruptError, SaveStalledError, StorageNotFound
-from ..format.fileset import DCP_DATA_FILE, DCP_MANIFEST_NAME, DCP_METADATA_NAME, FileSetManifest
-from ..format.records import FILESET_CODEC, StepManifest
+from ..format.records import StepContent, StepManifest
 from ..storage import Location
 from .claims import Claims
 from .leases import alive, fresh
@@ -38,20 +41,22 @@ from .leases import alive, fresh
 MANIFEST_NAME = "taskpoint.json"
 
 STEP_FOLDER = re.compile(r"ckpt-(0|[1-9][0-9]*)")
+#: An object holding one payload (of a step, or of one rank's shard of it): unique per save.
 PAYLOAD_NAME = re.compile(r"payload-[0-9a-f]{32}")
-#: What a save of ours can leave in a step folder: payloads, rank records, and the temp files of atomic writes.
-#: What a file-set step (taskpoint.torch: DCP's files, its .metadata, taskpoint's manifest of them) leaves; swept
-#: only from a folder with no manifest (a save that never committed).
-_FILESET = re.compile(rf"\.?(?:{DCP_DATA_FILE.pattern}|{re.escape(DCP_METADATA_NAME)}|{re.escape(DCP_MANIFEST_NAME)})"
-                      r"(?:\.[0-9a-f]{12}\.tmp)?")
-#: The manifest of a file-set step's files, named by the step's own manifest.
-FILESET_NAME = DCP_MANIFEST_NAME
 #: Rank 0's lease on a step it is gathering the shards of: while fresh, no sweep removes anything in the folder.
 COMMIT_LEASE = re.compile(r"commit-[0-9a-f]{32}\.json")
 #: A restore's lease on the step it reads: while fresh, retention in other processes keeps the step.
 RESTORE_LEASE = re.compile(r"restore-[0-9a-f]{32}\.json")
-_OURS = re.compile(rf"\.?(?:payload-[0-9a-f]{{32}}|taskpoint\.json|rank-(?:0|[1-9][0-9]*)\.json|{COMMIT_LEASE.pattern}"
-                   rf"|{RESTORE_LEASE.pattern})(?:\.[0-9a-f]{{12}}\.tmp)?")
+
+
+def stored_names(pattern: str) -> re.Pattern[str]:
+    """The names an object matching ``pattern`` has in a step folder: itself, and the temp files of its
+    atomic writes (``.<name>.<12 hex>.tmp``)."""
+    return re.compile(rf"\.?(?:{pattern})(?:\.[0-9a-f]{{12}}\.tmp)?")
+
+
+#: What every save leaves in a step folder whatever its kind: the manifest, and the leases.
+_OURS = stored_names(rf"taskpoint\.json|{COMMIT_LEASE.pattern}|{RESTORE_LEASE.pattern}")
 
 
 RANK_RECORD = re.compile(r"rank-(0|[1-9][0-9]*)\.json")
@@ -65,6 +70,51 @@ def commit_lease_name(save_id: str) -> str:
 def shard_record_name(rank: int) -> str:
     """The name of rank ``rank``'s record of its shard, in the step's folder."""
     return f"rank-{rank}.json"
+
+
+@dataclass(frozen=True)
+class StepObjects:
+    """What a committed step names: objects in its folder (name: the size its manifest records, None when it
+    records none) and chunks of the chunk store (key: the path of a file that needs it)."""
+
+    files: dict[str, int | None] = field(default_factory=dict)
+    chunks: dict[str, str] = field(default_factory=dict)
+    #: What the step calls the objects of its folder (``taskpoint ls`` names a missing one so).
+    noun: str = "payload"
+
+
+class StoredKind(Protocol):
+    """What the step store asks of a step kind (:class:`taskpoint.manager.kinds.StepKind` is the whole protocol)."""
+
+    name: str
+
+    def decode(self, body: dict[str, Any]) -> StepContent:
+        """The kind's content from its fields in a manifest; ValueError (or TypeError, KeyError) when malformed."""
+        ...
+
+    def owns(self, name: str, committed: bool) -> bool:
+        """Whether ``name`` in a step folder is an object this kind's saves write (swept once older than the
+        grace period when no manifest names it; ``committed``: the folder has a manifest)."""
+        ...
+
+    def objects(self, steps: StepStore, step: int, manifest: StepManifest) -> StepObjects:
+        """What ``manifest`` names. CheckpointCorruptError (or FileNotFoundError) when that cannot be told."""
+        ...
+
+    def delete(self, steps: StepStore, step: int, manifest: StepManifest) -> set[str]:
+        """Remove what the step holds besides its manifest (removed already); the names of the folder's objects
+        it removed."""
+        ...
+
+
+class KindLookup(Protocol):
+    """The step kinds a store knows: by name (CheckpointCorruptError naming an unknown one), and those loaded."""
+
+    def kind(self, name: str, where: str) -> StoredKind:
+        ...
+
+    def loaded(self) -> Iterable[StoredKind]:
+        ...
 
 
 @dataclass
@@ -81,9 +131,10 @@ class Folder:
 class StepStore:
     """The steps of the directory ``root``: where each object lives, what the listing holds, what may go."""
 
-    def __init__(self, root: Location, claims: Claims) -> None:
+    def __init__(self, root: Location, claims: Claims, kinds: KindLookup) -> None:
         self.root = root
         self._claims = claims
+        self.kinds = kinds
         self._container_seen = False  # the bucket or container is known to exist
         #: Committed steps as last listed, plus those committed here since; None before the first listing.
         self._known: set[int] | None = None
@@ -112,12 +163,9 @@ class StepStore:
             self._check_container()
             return None
         try:
-            manifest = StepManifest.from_bytes(data, location.uri)
-            chunked = manifest.tree is not None and manifest.payload == ""
-            sharded = manifest.shards is not None and manifest.payload == "" and all(
-                PAYLOAD_NAME.fullmatch(shard.payload) for shard in manifest.shards)
-            fileset = manifest.record.codec == FILESET_CODEC and manifest.payload == FILESET_NAME
-            if manifest.step != step or not (chunked or sharded or fileset or PAYLOAD_NAME.fullmatch(manifest.payload)):
+            manifest = StepManifest.from_bytes(data, location.uri,
+                                               lambda kind: self.kinds.kind(kind, location.uri).decode)
+            if manifest.step != step:
                 raise CheckpointCorruptError(f"the checkpoint record {location.uri} does not describe step "
                                              f"{step}; delete the step, or save it again with overwrite=True")
         except CheckpointCorruptError as exc:
@@ -126,17 +174,24 @@ class StepStore:
             raise CheckpointCorruptError(f"step {step} in {self.directory}: {exc}") from exc
         return manifest
 
-    def committed_payload(self, step: int) -> tuple[bool, str | None]:
-        """Whether ``step`` is committed, and the payload its manifest names (None when unreadable)."""
-        location = self.object(step, MANIFEST_NAME)
-        data = location.read_small()
-        if data is None:
+    def named(self, step: int, manifest: StepManifest) -> StepObjects:
+        """What ``manifest`` (of ``step``) names, as its kind tells."""
+        return self.kinds.kind(manifest.kind, self.step_uri(step)).objects(self, step, manifest)
+
+    def committed_objects(self, step: int) -> tuple[bool, set[str] | None]:
+        """Whether ``step`` is committed, and the objects of its folder its manifest names (None when that
+        cannot be told: the manifest or what it refers to is unreadable)."""
+        if self.object(step, MANIFEST_NAME).read_small() is None:
             return False, None
         try:
-            name = StepManifest.from_bytes(data, location.uri).payload
-        except CheckpointCorruptError:
+            manifest = self.manifest(step)
+            return manifest is not None, None if manifest is None else set(self.named(step, manifest).files)
+        except (CheckpointCorruptError, FileNotFoundError):
             return True, None
-        return True, name if PAYLOAD_NAME.fullmatch(name) else None
+
+    def ours(self, name: str, committed: bool) -> bool:
+        """Whether ``name`` in a step folder is an object taskpoint or a loaded step kind writes there."""
+        return bool(_OURS.fullmatch(name)) or any(kind.owns(name, committed) for kind in self.kinds.loaded())
 
     def check_stored(self, step: int, sizes: dict[str, int]) -> None:
         """Just before a commit: every object it will name is stored, at its size. Raises SaveStalledError
@@ -227,29 +282,12 @@ class StepStore:
         self.deleted += 1
         if self._known is not None:
             self._known.discard(step)
-        keep = {MANIFEST_NAME}
-        for name in manifest.payload_names() if manifest is not None else ():
-            if PAYLOAD_NAME.fullmatch(name):
-                self.object(step, name).remove()
-                keep.add(name)
-        if manifest is not None and manifest.record.codec == FILESET_CODEC:
-            self._remove_fileset(step, manifest.payload)
-        self.sweep_folder(step, folder, grace, keep)
+        removed = set() if manifest is None else self.kinds.kind(manifest.kind, self.step_uri(step)).delete(
+            self, step, manifest)
+        self.sweep_folder(step, folder, grace, {MANIFEST_NAME, *removed})
         # The folder of a step just deleted goes too when empty (also when retention worked from the steps it
         # knew, without a listing of the folder's objects).
         self.root.child(f"ckpt-{step}").remove_empty_folder()
-
-    def _remove_fileset(self, step: int, name: str) -> None:
-        """The files of a step that another writer stored (taskpoint.torch), as its own manifest lists them, then
-        that manifest. One it cannot read leaves them to the sweep of uncommitted folders."""
-        try:
-            data = self.object(step, name).read_small()
-            files = FileSetManifest.from_bytes(data, self.object(step, name).uri).files if data else {}
-        except CheckpointCorruptError:
-            return
-        for each in files:
-            quietly(self.object(step, each).remove)
-        quietly(self.object(step, name).remove)
 
     def sweep(self, folders: dict[int, Folder], grace: float, *, dry_run: bool = False) -> list[str]:
         """Remove the leftovers in ``folders`` older than ``grace``; return their URIs (``dry_run``: only
@@ -260,13 +298,17 @@ class StepStore:
             if folder.committed:
                 if self._claims.is_restoring(step):
                     continue
-                extras = [name for name in folder.objects if name != MANIFEST_NAME and _OURS.fullmatch(name)]
+                extras = [name for name in folder.objects if name != MANIFEST_NAME and self.ours(name, True)]
                 if len(extras) <= 1:
                     continue  # the usual committed step: its manifest and its payload
                 manifest = self.manifest(step, tolerate_corrupt=True)
-                if manifest is None:
+                try:
+                    named = None if manifest is None else self.named(step, manifest)
+                except (CheckpointCorruptError, FileNotFoundError):
+                    named = None
+                if named is None:
                     continue  # never guess what an unreadable manifest commits
-                keep = {MANIFEST_NAME, *manifest.payload_names()}
+                keep = {MANIFEST_NAME, *named.files}
             removed += self.sweep_folder(step, folder, grace, keep, dry_run=dry_run)
         return removed
 
@@ -280,8 +322,7 @@ class StepStore:
                for name, mtime in folder.objects.items()):
             return []
         doomed = [name for name, mtime in folder.objects.items()
-                  if name not in keep and (_OURS.fullmatch(name) or (not keep and _FILESET.fullmatch(name)))
-                  and not fresh(mtime, now, grace)]  # the files of a file-set step: ours where nothing commits
+                  if name not in keep and self.ours(name, bool(keep)) and not fresh(mtime, now, grace)]
         if doomed and not keep and not dry_run and self.object(step, MANIFEST_NAME).read_small() is not None:
             return []  # committed since it was listed: the next sweep reads what its manifest names
         removed: list[str] = []

@@ -19,7 +19,8 @@ except ImportError as exc:
     raise ImportError(f'taskpoint.torch needs PyTorch with torch.distributed ({exc}); install it with '
                       f'pip install "taskpoint[torch]"') from exc
 
+from ._kind import FileSetStep
 from ._reader import Reader
 from ._writer import Writer
 
-__all__ = ["Reader", "Writer"]
+__all__ = ["FileSetStep", "Reader", "Writer"]

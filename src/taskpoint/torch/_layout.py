@@ -13,20 +13,20 @@ any verification).
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..format.fileset import DCP_DATA_FILE, DCP_MANIFEST_NAME, DCP_METADATA_NAME
 from ..storage import Location, RetryPolicy, normalize_uri
 
 #: DCP's metadata file: its presence commits the checkpoint.
-METADATA_NAME = DCP_METADATA_NAME
-#: taskpoint's manifest, written just before the commit.
-MANIFEST_NAME = DCP_MANIFEST_NAME
+METADATA_NAME = ".metadata"
+#: taskpoint's manifest, written just before the commit; a manager step of such a checkpoint names it.
+MANIFEST_NAME = "taskpoint.dcp.json"
 #: The ``kind`` of a DCP checkpoint's file-set manifest.
 MANIFEST_KIND = "torch.dcp"
 #: Data files of a save (``save`` is the first 12 hex digits of the coordinator's save id).
-DATA_FILE = DCP_DATA_FILE
+DATA_FILE = re.compile(r"__(0|[1-9][0-9]*)_(0|[1-9][0-9]*)-[0-9a-f]{12}\.distcp")
 #: Files of one rank uploaded at once by default (each an atomic upload with its own parts in flight).
 DEFAULT_THREADS = 4
 

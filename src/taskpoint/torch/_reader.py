@@ -83,8 +83,7 @@ class Reader(Rooted, StorageReader):
         chosen = manager.latest_step() if step is None else step
         if chosen is None:
             raise FileNotFoundError(f"there is no committed step in {manager.directory}")
-        root = manager._steps.root
-        return cls(manager.step_uri(chosen), root.storage_options, threads=threads, retry=root.retry)
+        return cls(manager.step_uri(chosen), manager.storage_options, threads=threads, retry=manager.retry)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The checkpoint's metadata, verified against the manifest. Never raises (see the module): a failure

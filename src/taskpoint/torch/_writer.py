@@ -31,6 +31,7 @@ from ..format.fileset import FileEntry, FileSetManifest
 from ..manager import CheckpointManager
 from ..storage import Location, RetryPolicy
 from ..transfer import HashingWriter
+from ._kind import FileSetStep
 from ._layout import (
     DATA_FILE,
     DEFAULT_THREADS,
@@ -238,9 +239,8 @@ class _StepWriter(Writer):
 
     def __init__(self, manager: CheckpointManager, step: int, metadata: dict[str, Any] | None, *, overwrite: bool,
                  threads: int) -> None:
-        root = manager._steps.root
-        super().__init__(manager.step_uri(step), root.storage_options, overwrite=overwrite, threads=threads,
-                         retry=root.retry)
+        super().__init__(manager.step_uri(step), manager.storage_options, overwrite=overwrite, threads=threads,
+                         retry=manager.retry)
         self._manager, self._step, self._metadata = manager, step, metadata
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -253,4 +253,4 @@ class _StepWriter(Writer):
 
     def commit(self, manifest: FileSetManifest, metadata_blob: bytes) -> None:
         super().commit(manifest, metadata_blob)
-        self._manager._commit_files(self._step, MANIFEST_NAME, manifest.to_bytes(), self._metadata)
+        self._manager.commit(self._step, FileSetStep(MANIFEST_NAME), metadata=self._metadata)

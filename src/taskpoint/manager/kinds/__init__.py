@@ -1,0 +1,261 @@
+"""Step kinds: what a step holds and how it is saved, restored, verified, listed and deleted, one module each.
+
+A step's manifest stores its kind's name and that kind's own content (:class:`~taskpoint.format.records.
+StepManifest`); the manager's commit, restore, retention and gc look the kind up here and call it, and know no
+kind themselves. The kinds of the core are :mod:`.payload` (one payload object), :mod:`.chunked` (a
+deduplicated tree in the chunk store) and :mod:`.sharded` (one payload per rank); ``taskpoint.torch``
+registers its own (a DCP file set). Another package adds a kind by registering an object that follows
+:class:`StepKind` with :func:`register_step_kind` when its module is imported, and by naming that module in
+the entry-point group :data:`ENTRY_POINT_GROUP`, so that a process reading such a step imports it (as payload
+kinds are found, :mod:`taskpoint.payloads`)::
+
+    [project.entry-points."taskpoint.step_kinds"]
+    notes = "my_package.kind"
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from ... import _progress
+from ..._progress import Progress
+from ...errors import CheckpointCorruptError
+from ...format.codecs import Codec
+from ...format.records import ObjectRecord, StepContent, StepManifest
+from ...payloads import Payload, payload_class
+from ...transfer import hash_object, read_payload
+from ..background import Handover
+from ..dedup import Dedup
+from ..rebuild import Rebuilder
+from ..shards import RankPlan
+from ..steps import StepObjects, StepStore
+
+#: What removes an object a committed step names. taskpoint's own retention and sweeps never do: a save that a
+#: sweep took for dead fails before (or takes back) its commit, and a sweep reads the manifests again after its
+#: epoch. A taskpoint without those checks could, for a save stalled past the grace period.
+GONE_HOW = (", which taskpoint's retention and sweeps never do: by hand, by a bucket lifecycle rule, or by a "
+            "sweep of a taskpoint without these checks while the save was stalled")
+#: Entry-point group of step kinds that other packages provide (name: the kind, value: the module to import).
+ENTRY_POINT_GROUP = "taskpoint.step_kinds"
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The manager's parts a step kind works with, passed down to every call."""
+
+    steps: StepStore
+    codec: Codec
+    level: int | None
+    grace: float
+    plan: RankPlan
+    #: Reads and checks the chunks of deduplicated steps (whether or not this manager deduplicates its saves).
+    rebuilder: Rebuilder
+    #: The chunk store's saves, when this manager deduplicates (``dedup=True``); else None.
+    dedup: Dedup | None = None
+    #: Told the step on every listing while rank 0 waits for the shards of a step (the preemption agreement).
+    waiting: Callable[[int], None] | None = None
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    """One save of ``payload`` as ``step``: what the kind stores and commits."""
+
+    step: int
+    metadata: dict[str, Any]
+    attempt: int | None
+    #: A payload to store (the core's kinds), or the content of a step whose objects another writer stored.
+    payload: Payload | StepContent
+    saver: Handover | None
+    progress: Progress
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What a kind's save did: whether this process committed the step (a rank > 0 only records its shard),
+    and the bytes that crossed the wire."""
+
+    committed: bool
+    sent: int
+    #: The objects of the step's folder its manifest names (an overwritten step's others then go).
+    names: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A kind's verification of a step: the bytes of data it holds, and what matched (``4 shards, sha256
+    matches its manifest``)."""
+
+    size: int
+    detail: str
+
+
+@dataclass(frozen=True)
+class Described:
+    """What a kind adds to a step's description: the object that holds its payload (empty when none), its
+    size when it differs from the commit record's, and its own fields (shards, files, chunks)."""
+
+    payload: str
+    details: dict[str, Any]
+
+
+class StepKind(Protocol):
+    """One kind of step. ``name`` is what manifests record; ``helper`` says whether its saves may upload from
+    the manager's save process (False: they run in this process, as deduplicated saves do)."""
+
+    name: str
+    helper: bool
+
+    def decode(self, body: dict[str, Any]) -> StepContent:
+        """The content of this kind from its fields in a manifest; ValueError (TypeError, KeyError) when
+        malformed: the manifest is then reported damaged."""
+        ...
+
+    def accepts(self, payload: Payload, parts: Parts) -> bool:
+        """Whether :meth:`CheckpointManager.save <taskpoint.CheckpointManager.save>` saves ``payload`` as this
+        kind (asked in the order kinds were given to the manager)."""
+        ...
+
+    def save(self, parts: Parts, job: SaveJob) -> Saved:
+        """Store the payload and commit the step with its manifest (written last)."""
+        ...
+
+    def restore(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path, progress: Progress
+                ) -> Path:
+        """Restore the step into ``workspace``, every byte verified; what a load returns. :class:`Gone` when
+        an object it names is missing (the caller tells an overwrite from damage)."""
+        ...
+
+    def verify(self, parts: Parts, step: int, manifest: StepManifest, progress: object) -> Checked:
+        """Read every byte the step holds against its checksum, keeping nothing (``progress``: the caller's
+        ``progress=`` value). CheckpointCorruptError when damaged; FileNotFoundError when an object is missing."""
+        ...
+
+    def objects(self, steps: StepStore, step: int, manifest: StepManifest) -> StepObjects:
+        """What the manifest names (objects of the step's folder, chunks of the chunk store)."""
+        ...
+
+    def delete(self, steps: StepStore, step: int, manifest: StepManifest) -> set[str]:
+        """Remove what the step holds besides its manifest (removed already); the names it removed."""
+        ...
+
+    def describe(self, parts: Parts, step: int, manifest: StepManifest) -> Described:
+        """The kind's part of the step's description (``taskpoint show``), read without the payload."""
+        ...
+
+    def owns(self, name: str, committed: bool) -> bool:
+        """Whether ``name`` in a step folder is an object this kind's saves write: a sweep removes it once
+        older than the grace period when no manifest names it (``committed``: the folder has a manifest)."""
+        ...
+
+
+class Gone(Exception):
+    """An object a step names is missing while the step is restored; ``message`` is the error to raise when
+    the manifest, read again, still commits the same save (damage, not an overwrite)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class StepKinds:
+    """The registry of step kinds: by name, loading the package an entry point names when a manifest names a
+    kind not registered yet."""
+
+    def __init__(self) -> None:
+        self._kinds: dict[str, StepKind] = {}
+
+    def register(self, kind: StepKind) -> StepKind:
+        """Add ``kind`` (replacing one of the same name: a module imported again)."""
+        self._kinds[kind.name] = kind
+        return kind
+
+    def loaded(self) -> Iterable[StepKind]:
+        """The kinds registered in this process."""
+        return tuple(self._kinds.values())
+
+    def kind(self, name: str, where: str) -> StepKind:
+        """The kind ``name``, imported through its entry point when needed. CheckpointCorruptError naming it when
+        no installed package provides it (the step at ``where`` cannot be read, listed as damaged)."""
+        found = self._kinds.get(name)
+        if found is None:
+            from importlib.metadata import entry_points
+
+            for point in entry_points(group=ENTRY_POINT_GROUP, name=name):
+                try:
+                    point.load()
+                except ImportError as exc:
+                    raise CheckpointCorruptError(
+                        f"{where} is a step of kind {name!r}, whose module {point.value} cannot be imported ({exc}); "
+                        "install what it needs") from exc
+            found = self._kinds.get(name)
+        if found is None:
+            raise CheckpointCorruptError(
+                f"{where} is a step of kind {name!r}, which no installed package provides (no step kind of that "
+                f"name registered, none in the entry-point group {ENTRY_POINT_GROUP!r}); install the package that "
+                "saved it, or upgrade taskpoint")
+        return found
+
+
+#: The process's step kinds: the core's register themselves when :mod:`taskpoint.manager` is imported.
+KINDS = StepKinds()
+
+
+def register_step_kind(kind: StepKind) -> StepKind:
+    """Register ``kind`` (an object following :class:`StepKind`) under ``kind.name``; returns it."""
+    return KINDS.register(kind)
+
+
+def step_kind(name: str, where: str = "a step") -> StepKind:
+    """The registered step kind ``name`` (see :meth:`StepKinds.kind`)."""
+    return KINDS.kind(name, where)
+
+
+def stored_part(parts: Parts, step: int, name: str, size: int | None, sha256: str | None, progress: object,
+                label: str) -> int:
+    """Hash the object ``name`` of ``step``'s folder and compare it with the ``size`` and ``sha256`` its
+    manifest records; its size. CheckpointCorruptError when it differs, FileNotFoundError when it is missing."""
+
+    steps = parts.steps
+    with _progress.resolve(progress, label) as tracker:
+        try:
+            found, digest = hash_object(steps.object(step, name), "sha256", size, tracker)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"its payload {name} is missing") from None
+    if (found, digest) != (size, sha256):
+        raise CheckpointCorruptError(
+            f"step {step} in {steps.directory} is damaged: read {found} bytes of {name} that do not match the sha256 "
+            f"of its manifest (recorded size {size})")
+    return found
+
+
+def read_object(parts: Parts, step: int, name: str, record: ObjectRecord, workspace: Path, progress: Progress
+                ) -> Path:
+    """Restore the payload object ``name`` of ``step``'s folder into ``workspace``, checked against ``record``
+    (kind, size, sha256) while it streams. :class:`Gone` when the object is missing."""
+    steps = parts.steps
+    src = steps.object(step, name)
+
+    def verify(kind: str, size: int, digest: str) -> None:
+        if (kind, size, digest) != (record.kind, record.size, record.sha256):
+            raise CheckpointCorruptError(
+                f"step {step} in {steps.directory} does not match the sha256 recorded when it was saved "
+                f"(read {size} bytes, expected {record.size}); it is damaged. Restore an older step "
+                "(fallback=True), or save it again.")
+
+    gone = Gone(f"step {step} in {steps.directory} is committed but its payload {name} is missing: it was removed "
+                f"after the commit{GONE_HOW}. Restore an older step (fallback=True), or delete this one.")
+    try:
+        result = read_payload(src, workspace, lambda head, size: payload_class(record.kind, src.uri), verify,
+                              size_hint=record.size, progress=progress)
+    except FileNotFoundError:  # deleted under a streaming read (object stores)
+        raise gone from None
+    except CheckpointCorruptError as exc:
+        if f"step {step} " in str(exc):
+            raise
+        raise type(exc)(f"step {step} in {steps.directory} is damaged: {exc}") from exc
+    if result is None:
+        raise gone
+    return result

@@ -1,0 +1,114 @@
+"""The ``chunked`` step kind: a deduplicated tree, its files cut into chunks of the directory's chunk store
+(:mod:`..dedup` saves, :mod:`..rebuild` restores). The step's folder holds only its manifest, which lists
+every entry and the chunks of each file; :meth:`Dedup.collect <taskpoint.manager.dedup.Dedup.collect>` removes
+the chunks no manifest names. Its manifest keeps the layout of format version 2."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ... import _progress
+from ..._progress import Progress
+from ...format.records import ChunkedTree, ObjectRecord, StepManifest, TreeEntry
+from ...payloads import Payload
+from ..dedup import deduplicable
+from ..rebuild import MissingChunk
+from ..steps import MANIFEST_NAME, StepObjects, StepStore
+from . import GONE_HOW, Checked, Described, Gone, Parts, Saved, SaveJob, register_step_kind
+
+
+@dataclass(frozen=True)
+class ChunkedStep:
+    """The content of a deduplicated step: its tree of entries and their chunks."""
+
+    kind: ClassVar[str] = "chunked"
+    tree: ChunkedTree
+
+    def to_json(self) -> dict[str, Any]:
+        return {"payload": "", "tree": {"chunk_size": self.tree.chunk_size,
+                                        "entries": [entry.to_json() for entry in self.tree.entries]}}
+
+
+def _tree(manifest: StepManifest) -> ChunkedTree:
+    content = manifest.content
+    assert isinstance(content, ChunkedStep)
+    return content.tree
+
+
+class ChunkedKind:
+    """Deduplicated steps (see the module); saved when the manager has ``dedup=True``."""
+
+    name = ChunkedStep.kind
+    helper = False  # the chunks are hashed and uploaded by this process's pool
+
+    def decode(self, body: dict[str, Any]) -> ChunkedStep:
+        if body["payload"] != "":
+            raise ValueError("a deduplicated step names a payload object")
+        raw = body["tree"]
+        tree = ChunkedTree(chunk_size=int(raw["chunk_size"]),
+                           entries=tuple(TreeEntry.from_json(e) for e in raw["entries"]))
+        if tree.chunk_size < 1:
+            raise ValueError("the chunk size is not positive")
+        return ChunkedStep(tree)
+
+    def accepts(self, payload: Payload | object, parts: Parts) -> bool:
+        return parts.dedup is not None and isinstance(payload, Payload) and deduplicable(payload)
+
+    def save(self, parts: Parts, job: SaveJob) -> Saved:
+        dedup, payload, step = parts.dedup, job.payload, job.step
+        assert dedup is not None and isinstance(payload, Payload)
+        record = ObjectRecord(kind=payload.kind, codec="chunked", save_id=uuid.uuid4().hex, created=time.time())
+        location = parts.steps.object(step, MANIFEST_NAME)
+        with dedup.lease():  # its chunks: named by the lease until the commit
+            size, digest, tree = dedup.store(payload, job.progress)
+            sent = dedup.last.uploaded_bytes if dedup.last else size  # what crossed the wire
+            manifest = StepManifest(step=step, record=dataclasses.replace(record, size=size, sha256=digest),
+                                    attempt=job.attempt, metadata=job.metadata, content=ChunkedStep(tree))
+            dedup.commit(tree, lambda: location.write_small(manifest.to_bytes(), action="commit the checkpoint at"),
+                         location.remove)
+        return Saved(committed=True, sent=sent)
+
+    def restore(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path, progress: Progress
+                ) -> Path:
+        try:
+            return parts.rebuilder.restore(step, _tree(manifest), manifest.record.kind, workspace, progress)
+        except MissingChunk as missing:
+            raise Gone(f"step {step} in {parts.steps.directory} is damaged: {missing} (removed after the "
+                       f"commit{GONE_HOW}). Restore an older step (fallback=True), or save it again.") from None
+
+    def verify(self, parts: Parts, step: int, manifest: StepManifest, progress: object) -> Checked:
+        tree = _tree(manifest)
+        try:
+            with _progress.resolve(progress, f"verify step {step}") as tracker:
+                total = parts.rebuilder.verify(step, tree, tracker)
+        except MissingChunk as missing:
+            raise FileNotFoundError(str(missing)) from None
+        return Checked(total, f"deduplicated: {tree.count('file')} files in {tree.chunk_count()} chunks, each "
+                              "matches its sha256")
+
+    def objects(self, steps: StepStore, step: int, manifest: StepManifest) -> StepObjects:
+        chunks: dict[str, str] = {}
+        for entry in _tree(manifest).entries:
+            for key in entry.chunks:
+                chunks.setdefault(key, entry.path)
+        return StepObjects(chunks=chunks)
+
+    def delete(self, steps: StepStore, step: int, manifest: StepManifest) -> set[str]:
+        return set()  # its chunks go with the sweep of the chunk store, once no manifest names them
+
+    def describe(self, parts: Parts, step: int, manifest: StepManifest) -> Described:
+        tree = _tree(manifest)
+        return Described(payload="", details={
+            "files": tree.count("file"), "folders": tree.count("dir"), "links": tree.count("link"),
+            "chunk_size": tree.chunk_size, "chunks": tree.chunk_count(), "unique_chunks": len(tree.chunk_keys())})
+
+    def owns(self, name: str, committed: bool) -> bool:
+        return False  # its folder holds only the manifest
+
+
+CHUNKED = register_step_kind(ChunkedKind())

@@ -1,0 +1,102 @@
+"""The ``payload`` step kind: one payload object in the step's folder, stored as a Checkpoint stores it (raw,
+or a tar archive), committed by a manifest naming it with its sha256. The kind of every step saved without
+``dedup`` by one rank. Its manifest keeps the layout of format version 1, which every taskpoint reads."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ..._progress import Progress
+from ...format.records import ObjectRecord, StepManifest
+from ...payloads import Payload
+from ..background import store_payload
+from ..steps import MANIFEST_NAME, PAYLOAD_NAME, StepObjects, StepStore, stored_names
+from . import Checked, Described, Parts, Saved, SaveJob, read_object, register_step_kind, stored_part
+
+_OWNED = stored_names(PAYLOAD_NAME.pattern)
+
+
+@dataclass(frozen=True)
+class PayloadObject:
+    """The content of a payload step: the name of its payload object (``payload-<save id>``)."""
+
+    kind: ClassVar[str] = "payload"
+    name: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"payload": self.name}
+
+
+def _content(manifest: StepManifest) -> PayloadObject:
+    content = manifest.content
+    assert isinstance(content, PayloadObject)
+    return content
+
+
+class PayloadKind:
+    """One payload object per step (see the module)."""
+
+    name = PayloadObject.kind
+    helper = True
+
+    def decode(self, body: dict[str, Any]) -> PayloadObject:
+        name = str(body["payload"])
+        if not PAYLOAD_NAME.fullmatch(name):
+            raise ValueError(f"it names {name!r}, which is not a payload object")
+        return PayloadObject(name)
+
+    def accepts(self, payload: Payload | object, parts: Parts) -> bool:
+        return isinstance(payload, Payload)
+
+    def save(self, parts: Parts, job: SaveJob) -> Saved:
+        payload, steps, step = job.payload, parts.steps, job.step
+        assert isinstance(payload, Payload)
+        save_id = uuid.uuid4().hex
+        name = f"payload-{save_id}"
+        location = steps.object(step, MANIFEST_NAME)
+        record = ObjectRecord(kind=payload.kind, codec=parts.codec.name if payload.archived else "raw",
+                              save_id=save_id, created=time.time())
+        manifest = StepManifest(step=step, record=record, attempt=job.attempt, metadata=job.metadata,
+                                content=PayloadObject(name))
+        # The save process commits this manifest itself (size and digest filled in) if we die meanwhile.
+        size, digest = store_payload(steps.object(step, name), payload, parts.codec, parts.level, job.saver,
+                                     (location, manifest), job.progress)
+        manifest = dataclasses.replace(manifest, record=dataclasses.replace(record, size=size, sha256=digest))
+        # A failed commit leaves the payload in place: the write may have landed although it raised (a lost
+        # response, an interrupt after the PUT), and then the manifest names this payload. Deleting it would
+        # leave a committed step naming nothing; if the manifest did not land, the payload is a leftover that
+        # no manifest names, removed by a later save or gc() once older than the grace period.
+        steps.check_stored(step, {name: size})
+        location.write_small(manifest.to_bytes(), action="commit the checkpoint at")
+        return Saved(committed=True, sent=size, names=frozenset({name}))
+
+    def restore(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path, progress: Progress
+                ) -> Path:
+        return read_object(parts, step, _content(manifest).name, manifest.record, workspace, progress)
+
+    def verify(self, parts: Parts, step: int, manifest: StepManifest, progress: object) -> Checked:
+        name, record = _content(manifest).name, manifest.record
+        size = stored_part(parts, step, name, record.size, record.sha256, progress, f"verify step {step}")
+        return Checked(size, "sha256 matches its manifest")
+
+    def objects(self, steps: StepStore, step: int, manifest: StepManifest) -> StepObjects:
+        return StepObjects(files={_content(manifest).name: manifest.record.size})
+
+    def delete(self, steps: StepStore, step: int, manifest: StepManifest) -> set[str]:
+        name = _content(manifest).name
+        steps.object(step, name).remove()
+        return {name}
+
+    def describe(self, parts: Parts, step: int, manifest: StepManifest) -> Described:
+        return Described(payload=_content(manifest).name, details={})
+
+    def owns(self, name: str, committed: bool) -> bool:
+        return bool(_OWNED.fullmatch(name))
+
+
+PAYLOAD = register_step_kind(PayloadKind())

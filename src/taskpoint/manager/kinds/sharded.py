@@ -1,0 +1,107 @@
+"""The ``sharded`` step kind: a step saved by several ranks, one payload object per rank (its shard), committed
+by rank 0 once every rank's shard is stored (:mod:`..shards`). A restore reads this rank's shard, so it needs
+as many ranks as saved. Its manifest keeps the layout of format version 3."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ..._progress import Progress
+from ...errors import CheckpointError
+from ...format.records import Shard, StepManifest
+from ...payloads import Payload
+from ..background import store_payload
+from ..shards import ShardWriter
+from ..steps import PAYLOAD_NAME, RANK_RECORD, StepObjects, StepStore, stored_names
+from . import Checked, Described, Parts, Saved, SaveJob, read_object, register_step_kind, stored_part
+
+_OWNED = stored_names(rf"{PAYLOAD_NAME.pattern}|{RANK_RECORD.pattern}")
+
+
+@dataclass(frozen=True)
+class Shards:
+    """The content of a step saved by several ranks: rank k's shard is ``shards[k]``."""
+
+    kind: ClassVar[str] = "sharded"
+    shards: tuple[Shard, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"payload": "", "shards": [shard.to_json() for shard in self.shards]}
+
+
+def _shards(manifest: StepManifest) -> tuple[Shard, ...]:
+    content = manifest.content
+    assert isinstance(content, Shards)
+    return content.shards
+
+
+class ShardedKind:
+    """Steps saved by several ranks (see the module); saved when the manager's ``world_size`` is above 1."""
+
+    name = Shards.kind
+    helper = True
+
+    def decode(self, body: dict[str, Any]) -> Shards:
+        shards = tuple(Shard.from_json(s) for s in body["shards"])
+        if [shard.rank for shard in shards] != list(range(len(shards))) or len(shards) < 2:
+            raise ValueError("the shards are not ranks 0 .. world_size - 1 in order")
+        if body["payload"] != "" or not all(PAYLOAD_NAME.fullmatch(shard.payload) for shard in shards):
+            raise ValueError("a shard names something other than a payload object")
+        return Shards(shards)
+
+    def accepts(self, payload: Payload | object, parts: Parts) -> bool:
+        return parts.plan.ranks.distributed and isinstance(payload, Payload)
+
+    def save(self, parts: Parts, job: SaveJob) -> Saved:
+        payload = job.payload
+        assert isinstance(payload, Payload)
+        writer = ShardWriter(parts.steps, parts.plan, parts.grace, parts.waiting)
+        codec = parts.codec.name if payload.archived else "raw"
+        # The save process finishes this rank's part (its record; on rank 0, the commit) if we die meanwhile.
+        size, names = writer.write(job.step, job.metadata, job.attempt, payload, codec, Shards,
+                                   lambda location, orphan: store_payload(location, payload, parts.codec, parts.level,
+                                                                          job.saver, orphan, progress=job.progress))
+        return Saved(committed=writer.commits, sent=size, names=frozenset(names))
+
+    def _own(self, parts: Parts, step: int, manifest: StepManifest) -> Shard:
+        """This rank's shard; CheckpointError when the step was saved by another number of ranks."""
+        shards, ranks = _shards(manifest), parts.plan.ranks
+        if len(shards) != ranks.world_size:
+            raise CheckpointError(
+                f"step {step} in {parts.steps.directory} was saved by {len(shards)} ranks and holds one shard per "
+                f"rank; this manager is rank {ranks.rank} of {ranks.world_size}. Restore it with {len(shards)} ranks "
+                "(for another number of ranks, save through taskpoint.torch, whose checkpoints reshard).")
+        return shards[ranks.rank]
+
+    def restore(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path, progress: Progress
+                ) -> Path:
+        shard = self._own(parts, step, manifest)
+        return read_object(parts, step, shard.payload, shard.record, workspace, progress)
+
+    def verify(self, parts: Parts, step: int, manifest: StepManifest, progress: object) -> Checked:
+        shards = _shards(manifest)
+        size = sum(stored_part(parts, step, shard.payload, shard.record.size, shard.record.sha256, progress,
+                               f"verify step {step}: {shard.payload}") for shard in shards)
+        return Checked(size, f"{len(shards)} shards, sha256 matches its manifest")
+
+    def objects(self, steps: StepStore, step: int, manifest: StepManifest) -> StepObjects:
+        return StepObjects(files={shard.payload: shard.record.size for shard in _shards(manifest)})
+
+    def delete(self, steps: StepStore, step: int, manifest: StepManifest) -> set[str]:
+        names = {shard.payload for shard in _shards(manifest)}
+        for name in names:
+            steps.object(step, name).remove()
+        return names
+
+    def describe(self, parts: Parts, step: int, manifest: StepManifest) -> Described:
+        return Described(payload="", details={"shards": [
+            {"rank": s.rank, "payload": s.payload, "size": s.record.size, "sha256": s.record.sha256}
+            for s in _shards(manifest)]})
+
+    def owns(self, name: str, committed: bool) -> bool:
+        return bool(_OWNED.fullmatch(name))
+
+
+SHARDED = register_step_kind(ShardedKind())

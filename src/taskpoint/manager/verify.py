@@ -1,0 +1,139 @@
+"""Verifying and describing steps: every byte of a step read against its manifest's checksums, and what a
+manifest says, as typed results (``CheckpointManager.verify`` and ``describe``; ``taskpoint verify`` and
+``show`` print them). The step's kind does the reading (:mod:`.kinds`); this module tells damage from a step
+that another writer overwrote or deleted meanwhile."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CheckpointCorruptError, CheckpointError
+from ..format.records import StepManifest
+from .kinds import Parts, StepKinds
+
+HEALTHY, DAMAGED, CHANGED = "healthy", "damaged", "changed"
+
+
+@dataclass(frozen=True)
+class StepVerification:
+    """One step, verified. ``state`` is ``healthy`` (every byte matched), ``damaged`` or ``changed``
+    (overwritten or deleted by another writer while it was verified); ``detail`` says what matched, or the
+    problem. ``size`` is the data the step holds; ``checked`` is False for a manifest written before manifests
+    carried a check of their own (damage to it cannot be told)."""
+
+    step: int
+    state: str
+    detail: str
+    kind: str | None = None
+    size: int | None = None
+    checked: bool = True
+
+    @property
+    def healthy(self) -> bool:
+        return self.state == HEALTHY
+
+
+@dataclass(frozen=True)
+class Verification:
+    """The steps of a directory, verified (oldest first)."""
+
+    directory: str
+    steps: tuple[StepVerification, ...]
+
+    @property
+    def healthy(self) -> bool:
+        return all(step.healthy for step in self.steps)
+
+    @property
+    def damaged(self) -> list[int]:
+        return [s.step for s in self.steps if s.state == DAMAGED]
+
+    @property
+    def changed(self) -> list[int]:
+        return [s.step for s in self.steps if s.state == CHANGED]
+
+
+@dataclass(frozen=True)
+class StepDescription:
+    """What a step's manifest says, read without its payload: its step kind; the object holding its payload
+    (empty when none); the commit record (``payload_kind``, ``codec``, ``save_id``, ``created``, ``size``,
+    ``sha256``, ``crc32``); the task attempt and the user's metadata; and the kind's own ``details`` (shards,
+    files, chunks; a ``size`` there is the data the step holds, where it differs from the record's)."""
+
+    step: int
+    uri: str
+    kind: str
+    payload: str
+    attempt: int | None
+    payload_kind: str
+    codec: str
+    save_id: str
+    created: float
+    size: int | None
+    sha256: str | None
+    crc32: str | None
+    checked: bool
+    metadata: dict[str, Any]
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class StepChanged(CheckpointError):
+    """The step was deleted or overwritten (by another writer, or its retention) between the read of its
+    manifest and the end of the check: an error, not damage, and not "no such step"."""
+
+    def __init__(self, directory: str, step: int) -> None:
+        super().__init__(f"step {step} in {directory} was overwritten or deleted while it was verified; verify it "
+                         "again")
+
+
+def verify_step(parts: Parts, kinds: StepKinds, step: int, progress: object, *, listed: bool = False,
+                manifest: StepManifest | None = None) -> StepVerification:
+    """Verify ``step`` (the save ``manifest`` commits, when given; else its manifest now). Damage is
+    CheckpointCorruptError only when the manifest, read again, still commits that save; otherwise
+    :class:`StepChanged`. A step with no manifest is FileNotFoundError, or StepChanged when ``listed``."""
+    steps = parts.steps
+    manifest = manifest or steps.manifest(step)
+    if manifest is None:
+        if listed:
+            raise StepChanged(steps.directory, step)
+        raise FileNotFoundError(f"step {step} does not exist in {steps.directory}")
+    try:
+        checked = kinds.kind(manifest.kind, steps.step_uri(step)).verify(parts, step, manifest, progress)
+    except (CheckpointCorruptError, FileNotFoundError) as exc:
+        # A retention or an overwrite deletes the manifest first, then the objects it names: what is missing
+        # or short is damage only if the step is still the save that was read.
+        if not manifest.same_save(steps.manifest(step, tolerate_corrupt=True)):
+            raise StepChanged(steps.directory, step) from None
+        if isinstance(exc, CheckpointCorruptError):
+            raise
+        raise CheckpointCorruptError(f"step {step} in {steps.directory} is damaged: {exc}") from None
+    return StepVerification(step, HEALTHY, checked.detail, manifest.kind, checked.size, manifest.checked)
+
+
+def verify_steps(parts: Parts, kinds: StepKinds, listed: list[int], progress: object) -> Verification:
+    """Verify each of the steps a listing found, recording damage and changes per step."""
+    results = []
+    for step in listed:
+        try:
+            results.append(verify_step(parts, kinds, step, progress, listed=True))
+        except CheckpointCorruptError as exc:
+            results.append(StepVerification(step, DAMAGED, " ".join(str(exc).split())))
+        except StepChanged as exc:
+            results.append(StepVerification(step, CHANGED, str(exc)))
+    return Verification(parts.steps.directory, tuple(results))
+
+
+def describe_step(parts: Parts, kinds: StepKinds, step: int) -> StepDescription:
+    """The description of ``step``; FileNotFoundError when it does not exist."""
+    steps = parts.steps
+    manifest = steps.manifest(step)
+    if manifest is None:
+        raise FileNotFoundError(f"step {step} does not exist in {steps.directory}")
+    described = kinds.kind(manifest.kind, steps.step_uri(step)).describe(parts, step, manifest)
+    record = manifest.record
+    return StepDescription(step=manifest.step, uri=steps.step_uri(step), kind=manifest.kind,
+                           payload=described.payload, attempt=manifest.attempt, payload_kind=record.kind,
+                           codec=record.codec, save_id=record.save_id, created=record.created, size=record.size,
+                           sha256=record.sha256, crc32=record.crc32, checked=manifest.checked,
+                           metadata=manifest.metadata, details=described.details)
