@@ -15,7 +15,7 @@ kinds are found, :mod:`taskpoint.payloads`)::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
