@@ -36,7 +36,8 @@ def shard(rank: int, step: int, size: int) -> bytes:
 def run_steps(args: dict[str, Any]) -> None:
     mgr = taskpoint.CheckpointManager(args["directory"], storage_options=args.get("options"),
                                       commit_timeout=args.get("commit_timeout", 30), keep=args.get("keep"),
-                                      grace_seconds=args.get("grace", 900), preemption=False)
+                                      grace_seconds=args.get("grace", 900), preemption=False,
+                                      background_process=args.get("background_process", True))
     rank = mgr.rank
     say(event="ready", rank=rank, world_size=mgr.world_size)
     for step, size, blocking in args["steps"]:

@@ -430,7 +430,7 @@ _KILLED_SAVE = """
     from taskpoint.jax import OrbaxCheckpointHandler
 
     directory = sys.argv[1]
-    with tpjax.OrbaxCheckpointHandler() as h:
+    with OrbaxCheckpointHandler() as h:
         h.save(directory, {"w": np.arange(4.0), "step": 1}, step=1)
 
     real_write_tar = payloads.write_tar
@@ -449,7 +449,7 @@ _KILLED_SAVE = """
 
     payloads.write_tar = lambda path, sink, codec, level, **kw: real_write_tar(path, DiesMidway(sink), codec, level,
                                                                                **kw)
-    tpjax.OrbaxCheckpointHandler().save(directory, {"w": np.arange(40_000.0), "step": 2}, step=2)
+    OrbaxCheckpointHandler().save(directory, {"w": np.arange(40_000.0), "step": 2}, step=2)
 """
 
 

@@ -63,11 +63,13 @@ def test_four_rank_processes_commit_each_step_once_and_each_restores_its_shard(s
 def test_rank_killed_in_the_middle_of_its_upload_abandons_the_step(s3_store: Any, tmp_path: Path) -> None:
     """Rank 2 of 4 is SIGKILLed while its 40 MiB shard of step 2 is a multipart upload in flight: rank 0 raises
     StepAbandonedError after commit_timeout, step 2 never appears, step 1 restores on every rank, and gc() past
-    the grace period removes the abandoned shards and aborts the upload (but not before the grace)."""
+    the grace period removes the abandoned shards and aborts the upload (but not before the grace). The ranks
+    upload from the trainer itself (no save process): a save process would finish the shard of a trainer that
+    died, and its record with it (tests/test_preempt_ranks.py), so the upload would not stay cut."""
     go = tmp_path / "go"
     big = 40 << 20
     args = {"directory": s3_store.url("ckpts"), "options": s3_store.storage_options, "commit_timeout": 6,
-            "wait_step": 2, "go": str(go), "steps": [[1, 2000, True], [2, 3000, True]]}
+            "wait_step": 2, "go": str(go), "steps": [[1, 2000, True], [2, 3000, True]], "background_process": False}
     ranks = [RankProcess("steps", {**args, "steps": [[1, 2000, True], [2, big if rank == 2 else 3000, True]]},
                          rank, 4) for rank in range(4)]
     directory = Location(s3_store.url("ckpts"), s3_store.storage_options)
