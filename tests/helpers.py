@@ -38,6 +38,24 @@ def wait_until(predicate: Callable[[], object], timeout: float = 5.0) -> bool:
     return False
 
 
+def process_gone(pid: int, within: float) -> bool:
+    """Whether process ``pid`` has exited within ``within`` seconds (polled every 20 ms)."""
+
+    def gone() -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        if gone():
+            return True
+        time.sleep(0.02)
+    return gone()
+
+
 class AcceptLoop:
     """A TCP listener on 127.0.0.1 whose accept loop runs on a daemon thread and hands each connection to
     ``handle`` (called on that thread): the part the tests' proxies share. :meth:`close` stops the loop and

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 import taskpoint
+from helpers import process_gone
 
 WORKER = Path(__file__).with_name("_preempt_ranks_worker.py")
 WORLD = 4
@@ -131,47 +132,22 @@ def preempt_trials(store: Any, trials: int, seed: int, *, group: bool, one_rank:
 
 @STORES
 @GROUPS
+@pytest.mark.parametrize("trials", [1, pytest.param(10, id="10", marks=[pytest.mark.timeout(1200), pytest.mark.campaign(
+    "10 SIGTERMs to all 4 ranks per store and agreement (make test: 1)")])], ids=str)
 def test_sigterm_to_all_ranks_commits_one_emergency_step_whole_and_the_relaunch_resumes_from_it(
-        store: Any, group: bool) -> None:
-    preempt_trials(store, trials=1, seed=28, group=group, one_rank=False)
+        store: Any, group: bool, trials: int) -> None:
+    preempt_trials(store, trials=trials, seed=28 if trials == 1 else 280, group=group, one_rank=False)
 
 
 @STORES
 @GROUPS
-def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(store: Any, group: bool) -> None:
-    preempt_trials(store, trials=1, seed=29, group=group, one_rank=True)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1200)
-@pytest.mark.campaign("10 SIGTERMs to all 4 ranks per store and agreement (the test above: 1)")
-@STORES
-@GROUPS
-def test_sigterm_to_all_ranks_many_trials(store: Any, group: bool) -> None:
-    preempt_trials(store, trials=10, seed=280, group=group, one_rank=False)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1200)
-@pytest.mark.campaign("5 SIGTERMs to one rank of 4 per store and agreement (the test above: 1)")
-@STORES
-@GROUPS
-def test_sigterm_to_one_rank_many_trials(store: Any, group: bool) -> None:
-    preempt_trials(store, trials=5, seed=290, group=group, one_rank=True)
+@pytest.mark.parametrize("trials", [1, pytest.param(5, id="5", marks=[pytest.mark.timeout(1200), pytest.mark.campaign(
+    "5 SIGTERMs to one rank of 4 per store and agreement (make test: 1)")])], ids=str)
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(store: Any, group: bool, trials: int) -> None:
+    preempt_trials(store, trials=trials, seed=29 if trials == 1 else 290, group=group, one_rank=True)
 
 
 # -- background saves of 4 ranks whose trainers are SIGKILLed ---------------------------------------------------
-
-
-def _gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def sigkill_trials(store: Any, trials: int, seed: int, grace: float = 10.0) -> dict[str, int]:
@@ -194,7 +170,8 @@ def sigkill_trials(store: Any, trials: int, seed: int, grace: float = 10.0) -> d
                 if stream is not None:
                     stream.close()
         for event in handed:
-            assert event["helper"] is not None and _gone(event["helper"], grace + 5), "a save process outlived it"
+            helper = event["helper"]
+            assert helper is not None and process_gone(helper, grace + 5), "a save process outlived it"
         with taskpoint.CheckpointManager(directory, storage_options=store.storage_options, preemption=False,
                                          world_size=1) as reader:
             listed = reader.steps()

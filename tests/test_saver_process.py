@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from helpers import make_tree, snapshot
+from helpers import make_tree, process_gone, snapshot
 from taskpoint import CheckpointManager, StorageError
 from taskpoint.manager import saver as _saver
 
@@ -26,17 +26,6 @@ def manager(store, **kwargs) -> CheckpointManager:
 
 def _refuse_here(*args, **kwargs):
     raise AssertionError("the payload was written from the caller's process")
-
-
-def _gone(pid: int, within: float) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @LOCAL_AND_S3
@@ -56,7 +45,7 @@ def test_background_payloads_are_written_by_the_helper_process(store, tmp_path, 
         assert m.restore(2).read_bytes() == weights.read_bytes()
         assert m.restore(3).read_bytes() == b"abc" * 1000
         assert m.steps() == [1, 2, 3]
-    assert _gone(pid, TIMEOUT)  # close() ends it
+    assert process_gone(pid, TIMEOUT)  # close() ends it
 
 
 def test_background_process_false_and_memory_urls_use_a_thread(tmp_path, monkeypatch):
@@ -135,7 +124,7 @@ def test_the_helper_exits_when_its_parent_is_killed(tmp_path):
         os.kill(helper, 0)  # alive while its parent is
         parent.kill()
         parent.wait(TIMEOUT)
-        assert _gone(helper, 10), "the save process outlived its killed parent"
+        assert process_gone(helper, 10), "the save process outlived its killed parent"
     finally:
         parent.kill()
         parent.wait(TIMEOUT)
@@ -269,7 +258,7 @@ def test_a_trainer_killed_between_the_helpers_answer_and_its_own_commit_loses_no
     """The helper answers once the payload is stored, and the trainer then writes the manifest: a trainer
     killed at that moment leaves the commit to the helper, whose duty ends only when the trainer says done."""
     helper = _run_until_killed(_KILLED_AT_ITS_COMMIT, str(tmp_path / "ckpts"), str(tmp_path))
-    assert _gone(helper, TIMEOUT)
+    assert process_gone(helper, TIMEOUT)
     with CheckpointManager(tmp_path / "ckpts") as m:
         assert m.steps() == [1]
         assert m.restore(1).read_bytes() == b"committed by the helper"
@@ -281,7 +270,7 @@ def test_an_idle_helper_removes_the_snapshot_its_killed_trainer_kept(tmp_path):
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     helper = _run_until_killed(_KILLED_WHILE_IDLE, str(tmp_path / "ckpts"), str(scratch), str(tree))
-    assert _gone(helper, TIMEOUT)
+    assert process_gone(helper, TIMEOUT)
     assert list(scratch.iterdir()) == []
     with CheckpointManager(tmp_path / "ckpts") as m:
         assert snapshot(m.restore(1)) == snapshot(tree)
