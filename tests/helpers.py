@@ -38,22 +38,27 @@ def wait_until(predicate: Callable[[], object], timeout: float = 5.0) -> bool:
     return False
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs; a zombie (killed, not reaped by its parent yet) counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
 def process_gone(pid: int, within: float) -> bool:
     """Whether process ``pid`` has exited within ``within`` seconds (polled every 20 ms)."""
-
-    def gone() -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        return False
-
     end = time.monotonic() + within
     while time.monotonic() < end:
-        if gone():
+        if not pid_alive(pid):
             return True
         time.sleep(0.02)
-    return gone()
+    return not pid_alive(pid)
 
 
 class AcceptLoop:

@@ -323,28 +323,6 @@ def timed(result: Result) -> Iterator[Result]:
         result.seconds = round(time.monotonic() - started, 1)
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (killed but not reaped by its parent) is gone for our purposes.
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    return True
-
-
-def wait_gone(pid: int, within: float) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if not pid_alive(pid):
-            return True
-        time.sleep(0.05)
-    return not pid_alive(pid)
-
-
 def location_or_skip(servers: Servers, kind: str, scratch: Path, result: Result) -> Any:
     """A fresh location on ``kind`` (a StoreLocation), or None with ``result`` marked as not run and why."""
     try:

@@ -28,6 +28,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from helpers import process_gone
+
 from ._common import (
     CHILD_PRELUDE,
     Result,
@@ -39,7 +41,6 @@ from ._common import (
     remove_location,
     tail,
     timed,
-    wait_gone,
 )
 
 TITLE = "Kill after return: trainer SIGKILLed 0-1 s after save(blocking=False) returned"
@@ -185,7 +186,7 @@ def run_store(servers: Servers, kind: str, trials: int, scratch: Path, *, size: 
                     if latest != newest:
                         error = f"the trainer resumed from step {latest}, not from the newest step {newest}"
                     for pid in helpers:
-                        if not wait_gone(pid, GRACE_SECONDS + 10):
+                        if not process_gone(pid, GRACE_SECONDS + 10):
                             os.kill(pid, signal.SIGKILL)
                             error = error or f"the save process (pid {pid}) outlived the grace period"
                     have = checker.steps()

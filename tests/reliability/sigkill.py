@@ -30,6 +30,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from helpers import process_gone
+
 from ._common import (
     CHILD_PRELUDE,
     Result,
@@ -46,7 +48,6 @@ from ._common import (
     tail,
     timed,
     unfinished_uploads,
-    wait_gone,
 )
 
 MODES = ("checkpoint", "manager", "background-trainer", "background-helper")
@@ -343,7 +344,7 @@ def run_mode(servers: Servers, kind: str, mode: str, trials: int, rng: random.Ra
                     finished = any(line.startswith(f"done {killed} ") for line in trainer.rest())
                     killed_before_done += not finished
                     expected = {killed} if finished else {good, killed}
-                    if helper is not None and not wait_gone(helper, 10):
+                    if helper is not None and not process_gone(helper, 10):
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(helper, signal.SIGKILL)
                         raise RuntimeError(f"the save process (pid {helper}) outlived its killed trainer by 10 s")
