@@ -32,7 +32,11 @@ _STRAY = stored_names(rf"{DATA_FILE.pattern}|{METADATA_NAME.replace('.', '[.]')}
 
 @dataclass(frozen=True)
 class FileSetStep:
-    """The content of a DCP step: the name of its file-set manifest in the step's folder."""
+    """The content of a DCP step: the name of its file-set manifest in the step's folder.
+
+    ``CheckpointManager.commit(step, FileSetStep())`` commits a step whose files a DCP writer stored in
+    ``step_uri(step)``, with their manifest (``taskpoint.dcp.json``) beside them; ``Writer.for_step`` does so.
+    """
 
     kind: ClassVar[str] = FILESET_CODEC
     name: str = MANIFEST_NAME
