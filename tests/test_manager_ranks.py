@@ -61,13 +61,13 @@ def test_four_rank_processes_commit_each_step_once_and_each_restores_its_shard(s
 
 
 def test_rank_killed_in_the_middle_of_its_upload_abandons_the_step(s3_store: Any, tmp_path: Path) -> None:
-    """Rank 2 of 4 is SIGKILLed while its 40 MiB shard of step 2 is a multipart upload in flight: rank 0 raises
+    """Rank 2 of 4 is SIGKILLed while its 160 MiB shard of step 2 is a multipart upload in flight: rank 0 raises
     StepAbandonedError after commit_timeout, step 2 never appears, step 1 restores on every rank, and gc() past
     the grace period removes the abandoned shards and aborts the upload (but not before the grace). The ranks
     upload from the trainer itself (no save process): a save process would finish the shard of a trainer that
     died, and its record with it (tests/test_preempt_ranks.py), so the upload would not stay cut."""
     go = tmp_path / "go"
-    big = 40 << 20
+    big = 160 << 20
     args = {"directory": s3_store.url("ckpts"), "options": s3_store.storage_options, "commit_timeout": 6,
             "wait_step": 2, "go": str(go), "steps": [[1, 2000, True], [2, 3000, True]], "background_process": False}
     ranks = [RankProcess("steps", {**args, "steps": [[1, 2000, True], [2, big if rank == 2 else 3000, True]]},
@@ -102,7 +102,10 @@ def test_rank_killed_in_the_middle_of_its_upload_abandons_the_step(s3_store: Any
         return sorted(path.rsplit("/", 1)[1] for path in directory.list_tree() if "/ckpt-2/" in path)
 
     left = abandoned()
-    assert len(left) == 3 and all(name.startswith("payload-") for name in left)  # ranks 0, 1 and 3's shards
+    # Ranks 0, 1 and 3's shards. Under load the listing that saw rank 2's upload in flight can answer after the
+    # upload has ended (the server answered from before), and then rank 2's whole shard is there too: still no
+    # record of it, and the step is abandoned all the same. Its 160 MiB make that rare.
+    assert len(left) in (3, 4) and all(name.startswith("payload-") for name in left), left
     with manager(s3_store, 0, 4, grace_seconds=60, commit_timeout=5) as mgr:
         # Younger than the grace period: they stay (a save may still be running). moto dates every multipart
         # upload in 2010, so its upload alone may already go here.
