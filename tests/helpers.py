@@ -24,6 +24,7 @@ import fsspec
 
 from taskpoint import RetryPolicy
 from taskpoint.ranks import RANK_VARIABLES
+from taskpoint.workspace import process_alive
 
 T = TypeVar("T")
 
@@ -39,26 +40,18 @@ def wait_until(predicate: Callable[[], object], timeout: float = 5.0) -> bool:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs; a zombie (killed, not reaped by its parent yet) counts as gone."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    """Whether process ``pid`` runs (taskpoint's own check); a zombie (killed, not reaped by its parent yet) counts
+    as gone."""
+    if not process_alive(pid):
         return False
-    except PermissionError:
-        return True
     with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     return True
 
 
 def process_gone(pid: int, within: float) -> bool:
-    """Whether process ``pid`` has exited within ``within`` seconds (polled every 20 ms)."""
-    end = time.monotonic() + within
-    while time.monotonic() < end:
-        if not pid_alive(pid):
-            return True
-        time.sleep(0.02)
-    return not pid_alive(pid)
+    """Whether process ``pid`` has exited within ``within`` seconds."""
+    return wait_until(lambda: not pid_alive(pid), within) or not pid_alive(pid)
 
 
 class AcceptLoop:
