@@ -13,6 +13,9 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
+# Installs go through uv with pip's own configuration (.ci/uvpip.py): the test stack in about 20 s instead of 3 min.
+# UV_INSTALL=$(PIP) install: pip alone, as before.
+UV_INSTALL ?= $(PYTHON) .ci/uvpip.py $(VENV)/bin/uv $(PY)
 STAMP  := $(VENV)/.installed
 # The demo needs only the core: its own stamp, so a fresh clone installs a few MB, not the test stack.
 DEMO_STAMP := $(VENV)/.installed-core
@@ -41,30 +44,29 @@ DIST_STAMP := $(VENV)/.installed-build
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet --upgrade pip uv
 
 $(STAMP): pyproject.toml | $(VENV)/bin/python
-	$(PIP) install --quiet -e ".[test]"
+	$(UV_INSTALL) --quiet -e ".[test]"
 	touch $(STAMP)
 
 $(DEMO_STAMP): pyproject.toml | $(VENV)/bin/python
-	$(PIP) install --quiet --disable-pip-version-check -e .
+	$(UV_INSTALL) --quiet -e .
 	touch $(DEMO_STAMP)
 
 $(NPM_STAMP): $(NPM_DIR)/package.json
 	cd $(NPM_DIR) && npm install --no-audit --no-fund --loglevel=error
 	touch $(NPM_STAMP)
 
-$(FLYTE_BASE_STAMP):
+$(FLYTE_BASE_STAMP): | $(VENV)/bin/python
 	$(PYTHON) -m venv $(FLYTE_VENV)
-	$(FLYTE_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(FLYTE_VENV)/bin/python -m pip install --quiet "flyte==$(FLYTE_VERSION)"
+	$(PYTHON) .ci/uvpip.py $(VENV)/bin/uv $(FLYTE_VENV)/bin/python --quiet "flyte==$(FLYTE_VERSION)"
 	touch $(FLYTE_BASE_STAMP)
 
 # taskpoint itself goes in after the test venv's editable install: two editable builds at once would share
 # src/taskpoint.egg-info.
 $(FLYTE_STAMP): pyproject.toml $(FLYTE_BASE_STAMP) $(STAMP)
-	$(FLYTE_VENV)/bin/python -m pip install --quiet -e .
+	$(PYTHON) .ci/uvpip.py $(VENV)/bin/uv $(FLYTE_VENV)/bin/python --quiet -e .
 	$(FLYTE_VENV)/bin/python -m pip check
 	touch $(FLYTE_STAMP)
 
@@ -73,11 +75,11 @@ venv: $(STAMP)
 servers: $(NPM_STAMP)
 
 demo: $(DEMO_STAMP)
-	$(if $(DEMO_EXTRA),$(PIP) install --quiet --disable-pip-version-check -e ".[$(DEMO_EXTRA)]")
+	$(if $(DEMO_EXTRA),$(UV_INSTALL) --quiet -e ".[$(DEMO_EXTRA)]")
 	TASKPOINT_ROOT="$(ROOT)" $(PY) examples/quickstart.py
 
 $(DIST_STAMP): | $(VENV)/bin/python
-	$(PIP) install --quiet --disable-pip-version-check build
+	$(UV_INSTALL) --quiet build
 	touch $(DIST_STAMP)
 
 # dist/ is emptied first, so that it holds this version's two files only.
@@ -86,7 +88,7 @@ dist: $(DIST_STAMP)
 	$(PY) -m build --outdir dist
 
 $(DOCS_STAMP): pyproject.toml | $(VENV)/bin/python
-	$(PIP) install --quiet --disable-pip-version-check -e ".[docs]"
+	$(UV_INSTALL) --quiet -e ".[docs]"
 	touch $(DOCS_STAMP)
 
 docs: $(DOCS_STAMP)
@@ -106,14 +108,14 @@ reliability: $(STAMP) $(NPM_STAMP)
 	$(PY) -m tests.reliability $(RELIABILITY_ARGS)
 
 $(BENCH_STAMP): pyproject.toml $(STAMP)
-	$(PIP) install --quiet -e ".[bench]"
+	$(UV_INSTALL) --quiet -e ".[bench]"
 	touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
 lint: $(STAMP)
-	$(PIP) install --quiet -e ".[dev]"
+	$(UV_INSTALL) --quiet -e ".[dev]"
 	$(PY) -m ruff check src tests examples benchmarks docs
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports --no-cache
