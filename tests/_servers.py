@@ -688,10 +688,33 @@ def azure_storage_options(endpoint: str) -> dict[str, Any]:
     return {"connection_string": azure_connection_string(endpoint)}
 
 
+#: How long the first Azure test waits for the npm install that ``make test`` runs beside the tests.
+_NPM_INSTALL_TIMEOUT = 900.0
+
+
+def _wait_for_npm_install() -> None:
+    """Wait for the background ``npm install`` of ``make test`` (named by ``$TASKPOINT_NPM_INSTALL_LOG``, its log)
+    to end: its stamp appears when it succeeded, ``install.failed`` beside the log when it failed. Without the
+    variable (pytest run by hand) there is nothing to wait for."""
+    log = os.environ.get("TASKPOINT_NPM_INSTALL_LOG")
+    if not log:
+        return
+    log_path = Path(log)
+    failed, done = log_path.with_name("install.failed"), _NPM_DIR / "node_modules" / ".installed"
+    deadline = time.monotonic() + _NPM_INSTALL_TIMEOUT
+    while not done.exists():
+        if failed.exists() or time.monotonic() > deadline:
+            tail = log_path.read_text(errors="replace")[-3000:] if log_path.exists() else "(no log)"
+            state = "failed" if failed.exists() else f"did not end within {_NPM_INSTALL_TIMEOUT:g} s"
+            raise ServerStartError(f"the npm install of azurite {state}; its log ends with:\n{tail}")
+        time.sleep(0.5)
+
+
 @contextlib.contextmanager
 def running_azure_server(bucket: str | None = BUCKET) -> Iterator[RunningServer]:
     """Run azurite's blob service on 127.0.0.1 (in memory); create container ``bucket`` unless None."""
     apply_default_environment()
+    _wait_for_npm_install()
     if not _AZURITE_BIN.exists():
         raise ServerStartError(f"azurite is not installed ({_AZURITE_BIN} is missing): run `make test`, "
                                f"which runs `npm install` in {_NPM_DIR.relative_to(_REPO_ROOT)}")
