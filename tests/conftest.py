@@ -85,6 +85,19 @@ _OBSTORE_MODULES = frozenset({"test_stores.py", "test_record_protocol.py", "test
 #: when it names ``s3-seaweed`` in its own parametrize (the dedup leases and sweeps, two managers racing) or
 #: uses ``s3_like_store``: what moto already covers is not run twice.
 _SEAWEED_MODULES = frozenset({"test_record_protocol.py", "test_seaweed.py"})
+#: The modules whose ``store`` fixture runs on the GCS emulator and azurite too: the backend conformance suite
+#: (written once, run on every store: what each store does differently), the stores' own smoke tests, and the
+#: modules whose promises are about talking to a store (the record protocol, failures and errors midway, folder
+#: listings, what errors and logs say about each store). Elsewhere ``store`` runs on local disk, memory:// and S3
+#: (and obstore where :data:`_OBSTORE_MODULES` say): there the store does not change what a matrix tests (every
+#: damage case, every payload kind, every retention rule), and the GCS and Azure backends' own code is covered by
+#: the conformance suite. ``remote_store`` and a test's own ``parametrize`` still run everywhere they name.
+_EVERY_STORE_MODULES = frozenset({"test_backend_conformance.py", "test_stores.py", "test_record_protocol.py",
+                                  "test_storage_failures.py", "test_storage_errors.py", "test_failures.py",
+                                  "test_first_hour.py", "test_folder_sources.py", "test_logging.py",
+                                  "test_secrets.py"})
+#: The stores that only :data:`_EVERY_STORE_MODULES` run through the ``store`` fixture.
+_CONFORMANCE_KINDS = frozenset({"gcs", "azure"})
 #: The location fixtures whose params include ``s3-seaweed``, left out elsewhere (``s3_like_store`` is not).
 _FILTERED_FIXTURES = ("store", "remote_store", "s3_store")
 
@@ -124,8 +137,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Leave out the ``s3-obstore`` runs of the modules outside :data:`_OBSTORE_MODULES` and the ``s3-seaweed``
-    runs that no test asked for (see :func:`_unasked_seaweed`); mark the tests on SeaweedFS ``seaweed``; skip
+    """Leave out the ``s3-obstore`` runs of the modules outside :data:`_OBSTORE_MODULES`, the ``s3-seaweed``
+    runs that no test asked for (see :func:`_unasked_seaweed`) and the GCS and Azure runs of ``store`` outside
+    :data:`_EVERY_STORE_MODULES`; mark the tests on SeaweedFS ``seaweed``; skip
     the tests marked ``campaign`` unless :data:`CAMPAIGN`."""
     if not CAMPAIGN:
         for item in items:
@@ -138,7 +152,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     def elsewhere(item: pytest.Item) -> bool:
         callspec = getattr(item, "callspec", None)
         on_obstore = callspec is not None and "s3-obstore" in callspec.params.values()
-        return (on_obstore and item.path.name not in _OBSTORE_MODULES) or _unasked_seaweed(item)
+        return ((on_obstore and item.path.name not in _OBSTORE_MODULES) or _unasked_seaweed(item)
+                or _conformance_only(item))
 
     dropped = [item for item in items if elsewhere(item)]
     if dropped:
@@ -153,6 +168,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "seaweed_server" in getattr(item, "fixturenames", ()) or any(
                 isinstance(value, str) and value in ("s3-seaweed", "seaweed_server") for value in params):
             item.add_marker(pytest.mark.seaweed)
+
+
+def _conformance_only(item: pytest.Item) -> bool:
+    """True for a GCS or Azure run of the ``store`` fixture outside :data:`_EVERY_STORE_MODULES`."""
+    callspec = getattr(item, "callspec", None)
+    return (callspec is not None and item.path.name not in _EVERY_STORE_MODULES
+            and callspec.params.get("store") in _CONFORMANCE_KINDS)
 
 
 def _unasked_seaweed(item: pytest.Item) -> bool:

@@ -162,9 +162,10 @@ def test_a_checkpoint_of_each_kind_round_trips_and_damage_is_caught(store: Store
         cp.load_sync()
 
 
-def test_manager_steps_commit_verify_retain_and_delete(store: StoreLocation, tmp_path) -> None:
+@pytest.mark.parametrize("dedup", [False, True], ids=["plain", "dedup"])
+def test_manager_steps_commit_verify_retain_and_delete(store: StoreLocation, tmp_path, dedup: bool) -> None:
     tree = make_tree(tmp_path / "state", big=200_000)
-    with CheckpointManager(store.url("steps"), storage_options=store.storage_options, keep=2,
+    with CheckpointManager(store.url("steps"), storage_options=store.storage_options, keep=2, dedup=dedup,
                            preemption=False) as mgr:
         for step in (1, 2, 3):
             mgr.save(os.urandom(50_000) if step != 2 else tree, step, metadata={"step": step})
@@ -175,3 +176,5 @@ def test_manager_steps_commit_verify_retain_and_delete(store: StoreLocation, tmp
         assert mgr.metadata(3) == {"step": 3}
         mgr.delete(2, force=True)
         assert mgr.steps() == [3]
+        mgr.gc()  # what the deleted steps left (chunks no step references, for dedup) goes
+        assert mgr.verify().healthy
