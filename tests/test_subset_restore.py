@@ -16,7 +16,7 @@ import fsspec
 import pytest
 
 from helpers import make_tree, snapshot
-from taskpoint import Checkpoint, CheckpointCorruptError, CheckpointManager, UnsafeArchiveError
+from taskpoint import Checkpoint, CheckpointCorruptError, CheckpointError, CheckpointManager, UnsafeArchiveError
 from taskpoint.format.index import ArchiveIndex
 
 LOCAL_S3 = pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
@@ -137,6 +137,34 @@ def test_a_bytes_step_has_no_paths_and_a_bad_path_is_refused(tmp_path):
             mgr.restore(1, paths="model/")
 
 
+def test_a_step_kind_without_partial_reads_is_refused_with_a_clear_error():
+    from taskpoint.manager.kinds import partial_kind, step_kind
+
+    with pytest.raises(CheckpointError, match="kind 'sharded' cannot be read in part"):
+        partial_kind(step_kind("sharded"))
+    assert partial_kind(step_kind("chunked")) is step_kind("chunked")
+
+
+def test_a_subset_restore_counts_the_members_it_reads_as_its_progress(tmp_path):
+    src = make_tree(tmp_path / "src", big=BULK)
+    Checkpoint(tmp_path / "ckpt").save_sync(src)
+    record = json.loads((tmp_path / "ckpt.taskpoint.json").read_text())["objects"][0]
+    index = ArchiveIndex.from_json(record["index"])
+    seen: list[tuple[str, int]] = []
+
+    class Recorder(fsspec.callbacks.Callback):
+        def set_size(self, size):
+            seen.append(("total", size))
+
+        def relative_update(self, inc=1):
+            seen.append(("update", inc))
+
+    Checkpoint(tmp_path / "n", tmp_path / "ckpt").load_sync(paths=["state.json"], progress=Recorder())
+    last = index.span(len(index.members) - 1)
+    assert ("total", last.stored_length) in seen  # state.json lies in the last member alone
+    assert sum(n for what, n in seen if what == "update") == last.stored_length < record["size"] / 2
+
+
 def test_a_hostile_archive_without_an_index_is_refused_by_a_subset_load(tmp_path):
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
@@ -165,3 +193,31 @@ def test_a_checkpoint_written_by_flyte_restores_a_subset_by_streaming(tmp_path):
         Checkpoint(tmp_path / "n2", tmp_path / "ckpt").load_sync(paths=["nothing"])
     with Checkpoint(tmp_path / "n3", tmp_path / "ckpt").open("nested/run.sh") as f:
         assert f.read() == (src / "nested" / "run.sh").read_bytes()
+
+
+def test_an_index_that_lies_about_a_hostile_archive_cannot_escape_the_workspace(tmp_path):
+    # A record whose (sealed) index names the entry "ok/evil.txt" over an archive whose member there is
+    # "../evil.txt": the members read go through the same extraction checks as a full load.
+    from taskpoint.format.pgzip import ParallelGzipWriter, crc32
+    from taskpoint.format.records import ObjectRecord, Record
+
+    plain = io.BytesIO()
+    with tarfile.open(fileobj=plain, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("../evil.txt")
+        info.size = 7
+        tar.addfile(info, io.BytesIO(b"escaped"))
+    stored = io.BytesIO()
+    writer = ParallelGzipWriter(stored)
+    writer.write(plain.getvalue())
+    writer.close()
+    blob = stored.getvalue()
+    (tmp_path / "ckpt").write_bytes(blob)
+    index = ArchiveIndex.from_json({"codec": "gzip", "members": [list(m) for m in writer.written],
+                                    "entries": [["ok/evil.txt", "f", 0, 512, 7, ""]]})
+    entry = ObjectRecord(kind="directory", codec="gzip", save_id="s", created=0.0, size=len(blob),
+                         crc32=f"{crc32(blob, 0) & 0xFFFFFFFF:08x}", index=index)
+    (tmp_path / "ckpt.taskpoint.json").write_bytes(Record(objects=(entry,), confirmed="s").to_bytes())
+    cp = Checkpoint(tmp_path / "n", tmp_path / "ckpt", workspace=tmp_path / "ws" / "inner")
+    with pytest.raises(UnsafeArchiveError, match=r"'\.\.' in its path"):
+        cp.load_sync(paths=["ok"])
+    assert not (tmp_path / "ws" / "evil.txt").exists() and not (tmp_path / "ws" / "inner" / "ok").exists()

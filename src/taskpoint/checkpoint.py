@@ -275,9 +275,10 @@ class Checkpoint(BaseCheckpoint):
                 return None
             src = self._src
             index = listed_index(read_record(src.sibling(MANIFEST_SUFFIX)), src.size())
-            if index is not None:
-                return restore_indexed(src, index, paths, self.path, max_expand=self._max_expand)
             with _progress.resolve(progress, f"load {_log.short_name(src.uri)}") as tracker:
+                if index is not None:
+                    return restore_indexed(src, index, paths, self.path, max_expand=self._max_expand,
+                                           progress=tracker)
                 try:
                     return load_object(src, self.path, tracker, strict=self._strict, copy_of=self._copy_of,
                                        max_expand=self._max_expand, only=paths)

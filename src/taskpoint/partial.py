@@ -15,11 +15,12 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ._progress import NO_PROGRESS, Progress
 from ._signals import uninterrupted
 from .format.codecs import CODECS
 from .format.index import ArchiveIndex
 from .format.records import Record
-from .format.subset import MemberReader, PieceFile, extract_entries, open_pieces
+from .format.subset import MemberReader, PieceFile, extract_entries, open_pieces, stored_bytes
 from .payloads import DirectoryPayload
 from .storage import Location
 from .workspace import Staging
@@ -41,13 +42,15 @@ def listed_index(record: Record | None, size: int | None) -> ArchiveIndex | None
 
 
 def restore_indexed(src: Location, index: ArchiveIndex, paths: Sequence[str], workspace: Path, *,
-                    max_expand: int | None = None) -> Path:
+                    max_expand: int | None = None, progress: Progress = NO_PROGRESS) -> Path:
     """Restore ``paths`` (normalized) of the archive at ``src`` into ``workspace`` by ranged reads of the members
     that hold them (staged, then published as a directory load is); returns ``workspace``. KeyError naming a
     path the archive lacks; CheckpointCorruptError when a member read fails its check; FileNotFoundError
-    when the object is missing."""
+    when the object is missing. ``progress`` counts the stored bytes of those members."""
     entries = index.select(paths)
-    members = MemberReader(index, CODECS[index.codec], src.read_range, src.uri)
+    progress.set_total(stored_bytes(index, entries))
+    members = MemberReader(index, CODECS[index.codec], src.read_range, src.uri,
+                           progress.update if progress.active else None)
     workspace.mkdir(parents=True, exist_ok=True)
     with Staging(workspace) as staging:
         extract_entries(members, entries, staging, max_expand=max_expand)

@@ -31,12 +31,16 @@ MEMBERS_AHEAD = 8
 class MemberReader:
     """Fetches the members of one indexed archive by ranged reads, each verified by its codec before use."""
 
-    def __init__(self, index: ArchiveIndex, codec: Codec, read_range: RangeReader, uri: str) -> None:
-        self.index, self.codec, self._read, self.uri = index, codec, read_range, uri
+    def __init__(self, index: ArchiveIndex, codec: Codec, read_range: RangeReader, uri: str,
+                 on_read: Callable[[int], None] | None = None) -> None:
+        self.index, self.codec, self._read, self.uri, self._on_read = index, codec, read_range, uri, on_read
 
     def fetch(self, span: Span) -> bytes:
-        """The plain bytes of member ``span``; CheckpointCorruptError naming it when it fails its check."""
+        """The plain bytes of member ``span``; CheckpointCorruptError naming it when it fails its check.
+        ``on_read`` (a load's progress) is told of the stored bytes read."""
         blob = self._read(span.stored, span.stored_length)
+        if self._on_read is not None:
+            self._on_read(len(blob))
         try:
             if len(blob) != span.stored_length:
                 raise EOFError(f"the object ends inside it ({len(blob)} of {span.stored_length} bytes)")
@@ -83,17 +87,21 @@ class _RangesStream(OrderedFutureReader):
             self._pending.append(self._pool.submit(bytes, 2 * TAR_BLOCK))
 
 
+def stored_bytes(index: ArchiveIndex, entries: Sequence[IndexEntry]) -> int:
+    """The stored bytes :func:`extract_entries` reads for ``entries``: the members that hold them, once each."""
+    spans = {s.index: s.stored_length for start, end in merged_ranges(entries) for s in index.spans(start, end)}
+    return sum(spans.values())
+
+
 def extract_entries(members: MemberReader, entries: Sequence[IndexEntry], staging: Path, *,
-                    max_expand: int | None = None, workers: int | None = None) -> int:
+                    max_expand: int | None = None, workers: int | None = None) -> None:
     """Extract ``entries`` (in archive order, :meth:`ArchiveIndex.select`) of the indexed archive below
-    ``staging`` with the checks of a full load; the stored bytes read (the members that hold them)."""
-    ranges = merged_ranges(entries)
-    stream = _RangesStream(members, ranges, workers or min(8, os.cpu_count() or 1))
+    ``staging`` with the checks of a full load, fetching each member that holds them once."""
+    stream = _RangesStream(members, merged_ranges(entries), workers or min(8, os.cpu_count() or 1))
     try:
         extract_tar(stream, staging, members.uri, max_expand=max_expand)  # type: ignore[arg-type]
     finally:
         stream.close()
-    return sum(piece[0].stored_length for piece in stream._pieces)
 
 
 class PieceFile(io.RawIOBase):

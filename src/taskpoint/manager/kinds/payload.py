@@ -93,7 +93,7 @@ class PayloadKind:
             return read_object(parts, step, name, record, workspace, progress, only=paths)
         assert record.index is not None
         try:
-            return restore_indexed(parts.steps.object(step, name), record.index, paths, workspace)
+            return restore_indexed(parts.steps.object(step, name), record.index, paths, workspace, progress=progress)
         except FileNotFoundError:
             raise _gone(parts, step, name) from None
 
