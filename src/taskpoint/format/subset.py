@@ -10,6 +10,7 @@ load (:func:`~.extract.extract_tar`); :class:`PieceFile` is a seekable read-only
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 import io
 import os
 from collections.abc import Callable, Sequence
@@ -140,15 +141,31 @@ class PieceFile(io.RawIOBase):
             self._cached = (i, self._fetch(i))
         return self._cached[1]
 
+    def _prefetch(self, first: int, last: int) -> dict[int, bytes]:
+        """Pieces ``first`` to ``last`` that a read needs, fetched :data:`MEMBERS_AHEAD` at a time in parallel
+        (a large read costs what the pieces cost together, not one after the other)."""
+        todo = [i for i in range(first, last + 1) if self._cached is None or self._cached[0] != i]
+        if len(todo) < 2:
+            return {}
+        with concurrent.futures.ThreadPoolExecutor(min(MEMBERS_AHEAD, len(todo)),
+                                                   thread_name_prefix="taskpoint-piece") as pool:
+            return dict(zip(todo, pool.map(self._fetch, todo), strict=True))
+
     def readinto(self, buf: Any) -> int:
         if self.closed:
             raise ValueError("I/O operation on closed file")
         view = memoryview(buf).cast("B")
         want = min(len(view), self._size - self._pos)
         done = 0
+        fetched: dict[int, bytes] = {}
         while done < want:
             at = self._offset + self._pos + done
             i = bisect.bisect_right(self._starts, at) - 1
+            if i not in fetched:
+                end = bisect.bisect_right(self._starts, self._offset + self._pos + want - 1) - 1
+                fetched = self._prefetch(i, min(end, i + MEMBERS_AHEAD - 1))
+            if i in fetched:
+                self._cached = (i, fetched[i])
             piece = self._piece(i)
             lo = at - self._starts[i]
             n = min(want - done, len(piece) - lo)
