@@ -5,7 +5,7 @@
 #   make docs   set up .venv with the docs extra only, build the documentation site into site/ (mkdocs --strict:
 #               a broken link or API reference fails)
 #   make bench  the speed benchmark of issues 3 and 5, and its sections: preemption (12), dcp (13), dedup (15),
-#               lightning (23)
+#               lightning (23), subset (26: one file out of a step)
 #               (BENCH_ARGS="--size 0.0625 --runs 1" for a quick run; "--methods dedup" for one section alone)
 #   make dist   build the sdist and the wheel into dist/ (python -m build); then install the wheel with its extras:
 #               pip install "dist/taskpoint-<version>-py3-none-any.whl[s3]"

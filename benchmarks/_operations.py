@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 METHODS = ("taskpoint", "taskpoint-progress", "taskpoint-async", "baseline", "raw", "raw-fsync", "manager", "dcp",
-           "preemption", "agreement", "dedup", "lightning")
+           "preemption", "agreement", "dedup", "subset", "lightning")
 PAYLOADS = ("directory", "file", "bytes", "small")
 #: Payloads held in memory (``bytes`` objects) rather than read from a path by the save.
 IN_MEMORY = ("bytes", "small")
@@ -55,8 +55,8 @@ def applies(method: str, payload: str, store: str) -> bool:
     """The async twin is only compared on the directory (the issue's async target), and so is the manager's
     background save (issue 5's target, ``benchmarks/_background.py``); raw-fsync is local only. ``dcp`` is a
     section of its own, with its own data (``benchmarks/_dcp.py``), and so are ``preemption`` (``_preemption.py``),
-    ``agreement`` (``_agreement.py``) and ``dedup`` (``_dedup.py``)."""
-    if method in ("dcp", "preemption", "agreement", "dedup"):
+    ``agreement`` (``_agreement.py``), ``dedup`` (``_dedup.py``) and ``subset`` (``_subset.py``)."""
+    if method in ("dcp", "preemption", "agreement", "dedup", "subset"):
         return False
     if method in ("taskpoint-async", "manager"):
         return payload == "directory"

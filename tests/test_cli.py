@@ -20,7 +20,7 @@ from taskpoint.cli import main
 from taskpoint.workspace import STAGING_PREFIX
 
 SECRET = "tp-CLI-SECRET-4b7e19d0"
-COMMANDS = ("ls", "show", "verify", "pull", "push", "rm", "gc", "run")
+COMMANDS = ("ls", "show", "verify", "pull", "cat", "push", "rm", "gc", "run")
 
 
 def tp(capsys, *args: str) -> tuple[int, str, str]:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import io
 import os
 import re
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,9 @@ from . import _log, _progress
 from .errors import CheckpointCorruptError, CheckpointError
 from .folders import load_folder, source_exists
 from .format.codecs import Codec, get_codec
+from .format.index import normalize_path, normalize_paths
+from .format.records import MANIFEST_SUFFIX
+from .partial import listed_index, open_by_restoring, open_indexed, restore_indexed
 from .payloads import payload_for
 from .record import (
     VERIFY_MODES,
@@ -195,8 +200,9 @@ class Checkpoint(BaseCheckpoint):
 
     # -- async twins -------------------------------------------------------------------------------------
 
-    async def load(self, *, progress: bool | Callback | None = None) -> Path | None:
-        return await anyio.to_thread.run_sync(functools.partial(self.load_sync, progress=progress))
+    async def load(self, paths: Iterable[str] | None = None, *, progress: bool | Callback | None = None
+                   ) -> Path | None:
+        return await anyio.to_thread.run_sync(functools.partial(self.load_sync, paths, progress=progress))
 
     async def save(self, data: Any, *, progress: bool | Callback | None = None) -> None:
         await anyio.to_thread.run_sync(functools.partial(self.save_sync, data, progress=progress))
@@ -227,9 +233,17 @@ class Checkpoint(BaseCheckpoint):
 
     # -- load --------------------------------------------------------------------------------------------
 
-    def load_sync(self, *, progress: bool | Callback | None = None) -> Path | None:
-        """Load the previous checkpoint; ``progress`` as for :meth:`save_sync` (a load counts stored bytes)."""
+    def load_sync(self, paths: Iterable[str] | None = None, *, progress: bool | Callback | None = None
+                  ) -> Path | None:
+        """Load the previous checkpoint; ``progress`` as for :meth:`save_sync` (a load counts stored bytes).
+
+        ``paths`` (files or folders relative to the saved directory) loads only those into :attr:`path`: with
+        the archive's index recorded at save, by ranged reads of the gzip members that hold them (each checked
+        against its CRC32 and size); without one (saved by Flyte or an older taskpoint), by streaming the
+        archive and keeping those entries. KeyError names a path the checkpoint lacks."""
         _progress.check(progress)
+        if paths is not None:
+            return self._load_paths(normalize_paths(paths), progress)
         with self._lock:
             self._check_open()
             if self._loaded is not None and self._loaded.exists():
@@ -253,6 +267,46 @@ class Checkpoint(BaseCheckpoint):
                 _log.transferred("load", self._src.uri, *verified[-1], clock)
             self._loaded = result
             return result
+
+    def _load_paths(self, paths: list[str], progress: bool | Callback | None) -> Path | None:
+        with self._lock:
+            self._check_open()
+            if self._src is None:
+                return None
+            src = self._src
+            index = listed_index(read_record(src.sibling(MANIFEST_SUFFIX)), src.size())
+            with _progress.resolve(progress, f"load {_log.short_name(src.uri)}") as tracker:
+                if index is not None:
+                    return restore_indexed(src, index, paths, self.path, max_expand=self._max_expand,
+                                           progress=tracker)
+                try:
+                    return load_object(src, self.path, tracker, strict=self._strict, copy_of=self._copy_of,
+                                       max_expand=self._max_expand, only=paths)
+                except SourceIsFolder:
+                    raise CheckpointError(f"{src.uri} is a folder (flytekit 1.x's layout), whose files load whole; "
+                                          "load it without paths=") from None
+
+    def open(self, path: str) -> io.BufferedReader:
+        """A read-only binary file (``read``, ``readinto``, ``seek``, ``tell``) of the file ``path`` of the previous
+        checkpoint, read on demand: only the gzip members that hold the bytes asked for are fetched, each checked
+        against its CRC32 and size before its bytes are returned, so ``torch.load(cp.open("model.pt"))`` needs no
+        full load. Without an index the file is loaded alone into a temporary folder first. KeyError when the
+        checkpoint has no such file; FileNotFoundError when there is no previous checkpoint."""
+        self._check_open()
+        src = self._src
+        if src is None:
+            raise FileNotFoundError("this checkpoint has no previous checkpoint (checkpoint_src)")
+        index = listed_index(read_record(src.sibling(MANIFEST_SUFFIX)), src.size())
+        if index is not None:
+            return open_indexed(src, index, path)
+
+        def restore(folder: Path) -> Path:
+            found = load_object(src, folder, strict=self._strict, copy_of=self._copy_of, only=[normalize_path(path)])
+            if found is None:
+                raise FileNotFoundError(f"there is no checkpoint at {src.uri}")
+            return found
+
+        return open_by_restoring(restore, normalize_path(path))
 
     def verify(self, *, source: bool = False, progress: bool | Callback | None = None) -> CheckpointVerification:
         """Read every byte of the checkpoint this one saved (``source=True``: the previous attempt's) against

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
@@ -18,6 +18,7 @@ from .errors import CheckpointError
 from .format.archive import skip_special, tree_file_bytes, write_tar
 from .format.codecs import BLOCK_SIZE, Codec
 from .format.extract import extract_tar
+from .format.index import ArchiveIndex
 from .storage import WRITE_PIECE, ParallelCopy, copy_with_metadata
 
 #: Name of the file that holds a bytes or file checkpoint after load (Flyte's convention).
@@ -35,6 +36,9 @@ class Payload(ABC):
     #: True when :meth:`write` reports the source bytes it reads itself (it is then called with
     #: ``on_read=``, where a save's progress counts); else a save's progress counts the stored bytes written.
     counts_source: ClassVar[bool] = False
+    #: The index of the archive the last :meth:`write` produced (:mod:`taskpoint.format.index`), recorded with
+    #: the object so that partial restores read only what they need; None for raw kinds and unindexed codecs.
+    written_index: ArchiveIndex | None = None
 
     @classmethod
     @abstractmethod
@@ -182,7 +186,7 @@ class DirectoryPayload(Payload):
 
     def write(self, sink: IO[bytes], codec: Codec, level: int | None,
               on_read: Callable[[int], None] | None = None) -> None:
-        write_tar(self._path, sink, codec, level, on_read=on_read)
+        self.written_index = write_tar(self._path, sink, codec, level, on_read=on_read)
 
     def snapshot(self, scratch: Path) -> Payload:
         copy = scratch / "tree"
@@ -191,8 +195,9 @@ class DirectoryPayload(Payload):
         return DirectoryPayload(copy)
 
     @classmethod
-    def materialize(cls, source: IO[bytes], staging: Path, uri: str, *, max_expand: int | None = None) -> None:
-        extract_tar(source, staging, uri, max_expand=max_expand)
+    def materialize(cls, source: IO[bytes], staging: Path, uri: str, *, max_expand: int | None = None,
+                    only: Sequence[str] | None = None) -> None:
+        extract_tar(source, staging, uri, max_expand=max_expand, only=only)
 
 
 def special_entries(folder: str, names: list[str]) -> set[str]:

@@ -10,8 +10,8 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +110,7 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
         # was read a moment ago, and keep what it lists besides what this process knew.
         if not record_loc.conditional and (known is not None or time.monotonic() - read_at > _FRESH_SECONDS):
             state.record = _merged(read_record(record_loc, tolerate_corrupt=True), state.record)
-        new = replace(entry, size=size, crc32=digest)
+        new = replace(entry, size=size, crc32=digest, index=payload.written_index)
         state.write(lambda record: record.with_new(new, sweep=state.partial), action="record the checkpoint at")
 
     try:
@@ -125,7 +125,7 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
             state.write(lambda record: replace(record, sweep=True), action="record a failed save at")
         raise
     memory.keep(record_loc, replace(state.record, confirmed=entry.save_id, sweep=False), state.version)
-    return replace(entry, size=size, crc32=digest)
+    return replace(entry, size=size, crc32=digest, index=payload.written_index)
 
 
 #: The one try of marking the record after a failed save (the next save's sweep does the rest).
@@ -208,6 +208,8 @@ class _Load:
     progress: Progress
     max_expand: int | None
     on_verified: Verified | None
+    #: Only these paths of a directory (normalized), the rest of the archive streamed and skipped; None: all.
+    only: Sequence[str] | None = None
 
 
 class _Unlisted(CheckpointCorruptError):
@@ -235,9 +237,14 @@ def unverified(uri: str, *, strict: bool, copy_of: str | None = None) -> str:
     return f"{why} It was loaded unverified; Checkpoint(..., verify='strict') refuses such a checkpoint."
 
 
+def _listed(entry: ObjectRecord) -> dict[str, Any]:
+    """An entry of the record as a description shows it: its fields, the archive's index left out."""
+    return {k: v for k, v in entry.to_json().items() if k != "index"}
+
+
 def load_object(src: Location, workspace: Path, progress: Progress = NO_PROGRESS, *,
                 strict: bool = False, copy_of: Location | None = None, max_expand: int | None = None,
-                on_verified: Verified | None = None) -> Path | None:
+                on_verified: Verified | None = None, only: Sequence[str] | None = None) -> Path | None:
     """Load the checkpoint at ``src`` into ``workspace``; None when nothing was ever saved there. An object
     with no record is loaded unverified with a WARNING, or refused when ``strict`` (see :data:`VERIFY_MODES`).
     ``max_expand``: the most bytes the load may write (the caller's ``Checkpoint(max_expand=...)``);
@@ -246,7 +253,7 @@ def load_object(src: Location, workspace: Path, progress: Progress = NO_PROGRESS
     ``copy_of``: where ``src`` was copied from without its record (Flyte's local retries copy only the object).
     When ``src`` has no record, the record beside ``copy_of`` verifies it if it lists the copied bytes; if it
     does not (or there is none), the object is what it would be without ``copy_of``: unverified."""
-    load = _Load(progress, max_expand, on_verified)
+    load = _Load(progress, max_expand, on_verified, only)
     record_loc = src.sibling(MANIFEST_SUFFIX)
     record = read_record(record_loc)
     if record is None and copy_of is not None:
@@ -330,7 +337,7 @@ def _load_listed(src: Location, workspace: Path, record: Record | None, load: _L
     newest = record.of_size(None) if record is not None else None
     digest = "sha256" if newest is not None and newest.crc32 is None and newest.sha256 else "crc32"
     return read_payload(src, workspace, choose, verify, digest, size_hint=newest.size if newest else None,
-                        progress=load.progress, max_expand=load.max_expand)
+                        progress=load.progress, max_expand=load.max_expand, only=load.only)
 
 
 def _verify(record: Record | None, kind: str, size: int, digest: str, uri: str) -> None:
@@ -399,7 +406,7 @@ def describe_object(loc: Location) -> CheckpointDescription:
     # The entry a load verifies the object against: the newest listed one of the stored size.
     visible = record.of_size(size) if record is not None and size is not None else None
     confirmed = record.confirmed if record is not None else None
-    objects = tuple({**asdict(entry), "current": visible is not None and entry.save_id == visible.save_id,
+    objects = tuple({**_listed(entry), "current": visible is not None and entry.save_id == visible.save_id,
                      "confirmed": entry.save_id == confirmed, "size_matches": entry.size == size}
                     for entry in (record.objects if record is not None else ()))
     state = ("unrecorded" if record is None else "missing" if size is None else "damaged" if visible is None

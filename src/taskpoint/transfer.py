@@ -14,7 +14,7 @@ import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -225,22 +225,26 @@ def _copy_local(source: Path, sink: Any, expected: int | None, digest: str, prog
 
 def read_payload(src: Location, workspace: Path, choose: KindChooser, verify: Verifier,
                  digest: str = "sha256", size_hint: int | None = None,
-                 progress: Progress = NO_PROGRESS, max_expand: int | None = None) -> Path | None:
+                 progress: Progress = NO_PROGRESS, max_expand: int | None = None,
+                 only: Sequence[str] | None = None) -> Path | None:
     """Stream ``src`` into ``workspace`` and return what load returns; None when the object does not exist.
 
     Nothing reaches the workspace until ``verify`` accepted the whole object; transient failures restart
     the download. ``size_hint``: the size the caller expects (a small remote object comes in one request).
     ``progress`` counts the stored bytes read (for an archive, its compressed bytes). ``max_expand``: the most
     bytes the load may write (None: the file system's free space, and for archives
-    :data:`~taskpoint.format.extract.MAX_EXPAND`).
+    :data:`~taskpoint.format.extract.MAX_EXPAND`). ``only``: restore just these paths of a directory archive
+    (streaming the whole object, keeping those entries: :func:`~taskpoint.format.extract.extract_tar`); a
+    ValueError for an object that is no directory.
     """
     progress.set_total(size_hint)
-    return src.run(lambda: _read_once(src, workspace, choose, verify, digest, size_hint, progress, max_expand),
-                   action="load the checkpoint from")
+    return src.run(lambda: _read_once(src, workspace, choose, verify, digest, size_hint, progress, max_expand,
+                                      only), action="load the checkpoint from")
 
 
-def _read_once(src: Location, workspace: Path, choose: KindChooser, verify: Verifier,
-               digest: str, size_hint: int | None, progress: Progress, max_expand: int | None) -> Path | None:
+def _read_once(src: Location, workspace: Path, choose: KindChooser, verify: Verifier, digest: str,
+               size_hint: int | None, progress: Progress, max_expand: int | None,
+               only: Sequence[str] | None) -> Path | None:
     progress.restart()
     try:
         raw = src.open_read(size_hint)
@@ -258,6 +262,9 @@ def _read_once(src: Location, workspace: Path, choose: KindChooser, verify: Veri
         stored_size = object_size(raw)
         progress.set_total(stored_size)
         cls = choose(head, stored_size)
+        if only is not None and not cls.archived:
+            raise ValueError(f"the checkpoint at {src.uri} holds {cls.kind}, not a directory: paths= selects "
+                             "files and folders inside a saved directory")
         workspace.mkdir(parents=True, exist_ok=True)
         with Staging(workspace) as staging:
             if not cls.archived and stored_size is not None:
@@ -266,7 +273,8 @@ def _read_once(src: Location, workspace: Path, choose: KindChooser, verify: Veri
             if cls.archived:
                 stream = detect_codec(head, src.uri).reader(reader, head)  # type: ignore[arg-type]
                 try:
-                    cls.materialize(stream, staging, src.uri, max_expand=max_expand)  # type: ignore[call-arg]
+                    extra = {} if only is None else {"only": only}
+                    cls.materialize(stream, staging, src.uri, max_expand=max_expand, **extra)  # type: ignore[call-arg]
                 finally:
                     stream.close()
             elif src.is_local:

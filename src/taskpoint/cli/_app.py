@@ -1,8 +1,8 @@
 """The ``taskpoint`` command line: look at, check, move and clean checkpoints; run a command with locations.
 
-Commands: ``ls``, ``show``, ``verify``, ``pull``, ``push``, ``rm``, ``gc`` and ``run`` (see docs/cli.md). The top
-layer: it imports the library and reads records and manifests with the library's own code. click is imported
-here only, so ``import taskpoint`` does not load it.
+Commands: ``ls``, ``show``, ``verify``, ``pull``, ``cat``, ``push``, ``rm``, ``gc`` and ``run`` (see docs/cli.md).
+The top layer: it imports the library and reads records and manifests with the library's own code. click is
+imported here only, so ``import taskpoint`` does not load it.
 
 Exit codes: 0 success (healthy), 1 error (storage, usage, anything unexpected), 2 damaged (names the object or
 step), 3 not found. ``taskpoint run`` keeps its own: 2 for its usage errors, 127 for a command not found, else
@@ -184,12 +184,12 @@ def _describe(exc: BaseException) -> tuple[int, str]:
         code = NOT_FOUND
     elif isinstance(exc, CheckpointCorruptError):
         code = DAMAGED
-    elif isinstance(exc, FileNotFoundError) and not isinstance(exc, StorageError):
-        code = NOT_FOUND
+    elif isinstance(exc, (KeyError, FileNotFoundError)) and not isinstance(exc, StorageError):
+        code = NOT_FOUND  # KeyError: a path that is not in the checkpoint (pull --path, cat)
     else:
         code = ERROR
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    if not isinstance(exc, (CheckpointError, _Missing, _Failed, FileNotFoundError, ValueError)):
+    text = " ".join(str(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc).split()) or type(exc).__name__
+    if not isinstance(exc, (CheckpointError, _Missing, _Failed, FileNotFoundError, ValueError, KeyError)):
         text = f"{type(exc).__name__}: {text}"
     return code, text
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +18,7 @@ from ..format.records import MANIFEST_SUFFIX
 from ..manager import CheckpointManager
 from ..record import object_size as _object_size
 from ..record import read_record
+from ..storage import Location
 from ._app import ERROR, OK, _command, _Failed, _Missing, cli, progress_option
 from .views import _human, _location
 
@@ -51,33 +54,76 @@ def _figures(stats: TransferStats, moved: str = "") -> str:
 @click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--step", type=click.IntRange(min=0), default=None,
               help="the step of a manager directory (default: the newest)")
+@click.option("--path", "paths", multiple=True, metavar="PATH",
+              help="only this file or folder of the saved directory (repeatable); only its bytes are read")
 @progress_option
 @_command
-def pull_command(uri: str, dest: Path, step: int | None, progress: bool | None) -> int:
+def pull_command(uri: str, dest: Path, step: int | None, paths: tuple[str, ...], progress: bool | None) -> int:
     """Load a checkpoint (or a manager's step) into the folder DEST, verified as the API loads it.
 
     A directory checkpoint's entries replace same-named entries in DEST; bytes and file checkpoints land as
-    DEST/payload. Nothing lands before the checksum matches.
+    DEST/payload. Nothing lands before the checksum matches. With --path, only those files and folders
+    (exit 3 naming one that is not there).
 
     \b
     Examples:
       taskpoint pull s3://bucket/runs/job7/train/3/checkpoint ./restored
       taskpoint pull s3://bucket/runs/steps ./restored --step 1200
+      taskpoint pull s3://bucket/runs/steps ./model --path model/ --path config.json
     """
     loc = _location(uri)
+    only = list(paths) or None
     with _transfers() as seen:
-        if step is None and (read_record(loc.sibling(MANIFEST_SUFFIX)) is not None
-                             or _object_size(loc) is not None):
+        if _single(loc, step):
             with Checkpoint(loc.uri, loc.uri, storage_options=loc.storage_options, workspace=dest) as cp:
-                result = cp.load_sync(progress=progress)
+                result = cp.load_sync(only, progress=progress)
             if result is None:
                 raise _Missing(f"nothing taskpoint saved is at {loc.uri}")
         else:
             with CheckpointManager(loc.uri, storage_options=loc.storage_options, preemption=False) as manager:
                 if step is None and manager.latest_step() is None:
                     raise _Missing(f"nothing taskpoint saved is at {loc.uri}")
-                result = manager.restore(step, into=dest, progress=progress)
+                result = manager.restore(step, into=dest, paths=only, progress=progress)
     click.echo(f"pulled {safe_uri(loc.uri)} -> {result}" + (f" ({_figures(seen[-1])})" if seen else ""))
+    return OK
+
+
+def _single(loc: Location, step: int | None) -> bool:
+    """Whether URI is a single checkpoint (a record or an object there) rather than a manager directory."""
+    return step is None and (read_record(loc.sibling(MANIFEST_SUFFIX)) is not None or _object_size(loc) is not None)
+
+
+@cli.command("cat")
+@click.argument("uri")
+@click.argument("path")
+@click.option("--step", type=click.IntRange(min=0), default=None,
+              help="the step of a manager directory (default: the newest)")
+@_command
+def cat_command(uri: str, path: str, step: int | None) -> int:
+    """Write the file PATH of a saved directory (a checkpoint, or a manager's step) to standard output.
+
+    Only the compressed members or chunks that hold it are read, each verified before its bytes are written
+    (exit 2 when one is damaged, 3 when PATH is not there).
+
+    \b
+    Examples:
+      taskpoint cat s3://bucket/runs/steps config.json --step 1200
+      taskpoint cat s3://bucket/runs/job7/train/3/checkpoint model/model.pt > model.pt
+    """
+    loc = _location(uri)
+    if _single(loc, step):
+        with Checkpoint(loc.uri, loc.uri, storage_options=loc.storage_options) as cp:
+            source = cp.open(path)
+    else:
+        with CheckpointManager(loc.uri, storage_options=loc.storage_options, preemption=False) as manager:
+            at = manager.latest_step() if step is None else step
+            if at is None:
+                raise _Missing(f"nothing taskpoint saved is at {loc.uri}")
+            source = manager.open(at, path)
+    out = sys.stdout.buffer
+    with source:
+        shutil.copyfileobj(source, out, 1 << 20)
+    out.flush()
     return OK
 
 

@@ -20,6 +20,7 @@ from typing import IO
 from ..storage import WRITE_PIECE
 from ..storage.streams import read_up_to
 from .codecs import BLOCK_SIZE, Codec
+from .index import FILE, FOLDER, HARDLINK, SYMLINK, TAR_BLOCK, ArchiveIndex, IndexEntry
 
 #: Most path components a member may have; deeper trees are refused on save and on load.
 MAX_DEPTH = 256
@@ -132,10 +133,12 @@ def walk_source(directory: str | os.PathLike[str]) -> Iterator[SourceEntry]:
 
 
 def write_tar(directory: Path, sink: IO[bytes], codec: Codec, level: int | None,
-              on_read: Callable[[int], None] | None = None) -> None:
+              on_read: Callable[[int], None] | None = None) -> ArchiveIndex | None:
     """Write ``directory``'s top-level entries, each under its own name, as a ``codec`` archive to ``sink``;
-    ``on_read(n)`` is told of the bytes read from the files (a save's progress)."""
+    ``on_read(n)`` is told of the bytes read from the files (a save's progress). Returns the archive's index
+    (:mod:`.index`), or None when the codec writes no independent members."""
     stream = codec.writer(sink, level)
+    entries: list[IndexEntry] = []
     try:
         tar = tarfile.TarFile(
             fileobj=_TellingWriter(stream),  # type: ignore[arg-type]
@@ -147,17 +150,25 @@ def write_tar(directory: Path, sink: IO[bytes], codec: Codec, level: int | None,
             for entry in walk_source(directory):
                 info = tar.gettarinfo(entry.path, entry.relative)
                 info.uname = info.gname = ""
+                header = tar.offset
                 if info.isreg():
                     with open(entry.path, "rb") as f:
                         tar.addfile(info, f if on_read is None else _CountingFile(f, on_read))
                 else:
                     tar.addfile(info)
+                size = info.size if info.isreg() else 0
+                data = tar.offset - size - (-size % TAR_BLOCK)
+                kind = FILE if info.isreg() else FOLDER if info.isdir() else SYMLINK if info.issym() else HARDLINK
+                entries.append(IndexEntry(entry.relative, kind, header, data, size,
+                                          info.linkname if kind == HARDLINK else ""))
     except BaseException:
         with contextlib.suppress(Exception):  # the first error is the one to report
             abort = getattr(stream, "abort", None)
             abort() if abort is not None else stream.close()
         raise
     stream.close()
+    members = codec.members(stream)
+    return None if members is None else ArchiveIndex(codec.name, tuple(members), tuple(entries))
 
 
 def skip_special(path: str, mode: int, *, stacklevel: int) -> bool:

@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from typing import IO, Any, ClassVar
 
 from ..errors import CheckpointCorruptError
-from .pgzip import GzipFormatError, ParallelGzipReader, ParallelGzipWriter, isal_level, labelled_length
+from .pgzip import GzipFormatError, ParallelGzipReader, ParallelGzipWriter, isal_level, labelled_length, open_member
 
 #: Size of the blocks the codecs hand to their compressors and to storage.
 BLOCK_SIZE = 1 << 20
@@ -74,6 +74,17 @@ class Codec(ABC):
         """The plain bytes of a blob :meth:`compress` made (or another tool, in the same format), which should be
         ``size`` long; the caller checks that they are."""
 
+    def members(self, writer: IO[bytes]) -> list[tuple[int, int]] | None:
+        """The independent members a closed :meth:`writer` wrote, as (compressed length, plain length) in order,
+        each of which :meth:`open_member` inflates alone: what an archive's index locates files in. None for a
+        codec whose stream cannot be cut so (the archive then gets no index)."""
+        return None
+
+    def open_member(self, blob: bytes) -> bytes:
+        """The plain bytes of one member :meth:`members` listed, verified by the codec's own check; a
+        :data:`DECODE_ERRORS` error when damaged."""
+        raise NotImplementedError(f"codec {self.name!r} writes no independent members")
+
 
 class GzipCodec(Codec):
     """Standard gzip, compressed and inflated on every core (see :mod:`.pgzip`); any gzip reader opens it.
@@ -102,6 +113,14 @@ class GzipCodec(Codec):
 
     def matches(self, head: bytes) -> bool:
         return head.startswith(_GZIP_MAGIC)
+
+    def members(self, writer: IO[bytes]) -> list[tuple[int, int]] | None:
+        written = getattr(writer, "written", None)
+        return list(written) if written is not None else None
+
+    def open_member(self, blob: bytes) -> bytes:
+        """One labelled member, inflated and checked against its CRC32 and ISIZE (:func:`~.pgzip.open_member`)."""
+        return open_member(blob)
 
     def compress(self, data: bytes | memoryview, level: int | None) -> bytes:
         try:

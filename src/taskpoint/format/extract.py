@@ -15,13 +15,14 @@ import errno
 import os
 import stat
 import tarfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, NoReturn, TypeVar
 
 from ..errors import CheckpointCorruptError, CheckpointError, StorageFull, UnsafeArchiveError
 from .archive import MAX_DEPTH, MAX_PATH_BYTES, _TarReader, link_leaves
 from .codecs import BLOCK_SIZE, DECODE_ERRORS
+from .index import covered
 from .space import SpaceBudget
 
 #: Largest number of bytes a directory checkpoint may expand to when it is loaded (the sum of its files'
@@ -143,7 +144,8 @@ def _raise_local(exc: OSError, uri: str, what: str) -> NoReturn:
                           f"({type(exc).__name__}: {exc}); the local file system cannot hold it.") from exc
 
 
-def extract_tar(source: IO[bytes], staging: Path, uri: str, *, max_expand: int | None = None) -> None:
+def extract_tar(source: IO[bytes], staging: Path, uri: str, *, max_expand: int | None = None,
+                only: Sequence[str] | None = None) -> None:
     """Extract the tar stream ``source`` (already decompressed) below ``staging``, refusing unsafe members.
 
     Nothing is created outside ``staging``: every member is written relative to a descriptor of its folder,
@@ -151,7 +153,10 @@ def extract_tar(source: IO[bytes], staging: Path, uri: str, *, max_expand: int |
     (even one that stays inside) is refused. ``max_expand`` (the load's ``Checkpoint(max_expand=...)``;
     None: :data:`MAX_EXPAND`) caps the bytes
     the archive may expand to; the free space of ``staging``'s file system caps them too (StorageFull).
-    The stream is read to its end, so that the codec verifies its trailing checksums.
+    The stream is read to its end, so that the codec verifies its trailing checksums. ``only`` (normalized
+    relative paths, :func:`~.index.normalize_paths`): extract just the entries they name, folders with what lies
+    below them, skipping the others' data (an archive without an index); KeyError naming a path that matched
+    nothing.
     """
     root = os.path.realpath(staging)
     budget = SpaceBudget(root, uri, max_expand if max_expand is not None else MAX_EXPAND)
@@ -160,10 +165,20 @@ def extract_tar(source: IO[bytes], staging: Path, uri: str, *, max_expand: int |
     links: list[tuple[str, ...]] = []
     try:
         reader = _TarReader(source)
+        matched: set[str] = set()
         while (member := reader.next()) is not None:
             folders.trim()
+            if only is not None:
+                chosen = covered("/".join(_member_parts(uri, member)), only)
+                if chosen is None:
+                    reader.skip(member.size if member.isreg() else 0)
+                    continue
+                matched.add(chosen)
             _extract_member(reader, member, folders, uri, budget, dir_modes, links)
         _check_trailing(source)
+        missing = [p for p in only or () if p not in matched]
+        if missing:
+            raise KeyError(f"not in the checkpoint at {uri}: {', '.join(map(repr, missing))}")
         try:
             # A link created early can point through a link created later; check where each one ends up now.
             for parts in links:

@@ -100,7 +100,7 @@ def member(data: bytes | memoryview, level: int) -> bytes:
     return b"".join((header, body, _TRAILER.pack(crc32(data, 0) & 0xFFFFFFFF, len(data) & 0xFFFFFFFF)))
 
 
-def _open_member(blob: bytes) -> bytes:
+def open_member(blob: bytes) -> bytes:
     """Inflate one labelled member into at most its ISIZE bytes, and check its CRC32 and length."""
     if len(blob) < _HEADER_SIZE + _TRAILER.size:
         raise GzipFormatError("gzip member is truncated")
@@ -140,6 +140,8 @@ class ParallelGzipWriter(io.RawIOBase):
         self._ordered: queue.Queue[concurrent.futures.Future[bytes] | None] = queue.Queue(self._threads * 2)
         self._buf = bytearray()
         self._members = 0
+        #: (compressed length, plain length) of every member written so far, in order: an archive's index.
+        self.written: list[tuple[int, int]] = []
         self._error: BaseException | None = None
         self._emitter = threading.Thread(target=self._emit, name="taskpoint-gzip-writer", daemon=True)
         self._emitter.start()
@@ -181,7 +183,9 @@ class ParallelGzipWriter(io.RawIOBase):
                 future.cancel()
                 continue
             try:
-                self._sink.write(future.result())
+                blob = future.result()
+                self._sink.write(blob)
+                self.written.append((len(blob), _TRAILER.unpack_from(blob, len(blob) - _TRAILER.size)[1]))
             except BaseException as exc:  # reported to the producer
                 self._error = exc
 
@@ -247,4 +251,4 @@ class ParallelGzipReader(OrderedFutureReader):
             if blob is None:
                 self._eof = True
                 break
-            self._pending.append(self._pool.submit(_open_member, blob))
+            self._pending.append(self._pool.submit(open_member, blob))

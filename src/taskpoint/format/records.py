@@ -30,18 +30,23 @@ import hashlib
 import json
 import zlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from ..errors import CheckpointCorruptError
+from .index import ArchiveIndex
 
 MANIFEST_SUFFIX = ".taskpoint.json"
 #: The codec of a manager step whose files another writer stored (taskpoint.torch): its manifest names their
 #: own file-set manifest (:mod:`taskpoint.format.fileset`) by size and sha256.
 FILESET_CODEC = "fileset"
 FORMAT = "taskpoint.checkpoint"
-#: Version of the checkpoint record written now (format 1 is still read).
-RECORD_VERSION = 2
+#: Newest version of the checkpoint record (format 1 is still read). Version 3 is version 2 whose entries may
+#: carry an archive's index (:mod:`.index`); a record without one is still written as version 2, which older
+#: taskpoints read, and one with an index asks them to upgrade rather than calling it damaged.
+RECORD_VERSION = 3
+#: The version of a record none of whose entries has an index.
+RECORD_VERSION_UNINDEXED = 2
 #: Newest version of a manager step's manifest this taskpoint reads. Version 1 names one payload object;
 #: version 2 (written only for deduplicated steps) lists a tree of files and the chunks that hold them;
 #: version 3 (written only for steps saved by several ranks) names one payload object per rank; version 4
@@ -82,6 +87,16 @@ class ObjectRecord:
     sha256: str | None = None
     #: CRC32 of the stored bytes (hex); single checkpoints record this instead of a sha256.
     crc32: str | None = None
+    #: Where each entry of a directory archive lies (:mod:`.index`): partial restores read only their members.
+    #: None for raw objects, codecs without independent members, and archives saved before indexes existed.
+    index: ArchiveIndex | None = field(default=None, compare=False, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        """The record's fields as a document stores them (no ``index`` field when there is none)."""
+        doc = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "index"}
+        if self.index is not None:
+            doc["index"] = self.index.to_json()
+        return doc
 
 
 @dataclass(frozen=True)
@@ -99,8 +114,9 @@ class Record:
     unverified: ObjectRecord | None = None
 
     def to_bytes(self) -> bytes:
-        doc: dict[str, Any] = {"format": FORMAT, "version": RECORD_VERSION,
-                               "objects": [asdict(o) for o in self.objects], "confirmed": self.confirmed}
+        version = RECORD_VERSION if any(o.index is not None for o in self.objects) else RECORD_VERSION_UNINDEXED
+        doc: dict[str, Any] = {"format": FORMAT, "version": version,
+                               "objects": [o.to_json() for o in self.objects], "confirmed": self.confirmed}
         if self.sweep:
             doc["sweep"] = True
         return sealed(doc, CRC32)
@@ -255,7 +271,7 @@ class StepManifest:
         return self.content.kind
 
     def to_bytes(self) -> bytes:
-        header: dict[str, Any] = {"format": STEP_FORMAT, "step": self.step, **asdict(self.record),
+        header: dict[str, Any] = {"format": STEP_FORMAT, "step": self.step, **self.record.to_json(),
                                   "attempt": self.attempt, "metadata": self.metadata}
         version = LEGACY_VERSIONS.get(self.kind)
         if version is not None:
@@ -308,7 +324,7 @@ class Shard:
     record: ObjectRecord
 
     def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "payload": self.payload, **asdict(self.record)}
+        return {"rank": self.rank, "payload": self.payload, **self.record.to_json()}
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> Shard:
@@ -406,6 +422,7 @@ def _known_fields_if_unchecked(doc: dict[str, Any], checked: bool, known: frozen
 def _record(value: Any) -> ObjectRecord | None:
     if value is None:
         return None
+    index = value.get("index")
     return ObjectRecord(kind=str(value["kind"]), codec=str(value["codec"]), save_id=str(value["save_id"]),
                         created=float(value["created"]), size=value.get("size"), sha256=value.get("sha256"),
-                        crc32=value.get("crc32"))
+                        crc32=value.get("crc32"), index=None if index is None else ArchiveIndex.from_json(index))

@@ -17,7 +17,7 @@ import functools
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from .. import _log, _progress
 from .._log import TransferStats
 from ..errors import CheckpointError
 from ..format.codecs import Codec, get_codec
+from ..format.index import normalize_paths
 from ..format.records import StepContent
 from ..payloads import Payload, payload_for
 from ..storage import LEFTOVER_GRACE_SECONDS, Location, RetryPolicy, normalize_uri
@@ -303,19 +304,21 @@ class CheckpointManager(StepQueries):
 
     # -- restore -------------------------------------------------------------------------------------------
 
-    def restore(self, step: int | None = None, *, into: str | os.PathLike[str] | None = None,
-                fallback: bool = False, progress: bool | Callback | None = None) -> Path:
+    def restore(self, step: int | None = None, into: str | os.PathLike[str] | None = None, *,
+                paths: Iterable[str] | None = None, fallback: bool = False,
+                progress: bool | Callback | None = None) -> Path:
         """Restore ``step`` (the newest when None) and return it as :meth:`Checkpoint.load
         <taskpoint.Checkpoint.load>` does: a folder for directories, ``<folder>/payload`` for bytes and files.
 
         Without ``into`` the result lands in a folder of the manager's own, removed by :meth:`close`; with
-        it, the checkpoint's entries replace same-named entries in ``into``. The sha256 recorded at save is
-        verified while streaming, and nothing lands before it matches: a mismatch raises
-        CheckpointCorruptError naming the step. With ``fallback=True`` a damaged step is skipped with a
-        warning for the newest older one that verifies; storage errors are raised, never skipped.
-        :attr:`restored_step` says which step the last successful restore returned. ``progress``: as for
-        :meth:`Checkpoint.load_sync <taskpoint.Checkpoint.load_sync>`.
-        """
+        it, the checkpoint's entries replace same-named entries in ``into``. ``paths`` (files or folders relative
+        to the saved directory) restores only those, reading only their bytes (docs/manager.md, "Restoring part of
+        a step"); KeyError names one the step lacks. Every byte read is verified (sha256, or per chunk or member)
+        before it lands: a mismatch raises CheckpointCorruptError naming the step. With ``fallback=True`` a damaged
+        step is skipped with a warning for the newest older one that verifies; storage errors are raised, never
+        skipped. :attr:`restored_step` says which step the last restore returned. ``progress``: as for
+        :meth:`Checkpoint.load_sync <taskpoint.Checkpoint.load_sync>`."""
+        selected = None if paths is None else normalize_paths(paths)
         clock, tracker = _log.Clock(), _progress.resolve(progress, "restore")
         if step is None:
             candidates = list(reversed(self.steps()))
@@ -328,7 +331,7 @@ class CheckpointManager(StepQueries):
         target = None if into is None else Path(normalize_uri(into, "into"))
         self.restored_step, result = self._reader.read_first(candidates, target, fallback=fallback,
                                                              requested=step is not None, clock=clock,
-                                                             progress=tracker)
+                                                             progress=tracker, paths=selected)
         self._guard.restored_from(self.restored_step)
         self._schedule.seen(self.restored_step)
         return result

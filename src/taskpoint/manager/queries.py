@@ -4,6 +4,7 @@ be saved, which step is the best, which are protected), read without any payload
 from __future__ import annotations
 
 import functools
+import io
 from collections.abc import Awaitable, Callable
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -12,7 +13,7 @@ import anyio.to_thread
 from ..storage import RetryPolicy
 from ._checks import check_step
 from .inventory import StepSummary, inventory
-from .kinds import KINDS, Parts
+from .kinds import KINDS, Parts, partial_kind
 from .protect import Guard
 from .schedule import SaveSchedule
 from .shards import RankPlan
@@ -47,6 +48,20 @@ class StepQueries:
     _plan: RankPlan
     _guard: Guard
     _schedule: SaveSchedule
+
+    def open(self, step: int, path: str) -> io.BufferedReader:
+        """A read-only binary file (``read``, ``readinto``, ``seek``, ``tell``) of the file ``path`` of ``step``,
+        read on demand: only the compressed members or chunks that hold the bytes asked for are fetched, each
+        verified before its bytes are returned (``torch.load(manager.open(step, "model.pt"))``). A step saved
+        without an index restores that one file into a temporary folder first. KeyError when the step has no such
+        file; FileNotFoundError when there is no such step. Reads fail once the step is deleted."""
+        self._ready()
+        step = check_step(step)
+        manifest = self._steps.manifest(step)
+        if manifest is None:
+            raise FileNotFoundError(f"step {step} does not exist in {self.directory}")
+        kind = KINDS.kind(manifest.kind, self._steps.step_uri(step))
+        return partial_kind(kind).open_file(self._parts, step, manifest, path)
 
     @property
     def directory(self) -> str:

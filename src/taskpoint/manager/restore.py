@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import threading
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 from .. import _log
@@ -12,7 +13,7 @@ from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointCorruptError, CheckpointError, add_note
 from ..workspace import Workspace
 from .claims import Claims
-from .kinds import Gone, Parts, StepKinds
+from .kinds import Gone, Parts, StepKinds, partial_kind
 from .protect import restore_lease
 
 #: How often restore follows a step that another writer overwrites while it is being read.
@@ -40,21 +41,23 @@ class StepReader:
             self._workspace.close()
 
     def read_first(self, candidates: list[int], into: Path | None, *, fallback: bool, requested: bool,
-                   clock: _log.Clock | None = None, progress: Progress = NO_PROGRESS) -> tuple[int, Path]:
+                   clock: _log.Clock | None = None, progress: Progress = NO_PROGRESS,
+                   paths: Sequence[str] | None = None) -> tuple[int, Path]:
         """The first of ``candidates`` that restores, and where. Without ``fallback`` only the first is tried;
         with it, a damaged or vanished step is skipped with a warning, but a ``requested`` step that does not
         exist is an error at once, and storage errors are raised, never skipped. ``progress`` counts the step
-        being read, and starts again from zero for the next candidate."""
+        being read, and starts again from zero for the next candidate. ``paths``: only these (normalized)."""
         with progress:
-            return self._read_first(candidates, into, fallback, requested, clock, progress)
+            return self._read_first(candidates, into, fallback, requested, clock, progress, paths)
 
     def _read_first(self, candidates: list[int], into: Path | None, fallback: bool, requested: bool,
-                    clock: _log.Clock | None, progress: Progress) -> tuple[int, Path]:
+                    clock: _log.Clock | None, progress: Progress, paths: Sequence[str] | None
+                    ) -> tuple[int, Path]:
         first_error: Exception | None = None
         for index, candidate in enumerate(candidates):
             try:
                 progress.rewind()
-                result = self.read(candidate, into, progress)
+                result = self.read(candidate, into, progress, paths)
                 if clock is not None:
                     self._log_restore(candidate, clock)
                 return candidate, result
@@ -78,31 +81,32 @@ class StepReader:
             _log.transferred("load", self._steps.step_uri(step), record.kind if record else "unknown",
                              record.size if record else None, clock, step)
 
-    def read(self, step: int, into: Path | None, progress: Progress = NO_PROGRESS) -> Path:
-        """Restore ``step`` into ``into``, or into ``<own workspace>/ckpt-<step>`` when None."""
+    def read(self, step: int, into: Path | None, progress: Progress = NO_PROGRESS,
+             paths: Sequence[str] | None = None) -> Path:
+        """Restore ``step`` (only ``paths`` when given) into ``into``, or into ``<own workspace>/ckpt-<step>``."""
         if not self._claims.start_restore(step):
             raise FileNotFoundError(f"step {step} in {self.directory} is being deleted")
         try:
             with restore_lease(self._steps, step, self._grace):
-                return self._read_held(step, into, progress)
+                return self._read_held(step, into, progress, paths)
         finally:
             self._claims.end_restore(step)
 
-    def _read_held(self, step: int, into: Path | None, progress: Progress) -> Path:
+    def _read_held(self, step: int, into: Path | None, progress: Progress, paths: Sequence[str] | None) -> Path:
         if into is not None:
-            return self._read_step(step, into, progress)
+            return self._read_step(step, into, progress, paths)
         with self._lock:
             if self._workspace is None:
                 self._workspace = Workspace(None)
             folder = self._workspace.path / f"ckpt-{step}"
             shutil.rmtree(folder, ignore_errors=True)
             try:
-                return self._read_step(step, folder, progress)
+                return self._read_step(step, folder, progress, paths)
             except BaseException:
                 shutil.rmtree(folder, ignore_errors=True)
                 raise
 
-    def _read_step(self, step: int, workspace: Path, progress: Progress) -> Path:
+    def _read_step(self, step: int, workspace: Path, progress: Progress, paths: Sequence[str] | None) -> Path:
         """Restore the save the manifest commits into ``workspace`` through its kind, following concurrent
         overwrites."""
         manifest = self._steps.manifest(step)
@@ -112,7 +116,9 @@ class StepReader:
             kind = self._kinds.kind(manifest.kind, self._steps.step_uri(step))
             progress.rewind()  # a manifest followed after an overwrite: its payload is counted from zero
             try:
-                return kind.restore(self._parts, step, manifest, workspace, progress)
+                if paths is None:
+                    return kind.restore(self._parts, step, manifest, workspace, progress)
+                return partial_kind(kind).restore_paths(self._parts, step, manifest, workspace, paths, progress)
             except Gone as gone:
                 now = self._steps.manifest(step)
                 if manifest.same_save(now):

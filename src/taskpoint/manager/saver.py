@@ -210,7 +210,8 @@ class SaverProcess:
         for category, message in caught:
             warnings.warn(message, category, stacklevel=2)
         if status == "ok":
-            return value  # type: ignore[no-any-return]
+            size, digest, payload.written_index = value
+            return size, digest
         error, remote_traceback = value
         where = f"raised in taskpoint's save process (pid {self.pid})"
         if error.__cause__ is None:  # never set: a cause does not survive pickling
@@ -435,6 +436,7 @@ def serve(parent: int) -> None:
                     value = write_payload(Location(uri, options, retry), payload, get_codec(codec), level,
                                           progress=progress)
                 duty.stored(*value)
+                value = (*value, payload.written_index)  # the archive's index goes into the parent's manifest
                 status = "ok"
             except BaseException as exc:
                 duty.end()

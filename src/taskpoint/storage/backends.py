@@ -33,7 +33,7 @@ from typing import IO, Any, ClassVar
 from fsspec.asyn import AsyncFileSystem
 
 from ..errors import SaveStalledError
-from ._localio import LOCAL_READ_BUFFER, EarlyWriteback, folder_lock, fsync_dir, local_version
+from ._localio import LOCAL_READ_BUFFER, EarlyWriteback, folder_lock, fsync_dir, local_version, read_range
 from .errormap import Failure, classify
 from .retry import time_left
 from .streams import RANGE_SIZE, VersionConflict
@@ -190,6 +190,12 @@ class Backend:
                 raise folder_error(path) from None
             raise
 
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        """``length`` bytes of the object at ``path`` from ``start`` (fewer only past its end): one ranged GET."""
+        if length <= 0:
+            return b""
+        return self.fs.cat_file(path, start=start, end=start + length, **bounded(self.fs))  # type: ignore[no-any-return]
+
     def open_write(self, path: str, size_hint: int | None, hooks: WriteHooks
                    ) -> contextlib.AbstractContextManager[IO[bytes]]:
         """An atomic writer; ``hooks.before_commit`` runs when every byte is written and none is visible yet."""
@@ -345,6 +351,9 @@ class LocalBackend(Backend):
 
     def open_read(self, path: str, size_hint: int | None = None) -> IO[bytes]:
         return open(path, "rb", buffering=LOCAL_READ_BUFFER)
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        return read_range(path, start, length)
 
     @contextlib.contextmanager
     def open_write(self, path: str, size_hint: int | None, hooks: WriteHooks) -> Iterator[IO[bytes]]:

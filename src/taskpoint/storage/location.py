@@ -183,6 +183,11 @@ class Location:
         inside :meth:`run`."""
         return self.backend.open_read(self.path, size_hint)
 
+    def read_range(self, start: int, length: int) -> bytes:
+        """``length`` bytes of the object from ``start`` (fewer only past its end), with retries: what a partial
+        restore reads of an archive's members. FileNotFoundError when the object is missing."""
+        return self.run(lambda: self.backend.read_range(self.path, start, length), action="read")
+
     def list_tree(self, prefix: str = "") -> dict[str, dict[str, Any]]:
         """Every object and folder below this location, with listing details; {} when there is none. With
         ``prefix``, only what lies under the entries whose names start with it (``ckpt-``: a manager's steps,

@@ -15,14 +15,15 @@ kinds are found, :mod:`taskpoint.payloads`)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import io
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from ... import _progress
 from ..._progress import Progress
-from ...errors import CheckpointCorruptError
+from ...errors import CheckpointCorruptError, CheckpointError
 from ...format.codecs import Codec
 from ...format.records import ObjectRecord, StepContent, StepManifest
 from ...payloads import Payload, payload_class
@@ -151,6 +152,30 @@ class StepKind(Protocol):
         ...
 
 
+class PartialKind(Protocol):
+    """What a step kind adds to read part of a step (optional: a kind without these methods raises a clear error
+    for ``restore(paths=...)`` and ``open()``). ``paths`` are normalized relative paths
+    (:func:`~taskpoint.format.index.normalize_paths`); each read is verified before its bytes are used."""
+
+    def restore_paths(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path,
+                      paths: Sequence[str], progress: Progress) -> Path:
+        """Restore only ``paths`` of the step (folders with what lies below them) into ``workspace``; KeyError
+        naming a path the step lacks; :class:`Gone` as :meth:`StepKind.restore`."""
+        ...
+
+    def open_file(self, parts: Parts, step: int, manifest: StepManifest, path: str) -> io.BufferedReader:
+        """A read-only binary file of the step's file ``path``, read on demand; KeyError when there is none."""
+        ...
+
+
+def partial_kind(kind: StepKind) -> PartialKind:
+    """``kind`` as a :class:`PartialKind`; CheckpointError when it cannot read part of a step."""
+    if not (hasattr(kind, "restore_paths") and hasattr(kind, "open_file")):
+        raise CheckpointError(f"steps of kind {kind.name!r} cannot be read in part (paths= or open()); restore the "
+                              "whole step instead")
+    return kind  # type: ignore[return-value]
+
+
 class Gone(Exception):
     """An object a step names is missing while the step is restored; ``message`` is the error to raise when
     the manifest, read again, still commits the same save (damage, not an overwrite)."""
@@ -231,10 +256,11 @@ def stored_part(parts: Parts, step: int, name: str, size: int | None, sha256: st
     return found
 
 
-def read_object(parts: Parts, step: int, name: str, record: ObjectRecord, workspace: Path, progress: Progress
-                ) -> Path:
+def read_object(parts: Parts, step: int, name: str, record: ObjectRecord, workspace: Path, progress: Progress,
+                only: Sequence[str] | None = None) -> Path:
     """Restore the payload object ``name`` of ``step``'s folder into ``workspace``, checked against ``record``
-    (kind, size, sha256) while it streams. :class:`Gone` when the object is missing."""
+    (kind, size, sha256) while it streams; ``only``: just these paths of a directory (the rest is streamed,
+    verified and skipped). :class:`Gone` when the object is missing."""
     steps = parts.steps
     src = steps.object(step, name)
 
@@ -249,7 +275,7 @@ def read_object(parts: Parts, step: int, name: str, record: ObjectRecord, worksp
                 f"after the commit{GONE_HOW}. Restore an older step (fallback=True), or delete this one.")
     try:
         result = read_payload(src, workspace, lambda head, size: payload_class(record.kind, src.uri), verify,
-                              size_hint=record.size, progress=progress)
+                              size_hint=record.size, progress=progress, only=only)
     except FileNotFoundError:  # deleted under a streaming read (object stores)
         raise gone from None
     except CheckpointCorruptError as exc:

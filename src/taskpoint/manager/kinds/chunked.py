@@ -6,15 +6,20 @@ the chunks no manifest names. Its manifest keeps the layout of format version 2.
 from __future__ import annotations
 
 import dataclasses
+import io
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from ... import _progress
 from ..._progress import Progress
+from ...errors import CheckpointCorruptError
+from ...format.index import covered, normalize_path
 from ...format.records import ChunkedTree, ObjectRecord, StepManifest, TreeEntry
+from ...format.subset import PieceFile, open_pieces
 from ...payloads import Payload
 from ..dedup import deduplicable
 from ..rebuild import MissingChunk
@@ -80,6 +85,42 @@ class ChunkedKind:
         except MissingChunk as missing:
             raise Gone(f"step {step} in {parts.steps.directory} is damaged: {missing} (removed after the "
                        f"commit{GONE_HOW}). Restore an older step (fallback=True), or save it again.") from None
+
+    def restore_paths(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path,
+                      paths: Sequence[str], progress: Progress) -> Path:
+        """Only the chunks of the files ``paths`` name, each verified by its sha256."""
+        tree = _tree(manifest)
+        chosen = {e.path for e in tree.entries if covered(e.path, paths) is not None}
+        missing = [p for p in paths if not any(covered(c, [p]) for c in chosen)]
+        if missing:
+            raise KeyError(f"not in step {step} of {parts.steps.directory}: {', '.join(map(repr, missing))}")
+        above = {"/".join(c.split("/")[:i]) for c in chosen for i in range(1, c.count("/") + 1)}
+        subset = ChunkedTree(tree.chunk_size, tuple(e for e in tree.entries
+                                                     if e.path in chosen or (e.type == "dir" and e.path in above)))
+        return self.restore(parts, step, dataclasses.replace(manifest, content=ChunkedStep(subset)), workspace,
+                            progress)
+
+    def open_file(self, parts: Parts, step: int, manifest: StepManifest, path: str) -> io.BufferedReader:
+        name = normalize_path(path)
+        tree = _tree(manifest)
+        entry = next((e for e in tree.entries if e.path == name), None)
+        if entry is None:
+            raise KeyError(f"not in step {step} of {parts.steps.directory}: {path!r}")
+        if entry.type != "file":
+            raise IsADirectoryError(f"{path!r} is a folder of step {step}, not a file") if entry.type == "dir" \
+                else ValueError(f"{path!r} is a symlink in step {step}; open the file it points to")
+        size, chunks = tree.chunk_size, parts.rebuilder.chunks
+
+        def fetch(i: int) -> bytes:
+            try:
+                return chunks.get(entry.chunks[i], min(size, entry.size - i * size))
+            except FileNotFoundError:
+                raise CheckpointCorruptError(f"step {step} in {parts.steps.directory} is damaged: file {name!r} "
+                                             f"needs chunk {chunks.uri(entry.chunks[i])}, which is missing") from None
+
+        raw = PieceFile([i * size for i in range(len(entry.chunks))], fetch, 0, entry.size,
+                        f"{parts.steps.step_uri(step)}:{name}")
+        return open_pieces(raw)
 
     def verify(self, parts: Parts, step: int, manifest: StepManifest, progress: object) -> Checked:
         tree = _tree(manifest)

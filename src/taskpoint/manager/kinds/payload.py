@@ -5,18 +5,22 @@ or a tar archive), committed by a manifest naming it with its sha256. The kind o
 from __future__ import annotations
 
 import dataclasses
+import io
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..._progress import Progress
+from ..._progress import NO_PROGRESS, Progress
+from ...format.index import normalize_path
 from ...format.records import ObjectRecord, StepManifest
+from ...partial import indexed, open_by_restoring, open_indexed, restore_indexed
 from ...payloads import Payload
 from ..background import store_payload
 from ..steps import MANIFEST_NAME, PAYLOAD_NAME, StepObjects, StepStore, stored_names
-from . import Checked, Described, Parts, Saved, SaveJob, read_object, register_step_kind, stored_part
+from . import GONE_HOW, Checked, Described, Gone, Parts, Saved, SaveJob, read_object, register_step_kind, stored_part
 
 _OWNED = stored_names(PAYLOAD_NAME.pattern)
 
@@ -66,7 +70,8 @@ class PayloadKind:
         # The save process commits this manifest itself (size and digest filled in) if we die meanwhile.
         size, digest = store_payload(steps.object(step, name), payload, parts.codec, parts.level, job.saver,
                                      (location, manifest), job.progress)
-        manifest = dataclasses.replace(manifest, record=dataclasses.replace(record, size=size, sha256=digest))
+        manifest = dataclasses.replace(manifest, record=dataclasses.replace(
+            record, size=size, sha256=digest, index=payload.written_index if payload.archived else None))
         # A failed commit leaves the payload in place: the write may have landed although it raised (a lost
         # response, an interrupt after the PUT), and then the manifest names this payload. Deleting it would
         # leave a committed step naming nothing; if the manifest did not land, the payload is a leftover that
@@ -78,6 +83,27 @@ class PayloadKind:
     def restore(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path, progress: Progress
                 ) -> Path:
         return read_object(parts, step, _content(manifest).name, manifest.record, workspace, progress)
+
+    def restore_paths(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path,
+                      paths: Sequence[str], progress: Progress) -> Path:
+        """With the archive's index, ranged reads of the members that hold ``paths``; without, the whole object
+        streamed and verified against its sha256, keeping those entries."""
+        name, record = _content(manifest).name, manifest.record
+        if not indexed(record.index, record.codec):
+            return read_object(parts, step, name, record, workspace, progress, only=paths)
+        assert record.index is not None
+        try:
+            return restore_indexed(parts.steps.object(step, name), record.index, paths, workspace, progress=progress)
+        except FileNotFoundError:
+            raise _gone(parts, step, name) from None
+
+    def open_file(self, parts: Parts, step: int, manifest: StepManifest, path: str) -> io.BufferedReader:
+        name, record = _content(manifest).name, manifest.record
+        if not indexed(record.index, record.codec):
+            return open_by_restoring(lambda folder: self.restore_paths(
+                parts, step, manifest, folder, [normalize_path(path)], NO_PROGRESS), normalize_path(path))
+        assert record.index is not None
+        return open_indexed(parts.steps.object(step, name), record.index, path)
 
     def verify(self, parts: Parts, step: int, manifest: StepManifest, progress: object) -> Checked:
         name, record = _content(manifest).name, manifest.record
@@ -97,6 +123,11 @@ class PayloadKind:
 
     def owns(self, name: str, committed: bool) -> bool:
         return bool(_OWNED.fullmatch(name))
+
+
+def _gone(parts: Parts, step: int, name: str) -> Gone:
+    return Gone(f"step {step} in {parts.steps.directory} is committed but its payload {name} is missing: it was "
+                f"removed after the commit{GONE_HOW}. Restore an older step (fallback=True), or delete this one.")
 
 
 PAYLOAD = register_step_kind(PayloadKind())
