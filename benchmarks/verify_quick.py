@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import fsspec
+
 import taskpoint
 from taskpoint.cli import main as cli
 
@@ -30,12 +32,15 @@ def _measure(uri: str, options: dict[str, Any], work: Path, runs: int = 3) -> tu
         (tree / f"w{i}.bin").write_bytes(os.urandom(SIZE // 4))
     mgr = taskpoint.CheckpointManager(uri, storage_options=options, codec="none")
     mgr.save(tree, 1)
-    payload = mgr._steps.object(1, mgr.describe(1).payload)
+    described = mgr.describe(1)
+    # The payload object, read with plain fsspec: the raw download that verify is compared with.
+    fs, path = fsspec.core.url_to_fs(f"{described.uri.rstrip('/')}/{described.payload}",
+                                     **{k: v for k, v in options.items() if k != "s3_client"})
     args = [f"-o{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in options.items()]
     download, verify = [], []
     for _ in range(runs):
         start = time.perf_counter()
-        payload.fs.get_file(payload.path, str(work / "download.bin"))
+        fs.get_file(path, str(work / "download.bin"))
         download.append(time.perf_counter() - start)
         os.remove(work / "download.bin")
         start = time.perf_counter()
