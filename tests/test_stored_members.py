@@ -1,5 +1,6 @@
-"""Gzip members that do not compress are stored (deflate's stored blocks): still standard gzip, one member per
-4 MiB with its CRC32 and size, read by any gzip reader, and every byte still verified."""
+"""In a manager's steps, gzip members that do not compress are stored (deflate's stored blocks): still standard
+gzip, one member per 4 MiB with its CRC32 and size, read by any gzip reader, every byte still verified. A single
+Checkpoint's archive compresses every member, as it always did."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from taskpoint import CheckpointCorruptError, CheckpointManager
+from taskpoint import Checkpoint, CheckpointCorruptError, CheckpointManager
 from taskpoint.format import pgzip
 
 
@@ -46,9 +47,9 @@ def members(stream: bytes) -> list[tuple[int, int]]:
     return out
 
 
-def compress(data: bytes, level: int | None = None) -> bytes:
+def compress(data: bytes, level: int | None = None, store: bool = True) -> bytes:
     sink = Sink()
-    writer = pgzip.ParallelGzipWriter(sink, level)  # type: ignore[arg-type]
+    writer = pgzip.ParallelGzipWriter(sink, level, store=store)  # type: ignore[arg-type]
     writer.write(data)
     writer.close()
     return bytes(sink.data)
@@ -67,6 +68,11 @@ def test_members_that_do_not_compress_are_stored_and_the_others_compressed(level
     assert gzip.decompress(stream) == data  # any gzip reader
     reader = pgzip.ParallelGzipReader(io.BytesIO(stream))
     assert reader.read() == data
+
+
+def test_without_store_every_member_is_compressed():
+    data = weights(2 * pgzip.MEMBER_SIZE)
+    assert all(length < 0.95 * isize for length, isize in members(compress(data, store=False)))
 
 
 def test_a_damaged_stored_member_fails_its_crc32():
@@ -125,3 +131,11 @@ def test_steps_whose_members_were_all_compressed_still_restore(tmp_path, monkeyp
         m.save(save_tree(tmp_path / "b", 2), 2)
         assert m.describe(1).size < m.describe(2).size  # every member of step 1 compressed
         assert same_tree(m.restore(1), tmp_path / "a") and same_tree(m.restore(2), tmp_path / "b")
+
+
+def test_a_single_checkpoint_still_compresses_its_weights(tmp_path):
+    source = save_tree(tmp_path / "run", 1)
+    Checkpoint(tmp_path / "cp").save_sync(source)
+    assert (tmp_path / "cp").stat().st_size < 9 << 20  # less than the weights alone: compressed, as always
+    with Checkpoint(tmp_path / "out", tmp_path / "cp") as cp:
+        assert same_tree(cp.load_sync(), source)

@@ -116,9 +116,10 @@ def _body(data: bytes | memoryview, level: int) -> bytes:
     return _deflate(view, level)
 
 
-def member(data: bytes | memoryview, level: int) -> bytes:
-    """One labelled gzip member holding ``data`` (stored rather than compressed when it does not compress)."""
-    body = _body(data, level)
+def member(data: bytes | memoryview, level: int, store: bool = False) -> bytes:
+    """One labelled gzip member holding ``data``; with ``store``, stored rather than compressed when a probe
+    says it does not compress."""
+    body = _body(data, level) if store else _deflate(data, level)
     total = _HEADER_SIZE + len(body) + _TRAILER.size
     header = _HEADER.pack(b"\x1f\x8b", 8, 4, 0, 0, 255, 8, _SUBFIELD, 4, total)
     return b"".join((header, body, _TRAILER.pack(crc32(data, 0) & 0xFFFFFFFF, len(data) & 0xFFFFFFFF)))
@@ -150,15 +151,18 @@ def labelled_length(head: bytes) -> int | None:
 
 class ParallelGzipWriter(io.RawIOBase):
     """Compresses what is written into labelled members on a thread pool; a writer thread emits them in order.
+    With ``store``, members that do not compress are stored (:data:`STORE_ABOVE`).
 
     ``close()`` flushes the last member and waits for everything to reach ``sink`` (which stays open). An
     error in a worker or in ``sink`` is raised by the next ``write`` or by ``close``.
     """
 
-    def __init__(self, sink: IO[bytes], level: int | None = None, *, threads: int | None = None) -> None:
+    def __init__(self, sink: IO[bytes], level: int | None = None, *, threads: int | None = None,
+                 store: bool = False) -> None:
         super().__init__()
         self._sink = sink
         self._level = isal_level(level)
+        self._store = store
         self._threads = threads or _workers()
         self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="taskpoint-gzip")
         self._ordered: queue.Queue[concurrent.futures.Future[bytes] | None] = queue.Queue(self._threads * 2)
@@ -187,7 +191,7 @@ class ParallelGzipWriter(io.RawIOBase):
     def _submit(self) -> None:
         data, self._buf = bytes(self._buf), bytearray()
         self._members += 1
-        future = self._pool.submit(member, data, self._level)
+        future = self._pool.submit(member, data, self._level, self._store)
         while True:
             self._raise_error()
             try:
