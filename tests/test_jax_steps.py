@@ -157,11 +157,13 @@ def test_gc_removes_the_tree_of_a_save_that_died_once_older_than_the_grace_perio
         assert m.gc(grace_seconds=0) == [] and m.verify(1).steps[0].state == "healthy"
 
 
-def test_a_background_save_keeps_the_tree_as_it_was_when_the_call_returned(tmp_path):
+def test_a_background_save_goes_as_an_archive_through_the_save_process_and_both_kinds_restore(tmp_path):
     weights = np.arange(6.0)
     with CheckpointManager(tmp_path / "steps", async_save=True) as m:
         m.save(tpjax.PyTree({"w": weights}), 1)
-        weights[:] = -1.0
+        weights[:] = -1.0  # the snapshot was taken when the call returned
         m.wait_until_finished()
-        assert m.describe(1).kind == "jax.pytree"
+        m.save(tpjax.PyTree({"w": weights}), 2, blocking=True)
+        assert [m.describe(s).kind for s in (1, 2)] == ["payload", "jax.pytree"]
         np.testing.assert_array_equal(tpjax.load_pytree_sync(m, step=1)["w"], np.arange(6.0))
+        np.testing.assert_array_equal(tpjax.load_pytree_sync(m, step=2)["w"], np.full(6, -1.0))

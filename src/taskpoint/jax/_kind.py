@@ -122,11 +122,13 @@ def _sync_folders(root: Path) -> None:
 
 
 class PyTreeKind:
-    """PyTrees in manager steps, as Orbax's files (see the module). Saved in this process (Orbax and jax live
-    here), so a background save runs in a thread."""
+    """PyTrees in manager steps, as Orbax's files (see the module), saved by a blocking save in this process,
+    where Orbax and jax live. A background save's snapshot is a tree serialized already, which this kind does
+    not accept: it travels as a directory archive through the manager's save process (``helper``), which
+    commits it even if this process dies first, and which never imports jax."""
 
     name = KIND
-    helper = False
+    helper = True
 
     def decode(self, body: dict[str, Any]) -> PyTreeFiles:
         folder = str(body["folder"])
@@ -135,7 +137,7 @@ class PyTreeKind:
         return PyTreeFiles(folder)
 
     def accepts(self, payload: object, parts: Parts) -> bool:
-        return isinstance(payload, PyTreePayload)
+        return isinstance(payload, PyTreePayload) and not payload.is_serialized
 
     # -- save ----------------------------------------------------------------------------------------------
 

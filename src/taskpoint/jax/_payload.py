@@ -30,10 +30,10 @@ SERIALIZE_PREFIX = "taskpoint-pytree-"
 class PyTreePayload(DirectoryPayload):
     """A :class:`PyTree`, written, restored and published as a directory.
 
-    Serialized once, when first needed: into the step's folder by the ``jax.pytree`` step kind of a
-    :class:`~taskpoint.CheckpointManager` on local disk (:meth:`write_into`: Orbax writes where the step keeps
-    it, no copy), else into a private temp folder (:meth:`serialized`), at the latest when a background save
-    snapshots it, so that the caller may change its arrays as soon as the save call returns.
+    Serialized once, when first needed: by a blocking save of a :class:`~taskpoint.CheckpointManager` on local
+    disk into the step's folder (:meth:`write_into`, the ``jax.pytree`` step kind: Orbax writes where the step
+    keeps it, no copy), else into a private temp folder (:meth:`serialized`), at the latest when a background
+    save snapshots it, so that the caller may change its arrays as soon as the save call returns.
     """
 
     kind = "pytree"
@@ -63,17 +63,18 @@ class PyTreePayload(DirectoryPayload):
             self._folder, self._tree = folder, None
         return self._folder
 
+    @property
+    def is_serialized(self) -> bool:
+        """Whether the tree was serialized into its temp folder already (a background save's snapshot)."""
+        return self._folder is not None
+
     def write_into(self, folder: Path) -> None:
-        """Put the tree's files into ``folder`` (which must not exist): Orbax writes them there, or the folder
-        serialized before is moved (copied when it lies on another file system)."""
-        if self._folder is None:
-            folder.mkdir()
-            write_tree(self._tree, folder)
-        else:
-            shutil.move(self._folder, folder)
-            self._folder = folder  # its files are the step's now: the finalizer no longer applies
-            if self._remove is not None:
-                self._remove.detach()
+        """Serialize the tree into ``folder`` (which must not exist), Orbax writing there directly, instead of
+        into a temp folder; only before :meth:`serialized` was called."""
+        if self._folder is not None:
+            raise RuntimeError("the tree was serialized into a temp folder already")
+        folder.mkdir()
+        write_tree(self._tree, folder)
 
     @classmethod
     def claim(cls, data: object) -> Payload | None:
