@@ -8,6 +8,7 @@ Examples::
     python -m benchmarks --payloads directory --methods manager   # only issue 5's background saves
     python -m benchmarks --methods dcp --size 0.0625 --runs 1     # only issue 13's DCP section, 64 MiB
     python -m benchmarks --methods dedup --size 0.0625 --runs 1   # only issue 15's deduplicated steps, 64 MiB
+    python -m benchmarks --methods fast --size 0.0625 --runs 1    # only issue 26's steps against Orbax/torch/copy
     python -m benchmarks --methods lightning                      # only Lightning's step time with the plug-in
     python -m benchmarks --methods subset --size 0.0625 --runs 1  # only issue 26's one file out of a step
 """
@@ -25,7 +26,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from . import _agreement, _background, _dataset, _dcp, _dedup, _preemption, _report, _subset
+from . import _agreement, _background, _dataset, _dcp, _dedup, _fast, _preemption, _report, _subset
 from ._operations import METHODS, PAYLOADS, STORES
 from ._runner import REPO_ROOT, Options, run_all
 
@@ -71,7 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "time and loop cost, see benchmarks/_preemption.py; agreement: issue 28's cost per step "
                    "of agreeing on a stopping step across 4 ranks, see benchmarks/_agreement.py; dedup: issue "
                    "15's deduplicated steps of CheckpointManager against today's, see benchmarks/_dedup.py; "
-                   "subset: issue 26's one file out of a step against its full restore, see benchmarks/_subset.py)")
+                   "subset: issue 26's one file out of a step against its full restore, see benchmarks/_subset.py; "
+                   "fast: issue 26's manager steps against Orbax, torch.save and a raw copy, see benchmarks/_fast.py)")
     p.add_argument("--codec", default="gzip", help="taskpoint's codec (default gzip, the targets' default)")
     p.add_argument("--level", type=int, default=None, help="taskpoint's compression level (default: its own)")
     p.add_argument("--data-dir", type=Path, default=BENCH_DIR / "data", help="where the data set is built")
@@ -124,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     load_before = os.getloadavg()
     # sections with data of their own
-    separate = (_dcp.METHOD, _preemption.METHOD, _agreement.METHOD, _dedup.METHOD, _subset.METHOD, LIGHTNING)
+    separate = (_dcp.METHOD, _preemption.METHOD, _agreement.METHOD, _dedup.METHOD, _subset.METHOD, _fast.METHOD,
+                LIGHTNING)
     main_table = any(m not in separate for m in args.methods)
     dataset = _dataset.prepare(args.data_dir, args.size) if main_table else None
     mib = {k: v / 2**20 for k, v in dataset.sizes.items()} if dataset else {}
@@ -155,13 +158,15 @@ def main(argv: list[str] | None = None) -> int:
     dedup_rows, dedup_stored = (_dedup.run(args.size, opts, args.data_dir / "work-dedup")
                                 if _dedup.METHOD in args.methods else ([], None))
     subset_rows = _subset.run(args.size, opts, args.data_dir / "work-subset") if _subset.METHOD in args.methods else []
+    fast_rows = _fast.run(args.size, opts, args.data_dir) if _fast.METHOD in args.methods else []
     lightning = (subprocess.run([sys.executable, "-m", "benchmarks.lightning_step_time"], check=True,
                                 capture_output=True, text=True).stdout.strip() if LIGHTNING in args.methods else "")
     summaries = [r.summary() for r in results]
     rows = _report.add_ratios([r for r in summaries if r["method"] != _background.METHOD])
     background = _report.add_background_ratios([r for r in summaries if r["method"] == _background.METHOD])
     goals = ((_report.targets(rows) if rows else []) + (_report.background_targets(background) if background else [])
-             + _dcp.targets(dcp_rows) + _dedup.targets(dedup_rows) + _subset.targets(subset_rows))
+             + _dcp.targets(dcp_rows) + _dedup.targets(dedup_rows) + _subset.targets(subset_rows)
+             + _fast.targets(fast_rows))
     directory = f" (directory {mib['directory']:.0f} MiB)" if mib else ""
     title = (f"taskpoint benchmark, size {args.size:g}{directory}, "
              f"median of {args.runs} (baseline {opts.baseline_runs}), codec {args.codec}, {os.cpu_count()} cores"
@@ -181,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         sections += [_dedup.notes(args.size, opts), "", _dedup.table(dedup_rows, dedup_stored), ""]
     if subset_rows:
         sections += [_subset.notes(args.size), "", _subset.table(subset_rows), ""]
+    if fast_rows:
+        sections += [f"manager steps against the tools users pick instead (issue 26): local disk, alternating rounds, "
+                     f"size {args.size:g}; x ref = time / the case's reference (orbax, torch, raw copy)", "",
+                     _fast.table(fast_rows), ""]
     if lightning:
         sections += ["Lightning: a training loop's step time with a .ckpt every few steps (benchmarks/"
                      "lightning_step_time.py)", "", lightning, ""]
@@ -204,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.size != 1:
         text += "\n\n(scaled run: the targets are stated for size 1; RSS and ratios at other sizes are indicative)"
     print("\n" + text)
-    failed = [r for r in rows + background + dcp_rows + dedup_rows + subset_rows if r.get("error")]
+    failed = [r for r in rows + background + dcp_rows + dedup_rows + subset_rows + fast_rows if r.get("error")]
     if dedup_stored and dedup_stored.get("error"):
         failed.append({"store": dedup_stored["store"], "payload": "directory", "op": "stored bytes",
                        "method": _dedup.METHOD, "error": dedup_stored["error"]})
@@ -225,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         "mb": "10^6 bytes", "notes": "RSS+ is peak RSS above the idle worker (libraries imported, case prepared); "
         "tmp+ is the peak of bytes in TMPDIR, the load workspace and the local store folder minus what remains",
     }
-    _report.write_json(args.results_dir / f"{stem}.json", meta, rows + background + dcp_rows + dedup_rows + subset_rows,
-                       goals, text)
+    _report.write_json(args.results_dir / f"{stem}.json", meta,
+                       rows + background + dcp_rows + dedup_rows + subset_rows + fast_rows, goals, text)
     (args.results_dir / f"{stem}.txt").write_text(text + "\n")
     try:
         if rows:  # the plot shows MB/s of saves and loads; the background saves have no such bars

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -368,8 +369,8 @@ def test_handler_updates_an_nnx_module_in_place_with_its_own_rngs(tmp_path):
 def test_metadata_only_reads_the_metadata_and_not_the_payload(tmp_path):
     with tpjax.OrbaxCheckpointHandler() as h:
         h.save(tmp_path, {"w": jnp.ones(3)}, step=2, metadata={"loss": 0.25, "tags": ["a"]})
-        for payload in (tmp_path / "ckpt-2").glob("payload-*"):
-            payload.unlink()  # only metadata_only can still succeed
+        for stored in (tmp_path / "ckpt-2").glob("pytree-*"):  # the tree's files and their list
+            shutil.rmtree(stored) if stored.is_dir() else stored.unlink()  # only metadata_only can still succeed
         assert h.restore(tmp_path, step=2, metadata_only=True) == {"loss": 0.25, "tags": ["a"]}
         with pytest.raises(CheckpointCorruptError):
             h.restore(tmp_path, step=2)
@@ -426,29 +427,17 @@ def test_async_checkpointing_snapshots_at_save_and_wait_until_finished_commits(t
 _KILLED_SAVE = """
     import os, signal, sys
     import numpy as np
-    import taskpoint.payloads as payloads
+    import taskpoint.jax._kind as pytree_kind
     from taskpoint.jax import OrbaxCheckpointHandler
 
     directory = sys.argv[1]
     with OrbaxCheckpointHandler() as h:
         h.save(directory, {"w": np.arange(4.0), "step": 1}, step=1)
 
-    real_write_tar = payloads.write_tar
+    def dies_midway(path, **kw):  # Orbax has written the tree into the step's folder; nothing is committed
+        os.kill(os.getpid(), signal.SIGKILL)
 
-    class DiesMidway:
-        def __init__(self, sink):
-            self.sink, self.written = sink, 0
-        def write(self, data):
-            self.sink.write(data)
-            self.written += len(data)
-            if self.written > 2048:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return len(data)
-        def flush(self):
-            pass
-
-    payloads.write_tar = lambda path, sink, codec, level, **kw: real_write_tar(path, DiesMidway(sink), codec, level,
-                                                                               **kw)
+    pytree_kind._hash_file = dies_midway
     OrbaxCheckpointHandler().save(directory, {"w": np.arange(40_000.0), "step": 2}, step=2)
 """
 
@@ -466,7 +455,8 @@ def test_save_killed_midway_leaves_the_previous_step_restorable_and_its_leftover
         assert h.get_checkpoint_steps(directory) == [1] and h.latest_step(directory) == 1
         assert_same(h.restore(directory), {"w": np.arange(4.0), "step": 1})
         for leftover in leftovers:  # older than the grace period that protects a save in progress
-            os.utime(leftover, (1, 1))
+            for path in [leftover, *leftover.rglob("*")]:  # a PyTree step's tree: a folder of files
+                os.utime(path, (1, 1))
         h.save(directory, {"w": np.arange(4.0), "step": 3}, step=3)
         assert not (directory / "ckpt-2").exists()
         assert h.get_checkpoint_steps(directory) == [1, 3]

@@ -97,8 +97,12 @@ class GzipCodec(Codec):
 
     name = "gzip"
 
+    def __init__(self, store_incompressible: bool = False) -> None:
+        #: Whether members that do not compress are stored (a manager's steps; never a single Checkpoint's).
+        self.store_incompressible = store_incompressible
+
     def writer(self, sink: IO[bytes], level: int | None) -> IO[bytes]:
-        return ParallelGzipWriter(sink, level)  # type: ignore[return-value]
+        return ParallelGzipWriter(sink, level, store=self.store_incompressible)  # type: ignore[return-value]
 
     def reader(self, source: IO[bytes], head: bytes = b"") -> IO[bytes]:
         if labelled_length(head) is not None:
@@ -222,6 +226,16 @@ def _decode_errors() -> tuple[type[BaseException], ...]:
 DECODE_ERRORS: tuple[type[BaseException], ...] = _decode_errors()
 
 
+#: The gzip of a manager's directory steps: members that do not compress (weights) are stored, inflated as a
+#: copy (docs/performance.md). Still gzip, named so in records: every reader, Flyte's too, opens it.
+STEP_GZIP = GzipCodec(store_incompressible=True)
+
+
+def step_codec(name: str | None) -> Codec:
+    """The codec of a manager's directory steps for ``codec=name`` (None: gzip, storing what does not compress)."""
+    return STEP_GZIP if name is None or name == "gzip" else get_codec(name)
+
+
 def get_codec(name: str) -> Codec:
     """The codec called ``name``; a ValueError lists the known ones."""
     if not isinstance(name, str) or name not in CODECS:
@@ -252,4 +266,5 @@ def holds_tar(head: bytes) -> bool:
     return CODECS["none"].matches(head)
 
 
-__all__ = ["BLOCK_SIZE", "CODECS", "DECODE_ERRORS", "Codec", "detect_codec", "get_codec", "holds_tar"]
+__all__ = ["BLOCK_SIZE", "CODECS", "DECODE_ERRORS", "STEP_GZIP", "Codec", "detect_codec", "get_codec", "holds_tar",
+           "step_codec"]

@@ -92,9 +92,34 @@ class GzipFormatError(ValueError):
     """The stream is not valid gzip, or a member fails its CRC or length check."""
 
 
-def member(data: bytes | memoryview, level: int) -> bytes:
-    """One labelled gzip member holding ``data``."""
-    body = _deflate(data, level)
+#: Bytes from the middle of a member that are compressed first to judge whether the member compresses.
+PROBE_SIZE = 64 << 10
+#: A member whose probe compresses to more than this fraction of its size is stored (deflate's stored blocks):
+#: float32 weights compress to about 0.93 of their size at about 100-350 MB/s a core, while a stored member
+#: costs a copy to write and to inflate (docs/performance.md, "Where a restore's time goes").
+STORE_ABOVE = 0.9
+
+
+def _stored(data: bytes | memoryview) -> bytes:
+    """``data`` as raw deflate stored blocks: no compression, valid for every inflater (zlib's level 0)."""
+    c = zlib.compressobj(0, zlib.DEFLATED, -15)
+    return c.compress(data) + c.flush()
+
+
+def _body(data: bytes | memoryview, level: int) -> bytes:
+    """The raw deflate stream of one member: compressed, unless a probe of its middle says it barely would."""
+    view = memoryview(data)
+    if len(view) > 2 * PROBE_SIZE:
+        start = (len(view) - PROBE_SIZE) // 2
+        if len(_deflate(view[start:start + PROBE_SIZE], level)) > STORE_ABOVE * PROBE_SIZE:
+            return _stored(view)
+    return _deflate(view, level)
+
+
+def member(data: bytes | memoryview, level: int, store: bool = False) -> bytes:
+    """One labelled gzip member holding ``data``; with ``store``, stored rather than compressed when a probe
+    says it does not compress."""
+    body = _body(data, level) if store else _deflate(data, level)
     total = _HEADER_SIZE + len(body) + _TRAILER.size
     header = _HEADER.pack(b"\x1f\x8b", 8, 4, 0, 0, 255, 8, _SUBFIELD, 4, total)
     return b"".join((header, body, _TRAILER.pack(crc32(data, 0) & 0xFFFFFFFF, len(data) & 0xFFFFFFFF)))
@@ -126,15 +151,18 @@ def labelled_length(head: bytes) -> int | None:
 
 class ParallelGzipWriter(io.RawIOBase):
     """Compresses what is written into labelled members on a thread pool; a writer thread emits them in order.
+    With ``store``, members that do not compress are stored (:data:`STORE_ABOVE`).
 
     ``close()`` flushes the last member and waits for everything to reach ``sink`` (which stays open). An
     error in a worker or in ``sink`` is raised by the next ``write`` or by ``close``.
     """
 
-    def __init__(self, sink: IO[bytes], level: int | None = None, *, threads: int | None = None) -> None:
+    def __init__(self, sink: IO[bytes], level: int | None = None, *, threads: int | None = None,
+                 store: bool = False) -> None:
         super().__init__()
         self._sink = sink
         self._level = isal_level(level)
+        self._store = store
         self._threads = threads or _workers()
         self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="taskpoint-gzip")
         self._ordered: queue.Queue[concurrent.futures.Future[bytes] | None] = queue.Queue(self._threads * 2)
@@ -165,7 +193,7 @@ class ParallelGzipWriter(io.RawIOBase):
     def _submit(self) -> None:
         data, self._buf = bytes(self._buf), bytearray()
         self._members += 1
-        future = self._pool.submit(member, data, self._level)
+        future = self._pool.submit(member, data, self._level, self._store)
         while True:
             self._raise_error()
             try:

@@ -15,6 +15,7 @@ except ImportError as exc:
     raise ImportError(f'taskpoint.jax needs jax and orbax-checkpoint ({exc}); install them with '
                       f'pip install "taskpoint[jax]"') from exc
 
+from . import _kind  # noqa: F401  (registers the jax.pytree step kind of CheckpointManager)
 from ._handler import Checkpointable, OrbaxCheckpointHandler
 from ._payload import load_pytree, load_pytree_sync
 from ._pytree import PyTree

@@ -106,7 +106,7 @@ class Handover:
         self._taken = threading.Event()
         self._held = False  # the process stored the payload, and would commit it were this process to die
 
-    def store_payload(self, location: Location, payload: Payload, codec: str, level: int | None,
+    def store_payload(self, location: Location, payload: Payload, codec: Codec, level: int | None,
                       commit: Orphan | None, progress: Progress) -> tuple[int, str]:
         try:
             stored = self.process.store_payload(location, payload, codec, level, commit, progress,
@@ -139,7 +139,7 @@ def store_payload(location: Location, payload: Payload, codec: Codec, level: int
     before doing so."""
     if saver is not None:
         try:
-            return saver.store_payload(location, payload, codec.name, level, commit, progress)
+            return saver.store_payload(location, payload, codec, level, commit, progress)
         except NotTransferable:
             pass
         except SaverUnavailable as exc:

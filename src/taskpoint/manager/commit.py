@@ -34,10 +34,13 @@ class StepWriter:
         self.last_step: int | None = None
 
     def kind_for(self, data: Payload | StepContent) -> StepKind:
-        """The kind that saves ``data``: the first of the manager's kinds that accepts a payload, the kind a
-        content names."""
+        """The kind that saves ``data``: the first of the manager's kinds that accepts a payload, where the last
+        (one payload object, which takes any) comes after the kinds other packages registered (``taskpoint.jax``'s
+        PyTree files); the kind a content names."""
         if isinstance(data, Payload):
-            return next(kind for kind in self._savers if kind.accepts(data, self._parts))
+            *first, last = self._savers
+            others = (kind for kind in self._kinds.loaded() if kind not in self._savers)
+            return next(kind for kind in (*first, *others, last) if kind.accepts(data, self._parts))
         return self._kinds.kind(data.kind, self._parts.steps.directory)
 
     def write(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: set[str] | None,

@@ -52,8 +52,8 @@ def inventory(parts: Parts, kinds: StepKinds) -> list[StepSummary]:
         if match is None:
             continue
         folder = sizes.setdefault(int(match.group(1)), {})
-        if len(names) == 2 and names[1] and info.get("type") != "directory":
-            folder[names[1]] = int(info.get("size") or 0)
+        if len(names) >= 2 and names[-1] and info.get("type") != "directory":  # nested: a PyTree step's files
+            folder["/".join(names[1:])] = int(info.get("size") or 0)
     return [_summary(parts, kinds, step, folder, stored_chunks) for step, folder in sorted(sizes.items())]
 
 

@@ -26,7 +26,7 @@ from fsspec.callbacks import Callback
 from .. import _log, _progress
 from .._log import TransferStats
 from ..errors import CheckpointError
-from ..format.codecs import Codec, get_codec
+from ..format.codecs import Codec, step_codec
 from ..format.index import normalize_paths
 from ..format.records import StepContent
 from ..payloads import Payload, payload_for
@@ -93,8 +93,9 @@ class CheckpointManager(StepQueries):
         save_interval: :meth:`should_save` is True on the first step at or after each interval (a
             ``datetime.timedelta`` or seconds) since this manager's last save, measured on a monotonic clock.
         storage_options: passed to fsspec (credentials, endpoint_url, ...).
-        codec: ``"gzip"``, ``"zstd"`` or ``"none"``: the archive codec of directories (None: gzip), and the
-            codec of each chunk of deduplicated steps (None: zstd).
+        codec: ``"gzip"``, ``"zstd"`` or ``"none"``: the archive codec of directories (None: gzip, whose 4 MiB
+            members that do not compress, such as weights, are stored: docs/performance.md), and the codec of
+            each chunk of deduplicated steps (None: zstd).
         level: compression level for the codec; None picks a fast default.
         async_save: when True, :meth:`save` returns once the data is snapshotted (and handed to the save
             process, which then commits it even if this process dies) and uploads in the background
@@ -164,7 +165,7 @@ class CheckpointManager(StepQueries):
         snapshots = None if snapshot_dir is None else os.fspath(normalize_uri(snapshot_dir, "snapshot_dir"))
         if level is not None and (not isinstance(level, int) or isinstance(level, bool)):
             raise TypeError(f"level must be an int or None, not {type(level).__name__}")
-        self._codec: Codec = get_codec("gzip" if codec is None else codec)
+        self._codec: Codec = step_codec(codec)
         self._level = level
         self._async_save = bool(async_save)
         root = Location(uri, storage_options, retry)

@@ -58,7 +58,7 @@ from typing import IO, Any, Protocol
 from .. import _progress, preemption
 from .._progress import NO_PROGRESS, Progress
 from ..errors import add_note
-from ..format.codecs import get_codec
+from ..format.codecs import Codec
 from ..format.records import StepManifest
 from ..payloads import Payload
 from ..storage import Location
@@ -161,7 +161,7 @@ class SaverProcess:
     def pid(self) -> int:
         return self._process.pid
 
-    def store_payload(self, location: Location, payload: Payload, codec: str, level: int | None,
+    def store_payload(self, location: Location, payload: Payload, codec: Codec, level: int | None,
                       commit: Orphan | None = None,
                       progress: Progress = NO_PROGRESS, *, folders: tuple[str, ...] = (),
                       taken: Callable[[], None] | None = None) -> tuple[int, str]:
@@ -433,7 +433,7 @@ def serve(parent: int) -> None:
             value: Any
             try:
                 with _relayed(replies) if report else NO_PROGRESS as progress:
-                    value = write_payload(Location(uri, options, retry), payload, get_codec(codec), level,
+                    value = write_payload(Location(uri, options, retry), payload, codec, level,
                                           progress=progress)
                 duty.stored(*value)
                 value = (*value, payload.written_index)  # the archive's index goes into the parent's manifest

@@ -148,8 +148,9 @@ class SnapshotCache:
 
     def take(self, payload: Payload, scratch: Path) -> Payload | None:
         """A snapshot of ``payload`` below ``scratch``: files unchanged since the kept snapshot are linked from
-        it, the others copied. Other kinds are snapshotted as they always are."""
-        if not isinstance(payload, DirectoryPayload) or not trust_lstat():
+        it, the others copied. Other kinds (a PyTree too, whose folder is its own) are snapshotted as they always
+        are."""
+        if type(payload) is not DirectoryPayload or not trust_lstat():
             return payload.snapshot(scratch)
         source = os.path.realpath(payload._path)
         reuse = self._index if self._folder is not None and self._source == source else {}

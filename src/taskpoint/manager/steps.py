@@ -122,10 +122,18 @@ class Folder:
     """One ``ckpt-N`` folder as listed: its objects' names and modification times (None when unknown)."""
 
     objects: dict[str, float | None] = field(default_factory=dict)
+    #: The objects that are folders of files (a PyTree step's tree), listed as one object as new as its newest file.
+    trees: set[str] = field(default_factory=set)
 
     @property
     def committed(self) -> bool:
         return MANIFEST_NAME in self.objects
+
+    def add_tree_file(self, tree: str, mtime: float | None) -> None:
+        """Count a file below the folder ``tree`` of the step's folder, modified at ``mtime`` (None: unknown)."""
+        seen = self.objects.get(tree, 0.0) if tree in self.trees else 0.0
+        self.objects[tree] = None if mtime is None or seen is None else max(seen, mtime)
+        self.trees.add(tree)
 
 
 class StepStore:
@@ -223,6 +231,8 @@ class StepStore:
             folder = folders.setdefault(int(match.group(1)), Folder())
             if len(parts) == 2 and parts[1] and info.get("type") != "directory":
                 folder.objects[parts[1]] = modified_time(info)
+            elif len(parts) > 2 and info.get("type") != "directory":
+                folder.add_tree_file(parts[1], modified_time(info))
         if folders or step is not None or self._container_seen:
             self._container_seen = self._container_seen or bool(folders)
             return folders
@@ -329,7 +339,7 @@ class StepStore:
         for name in doomed:
             target = self.object(step, name)
             if not dry_run:
-                target.remove()
+                target.remove_tree() if name in folder.trees else target.remove()
             removed.append(target.uri)
         if dry_run:
             return removed

@@ -23,6 +23,7 @@ import enum
 import errno
 import io
 import os
+import shutil
 import stat
 import time
 import uuid
@@ -203,6 +204,10 @@ class Backend:
 
     def remove(self, path: str) -> None:
         self.fs.rm_file(path)
+
+    def remove_tree(self, path: str) -> None:
+        """Remove the folder ``path`` and everything below it (on object stores: every key under the prefix)."""
+        self.fs.rm(path, recursive=True)
 
     def list_tree(self, path: str, prefix: str = "") -> dict[str, dict[str, Any]]:
         """Every object and folder below ``path`` with its listing details, only those whose path below ``path``
@@ -386,6 +391,9 @@ class LocalBackend(Backend):
 
     def remove(self, path: str) -> None:
         os.unlink(path)
+
+    def remove_tree(self, path: str) -> None:
+        shutil.rmtree(path)
 
     def sweep_leftovers(self, path: str, started_before: float) -> None:
         """Temp files of killed saves, once older than :data:`LEFTOVER_GRACE_SECONDS` (a live writer keeps

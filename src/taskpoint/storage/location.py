@@ -246,6 +246,13 @@ class Location:
                 self.backend.remove(self.path)
         self.run(rm, action="delete")
 
+    def remove_tree(self) -> None:
+        """Delete this folder and everything below it; a missing folder is fine."""
+        def rm() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                self.backend.remove_tree(self.path)
+        self.run(rm, action="delete")
+
     def remove_empty_folder(self) -> None:
         """Remove this location if it is an empty folder. Best effort: a folder that is not empty stays."""
         with contextlib.suppress(Exception):

@@ -1,0 +1,227 @@
+"""The worker of the ``fast`` section (issue 26 item 3): alternating rounds of each case, in one process.
+
+Run as ``python -m benchmarks._fast_worker SPEC RESULT``; SPEC is the JSON :func:`benchmarks._fast.run` writes.
+Every round times each method of each case once, in turn (so that a drift of the machine touches them alike),
+after the runner's wait (``settle`` seconds); the result holds every round's seconds and CPU seconds. Each
+restore is compared with what was saved after its clock stops.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import sys
+import tarfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+#: The Flyte-style baseline's gzip level (Python's default, which flytekit's tar keeps).
+BASELINE_LEVEL = 9
+
+
+def _fsync_tree(root: Path) -> None:
+    for folder, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _timed(fn: Callable[[], Any], settle: float) -> tuple[float, float, Any]:
+    time.sleep(settle)
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, time.process_time() - cpu0, out
+
+
+class Cases:
+    """Each case: ``name -> {method: (save, load, check)}``; built lazily so that a section alone imports
+    only what it measures."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.work = Path(spec["work"])
+        self.round = 0
+        #: How each case checks what a load returned (after its clock).
+        self.checks: dict[str, Callable[[Any], None]] = {}
+
+    def fresh(self, name: str) -> Path:
+        path = self.work / f"{name}-{self.round}"
+        shutil.rmtree(path, ignore_errors=True)
+        return path
+
+    # -- a JAX PyTree ------------------------------------------------------------------------------------
+
+    def pytree(self) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
+        import jax
+        import numpy as np
+        import orbax.checkpoint as ocp
+
+        from taskpoint import CheckpointManager
+        from taskpoint.jax import PyTree, load_pytree_sync
+
+        total, leaves = int(self.spec["pytree_bytes"]), 8
+        rng = np.random.default_rng(0)
+        tree = {f"layer{i}": {"kernel": jax.numpy.asarray(
+            rng.normal(0, 0.02, total // leaves // 4).astype(np.float32))} for i in range(leaves)}
+        tree["step"] = jax.numpy.asarray(7)
+        abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, tree)
+        checkpointer = ocp.StandardCheckpointer()
+        state: dict[str, Any] = {}
+
+        def orbax_save() -> None:
+            state["orbax"] = self.fresh("orbax") / "tree"
+            checkpointer.save(state["orbax"], tree)
+            checkpointer.wait_until_finished()
+
+        def orbax_load() -> Any:
+            return checkpointer.restore(state["orbax"], abstract)
+
+        def ours_save() -> None:
+            folder = self.fresh("pytree-manager")
+            state["manager"] = CheckpointManager(str(folder), keep=None)
+            state["manager"].save(PyTree(tree), 1)
+
+        def ours_load() -> Any:
+            with state["manager"] as manager:
+                return load_pytree_sync(manager, abstract, step=1)
+
+        def check(restored: Any) -> None:
+            for a, b in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(restored), strict=True):
+                assert np.array_equal(np.asarray(a), np.asarray(b)), "a restored leaf differs"
+
+        self.checks["pytree"] = check
+        return {"orbax": (orbax_save, orbax_load), "taskpoint": (ours_save, ours_load)}
+
+    # -- a torch state dict ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
+        import torch
+
+        from taskpoint import CheckpointManager
+
+        total, tensors = int(self.spec["state_dict_bytes"]), 8
+        generator = torch.Generator().manual_seed(0)
+        sd = {f"layer{i}.weight": torch.randn(total // tensors // 4, generator=generator) * 0.02
+              for i in range(tensors)}
+        state: dict[str, Any] = {}
+
+        def torch_save() -> None:
+            path = self.fresh("torch") / "model.pt"
+            path.parent.mkdir(parents=True)
+            with open(path, "wb") as f:
+                torch.save(sd, f)
+                f.flush()
+                os.fsync(f.fileno())
+            state["torch"] = path
+
+        def torch_load() -> Any:
+            return torch.load(state["torch"], weights_only=True)
+
+        def ours_save() -> None:
+            buffer = io.BytesIO()
+            torch.save(sd, buffer)
+            state["manager"] = CheckpointManager(str(self.fresh("sd-manager")), keep=None)
+            state["manager"].save(buffer.getvalue(), 1)
+
+        def ours_load() -> Any:
+            with state["manager"] as manager:
+                return torch.load(manager.restore(1), weights_only=True)
+
+        def check(restored: Any) -> None:
+            assert restored.keys() == sd.keys() and all(torch.equal(sd[k], restored[k]) for k in sd)
+
+        self.checks["state_dict"] = check
+        return {"torch": (torch_save, torch_load), "taskpoint": (ours_save, ours_load)}
+
+    # -- a plain directory step ----------------------------------------------------------------------------
+
+    def directory(self) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
+        from taskpoint import CheckpointManager
+
+        source = Path(self.spec["directory"])
+        state: dict[str, Any] = {}
+
+        def raw_save() -> None:
+            state["raw"] = self.fresh("raw")
+            shutil.copytree(source, state["raw"])
+
+        def raw_load() -> Path:
+            out = self.fresh("raw-out")
+            shutil.copytree(state["raw"], out)
+            return out
+
+        def baseline_save() -> None:
+            folder = self.fresh("baseline")
+            folder.mkdir(parents=True)
+            state["baseline"] = folder / "checkpoint.tar.gz"
+            with tarfile.open(state["baseline"], "w:gz", compresslevel=BASELINE_LEVEL) as tar:
+                for entry in sorted(os.listdir(source)):
+                    tar.add(source / entry, arcname=entry)
+
+        def baseline_load() -> Path:
+            out = self.fresh("baseline-out")
+            with tarfile.open(state["baseline"], "r:gz") as tar:
+                tar.extractall(out, filter="data")
+            return out
+
+        def ours_save() -> None:
+            state["manager"] = CheckpointManager(str(self.fresh("dir-manager")), keep=None)
+            state["manager"].save(source, 1)
+
+        def ours_load() -> Path:
+            out = self.fresh("dir-out")
+            with state["manager"] as manager:
+                return manager.restore(1, into=out)
+
+        def check(restored: Path) -> None:
+            for folder, _, files in os.walk(source):
+                for name in files:
+                    original = Path(folder, name)
+                    copy = restored / original.relative_to(source)
+                    assert copy.read_bytes() == original.read_bytes(), f"{copy} differs"
+
+        self.checks["directory"] = check
+        return {"raw": (raw_save, raw_load), "baseline": (baseline_save, baseline_load),
+                "taskpoint": (ours_save, ours_load)}
+
+
+def main(spec_path: str, result_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    cases = Cases(spec)
+    built = {name: getattr(cases, name)() for name in spec["cases"]}
+    out: dict[str, dict[str, dict[str, list[float]]]] = {}
+    for number in range(int(spec["runs"])):
+        cases.round = number
+        for name, methods in built.items():
+            for method, (save, load) in methods.items():
+                row = out.setdefault(name, {}).setdefault(method, {"save": [], "load": [], "save_cpu": [],
+                                                                   "load_cpu": []})
+                seconds, cpu, _ = _timed(save, spec["settle"])
+                row["save"].append(seconds)
+                row["save_cpu"].append(cpu)
+                seconds, cpu, restored = _timed(load, spec["settle"])
+                row["load"].append(seconds)
+                row["load_cpu"].append(cpu)
+                cases.checks[name](restored)
+                del restored
+                print(f"  {name}/{method} round {number + 1}: save {row['save'][-1]:.3f} s, load "
+                      f"{row['load'][-1]:.3f} s", flush=True)
+            shutil.rmtree(cases.work, ignore_errors=True)
+            cases.work.mkdir(parents=True)
+    Path(result_path).write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,307 @@
+"""The ``jax.pytree`` step kind: a :class:`~taskpoint.jax.PyTree` saved into a manager step as the files Orbax
+writes, committed and hashed in place, instead of a copy of them in a tar archive.
+
+A step of this kind holds, in its folder::
+
+    pytree-<save id>/            the folder :func:`~taskpoint.jax._pytree.write_tree` makes: the sidecar and
+                                 Orbax's checkpoint of the arrays (``orbax/``), written there by Orbax itself
+                                 when the store is the local disk, else uploaded file by file
+    pytree-<save id>.files.json  taskpoint's file-set manifest: every file of that folder, its size and sha256
+    taskpoint.json               the step's manifest, naming the folder and the file-set manifest's sha256
+
+Why: an archive costs a second copy of every byte and one core of gzip on save and on restore (a 256 MiB tree
+saved 1.45x and restored 2.2x Orbax's own time, issue 26); the files as Orbax wrote them cost one read to hash.
+A restore reads every file against its sha256 before Orbax sees it: into the restore's folder, or (through
+:func:`taskpoint.jax.load_pytree` on a local directory) in place. taskpoint.jax registers the kind on import and
+names this module in the ``taskpoint.step_kinds`` entry points, so that any process reading such a step finds it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import os
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from .._progress import Progress
+from ..errors import CheckpointCorruptError
+from ..format.fileset import FileEntry, FileSetManifest
+from ..format.records import ObjectRecord, StepManifest
+from ..manager.kinds import GONE_HOW, Checked, Described, Gone, Parts, Saved, SaveJob, register_step_kind
+from ..manager.steps import MANIFEST_NAME as STEP_MANIFEST
+from ..manager.steps import StepObjects, StepStore, quietly, stored_names
+from ..payloads import DirectoryPayload
+from ..storage import WRITE_PIECE, Location, copy_fd_in_kernel, digest_by_reading
+from ..workspace import Staging
+from ._payload import PyTreePayload
+
+#: The step kind's name in manifests.
+KIND = "jax.pytree"
+#: The format the file-set manifest names (what wrote the files).
+FILES_KIND = "jax.orbax"
+#: The codec the step's record names: files as Orbax wrote them, no archive.
+FILES_CODEC = "files"
+#: Files hashed, uploaded or restored at once.
+WORKERS = 8
+_FOLDER = re.compile(r"pytree-[0-9a-f]{32}")
+_OWNED = stored_names(r"pytree-[0-9a-f]{32}[.]files[.]json")
+
+
+@dataclass(frozen=True)
+class PyTreeFiles:
+    """The content of a PyTree step: the folder of the tree's files in the step's folder."""
+
+    kind: ClassVar[str] = KIND
+    folder: str
+
+    @property
+    def manifest(self) -> str:
+        """The name of the file-set manifest that lists the folder's files."""
+        return f"{self.folder}.files.json"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"folder": self.folder}
+
+
+def _content(manifest: StepManifest) -> PyTreeFiles:
+    content = manifest.content
+    assert isinstance(content, PyTreeFiles)
+    return content
+
+
+def _tree_files(root: Path) -> dict[str, int]:
+    """The regular files below ``root`` by relative ``/``-separated path, with their sizes."""
+    found: dict[str, int] = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = Path(folder, name)
+            found[path.relative_to(root).as_posix()] = path.stat().st_size
+    return found
+
+
+def _hash_file(path: Path, *, sync: bool = False) -> FileEntry:
+    """The size and sha256 of the file at ``path``, read once (an entry of size -1 when it is missing, which
+    then differs from any recorded); with ``sync``, the file is fsynced too (a commit is about to name it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return FileEntry(-1, "")
+    try:
+        hasher = hashlib.sha256()
+        size = digest_by_reading(fd, os.fstat(fd).st_size, hasher)
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return FileEntry(size, hasher.hexdigest())
+
+
+def _upload(path: Path, target: Location) -> FileEntry:
+    """Upload the file at ``path`` to ``target``, hashing what it sends."""
+    hasher, size = hashlib.sha256(), 0
+    with open(path, "rb") as source, target.open_write(path.stat().st_size) as sink:
+        while data := source.read(WRITE_PIECE):
+            hasher.update(data)
+            sink.write(data)
+            size += len(data)
+    return FileEntry(size, hasher.hexdigest())
+
+
+def _sync_folders(root: Path) -> None:
+    for folder, _, _ in os.walk(root):
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class PyTreeKind:
+    """PyTrees in manager steps, as Orbax's files (see the module), saved by a blocking save in this process,
+    where Orbax and jax live. A background save's snapshot is a tree serialized already, which this kind does
+    not accept: it travels as a directory archive through the manager's save process (``helper``), which
+    commits it even if this process dies first, and which never imports jax."""
+
+    name = KIND
+    helper = True
+
+    def decode(self, body: dict[str, Any]) -> PyTreeFiles:
+        folder = str(body["folder"])
+        if not _FOLDER.fullmatch(folder):
+            raise ValueError(f"it names {folder!r}, which is not a PyTree folder")
+        return PyTreeFiles(folder)
+
+    def accepts(self, payload: object, parts: Parts) -> bool:
+        return isinstance(payload, PyTreePayload) and not payload.is_serialized
+
+    # -- save ----------------------------------------------------------------------------------------------
+
+    def save(self, parts: Parts, job: SaveJob) -> Saved:
+        """Write the tree's files into the step's folder (Orbax itself, on local disk), hash them, write their
+        file-set manifest, then commit the step with its manifest (written last)."""
+        payload, steps, step = job.payload, parts.steps, job.step
+        assert isinstance(payload, PyTreePayload)
+        save_id = uuid.uuid4().hex
+        content = PyTreeFiles(f"pytree-{save_id}")
+        tree = steps.object(step, content.folder)
+        if tree.is_local:
+            root = Path(tree.path)
+            root.parent.mkdir(parents=True, exist_ok=True)
+            payload.write_into(root)
+            sizes = _tree_files(root)
+            with concurrent.futures.ThreadPoolExecutor(min(WORKERS, max(1, len(sizes)))) as pool:
+                entries = dict(zip(sizes, pool.map(lambda rel: _hash_file(root / rel, sync=True), sizes), strict=True))
+            _sync_folders(root)
+        else:
+            root = payload.serialized()
+            sizes = _tree_files(root)
+            with concurrent.futures.ThreadPoolExecutor(min(WORKERS, max(1, len(sizes)))) as pool:
+                entries = dict(zip(sizes, pool.map(lambda rel: _upload(root / rel, tree.child(rel)), sizes),
+                                   strict=True))
+        files = FileSetManifest(kind=FILES_KIND, save_id=save_id, created=time.time(), files=entries,
+                                attempt=job.attempt, metadata=job.metadata)
+        data = files.to_bytes()
+        steps.object(step, content.manifest).write_small(data, action="store the list of files of")
+        record = ObjectRecord(kind=PyTreePayload.kind, codec=FILES_CODEC, save_id=save_id, created=time.time(),
+                              size=len(data), sha256=hashlib.sha256(data).hexdigest())
+        manifest = StepManifest(step=step, record=record, attempt=job.attempt, metadata=job.metadata, content=content)
+        steps.check_stored(step, {content.manifest: len(data),
+                                  **{f"{content.folder}/{rel}": entry.size for rel, entry in entries.items()}})
+        steps.object(step, STEP_MANIFEST).write_small(manifest.to_bytes(), action="commit the checkpoint at")
+        return Saved(committed=True, sent=sum(entry.size for entry in entries.values()) + len(data),
+                     names=frozenset({content.manifest}))
+
+    # -- reading -------------------------------------------------------------------------------------------
+
+    def files(self, steps: StepStore, step: int, manifest: StepManifest) -> dict[str, FileEntry]:
+        """The files of the step's tree by relative path, from its file-set manifest checked against the step's
+        manifest. FileNotFoundError when that list is missing, CheckpointCorruptError when it is damaged."""
+        content = _content(manifest)
+        location = steps.object(step, content.manifest)
+        data = location.read_small()
+        if data is None:
+            raise FileNotFoundError(f"its list of files {content.manifest} is missing")
+        if (len(data), hashlib.sha256(data).hexdigest()) != (manifest.record.size, manifest.record.sha256):
+            raise CheckpointCorruptError(f"step {step} in {steps.directory} is damaged: its list of files "
+                                         f"{content.manifest} does not match the sha256 of its manifest")
+        return FileSetManifest.from_bytes(data, location.uri).files
+
+    def restore(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path, progress: Progress
+                ) -> Path:
+        """Copy the tree's files into ``workspace`` (replacing same-named entries), each checked against its
+        sha256 before anything lands. :class:`Gone` when a file is missing."""
+        steps, content = parts.steps, _content(manifest)
+        try:
+            listed = self.files(steps, step, manifest)
+        except FileNotFoundError:
+            raise self._gone(steps, step, content.manifest) from None
+        progress.set_total(sum(entry.size for entry in listed.values()))
+        workspace.mkdir(parents=True, exist_ok=True)
+        with Staging(workspace) as staging:
+            def fetch(rel: str) -> None:
+                self._fetch(steps, step, f"{content.folder}/{rel}", listed[rel], staging / rel, progress)
+
+            with concurrent.futures.ThreadPoolExecutor(min(WORKERS, max(1, len(listed)))) as pool:
+                for done in pool.map(fetch, listed):
+                    del done
+            return DirectoryPayload.publish(staging, workspace)
+
+    def _fetch(self, steps: StepStore, step: int, name: str, entry: FileEntry, dest: Path, progress: Progress
+               ) -> None:
+        """Copy the stored file ``name`` to ``dest``, hashing it; on local disk it is hashed, then copied by the
+        kernel (both read the same open file, which saves never write into once committed)."""
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        hasher, size, source = hashlib.sha256(), 0, steps.object(step, name)
+        try:
+            with source.open_read(entry.size) as raw, open(dest, "xb") as out:
+                if source.is_local:
+                    size = digest_by_reading(raw.fileno(), entry.size + 1, hasher)
+                    if copy_fd_in_kernel(raw.fileno(), out.fileno(), size) != size:
+                        raise CheckpointCorruptError(f"{source.uri} changed while it was being restored; restore "
+                                                     "it again")
+                    progress.update(size)
+                else:
+                    while data := raw.read(WRITE_PIECE):
+                        hasher.update(data)
+                        out.write(data)
+                        size += len(data)
+                        progress.update(len(data))
+        except FileNotFoundError:
+            raise self._gone(steps, step, name) from None
+        found = FileEntry(size, hasher.hexdigest())
+        if found != entry:
+            raise self._damaged(steps, step, name, entry, found)
+
+    @staticmethod
+    def _gone(steps: StepStore, step: int, name: str) -> Gone:
+        return Gone(f"step {step} in {steps.directory} is committed but its file {name} is missing: it was removed "
+                    f"after the commit{GONE_HOW}. Restore an older step (fallback=True), or delete this one.")
+
+    @staticmethod
+    def _damaged(steps: StepStore, step: int, name: str, entry: FileEntry, found: FileEntry
+                 ) -> CheckpointCorruptError:
+        return CheckpointCorruptError(
+            f"step {step} in {steps.directory} is damaged: read {found.size} bytes of {name} that do not match the "
+            f"sha256 of its manifest (recorded size {entry.size}). Restore an older step (fallback=True), or save "
+            "it again.")
+
+    def verify(self, parts: Parts, step: int, manifest: StepManifest, progress: object) -> Checked:
+        steps, content = parts.steps, _content(manifest)
+        listed = self.files(steps, step, manifest)
+        for rel, entry in sorted(listed.items()):
+            name = f"{content.folder}/{rel}"
+            try:
+                with steps.object(step, name).open_read(entry.size) as source:
+                    hasher, size = hashlib.sha256(), 0
+                    while data := source.read(WRITE_PIECE):
+                        hasher.update(data)
+                        size += len(data)
+            except FileNotFoundError:
+                raise FileNotFoundError(f"its file {name} is missing") from None
+            found = FileEntry(size, hasher.hexdigest())
+            if found != entry:
+                raise self._damaged(steps, step, name, entry, found)
+        return Checked(sum(entry.size for entry in listed.values()),
+                       f"{len(listed)} files, sha256 matches its manifest")
+
+    # -- listing and deleting ------------------------------------------------------------------------------
+
+    def objects(self, steps: StepStore, step: int, manifest: StepManifest) -> StepObjects:
+        content = _content(manifest)
+        listed = self.files(steps, step, manifest)
+        return StepObjects(files={content.manifest: manifest.record.size,
+                                  **{f"{content.folder}/{rel}": entry.size for rel, entry in listed.items()}},
+                           noun="file")
+
+    def delete(self, steps: StepStore, step: int, manifest: StepManifest) -> set[str]:
+        """The tree's folder, whole, then the list of its files. A list it cannot read leaves them to the sweep
+        of uncommitted folders."""
+        content = _content(manifest)
+        tree = steps.object(step, content.folder)
+        try:
+            listed = self.files(steps, step, manifest)
+        except (CheckpointCorruptError, FileNotFoundError):
+            return set()
+        del listed  # read only to tell a step whose list is readable
+        quietly(tree.remove_tree)
+        quietly(steps.object(step, content.manifest).remove)
+        return {content.manifest}
+
+    def describe(self, parts: Parts, step: int, manifest: StepManifest) -> Described:
+        listed = self.files(parts.steps, step, manifest)
+        return Described(payload=_content(manifest).manifest, details={
+            "size": sum(entry.size for entry in listed.values()), "payload_size": manifest.record.size,
+            "files": len(listed)})
+
+    def owns(self, name: str, committed: bool) -> bool:
+        # A tree's folder is swept only from a folder no manifest commits: a committed step's is named by its
+        # manifest, or was replaced by an overwrite, whose commit removed the files the old manifest named.
+        return bool(_OWNED.fullmatch(name)) or (not committed and bool(_FOLDER.fullmatch(name)))
+
+
+PYTREE = register_step_kind(PyTreeKind())

@@ -1,0 +1,169 @@
+"""PyTree steps of CheckpointManager as Orbax's own files (the ``jax.pytree`` step kind), with real jax and
+orbax-checkpoint on the CPU: what they hold, what a restore verifies, and how retention, delete and gc treat them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import LazyModule, requires
+from taskpoint import CheckpointCorruptError, CheckpointManager
+
+pytestmark = requires("jax", "orbax.checkpoint")
+
+jax = LazyModule("jax")
+jnp = LazyModule("jax.numpy")
+tpjax = LazyModule("taskpoint.jax")
+pytree_kind = LazyModule("taskpoint.jax._kind")
+
+
+def tree(seed: int) -> dict[str, object]:
+    rng = np.random.default_rng(seed)
+    return {"params": {"w": jnp.asarray(rng.normal(size=(64, 32)).astype(np.float32)),
+                       "b": rng.normal(size=32).astype(np.float64)},
+            "step": seed, "name": f"run-{seed}", "key": jax.random.key(seed)}
+
+
+def assert_same(actual: dict[str, object], expected: dict[str, object]) -> None:
+    assert jax.tree_util.tree_structure(actual) == jax.tree_util.tree_structure(expected)
+    for a, b in zip(jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected), strict=True):
+        if isinstance(b, jax.Array) and jnp.issubdtype(b.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        assert type(a) is type(b) or (isinstance(a, jax.Array) and isinstance(b, jax.Array))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def tree_folder(directory: Path, step: int) -> Path:
+    (found,) = [p for p in (directory / f"ckpt-{step}").iterdir() if p.is_dir()]
+    return found
+
+
+def largest_file(folder: Path) -> Path:
+    return max((p for p in folder.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
+def test_a_pytree_step_holds_orbaxs_files_hashed_and_restores_the_same_tree(store):
+    with CheckpointManager(store.url("steps"), storage_options=store.storage_options) as m:
+        m.save(tpjax.PyTree(tree(1)), 1, metadata={"epoch": 1})
+        described = m.describe(1)
+        assert (described.kind, described.codec, m.metadata(1)) == ("jax.pytree", "files", {"epoch": 1})
+        assert described.details["files"] > 2  # the sidecar and Orbax's files, each listed with its sha256
+        assert_same(tpjax.load_pytree_sync(m, target=tree(0), step=1), tree(1))
+        assert sorted(p.name for p in m.restore(1).iterdir()) == ["orbax", "taskpoint-pytree.json"]
+        assert m.verify(1).steps[0].state == "healthy"
+        assert [s.state for s in m.inventory()] == ["committed"]
+
+
+def test_on_local_disk_orbax_writes_into_the_step_and_no_archive_is_made(tmp_path):
+    with CheckpointManager(tmp_path / "steps") as m:
+        m.save(tpjax.PyTree(tree(1)), 1)
+    names = sorted(p.name for p in (tmp_path / "steps" / "ckpt-1").iterdir())
+    assert not [n for n in names if n.startswith("payload-")]
+    folder = tree_folder(tmp_path / "steps", 1)
+    assert (folder / "orbax" / "_METADATA").is_file() and (folder / "taskpoint-pytree.json").is_file()
+    assert names == sorted(["taskpoint.json", folder.name, f"{folder.name}.files.json"])
+
+
+def test_a_flipped_byte_in_a_file_is_damage_and_fallback_restores_the_older_step(tmp_path):
+    directory = tmp_path / "steps"
+    with CheckpointManager(directory) as m:
+        m.save(tpjax.PyTree(tree(1)), 1)
+        m.save(tpjax.PyTree(tree(2)), 2)
+        flip_byte(largest_file(tree_folder(directory, 2)))
+        with pytest.raises(CheckpointCorruptError, match=r"step 2 .* is damaged: read .* sha256"):
+            m.restore(2)
+        with pytest.raises(CheckpointCorruptError, match="step 2"):
+            tpjax.load_pytree_sync(m, step=2)
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            folder = m.restore(fallback=True)
+        assert m.restored_step == 1
+        assert_same(tpjax.load_pytree_sync(folder, target=tree(0)), tree(1))
+        assert [s.state for s in m.verify().steps] == ["healthy", "damaged"]
+
+
+def test_a_missing_file_or_a_damaged_list_of_files_is_damage(tmp_path):
+    directory = tmp_path / "steps"
+    with CheckpointManager(directory) as m:
+        m.save(tpjax.PyTree(tree(1)), 1)
+        m.save(tpjax.PyTree(tree(2)), 2)
+        largest_file(tree_folder(directory, 1)).unlink()
+        with pytest.raises(CheckpointCorruptError, match=r"step 1 .* its file pytree-.* is missing"):
+            m.restore(1)
+        listing = tree_folder(directory, 2).with_name(tree_folder(directory, 2).name + ".files.json")
+        flip_byte(listing)
+        with pytest.raises(CheckpointCorruptError, match=r"step 2 .* list of files"):
+            m.restore(2)
+
+
+def test_archive_pytree_steps_saved_before_still_restore_beside_the_new_ones(tmp_path, monkeypatch):
+    directory = tmp_path / "steps"
+    with monkeypatch.context() as patch:  # what a taskpoint without the jax.pytree kind saved: a tar archive
+        patch.setattr(pytree_kind.PyTreeKind, "accepts", lambda self, payload, parts: False)
+        with CheckpointManager(directory) as m:
+            m.save(tpjax.PyTree(tree(1)), 1)
+    assert [p.name for p in (directory / "ckpt-1").iterdir() if p.name.startswith("payload-")]
+    with CheckpointManager(directory) as m:
+        m.save(tpjax.PyTree(tree(2)), 2)
+        assert [m.describe(s).kind for s in (1, 2)] == ["payload", "jax.pytree"]
+        assert_same(tpjax.load_pytree_sync(m, target=tree(0), step=1), tree(1))
+        assert_same(tpjax.load_pytree_sync(m, target=tree(0), step=2), tree(2))
+
+
+def test_retention_and_delete_remove_a_pytree_step_whole(tmp_path):
+    directory = tmp_path / "steps"
+    with CheckpointManager(directory, keep=2) as m:
+        for step in (1, 2, 3):
+            m.save(tpjax.PyTree(tree(step)), step)
+        assert m.steps() == [2, 3] and not (directory / "ckpt-1").exists()
+        m.delete(3, force=True)
+        assert m.steps() == [2] and not (directory / "ckpt-3").exists()
+
+
+def test_an_overwrite_removes_the_files_of_the_tree_it_replaces(tmp_path):
+    directory = tmp_path / "steps"
+    with CheckpointManager(directory) as m:
+        m.save(tpjax.PyTree(tree(1)), 1)
+        old = tree_folder(directory, 1)
+        m.save(tpjax.PyTree(tree(2)), 1, overwrite=True)
+        assert not [p for p in old.rglob("*") if p.is_file()]
+        assert not old.with_name(old.name + ".files.json").exists()
+        assert_same(tpjax.load_pytree_sync(m, target=tree(0), step=1), tree(2))
+
+
+def test_gc_removes_the_tree_of_a_save_that_died_once_older_than_the_grace_period(tmp_path):
+    directory = tmp_path / "steps"
+    with CheckpointManager(directory) as m:
+        m.save(tpjax.PyTree(tree(1)), 1)
+        dead = directory / "ckpt-2" / "pytree-0123456789abcdef0123456789abcdef"  # Orbax wrote it, then a kill
+        shutil.copytree(tree_folder(directory, 1), dead)
+        assert m.gc() == []  # as fresh as a save in progress
+        for path in [dead, *dead.rglob("*")]:
+            os.utime(path, (1, 1))
+        assert m.gc() == [f"{directory}/ckpt-2/{dead.name}"]
+        assert not (directory / "ckpt-2").exists()
+        assert m.gc(grace_seconds=0) == [] and m.verify(1).steps[0].state == "healthy"
+
+
+def test_a_background_save_goes_as_an_archive_through_the_save_process_and_both_kinds_restore(tmp_path):
+    weights = np.arange(6.0)
+    with CheckpointManager(tmp_path / "steps", async_save=True) as m:
+        m.save(tpjax.PyTree({"w": weights}), 1)
+        weights[:] = -1.0  # the snapshot was taken when the call returned
+        m.wait_until_finished()
+        m.save(tpjax.PyTree({"w": weights}), 2, blocking=True)
+        assert [m.describe(s).kind for s in (1, 2)] == ["payload", "jax.pytree"]
+        np.testing.assert_array_equal(tpjax.load_pytree_sync(m, step=1)["w"], np.arange(6.0))
+        np.testing.assert_array_equal(tpjax.load_pytree_sync(m, step=2)["w"], np.full(6, -1.0))
