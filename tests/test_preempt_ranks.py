@@ -31,7 +31,6 @@ WORKER = Path(__file__).with_name("_preempt_ranks_worker.py")
 WORLD = 4
 pytestmark = pytest.mark.slow  # several processes per trial: scheduled first
 STORES = pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
-GROUPS = pytest.mark.parametrize("group", [True, False], ids=["process-group", "storage"])
 
 
 def _free_port() -> int:
@@ -130,19 +129,27 @@ def preempt_trials(store: Any, trials: int, seed: int, *, group: bool, one_rank:
     return seen
 
 
-@STORES
-@GROUPS
-@pytest.mark.parametrize("trials", [1, pytest.param(10, id="10", marks=[pytest.mark.timeout(1200), pytest.mark.campaign(
-    "10 SIGTERMs to all 4 ranks per store and agreement (make test: 1)")])], ids=str)
+def _cases(bounded: list[tuple[str, bool]], trials: int, what: str) -> Any:
+    """The (store, group, trials) cases of a test: one trial of each ``bounded`` pair in make test (each agreement
+    and each store at least once: the agreement through a process group does not depend on the store, the one
+    through storage does), and ``trials`` of every pair in make reliability's campaign."""
+    ids = {True: "process-group", False: "storage"}
+    cases = [pytest.param(store, group, 1, id=f"1-{ids[group]}-{store}") for store, group in bounded]
+    cases += [pytest.param(store, group, trials, id=f"{trials}-{ids[group]}-{store}",
+                           marks=[pytest.mark.timeout(1200), pytest.mark.campaign(what)])
+              for store in ("local", "s3") for group in (True, False)]
+    return pytest.mark.parametrize(("store", "group", "trials"), cases, indirect=["store"])
+
+
+@_cases([("local", True), ("s3", False)], 10, "10 SIGTERMs to all 4 ranks per store and agreement (make test: 1 of "
+        "each agreement)")
 def test_sigterm_to_all_ranks_commits_one_emergency_step_whole_and_the_relaunch_resumes_from_it(
         store: Any, group: bool, trials: int) -> None:
     preempt_trials(store, trials=trials, seed=28 if trials == 1 else 280, group=group, one_rank=False)
 
 
-@STORES
-@GROUPS
-@pytest.mark.parametrize("trials", [1, pytest.param(5, id="5", marks=[pytest.mark.timeout(1200), pytest.mark.campaign(
-    "5 SIGTERMs to one rank of 4 per store and agreement (make test: 1)")])], ids=str)
+@_cases([("s3", True), ("local", False)], 5, "5 SIGTERMs to one rank of 4 per store and agreement (make test: 1 of "
+        "each agreement)")
 def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(store: Any, group: bool, trials: int) -> None:
     preempt_trials(store, trials=trials, seed=29 if trials == 1 else 290, group=group, one_rank=True)
 
