@@ -21,20 +21,10 @@ from .folders import load_folder, source_exists
 from .format.codecs import Codec, get_codec
 from .format.index import normalize_path, normalize_paths
 from .format.records import MANIFEST_SUFFIX
+from .inspection import CheckpointDescription, CheckpointVerification, describe_object, verify_object
 from .partial import listed_index, open_by_restoring, open_indexed, restore_indexed
 from .payloads import payload_for
-from .record import (
-    VERIFY_MODES,
-    CheckpointDescription,
-    CheckpointVerification,
-    SaveMemory,
-    describe_object,
-    load_object,
-    read_record,
-    save_object,
-    unverified,
-    verify_object,
-)
+from .record import VERIFY_MODES, SaveMemory, load_object, read_record, save_object, unverified
 from .storage import Location, RetryPolicy, normalize_uri
 from .transfer import SourceIsFolder
 from .workspace import Workspace

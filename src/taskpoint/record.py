@@ -4,8 +4,6 @@ load verified against it (see :mod:`taskpoint.format.records` for the format and
 from __future__ import annotations
 
 import contextlib
-import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -15,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from . import _log, _progress
+from . import _log
 from ._progress import NO_PROGRESS, Progress
 from .errors import CheckpointCorruptError, StorageNotFound, StorageUnavailable
 from .folders import refuse_folder_destination
@@ -23,7 +21,7 @@ from .format.codecs import Codec
 from .format.records import MANIFEST_SUFFIX, ObjectRecord, Record
 from .payloads import Payload, payload_class
 from .storage import Location, RetryPolicy, VersionConflict
-from .transfer import guess_kind, hash_object, read_payload, write_payload
+from .transfer import guess_kind, read_payload, write_payload
 
 #: How often a load re-reads the record and follows it when the object it read is not listed (each time, a
 #: save of another process wrote the record after this load read it).
@@ -237,7 +235,7 @@ def unverified(uri: str, *, strict: bool, copy_of: str | None = None) -> str:
     return f"{why} It was loaded unverified; Checkpoint(..., verify='strict') refuses such a checkpoint."
 
 
-def _listed(entry: ObjectRecord) -> dict[str, Any]:
+def listed(entry: ObjectRecord) -> dict[str, Any]:
     """An entry of the record as a description shows it: its fields, the archive's index left out."""
     return {k: v for k, v in entry.to_json().items() if k != "index"}
 
@@ -263,7 +261,7 @@ def load_object(src: Location, workspace: Path, progress: Progress = NO_PROGRESS
     paused = False
     for reread in range(_RECORD_REREADS + 1):
         try:
-            result = _load_listed(src, workspace, record, load, strict,
+            result = _loadlisted(src, workspace, record, load, strict,
                                   copy_of.uri if copy_of is not None else None)
             break
         except _Unlisted as unlisted:
@@ -298,7 +296,7 @@ def _load_copy(src: Location, copy_of: Location, workspace: Path, load: _Load) -
     if record is None or not record.objects:
         return None
     try:
-        return _load_listed(src, workspace, record, load, strict=False)
+        return _loadlisted(src, workspace, record, load, strict=False)
     except _Unlisted:
         load.progress.rewind()  # the unverified load that follows counts the object again, from zero
         return None
@@ -309,7 +307,7 @@ _UNLISTED_ADVICE = (f"Save a new checkpoint, or load an older one; if another to
                     f"its record ({MANIFEST_SUFFIX}) to load it unverified.")
 
 
-def _load_listed(src: Location, workspace: Path, record: Record | None, load: _Load,
+def _loadlisted(src: Location, workspace: Path, record: Record | None, load: _Load,
                  strict: bool, copy_of: str | None = None) -> Path | None:
     """One load of ``src``, verified against ``record`` (objects without a record are Flyte's: unverified,
     refused when ``strict``)."""
@@ -354,95 +352,3 @@ def _verify(record: Record | None, kind: str, size: int, digest: str, uri: str) 
         f"the checkpoint at {uri} does not match the checksum recorded when it was saved "
         f"(size {size}, recorded sizes {expected}); it is truncated or damaged. Save a new checkpoint, or load "
         "an older one.")
-
-
-@dataclass(frozen=True)
-class CheckpointVerification:
-    """A checkpoint object, verified: ``healthy`` (``digest``, CRC32 or sha256, matched an object its record
-    lists) or ``readable`` (no record: it loaded with the archive's own checks, ``digest`` None)."""
-
-    uri: str
-    state: str
-    size: int | None
-    digest: str | None
-
-
-@dataclass(frozen=True)
-class CheckpointDescription:
-    """A checkpoint object and its record: ``state`` is ``saved`` (the stored object is one the record lists),
-    ``damaged`` (it is none of them), ``missing`` (recorded, not stored) or ``unrecorded`` (no record).
-    ``objects`` are the record's entries, newest first, each with ``current`` (the stored object, which a load
-    reads), ``confirmed`` (the record's own bookkeeping) and ``size_matches``."""
-
-    uri: str
-    state: str
-    size: int | None
-    kind: str | None
-    created: float | None
-    objects: tuple[dict[str, Any], ...]
-    record: str | None
-
-
-def object_size(loc: Location) -> int | None:
-    """The size of the object at ``loc``; None when there is none (or it is a folder)."""
-
-    def info() -> int | None:
-        try:
-            found = loc.fs.info(loc.path)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        return None if found.get("type") == "directory" else int(found.get("size") or 0)
-
-    return loc.run(info, action="check")
-
-
-def describe_object(loc: Location) -> CheckpointDescription:
-    """The checkpoint object at ``loc`` and its record (``<uri>.taskpoint.json``); FileNotFoundError when
-    neither is there."""
-    record = read_record(loc.sibling(MANIFEST_SUFFIX))
-    size = object_size(loc)
-    if record is None and size is None:
-        raise FileNotFoundError(f"nothing taskpoint saved is at {loc.uri}")
-    # The entry a load verifies the object against: the newest listed one of the stored size.
-    visible = record.of_size(size) if record is not None and size is not None else None
-    confirmed = record.confirmed if record is not None else None
-    objects = tuple({**_listed(entry), "current": visible is not None and entry.save_id == visible.save_id,
-                     "confirmed": entry.save_id == confirmed, "size_matches": entry.size == size}
-                    for entry in (record.objects if record is not None else ()))
-    state = ("unrecorded" if record is None else "missing" if size is None else "damaged" if visible is None
-             else "saved")
-    kind = visible.kind if visible else (objects[0]["kind"] if objects else None)
-    return CheckpointDescription(
-        uri=loc.uri, state=state, size=size, kind=kind, created=visible.created if visible else None, objects=objects,
-        record=None if record is None else loc.sibling(MANIFEST_SUFFIX).uri)
-
-
-def verify_object(loc: Location, progress: object = None) -> CheckpointVerification:
-    """Read every byte of the checkpoint object at ``loc`` against its record, keeping nothing. An object with
-    no record is loaded into a temporary folder (the archive's own checks). CheckpointCorruptError when damaged
-    or recorded but missing; FileNotFoundError when nothing is there."""
-    record = read_record(loc.sibling(MANIFEST_SUFFIX))
-    label = f"verify {_log.short_name(loc.uri)}"
-    if record is None or not record.objects:
-        if object_size(loc) is None:
-            raise FileNotFoundError(f"nothing taskpoint saved is at {loc.uri}")
-        scratch = Path(tempfile.mkdtemp(prefix="taskpoint-verify-"))
-        try:
-            with _progress.resolve(progress, label) as tracker:
-                load_object(loc, scratch, tracker)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-        return CheckpointVerification(loc.uri, "readable", None, None)
-    newest = record.of_size(None)
-    assert newest is not None
-    digest = "sha256" if newest.crc32 is None and newest.sha256 else "crc32"
-    with _progress.resolve(progress, label) as tracker:
-        try:
-            size, hexdigest = hash_object(loc, digest, newest.size, tracker)
-        except FileNotFoundError:
-            raise CheckpointCorruptError(f"{loc.uri} is recorded as saved but its object is missing") from None
-    if not any(record.matching(kind, size, hexdigest) is not None for kind in {o.kind for o in record.objects}):
-        sizes = ", ".join(str(o.size) for o in record.objects)
-        raise CheckpointCorruptError(f"{loc.uri} is damaged: {size} bytes that match no checksum its record lists "
-                                     f"(recorded sizes {sizes})")
-    return CheckpointVerification(loc.uri, "healthy", size, digest)

@@ -15,8 +15,8 @@ import click
 from .._log import TransferStats, logger, safe_uri
 from ..checkpoint import Checkpoint
 from ..format.records import MANIFEST_SUFFIX
+from ..inspection import object_size as _object_size
 from ..manager import CheckpointManager
-from ..record import object_size as _object_size
 from ..record import read_record
 from ..storage import Location
 from ._app import ERROR, OK, _command, _Failed, _Missing, cli, progress_option

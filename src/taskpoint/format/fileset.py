@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointCorruptError
-from .records import _parse, sealed
+from .sealing import parse, sealed
 
 FILESET_FORMAT = "taskpoint.fileset"
 #: Newest version of the file-set manifest this taskpoint reads and the one it writes.
@@ -64,7 +64,7 @@ class FileSetManifest:
             return cls(kind=str(doc["kind"]), save_id=str(doc["save_id"]), created=float(doc["created"]),
                        files=files, attempt=None if attempt is None else int(attempt), metadata=metadata)
 
-        return _parse(data, FILESET_FORMAT, uri, build, FILESET_VERSION,
+        return parse(data, FILESET_FORMAT, uri, build, FILESET_VERSION,
                       "the checkpoint cannot be verified; save it again")
 
     def entry(self, name: str, where: str) -> FileEntry:

@@ -12,7 +12,7 @@ The versioned manager (:mod:`taskpoint.manager`) keeps a :class:`StepManifest` i
 is written once, after the payload, and is the step's commit.
 
 Every document here guards itself: :func:`sealed` writes it with a ``check``, the digest of the rest of it
-(canonical JSON), and :func:`_parse` refuses one that fails it as damaged, so a flipped byte anywhere is
+(canonical JSON), and :func:`~.sealing.parse` refuses one that fails it as damaged, so a flipped byte anywhere is
 CheckpointCorruptError, never a wrong name, size, mode or metadata value. Manifests (a step's, a rank's record,
 a file set's, :mod:`.fileset`) use sha256: a step's manifest lists every chunk of a tree and can reach
 megabytes, and it is the one file that vouches for every other byte. The record beside a checkpoint keeps
@@ -26,15 +26,12 @@ ignore a field they do not know.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol
 
-from ..errors import CheckpointCorruptError
 from .index import ArchiveIndex
+from .sealing import CHECK, CRC32, known_fields_if_unchecked, parse, sealed
 
 MANIFEST_SUFFIX = ".taskpoint.json"
 #: The codec of a manager step whose files another writer stored (taskpoint.torch): its manifest names their
@@ -68,11 +65,8 @@ STEP_FORMAT = "taskpoint.step"
 #: The format name of the record one rank writes beside its shard of a step (version 1).
 SHARD_FORMAT = "taskpoint.shard"
 #: The field in which a record or manifest carries the digest of the rest of itself (:func:`sealed`).
-CHECK = "check"
 #: The digests of a document's check: sha256 for manifests, CRC32 for the record beside a checkpoint.
-SHA256, CRC32 = "sha256", "crc32"
 
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -162,7 +156,7 @@ class Record:
             return cls(objects=tuple(o for o in objects if o is not None),
                        confirmed=None if confirmed is None else str(confirmed), sweep=bool(doc.get("sweep", False)))
 
-        return _parse(data, FORMAT, uri, build, RECORD_VERSION,
+        return parse(data, FORMAT, uri, build, RECORD_VERSION,
                       "delete it to load the checkpoint without verification, or save a new checkpoint", CRC32)
 
 
@@ -287,7 +281,7 @@ class StepManifest:
     def from_bytes(cls, data: bytes, uri: str, contents: ContentDecoder) -> StepManifest:
         """The manifest in ``data``; ``contents`` gives the decoder of its kind (an unknown kind raises there)."""
         def build(doc: dict[str, Any], checked: bool) -> StepManifest:
-            _known_fields_if_unchecked(doc, checked, _STEP_KEYS)
+            known_fields_if_unchecked(doc, checked, _STEP_KEYS)
             attempt, metadata, record = doc.get("attempt"), doc["metadata"], _record(doc)
             if not isinstance(metadata, dict) or record is None:
                 raise TypeError("metadata is not a JSON object")
@@ -295,7 +289,7 @@ class StepManifest:
             return cls(step=int(doc["step"]), record=record, attempt=None if attempt is None else int(attempt),
                        metadata=metadata, content=contents(kind)(body), checked=checked)
 
-        return _parse(data, STEP_FORMAT, uri, build, FORMAT_VERSION,
+        return parse(data, STEP_FORMAT, uri, build, FORMAT_VERSION,
                       "delete the step, or save it again with overwrite=True")
 
 
@@ -352,47 +346,11 @@ class ShardRecord:
     @classmethod
     def from_bytes(cls, data: bytes, uri: str) -> ShardRecord:
         def build(doc: dict[str, Any], checked: bool) -> ShardRecord:
-            _known_fields_if_unchecked(doc, checked, _SHARD_RECORD_KEYS)
+            known_fields_if_unchecked(doc, checked, _SHARD_RECORD_KEYS)
             return cls(step=int(doc["step"]), world_size=int(doc["world_size"]), round=str(doc["round"]),
                        shard=Shard.from_json(doc["shard"]))
 
-        return _parse(data, SHARD_FORMAT, uri, build, 1, "it is removed by gc() once older than the grace period")
-
-
-def sealed(doc: dict[str, Any], digest: str = SHA256) -> bytes:
-    """``doc`` as stored: canonical JSON (sorted keys) with :data:`CHECK`, the ``digest`` of the rest of it.
-    Metadata may hold NaN and infinities (a diverged run's loss), written as Python's JSON writes them."""
-    return json.dumps({**doc, CHECK: _check(doc, digest)}, sort_keys=True).encode()
-
-
-def _check(doc: dict[str, Any], digest: str) -> str:
-    """The ``digest`` (hex) of ``doc`` without its own check, canonically serialized."""
-    body = json.dumps({k: v for k, v in doc.items() if k != CHECK}, sort_keys=True).encode()
-    return f"{zlib.crc32(body):08x}" if digest == CRC32 else hashlib.sha256(body).hexdigest()
-
-
-def _parse(data: bytes, fmt: str, uri: str, build: Callable[[dict[str, Any], bool], T], newest: int,
-           what_to_do: str, digest: str = SHA256) -> T:
-    """``build`` applied to the ``fmt`` document in ``data`` and whether it carried its check; anything
-    unreadable, and a check that fails, is CheckpointCorruptError."""
-    try:
-        doc = json.loads(data)
-        if not isinstance(doc, dict) or doc.get("format") != fmt:
-            raise ValueError("not a taskpoint manifest")
-        checked = CHECK in doc
-        intact = not checked or doc[CHECK] == _check(doc, digest)
-        if int(doc.get("version", 0)) > newest:
-            raise CheckpointCorruptError(
-                f"the checkpoint record {uri} has format version {doc['version']}, newer than this "
-                f"taskpoint understands ({newest}); upgrade taskpoint to load it"
-                f"{'' if intact else ' (or it is damaged: it fails its check)'}.")
-        if not intact:
-            raise ValueError(f"it fails its check ({digest}): a byte of it is damaged")
-        return build(doc, checked)
-    except CheckpointCorruptError:
-        raise
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise CheckpointCorruptError(f"the checkpoint record {uri} is unreadable ({exc}); {what_to_do}.") from exc
+        return parse(data, SHARD_FORMAT, uri, build, 1, "it is removed by gc() once older than the grace period")
 
 
 #: The fields of a checkpoint's record (format 2, and format 1); any other is damage.
@@ -409,14 +367,6 @@ _STEP_KEYS = frozenset({"format", "version", "step", "payload", "attempt", "meta
 _HEADER_KEYS = frozenset({"format", "version", "step", "attempt", "metadata", CHECK,
                           *(f.name for f in fields(ObjectRecord))})
 _SHARD_RECORD_KEYS = frozenset({"format", "version", "step", "world_size", "round", "shard"})
-
-
-def _known_fields_if_unchecked(doc: dict[str, Any], checked: bool, known: frozenset[str]) -> None:
-    """A document without its check must be one an older taskpoint wrote: a field it never wrote is damage
-    (most likely the name ``check`` with a flipped bit). A checked document may hold newer fields."""
-    unknown = set(doc) - known
-    if not checked and unknown:
-        raise ValueError(f"it has no check and fields no taskpoint writes without one ({sorted(unknown)})")
 
 
 def _record(value: Any) -> ObjectRecord | None:

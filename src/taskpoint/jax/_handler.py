@@ -25,7 +25,8 @@ from fsspec.callbacks import Callback
 
 from ..errors import CheckpointError
 from ..manager import CheckpointManager, check_step
-from ._pytree import PyTree, read_tree
+from ._pytree import PyTree
+from ._read import read_tree
 
 #: Folder of the unversioned checkpoint (``step=None``), and the step it is saved as inside it.
 UNVERSIONED_FOLDER = "checkpoint"

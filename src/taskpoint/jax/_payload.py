@@ -20,7 +20,8 @@ from ..checkpoint import BaseCheckpoint, Checkpoint
 from ..manager import CheckpointManager
 from ..payloads import DirectoryPayload, Payload, register_payload
 from ..workspace import owned_folder, sweep_dead_folders
-from ._pytree import PyTree, read_tree, write_tree
+from ._pytree import PyTree, write_tree
+from ._read import read_tree
 
 #: Prefix of the temp folders where trees are serialized before upload (below ``$TMPDIR``), followed by
 #: ``<host>-<pid>-`` so that those of killed processes can be swept.

@@ -27,13 +27,13 @@ from .backends import (
     NO_HOOKS,
     Backend,
     Kind,
-    LocalBackend,
     MovingBackend,
     WriteHooks,
     credential_source,
     protocols,
 )
 from .errormap import Failure, classify, describe, map_errors
+from .localdisk import LocalBackend
 from .objectstores import AzureBackend, GCSBackend, ObjectStoreBackend, S3Backend
 from .retry import CLIENT_TIMEOUT, RetryPolicy
 from .uris import check_storage_options, check_uri, extra_for
