@@ -24,6 +24,7 @@ import taskpoint
 from conftest import _location_fixture
 from helpers import make_tree, process_gone, snapshot
 from taskpoint import CheckpointCorruptError, CheckpointError, CheckpointManager, preemption
+from taskpoint.cli import main
 
 TIER_REMOTES = ["local", "memory", "s3"]
 
@@ -362,3 +363,45 @@ def test_the_emergency_step_goes_to_the_remote_tier_after_the_promotion_in_fligh
         assert other.restore(3).read_bytes() == b"emergency 7"
         assert other.verify().healthy
 
+
+# -- the command line -------------------------------------------------------------------------------------------
+
+
+def tp(capsys, *args: object) -> tuple[int, str]:
+    """Run the command line in this process; exit code and stdout."""
+    capsys.readouterr()
+    code = main([str(a) for a in args])
+    return code, capsys.readouterr().out
+
+
+def test_ls_verify_and_show_with_local_dir_say_which_tier_holds_each_step(capsys, tmp_path):
+    local_dir, remote_dir = tmp_path / "local", tmp_path / "remote"
+    with CheckpointManager(remote_dir, local_dir=local_dir, remote_every=2, local_keep=2, preemption=False) as m:
+        for step in range(1, 6):
+            m.save(data(step), step, metadata={"step": step})
+    code, out = tp(capsys, "ls", remote_dir, "--local-dir", local_dir, "--json")
+    assert code == 0
+    rows = json.loads(out)["steps"]
+    assert [(row["step"], row["tier"]) for row in rows] == [(2, "remote"), (4, "local"), (4, "remote"),
+                                                            (5, "local")]
+    code, out = tp(capsys, "ls", remote_dir, "--local-dir", local_dir)
+    assert code == 0 and "TIER" in out
+    assert [line.split()[:2] for line in out.splitlines() if line.split()[0].isdigit()] == [
+        ["2", "remote"], ["4", "local"], ["4", "remote"], ["5", "local"]]
+    code, out = tp(capsys, "show", remote_dir, "--local-dir", local_dir)
+    assert code == 0 and "step: 5" in out and "tiers: local\n" in out
+    code, out = tp(capsys, "show", remote_dir, "--local-dir", local_dir, "--step", 4)
+    assert code == 0 and "tiers: local, remote" in out and str(local_dir) in out
+    code, out = tp(capsys, "verify", remote_dir, "--local-dir", local_dir)
+    assert code == 0
+    assert [line for line in out.splitlines() if "healthy (" in line and line.startswith(("local", "remote"))] == [
+        line for line in out.splitlines() if line.startswith(("local: step", "remote: step"))]
+    assert sum(line.startswith("local: step") for line in out.splitlines()) == 2
+    assert sum(line.startswith("remote: step") for line in out.splitlines()) == 2
+    flip_local(local_dir, 5)
+    code, out = tp(capsys, "verify", remote_dir, "--local-dir", local_dir)
+    assert code == 2 and "local: step 5: DAMAGED" in out
+    code, out = tp(capsys, "verify", remote_dir, "--local-dir", local_dir, "--step", 4)
+    assert code == 0 and "local: step 4: healthy" in out and "remote: step 4: healthy" in out
+    code, _ = tp(capsys, "show", remote_dir, "--local-dir", local_dir, "--step", 3)
+    assert code == 3
