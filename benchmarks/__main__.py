@@ -9,6 +9,7 @@ Examples::
     python -m benchmarks --methods dcp --size 0.0625 --runs 1     # only issue 13's DCP section, 64 MiB
     python -m benchmarks --methods dedup --size 0.0625 --runs 1   # only issue 15's deduplicated steps, 64 MiB
     python -m benchmarks --methods lightning                      # only Lightning's step time with the plug-in
+    python -m benchmarks --methods tiers --size 0.0625 --runs 1   # only issue 24's local tier, 64 MiB
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from . import _agreement, _background, _dataset, _dcp, _dedup, _preemption, _report
+from . import _agreement, _background, _dataset, _dcp, _dedup, _preemption, _report, _tiers
 from ._operations import METHODS, PAYLOADS, STORES
 from ._runner import REPO_ROOT, Options, run_all
 
@@ -69,7 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "torch.distributed.checkpoint, see benchmarks/_dcp.py; preemption: issue 12's signal-to-commit "
                    "time and loop cost, see benchmarks/_preemption.py; agreement: issue 28's cost per step "
                    "of agreeing on a stopping step across 4 ranks, see benchmarks/_agreement.py; dedup: issue "
-                   "15's deduplicated steps of CheckpointManager against today's, see benchmarks/_dedup.py)")
+                   "15's deduplicated steps of CheckpointManager against today's, see benchmarks/_dedup.py; tiers: "
+                   "issue 24's local tier against a raw local copy and S3 restores, see benchmarks/_tiers.py)")
     p.add_argument("--codec", default="gzip", help="taskpoint's codec (default gzip, the targets' default)")
     p.add_argument("--level", type=int, default=None, help="taskpoint's compression level (default: its own)")
     p.add_argument("--data-dir", type=Path, default=BENCH_DIR / "data", help="where the data set is built")
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     load_before = os.getloadavg()
     # sections with data of their own
-    separate = (_dcp.METHOD, _preemption.METHOD, _agreement.METHOD, _dedup.METHOD, LIGHTNING)
+    separate = (_dcp.METHOD, _preemption.METHOD, _agreement.METHOD, _dedup.METHOD, _tiers.METHOD, LIGHTNING)
     main_table = any(m not in separate for m in args.methods)
     dataset = _dataset.prepare(args.data_dir, args.size) if main_table else None
     mib = {k: v / 2**20 for k, v in dataset.sizes.items()} if dataset else {}
@@ -152,13 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     dcp_rows = _dcp.run(args.size, opts, args.data_dir / "work-dcp") if _dcp.METHOD in args.methods else []
     dedup_rows, dedup_stored = (_dedup.run(args.size, opts, args.data_dir / "work-dedup")
                                 if _dedup.METHOD in args.methods else ([], None))
+    tier_rows = _tiers.run(args.size, opts, args.data_dir / "work-tiers") if _tiers.METHOD in args.methods else []
     lightning = (subprocess.run([sys.executable, "-m", "benchmarks.lightning_step_time"], check=True,
                                 capture_output=True, text=True).stdout.strip() if LIGHTNING in args.methods else "")
     summaries = [r.summary() for r in results]
     rows = _report.add_ratios([r for r in summaries if r["method"] != _background.METHOD])
     background = _report.add_background_ratios([r for r in summaries if r["method"] == _background.METHOD])
     goals = ((_report.targets(rows) if rows else []) + (_report.background_targets(background) if background else [])
-             + _dcp.targets(dcp_rows) + _dedup.targets(dedup_rows))
+             + _dcp.targets(dcp_rows) + _dedup.targets(dedup_rows)
+             + (_tiers.targets(tier_rows) if tier_rows else []))
     directory = f" (directory {mib['directory']:.0f} MiB)" if mib else ""
     title = (f"taskpoint benchmark, size {args.size:g}{directory}, "
              f"median of {args.runs} (baseline {opts.baseline_runs}), codec {args.codec}, {os.cpu_count()} cores"
@@ -176,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
                      "locally); cpu s = the ranks' CPU, all threads", "", _dcp.table(dcp_rows), ""]
     if dedup_rows:
         sections += [_dedup.notes(args.size, opts), "", _dedup.table(dedup_rows, dedup_stored), ""]
+    if tier_rows:
+        sections += [f"local tier (issue 24): CheckpointManager(local_dir=..., codec='none') on the dedup section's "
+                     f"float32 files, remote tier on the {tier_rows[0]['store']} store; ratios are medians of per-run "
+                     "ratios (benchmarks/_tiers.py)", "", _tiers.table(tier_rows), ""]
     if lightning:
         sections += ["Lightning: a training loop's step time with a .ckpt every few steps (benchmarks/"
                      "lightning_step_time.py)", "", lightning, ""]
@@ -200,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         text += "\n\n(scaled run: the targets are stated for size 1; RSS and ratios at other sizes are indicative)"
     print("\n" + text)
     failed = [r for r in rows + background + dcp_rows + dedup_rows if r.get("error")]
+    failed += [{**r, "method": _tiers.METHOD} for r in tier_rows if r.get("error")]
     if dedup_stored and dedup_stored.get("error"):
         failed.append({"store": dedup_stored["store"], "payload": "directory", "op": "stored bytes",
                        "method": _dedup.METHOD, "error": dedup_stored["error"]})
