@@ -180,6 +180,19 @@ def test_delete_removes_a_step_from_both_tiers(remote, tmp_path):
         assert m.steps() == [1]
 
 
+def test_gc_sweeps_the_leftovers_of_both_tiers(remote, tmp_path):
+    local_dir = tmp_path / "local"
+    with tiered(remote, local_dir, remote_every=2) as m:
+        m.save(data(1), 1)
+        m.save(data(2), 2)
+        m.wait_until_finished()
+        leftover = local_dir / "ckpt-3" / f"payload-{'ab' * 16}"  # a local save killed before its commit
+        leftover.parent.mkdir()
+        leftover.write_bytes(b"torn")
+        assert [uri for uri in m.gc(grace_seconds=0) if str(local_dir) in uri] == [str(leftover)]
+        assert not leftover.exists() and m.steps() == [1, 2]
+
+
 def test_saving_a_step_on_either_tier_needs_overwrite(remote, tmp_path):
     local_dir = tmp_path / "local"
     with tiered(remote, local_dir, local_keep=1) as m:

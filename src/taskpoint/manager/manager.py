@@ -377,7 +377,8 @@ class CheckpointManager(StepQueries):
             folders = self._steps.scan()
             return (self._steps.sweep(folders, grace, dry_run=dry_run)
                     + self._steps.sweep_uploads(grace, dry_run=dry_run)
-                    + self._dedup.collect(grace, dry_run=dry_run))
+                    + self._dedup.collect(grace, dry_run=dry_run)
+                    + (self._tier.local.gc(grace, dry_run=dry_run) if self._tier is not None else []))
 
     # -- internals -----------------------------------------------------------------------------------------
 
