@@ -4,6 +4,7 @@ background, restored from whichever copy verifies; on local disk, memory:// and 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -22,9 +23,12 @@ import pytest
 
 import taskpoint
 from conftest import _location_fixture
-from helpers import make_tree, process_gone, snapshot
+from helpers import make_tree, object_exists, process_gone, snapshot
 from taskpoint import CheckpointCorruptError, CheckpointError, CheckpointManager, preemption
 from taskpoint.cli import main
+from taskpoint.manager import MANIFEST_NAME
+from taskpoint.manager.tiers import PromotionCommit
+from taskpoint.storage import Location
 
 TIER_REMOTES = ["local", "memory", "s3"]
 
@@ -418,3 +422,27 @@ def test_ls_verify_and_show_with_local_dir_say_which_tier_holds_each_step(capsys
     assert code == 0 and "local: step 4: healthy" in out and "remote: step 4: healthy" in out
     code, _ = tp(capsys, "show", remote_dir, "--local-dir", local_dir, "--step", 3)
     assert code == 3
+
+
+def test_the_save_process_commits_a_dead_trainers_promotion_only_when_the_copy_matches(remote, tmp_path):
+    """What the save process does for a trainer that died during a promotion (PromotionCommit.finish): the local
+    manifest is written remotely for a copy of its size and sha256, never for another, never over a manifest."""
+    local_dir = tmp_path / "local"
+    with CheckpointManager(local_dir) as local:
+        local.save(data(4), 4)
+        manifest = local._steps.manifest(4)
+    assert manifest is not None
+    (payload,) = (local_dir / "ckpt-4").glob("payload-*")
+    target = f"{remote.url('ckpts')}/ckpt-4/{MANIFEST_NAME}"
+    commit = PromotionCommit(target, remote.storage_options, None, manifest)
+    Location(f"{remote.url('ckpts')}/ckpt-4/{payload.name}", remote.storage_options).write_small(payload.read_bytes())
+    commit.finish(manifest.record.size, "0" * 64, time.monotonic() + 5)  # a torn copy: not committed
+    assert not object_exists(target, remote.storage_options)
+    commit.finish(manifest.record.size, manifest.record.sha256, time.monotonic() + 5)
+    with plain(remote) as other:
+        assert other.steps() == [4] and other.restore(4).read_bytes() == data(4)
+    other_manifest = dataclasses.replace(manifest, metadata={"other": True})
+    PromotionCommit(target, remote.storage_options, None, other_manifest).finish(
+        manifest.record.size, manifest.record.sha256, time.monotonic() + 5)
+    with plain(remote) as other:
+        assert other.metadata(4) == {}  # the manifest there was kept

@@ -26,7 +26,7 @@ from ..errors import CheckpointCorruptError, CheckpointError
 from ..format.codecs import Codec
 from ..format.records import StepManifest
 from ..payloads import FilePayload
-from ..storage import Location
+from ..storage import Location, RetryPolicy
 from ._checks import positive_or_none
 from .background import Background, Handover, store_payload
 from .commit import StepWriter
@@ -64,7 +64,7 @@ class PromotionCommit:
 
     uri: str
     storage_options: dict[str, Any]
-    retry: Any
+    retry: RetryPolicy
     manifest: StepManifest
 
     def finish(self, size: int, digest: str, deadline: float) -> None:
