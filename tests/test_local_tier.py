@@ -23,7 +23,7 @@ import pytest
 
 import taskpoint
 from conftest import _location_fixture
-from helpers import make_tree, object_exists, process_gone, snapshot
+from helpers import make_tree, object_exists, process_gone, snapshot, wait_until
 from taskpoint import CheckpointCorruptError, CheckpointError, CheckpointManager, preemption
 from taskpoint.cli import main
 from taskpoint.manager import MANIFEST_NAME
@@ -98,6 +98,8 @@ def test_a_directory_is_promoted_byte_for_byte_and_restores_from_either_tier(rem
 def test_a_wiped_local_dir_restores_the_newest_remote_step(remote, tmp_path):
     local_dir = tmp_path / "local"
     with tiered(remote, local_dir, remote_every=3) as m:
+        with pytest.raises(FileNotFoundError, match="no committed checkpoint"):
+            m.restore()
         for step in range(1, 6):
             m.save(data(step), step)
     shutil.rmtree(local_dir)  # the node was replaced
@@ -250,8 +252,9 @@ _TRAINER = textwrap.dedent("""
         print(json.dumps({"ready": True}), flush=True)
         for step in range(first, first + 40):
             m.save(random.Random(step).randbytes(size), step, blocking=step % 3 != 0)
-            saver = m._background.saver
-            print(json.dumps({"step": step, "helper": saver.pid if saver else None}), flush=True)
+            # the save processes: the promotions' (remote) and the local tier's background saves'
+            savers = (m._background.saver, m._tier.local._background.saver)
+            print(json.dumps({"step": step, "helpers": [s.pid for s in savers if s]}), flush=True)
 """)
 
 
@@ -260,7 +263,8 @@ def state(step: int, size: int) -> bytes:
 
 
 class Trainer:
-    """The trainer process of one trial, and the pids it reported (its save process's among them)."""
+    """The trainer process of one trial, and the pids of the save processes it reported (the promotions' and the
+    local tier's, each of which commits what it holds for a trainer that died)."""
 
     def __init__(self, remote, local_dir: Path, first: int, size: int) -> None:
         env = {**os.environ, "TASKPOINT_GRACE_SECONDS": "10"}
@@ -275,8 +279,7 @@ class Trainer:
         assert self.process.stdout is not None
         for line in self.process.stdout:
             event = json.loads(line)
-            if event.get("helper"):
-                self.helpers.add(event["helper"])
+            self.helpers.update(event.get("helpers", ()))
             self.ready.set()
         self.ready.set()
 
@@ -292,7 +295,8 @@ def check_tiers(remote, local_dir: Path, size: int) -> int:
     union = sorted(set(listed["remote"]) | set(listed["local"]))
     with tiered(remote, local_dir, remote_every=2, local_keep=2, keep=3, preemption=False) as m:
         if union:
-            assert m.restore().read_bytes() == state(union[-1], size) and m.restored_step == union[-1]
+            restored = m.restore().read_bytes()
+            assert (m.restored_step, restored == state(union[-1], size)) == (union[-1], True), listed
         step = (union[-1] if union else 0) + 1
         step += step % 2  # a due step: its promotion redoes any killed one
         m.save(state(step, size), step)
@@ -315,8 +319,10 @@ def kill_campaign(remote, tmp_path: Path, trials: int, seed: int) -> dict[str, i
         trainer = Trainer(remote, local_dir, step, size)
         try:
             assert trainer.ready.wait(60)
+            victim = "helper" if rng.random() < 0.3 else "trainer"
+            if victim == "helper":  # it starts with the first promotion
+                assert wait_until(lambda known=trainer.helpers: known, 60)
             time.sleep(rng.uniform(0.0, 3.0))
-            victim = "helper" if trainer.helpers and rng.random() < 0.3 else "trainer"
             pid = max(trainer.helpers) if victim == "helper" else trainer.process.pid
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -324,7 +330,7 @@ def kill_campaign(remote, tmp_path: Path, trials: int, seed: int) -> dict[str, i
                 os.kill(trainer.process.pid, signal.SIGKILL)
             code = trainer.process.wait(60)
             outcomes["finished" if code == 0 else victim] += 1
-            for helper in trainer.helpers:  # an orphaned save process finishes its promotion, then exits
+            for helper in trainer.helpers:  # an orphaned save process finishes its commit, then exits
                 assert process_gone(helper, 30), helper
         finally:
             with contextlib.suppress(ProcessLookupError):
