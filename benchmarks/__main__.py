@@ -11,6 +11,7 @@ Examples::
     python -m benchmarks --methods fast --size 0.0625 --runs 1    # only issue 26's steps against Orbax/torch/copy
     python -m benchmarks --methods lightning                      # only Lightning's step time with the plug-in
     python -m benchmarks --methods subset --size 0.0625 --runs 1  # only issue 26's one file out of a step
+    python -m benchmarks --methods tiers --size 0.0625 --runs 1   # only issue 24's local tier, 64 MiB
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from . import _agreement, _background, _dataset, _dcp, _dedup, _fast, _preemption, _report, _subset
+from . import _agreement, _background, _dataset, _dcp, _dedup, _fast, _preemption, _report, _subset, _tiers
 from ._operations import METHODS, PAYLOADS, STORES
 from ._runner import REPO_ROOT, Options, run_all
 
@@ -73,7 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "of agreeing on a stopping step across 4 ranks, see benchmarks/_agreement.py; dedup: issue "
                    "15's deduplicated steps of CheckpointManager against today's, see benchmarks/_dedup.py; "
                    "subset: issue 26's one file out of a step against its full restore, see benchmarks/_subset.py; "
-                   "fast: issue 26's manager steps against Orbax, torch.save and a raw copy, see benchmarks/_fast.py)")
+                   "fast: issue 26's manager steps against Orbax, torch.save and a raw copy, see benchmarks/_fast.py; "
+                   "tiers: issue 24's local tier against a raw local copy and S3 restores, see benchmarks/_tiers.py)")
     p.add_argument("--codec", default="gzip", help="taskpoint's codec (default gzip, the targets' default)")
     p.add_argument("--level", type=int, default=None, help="taskpoint's compression level (default: its own)")
     p.add_argument("--data-dir", type=Path, default=BENCH_DIR / "data", help="where the data set is built")
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     # sections with data of their own
     separate = (_dcp.METHOD, _preemption.METHOD, _agreement.METHOD, _dedup.METHOD, _subset.METHOD, _fast.METHOD,
-                LIGHTNING)
+                _tiers.METHOD, LIGHTNING)
     main_table = any(m not in separate for m in args.methods)
     dataset = _dataset.prepare(args.data_dir, args.size) if main_table else None
     mib = {k: v / 2**20 for k, v in dataset.sizes.items()} if dataset else {}
@@ -159,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                                 if _dedup.METHOD in args.methods else ([], None))
     subset_rows = _subset.run(args.size, opts, args.data_dir / "work-subset") if _subset.METHOD in args.methods else []
     fast_rows = _fast.run(args.size, opts, args.data_dir) if _fast.METHOD in args.methods else []
+    tier_rows = _tiers.run(args.size, opts, args.data_dir / "work-tiers") if _tiers.METHOD in args.methods else []
     lightning = (subprocess.run([sys.executable, "-m", "benchmarks.lightning_step_time"], check=True,
                                 capture_output=True, text=True).stdout.strip() if LIGHTNING in args.methods else "")
     summaries = [r.summary() for r in results]
@@ -166,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     background = _report.add_background_ratios([r for r in summaries if r["method"] == _background.METHOD])
     goals = ((_report.targets(rows) if rows else []) + (_report.background_targets(background) if background else [])
              + _dcp.targets(dcp_rows) + _dedup.targets(dedup_rows) + _subset.targets(subset_rows)
-             + _fast.targets(fast_rows))
+             + _fast.targets(fast_rows)
+             + (_tiers.targets(tier_rows) if tier_rows else []))
     directory = f" (directory {mib['directory']:.0f} MiB)" if mib else ""
     title = (f"taskpoint benchmark, size {args.size:g}{directory}, "
              f"median of {args.runs} (baseline {opts.baseline_runs}), codec {args.codec}, {os.cpu_count()} cores"
@@ -190,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         sections += [f"manager steps against the tools users pick instead (issue 26): local disk, alternating rounds, "
                      f"size {args.size:g}; x ref = time / the case's reference (orbax, torch, raw copy)", "",
                      _fast.table(fast_rows), ""]
+    if tier_rows:
+        sections += [f"local tier (issue 24): CheckpointManager(local_dir=..., codec='none') on the dedup section's "
+                     f"float32 files, remote tier on the {tier_rows[0]['store']} store; ratios are medians of per-run "
+                     "ratios (benchmarks/_tiers.py)", "", _tiers.table(tier_rows), ""]
     if lightning:
         sections += ["Lightning: a training loop's step time with a .ckpt every few steps (benchmarks/"
                      "lightning_step_time.py)", "", lightning, ""]
@@ -214,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         text += "\n\n(scaled run: the targets are stated for size 1; RSS and ratios at other sizes are indicative)"
     print("\n" + text)
     failed = [r for r in rows + background + dcp_rows + dedup_rows + subset_rows + fast_rows if r.get("error")]
+    failed += [{**r, "method": _tiers.METHOD} for r in tier_rows if r.get("error")]
     if dedup_stored and dedup_stored.get("error"):
         failed.append({"store": dedup_stored["store"], "payload": "directory", "op": "stored bytes",
                        "method": _dedup.METHOD, "error": dedup_stored["error"]})

@@ -8,8 +8,9 @@ import click
 
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..manager import CheckpointManager, StepVerification, Verification
+from ..storage import Location
 from ._app import OK, _command, _Missing, cli, progress_option
-from .views import UNCHECKED, _checkpoint, _checkpoint_view, _human, _location
+from .views import UNCHECKED, _checkpoint, _checkpoint_view, _human, _location, local_dir_option
 
 
 def step_line(result: StepVerification) -> str:
@@ -27,6 +28,12 @@ def report(verification: Verification) -> None:
     overwritten or deleted after the listing (another writer, or its retention), each said on its line."""
     for result in verification.steps:
         click.echo(step_line(result))
+    check(verification)
+
+
+def check(verification: Verification) -> None:
+    """CheckpointCorruptError when a step of ``verification`` is damaged; else CheckpointError when any was
+    overwritten or deleted after the listing."""
     total, directory = len(verification.steps), verification.directory
     if verification.damaged:
         raise CheckpointCorruptError(f"{len(verification.damaged)} of {total} step(s) in {directory} are damaged: "
@@ -42,8 +49,9 @@ def report(verification: Verification) -> None:
 @click.option("--step", type=click.IntRange(min=0), default=None,
               help="check only this step of a manager directory (default: every committed step)")
 @progress_option
+@local_dir_option
 @_command
-def verify_command(uri: str, step: int | None, progress: bool | None) -> int:
+def verify_command(uri: str, step: int | None, progress: bool | None, local_dir: str | None) -> int:
     """Stream every byte of a checkpoint (or of a manager's steps) and check it against its recorded checksum.
 
     Nothing is extracted: the stored bytes are hashed as they stream. Exit code 0 healthy, 1 error (storage,
@@ -54,9 +62,12 @@ def verify_command(uri: str, step: int | None, progress: bool | None) -> int:
     Examples:
       taskpoint verify ./.taskpoint/job7/train/3/checkpoint
       taskpoint verify s3://bucket/runs/steps --step 1200 && echo intact
+      taskpoint verify s3://bucket/runs/steps --local-dir /nvme/steps    (both tiers, each line with its tier)
     """
     loc = _location(uri)
     started = time.perf_counter()
+    if local_dir is not None:
+        return _verify_tiers(loc, _location(local_dir), step, progress, started)
     if step is None and _checkpoint_view(loc) is not None:
         with _checkpoint(loc) as checkpoint:
             checked = checkpoint.verify(progress=progress)
@@ -80,3 +91,25 @@ def verify_command(uri: str, step: int | None, progress: bool | None) -> int:
 # -- pull and push --------------------------------------------------------------------------------------------
 
 
+def _verify_tiers(remote: Location, local: Location, step: int | None, progress: bool | None, started: float) -> int:
+    """``verify --local-dir``: the steps of both tiers of a manager (``step`` alone: on every tier that holds it),
+    each line prefixed with its tier; exit codes as for one directory."""
+    found: list[tuple[str, Verification]] = []
+    for tier, loc in (("local", local), ("remote", remote)):
+        with CheckpointManager(loc.uri, storage_options=loc.storage_options, preemption=False) as manager:
+            listed = manager.steps()
+            if step is not None and step in listed:
+                found.append((tier, manager.verify(step, progress=progress)))
+            elif step is None and listed:
+                found.append((tier, manager.verify(progress=progress)))
+    if not found:
+        what = "nothing taskpoint saved is" if step is None else f"step {step} is on neither tier"
+        raise _Missing(f"{what} at {remote.uri} or {local.uri}")
+    for tier, verification in found:
+        for result in verification.steps:
+            click.echo(f"{tier}: {step_line(result)}")
+    for _, verification in found:
+        check(verification)
+    total = sum(len(verification.steps) for _, verification in found)
+    click.echo(f"{remote.uri} and {local.uri}: {total} step(s) healthy in {time.perf_counter() - started:.2f} s")
+    return OK

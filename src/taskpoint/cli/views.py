@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from ..checkpoint import Checkpoint
-from ..manager import MANIFEST_NAME, STEP_FOLDER, CheckpointManager, KeepBest
+from ..manager import MANIFEST_NAME, STEP_FOLDER, CheckpointManager, KeepBest, StepDescription
 from ..runtime import layout
 from ..storage import Location
 from ._app import ERROR, OK, _command, _Failed, _Missing, _state, cli
@@ -19,6 +19,10 @@ UNCHECKED = ("manifest unchecked: written by a taskpoint older than manifest che
              "itself cannot be detected; save the step again to have it checked")
 #: The states ``ls`` gives without reading a byte of the data (listing sizes, and chunks present or not).
 SIZE_JUDGED = frozenset({"saved", "committed"})
+#: The option of ``ls``, ``show`` and ``verify`` that names a manager's local tier (``local_dir``).
+local_dir_option = click.option(
+    "--local-dir", "local_dir", default=None, metavar="PATH",
+    help="the local tier of a manager directory (its local_dir): steps of both tiers, each with its tier")
 
 
 def _location(uri: str) -> Location:
@@ -129,6 +133,18 @@ def _what(loc: Location, metric: str | None = None) -> dict[str, Any]:
     return view
 
 
+def _tiers_view(uri: str, local_dir: str, metric: str | None) -> dict[str, Any]:
+    """The steps of a manager directory and of its local tier, each row with its ``tier`` (``local`` first for
+    a step on both); _Missing when neither holds a step."""
+    remote_loc, local_loc = _location(uri), _location(local_dir)
+    views = {"remote": _manager_view(remote_loc, metric), "local": _manager_view(local_loc, metric)}
+    if views["remote"] is None and views["local"] is None:
+        raise _Missing(f"nothing taskpoint saved is at {remote_loc.uri} or {local_loc.uri}")
+    rows = [{**row, "tier": tier} for tier, view in views.items() if view is not None for row in view["steps"]]
+    rows.sort(key=lambda row: (row["step"], row["tier"] != "local"))
+    return {"type": "manager", "uri": remote_loc.uri, "local_dir": local_loc.uri, "steps": rows}
+
+
 def _print_json(value: Any) -> None:
     click.echo(json.dumps(value, indent=2, sort_keys=True))
 
@@ -157,8 +173,9 @@ def _mark(view: dict[str, Any], best: KeepBest | None) -> None:
               help="mark the best step by this key of the steps' metadata (the lowest; --mode max: the highest)")
 @click.option("--mode", type=click.Choice(["min", "max"]), default="min", show_default=True,
               help="with --best: whether the lowest or the highest value is best")
+@local_dir_option
 @_command
-def ls_command(uri: str, as_json: bool, metric: str | None, mode: str) -> int:
+def ls_command(uri: str, as_json: bool, metric: str | None, mode: str, local_dir: str | None) -> int:
     """List what URI holds: a checkpoint object, a CheckpointManager directory, or a task root.
 
     A checkpoint object shows its record (<uri>.taskpoint.json); a manager directory its steps (state, size,
@@ -168,6 +185,7 @@ def ls_command(uri: str, as_json: bool, metric: str | None, mode: str) -> int:
     output says so); `taskpoint verify` checks every byte. A time or attempt that is not known prints `-`.
     MARK names the steps retention never deletes (`protected`: the newest step that verifies, a step with a
     restore lease) and, with --best, the best step by a metric of their metadata (as keep_best judges it).
+    With --local-dir (a manager's local tier), each step of either tier is listed with its TIER.
 
     \b
     Examples:
@@ -175,7 +193,7 @@ def ls_command(uri: str, as_json: bool, metric: str | None, mode: str) -> int:
       taskpoint ls s3://bucket/runs/job7/train/steps --json
       taskpoint ls gs://bucket/ckpt -o token=anon
     """
-    view = _what(_location(uri), metric)
+    view = _what(_location(uri), metric) if local_dir is None else _tiers_view(uri, local_dir, metric)
     if view["type"] == "manager":
         _mark(view, None if metric is None else KeepBest(metric, mode))
     if as_json:
@@ -193,14 +211,16 @@ def ls_command(uri: str, as_json: bool, metric: str | None, mode: str) -> int:
             click.echo(_sizes_only(view["uri"]))
     elif view["type"] == "manager":
         click.echo(f"{view['uri']}: {sum(r['state'] == 'committed' for r in view['steps'])} committed step(s)")
-        click.echo(f"{'STEP':>6}  {'STATE':<10}  {'KIND':<9}  {'SIZE':>10}  {'SAVED (UTC)':<19}  ATTEMPT  "
-                   f"{'METADATA':<16}  MARK")
+        tiers = local_dir is not None
+        click.echo(f"{'STEP':>6}  {'TIER    ' if tiers else ''}{'STATE':<10}  {'KIND':<9}  {'SIZE':>10}  "
+                   f"{'SAVED (UTC)':<19}  ATTEMPT  {'METADATA':<16}  MARK")
         for row in view["steps"]:
             attempt = "-" if row["attempt"] is None else str(row["attempt"])
             state = row["state"] + ("*" if row.get("checked") is False else "")
             marks = [f"best ({metric}={row['metric']})"] if row.get("best") else []
             marks += [f"protected: {row['protected']}"] if row["protected"] else []
-            click.echo(f"{row['step']:>6}  {state:<10}  {row['kind'] or '-':<9}  {_human(row['size']):>10}  "
+            tier = f"{row['tier']:<6}  " if tiers else ""
+            click.echo(f"{row['step']:>6}  {tier}{state:<10}  {row['kind'] or '-':<9}  {_human(row['size']):>10}  "
                        f"{_time(row['created']):<19}  {attempt:>7}  {','.join(row['metadata_keys']) or '-':<16}  "
                        f"{', '.join(marks) or '-'}")
         if any(row.get("checked") is False for row in view["steps"]):
@@ -222,13 +242,38 @@ def ls_command(uri: str, as_json: bool, metric: str | None, mode: str) -> int:
 # -- show -----------------------------------------------------------------------------------------------------
 
 
+def _step_view(described: StepDescription) -> dict[str, Any]:
+    """What ``show`` prints of one step of a manager directory."""
+    return {"type": "step", "uri": described.uri, "step": described.step, "payload": described.payload,
+            "attempt": described.attempt, "kind": described.payload_kind, "codec": described.codec,
+            "save_id": described.save_id, "created": described.created, "size": described.size,
+            "sha256": described.sha256, "crc32": described.crc32, "checked": described.checked,
+            "metadata": described.metadata, **described.details}
+
+
+def _tier_step_view(remote: Location, local: Location, step: int | None) -> dict[str, Any]:
+    """``step`` (the newest of either tier when None) of a manager directory and its local tier: described from
+    its local copy when it has one, with ``tiers``, the tiers that hold it; _Missing when neither does."""
+    with CheckpointManager(remote.uri, storage_options=remote.storage_options, preemption=False) as on_remote, \
+            CheckpointManager(local.uri, storage_options=local.storage_options, preemption=False) as on_local:
+        managers = {"local": on_local, "remote": on_remote}
+        held = {tier: set(manager.steps()) for tier, manager in managers.items()}
+        chosen = step if step is not None else max(held["local"] | held["remote"], default=None)
+        tiers = [tier for tier in managers if chosen in held[tier]]
+        if chosen is None or not tiers:
+            what = "no committed step" if chosen is None else f"no step {chosen}"
+            raise _Missing(f"there is {what} in {remote.uri} or {local.uri}")
+        return {**_step_view(managers[tiers[0]].describe(chosen)), "tiers": ", ".join(tiers)}
+
+
 @cli.command("show")
 @click.argument("uri")
 @click.option("--step", type=click.IntRange(min=0), default=None,
               help="the step of a manager directory (default: the newest)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON for machines")
+@local_dir_option
 @_command
-def show_command(uri: str, step: int | None, as_json: bool) -> int:
+def show_command(uri: str, step: int | None, as_json: bool, local_dir: str | None) -> int:
     """Show the record of a checkpoint object, or the manifest and user metadata of one step.
 
     A record lists the objects that may be stored at the URI, newest first; `current` marks the one stored
@@ -237,7 +282,9 @@ def show_command(uri: str, step: int | None, as_json: bool) -> int:
     bookkeeping (a later save by the same process saw this save return, so the record keeps it however many
     saves follow); the newest object of a healthy checkpoint is not confirmed until the next save, which says
     nothing about its health. A step's size is the data it holds (for a DCP step every file it lists, for a
-    deduplicated one the plain bytes of its files). A value that is not known prints `-`.
+    deduplicated one the plain bytes of its files). A value that is not known prints `-`. With --local-dir (a
+    manager's local tier) the step is the newest of either tier, shown from its local copy when it has one, and
+    `tiers` says which tiers hold it.
 
     \b
     Examples:
@@ -245,7 +292,9 @@ def show_command(uri: str, step: int | None, as_json: bool) -> int:
       taskpoint show s3://bucket/runs/steps --step 1200 --json
     """
     loc = _location(uri)
-    view = None if step is not None else _checkpoint_view(loc)
+    view = None if step is not None or local_dir is not None else _checkpoint_view(loc)
+    if view is None and local_dir is not None:
+        view = _tier_step_view(loc, _location(local_dir), step)
     if view is None:
         with CheckpointManager(loc.uri, storage_options=loc.storage_options, preemption=False) as manager:
             chosen = step if step is not None else manager.latest_step()
@@ -254,12 +303,7 @@ def show_command(uri: str, step: int | None, as_json: bool) -> int:
                     raise _Failed(ERROR, f"{loc.uri} is a task root: give one attempt's checkpoint or a steps "
                                          "folder (taskpoint ls lists them)")
                 raise _Missing(f"nothing taskpoint saved is at {loc.uri}")
-            described = manager.describe(chosen)
-        view = {"type": "step", "uri": described.uri, "step": described.step, "payload": described.payload,
-                "attempt": described.attempt, "kind": described.payload_kind, "codec": described.codec,
-                "save_id": described.save_id, "created": described.created, "size": described.size,
-                "sha256": described.sha256, "crc32": described.crc32, "checked": described.checked,
-                "metadata": described.metadata, **described.details}
+            view = _step_view(manager.describe(chosen))
     if as_json:
         _print_json(view)
         return OK

@@ -14,9 +14,10 @@ tells it the running attempt through :func:`set_attempt_source`.
 """
 
 from ._checks import check_step
+from .attempts import set_attempt_source
 from .inventory import StepSummary
 from .kinds import StepKind, register_step_kind
-from .manager import CheckpointManager, set_attempt_source
+from .manager import CheckpointManager
 from .retention import KeepBest
 from .steps import MANIFEST_NAME, STEP_FOLDER
 from .verify import StepDescription, StepVerification, Verification

@@ -185,7 +185,7 @@ class Background:
             job(payload)
             return
         try:
-            process = self._helper_process() if helper else None
+            process = self.helper_process() if helper else None
             if process is not None:
                 snapshot = spool(snapshot, scratch)
         except BaseException:
@@ -211,7 +211,7 @@ class Background:
         """Raise the error of a finished background save; with ``wait``, first let it finish."""
         self.slot.settle(wait=wait)
 
-    def _helper_process(self) -> SaverProcess | None:
+    def helper_process(self) -> SaverProcess | None:
         """The save process, started on first use; None when off or unavailable."""
         with self._saver_lock:
             if self._saver is not None and not self._saver.alive():

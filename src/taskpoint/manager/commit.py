@@ -61,10 +61,10 @@ class StepWriter:
             if replaced and not self._claims.is_restoring(step):
                 for name in replaced - saved.names:
                     quietly(steps.object(step, name).remove)
-            self._tidy()
+            self.tidy()
         return _log.transferred("save", self._parts.steps.step_uri(step), data.kind, saved.sent, clock, step)
 
-    def _tidy(self) -> None:
+    def tidy(self) -> None:
         """After a commit: apply retention and remove old leftovers. Never fails the save that committed."""
         steps, dedup = self._parts.steps, self._parts.dedup
         try:

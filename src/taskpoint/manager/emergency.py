@@ -35,6 +35,11 @@ class PreemptionPolicy:
         if self.enabled:
             preemption.install()  # only from the main thread; elsewhere it installs nothing
 
+    @property
+    def saving(self) -> bool:
+        """Whether the emergency save is running (with a local tier it goes to the remote tier)."""
+        return self._saving
+
     def reached(self, step: int | None = None, resume: Callable[[], int | None] | None = None) -> bool:
         """Whether this safe point stops: a notice arrived (with several ranks: on any rank, and every rank
         reached the agreed step). A failed agreement ends the attempt without an emergency step."""

@@ -25,7 +25,6 @@ from fsspec.callbacks import Callback
 
 from .. import _log, _progress
 from .._log import TransferStats
-from ..errors import CheckpointError
 from ..format.codecs import Codec, step_codec
 from ..format.index import normalize_paths
 from ..format.records import StepContent
@@ -33,6 +32,7 @@ from ..payloads import Payload, payload_for
 from ..storage import LEFTOVER_GRACE_SECONDS, Location, RetryPolicy, normalize_uri
 from ._checks import check_grace, check_metadata, check_step
 from .agreement import AGREEMENT_FOLDER, Agreement
+from .attempts import running_attempt
 from .background import Background, Handover
 from .chunks import ChunkStore
 from .claims import Claims
@@ -46,26 +46,12 @@ from .kinds.sharded import SHARDED
 from .protect import Guard
 from .queries import StepQueries, _in_thread
 from .rebuild import Rebuilder
-from .restore import StepReader
+from .restore import StepReader, candidates
 from .retention import KeepBest, KeepPolicy
 from .schedule import SaveSchedule
 from .shards import DEFAULT_COMMIT_TIMEOUT, RankPlan, save_round
 from .steps import StepStore
-
-
-#: Says which task attempt is running (None outside a task), for the manifest. The runtime layer above
-#: installs its lookup with :func:`set_attempt_source`, so that this layer never imports it.
-def _no_attempt() -> int | None:
-    return None
-
-
-_attempt_source: Callable[[], int | None] = _no_attempt
-
-
-def set_attempt_source(source: Callable[[], int | None]) -> None:
-    """Install the function that tells the running task attempt (the runtime calls this once)."""
-    global _attempt_source
-    _attempt_source = source
+from .tiers import LocalTier
 
 
 class CheckpointManager(StepQueries):
@@ -125,6 +111,10 @@ class CheckpointManager(StepQueries):
             ``SLURM_NTASKS``; else 1). Rank 0 commits a step once every rank's shard is stored (waiting up to
             ``commit_timeout`` seconds, then raising :class:`~taskpoint.StepAbandonedError`); other ranks'
             saves return once their shard is recorded. ``restore`` returns this rank's shard. See docs/manager.md.
+        local_dir: a local path (the node's NVMe or RAM disk) for a local tier: each step is committed there
+            first, and every ``remote_every``-th step is then promoted to ``directory`` in the background,
+            checked against its local manifest. ``local_keep``: how many local steps to keep. Reads see both
+            tiers (``steps(tier=...)``); see docs/manager.md, "A local tier".
     """
 
     def __init__(
@@ -150,6 +140,9 @@ class CheckpointManager(StepQueries):
         rank: int | None = None,
         world_size: int | None = None,
         commit_timeout: float = DEFAULT_COMMIT_TIMEOUT,
+        local_dir: str | os.PathLike[str] | None = None,
+        local_keep: int = 2,
+        remote_every: int = 1,
     ) -> None:
         uri = normalize_uri(directory, "directory").strip()
         if not uri:
@@ -174,7 +167,7 @@ class CheckpointManager(StepQueries):
         chunks = ChunkStore(root, "zstd" if codec is None else codec, level)
         self._dedup = Dedup(self._steps, chunks, self._grace)
         agreement = Agreement(self._plan.ranks, self._plan.commit_timeout, root.child(AGREEMENT_FOLDER),
-                              lambda: save_round(_attempt_source()), lambda: self.restored_step)
+                              lambda: save_round(running_attempt()), lambda: self.restored_step)
         self._parts = Parts(self._steps, self._codec, level, self._grace, self._plan,
                             Rebuilder(self._steps, chunks, self._dedup.workers), self._dedup if dedup else None,
                             agreement.while_committing)
@@ -190,6 +183,10 @@ class CheckpointManager(StepQueries):
         # The kinds a payload is saved as, the first that accepts it: several ranks, dedup=True, else one object.
         self._writer = StepWriter(self._parts, self._claims, self._guard, KINDS, (SHARDED, CHUNKED, PAYLOAD))
         self._preemption = PreemptionPolicy(preemption, on_preemption, agreement)
+        self._tier = None if local_dir is None else LocalTier.open(type(self), local_dir, local_keep, remote_every, {
+            "codec": codec, "level": level, "retry": retry, "grace_seconds": grace_seconds, "dedup": dedup,
+            "snapshot_dir": snapshot_dir, "background_process": background_process, "world_size": self.world_size,
+        }, (self._steps, self._writer, self._background, self._guard.committed, self._codec))
         weakref.finalize(self, self._background.slot.report_unclaimed, uri)
 
     # -- properties and lifecycle --------------------------------------------------------------------------
@@ -226,11 +223,16 @@ class CheckpointManager(StepQueries):
             finally:
                 self._reader.close()
                 self._background.close()
+                if self._tier is not None:
+                    self._tier.close()
 
     def wait_until_finished(self) -> None:
-        """Block until the background save (if any) has committed; raise its error if it failed."""
+        """Block until the background save (if any) and the promotion in flight have committed; raise an error
+        either met."""
         with self._lock:
             self._background.settle(wait=True)
+            if self._tier is not None:
+                self._tier.settle()
 
     # -- save ----------------------------------------------------------------------------------------------
 
@@ -251,13 +253,18 @@ class CheckpointManager(StepQueries):
         clock, began = _log.Clock(), self._schedule.now()
         step = check_step(step)
         record_metadata = check_metadata(metadata)
-        attempt = _attempt_source()
+        attempt = running_attempt()
         background = self._async_save if blocking is None else not blocking
         tracker = _progress.resolve(progress, f"save step {step}", background=background)
         self.checkpoint_if_preempted(step=step)  # a safe point: with on_preemption, a notice ends the attempt
         with self._lock:
             self._check_open()
             self._background.settle(wait=True)
+            if self._tier is not None and not self._preemption.saving:  # local, then promoted (an emergency: remote)
+                uri = self._tier.save(data, step, metadata, overwrite=overwrite, background=background,
+                                      progress=progress)
+                self._schedule.saved(step, began)
+                return uri
             exists, replaced = self._steps.committed_objects(step)
             if exists and not overwrite:
                 raise FileExistsError(f"step {step} already exists in {self.directory}; pass overwrite=True to "
@@ -280,7 +287,7 @@ class CheckpointManager(StepQueries):
         record_metadata = check_metadata(metadata)
         with self._lock:
             self._check_open()
-            self._writer.write(check_step(step), record_metadata, _attempt_source(), None, content,
+            self._writer.write(check_step(step), record_metadata, running_attempt(), None, content,
                                clock=_log.Clock())
         return self._steps.step_uri(step)
 
@@ -311,28 +318,29 @@ class CheckpointManager(StepQueries):
         """Restore ``step`` (the newest when None) and return it as :meth:`Checkpoint.load
         <taskpoint.Checkpoint.load>` does: a folder for directories, ``<folder>/payload`` for bytes and files.
 
-        Without ``into`` the result lands in a folder of the manager's own, removed by :meth:`close`; with
-        it, the checkpoint's entries replace same-named entries in ``into``. ``paths`` (files or folders relative
-        to the saved directory) restores only those, reading only their bytes (docs/manager.md, "Restoring part of
-        a step"); KeyError names one the step lacks. Every byte read is verified (sha256, or per chunk or member)
-        before it lands: a mismatch raises CheckpointCorruptError naming the step. With ``fallback=True`` a damaged
-        step is skipped with a warning for the newest older one that verifies; storage errors are raised, never
-        skipped. :attr:`restored_step` says which step the last restore returned. ``progress``: as for
-        :meth:`Checkpoint.load_sync <taskpoint.Checkpoint.load_sync>`."""
+        Without ``into`` the result lands in a folder of the manager's own, removed by :meth:`close`; with it, the
+        step's entries replace same-named entries in ``into``. ``paths`` (files or folders relative to the saved
+        directory) restores only those, reading only their bytes (docs/manager.md, "Restoring part of a step");
+        KeyError names one the step lacks. Every byte read is verified (sha256, or per chunk or member) before it
+        lands: a mismatch raises CheckpointCorruptError naming the step. ``fallback=True`` skips a damaged step
+        with a warning for the newest older one that verifies; storage errors are raised, never skipped.
+        :attr:`restored_step` is the step the last restore returned. ``progress``: as for :meth:`Checkpoint.load_sync
+        <taskpoint.Checkpoint.load_sync>`."""
         selected = None if paths is None else normalize_paths(paths)
         clock, tracker = _log.Clock(), _progress.resolve(progress, "restore")
-        if step is None:
-            candidates = list(reversed(self.steps()))
-            if not candidates:
-                raise FileNotFoundError(f"there is no committed checkpoint in {self.directory}")
-        else:
-            self._ready()
-            step = check_step(step)
-            candidates = [step, *(s for s in reversed(self.steps()) if s < step)] if fallback else [step]
         target = None if into is None else Path(normalize_uri(into, "into"))
-        self.restored_step, result = self._reader.read_first(candidates, target, fallback=fallback,
-                                                             requested=step is not None, clock=clock,
-                                                             progress=tracker, paths=selected)
+        self._ready()
+        step = None if step is None else check_step(step)
+        if self._tier is not None:  # the newest step that verifies on either tier, local copies first
+            self.restored_step, result = self._tier.restore(step, self._reader, target, fallback=fallback,
+                                                            progress=tracker, paths=selected)
+        else:
+            tried = candidates(self.steps() if step is None or fallback else (), step, fallback)
+            if not tried:
+                raise FileNotFoundError(f"there is no committed checkpoint in {self.directory}")
+            self.restored_step, result = self._reader.read_first(tried, target, fallback=fallback,
+                                                                 requested=step is not None, clock=clock,
+                                                                 progress=tracker, paths=selected)
         self._guard.restored_from(self.restored_step)
         self._schedule.seen(self.restored_step)
         return result
@@ -344,26 +352,17 @@ class CheckpointManager(StepQueries):
 
         A protected step (the newest committed step that verifies, the step this manager restored from until it
         commits a newer one, a step another process is restoring or committing) raises CheckpointError naming
-        the rule, unless ``force=True``. A step being restored in this process is never deleted."""
+        the rule, unless ``force=True``. A step being restored in this process is never deleted. With a local
+        tier the step goes from both tiers (the remote copy first, under these rules)."""
         step = check_step(step)
         with self._lock:
             self._check_open()
             self._background.settle(wait=True)
-            folder = self._steps.scan(step).get(step)
-            if folder is None or not folder.committed:
-                raise FileNotFoundError(f"step {step} does not exist in {self.directory}")
-            rule = None if force else self._guard.rule(step, self._guard.newest_verified(set(self.steps())), folder)
-            if rule is not None and not self._claims.is_restoring(step):
-                raise CheckpointError(f"step {step} in {self.directory} is protected: {rule}. Pass force=True to "
-                                      "delete it anyway")
-            if not self._claims.start_delete(step):
-                raise CheckpointError(f"step {step} in {self.directory} is being restored; delete it once the "
-                                      "restore has finished")
-            try:
-                self._steps.delete_step(step, folder, self._grace)
-                self._guard.deleted(step)
-            finally:
-                self._claims.end_delete(step)
+            remote = self._tier is None or step in self.steps(tier="remote")
+            if remote:
+                self._guard.delete(step, force=force)
+            if self._tier is not None and not self._tier.delete(step, force=force) and not remote:
+                raise FileNotFoundError(f"step {step} exists on neither tier of {self.directory}")
 
     def gc(self, grace_seconds: float | None = None, *, dry_run: bool = False) -> list[str]:
         """Remove leftovers of interrupted or superseded saves older than the grace period, and chunks that no
@@ -381,18 +380,8 @@ class CheckpointManager(StepQueries):
             folders = self._steps.scan()
             return (self._steps.sweep(folders, grace, dry_run=dry_run)
                     + self._steps.sweep_uploads(grace, dry_run=dry_run)
-                    + self._dedup.collect(grace, dry_run=dry_run))
-
-    # -- internals -----------------------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise CheckpointError(f"the CheckpointManager for {self.directory} is closed; create a new one")
-
-    def _ready(self) -> None:
-        """Before a query: the manager is open, and a finished background save's error is raised."""
-        self._check_open()
-        self._background.settle(wait=False)
+                    + self._dedup.collect(grace, dry_run=dry_run)
+                    + (self._tier.local.gc(grace, dry_run=dry_run) if self._tier is not None else []))
 
     # -- async twins ---------------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, CheckpointError
 from .claims import Claims
 from .leases import alive, lease_body, renewing
 from .retention import KeepPolicy
@@ -62,6 +62,25 @@ class Guard:
     def restored_from(self, step: int) -> None:
         self.restored = step
         self._good.add(step)
+
+    def delete(self, step: int, *, force: bool) -> None:
+        """Delete the committed ``step`` (:meth:`CheckpointManager.delete <taskpoint.CheckpointManager.delete>`):
+        CheckpointError naming the rule when it is protected (unless ``force``) or being restored here."""
+        folders = self._steps.scan()
+        folder, where = folders.get(step), self._steps.directory
+        if folder is None or not folder.committed:
+            raise FileNotFoundError(f"step {step} does not exist in {where}")
+        committed = {number for number, found in folders.items() if found.committed}
+        rule = None if force else self.rule(step, self.newest_verified(committed), folder)
+        if rule is not None and not self._claims.is_restoring(step):
+            raise CheckpointError(f"step {step} in {where} is protected: {rule}. Pass force=True to delete it anyway")
+        if not self._claims.start_delete(step):
+            raise CheckpointError(f"step {step} in {where} is being restored; delete it once the restore has finished")
+        try:
+            self._steps.delete_step(step, folder, self._grace)
+            self.deleted(step)
+        finally:
+            self._claims.end_delete(step)
 
     # -- retention -----------------------------------------------------------------------------------------
 

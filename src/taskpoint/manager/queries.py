@@ -10,14 +10,17 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import anyio.to_thread
 
+from ..errors import CheckpointError
 from ..storage import RetryPolicy
 from ._checks import check_step
+from .background import Background
 from .inventory import StepSummary, inventory
 from .kinds import KINDS, Parts, partial_kind
 from .protect import Guard
 from .schedule import SaveSchedule
 from .shards import RankPlan
 from .steps import StepStore
+from .tiers import LocalTier, check_tier
 from .verify import StepDescription, Verification, describe_step, verify_step, verify_steps
 
 P = ParamSpec("P")
@@ -39,8 +42,8 @@ def _in_thread(method: Callable[Concatenate[M, P], R]) -> Callable[Concatenate[M
 class StepQueries:
     """Queries of :class:`~taskpoint.CheckpointManager` (its base class): what is committed, and its metadata.
 
-    The manager provides :attr:`_steps`, :attr:`directory` and :meth:`_ready` (open, and a finished background
-    save's error raised first).
+    The manager provides :attr:`_steps`, its background save and whether it is closed, which
+    :meth:`_ready` checks before each query (open, and a finished background save's error raised first).
     """
 
     _steps: StepStore
@@ -48,6 +51,9 @@ class StepQueries:
     _plan: RankPlan
     _guard: Guard
     _schedule: SaveSchedule
+    _tier: LocalTier | None
+    _background: Background
+    _closed: bool
 
     def open(self, step: int, path: str) -> io.BufferedReader:
         """A read-only binary file (``read``, ``readinto``, ``seek``, ``tell``) of the file ``path`` of ``step``,
@@ -88,8 +94,14 @@ class StepQueries:
         """How many ranks save each step together (1 by default)."""
         return self._plan.ranks.world_size
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"the CheckpointManager for {self.directory} is closed; create a new one")
+
     def _ready(self) -> None:
-        raise NotImplementedError
+        """Before a query: the manager is open, and a finished background save's error is raised."""
+        self._check_open()
+        self._background.settle(wait=False)
 
     def reached_preemption(self, step: int | None = None) -> bool:
         raise NotImplementedError
@@ -109,7 +121,7 @@ class StepQueries:
         best = self._guard.policy.best
         if best is None:
             return None
-        ranked = best.best({step: self._guard.metric(step) for step in self.steps()})
+        ranked = best.best({step: self._guard.metric(step) for step in self.steps("remote")})
         return ranked[0] if ranked else None
 
     def protected_steps(self) -> dict[int, str]:
@@ -121,14 +133,19 @@ class StepQueries:
         rules = {step: self._guard.rule(step, newest, folder) for step, folder in sorted(folders.items())}
         return {step: rule for step, rule in rules.items() if rule is not None}
 
-    def steps(self) -> list[int]:
-        """The committed steps, oldest first. A background save appears once it has committed."""
+    def steps(self, tier: str | None = None) -> list[int]:
+        """The committed steps, oldest first. A background save appears once it has committed. With a local
+        tier: the steps on either tier, or those of one (``tier="local"`` or ``"remote"``)."""
         self._ready()
-        return sorted(step for step, folder in self._steps.scan().items() if folder.committed)
+        if check_tier(tier) == "local" and self._tier is None:
+            raise ValueError(f"the manager of {self.directory} has no local tier (no local_dir)")
+        remote = [] if tier == "local" else sorted(step for step, folder in self._steps.scan().items()
+                                                   if folder.committed)
+        return remote if self._tier is None else self._tier.union(remote, tier)
 
-    def latest_step(self) -> int | None:
-        """The newest committed step, or None when there is none."""
-        steps = self.steps()
+    def latest_step(self, tier: str | None = None) -> int | None:
+        """The newest committed step (on ``tier``, as for :meth:`steps`), or None when there is none."""
+        steps = self.steps(tier)
         return steps[-1] if steps else None
 
     def step_uri(self, step: int) -> str:
@@ -146,6 +163,8 @@ class StepQueries:
         else:
             self._ready()
         manifest = self._steps.manifest(check_step(step))
+        if manifest is None and self._tier is not None:
+            manifest = self._tier.manifest(step)
         if manifest is None:
             raise FileNotFoundError(f"step {step} does not exist in {self.directory}")
         return manifest.metadata
@@ -165,7 +184,7 @@ class StepQueries:
         if step is not None:
             self._ready()
             return Verification(self.directory, (verify_step(self._parts, KINDS, check_step(step), progress),))
-        listed = self.steps()
+        listed = self.steps("remote")
         if not listed:
             raise FileNotFoundError(f"there is no committed checkpoint in {self.directory}")
         return verify_steps(self._parts, KINDS, listed, progress)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from .. import _log
@@ -18,6 +18,13 @@ from .protect import restore_lease
 
 #: How often restore follows a step that another writer overwrites while it is being read.
 RESTORE_ATTEMPTS = 5
+
+
+def candidates(committed: Iterable[int], step: int | None, fallback: bool) -> list[int]:
+    """The steps a restore tries, in order: ``step``, then with ``fallback`` the older of ``committed`` newest
+    first; every step of ``committed`` newest first when ``step`` is None."""
+    older = sorted((number for number in committed if step is None or number < step), reverse=True)
+    return older if step is None else [step, *older] if fallback else [step]
 
 
 class StepReader:
