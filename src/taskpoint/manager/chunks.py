@@ -34,9 +34,8 @@ from ..format.archive import walk_source
 from ..format.codecs import Codec, get_codec
 from ..format.records import TreeEntry
 from ..payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, FilePayload, Payload
-from ..storage import Location
+from ..storage import Location, modified_time
 from .leases import alive, lease_body
-from .steps import modified_time
 
 CHUNK_FOLDER = "chunks"
 LEASE_FOLDER = "leases"

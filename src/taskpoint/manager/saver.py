@@ -7,11 +7,11 @@ needs it between every two calls: measured here, a 1 GiB background save slowed 
 2x while it ran, although a core stood free. PyTorch's distributed checkpoint offers a process for its async
 saves for the same reason.
 
-:class:`SaverProcess` runs :func:`serve` in a plain child process (``python -c``) (not ``multiprocessing``:
-its spawn mode would import the caller's ``__main__`` again, running an unguarded training script twice).
-It writes payloads as :func:`taskpoint.transfer.write_payload` does, one request at a time, over a pipe of
-length-prefixed pickles. Only the payload's bytes travel this way: while it lives the manager still commits
-(writes the manifest) and applies retention in its own process, where it knows which steps are being
+:class:`SaverProcess` runs :func:`~.saver_child.serve` in a plain child process (``python -c``) (not
+``multiprocessing``: its spawn mode would import the caller's ``__main__`` again, running an unguarded training
+script twice). It writes payloads as :func:`taskpoint.transfer.write_payload` does, one request at a time, over a
+pipe of length-prefixed pickles. Only the payload's bytes travel this way: while it lives the manager still
+commits (writes the manifest) and applies retention in its own process, where it knows which steps are being
 restored. The child runs at a lower CPU priority, and exits when the pipe closes.
 
 A background save is *handed over* before ``save()`` returns: the helper acknowledges each request (one
@@ -40,34 +40,27 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import os
 import pickle
-import shutil
-import signal
 import struct
 import subprocess
 import sys
 import threading
-import time
-import traceback
 import warnings
 from collections.abc import Callable
 from typing import IO, Any, Protocol
 
-from .. import _progress, preemption
 from .._progress import NO_PROGRESS, Progress
 from ..errors import add_note
 from ..format.codecs import Codec
 from ..format.records import StepManifest
 from ..payloads import Payload
 from ..storage import Location
-from ..transfer import write_payload
 
 _LENGTH = struct.Struct("<Q")
 #: What the child runs (not ``-m taskpoint.manager.saver``: the package imports this module, and runpy would
 #: then run a second copy of it).
-_CHILD = "import sys; from taskpoint.manager.saver import serve; serve(int(sys.argv[1]))"
+_CHILD = "import sys; from taskpoint.manager.saver_child import serve; serve(int(sys.argv[1]))"
 #: How much lower the child's CPU priority is than its parent's (``nice``): a training loop keeps its core.
 NICENESS = 10
 #: The child's reply once it holds a request (before it uploads anything).
@@ -83,18 +76,18 @@ CLOSE = "close"
 KEEP_FRESH_SECONDS = 60.0
 
 
-def _pickle(message: Any) -> bytes:
+def pickled(message: Any) -> bytes:
     return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _send(stream: IO[bytes], data: bytes) -> None:
+def write_message(stream: IO[bytes], data: bytes) -> None:
     """One message: its length, then its pickled bytes."""
     stream.write(_LENGTH.pack(len(data)))
     stream.write(data)
     stream.flush()
 
 
-def _receive(stream: IO[bytes]) -> Any:
+def read_message(stream: IO[bytes]) -> Any:
     head = stream.read(_LENGTH.size)
     if len(head) < _LENGTH.size:
         raise EOFError("the pipe closed")
@@ -149,7 +142,7 @@ class SaverProcess:
             raise SaverUnavailable(f"could not start {sys.executable}: {exc}") from exc
         self._lock = threading.Lock()
         try:
-            hello = _receive(self._process.stdout)  # type: ignore[arg-type]
+            hello = read_message(self._process.stdout)  # type: ignore[arg-type]
         except Exception as exc:
             self.close()
             raise SaverUnavailable(f"the save process did not start: {exc}") from exc
@@ -179,7 +172,7 @@ class SaverProcess:
         try:
             orphan = commit if commit is None or not isinstance(commit, tuple) else (
                 commit[0].uri, commit[0].storage_options, commit[0].retry, commit[1])
-            request = _pickle((location.uri, location.storage_options, location.retry, payload, codec, level,
+            request = pickled((location.uri, location.storage_options, location.retry, payload, codec, level,
                                orphan, progress.active, folders))
         except Exception as exc:
             raise NotTransferable(f"this payload cannot be sent to the save process ({exc})") from exc
@@ -187,21 +180,21 @@ class SaverProcess:
             stdin, stdout = self._process.stdin, self._process.stdout
             assert stdin is not None and stdout is not None
             try:
-                _send(stdin, request)
-                answer = _receive(stdout)
+                write_message(stdin, request)
+                answer = read_message(stdout)
                 if answer != TAKEN:
                     raise SaverUnavailable(f"the save process (pid {self.pid}) answered {answer!r} instead of "
                                            f"{TAKEN!r}")
                 if taken is not None:
                     taken()
-                answer = _receive(stdout)
+                answer = read_message(stdout)
                 while answer[0] == "progress":
                     _, what, n = answer
                     if what == "size":
                         progress.set_total(n)
                     else:
                         progress.update(n)
-                    answer = _receive(stdout)
+                    answer = read_message(stdout)
                 status, value, caught = answer
             except (OSError, EOFError, pickle.UnpicklingError) as exc:
                 code = self._process.poll()
@@ -230,7 +223,7 @@ class SaverProcess:
             stdin = self._process.stdin
             assert stdin is not None
             with contextlib.suppress(OSError):
-                _send(stdin, _pickle(DONE))
+                write_message(stdin, pickled(DONE))
 
     def alive(self) -> bool:
         return self._process.poll() is None
@@ -239,7 +232,7 @@ class SaverProcess:
         """Close the pipe; the child exits after any request in progress. Killed if it hangs."""
         if self._process.stdin is not None:
             with contextlib.suppress(OSError, ValueError):
-                _send(self._process.stdin, _pickle(CLOSE))
+                write_message(self._process.stdin, pickled(CLOSE))
         for stream in (self._process.stdin, self._process.stdout):
             if stream is not None:
                 with contextlib.suppress(OSError):
@@ -270,178 +263,3 @@ def release_freed_memory() -> None:
 
 
 _malloc_trim: Any = None
-
-
-# -- the child --------------------------------------------------------------------------------------------
-
-
-class _Duty:
-    """What the child owes its parent: the request it serves (``busy`` until the parent said ``done``, or the
-    child committed the step for it), the manifest to write if the parent dies first, and the snapshot folders
-    to remove then. The main loop and the watchdog share it; :meth:`commit_for_dead_parent` runs once."""
-
-    def __init__(self) -> None:
-        self.busy = threading.Event()
-        self._lock = threading.Lock()
-        self._commit: tuple[str, Any, Any, StepManifest] | OrphanPart | None = None
-        self._stored: tuple[int, str] | None = None
-        self.folders: tuple[str, ...] = ()
-
-    def take(self, commit: tuple[str, Any, Any, StepManifest] | OrphanPart | None, folders: tuple[str, ...]) -> None:
-        with self._lock:
-            self.busy.set()
-            self._commit, self._stored, self.folders = commit, None, folders
-
-    def stored(self, size: int, digest: str) -> None:
-        """The payload is uploaded: the step is committed by the parent, or else by this child."""
-        with self._lock:
-            if self._commit is None:
-                self.busy.clear()  # nothing to finish here: the request is over
-            else:
-                self._stored = (size, digest)
-
-    @property
-    def uploaded(self) -> bool:
-        return self._stored is not None
-
-    def end(self) -> None:
-        """The request is over (the parent committed its step, or it failed)."""
-        with self._lock:
-            self._commit = self._stored = None
-            self.busy.clear()
-
-    def commit_for_dead_parent(self, deadline: float) -> None:
-        """The parent died: commit the step it did not say it committed (unless a manifest is there), or finish
-        its part of a step of several ranks, by ``deadline``."""
-        with self._lock:
-            if self._commit is not None and self._stored is not None:
-                with contextlib.suppress(Exception):  # nobody is left to tell; the payload stays a leftover
-                    _commit_orphan(self._commit, *self._stored, deadline)
-            self._commit = self._stored = None
-            self.busy.clear()
-
-    def keep_fresh(self) -> None:
-        now = time.time()
-        for folder in self.folders:
-            with contextlib.suppress(OSError):
-                os.utime(folder, (now, now))
-
-    def leave(self) -> None:
-        """Remove the snapshot folders of the dead parent that the last request named."""
-        for folder in self.folders:
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-def _die_with_parent(parent: int, duty: _Duty) -> None:
-    """End this process when its parent dies: at once when idle, else once the request in progress ends (the
-    child commits the step itself) or the grace period has passed, whichever comes first; the snapshot folders
-    of the last request are removed first.
-
-    Polls the parent pid (re-parenting changes it) rather than using Linux's PR_SET_PDEATHSIG, which fires
-    when the *thread* that started the child ends: here, the background save thread, after every save.
-    """
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.2)
-        deadline = time.monotonic() + preemption.grace_seconds()
-        refreshed = -KEEP_FRESH_SECONDS
-        while duty.busy.is_set() and time.monotonic() < deadline:
-            if duty.uploaded:
-                duty.commit_for_dead_parent(deadline)
-                break
-            if time.monotonic() - refreshed >= KEEP_FRESH_SECONDS:
-                duty.keep_fresh()
-                refreshed = time.monotonic()
-            time.sleep(0.02)
-        duty.leave()
-        os._exit(0)
-
-    threading.Thread(target=watch, name="taskpoint-saver-watchdog", daemon=True).start()
-
-
-def _portable_error(exc: BaseException) -> BaseException:
-    """``exc`` if it survives pickling, else a RuntimeError that says what it was."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:
-        return RuntimeError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
-
-
-def _commit_orphan(commit: tuple[str, Any, Any, StepManifest] | OrphanPart, size: int, digest: str,
-                   deadline: float | None = None) -> None:
-    """Write the manifest of the step whose payload this child just uploaded for a parent that died; never
-    over a manifest already there (another writer committed the step first). A part of a step of several
-    ranks finishes itself by ``deadline`` (default: the grace period from now)."""
-    if not isinstance(commit, tuple):
-        commit.finish(size, digest, time.monotonic() + preemption.grace_seconds() if deadline is None else deadline)
-        return
-    uri, options, retry, pending = commit
-    manifest = dataclasses.replace(pending, record=dataclasses.replace(pending.record, size=size, sha256=digest))
-    location = Location(uri, options, retry)
-    if location.exists():
-        return
-    location.write_small(manifest.to_bytes(), action="commit, for a trainer that died, the checkpoint at")
-
-
-def _relayed(replies: IO[bytes]) -> Progress:
-    """The child's progress: each count sent to the parent as a message before the answer (which is sent only
-    after this progress is closed, so messages never interleave)."""
-
-    def send(what: str, n: int) -> None:
-        with contextlib.suppress(OSError):  # a parent that died hears nothing; the upload goes on
-            _send(replies, _pickle(("progress", what, n)))
-
-    return _progress.relay(send)
-
-
-def serve(parent: int) -> None:
-    """The child's loop: answer write requests until the pipe closes."""
-    duty = _Duty()
-    _die_with_parent(parent, duty)
-    with contextlib.suppress(OSError, AttributeError):
-        os.nice(NICENESS)
-    # The pipe to the parent is a private copy of stdout; fd 1 now points at stderr, so a stray print from
-    # some library cannot corrupt the protocol.
-    replies = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
-    requests = sys.stdin.buffer
-    _send(replies, _pickle("ready"))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal is for the parent to handle
-    with contextlib.suppress(ValueError):  # and so are preemption notices: the child ends with its parent
-        for sig in preemption.configured_signals():
-            signal.signal(sig, signal.SIG_IGN)
-    while True:
-        try:
-            message = _receive(requests)
-        except EOFError:  # the parent died (a closing manager says CLOSE first)
-            duty.commit_for_dead_parent(time.monotonic() + preemption.grace_seconds())
-            duty.leave()
-            return
-        if message == CLOSE:
-            return
-        if message == DONE:
-            duty.end()
-            continue
-        uri, options, retry, payload, codec, level, orphan, report, folders = message
-        duty.take(orphan, folders)
-        with contextlib.suppress(OSError):  # a parent dead already: the step is done all the same
-            _send(replies, _pickle(TAKEN))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            value: Any
-            try:
-                with _relayed(replies) if report else NO_PROGRESS as progress:
-                    value = write_payload(Location(uri, options, retry), payload, codec, level,
-                                          progress=progress)
-                duty.stored(*value)
-                value = (*value, payload.written_index)  # the archive's index goes into the parent's manifest
-                status = "ok"
-            except BaseException as exc:
-                duty.end()
-                status, value = "error", (_portable_error(exc), traceback.format_exc())
-        with contextlib.suppress(OSError):  # the parent died meanwhile: EOF or the watchdog commits
-            _send(replies, _pickle((status, value, [(w.category, str(w.message)) for w in caught])))
-        message = payload = value = None  # the payload (bytes can be large) is not kept until the next request
-        release_freed_memory()

@@ -28,12 +28,11 @@ import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any, Protocol
 
 from ..errors import CheckpointCorruptError, SaveStalledError, StorageNotFound
 from ..format.records import StepContent, StepManifest
-from ..storage import Location
+from ..storage import Location, modified_time
 from .claims import Claims
 from .leases import alive, fresh
 
@@ -377,22 +376,6 @@ class StepStore:
                 continue
             removed.append(self.object(int(step.group(1)), name).uri)
         return removed
-
-
-def modified_time(info: dict[str, Any]) -> float | None:
-    """An object's modification time in seconds since the epoch, from any fsspec backend's listing."""
-    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
-        value = info.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, datetime):
-            return value.timestamp()
-        if isinstance(value, str):
-            try:
-                return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-            except ValueError:
-                continue
-    return None
 
 
 def quietly(action: Callable[[], object]) -> None:

@@ -17,7 +17,7 @@ from ._localio import (
     digest_by_reading,
     digest_of_fd,
 )
-from .backends import LEFTOVER_GRACE_SECONDS, Kind, WriteHooks
+from .backends import LEFTOVER_GRACE_SECONDS, Kind, WriteHooks, modified_time
 from .errormap import Failure, classify, is_transient, map_errors
 from .location import Location, normalize_uri
 from .retry import RetryPolicy
@@ -40,5 +40,6 @@ __all__ = [
     "digest_of_fd",
     "is_transient",
     "map_errors",
+    "modified_time",
     "normalize_uri",
 ]

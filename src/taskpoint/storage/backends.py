@@ -25,6 +25,7 @@ import io
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from typing import IO, Any, ClassVar
 
 from fsspec.asyn import AsyncFileSystem
@@ -107,6 +108,23 @@ def folder_error(path: str) -> IsADirectoryError:
 
 def protocols(fs: Any) -> tuple[str, ...]:
     return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+
+
+def modified_time(info: dict[str, Any]) -> float | None:
+    """An object's modification time in seconds since the epoch, from any fsspec backend's listing."""
+    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        value = info.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, datetime):
+            return value.timestamp()
+        if isinstance(value, str):
+            try:
+                return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return None
+
 
 
 class Backend:

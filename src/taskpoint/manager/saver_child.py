@@ -1,0 +1,208 @@
+"""The save process's own side (:func:`serve`): it takes requests from its parent over the pipe, writes each
+payload, and, when the parent dies after the handover, finishes the upload and commits the step for it (see
+:mod:`.saver` for the protocol and the guarantees)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import pickle
+import shutil
+import signal
+import sys
+import threading
+import time
+import traceback
+import warnings
+from typing import IO, Any
+
+from .. import _progress, preemption
+from .._progress import NO_PROGRESS, Progress
+from ..format.records import StepManifest
+from ..storage import Location
+from ..transfer import write_payload
+from .saver import (
+    CLOSE,
+    DONE,
+    KEEP_FRESH_SECONDS,
+    NICENESS,
+    TAKEN,
+    OrphanPart,
+    pickled,
+    read_message,
+    release_freed_memory,
+    write_message,
+)
+
+
+class _Duty:
+    """What the child owes its parent: the request it serves (``busy`` until the parent said ``done``, or the
+    child committed the step for it), the manifest to write if the parent dies first, and the snapshot folders
+    to remove then. The main loop and the watchdog share it; :meth:`commit_for_dead_parent` runs once."""
+
+    def __init__(self) -> None:
+        self.busy = threading.Event()
+        self._lock = threading.Lock()
+        self._commit: tuple[str, Any, Any, StepManifest] | OrphanPart | None = None
+        self._stored: tuple[int, str] | None = None
+        self.folders: tuple[str, ...] = ()
+
+    def take(self, commit: tuple[str, Any, Any, StepManifest] | OrphanPart | None, folders: tuple[str, ...]) -> None:
+        with self._lock:
+            self.busy.set()
+            self._commit, self._stored, self.folders = commit, None, folders
+
+    def stored(self, size: int, digest: str) -> None:
+        """The payload is uploaded: the step is committed by the parent, or else by this child."""
+        with self._lock:
+            if self._commit is None:
+                self.busy.clear()  # nothing to finish here: the request is over
+            else:
+                self._stored = (size, digest)
+
+    @property
+    def uploaded(self) -> bool:
+        return self._stored is not None
+
+    def end(self) -> None:
+        """The request is over (the parent committed its step, or it failed)."""
+        with self._lock:
+            self._commit = self._stored = None
+            self.busy.clear()
+
+    def commit_for_dead_parent(self, deadline: float) -> None:
+        """The parent died: commit the step it did not say it committed (unless a manifest is there), or finish
+        its part of a step of several ranks, by ``deadline``."""
+        with self._lock:
+            if self._commit is not None and self._stored is not None:
+                with contextlib.suppress(Exception):  # nobody is left to tell; the payload stays a leftover
+                    _commit_orphan(self._commit, *self._stored, deadline)
+            self._commit = self._stored = None
+            self.busy.clear()
+
+    def keep_fresh(self) -> None:
+        now = time.time()
+        for folder in self.folders:
+            with contextlib.suppress(OSError):
+                os.utime(folder, (now, now))
+
+    def leave(self) -> None:
+        """Remove the snapshot folders of the dead parent that the last request named."""
+        for folder in self.folders:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _die_with_parent(parent: int, duty: _Duty) -> None:
+    """End this process when its parent dies: at once when idle, else once the request in progress ends (the
+    child commits the step itself) or the grace period has passed, whichever comes first; the snapshot folders
+    of the last request are removed first.
+
+    Polls the parent pid (re-parenting changes it) rather than using Linux's PR_SET_PDEATHSIG, which fires
+    when the *thread* that started the child ends: here, the background save thread, after every save.
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        deadline = time.monotonic() + preemption.grace_seconds()
+        refreshed = -KEEP_FRESH_SECONDS
+        while duty.busy.is_set() and time.monotonic() < deadline:
+            if duty.uploaded:
+                duty.commit_for_dead_parent(deadline)
+                break
+            if time.monotonic() - refreshed >= KEEP_FRESH_SECONDS:
+                duty.keep_fresh()
+                refreshed = time.monotonic()
+            time.sleep(0.02)
+        duty.leave()
+        os._exit(0)
+
+    threading.Thread(target=watch, name="taskpoint-saver-watchdog", daemon=True).start()
+
+
+def _portable_error(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling, else a RuntimeError that says what it was."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
+
+
+def _commit_orphan(commit: tuple[str, Any, Any, StepManifest] | OrphanPart, size: int, digest: str,
+                   deadline: float | None = None) -> None:
+    """Write the manifest of the step whose payload this child just uploaded for a parent that died; never
+    over a manifest already there (another writer committed the step first). A part of a step of several
+    ranks finishes itself by ``deadline`` (default: the grace period from now)."""
+    if not isinstance(commit, tuple):
+        commit.finish(size, digest, time.monotonic() + preemption.grace_seconds() if deadline is None else deadline)
+        return
+    uri, options, retry, pending = commit
+    manifest = dataclasses.replace(pending, record=dataclasses.replace(pending.record, size=size, sha256=digest))
+    location = Location(uri, options, retry)
+    if location.exists():
+        return
+    location.write_small(manifest.to_bytes(), action="commit, for a trainer that died, the checkpoint at")
+
+
+def _relayed(replies: IO[bytes]) -> Progress:
+    """The child's progress: each count sent to the parent as a message before the answer (which is sent only
+    after this progress is closed, so messages never interleave)."""
+
+    def send(what: str, n: int) -> None:
+        with contextlib.suppress(OSError):  # a parent that died hears nothing; the upload goes on
+            write_message(replies, pickled(("progress", what, n)))
+
+    return _progress.relay(send)
+
+
+def serve(parent: int) -> None:
+    """The child's loop: answer write requests until the pipe closes."""
+    duty = _Duty()
+    _die_with_parent(parent, duty)
+    with contextlib.suppress(OSError, AttributeError):
+        os.nice(NICENESS)
+    # The pipe to the parent is a private copy of stdout; fd 1 now points at stderr, so a stray print from
+    # some library cannot corrupt the protocol.
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    requests = sys.stdin.buffer
+    write_message(replies, pickled("ready"))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal is for the parent to handle
+    with contextlib.suppress(ValueError):  # and so are preemption notices: the child ends with its parent
+        for sig in preemption.configured_signals():
+            signal.signal(sig, signal.SIG_IGN)
+    while True:
+        try:
+            message = read_message(requests)
+        except EOFError:  # the parent died (a closing manager says CLOSE first)
+            duty.commit_for_dead_parent(time.monotonic() + preemption.grace_seconds())
+            duty.leave()
+            return
+        if message == CLOSE:
+            return
+        if message == DONE:
+            duty.end()
+            continue
+        uri, options, retry, payload, codec, level, orphan, report, folders = message
+        duty.take(orphan, folders)
+        with contextlib.suppress(OSError):  # a parent dead already: the step is done all the same
+            write_message(replies, pickled(TAKEN))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            value: Any
+            try:
+                with _relayed(replies) if report else NO_PROGRESS as progress:
+                    value = write_payload(Location(uri, options, retry), payload, codec, level,
+                                          progress=progress)
+                duty.stored(*value)
+                value = (*value, payload.written_index)  # the archive's index goes into the parent's manifest
+                status = "ok"
+            except BaseException as exc:
+                duty.end()
+                status, value = "error", (_portable_error(exc), traceback.format_exc())
+        with contextlib.suppress(OSError):  # the parent died meanwhile: EOF or the watchdog commits
+            write_message(replies, pickled((status, value, [(w.category, str(w.message)) for w in caught])))
+        message = payload = value = None  # the payload (bytes can be large) is not kept until the next request
+        release_freed_memory()
