@@ -5,7 +5,8 @@
 #   make docs   set up .venv with the docs extra only, build the documentation site into site/ (mkdocs --strict:
 #               a broken link or API reference fails)
 #   make bench  the speed benchmark of issues 3 and 5, and its sections: preemption (12), dcp (13), dedup (15),
-#               lightning (23), subset (26: one file out of a step)
+#               lightning (23), agreement (28), subset (26: one file out of a step), fast (26: steps against
+#               Orbax, torch.save and a raw copy), tiers (24: the local tier)
 #               (BENCH_ARGS="--size 0.0625 --runs 1" for a quick run; "--methods dedup" for one section alone)
 #   make dist   build the sdist and the wheel into dist/ (python -m build); then install the wheel with its extras:
 #               pip install "dist/taskpoint-<version>-py3-none-any.whl[s3]"
@@ -14,7 +15,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 # Installs go through uv with pip's own configuration (.ci/uvpip.py): the test stack in about 20 s instead of 3 min.
-# UV_INSTALL=$(PIP) install: pip alone, as before.
+# make test UV_INSTALL=".venv/bin/python -m pip install": the test venv with pip alone, as before.
 UV_INSTALL ?= $(PYTHON) .ci/uvpip.py $(VENV)/bin/uv $(PY)
 STAMP  := $(VENV)/.installed
 # The demo needs only the core: its own stamp, so a fresh clone installs a few MB, not the test stack.

@@ -496,7 +496,7 @@ def test_an_orphaned_helper_never_writes_over_a_manifest_already_there(tmp_path:
     it is, and commits a step nobody did, with the size and digest it computed."""
     import dataclasses
 
-    from taskpoint.manager import saver
+    from taskpoint.manager import saver_child as saver
     from taskpoint.manager.steps import MANIFEST_NAME
 
     with taskpoint.CheckpointManager(tmp_path / "m", preemption=False) as mgr:

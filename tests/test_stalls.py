@@ -336,9 +336,10 @@ def test_rank_zero_stopped_while_it_gathers_fails_the_commit_once_the_shards_wer
         os.kill(zero.process.pid, signal.SIGCONT)
         error = zero.wait_for("error", step=1)
         assert error["type"] in ("SaveStalledError", "StepAbandonedError"), error
-        # Abandoned: rank 1's record was swept, and rank 0 may have given up (its commit_timeout passed while it was
-        # stopped) before a listing showed rank 2's record, stored meanwhile; either way nothing is committed.
-        assert re.search(r"is gone" if error["type"] == "SaveStalledError" else r"ranks \[1(, 2)?\] of 3",
+        # Abandoned: rank 0 gave up (its commit_timeout passed while it was stopped) missing a record: rank 1's (swept
+        # before a listing showed it), rank 2's (stored meanwhile, not yet listed; rank 0 had read rank 1's before
+        # the stop: seen once on a loaded machine), or both. Either way it names a real rank and commits nothing.
+        assert re.search(r"is gone" if error["type"] == "SaveStalledError" else r"ranks \[(1|2|1, 2)\] of 3",
                          error["message"]), error
         assert "outside taskpoint" not in error["message"]
         assert zero.finish(60) == 3

@@ -24,6 +24,7 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -153,16 +154,22 @@ class PyTreeKind:
             root = Path(tree.path)
             root.parent.mkdir(parents=True, exist_ok=True)
             payload.write_into(root)
-            sizes = _tree_files(root)
-            with concurrent.futures.ThreadPoolExecutor(min(WORKERS, max(1, len(sizes)))) as pool:
-                entries = dict(zip(sizes, pool.map(lambda rel: _hash_file(root / rel, sync=True), sizes), strict=True))
-            _sync_folders(root)
+            store: Callable[[str], FileEntry] = lambda rel: _hash_file(root / rel, sync=True)  # noqa: E731
         else:
             root = payload.serialized()
-            sizes = _tree_files(root)
-            with concurrent.futures.ThreadPoolExecutor(min(WORKERS, max(1, len(sizes)))) as pool:
-                entries = dict(zip(sizes, pool.map(lambda rel: _upload(root / rel, tree.child(rel)), sizes),
-                                   strict=True))
+            store = lambda rel: _upload(root / rel, tree.child(rel))  # noqa: E731
+        sizes = _tree_files(root)
+        job.progress.set_total(sum(sizes.values()))  # the bytes of the files Orbax wrote, each counted once stored
+
+        def stored(rel: str) -> FileEntry:
+            entry = store(rel)
+            job.progress.update(entry.size)
+            return entry
+
+        with concurrent.futures.ThreadPoolExecutor(min(WORKERS, max(1, len(sizes)))) as pool:
+            entries = dict(zip(sizes, pool.map(stored, sizes), strict=True))
+        if tree.is_local:
+            _sync_folders(root)
         files = FileSetManifest(kind=FILES_KIND, save_id=save_id, created=time.time(), files=entries,
                                 attempt=job.attempt, metadata=job.metadata)
         data = files.to_bytes()
