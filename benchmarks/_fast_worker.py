@@ -23,21 +23,6 @@ from typing import Any
 BASELINE_LEVEL = 9
 
 
-def _fsync_tree(root: Path) -> None:
-    for folder, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def _timed(fn: Callable[[], Any], settle: float) -> tuple[float, float, Any]:
     time.sleep(settle)
     cpu0, t0 = time.process_time(), time.perf_counter()

@@ -272,7 +272,7 @@ class Operation:
         def run() -> float:
             t0 = time.perf_counter()
             copy()
-            _fsync_tree(written)
+            fsync_tree(written)
             return time.perf_counter() - t0
 
         return run
@@ -300,8 +300,9 @@ class Operation:
                    if p.is_file() and not p.is_symlink())
 
 
-def _fsync_tree(path: str) -> None:
+def fsync_tree(path: str | os.PathLike[str]) -> None:
     """fsync every file and folder at or below ``path``, and its parent folder."""
+    path = os.fspath(path)
     paths = [path]
     if os.path.isdir(path):
         for folder, _, files in os.walk(path):

@@ -20,7 +20,6 @@ Every restore is compared byte for byte with the data after its clock.
 
 from __future__ import annotations
 
-import os
 import shutil
 import statistics
 import time
@@ -29,6 +28,7 @@ from typing import Any
 
 from ._background import calibrate, work_unit
 from ._dedup import _check_restored, build
+from ._operations import fsync_tree
 from ._runner import Options, _settle, open_store
 
 METHOD = "tiers"
@@ -41,18 +41,8 @@ def _raw_copy(files: list[Path], folder: Path) -> None:
     """Copy ``files`` into ``folder`` and fsync each file and the folder: what a local commit cannot beat."""
     folder.mkdir(parents=True)
     for path in files:
-        target = folder / path.name
-        shutil.copyfile(path, target)
-        fd = os.open(target, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        shutil.copyfile(path, folder / path.name)
+    fsync_tree(folder)
 
 
 def _timed(fn: Any) -> float:
