@@ -755,7 +755,7 @@ def test_verify_beside_a_writer_whose_retention_deletes_steps_many_runs(capsys, 
 def test_a_deferrable_handler_waits_for_the_end_of_the_outermost_uninterrupted_section():
     """A real signal inside nested sections: its handler runs when the outer one ends (a raising one raises
     there), and at once outside any section."""
-    from taskpoint import _signals
+    from taskpoint import signals
 
     seen: list[int] = []
 
@@ -764,21 +764,38 @@ def test_a_deferrable_handler_waits_for_the_end_of_the_outermost_uninterrupted_s
         if len(seen) == 2:
             raise RuntimeError("the handler's own error")
 
-    previous = signal.signal(signal.SIGUSR1, _signals.deferrable(note))
+    previous = signal.signal(signal.SIGUSR1, signals.deferrable(note))
     try:
-        with _signals.uninterrupted():
-            with _signals.uninterrupted():
+        with signals.uninterrupted():
+            with signals.uninterrupted():
                 signal.raise_signal(signal.SIGUSR1)
                 assert seen == []
             assert seen == []  # still inside the outer section
         assert seen == [signal.SIGUSR1]
-        with pytest.raises(RuntimeError, match="the handler's own error"), _signals.uninterrupted():
+        with pytest.raises(RuntimeError, match="the handler's own error"), signals.uninterrupted():
             signal.raise_signal(signal.SIGUSR1)
         assert seen == [signal.SIGUSR1] * 2
         signal.raise_signal(signal.SIGUSR1)  # outside any section: at once
         assert seen == [signal.SIGUSR1] * 3
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+def test_remove_leftovers_removes_the_staging_folders_that_a_signal_kept_from_their_removal(tmp_path):
+    """A load's staging folder whose block a signal ended before its removal began (here: entered, never left)
+    is removed by taskpoint.signals.remove_leftovers, the public call the command line makes after each command;
+    a second call, and the block's own end after it, find nothing left to do."""
+    from taskpoint import signals
+    from taskpoint.workspace import Staging
+
+    kept = Staging(tmp_path)
+    folder = kept.__enter__()
+    assert folder.is_dir()
+    signals.remove_leftovers()
+    assert not folder.exists()
+    signals.remove_leftovers()
+    kept.__exit__(None, None, None)
+    assert list(tmp_path.iterdir()) == []
+
 
 #: Ended by SIGTERM: 143 from taskpoint's handler, or -SIGTERM (the signal's default action) when the signal came
 #: before main() installed the handler (interpreter start-up, imports) or after it returned (interpreter

@@ -10,6 +10,7 @@ up on the next attempt::
 This module holds the public names only; docs/design.md describes the layers behind them.
 """
 
+from ._log import TransferStats
 from .checkpoint import BaseCheckpoint, Checkpoint
 from .errors import (
     CheckpointCorruptError,
@@ -49,6 +50,7 @@ __all__ = [
     "StorageNotFound",
     "StorageUnavailable",
     "TaskContext",
+    "TransferStats",
     "UnsafeArchiveError",
     "Verification",
     "ctx",

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from ._progress import NO_PROGRESS, Progress
-from ._signals import uninterrupted
 from .errors import CheckpointCorruptError, CheckpointError, UnsafeArchiveError
 from .format.archive import link_leaves
 from .payloads import DirectoryPayload
+from .signals import uninterrupted
 from .storage import WRITE_PIECE, Kind, Location, copy_fd_in_kernel
 from .workspace import Staging
 

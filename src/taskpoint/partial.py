@@ -16,12 +16,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ._progress import NO_PROGRESS, Progress
-from ._signals import uninterrupted
 from .format.codecs import CODECS
 from .format.index import ArchiveIndex
 from .format.records import Record
 from .format.subset import MemberReader, PieceFile, extract_entries, open_pieces, stored_bytes
 from .payloads import DirectoryPayload
+from .signals import uninterrupted
 from .storage import Location
 from .workspace import Staging
 

@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import IO, Any
 
 from ._progress import NO_PROGRESS, Progress
-from ._signals import uninterrupted
 from .errors import CheckpointCorruptError, CheckpointError
 from .format.codecs import BLOCK_SIZE, Codec, detect_codec, holds_tar
 from .format.pgzip import crc32
 from .format.space import check_room
 from .payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, Payload
+from .signals import uninterrupted
 from .storage import WRITE_PIECE, Location, WriteHooks, copy_fd_in_kernel, digest_by_reading, digest_of_fd
 from .storage.streams import ConcurrentRangeReader, read_up_to
 from .workspace import Staging

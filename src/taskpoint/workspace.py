@@ -18,8 +18,8 @@ import time
 import zlib
 from pathlib import Path
 
-from ._signals import uninterrupted
 from .errors import CheckpointError
+from .signals import register_leftovers, uninterrupted
 from .storage import LEFTOVER_GRACE_SECONDS, normalize_uri
 
 #: Prefix of the folders where a load is staged until it is verified; they live inside the workspace.
@@ -33,11 +33,11 @@ SWEEP_INTERVAL_SECONDS = 60.0
 class Staging:
     """``with Staging(workspace) as staging:`` a new folder in ``workspace`` where a load is staged until it is
     verified, removed when the block ends however it ends. Made and removed :func:`uninterrupted
-    <taskpoint._signals.uninterrupted>`, so that a signal ending the load (SIGTERM in the command line, Ctrl-C)
+    <taskpoint.signals.uninterrupted>`, so that a signal ending the load (SIGTERM in the command line, Ctrl-C)
     never leaves it behind halfway removed, nor between its creation and the block (a class, so that nothing
     runs in between). A signal can still land as the block's end begins, before the removal starts: the
     folders not yet removed are kept here, process-wide like the signal, and :meth:`remove_all` removes them
-    (the command line when a command ends, and this process's exit)."""
+    (:func:`taskpoint.signals.remove_leftovers`: the command line when a command ends; and this process's exit)."""
 
     _open: set[Path] = set()
     _guard = threading.Lock()
@@ -54,6 +54,7 @@ class Staging:
                 with self._guard:
                     if not Staging._exit_hook:
                         atexit.register(Staging.remove_all)
+                        register_leftovers(Staging.remove_all)
                         Staging._exit_hook = True
                     self._open.add(self._path)
         except BaseException:

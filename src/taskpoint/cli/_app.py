@@ -25,11 +25,12 @@ from urllib.parse import quote, quote_plus
 
 import click
 
-from .. import __version__, _signals
-from .._log import logger
+from .. import __version__, signals
 from ..errors import CheckpointCorruptError, CheckpointError, StorageError
 from ..runtime import layout
-from ..workspace import Staging
+
+#: The library's logger (a ``NullHandler`` until an application adds one): ``-v`` prints its records.
+logger = logging.getLogger("taskpoint")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -131,17 +132,17 @@ def _terminate(signum: int, frame: object) -> None:
 def _ended_by_signals() -> Iterator[None]:
     """While the command line runs, SIGTERM ends it at once, cleaning up (Python's default ends the process
     without running any ``finally``); SIGTERM and Ctrl-C both wait for the steps that a signal must not cut in
-    half (:func:`taskpoint._signals.uninterrupted`: a staging folder's creation and removal, a publish, the
+    half (:func:`taskpoint.signals.uninterrupted`: a staging folder's creation and removal, a publish, the
     start of an upload). Only from the main thread; the previous handlers come back after."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     installed: list[tuple[int, Any]] = []
     try:
-        installed.append((signal.SIGTERM, signal.signal(signal.SIGTERM, _signals.deferrable(_terminate))))
+        installed.append((signal.SIGTERM, signal.signal(signal.SIGTERM, signals.deferrable(_terminate))))
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not an embedding program's own
             installed.append((signal.SIGINT, signal.signal(signal.SIGINT,
-                                                           _signals.deferrable(signal.default_int_handler))))
+                                                           signals.deferrable(signal.default_int_handler))))
         yield
     finally:
         for signum, previous in reversed(installed):
@@ -159,7 +160,7 @@ def _command(fn: F) -> F:
             try:
                 return int(fn(*args, **kwargs) or OK)
             finally:
-                Staging.remove_all()  # what a signal kept from its removal (a pull's staging folder)
+                signals.remove_leftovers()  # what a signal kept from its removal (a pull's staging folder)
         except _Terminated:
             click.echo(f"taskpoint {name}: terminated (SIGTERM); nothing half-written is left visible", err=True)
             return TERMINATED

@@ -8,7 +8,7 @@ import sys
 import click
 
 from ..runtime import layout
-from ..storage.uris import check_uri
+from ..storage import check_uri
 from ._app import cli
 
 

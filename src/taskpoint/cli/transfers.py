@@ -12,15 +12,10 @@ from pathlib import Path
 
 import click
 
-from .._log import TransferStats, logger, safe_uri
-from ..checkpoint import Checkpoint
-from ..format.records import MANIFEST_SUFFIX
-from ..inspection import object_size as _object_size
-from ..manager import CheckpointManager
-from ..record import read_record
-from ..storage import Location
-from ._app import ERROR, OK, _command, _Failed, _Missing, cli, progress_option
-from .views import _human, _location
+from .. import Checkpoint, CheckpointManager, TransferStats
+from ..storage import Location, safe_uri
+from ._app import ERROR, OK, _command, _Failed, _Missing, cli, logger, progress_option
+from .views import _checkpoint, _human, _location
 
 
 @contextmanager
@@ -90,7 +85,13 @@ def pull_command(uri: str, dest: Path, step: int | None, paths: tuple[str, ...],
 
 def _single(loc: Location, step: int | None) -> bool:
     """Whether URI is a single checkpoint (a record or an object there) rather than a manager directory."""
-    return step is None and (read_record(loc.sibling(MANIFEST_SUFFIX)) is not None or _object_size(loc) is not None)
+    if step is not None:
+        return False
+    try:
+        _checkpoint(loc).describe()
+    except FileNotFoundError:
+        return False
+    return True
 
 
 @cli.command("cat")

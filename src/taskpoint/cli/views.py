@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from ..checkpoint import Checkpoint
+from .. import Checkpoint
 from ..manager import MANIFEST_NAME, STEP_FOLDER, CheckpointManager, KeepBest, StepDescription
 from ..runtime import layout
 from ..storage import Location

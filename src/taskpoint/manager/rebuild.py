@@ -10,12 +10,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .._progress import NO_PROGRESS, Progress
-from .._signals import uninterrupted
 from ..errors import CheckpointCorruptError
 from ..format.archive import link_leaves
 from ..format.records import ChunkedTree, TreeEntry
 from ..format.space import check_room
 from ..payloads import payload_class
+from ..signals import uninterrupted
 from ..workspace import Staging
 from .chunks import ChunkStore
 from .steps import StepStore

@@ -9,6 +9,7 @@ May import: the standard library, fsspec, and :mod:`taskpoint.errors`; the store
 ...) only where used, never at import. Nothing here knows what a checkpoint, a payload or an archive is.
 """
 
+from .._log import safe_uri
 from ._localio import (
     WRITE_PIECE,
     ParallelCopy,
@@ -22,6 +23,7 @@ from .errormap import Failure, classify, is_transient, map_errors
 from .location import Location, normalize_uri
 from .retry import RetryPolicy
 from .streams import VersionConflict
+from .uris import check_uri
 
 __all__ = [
     "LEFTOVER_GRACE_SECONDS",
@@ -33,6 +35,7 @@ __all__ = [
     "RetryPolicy",
     "VersionConflict",
     "WriteHooks",
+    "check_uri",
     "classify",
     "copy_fd_in_kernel",
     "copy_with_metadata",
@@ -42,4 +45,5 @@ __all__ = [
     "map_errors",
     "modified_time",
     "normalize_uri",
+    "safe_uri",
 ]

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._signals import uninterrupted
+from ..signals import uninterrupted
 from .errormap import chain, code_and_status
 from .streams import ConcurrentRangeReader, ObjectChanged, VersionConflict
 

@@ -1,11 +1,22 @@
-"""Steps that a signal does not cut in half: a handler made :func:`deferrable` waits for their end.
+"""Signal handlers that never cut taskpoint's steps in half: for programs whose handlers raise.
 
-Python runs a signal's handler in the main thread between two bytecodes, so a handler that raises (the CLI's
-SIGTERM, Ctrl-C) can land anywhere: after a staging folder is made and before the ``try`` that removes it, in
-the middle of that removal, between two renames of a publish, or after the request that starts an upload and
-before its id is kept for the abort. Such steps run inside :func:`uninterrupted`; a :func:`deferrable` handler
-whose signal arrives meanwhile runs when the outermost section ends (at once, and never lost). Sections are
-short: a ``mkdtemp``, an ``rmtree``, a few renames, one request.
+Python runs a signal's handler in the main thread between two bytecodes, so a handler that raises (a
+command line's SIGTERM, Ctrl-C's ``KeyboardInterrupt``) can land anywhere: after a staging folder is made and
+before the ``try`` that removes it, in the middle of that removal, between two renames of a publish, or after
+the request that starts an upload and before its id is kept for the abort. taskpoint runs such steps inside
+:func:`uninterrupted`; a handler wrapped with :func:`deferrable` whose signal arrives meanwhile runs when the
+outermost section ends (at once, and never lost). Sections are short: a ``mkdtemp``, an ``rmtree``, a few
+renames, one request. What a signal still kept from its removal (a load's staging folder, when the signal
+landed as its block ended) is removed by :func:`remove_leftovers`, and at the latest when the process exits::
+
+    signal.signal(signal.SIGTERM, taskpoint.signals.deferrable(my_raising_handler))
+    try:
+        run_the_work()
+    finally:
+        taskpoint.signals.remove_leftovers()
+
+The ``taskpoint`` command line does exactly this for SIGTERM and Ctrl-C. A handler that does not raise (the
+preemption notice of :mod:`taskpoint.preemption`, which only records the signal) needs none of it.
 
 Signals are process-wide and their handlers run in the main thread, so the state is too: the depth of the main
 thread's sections and the handler calls held meanwhile, as module globals that only the main thread touches
@@ -66,3 +77,20 @@ def deferrable(handler: Handler) -> Handler:
         return handler(signum, frame)
 
     return run
+
+
+_leftover_removers: list[Callable[[], None]] = []
+
+
+def register_leftovers(remove: Callable[[], None]) -> None:
+    """Have :func:`remove_leftovers` call ``remove`` (once registered, always: a module registers its remover
+    when it first keeps something). The library's own use: the staging folders of loads."""
+    if remove not in _leftover_removers:
+        _leftover_removers.append(remove)
+
+
+def remove_leftovers() -> None:
+    """Remove what a signal kept from its removal in this process (the staging folders of loads that a
+    :func:`deferrable` handler ended as their blocks ended). Idempotent; also run at the process's exit."""
+    for remove in list(_leftover_removers):
+        remove()
