@@ -157,6 +157,12 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(store: Any, group
 # -- background saves of 4 ranks whose trainers are SIGKILLed ---------------------------------------------------
 
 
+#: Seconds past the grace that a save process whose trainer died may take to end: its last upload and the
+#: interpreter's exit. Generous, because the bound is wall-clock time: on a loaded 2-core machine (load 6) an
+#: orphan took more than the 5 s this used to allow; the assertion is that it ends by itself, not how fast.
+ORPHAN_EXIT_SLACK = 60.0
+
+
 def sigkill_trials(store: Any, trials: int, seed: int, grace: float = 10.0) -> dict[str, int]:
     """Kill all 4 trainers right after their background ``save()`` of a step returned; the step is then
     committed whole (every shard verifies) or not listed."""
@@ -178,7 +184,7 @@ def sigkill_trials(store: Any, trials: int, seed: int, grace: float = 10.0) -> d
                     stream.close()
         for event in handed:
             helper = event["helper"]
-            assert helper is not None and process_gone(helper, grace + 5), "a save process outlived it"
+            assert helper is not None and process_gone(helper, grace + ORPHAN_EXIT_SLACK), "a save process outlived it"
         with taskpoint.CheckpointManager(directory, storage_options=store.storage_options, preemption=False,
                                          world_size=1) as reader:
             listed = reader.steps()
