@@ -13,16 +13,17 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import io
+import os
 from collections.abc import Callable
 from typing import IO
-
-from ..errors import CheckpointCorruptError
 
 #: Bytes per hashed piece: large enough that a manifest lists few digests (64 per GiB), small enough that
 #: hashing and writing overlap with serializing.
 PIECE_SIZE = 16 << 20
 #: Threads that hash the pieces of one save, or fetch and check those of one read.
 WORKERS = 2
+#: Bytes a thread reads at once to hash a piece of a local file.
+READ_BUFFER = 1 << 20
 #: Pieces a writer holds at most (being written or hashed) before ``write`` waits: the memory a save adds.
 IN_FLIGHT = 4
 
@@ -94,17 +95,25 @@ class PieceWriter(io.RawIOBase):
 
 
 class PieceReader(io.RawIOBase):
-    """A read-only, seekable file of ``size`` bytes whose pieces ``fetch(start, length)`` returns, each checked
-    against ``digests`` before its bytes are returned; ``damaged(index)`` is the error a piece that differs
-    raises. Pieces are fetched ahead on threads, the last first (where a zip file such as ``torch.save``'s keeps
-    its directory), then in order, and kept until :meth:`close`: the file is held in memory once, as a load of
-    the state dict needs it anyway."""
+    """A read-only, seekable file of ``size`` bytes whose pieces are checked against ``digests`` on threads,
+    ahead of the reads, the last piece first (where a zip file such as ``torch.save``'s keeps its directory),
+    then in order; a read returns bytes only once every piece they lie in has checked. ``damaged(index)`` is
+    the error a piece that differs raises.
 
-    def __init__(self, size: int, digests: list[str], piece_size: int, fetch: Callable[[int, int], bytes],
-                 damaged: Callable[[int], CheckpointCorruptError]) -> None:
+    From an object store, ``fetch(start, length)`` returns a piece's bytes, kept until :meth:`close` (the file
+    is held in memory once, as a load of the state dict needs it anyway). From local disk, ``fd`` (an open file,
+    closed with the reader): the threads hash each piece through a small buffer and keep nothing, and a read
+    goes straight from the file into the caller's buffer (one copy, as ``torch.load`` of a path makes); its
+    bytes are those the threads hashed, as a committed step's file is never written again.
+    """
+
+    def __init__(self, size: int, digests: list[str], piece_size: int, damaged: Callable[[int], Exception], *,
+                 fetch: Callable[[int, int], bytes] | None = None, fd: int | None = None) -> None:
         super().__init__()
+        if (fetch is None) == (fd is None):
+            raise ValueError("a PieceReader reads through fetch or from fd, one of them")
         self._size, self._digests, self._piece_size = size, digests, piece_size
-        self._fetch, self._damaged = fetch, damaged
+        self._fetch, self._fd, self._damaged = fetch, fd, damaged
         self._position = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="taskpoint-read")
         order = [len(digests) - 1, *range(len(digests) - 1)] if digests else []
@@ -112,9 +121,16 @@ class PieceReader(io.RawIOBase):
         self._pieces = [futures[index] for index in range(len(digests))]
 
     def _checked(self, index: int) -> bytes:
+        """The piece's bytes (b"" from a local file, read again by :meth:`readinto`) once its digest checks."""
         start = index * self._piece_size
-        data = self._fetch(start, min(self._piece_size, self._size - start))
-        if hashlib.sha256(data).hexdigest() != self._digests[index]:
+        length = min(self._piece_size, self._size - start)
+        if self._fd is not None:
+            data, digest = b"", _hash_range(self._fd, start, length)
+        else:
+            assert self._fetch is not None
+            data = self._fetch(start, length)
+            digest = hashlib.sha256(data).hexdigest() if len(data) == length else ""
+        if digest != self._digests[index]:
             raise self._damaged(index)
         return data
 
@@ -136,14 +152,25 @@ class PieceReader(io.RawIOBase):
 
     def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
         out = memoryview(buffer).cast("B")
-        done = 0
-        while done < out.nbytes and self._position < self._size:
-            index, within = divmod(self._position, self._piece_size)
-            data = self._pieces[index].result()  # the piece's error when it did not check
-            take = min(out.nbytes - done, len(data) - within)
-            out[done:done + take] = data[within:within + take]
-            done += take
-            self._position += take
+        want = min(out.nbytes, max(0, self._size - self._position))
+        if want == 0:
+            return 0
+        first, last = self._position // self._piece_size, (self._position + want - 1) // self._piece_size
+        if self._fd is not None:
+            for index in range(first, last + 1):
+                self._pieces[index].result()  # the piece's error when it did not check
+            done = 0
+            while done < want and (count := os.preadv(self._fd, [out[done:want]], self._position + done)):
+                done += count
+        else:
+            done = 0
+            for index in range(first, last + 1):
+                data = memoryview(self._pieces[index].result())
+                within = self._position + done - index * self._piece_size
+                take = min(want - done, len(data) - within)
+                out[done:done + take] = data[within:within + take]
+                done += take
+        self._position += done
         return done
 
     def verify_all(self) -> int:
@@ -156,4 +183,17 @@ class PieceReader(io.RawIOBase):
         if not self.closed:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pieces = []
+            if self._fd is not None:
+                os.close(self._fd)
         super().close()
+
+
+def _hash_range(fd: int, start: int, length: int) -> str:
+    """The sha256 of ``length`` bytes of the open file ``fd`` from ``start``, read through a small buffer that
+    stays in the CPU's cache; "" when the file is shorter (which then differs from any digest)."""
+    hasher, buffer, done = hashlib.sha256(), bytearray(READ_BUFFER), 0
+    view = memoryview(buffer)
+    while done < length and (count := os.preadv(fd, [view[:min(READ_BUFFER, length - done)]], start + done)):
+        hasher.update(view[:count])
+        done += count
+    return hasher.hexdigest() if done == length else ""

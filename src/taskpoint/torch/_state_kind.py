@@ -18,6 +18,7 @@ taskpoint.torch registers the kind on import and names this module in the ``task
 from __future__ import annotations
 
 import io
+import os
 import re
 import time
 import uuid
@@ -130,20 +131,24 @@ class StateDictKind:
         def damaged(index: int) -> CheckpointCorruptError:
             return CheckpointCorruptError(
                 f"step {step} in {steps.directory} is damaged: piece {index} of {content.file} (bytes from "
-                f"{index * content.piece_size}) does not match the sha256 of its manifest. Restore an older step "
+                f"{index * content.piece_size}) does not match the sha256 of its manifest (or the file is shorter "
+                f"than its {size} bytes). Restore an older step "
                 "(fallback=True), or save it again.")
+
+        if source.is_local:
+            try:
+                fd = os.open(source.path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise self._gone(steps, step, content.file) from None
+            return PieceReader(size, list(content.pieces), content.piece_size, damaged, fd=fd)
 
         def fetch(start: int, length: int) -> bytes:
             try:
-                data = source.read_range(start, length)
+                return source.read_range(start, length)
             except FileNotFoundError:
                 raise self._gone(steps, step, content.file) from None
-            if len(data) != length:
-                raise CheckpointCorruptError(f"step {step} in {steps.directory} is damaged: {content.file} is "
-                                             f"shorter than the {size} bytes of its manifest")
-            return data
 
-        return PieceReader(size, list(content.pieces), content.piece_size, fetch, damaged)
+        return PieceReader(size, list(content.pieces), content.piece_size, damaged, fetch=fetch)
 
     def restore(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path, progress: Progress
                 ) -> Path:
