@@ -15,7 +15,7 @@ import hashlib
 import io
 import os
 from collections.abc import Callable
-from typing import IO
+from typing import IO, Any
 
 #: Bytes per hashed piece: large enough that a manifest lists few digests (64 per GiB), small enough that
 #: hashing and writing overlap with serializing.
@@ -24,8 +24,8 @@ PIECE_SIZE = 16 << 20
 WORKERS = 2
 #: Bytes a thread reads at once to hash a piece of a local file.
 READ_BUFFER = 1 << 20
-#: Pieces a writer holds at most (being written or hashed) before ``write`` waits: the memory a save adds.
-IN_FLIGHT = 4
+#: Writes smaller than this are hashed in the caller's thread (a thread's hand-over costs more).
+HASH_ON_THREADS = 1 << 20
 
 
 def pieces_digest(digests: list[str]) -> str:
@@ -35,63 +35,54 @@ def pieces_digest(digests: list[str]) -> str:
 
 
 class PieceWriter(io.RawIOBase):
-    """A writable file object that passes whole pieces of ``piece_size`` bytes to ``sink`` in order (on one
-    thread) while each piece is hashed on another; :meth:`finish` returns the size and the digests once every
-    piece is written."""
+    """A writable file object that writes to ``sink`` in the caller's thread while the pieces (``piece_size``
+    bytes each) of what it is given are hashed on other threads; each :meth:`write` returns once its bytes are
+    written and hashed, so nothing is copied or held after (``torch.save`` passes views of the tensors' own
+    memory). :meth:`finish` returns the size and the pieces' digests."""
 
     def __init__(self, sink: IO[bytes], piece_size: int = PIECE_SIZE,
                  on_written: Callable[[int], None] | None = None) -> None:
         super().__init__()
         self._sink, self._piece_size, self._on_written = sink, piece_size, on_written
-        self._piece = bytearray()
+        self._hashers: list[Any] = []  # one sha256 per piece, each fed by one thread at a time
         self._size = 0
-        self._hashes: list[concurrent.futures.Future[str]] = []
-        self._writes: list[concurrent.futures.Future[None]] = []
-        self._hashers = concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="taskpoint-hash")
-        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="taskpoint-write")
+        self._pool = concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="taskpoint-hash")
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: bytes | bytearray | memoryview) -> int:  # type: ignore[override]
         view = memoryview(data).cast("B")
-        done = 0
-        while done < view.nbytes:
-            take = min(self._piece_size - len(self._piece), view.nbytes - done)
-            self._piece += view[done:done + take]
+        spans, done = [], 0
+        while done < view.nbytes:  # the stretches of the pieces the data covers, one per piece
+            index, within = divmod(self._size + done, self._piece_size)
+            take = min(self._piece_size - within, view.nbytes - done)
+            if index == len(self._hashers):
+                self._hashers.append(hashlib.sha256())
+            spans.append((self._hashers[index], view[done:done + take]))
             done += take
-            if len(self._piece) == self._piece_size:
-                self._hand_over()
+        if view.nbytes < HASH_ON_THREADS:
+            for hasher, span in spans:
+                hasher.update(span)
+            self._sink.write(view)
+        else:
+            hashing = [self._pool.submit(hasher.update, span) for hasher, span in spans]
+            self._sink.write(view)
+            for each in hashing:
+                each.result()
         self._size += view.nbytes
+        if self._on_written is not None:
+            self._on_written(view.nbytes)
         return view.nbytes
 
-    def _hand_over(self) -> None:
-        piece, self._piece = self._piece, bytearray()
-        self._hashes.append(self._hashers.submit(lambda: hashlib.sha256(piece).hexdigest()))
-        self._writes.append(self._writer.submit(self._store, piece))
-        if len(self._writes) > IN_FLIGHT:  # bound the memory held: wait for the oldest write, raising its error
-            self._writes[-IN_FLIGHT - 1].result()
-
-    def _store(self, piece: bytearray) -> None:
-        self._sink.write(piece)
-        if self._on_written is not None:
-            self._on_written(len(piece))
-
     def finish(self) -> tuple[int, list[str]]:
-        """Write the last piece and wait for every write and hash; the file's size and its piece digests."""
-        if self._piece or not self._hashes:
-            self._hand_over()
-        try:
-            for write in self._writes:
-                write.result()
-            return self._size, [each.result() for each in self._hashes]
-        finally:
-            self.shutdown()
+        """The file's size and its pieces' digests (one piece, of no bytes, for an empty file)."""
+        self.shutdown()
+        return self._size, [hasher.hexdigest() for hasher in self._hashers] or [hashlib.sha256().hexdigest()]
 
     def shutdown(self) -> None:
-        """Stop the threads (after :meth:`finish`, or when the save failed: pending pieces are dropped)."""
-        for pool in (self._writer, self._hashers):
-            pool.shutdown(wait=True, cancel_futures=True)
+        """Stop the threads (after :meth:`finish`, or when the save failed)."""
+        self._pool.shutdown(wait=True)
 
 
 class PieceReader(io.RawIOBase):
