@@ -5,8 +5,10 @@ In one worker process (``benchmarks/_fast_worker.py``), alternating rounds (medi
 - ``pytree`` (256 MiB of float32 at size 1): Orbax's ``StandardCheckpointer`` save (+ ``wait_until_finished``)
   and restore with the abstract tree, against ``CheckpointManager.save(PyTree(tree))`` and
   ``load_pytree_sync(manager, abstract)``;
-- ``state_dict`` (256 MiB): ``torch.save`` into a file + fsync and ``torch.load``, against ``torch.save`` into
-  bytes + ``CheckpointManager.save`` and ``restore`` + ``torch.load``;
+- ``state_dict`` (256 MiB): ``torch.save`` into a file + fsync and ``torch.load``, against
+  ``CheckpointManager.save(StateDict(sd))`` and ``load_state_dict_sync`` (``taskpoint``), and the way before
+  ``StateDict``, ``torch.save`` into bytes + ``CheckpointManager.save`` and ``restore`` + ``torch.load``
+  (``bytes``);
 - ``directory`` (the main data set's directory, 961 MiB at size 1): ``raw`` (``shutil.copytree``, no fsync) and
   ``baseline`` (Flyte's ``tar czf`` at level 9, ``extractall``), against ``CheckpointManager.save(dir)`` and
   ``restore(into=...)``.

@@ -95,6 +95,7 @@ class Cases:
         import torch
 
         from taskpoint import CheckpointManager
+        from taskpoint.torch import StateDict, load_state_dict_sync
 
         total, tensors = int(self.spec["state_dict_bytes"]), 8
         generator = torch.Generator().manual_seed(0)
@@ -114,21 +115,30 @@ class Cases:
         def torch_load() -> Any:
             return torch.load(state["torch"], weights_only=True)
 
-        def ours_save() -> None:
+        def bytes_save() -> None:  # the way before StateDict: torch.save into bytes, saved as a raw payload
             buffer = io.BytesIO()
             torch.save(sd, buffer)
+            state["bytes"] = CheckpointManager(str(self.fresh("sd-bytes")), keep=None)
+            state["bytes"].save(buffer.getvalue(), 1)
+
+        def bytes_load() -> Any:
+            with state["bytes"] as manager:
+                return torch.load(manager.restore(1), weights_only=True)
+
+        def ours_save() -> None:
             state["manager"] = CheckpointManager(str(self.fresh("sd-manager")), keep=None)
-            state["manager"].save(buffer.getvalue(), 1)
+            state["manager"].save(StateDict(sd), 1)
 
         def ours_load() -> Any:
             with state["manager"] as manager:
-                return torch.load(manager.restore(1), weights_only=True)
+                return load_state_dict_sync(manager, 1)
 
         def check(restored: Any) -> None:
             assert restored.keys() == sd.keys() and all(torch.equal(sd[k], restored[k]) for k in sd)
 
         self.checks["state_dict"] = check
-        return {"torch": (torch_save, torch_load), "taskpoint": (ours_save, ours_load)}
+        return {"torch": (torch_save, torch_load), "taskpoint": (ours_save, ours_load),
+                "bytes": (bytes_save, bytes_load)}
 
     # -- a plain directory step ----------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ Uses ISA-L (``isal``) when installed, stdlib zlib otherwise; both release the GI
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import io
 import os
 import queue
@@ -26,7 +27,7 @@ import zlib
 from collections.abc import Callable
 from typing import IO, Any
 
-from ..storage.streams import OrderedFutureReader, read_up_to
+from ..storage.streams import read_up_to
 
 #: Input bytes per member: large enough that headers and lost dictionary cost nothing, small enough to
 #: keep memory bounded (members in flight x 2 x this).
@@ -247,15 +248,30 @@ class ParallelGzipWriter(io.RawIOBase):
         super().close()
 
 
-class ParallelGzipReader(OrderedFutureReader):
-    """Reads a stream of labelled members, inflating up to 2 x threads of them at once, in order."""
+class ParallelGzipReader(io.RawIOBase):
+    """Reads a stream of labelled members, inflating up to 2 x threads of them at once, in order.
+
+    The source is read, and cut into members, on a thread of its own (the *cutter*), which also runs whatever
+    the source does as it is read (the sha256 of a restore's :class:`~taskpoint.transfer.HashingReader`); the
+    caller's thread only takes inflated members in order. Reading and hashing, inflating, and the caller's
+    use of the bytes (a tar extraction writing files) then overlap: a plain step's restore ran them all on
+    one thread but the inflation, at 5.4x the time of a raw copy. At most 2 x threads members wait inflated or
+    inflating, so memory stays bounded. :meth:`close` stops the cutter at a member's boundary, so the source
+    may be read on from there (a restore drains it to finish its digest).
+    """
 
     def __init__(self, source: IO[bytes], *, threads: int | None = None) -> None:
+        super().__init__()
         threads = threads or _workers()
-        super().__init__(threads, "taskpoint-gunzip")
         self._source = source
-        self._ahead = threads * 2
-        self._eof = False
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="taskpoint-gunzip")
+        # Futures of inflated members in order; None at the end; an exception when the cutter failed.
+        self._queue: queue.Queue[concurrent.futures.Future[bytes] | BaseException | None] = queue.Queue(threads * 2)
+        self._stop = threading.Event()
+        self._out = memoryview(b"")
+        self._done = False
+        self._cutter = threading.Thread(target=self._cut, name="taskpoint-gunzip-cut", daemon=True)
+        self._cutter.start()
 
     def _next_member(self) -> bytes | None:
         head = read_up_to(self._source, _HEADER_SIZE)
@@ -273,10 +289,52 @@ class ParallelGzipReader(OrderedFutureReader):
             raise EOFError("compressed stream ended inside a member")
         return head + rest
 
-    def _fill(self) -> None:
-        while not self._eof and len(self._pending) < self._ahead:
-            blob = self._next_member()
-            if blob is None:
-                self._eof = True
-                break
-            self._pending.append(self._pool.submit(open_member, blob))
+    def _cut(self) -> None:
+        item: concurrent.futures.Future[bytes] | BaseException | None
+        while not self._stop.is_set():
+            try:
+                blob = self._next_member()
+                item = None if blob is None else self._pool.submit(open_member, blob)
+            except BaseException as exc:  # handed to the caller's thread, raised by its next read
+                item = exc
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if not isinstance(item, concurrent.futures.Future):
+                return
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        while not self._out:
+            if self._done:
+                return 0
+            item = self._queue.get()
+            if item is None:
+                self._done = True
+                return 0
+            if isinstance(item, BaseException):
+                self._done = True
+                raise item
+            self._out = memoryview(item.result())
+        n = min(len(buf), len(self._out))
+        buf[:n] = self._out[:n]
+        self._out = self._out[n:]
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            self._stop.set()
+            while self._cutter.is_alive():  # take what it holds so that it sees the stop
+                with contextlib.suppress(queue.Empty):
+                    self._queue.get(timeout=0.1)
+            while not self._queue.empty():
+                item = self._queue.get_nowait()
+                if isinstance(item, concurrent.futures.Future):
+                    item.cancel()
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        super().close()

@@ -10,7 +10,9 @@ Install it with ``pip install "taskpoint[torch]"``::
 
 Every file goes up atomically and in parallel, hashed (sha256) as it is written; DCP's ``.metadata`` is
 written last, after taskpoint's manifest of every file, and is the commit. A load verifies every byte it
-reads. DCP does the planning and the resharding. See docs/torch.md.
+reads. DCP does the planning and the resharding. A plain state dict goes into a
+:class:`~taskpoint.CheckpointManager` step with ``manager.save(StateDict(model.state_dict()), step)`` and comes
+back, verified, with ``load_state_dict_sync(manager)``. See docs/torch.md.
 """
 
 try:
@@ -19,8 +21,10 @@ except ImportError as exc:
     raise ImportError(f'taskpoint.torch needs PyTorch with torch.distributed ({exc}); install it with '
                       f'pip install "taskpoint[torch]"') from exc
 
+from . import _state_kind  # noqa: F401  (registers the torch.state_dict step kind of CheckpointManager)
 from ._kind import FileSetStep
 from ._reader import Reader
+from ._state import STATE_FILE, StateDict, load_state_dict, load_state_dict_sync
 from ._writer import Writer
 
-__all__ = ["FileSetStep", "Reader", "Writer"]
+__all__ = ["STATE_FILE", "FileSetStep", "Reader", "StateDict", "Writer", "load_state_dict", "load_state_dict_sync"]

@@ -1,0 +1,190 @@
+"""A file hashed in fixed pieces: written with each piece hashed on its own thread, read back with each piece
+verified before a byte of it is returned.
+
+Why pieces: a state dict's file is written by ``torch.save`` and read by ``torch.load`` in one pass each, and a
+single sha256 of the whole file (1.4 GB/s per core here) would cost as much again on each side, in series. With
+one digest per piece, the pieces are hashed on other threads while ``torch.save`` goes on serializing (hashlib
+releases the GIL), and a reader fetches and checks the pieces ahead of ``torch.load`` while it parses the ones
+checked already: nothing unverified is ever handed to it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import io
+import os
+from collections.abc import Callable
+from typing import IO, Any
+
+#: Bytes per hashed piece: large enough that a manifest lists few digests (64 per GiB), small enough that
+#: hashing and writing overlap with serializing.
+PIECE_SIZE = 16 << 20
+#: Threads that hash the pieces of one save, or fetch and check those of one read.
+WORKERS = 2
+#: Bytes a thread reads at once to hash a piece of a local file.
+READ_BUFFER = 1 << 20
+#: Writes smaller than this are hashed in the caller's thread (a thread's hand-over costs more).
+HASH_ON_THREADS = 1 << 20
+
+
+def pieces_digest(digests: list[str]) -> str:
+    """The sha256 of a file's piece digests in order (its record's ``sha256``): one value that changes with
+    any piece."""
+    return hashlib.sha256(b"".join(bytes.fromhex(each) for each in digests)).hexdigest()
+
+
+class PieceWriter(io.RawIOBase):
+    """A writable file object that writes to ``sink`` in the caller's thread while the pieces (``piece_size``
+    bytes each) of what it is given are hashed on other threads; each :meth:`write` returns once its bytes are
+    written and hashed, so nothing is copied or held after (``torch.save`` passes views of the tensors' own
+    memory). :meth:`finish` returns the size and the pieces' digests."""
+
+    def __init__(self, sink: IO[bytes], piece_size: int = PIECE_SIZE,
+                 on_written: Callable[[int], None] | None = None) -> None:
+        super().__init__()
+        self._sink, self._piece_size, self._on_written = sink, piece_size, on_written
+        self._hashers: list[Any] = []  # one sha256 per piece, each fed by one thread at a time
+        self._size = 0
+        self._pool = concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="taskpoint-hash")
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:  # type: ignore[override]
+        view = memoryview(data).cast("B")
+        spans, done = [], 0
+        while done < view.nbytes:  # the stretches of the pieces the data covers, one per piece
+            index, within = divmod(self._size + done, self._piece_size)
+            take = min(self._piece_size - within, view.nbytes - done)
+            if index == len(self._hashers):
+                self._hashers.append(hashlib.sha256())
+            spans.append((self._hashers[index], view[done:done + take]))
+            done += take
+        if view.nbytes < HASH_ON_THREADS:
+            for hasher, span in spans:
+                hasher.update(span)
+            self._sink.write(view)
+        else:
+            hashing = [self._pool.submit(hasher.update, span) for hasher, span in spans]
+            self._sink.write(view)
+            for each in hashing:
+                each.result()
+        self._size += view.nbytes
+        if self._on_written is not None:
+            self._on_written(view.nbytes)
+        return view.nbytes
+
+    def finish(self) -> tuple[int, list[str]]:
+        """The file's size and its pieces' digests (one piece, of no bytes, for an empty file)."""
+        self.shutdown()
+        return self._size, [hasher.hexdigest() for hasher in self._hashers] or [hashlib.sha256().hexdigest()]
+
+    def shutdown(self) -> None:
+        """Stop the threads (after :meth:`finish`, or when the save failed)."""
+        self._pool.shutdown(wait=True)
+
+
+class PieceReader(io.RawIOBase):
+    """A read-only, seekable file of ``size`` bytes whose pieces are checked against ``digests`` on threads,
+    ahead of the reads, the last piece first (where a zip file such as ``torch.save``'s keeps its directory),
+    then in order; a read returns bytes only once every piece they lie in has checked. ``damaged(index)`` is
+    the error a piece that differs raises.
+
+    From an object store, ``fetch(start, length)`` returns a piece's bytes, kept until :meth:`close` (the file
+    is held in memory once, as a load of the state dict needs it anyway). From local disk, ``fd`` (an open file,
+    closed with the reader): the threads hash each piece through a small buffer and keep nothing, and a read
+    goes straight from the file into the caller's buffer (one copy, as ``torch.load`` of a path makes); its
+    bytes are those the threads hashed, as a committed step's file is never written again.
+    """
+
+    def __init__(self, size: int, digests: list[str], piece_size: int, damaged: Callable[[int], Exception], *,
+                 fetch: Callable[[int, int], bytes] | None = None, fd: int | None = None) -> None:
+        super().__init__()
+        if (fetch is None) == (fd is None):
+            raise ValueError("a PieceReader reads through fetch or from fd, one of them")
+        self._size, self._digests, self._piece_size = size, digests, piece_size
+        self._fetch, self._fd, self._damaged = fetch, fd, damaged
+        self._position = 0
+        self._pool = concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="taskpoint-read")
+        order = [len(digests) - 1, *range(len(digests) - 1)] if digests else []
+        futures = {index: self._pool.submit(self._checked, index) for index in order}
+        self._pieces = [futures[index] for index in range(len(digests))]
+
+    def _checked(self, index: int) -> bytes:
+        """The piece's bytes (b"" from a local file, read again by :meth:`readinto`) once its digest checks."""
+        start = index * self._piece_size
+        length = min(self._piece_size, self._size - start)
+        if self._fd is not None:
+            data, digest = b"", _hash_range(self._fd, start, length)
+        else:
+            assert self._fetch is not None
+            data = self._fetch(start, length)
+            digest = hashlib.sha256(data).hexdigest() if len(data) == length else ""
+        if digest != self._digests[index]:
+            raise self._damaged(index)
+        return data
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._position = base + offset
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+        out = memoryview(buffer).cast("B")
+        want = min(out.nbytes, max(0, self._size - self._position))
+        if want == 0:
+            return 0
+        first, last = self._position // self._piece_size, (self._position + want - 1) // self._piece_size
+        if self._fd is not None:
+            for index in range(first, last + 1):
+                self._pieces[index].result()  # the piece's error when it did not check
+            done = 0
+            while done < want and (count := os.preadv(self._fd, [out[done:want]], self._position + done)):
+                done += count
+        else:
+            done = 0
+            for index in range(first, last + 1):
+                data = memoryview(self._pieces[index].result())
+                within = self._position + done - index * self._piece_size
+                take = min(want - done, len(data) - within)
+                out[done:done + take] = data[within:within + take]
+                done += take
+        self._position += done
+        return done
+
+    def verify_all(self) -> int:
+        """Wait for every piece to check (raising the first piece's error); the size."""
+        for piece in self._pieces:
+            piece.result()
+        return self._size
+
+    def close(self) -> None:
+        if not self.closed:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pieces = []
+            if self._fd is not None:
+                os.close(self._fd)
+        super().close()
+
+
+def _hash_range(fd: int, start: int, length: int) -> str:
+    """The sha256 of ``length`` bytes of the open file ``fd`` from ``start``, read through a small buffer that
+    stays in the CPU's cache; "" when the file is shorter (which then differs from any digest)."""
+    hasher, buffer, done = hashlib.sha256(), bytearray(READ_BUFFER), 0
+    view = memoryview(buffer)
+    while done < length and (count := os.preadv(fd, [view[:min(READ_BUFFER, length - done)]], start + done)):
+        hasher.update(view[:count])
+        done += count
+    return hasher.hexdigest() if done == length else ""

@@ -1,0 +1,214 @@
+"""The ``torch.state_dict`` step kind: a :class:`~taskpoint.torch.StateDict` written by ``torch.save`` straight
+into the step's folder, hashed in pieces while it is written.
+
+A step of this kind holds, in its folder::
+
+    state-<save id>.pt   the ``torch.save`` file (on local disk fsynced before the commit; on an object store
+                         streamed up as it is serialized)
+    taskpoint.json       the step's manifest: the file's name, its size, the sha256 of each 16 MiB piece, and
+                         as the record's sha256 the sha256 of those digests
+
+Why: serializing into bytes and saving those as a payload copies and hashes every byte after ``torch.save`` is
+done (2.2x ``torch.save`` + fsync, issue 26); here the pieces are written and hashed on other threads while
+``torch.save`` goes on. A restore (``restore()``, ``restore(paths=["state_dict.pt"])``, ``open(step,
+"state_dict.pt")``, :func:`~taskpoint.torch.load_state_dict_sync`) checks each piece before its bytes are used.
+taskpoint.torch registers the kind on import and names this module in the ``taskpoint.step_kinds`` entry points.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, ClassVar, cast
+
+from .._progress import Progress
+from ..errors import CheckpointCorruptError
+from ..format.records import ObjectRecord, StepManifest
+from ..manager.kinds import GONE_HOW, Checked, Described, Gone, Parts, Saved, SaveJob, register_step_kind
+from ..manager.steps import MANIFEST_NAME as STEP_MANIFEST
+from ..manager.steps import StepObjects, StepStore, quietly, stored_names
+from ..payloads import DirectoryPayload
+from ..storage import WRITE_PIECE
+from ..workspace import Staging
+from ._pieces import PIECE_SIZE, PieceReader, PieceWriter, pieces_digest
+from ._state import STATE_FILE, STEP_KIND, StateDictPayload
+
+#: The codec the step's record names: the file as ``torch.save`` wrote it.
+CODEC = "torch.save"
+_FILE = re.compile(r"state-[0-9a-f]{32}[.]pt")
+_OWNED = stored_names(_FILE.pattern)
+_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class StateDictFile:
+    """The content of a state-dict step: its file in the step's folder, and the sha256 of each of its pieces
+    (``piece_size`` bytes each, the last shorter)."""
+
+    kind: ClassVar[str] = STEP_KIND
+    file: str
+    piece_size: int
+    pieces: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "piece_size": self.piece_size, "pieces": list(self.pieces)}
+
+
+def _content(manifest: StepManifest) -> StateDictFile:
+    content = manifest.content
+    assert isinstance(content, StateDictFile)
+    return content
+
+
+def _check_path(path: str) -> None:
+    if path not in ("", ".", STATE_FILE):
+        raise KeyError(f"{path!r} is not in the step: a state-dict step holds one file, {STATE_FILE!r}")
+
+
+class StateDictKind:
+    """State dicts in manager steps (see the module), saved by a blocking save in this process, where torch
+    lives. A background save's snapshot (``torch.save`` bytes made already) is not accepted: it travels as a raw
+    payload through the manager's save process (``helper``), which commits it even if this process dies first."""
+
+    name = STEP_KIND
+    helper = True
+
+    def decode(self, body: dict[str, Any]) -> StateDictFile:
+        name, piece_size, pieces = str(body["file"]), int(body["piece_size"]), tuple(body["pieces"])
+        if not _FILE.fullmatch(name):
+            raise ValueError(f"it names {name!r}, which is not a state dict's file")
+        if piece_size <= 0 or not pieces or not all(isinstance(p, str) and _HEX.fullmatch(p) for p in pieces):
+            raise ValueError("its piece digests are malformed")
+        return StateDictFile(name, piece_size, pieces)
+
+    def accepts(self, payload: object, parts: Parts) -> bool:
+        return isinstance(payload, StateDictPayload) and not payload.is_serialized
+
+    def save(self, parts: Parts, job: SaveJob) -> Saved:
+        """``torch.save`` into the step's file through a :class:`PieceWriter` (fsynced on local disk), then the
+        commit: the manifest, written last, with the pieces' digests."""
+        payload, steps, step = job.payload, parts.steps, job.step
+        assert isinstance(payload, StateDictPayload)
+        save_id = uuid.uuid4().hex
+        name = f"state-{save_id}.pt"
+        target = steps.object(step, name)
+
+        def write() -> tuple[int, list[str]]:
+            job.progress.rewind()
+            with target.open_write() as sink:
+                writer = PieceWriter(sink, PIECE_SIZE, job.progress.update)
+                try:
+                    payload.save_into(cast("IO[bytes]", writer))
+                    return writer.finish()
+                finally:
+                    writer.shutdown()
+
+        size, digests = target.run(write, action="save the state dict to", writing=True)
+        record = ObjectRecord(kind=StateDictPayload.kind, codec=CODEC, save_id=save_id, created=time.time(),
+                              size=size, sha256=pieces_digest(digests))
+        manifest = StepManifest(step=step, record=record, attempt=job.attempt, metadata=job.metadata,
+                                content=StateDictFile(name, PIECE_SIZE, tuple(digests)))
+        steps.check_stored(step, {name: size})
+        steps.object(step, STEP_MANIFEST).write_small(manifest.to_bytes(), action="commit the checkpoint at")
+        return Saved(committed=True, sent=size, names=frozenset({name}))
+
+    # -- reading -------------------------------------------------------------------------------------------
+
+    def _reader(self, parts: Parts, step: int, manifest: StepManifest) -> PieceReader:
+        steps, content = parts.steps, _content(manifest)
+        source = steps.object(step, content.file)
+        size = manifest.record.size
+        if size is None or -(-size // content.piece_size) != len(content.pieces) - (size == 0):
+            raise CheckpointCorruptError(f"step {step} in {steps.directory} is damaged: its manifest lists "
+                                         f"{len(content.pieces)} pieces for {size} bytes")
+
+        def damaged(index: int) -> CheckpointCorruptError:
+            return CheckpointCorruptError(
+                f"step {step} in {steps.directory} is damaged: piece {index} of {content.file} (bytes from "
+                f"{index * content.piece_size}) does not match the sha256 of its manifest (or the file is shorter "
+                f"than its {size} bytes). Restore an older step "
+                "(fallback=True), or save it again.")
+
+        if source.is_local:
+            try:
+                fd = os.open(source.path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise self._gone(steps, step, content.file) from None
+            return PieceReader(size, list(content.pieces), content.piece_size, damaged, fd=fd)
+
+        def fetch(start: int, length: int) -> bytes:
+            try:
+                return source.read_range(start, length)
+            except FileNotFoundError:
+                raise self._gone(steps, step, content.file) from None
+
+        return PieceReader(size, list(content.pieces), content.piece_size, damaged, fetch=fetch)
+
+    def restore(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path, progress: Progress
+                ) -> Path:
+        """The file as ``<workspace>/state_dict.pt``, each piece checked before it is written; the workspace."""
+        progress.set_total(manifest.record.size or 0)
+        workspace.mkdir(parents=True, exist_ok=True)
+        with Staging(workspace) as staging, self._reader(parts, step, manifest) as reader, \
+                open(staging / STATE_FILE, "xb") as out:
+            buffer = bytearray(WRITE_PIECE)
+            while count := reader.readinto(buffer):
+                out.write(memoryview(buffer)[:count])
+                progress.update(count)
+            out.close()
+            return DirectoryPayload.publish(staging, workspace)
+
+    def restore_paths(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path,
+                      paths: Sequence[str], progress: Progress) -> Path:
+        for path in paths:
+            _check_path(path)
+        return self.restore(parts, step, manifest, workspace, progress)
+
+    def open_file(self, parts: Parts, step: int, manifest: StepManifest, path: str) -> io.BufferedReader:
+        """The state dict's file, its pieces fetched ahead and each checked before it is read
+        (``torch.load(manager.open(step, "state_dict.pt"))``)."""
+        _check_path(path.strip("/"))
+        if path.strip("/") != STATE_FILE:
+            raise IsADirectoryError(f"{path!r} is the step's folder, not a file; open {STATE_FILE!r}")
+        return io.BufferedReader(self._reader(parts, step, manifest), WRITE_PIECE)
+
+    def verify(self, parts: Parts, step: int, manifest: StepManifest, progress: object) -> Checked:
+        content = _content(manifest)
+        try:
+            with self._reader(parts, step, manifest) as reader:
+                size = reader.verify_all()
+        except Gone:
+            raise FileNotFoundError(f"its file {content.file} is missing") from None
+        return Checked(size, f"{len(content.pieces)} pieces, sha256 matches its manifest")
+
+    @staticmethod
+    def _gone(steps: StepStore, step: int, name: str) -> Gone:
+        return Gone(f"step {step} in {steps.directory} is committed but its file {name} is missing: it was removed "
+                    f"after the commit{GONE_HOW}. Restore an older step (fallback=True), or delete this one.")
+
+    # -- listing and deleting ------------------------------------------------------------------------------
+
+    def objects(self, steps: StepStore, step: int, manifest: StepManifest) -> StepObjects:
+        return StepObjects(files={_content(manifest).file: manifest.record.size}, noun="file")
+
+    def delete(self, steps: StepStore, step: int, manifest: StepManifest) -> set[str]:
+        name = _content(manifest).file
+        quietly(steps.object(step, name).remove)
+        return {name}
+
+    def describe(self, parts: Parts, step: int, manifest: StepManifest) -> Described:
+        content = _content(manifest)
+        return Described(payload=content.file, details={"pieces": len(content.pieces),
+                                                        "piece_size": content.piece_size})
+
+    def owns(self, name: str, committed: bool) -> bool:
+        return bool(_OWNED.fullmatch(name))
+
+
+STATE_DICT = register_step_kind(StateDictKind())

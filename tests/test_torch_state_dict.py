@@ -1,0 +1,220 @@
+"""Torch state dicts in CheckpointManager steps (``taskpoint.torch.StateDict``, the ``torch.state_dict`` step
+kind), with real torch on the CPU: what the step holds, what a load verifies, and how retention, delete, gc,
+verify and describe treat it; on local disk and the S3 server."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+
+from helpers import LazyModule, requires
+from taskpoint import Checkpoint, CheckpointCorruptError, CheckpointManager
+
+pytestmark = requires("torch")
+
+torch = LazyModule("torch")
+tpt = LazyModule("taskpoint.torch")
+
+
+def model_state(seed: int) -> dict[str, object]:
+    """A model's and its optimizer's state dicts after one Adam step: tensors of several dtypes, and the
+    optimizer's nested state (int keys, param groups with floats, bools and tuples)."""
+    generator = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 16, generator=generator)).sum().backward()
+    optimizer.step()
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": seed,
+            "extra": {"half": torch.randn(5, generator=generator).half(),
+                      "bf16": torch.randn(3, 3, generator=generator).bfloat16(),
+                      "ints": torch.arange(7, dtype=torch.int64) * seed, "mask": torch.tensor([True, False]),
+                      "u8": torch.arange(10, dtype=torch.uint8), "name": f"run-{seed}"}}
+
+
+def assert_same(actual: object, expected: object, where: str = "") -> None:
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict) and actual.keys() == expected.keys(), where
+        for key in expected:
+            assert_same(actual[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert type(actual) is type(expected) and len(actual) == len(expected), where
+        for number, (a, b) in enumerate(zip(actual, expected, strict=True)):
+            assert_same(a, b, f"{where}[{number}]")
+    elif isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype, where
+        assert torch.equal(actual, expected), where
+    else:
+        assert actual == expected, where
+
+
+def state_file(directory: Path, step: int) -> Path:
+    (found,) = (directory / f"ckpt-{step}").glob("state-*.pt")
+    return found
+
+
+def flip_byte(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
+def test_a_state_dict_step_round_trips_every_dtype_and_the_nested_optimizer_state(store):
+    with CheckpointManager(store.url("steps"), storage_options=store.storage_options) as m:
+        m.save(tpt.StateDict(model_state(1)), 1, metadata={"epoch": 1})
+        described = m.describe(1)
+        assert (described.kind, described.codec, described.payload_kind) == (
+            "torch.state_dict", "torch.save", "torch.state_dict")
+        assert described.payload.startswith("state-") and described.details["pieces"] == 1
+        assert_same(tpt.load_state_dict_sync(m), model_state(1))
+        folder = m.restore(1)
+        assert sorted(p.name for p in folder.iterdir()) == [tpt.STATE_FILE]
+        assert_same(torch.load(folder / tpt.STATE_FILE, weights_only=True), model_state(1))
+        with m.open(1, tpt.STATE_FILE) as f:
+            assert_same(torch.load(f, weights_only=True), model_state(1))
+        assert m.verify(1).steps[0].state == "healthy"
+        assert [s.state for s in m.inventory()] == ["committed"]
+
+
+def test_on_local_disk_the_step_is_the_torch_save_file_itself(tmp_path):
+    directory = tmp_path / "steps"
+    with CheckpointManager(directory) as m:
+        m.save(tpt.StateDict(model_state(2)), 2)
+        names = sorted(p.name for p in (directory / "ckpt-2").iterdir())
+        assert names == sorted(["taskpoint.json", state_file(directory, 2).name])
+        assert_same(torch.load(state_file(directory, 2), weights_only=True), model_state(2))
+        assert m.describe(2).size == state_file(directory, 2).stat().st_size
+
+
+def test_a_file_of_several_pieces_is_read_back_through_seeks_and_reads(tmp_path, monkeypatch):
+    monkeypatch.setattr("taskpoint.torch._state_kind.PIECE_SIZE", 4096)
+    state = {"big": torch.arange(20_000, dtype=torch.float32), "small": torch.ones(3)}
+    directory = tmp_path / "steps"
+    with CheckpointManager(directory) as m:
+        m.save(tpt.StateDict(state), 1)
+        data = state_file(directory, 1).read_bytes()
+        assert m.describe(1).details["pieces"] == -(-len(data) // 4096) > 10
+        with m.open(1, tpt.STATE_FILE) as f:
+            for start, length in ((len(data) - 100, 500), (0, 10), (4000, 9000), (12_345, 1)):
+                f.seek(start)
+                assert f.read(length) == data[start:start + length]
+            f.seek(-5, os.SEEK_END)
+            assert f.read() == data[-5:]
+        assert_same(tpt.load_state_dict_sync(m, 1), state)
+
+
+def test_a_flipped_byte_is_damage_and_fallback_loads_the_previous_step(tmp_path, monkeypatch):
+    monkeypatch.setattr("taskpoint.torch._state_kind.PIECE_SIZE", 4096)
+    directory = tmp_path / "steps"
+    with CheckpointManager(directory) as m:
+        m.save(tpt.StateDict(model_state(1)), 1)
+        m.save(tpt.StateDict(model_state(2)), 2)
+        damaged = state_file(directory, 2)
+        flip_byte(damaged, damaged.stat().st_size // 2)
+        with pytest.raises(CheckpointCorruptError, match=r"step 2 .* is damaged: piece \d+ of state-"):
+            tpt.load_state_dict_sync(m, 2)
+        with pytest.raises(CheckpointCorruptError, match="step 2"):
+            tpt.load_state_dict_sync(m)
+        with pytest.raises(CheckpointCorruptError, match="step 2"):
+            m.restore(2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert_same(tpt.load_state_dict_sync(m, fallback=True), model_state(1))
+            folder = m.restore(fallback=True)
+        assert any("step 2" in str(w.message) for w in caught)
+        assert m.restored_step == 1
+        assert_same(torch.load(folder / tpt.STATE_FILE, weights_only=True), model_state(1))
+        assert [s.state for s in m.verify().steps] == ["healthy", "damaged"]
+
+
+def test_a_missing_or_truncated_file_is_damage(tmp_path):
+    directory = tmp_path / "steps"
+    with CheckpointManager(directory) as m:
+        m.save(tpt.StateDict(model_state(1)), 1)
+        m.save(tpt.StateDict(model_state(2)), 2)
+        state_file(directory, 1).unlink()
+        with pytest.raises(CheckpointCorruptError, match=r"step 1 .* its file state-.* is missing"):
+            m.restore(1)
+        path = state_file(directory, 2)
+        path.write_bytes(path.read_bytes()[:-10])
+        with pytest.raises(CheckpointCorruptError, match=r"step 2 .* is damaged"):
+            tpt.load_state_dict_sync(m, 2)
+        assert [s.state for s in m.verify().steps] == ["damaged", "damaged"]
+
+
+@pytest.mark.parametrize("bad", [[1, 2], "weights", {1: torch.ones(1)}, {"w": object()},
+                                 {"nested": {"fn": len}}])
+def test_what_is_not_a_state_dict_is_a_type_error_and_saves_nothing(tmp_path, bad):
+    with CheckpointManager(tmp_path / "steps") as m:
+        with pytest.raises(TypeError, match="StateDict"):
+            m.save(tpt.StateDict(bad), 1)
+        assert m.steps() == [] and not (tmp_path / "steps" / "ckpt-1").exists()
+
+
+def test_a_path_the_step_lacks_is_a_key_error(tmp_path):
+    with CheckpointManager(tmp_path / "steps") as m:
+        m.save(tpt.StateDict(model_state(1)), 1)
+        with pytest.raises(KeyError, match=r"model\.pt"):
+            m.open(1, "model.pt")
+        with pytest.raises(KeyError, match=r"model\.pt"):
+            m.restore(1, paths=["model.pt"])
+        folder = m.restore(1, paths=[tpt.STATE_FILE])
+        assert_same(torch.load(folder / tpt.STATE_FILE, weights_only=True), model_state(1))
+
+
+def test_retention_delete_and_overwrite_remove_the_file(tmp_path):
+    directory = tmp_path / "steps"
+    with CheckpointManager(directory, keep=2) as m:
+        for step in (1, 2, 3):
+            m.save(tpt.StateDict(model_state(step)), step)
+        assert m.steps() == [2, 3] and not (directory / "ckpt-1").exists()
+        old = state_file(directory, 3)
+        m.save(tpt.StateDict(model_state(4)), 3, overwrite=True)
+        assert not old.exists() and state_file(directory, 3) != old
+        assert_same(tpt.load_state_dict_sync(m, 3), model_state(4))
+        m.delete(3, force=True)
+        assert m.steps() == [2] and not (directory / "ckpt-3").exists()
+        assert tpt.load_state_dict_sync(m)["step"] == 2
+
+
+def test_gc_removes_the_file_of_a_save_that_died_once_older_than_the_grace_period(tmp_path):
+    directory = tmp_path / "steps"
+    with CheckpointManager(directory) as m:
+        m.save(tpt.StateDict(model_state(1)), 1)
+        dead = directory / "ckpt-2" / ".state-0123456789abcdef0123456789abcdef.pt.0123456789ab.tmp"
+        dead.parent.mkdir()
+        dead.write_bytes(state_file(directory, 1).read_bytes())  # torch.save was writing it, then a kill
+        assert m.gc() == []  # as fresh as a save in progress
+        os.utime(dead, (1, 1))
+        assert m.gc() == [f"{directory}/ckpt-2/{dead.name}"]
+        assert not (directory / "ckpt-2").exists()
+        assert m.gc(grace_seconds=0) == [] and m.verify(1).steps[0].state == "healthy"
+
+
+def test_a_background_save_snapshots_the_tensors_and_loads_back_the_same(tmp_path):
+    weights = torch.arange(6.0)
+    with CheckpointManager(tmp_path / "steps", async_save=True) as m:
+        m.save(tpt.StateDict({"w": weights}), 1)
+        weights[:] = -1.0  # the snapshot was taken when the call returned
+        m.wait_until_finished()
+        m.save(tpt.StateDict({"w": weights}), 2, blocking=True)
+        assert [m.describe(s).kind for s in (1, 2)] == ["payload", "torch.state_dict"]
+        assert torch.equal(tpt.load_state_dict_sync(m, 1)["w"], torch.arange(6.0))
+        assert torch.equal(tpt.load_state_dict_sync(m, 2)["w"], torch.full((6,), -1.0))
+
+
+def test_a_single_checkpoint_stores_the_torch_save_bytes(tmp_path):
+    Checkpoint(tmp_path / "a").save_sync(tpt.StateDict(model_state(3)))
+    with Checkpoint(tmp_path / "b", tmp_path / "a") as cp:
+        assert_same(torch.load(cp.load_sync(), weights_only=True), model_state(3))
+
+
+def test_no_step_loads_as_none(tmp_path):
+    with CheckpointManager(tmp_path / "steps") as m:
+        assert tpt.load_state_dict_sync(m) is None
