@@ -114,7 +114,8 @@ class CheckpointManager(StepQueries):
         local_dir: a local path (the node's NVMe or RAM disk) for a local tier: each step is committed there
             first, and every ``remote_every``-th step is then promoted to ``directory`` in the background,
             checked against its local manifest. ``local_keep``: how many local steps to keep. Reads see both
-            tiers (``steps(tier=...)``); see docs/manager.md, "A local tier".
+            tiers (``steps(tier=...)``). With several ranks each rank's local tier holds its own shard, and every
+            rank calls ``restore`` together; see docs/manager.md, "A local tier".
     """
 
     def __init__(
@@ -185,8 +186,8 @@ class CheckpointManager(StepQueries):
         self._preemption = PreemptionPolicy(preemption, on_preemption, agreement)
         self._tier = None if local_dir is None else LocalTier.open(type(self), local_dir, local_keep, remote_every, {
             "codec": codec, "level": level, "retry": retry, "grace_seconds": grace_seconds, "dedup": dedup,
-            "snapshot_dir": snapshot_dir, "background_process": background_process, "world_size": self.world_size,
-        }, (self._steps, self._writer, self._background, self._guard.committed, self._codec))
+            "snapshot_dir": snapshot_dir, "background_process": background_process,
+        }, (self._parts, self._writer, self._background, self._guard.committed))
         weakref.finalize(self, self._background.slot.report_unclaimed, uri)
 
     # -- properties and lifecycle --------------------------------------------------------------------------
@@ -333,7 +334,7 @@ class CheckpointManager(StepQueries):
         step = None if step is None else check_step(step)
         if self._tier is not None:  # the newest step that verifies on either tier, local copies first
             self.restored_step, result = self._tier.restore(step, self._reader, target, fallback=fallback,
-                                                            progress=tracker, paths=selected)
+                                                            progress=tracker, paths=selected, clock=clock)
         else:
             tried = candidates(self.steps() if step is None or fallback else (), step, fallback)
             if not tried:
