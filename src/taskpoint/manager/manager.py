@@ -23,7 +23,7 @@ from typing import Any
 
 from fsspec.callbacks import Callback
 
-from .. import _log, _progress
+from .. import _log, _progress, preemption
 from .._log import TransferStats
 from ..format.codecs import Codec, step_codec
 from ..format.index import normalize_paths
@@ -260,7 +260,8 @@ class CheckpointManager(StepQueries):
         self.checkpoint_if_preempted(step=step)  # a safe point: with on_preemption, a notice ends the attempt
         with self._lock:
             self._check_open()
-            self._background.settle(wait=True)
+            if not (self._preemption.saving and self._tier is not None and self._tier.promoting):
+                self._background.settle(wait=True)  # (the emergency save does not wait past the grace's share)
             if self._tier is not None and not self._preemption.saving:  # local, then promoted (an emergency: remote)
                 uri = self._tier.save(data, step, metadata, overwrite=overwrite, background=background,
                                       progress=progress)
@@ -307,7 +308,10 @@ class CheckpointManager(StepQueries):
         """After a notice, the emergency save of ``state()`` (default ``on_preemption``; with several ranks at the
         agreed ``step``), then :class:`~taskpoint.Preempted`; without a notice, or either function, nothing."""
         if self._preemption.due(state, step, self.latest_step):
-            self._preemption.run(self.wait_until_finished, lambda: self._plan.next_step(
+            tier, notice = self._tier, preemption.notice()
+            settle = self.wait_until_finished if tier is None or notice is None else functools.partial(
+                tier.settle_within, notice.deadline)
+            self._preemption.run(settle, lambda: self._plan.next_step(
                 self.latest_step(), self._writer.last_step), lambda data, at, meta: self.save(
                 data, at, metadata=meta, blocking=True), state, step)
 

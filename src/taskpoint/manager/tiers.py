@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -57,6 +59,9 @@ class LocalManager(Protocol):
 
 #: The names ``steps(tier=...)`` accepts (None: both tiers).
 TIERS = ("local", "remote")
+#: The share of the time left before a preemption notice's deadline that the emergency save gives the
+#: promotion in flight; the rest is the emergency step's own (which goes to the same remote store).
+PROMOTION_SHARE_OF_GRACE = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +106,9 @@ class LocalTier:
         self._parts, self._steps, self._writer, self._background = parts, parts.steps, writer, background
         self._on_commit, self._codec = on_commit, parts.codec
         self._ranks = parts.plan.ranks
+        self._idle = threading.Event()  # no promotion in flight
+        self._idle.set()
+        self._cut = False  # the emergency save stopped waiting: promote no further step in this attempt
 
     @classmethod
     def open(cls, make: Callable[..., LocalManager], local_dir: Any, local_keep: int, remote_every: int,
@@ -206,6 +214,7 @@ class LocalTier:
         uri = self.local.save(data, step, metadata=metadata, overwrite=overwrite, blocking=not background,
                               progress=progress)
         if step % self.remote_every == 0:
+            self._idle.clear()
             self._background.slot.start(step, functools.partial(self._promote_due, step))
         return uri
 
@@ -213,10 +222,37 @@ class LocalTier:
         """Wait for the local tier's background save, raising its error."""
         self.local.wait_until_finished()
 
+    @property
+    def promoting(self) -> bool:
+        """Whether a promotion is in flight."""
+        return not self._idle.is_set()
+
+    def settle_within(self, deadline: float, now: Callable[[], float] = time.time) -> None:
+        """Before the emergency save of a notice due at ``deadline`` (``now()`` seconds): wait for the local
+        save, then for the promotion in flight for at most :data:`PROMOTION_SHARE_OF_GRACE` of the time left
+        (raising its error when it ended). One still running then goes on in the background, no further step is
+        promoted in this attempt, and the emergency save does not wait for it (:attr:`promoting`): the emergency
+        step, newer, is the resume point, and a copy cut short by the end of the process is never committed."""
+        self.local.wait_until_finished()
+        if self._idle.wait(max(0.0, (deadline - now()) * PROMOTION_SHARE_OF_GRACE)):
+            self._background.settle(wait=True)
+            return
+        self._cut = True
+        _log.logger.warning("the promotion to %s in flight at the preemption notice did not finish within its "
+                            "share of the grace period; the emergency step does not wait for it (it commits "
+                            "whole later, or never)", _log.safe_uri(self._steps.directory))
+
     def _promote_due(self, saved: int) -> None:
         """Promote the ``saved`` step and every due local step newer than the remote tier's newest, oldest
         first (one killed before its promotion is redone here). With several ranks only ``saved``: a step one
-        rank redid alone would hold rank 0 until its commit timeout."""
+        rank redid alone would hold rank 0 until its commit timeout. Once the emergency save stopped waiting,
+        no further step."""
+        try:
+            self._promote_steps(saved)
+        finally:
+            self._idle.set()
+
+    def _promote_steps(self, saved: int) -> None:
         self.local.wait_until_finished()
         if self._ranks.distributed:
             self.promote(saved)
@@ -225,6 +261,8 @@ class LocalTier:
         newest = max(remote, default=-1)
         failed: list[CheckpointCorruptError] = []
         for step in self.local.steps():
+            if self._cut:
+                break
             if step == saved or (step > newest and step % self.remote_every == 0):
                 try:
                     self.promote(step)
