@@ -207,11 +207,14 @@ class LocalTier:
     def save(self, data: Any, step: int, metadata: dict[str, Any] | None, *, overwrite: bool, background: bool,
              progress: Any) -> str:
         """Commit ``step`` to the local tier (in the background when ``background``), then start its promotion
-        when it is due; the URI of the local step. Called under the manager's lock, with no job in flight."""
+        when it is due; the URI of the local step. Called under the manager's lock, with no job in flight. With
+        several ranks a local step of this number that is not on the remote tier is replaced: no restore chose
+        it (a job without a process group resumed from an older remote step), and the job saves it again."""
         if not overwrite and self._steps.committed_objects(step)[0]:
             raise FileExistsError(f"step {step} already exists in {self._steps.directory}; pass overwrite=True to "
                                   "replace it, or save under a new step")
-        uri = self.local.save(data, step, metadata=metadata, overwrite=overwrite, blocking=not background,
+        uri = self.local.save(data, step, metadata=metadata, overwrite=overwrite or self._ranks.distributed,
+                              blocking=not background,
                               progress=progress)
         if step % self.remote_every == 0:
             self._idle.clear()
