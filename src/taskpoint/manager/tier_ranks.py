@@ -17,10 +17,10 @@ no rank sees another node's local tier, the ranks agree on what a tier holds in 
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Any
 
 from ..format.records import StepManifest
+from .agreement import initialized_group
 from .kinds.sharded import Shards
 from .shards import ShardOrphan
 
@@ -33,12 +33,9 @@ class RankVote:
 
     @classmethod
     def of_initialized(cls) -> RankVote | None:
-        """A vote on the default process group when ``torch.distributed`` is imported and initialized (never
-        imports torch: a program that uses it has imported it)."""
-        dist = sys.modules.get("torch.distributed")
-        if dist is None or not dist.is_available() or not dist.is_initialized():
-            return None
-        return cls(dist)
+        """A vote on the default process group when there is one (:func:`~.agreement.initialized_group`)."""
+        dist = initialized_group()
+        return None if dist is None else cls(dist)
 
     def _gather(self, value: Any) -> list[Any]:
         found: list[Any] = [None] * self._dist.get_world_size()

@@ -214,8 +214,7 @@ class LocalTier:
             raise FileExistsError(f"step {step} already exists in {self._steps.directory}; pass overwrite=True to "
                                   "replace it, or save under a new step")
         uri = self.local.save(data, step, metadata=metadata, overwrite=overwrite or self._ranks.distributed,
-                              blocking=not background,
-                              progress=progress)
+                              blocking=not background, progress=progress)
         if step % self.remote_every == 0:
             self._idle.clear()
             self._background.slot.start(step, functools.partial(self._promote_due, step))
@@ -359,7 +358,6 @@ class LocalTier:
     def close(self) -> None:
         """Close the local manager (waiting for its background save)."""
         self.local.close()
-
 
 
 def _read_first(number: int, sources: list[tuple[StepReader, str]], into: Path | None, progress: Progress,
