@@ -213,8 +213,8 @@ def test_bad_tier_arguments_are_refused_clearly(tmp_path):
     remote_dir = tmp_path / "remote"
     with pytest.raises(ValueError, match="dedup=True cannot be combined with local_dir"):
         CheckpointManager(remote_dir, local_dir=tmp_path / "local", dedup=True)
-    with pytest.raises(ValueError, match="one rank only"):
-        CheckpointManager(remote_dir, local_dir=tmp_path / "local", rank=0, world_size=2)
+    with pytest.raises(ValueError, match=r"commit_timeout \(600.0 s\) must be shorter than grace_seconds"):
+        CheckpointManager(remote_dir, local_dir=tmp_path / "local", rank=0, world_size=2, grace_seconds=1)
     with pytest.raises(ValueError, match="local_dir must be a local path"):
         CheckpointManager(remote_dir, local_dir="memory://elsewhere")
     with pytest.raises(ValueError, match="remote_every must be at least 1"):

@@ -223,6 +223,13 @@ class Agreement:
         self._stop_watching.set()
 
 
+def initialized_group() -> Any | None:
+    """``torch.distributed`` when it is imported and its default process group initialized; else None (never
+    imports torch: a program that uses it has imported it)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+
+
 class _GroupVote:
     """The agreement through ``torch.distributed``: one all-reduce (MAX) in flight, read at the next call."""
 
@@ -233,12 +240,9 @@ class _GroupVote:
 
     @classmethod
     def of_initialized(cls) -> _GroupVote | None:
-        """A vote on the default process group when ``torch.distributed`` is imported and initialized (never
-        imports torch: a program that uses it has imported it)."""
-        dist = sys.modules.get("torch.distributed")
-        if dist is None or not dist.is_available() or not dist.is_initialized():
-            return None
-        return cls(dist, sys.modules["torch"])
+        """A vote on the default process group when there is one (:func:`initialized_group`)."""
+        dist = initialized_group()
+        return None if dist is None else cls(dist, sys.modules["torch"])
 
     def vote(self, signal: int, notice: preemption.Notice | None) -> int:
         """The largest signal any rank had at the previous call (0: none); then this call's vote is sent."""

@@ -23,7 +23,7 @@ from typing import Any
 
 from fsspec.callbacks import Callback
 
-from .. import _log, _progress
+from .. import _log, _progress, preemption
 from .._log import TransferStats
 from ..format.codecs import Codec, step_codec
 from ..format.index import normalize_paths
@@ -114,7 +114,8 @@ class CheckpointManager(StepQueries):
         local_dir: a local path (the node's NVMe or RAM disk) for a local tier: each step is committed there
             first, and every ``remote_every``-th step is then promoted to ``directory`` in the background,
             checked against its local manifest. ``local_keep``: how many local steps to keep. Reads see both
-            tiers (``steps(tier=...)``); see docs/manager.md, "A local tier".
+            tiers (``steps(tier=...)``). With several ranks each rank's local tier holds its own shard, and every
+            rank calls ``restore`` together; see docs/manager.md, "A local tier".
     """
 
     def __init__(
@@ -185,8 +186,8 @@ class CheckpointManager(StepQueries):
         self._preemption = PreemptionPolicy(preemption, on_preemption, agreement)
         self._tier = None if local_dir is None else LocalTier.open(type(self), local_dir, local_keep, remote_every, {
             "codec": codec, "level": level, "retry": retry, "grace_seconds": grace_seconds, "dedup": dedup,
-            "snapshot_dir": snapshot_dir, "background_process": background_process, "world_size": self.world_size,
-        }, (self._steps, self._writer, self._background, self._guard.committed, self._codec))
+            "snapshot_dir": snapshot_dir, "background_process": background_process,
+        }, (self._parts, self._writer, self._background, self._guard.committed))
         weakref.finalize(self, self._background.slot.report_unclaimed, uri)
 
     # -- properties and lifecycle --------------------------------------------------------------------------
@@ -259,7 +260,8 @@ class CheckpointManager(StepQueries):
         self.checkpoint_if_preempted(step=step)  # a safe point: with on_preemption, a notice ends the attempt
         with self._lock:
             self._check_open()
-            self._background.settle(wait=True)
+            if not (self._preemption.saving and self._tier is not None and self._tier.promoting):
+                self._background.settle(wait=True)  # (the emergency save does not wait past the grace's share)
             if self._tier is not None and not self._preemption.saving:  # local, then promoted (an emergency: remote)
                 uri = self._tier.save(data, step, metadata, overwrite=overwrite, background=background,
                                       progress=progress)
@@ -306,7 +308,10 @@ class CheckpointManager(StepQueries):
         """After a notice, the emergency save of ``state()`` (default ``on_preemption``; with several ranks at the
         agreed ``step``), then :class:`~taskpoint.Preempted`; without a notice, or either function, nothing."""
         if self._preemption.due(state, step, self.latest_step):
-            self._preemption.run(self.wait_until_finished, lambda: self._plan.next_step(
+            tier, notice = self._tier, preemption.notice()
+            settle = self.wait_until_finished if tier is None or notice is None else functools.partial(
+                tier.settle_within, notice.deadline)
+            self._preemption.run(settle, lambda: self._plan.next_step(
                 self.latest_step(), self._writer.last_step), lambda data, at, meta: self.save(
                 data, at, metadata=meta, blocking=True), state, step)
 
@@ -333,7 +338,7 @@ class CheckpointManager(StepQueries):
         step = None if step is None else check_step(step)
         if self._tier is not None:  # the newest step that verifies on either tier, local copies first
             self.restored_step, result = self._tier.restore(step, self._reader, target, fallback=fallback,
-                                                            progress=tracker, paths=selected)
+                                                            progress=tracker, paths=selected, clock=clock)
         else:
             tried = candidates(self.steps() if step is None or fallback else (), step, fallback)
             if not tried:

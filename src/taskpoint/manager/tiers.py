@@ -16,23 +16,28 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from .. import _log
 from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointCorruptError, CheckpointError
-from ..format.codecs import Codec
 from ..format.records import StepManifest
-from ..payloads import FilePayload
+from ..payloads import FilePayload, Payload
 from ..storage import Location, RetryPolicy
 from ._checks import positive_or_none
 from .background import Background, Handover, store_payload
 from .commit import StepWriter
+from .kinds import Parts
 from .kinds.payload import PAYLOAD, PayloadObject
+from .kinds.sharded import Shards
 from .restore import StepReader, candidates
+from .shards import ShardOrphan, ShardWriter
 from .steps import MANIFEST_NAME, StepStore, quietly
+from .tier_ranks import RankVote, RecordedKind, VerifiedShard, own_shard_digest
 
 
 class LocalManager(Protocol):
@@ -54,6 +59,9 @@ class LocalManager(Protocol):
 
 #: The names ``steps(tier=...)`` accepts (None: both tiers).
 TIERS = ("local", "remote")
+#: The share of the time left before a preemption notice's deadline that the emergency save gives the
+#: promotion in flight; the rest is the emergency step's own (which goes to the same remote store).
+PROMOTION_SHARE_OF_GRACE = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,21 +93,26 @@ def check_tier(tier: str | None) -> str | None:
 class LocalTier:
     """The local tier of one manager: the local manager, and the promotions of its steps to the remote tier.
 
-    ``steps``, ``writer`` and ``background`` are the remote manager's: promotions commit through its step store,
+    ``parts``, ``writer`` and ``background`` are the remote manager's: promotions commit through its step store,
     apply its retention, and run as its one background job (so the next save waits for the promotion in flight,
-    and local retention never removes a step being promoted).
+    and local retention never removes a step being promoted). With several ranks each rank's local tier holds
+    its own shard, and promotions commit the remote step as any multi-rank step (:mod:`.tier_ranks`).
     """
 
-    def __init__(self, local: LocalManager, remote_every: int, steps: StepStore, writer: StepWriter,
-                 background: Background, on_commit: Callable[[int, dict[str, Any]], None], codec: Codec) -> None:
+    def __init__(self, local: LocalManager, remote_every: int, parts: Parts, writer: StepWriter,
+                 background: Background, on_commit: Callable[[int, dict[str, Any]], None]) -> None:
         self.local = local
         self.remote_every = remote_every
-        self._steps, self._writer, self._background = steps, writer, background
-        self._on_commit, self._codec = on_commit, codec
+        self._parts, self._steps, self._writer, self._background = parts, parts.steps, writer, background
+        self._on_commit, self._codec = on_commit, parts.codec
+        self._ranks = parts.plan.ranks
+        self._idle = threading.Event()  # no promotion in flight
+        self._idle.set()
+        self._cut = False  # the emergency save stopped waiting: promote no further step in this attempt
 
     @classmethod
     def open(cls, make: Callable[..., LocalManager], local_dir: Any, local_keep: int, remote_every: int,
-             options: dict[str, Any], remote: tuple[StepStore, StepWriter, Background, Callable[..., None], Codec]
+             options: dict[str, Any], remote: tuple[Parts, StepWriter, Background, Callable[..., None]]
              ) -> LocalTier:
         """Check the tier's arguments and open its local manager with ``options`` (the remote manager's)."""
         positive_or_none(local_keep, "local_keep")
@@ -109,9 +122,6 @@ class LocalTier:
             raise ValueError("dedup=True cannot be combined with local_dir: a deduplicated step is a set of chunks "
                              "shared with other steps, which a promotion cannot copy as one verified object; save "
                              "without dedup, or without local_dir")
-        if options.pop("world_size") != 1:
-            raise ValueError("local_dir supports one rank only: each rank's shard would be committed on the remote "
-                             "tier by rank 0, which cannot see the other nodes' local tiers")
         local = make(local_dir, keep=local_keep, preemption=False, rank=0, world_size=1, **options)
         if not local._steps.root.is_local:
             local.close()
@@ -132,52 +142,81 @@ class LocalTier:
         return self.local._steps.manifest(step)
 
     def restore(self, step: int | None, reader: StepReader, into: Path | None, *, fallback: bool,
-                progress: Progress = NO_PROGRESS, paths: Sequence[str] | None = None) -> tuple[int, Path]:
+                progress: Progress = NO_PROGRESS, paths: Sequence[str] | None = None,
+                clock: _log.Clock | None = None) -> tuple[int, Path]:
         """Restore ``step`` (None: the newest step that verifies on either tier, older steps tried in turn), and
         where it landed: each step from its local copy first, then from its remote copy (read by ``reader``) with
         a WARNING naming both; then older steps when ``step`` is None or ``fallback``. A requested step on
-        neither tier is FileNotFoundError at once. ``paths``: only these files and folders (normalized)."""
+        neither tier is FileNotFoundError at once. ``paths``: only these files and folders (normalized). The INFO
+        record of the restore (timed by ``clock``) names the copy read.
+
+        With several ranks every rank calls it together and all return the same step (:mod:`.tier_ranks`): a
+        local copy serves a remote step when it is this rank's shard of it, and a step on the local tiers alone
+        is tried only through a process group, when every rank holds it; a resume (``step`` None) then drops
+        the local steps newer than the one restored, which the job saves again."""
         remote = {step for step, folder in self._steps.scan().items() if folder.committed}
         local = set(self.local.steps())
-        tried = candidates(local | remote, step, fallback)
-        fallback = fallback or step is None
-        if step is not None and step not in local | remote:
+        vote = RankVote.of_initialized() if self._ranks.distributed else None
+        if self._ranks.distributed:
+            agreed = vote.common(local) if vote is not None else set()
+            usable = {number for number in local if number in agreed or (number in remote and self._own(number))}
+        else:
+            agreed = usable = local
+        if step is not None and step not in agreed | remote:
             raise FileNotFoundError(f"step {step} exists on neither tier ({self.local.directory}, "
                                     f"{self._steps.directory})")
+        tried = candidates(agreed | remote, step, fallback)
+        fallback = fallback or step is None
         first_error: Exception | None = None
         with progress:
             for number in tried:
-                sources = [(self.local._reader, self.local.directory)] if number in local else []
+                sources = [(self.local._reader, self.local.directory)] if number in usable else []
                 sources += [(reader, self._steps.directory)] if number in remote else []
-                for source, (copy, where) in enumerate(sources):
-                    try:
-                        progress.rewind()
-                        return number, copy.read(number, into, progress, paths)
-                    except (CheckpointCorruptError, FileNotFoundError) as exc:
-                        first_error = first_error or exc
-                        then = (f"restoring its copy in {sources[source + 1][1]}" if source + 1 < len(sources)
-                                else "trying the next older step" if fallback else "giving up")
-                        _log.logger.warning("step %d in %s could not be restored (%s); %s", number,
-                                            _log.safe_uri(where), exc, then)
-                if not fallback and sources:
-                    break
+                result, error = _read_first(number, sources, into, progress, paths, fallback, clock)
+                first_error = first_error or error
+                if vote is not None and not vote.all(result is not None):
+                    first_error = first_error or CheckpointCorruptError(
+                        f"step {number}: another rank could not restore its shard from either tier")
+                    continue
+                if result is not None:
+                    if vote is not None and step is None:
+                        self._drop_newer(number, vote)
+                    return number, result
         if first_error is None:
             raise FileNotFoundError(f"there is no committed checkpoint in {self.local.directory} or "
                                     f"{self._steps.directory}")
         raise first_error
+
+    def _own(self, step: int) -> bool:
+        """Whether this rank's local copy of ``step`` is its shard of the remote step (the same sha256)."""
+        local = self.manifest(step)
+        remote = self._steps.manifest(step, tolerate_corrupt=True)
+        return local is not None and own_shard_digest(remote, self._ranks.rank) == local.record.sha256
+
+    def _drop_newer(self, step: int, vote: RankVote) -> None:
+        """After every rank resumed from ``step``: delete this rank's local steps newer than it (not every rank
+        could restore them), then wait for every rank to have done so, before any rank saves those steps again
+        (a rank's old copy would otherwise pass for a shard of the new save)."""
+        for number in self.local.steps():
+            if number > step:
+                self.local.delete(number, force=True)
+        vote.all(True)
 
     # -- writes --------------------------------------------------------------------------------------------
 
     def save(self, data: Any, step: int, metadata: dict[str, Any] | None, *, overwrite: bool, background: bool,
              progress: Any) -> str:
         """Commit ``step`` to the local tier (in the background when ``background``), then start its promotion
-        when it is due; the URI of the local step. Called under the manager's lock, with no job in flight."""
+        when it is due; the URI of the local step. Called under the manager's lock, with no job in flight. With
+        several ranks a local step of this number that is not on the remote tier is replaced: no restore chose
+        it (a job without a process group resumed from an older remote step), and the job saves it again."""
         if not overwrite and self._steps.committed_objects(step)[0]:
             raise FileExistsError(f"step {step} already exists in {self._steps.directory}; pass overwrite=True to "
                                   "replace it, or save under a new step")
-        uri = self.local.save(data, step, metadata=metadata, overwrite=overwrite, blocking=not background,
-                              progress=progress)
+        uri = self.local.save(data, step, metadata=metadata, overwrite=overwrite or self._ranks.distributed,
+                              blocking=not background, progress=progress)
         if step % self.remote_every == 0:
+            self._idle.clear()
             self._background.slot.start(step, functools.partial(self._promote_due, step))
         return uri
 
@@ -185,14 +224,47 @@ class LocalTier:
         """Wait for the local tier's background save, raising its error."""
         self.local.wait_until_finished()
 
+    @property
+    def promoting(self) -> bool:
+        """Whether a promotion is in flight."""
+        return not self._idle.is_set()
+
+    def settle_within(self, deadline: float, now: Callable[[], float] = time.time) -> None:
+        """Before the emergency save of a notice due at ``deadline`` (``now()`` seconds): wait for the local
+        save, then for the promotion in flight for at most :data:`PROMOTION_SHARE_OF_GRACE` of the time left
+        (raising its error when it ended). One still running then goes on in the background, no further step is
+        promoted in this attempt, and the emergency save does not wait for it (:attr:`promoting`): the emergency
+        step, newer, is the resume point, and a copy cut short by the end of the process is never committed."""
+        self.local.wait_until_finished()
+        if self._idle.wait(max(0.0, (deadline - now()) * PROMOTION_SHARE_OF_GRACE)):
+            self._background.settle(wait=True)
+            return
+        self._cut = True
+        _log.logger.warning("the promotion to %s in flight at the preemption notice did not finish within its "
+                            "share of the grace period; the emergency step does not wait for it (it commits "
+                            "whole later, or never)", _log.safe_uri(self._steps.directory))
+
     def _promote_due(self, saved: int) -> None:
         """Promote the ``saved`` step and every due local step newer than the remote tier's newest, oldest
-        first (one killed before its promotion is redone here)."""
+        first (one killed before its promotion is redone here). With several ranks only ``saved``: a step one
+        rank redid alone would hold rank 0 until its commit timeout. Once the emergency save stopped waiting,
+        no further step."""
+        try:
+            self._promote_steps(saved)
+        finally:
+            self._idle.set()
+
+    def _promote_steps(self, saved: int) -> None:
         self.local.wait_until_finished()
+        if self._ranks.distributed:
+            self.promote(saved)
+            return
         remote = [step for step, folder in self._steps.scan().items() if folder.committed]
         newest = max(remote, default=-1)
         failed: list[CheckpointCorruptError] = []
         for step in self.local.steps():
+            if self._cut:
+                break
             if step == saved or (step > newest and step % self.remote_every == 0):
                 try:
                     self.promote(step)
@@ -215,14 +287,22 @@ class LocalTier:
         assert isinstance(content, PayloadObject)
         exists, replaced = self._steps.committed_objects(step)
         current = self._steps.manifest(step, tolerate_corrupt=True) if exists else None
-        if current is not None and current.record.save_id == record.save_id:
-            return  # promoted already
+        if current is not None and (current.record.save_id == record.save_id or self._ranks.distributed):
+            return  # promoted already (several ranks: every rank sees the same commit, and skips it alike)
         source = Path(self.local._steps.object(step, content.name).path)
-        target, commit = self._steps.object(step, content.name), self._steps.object(step, MANIFEST_NAME)
         process = self._background.helper_process()
         handover = None if process is None else Handover(process, ())
-        orphan = PromotionCommit(commit.uri, commit.storage_options, commit.retry, manifest)
         clock = _log.Clock()
+        if self._ranks.distributed:
+            try:
+                size = self._promote_shard(step, manifest, source, handover, progress)
+            finally:
+                if handover is not None:
+                    handover.finish()
+            _log.transferred("promote", self._steps.step_uri(step), record.kind, size, clock, step)
+            return
+        target, commit = self._steps.object(step, content.name), self._steps.object(step, MANIFEST_NAME)
+        orphan = PromotionCommit(commit.uri, commit.storage_options, commit.retry, manifest)
         try:
             stored = store_payload(target, FilePayload(source), self._codec, None, handover, orphan, progress)
             if stored != (record.size, record.sha256):
@@ -242,6 +322,32 @@ class LocalTier:
         _log.transferred("promote", self._steps.step_uri(step), record.kind, stored[0], clock, step)
         self._writer.tidy()
 
+    def _promote_shard(self, step: int, manifest: StepManifest, source: Path, handover: Handover | None,
+                       progress: Progress) -> int:
+        """Copy this rank's local shard of ``step`` to the remote tier, check it against its local manifest, and
+        record it there (rank 0: commit the step once every rank's shard is recorded, then apply retention).
+        A copy that does not match is removed and CheckpointCorruptError raised; the size stored."""
+        record = manifest.record
+
+        def store(target: Location, orphan: ShardOrphan) -> tuple[int, str]:
+            checked = VerifiedShard(orphan, record.size or 0, record.sha256 or "")
+            stored = store_payload(target, FilePayload(source), self._codec, None, handover, checked, progress)
+            if stored != (record.size, record.sha256):
+                quietly(target.remove)
+                raise CheckpointCorruptError(
+                    f"rank {self._ranks.rank}'s shard of step {step} in {self.local.directory} does not match its "
+                    f"manifest: it is damaged and was not promoted to {self._steps.directory}")
+            return stored
+
+        writer = ShardWriter(self._steps, self._parts.plan, self._parts.grace, self._parts.waiting)
+        size, _ = writer.write(step, manifest.metadata, manifest.attempt, cast(Payload, RecordedKind(record.kind)),
+                               record.codec, Shards, store)
+        if writer.commits:
+            self._steps.committed(step)
+            self._on_commit(step, manifest.metadata)
+            self._writer.tidy()
+        return size
+
     def delete(self, step: int, *, force: bool) -> bool:
         """Delete the local copy of ``step``; whether there was one."""
         if step not in self.local.steps():
@@ -253,3 +359,24 @@ class LocalTier:
         """Close the local manager (waiting for its background save)."""
         self.local.close()
 
+
+def _read_first(number: int, sources: list[tuple[StepReader, str]], into: Path | None, progress: Progress,
+                paths: Sequence[str] | None, fallback: bool, clock: _log.Clock | None
+                ) -> tuple[Path | None, Exception | None]:
+    """Read ``number`` from the first of ``sources`` whose copy verifies (a WARNING for each that does not,
+    naming the next source); the path (None when none did) and the first error met."""
+    first_error: Exception | None = None
+    for source, (copy, where) in enumerate(sources):
+        try:
+            progress.rewind()
+            result = copy.read(number, into, progress, paths)
+            if clock is not None:
+                copy._log_restore(number, clock)
+            return result, first_error
+        except (CheckpointCorruptError, FileNotFoundError) as exc:
+            first_error = first_error or exc
+            then = (f"restoring its copy in {sources[source + 1][1]}" if source + 1 < len(sources)
+                    else "trying the next older step" if fallback else "giving up")
+            _log.logger.warning("step %d in %s could not be restored (%s); %s", number, _log.safe_uri(where), exc,
+                                then)
+    return None, first_error

@@ -1,0 +1,81 @@
+"""The local tier with several ranks: each rank's local tier holds its own shard, on its own node.
+
+A rank's local step is a plain step of its own local manager (its shard, with its manifest and sha256). Since
+no rank sees another node's local tier, the ranks agree on what a tier holds in two ways:
+
+- **The remote tier commits a step as any multi-rank step** (:mod:`.shards`): each rank promotes its own shard
+  (a byte copy of its local payload, checked against its local manifest) and records it; rank 0 writes the
+  manifest once every rank's shard is there. That manifest is the agreement on a remote step: a rank reads its
+  shard of a remote step from its local copy when that copy's sha256 is the one the remote manifest names for
+  its rank, and from the remote copy otherwise (with a WARNING when the local copy fails verification).
+- **A step on the local tiers alone** is restored only through an initialized ``torch.distributed`` process
+  group: the ranks gather which local steps each holds (:class:`RankVote`), try the newest step every rank holds
+  (locally or remotely), and all move to the next older step unless every rank read its shard. Without a
+  process group, restores choose among the remote steps only (local copies still serve the reads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..format.records import StepManifest
+from .agreement import initialized_group
+from .kinds.sharded import Shards
+from .shards import ShardOrphan
+
+
+class RankVote:
+    """The collectives of a multi-rank restore from the local tier, on the default process group."""
+
+    def __init__(self, dist: Any) -> None:
+        self._dist = dist
+
+    @classmethod
+    def of_initialized(cls) -> RankVote | None:
+        """A vote on the default process group when there is one (:func:`~.agreement.initialized_group`)."""
+        dist = initialized_group()
+        return None if dist is None else cls(dist)
+
+    def _gather(self, value: Any) -> list[Any]:
+        found: list[Any] = [None] * self._dist.get_world_size()
+        self._dist.all_gather_object(found, value)
+        return found
+
+    def common(self, steps: set[int]) -> set[int]:
+        """The steps every rank holds (each rank passes its own)."""
+        held = self._gather(sorted(steps))
+        return set.intersection(*(set(each) for each in held))
+
+    def all(self, ok: bool) -> bool:
+        """Whether every rank passed True (also a barrier)."""
+        return all(self._gather(bool(ok)))
+
+
+def own_shard_digest(manifest: StepManifest | None, rank: int) -> str | None:
+    """The sha256 a remote multi-rank manifest records for ``rank``'s shard (None: no such shard)."""
+    if manifest is None or not isinstance(manifest.content, Shards) or rank >= len(manifest.content.shards):
+        return None
+    return manifest.content.shards[rank].record.sha256
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordedKind:
+    """What the shard writer reads of a payload it records (its kind): the kind of the local step promoted."""
+
+    kind: str
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifiedShard:
+    """A promoted shard's part for the save process when the trainer died while it copied the shard: finish it
+    (record it; on rank 0, commit the step once every shard is there) only when the copy's size and sha256 are
+    the local manifest's, so a torn local shard is never recorded."""
+
+    shard: ShardOrphan
+    size: int
+    sha256: str
+
+    def finish(self, size: int, digest: str, deadline: float) -> None:
+        if (size, digest) == (self.size, self.sha256):
+            self.shard.finish(size, digest, deadline)
