@@ -26,7 +26,7 @@ from fsspec.callbacks import Callback
 
 from _fault_proxy import fault_proxy
 from taskpoint import Checkpoint, CheckpointManager, _progress
-from taskpoint.format.records import MANIFEST_SUFFIX
+from taskpoint.format.records import RECORD_SUFFIX
 
 LOCAL_AND_S3 = pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
 
@@ -507,7 +507,7 @@ def test_a_wrong_progress_value_is_a_type_error_and_nothing_is_saved(tmp_path, v
     with Checkpoint(tmp_path / "ckpt") as cp, pytest.raises(TypeError, match=r"progress must be True, False, "
                                                             r"None or an fsspec\.callbacks\.Callback"):
         cp.save_sync(b"data", progress=value)
-    assert not (tmp_path / "ckpt").exists() and not (tmp_path / f"ckpt{MANIFEST_SUFFIX}").exists()
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / f"ckpt{RECORD_SUFFIX}").exists()
     with Checkpoint(tmp_path / "other", tmp_path / "ckpt") as cp, pytest.raises(TypeError, match="progress must"):
         cp.load_sync(progress=value)
     with CheckpointManager(tmp_path / "steps") as manager:

@@ -145,11 +145,11 @@ def test_saves_racing_on_one_record_keep_every_entry(store: StoreLocation):
     """The record protocol over those writes: savers that all read the record at once and then list their new
     object in it at once each land their entry on top of the others' (a conflict: read again, keep theirs),
     so the record lists every save and none was dropped by a writer that won without seeing it."""
-    from taskpoint.format.records import MANIFEST_SUFFIX, ObjectRecord, Record
+    from taskpoint.format.records import RECORD_SUFFIX, ObjectRecord, Record
     from taskpoint.record import _read_versioned, _SaveState, read_record
 
     dest = store.url("ckpt")
-    record_loc = Location(dest, store.storage_options).sibling(MANIFEST_SUFFIX)
+    record_loc = Location(dest, store.storage_options).sibling(RECORD_SUFFIX)
     Checkpoint(dest, storage_options=store.storage_options).save_sync(b"first")
     stored, version = _read_versioned(record_loc)
     assert stored is not None and version is not None

@@ -20,7 +20,7 @@ from .errors import CheckpointCorruptError, CheckpointError
 from .folders import load_folder, source_exists
 from .format.codecs import Codec, get_codec
 from .format.index import normalize_path, normalize_paths
-from .format.records import MANIFEST_SUFFIX
+from .format.records import RECORD_SUFFIX
 from .inspection import CheckpointDescription, CheckpointVerification, describe_object, verify_object
 from .partial import listed_index, open_by_restoring, open_indexed, restore_indexed
 from .payloads import payload_for
@@ -264,7 +264,7 @@ class Checkpoint(BaseCheckpoint):
             if self._src is None:
                 return None
             src = self._src
-            index = listed_index(read_record(src.sibling(MANIFEST_SUFFIX)), src.size())
+            index = listed_index(read_record(src.sibling(RECORD_SUFFIX)), src.size())
             with _progress.resolve(progress, f"load {_log.short_name(src.uri)}") as tracker:
                 if index is not None:
                     return restore_indexed(src, index, paths, self.path, max_expand=self._max_expand,
@@ -286,7 +286,7 @@ class Checkpoint(BaseCheckpoint):
         src = self._src
         if src is None:
             raise FileNotFoundError("this checkpoint has no previous checkpoint (checkpoint_src)")
-        index = listed_index(read_record(src.sibling(MANIFEST_SUFFIX)), src.size())
+        index = listed_index(read_record(src.sibling(RECORD_SUFFIX)), src.size())
         if index is not None:
             return open_indexed(src, index, path)
 

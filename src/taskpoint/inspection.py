@@ -13,7 +13,7 @@ from typing import Any
 
 from . import _log, _progress
 from .errors import CheckpointCorruptError
-from .format.records import MANIFEST_SUFFIX
+from .format.records import RECORD_SUFFIX
 from .record import listed, load_object, read_record
 from .storage import Location
 from .transfer import hash_object
@@ -62,7 +62,7 @@ def object_size(loc: Location) -> int | None:
 def describe_object(loc: Location) -> CheckpointDescription:
     """The checkpoint object at ``loc`` and its record (``<uri>.taskpoint.json``); FileNotFoundError when
     neither is there."""
-    record = read_record(loc.sibling(MANIFEST_SUFFIX))
+    record = read_record(loc.sibling(RECORD_SUFFIX))
     size = object_size(loc)
     if record is None and size is None:
         raise FileNotFoundError(f"nothing taskpoint saved is at {loc.uri}")
@@ -77,14 +77,14 @@ def describe_object(loc: Location) -> CheckpointDescription:
     kind = visible.kind if visible else (objects[0]["kind"] if objects else None)
     return CheckpointDescription(
         uri=loc.uri, state=state, size=size, kind=kind, created=visible.created if visible else None, objects=objects,
-        record=None if record is None else loc.sibling(MANIFEST_SUFFIX).uri)
+        record=None if record is None else loc.sibling(RECORD_SUFFIX).uri)
 
 
 def verify_object(loc: Location, progress: object = None) -> CheckpointVerification:
     """Read every byte of the checkpoint object at ``loc`` against its record, keeping nothing. An object with
     no record is loaded into a temporary folder (the archive's own checks). CheckpointCorruptError when damaged
     or recorded but missing; FileNotFoundError when nothing is there."""
-    record = read_record(loc.sibling(MANIFEST_SUFFIX))
+    record = read_record(loc.sibling(RECORD_SUFFIX))
     label = f"verify {_log.short_name(loc.uri)}"
     if record is None or not record.objects:
         if object_size(loc) is None:

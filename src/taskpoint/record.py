@@ -18,7 +18,7 @@ from ._progress import NO_PROGRESS, Progress
 from .errors import CheckpointCorruptError, StorageNotFound, StorageUnavailable
 from .folders import refuse_folder_destination
 from .format.codecs import Codec
-from .format.records import MANIFEST_SUFFIX, ObjectRecord, Record
+from .format.records import RECORD_SUFFIX, ObjectRecord, Record
 from .payloads import Payload, payload_class
 from .storage import Location, RetryPolicy, VersionConflict
 from .transfer import guess_kind, read_payload, write_payload
@@ -78,7 +78,7 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
     becomes visible, next to the objects that may still be there (see :mod:`taskpoint.format.records`).
     ``memory``: what the caller's earlier saves learned (None: nothing, as in a new process)."""
     memory = memory if memory is not None else SaveMemory()
-    record_loc = dest.sibling(MANIFEST_SUFFIX)
+    record_loc = dest.sibling(RECORD_SUFFIX)
     known, version = memory.take(record_loc)
     read_at = time.monotonic()
     if known is None:
@@ -224,7 +224,7 @@ VERIFY_MODES = ("warn", "strict")
 def unverified(uri: str, *, strict: bool, copy_of: str | None = None) -> str:
     """What to say of the checkpoint at ``uri`` that has no record: the WARNING of a load, or the refusal.
     ``copy_of``: the object it was copied from, whose record did not verify it either."""
-    why = (f"the checkpoint at {uri} has no record ({uri}{MANIFEST_SUFFIX} is missing), so its bytes could not be "
+    why = (f"the checkpoint at {uri} has no record ({uri}{RECORD_SUFFIX} is missing), so its bytes could not be "
            "verified: it was written by Flyte or another tool, or its record was removed.")
     if copy_of is not None:
         why += (f" It is a copy of {copy_of}, and no record there lists it either (no taskpoint save wrote it "
@@ -252,7 +252,7 @@ def load_object(src: Location, workspace: Path, progress: Progress = NO_PROGRESS
     When ``src`` has no record, the record beside ``copy_of`` verifies it if it lists the copied bytes; if it
     does not (or there is none), the object is what it would be without ``copy_of``: unverified."""
     load = _Load(progress, max_expand, on_verified, only)
-    record_loc = src.sibling(MANIFEST_SUFFIX)
+    record_loc = src.sibling(RECORD_SUFFIX)
     record = read_record(record_loc)
     if record is None and copy_of is not None:
         copied = _load_copy(src, copy_of, workspace, load)
@@ -279,7 +279,7 @@ def load_object(src: Location, workspace: Path, progress: Progress = NO_PROGRESS
         if record is not None and record.objects:
             raise CheckpointCorruptError(
                 f"the checkpoint at {src.uri} is recorded as saved but its object is missing; it was deleted "
-                f"or moved. Restore the object, or delete its record ({MANIFEST_SUFFIX}) to start over.")
+                f"or moved. Restore the object, or delete its record ({RECORD_SUFFIX}) to start over.")
         if src.container_missing():
             raise StorageNotFound(f"could not load {src.uri}: the bucket or container does not exist. "
                                   "Create it, or fix the URI.")
@@ -292,7 +292,7 @@ def load_object(src: Location, workspace: Path, progress: Progress = NO_PROGRESS
 def _load_copy(src: Location, copy_of: Location, workspace: Path, load: _Load) -> Path | None:
     """``src`` loaded and verified against the record beside ``copy_of``; None (nothing loaded, the progress
     rewound) when there is no such record, no object at ``src``, or the record does not list its bytes."""
-    record = read_record(copy_of.sibling(MANIFEST_SUFFIX), tolerate_corrupt=True)
+    record = read_record(copy_of.sibling(RECORD_SUFFIX), tolerate_corrupt=True)
     if record is None or not record.objects:
         return None
     try:
@@ -304,7 +304,7 @@ def _load_copy(src: Location, copy_of: Location, workspace: Path, load: _Load) -
 
 #: The advice of a load that met an object its record does not list.
 _UNLISTED_ADVICE = (f"Save a new checkpoint, or load an older one; if another tool replaced it on purpose, delete "
-                    f"its record ({MANIFEST_SUFFIX}) to load it unverified.")
+                    f"its record ({RECORD_SUFFIX}) to load it unverified.")
 
 
 def _loadlisted(src: Location, workspace: Path, record: Record | None, load: _Load,

@@ -33,7 +33,7 @@ from typing import Any, ClassVar, Protocol
 from .index import ArchiveIndex
 from .sealing import CHECK, CRC32, known_fields_if_unchecked, parse, sealed
 
-MANIFEST_SUFFIX = ".taskpoint.json"
+RECORD_SUFFIX = ".taskpoint.json"
 #: The codec of a manager step whose files another writer stored (taskpoint.torch): its manifest names their
 #: own file-set manifest (:mod:`taskpoint.format.fileset`) by size and sha256.
 FILESET_CODEC = "fileset"

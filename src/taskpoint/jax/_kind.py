@@ -35,7 +35,7 @@ from ..format.fileset import FileEntry, FileSetManifest
 from ..format.records import ObjectRecord, StepManifest
 from ..manager.kinds import GONE_HOW, Checked, Described, Gone, Parts, Saved, SaveJob, register_step_kind
 from ..manager.steps import MANIFEST_NAME as STEP_MANIFEST
-from ..manager.steps import StepObjects, StepStore, quietly, stored_names
+from ..manager.steps import StepObjects, StepStore, best_effort, stored_names
 from ..payloads import DirectoryPayload
 from ..storage import WRITE_PIECE, Location, copy_fd_in_kernel, digest_by_reading
 from ..workspace import Staging
@@ -295,8 +295,8 @@ class PyTreeKind:
         except (CheckpointCorruptError, FileNotFoundError):
             return set()
         del listed  # read only to tell a step whose list is readable
-        quietly(tree.remove_tree)
-        quietly(steps.object(step, content.manifest).remove)
+        best_effort(tree.remove_tree)
+        best_effort(steps.object(step, content.manifest).remove)
         return {content.manifest}
 
     def describe(self, parts: Parts, step: int, manifest: StepManifest) -> Described:

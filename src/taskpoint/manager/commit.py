@@ -17,18 +17,18 @@ from .._progress import NO_PROGRESS, Progress
 from ..format.records import StepContent
 from ..payloads import Payload
 from .background import Handover
-from .claims import Claims
+from .in_use import InUse
 from .kinds import Parts, SaveJob, StepKind, StepKinds
 from .protect import Guard
-from .steps import quietly
+from .steps import best_effort
 
 
 class StepWriter:
     """Writes the steps of one manager, each through its kind, and applies retention after each commit."""
 
-    def __init__(self, parts: Parts, claims: Claims, guard: Guard, kinds: StepKinds, savers: Sequence[StepKind]
+    def __init__(self, parts: Parts, in_use: InUse, guard: Guard, kinds: StepKinds, savers: Sequence[StepKind]
                  ) -> None:
-        self._parts, self._claims, self._guard, self._kinds = parts, claims, guard, kinds
+        self._parts, self._in_use, self._guard, self._kinds = parts, in_use, guard, kinds
         self._savers = tuple(savers)
         #: The last step this writer saved (its shard, with several ranks), committed or not.
         self.last_step: int | None = None
@@ -58,9 +58,9 @@ class StepWriter:
             steps = self._parts.steps
             steps.committed(step)
             self._guard.committed(step, metadata)
-            if replaced and not self._claims.is_restoring(step):
+            if replaced and not self._in_use.is_restoring(step):
                 for name in replaced - saved.names:
-                    quietly(steps.object(step, name).remove)
+                    best_effort(steps.object(step, name).remove)
             self.tidy()
         return _log.transferred("save", self._parts.steps.step_uri(step), data.kind, saved.sent, clock, step)
 

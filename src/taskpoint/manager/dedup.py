@@ -34,7 +34,7 @@ from ..payloads import BytesPayload, DirectoryPayload, Payload
 from .chunks import ChunkStore, source_tree
 from .leases import fresh, renewing
 from .snapshots import ReadIndex, Snapshot, trust_lstat
-from .steps import StepStore, quietly
+from .steps import StepStore, best_effort
 
 #: Size of a chunk: 4 MiB (see docs/manager.md for why fixed-size chunks, and why this size).
 CHUNK_SIZE = 4 << 20
@@ -92,7 +92,7 @@ class Dedup:
                     self.chunks.epoch = self._lease_epoch
                 yield
         finally:
-            quietly(lambda: self.chunks.remove_lease(name))
+            best_effort(lambda: self.chunks.remove_lease(name))
 
     def _settled_epoch(self) -> bytes | None:
         """The epoch, read before a listing of the leases that shows no sweep in flight (waiting for those it
@@ -245,11 +245,11 @@ class Dedup:
             self._unswept and time.time() - self._swept_at >= self.grace)
 
     def sweep(self) -> list[str]:
-        """The sweep of a save (after its commit): :meth:`collect` with the manager's grace."""
+        """The sweep of a save (after its commit): :meth:`sweep_chunks` with the manager's grace."""
         self._swept_deleted, self._swept_at = self.steps.deleted, time.time()
-        return self.collect(self.grace)
+        return self.sweep_chunks(self.grace)
 
-    def collect(self, grace: float, *, dry_run: bool = False) -> list[str]:
+    def sweep_chunks(self, grace: float, *, dry_run: bool = False) -> list[str]:
         """Remove the chunks that no committed manifest names, older than ``grace``, unless a save is in flight
         (a fresh save lease, by the longer of ``grace`` and its own); return their URIs. Also removes leases
         stale by that rule (of killed saves) and temp files older than ``grace``."""
@@ -266,10 +266,10 @@ class Dedup:
                 return []  # a save may be about to name any chunk: sweep another time
             if not dry_run:
                 for name in leases.keys() - alive - {lock}:  # of killed saves and sweeps
-                    quietly(lambda name=name: self.chunks.remove_lease(name))  # type: ignore[misc]
+                    best_effort(lambda name=name: self.chunks.remove_lease(name))  # type: ignore[misc]
                 for relative, mtime in self.chunks.temp_files().items():  # of killed writes (local disk)
                     if not fresh(mtime, started, grace):
-                        quietly(self.chunks.root.child(relative).remove)
+                        best_effort(self.chunks.root.child(relative).remove)
             referenced = self._referenced()
             if referenced is None:
                 self._unswept = self._unswept or not dry_run
@@ -304,7 +304,7 @@ class Dedup:
             return removed
         finally:
             if lock is not None:
-                quietly(lambda: self.chunks.remove_lease(lock))
+                best_effort(lambda: self.chunks.remove_lease(lock))
 
     def _referenced(self) -> set[str] | None:
         """Every chunk that a committed manifest names, from a fresh listing of the steps; None when a manifest

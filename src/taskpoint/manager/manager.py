@@ -2,7 +2,7 @@
 
 The manager orchestrates; the parts live beside it: :mod:`.steps` (layout, manifests, listing, sweeping),
 :mod:`.retention` (which steps to keep), :mod:`.restore` (verified reads that follow concurrent writers),
-:mod:`.background` and :mod:`.saver` (background saves and their process), :mod:`.claims` (steps being
+:mod:`.background` and :mod:`.saver` (background saves and their process), :mod:`.in_use` (steps being
 restored or deleted in this process), :mod:`.shards` (steps saved by several ranks, committed by rank 0).
 
 Every save writes its payload under a name of its own and the manifest names the payload it commits, so two
@@ -35,10 +35,10 @@ from .agreement import AGREEMENT_FOLDER, Agreement
 from .attempts import running_attempt
 from .background import Background, Handover
 from .chunks import ChunkStore
-from .claims import Claims
 from .commit import StepWriter
 from .dedup import Dedup
 from .emergency import PreemptionPolicy
+from .in_use import InUse
 from .kinds import KINDS, Parts
 from .kinds.chunked import CHUNKED
 from .kinds.payload import PAYLOAD
@@ -163,8 +163,8 @@ class CheckpointManager(StepQueries):
         self._level = level
         self._async_save = bool(async_save)
         root = Location(uri, storage_options, retry)
-        self._claims = Claims((str(root.fs.protocol), root.path))
-        self._steps = StepStore(root, self._claims, KINDS)
+        self._in_use = InUse((str(root.fs.protocol), root.path))
+        self._steps = StepStore(root, self._in_use, KINDS)
         chunks = ChunkStore(root, "zstd" if codec is None else codec, level)
         self._dedup = Dedup(self._steps, chunks, self._grace)
         agreement = Agreement(self._plan.ranks, self._plan.commit_timeout, root.child(AGREEMENT_FOLDER),
@@ -172,8 +172,8 @@ class CheckpointManager(StepQueries):
         self._parts = Parts(self._steps, self._codec, level, self._grace, self._plan,
                             Rebuilder(self._steps, chunks, self._dedup.workers), self._dedup if dedup else None,
                             agreement.while_committing)
-        self._reader = StepReader(self._parts, self._claims, KINDS)
-        self._guard = Guard(self._steps, self._claims, self._retention, self._grace)
+        self._reader = StepReader(self._parts, self._in_use, KINDS)
+        self._guard = Guard(self._steps, self._in_use, self._retention, self._grace)
         self._lock = threading.RLock()  # save, delete, gc, close and wait_until_finished, one at a time
         #: The step the last successful :meth:`restore` returned (useful with ``fallback=True``).
         self.restored_step: int | None = None
@@ -182,7 +182,7 @@ class CheckpointManager(StepQueries):
         self._closed = False
         self._background = Background(uri, snapshots, bool(background_process) and root.backend.shared)
         # The kinds a payload is saved as, the first that accepts it: several ranks, dedup=True, else one object.
-        self._writer = StepWriter(self._parts, self._claims, self._guard, KINDS, (SHARDED, CHUNKED, PAYLOAD))
+        self._writer = StepWriter(self._parts, self._in_use, self._guard, KINDS, (SHARDED, CHUNKED, PAYLOAD))
         self._preemption = PreemptionPolicy(preemption, on_preemption, agreement)
         self._tier = None if local_dir is None else LocalTier.open(type(self), local_dir, local_keep, remote_every, {
             "codec": codec, "level": level, "retry": retry, "grace_seconds": grace_seconds, "dedup": dedup,
@@ -385,7 +385,7 @@ class CheckpointManager(StepQueries):
             folders = self._steps.scan()
             return (self._steps.sweep(folders, grace, dry_run=dry_run)
                     + self._steps.sweep_uploads(grace, dry_run=dry_run)
-                    + self._dedup.collect(grace, dry_run=dry_run)
+                    + self._dedup.sweep_chunks(grace, dry_run=dry_run)
                     + (self._tier.local.gc(grace, dry_run=dry_run) if self._tier is not None else []))
 
     # -- async twins ---------------------------------------------------------------------------------------

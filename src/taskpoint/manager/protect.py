@@ -6,7 +6,7 @@ Retention deletes what its policy (:mod:`.retention`) lets go, less the steps pr
   step to resume from, whatever ``keep_best`` prefers;
 - the step this manager restored from, until it commits a newer one: a run that resumed from an older step
   (``fallback=True``) keeps it until it has a successor;
-- a step being restored, here (the process's claims) or by another process (a fresh restore lease in the
+- a step being restored, here (the steps this process has in use) or by another process (a fresh restore lease in the
   step's folder), or being committed by rank 0 of another process (its commit lease).
 
 The metric of ``keep_best`` comes from each step's metadata: remembered for the steps this manager commits,
@@ -21,10 +21,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ..errors import CheckpointCorruptError, CheckpointError
-from .claims import Claims
+from .in_use import InUse
 from .leases import alive, lease_body, renewing
 from .retention import KeepPolicy
-from .steps import COMMIT_LEASE, MANIFEST_NAME, RESTORE_LEASE, Folder, StepStore, quietly
+from .steps import COMMIT_LEASE, MANIFEST_NAME, RESTORE_LEASE, Folder, StepStore, best_effort
 
 NEWEST = "it is the newest committed step that verifies (a run must have a step to resume from)"
 RESTORED = "this manager restored from it and has not committed a newer step since"
@@ -35,8 +35,8 @@ ELSEWHERE = "another process is restoring or committing it (a fresh lease in its
 class Guard:
     """The retention of one manager: its policy's choice less the protected steps, and the metric cache."""
 
-    def __init__(self, steps: StepStore, claims: Claims, policy: KeepPolicy, grace: float) -> None:
-        self._steps, self._claims, self.policy, self._grace = steps, claims, policy, grace
+    def __init__(self, steps: StepStore, in_use: InUse, policy: KeepPolicy, grace: float) -> None:
+        self._steps, self._in_use, self.policy, self._grace = steps, in_use, policy, grace
         self._metrics: dict[int, tuple[float | None, float | None]] = {}  # step -> (manifest mtime, value)
         self._good: set[int] = set()  # steps whose manifest this manager wrote or read intact
         #: The step the last restore of this manager returned, protected until a newer step is committed here.
@@ -72,15 +72,15 @@ class Guard:
             raise FileNotFoundError(f"step {step} does not exist in {where}")
         committed = {number for number, found in folders.items() if found.committed}
         rule = None if force else self.rule(step, self.newest_verified(committed), folder)
-        if rule is not None and not self._claims.is_restoring(step):
+        if rule is not None and not self._in_use.is_restoring(step):
             raise CheckpointError(f"step {step} in {where} is protected: {rule}. Pass force=True to delete it anyway")
-        if not self._claims.start_delete(step):
+        if not self._in_use.start_delete(step):
             raise CheckpointError(f"step {step} in {where} is being restored; delete it once the restore has finished")
         try:
             self._steps.delete_step(step, folder, self._grace)
             self.deleted(step)
         finally:
-            self._claims.end_delete(step)
+            self._in_use.end_delete(step)
 
     # -- retention -----------------------------------------------------------------------------------------
 
@@ -105,7 +105,7 @@ class Guard:
             return NEWEST
         if step == self.restored:
             return RESTORED
-        if self._claims.is_restoring(step):
+        if self._in_use.is_restoring(step):
             return RESTORING
         if self.leased_elsewhere(step, folder):
             return ELSEWHERE
@@ -180,6 +180,6 @@ def restore_lease(steps: StepStore, step: int, grace: float) -> Iterator[None]:
                       "taskpoint-restore-lease"):
             yield
     finally:
-        quietly(lease.remove)
+        best_effort(lease.remove)
         # The lease may have made the folder of a step that does not exist (local disk); rmdir keeps a full one.
-        quietly(steps.root.child(f"ckpt-{step}").remove_empty_folder)
+        best_effort(steps.root.child(f"ckpt-{step}").remove_empty_folder)

@@ -12,7 +12,7 @@ from .. import _log
 from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointCorruptError, CheckpointError, add_note
 from ..workspace import Workspace
-from .claims import Claims
+from .in_use import InUse
 from .kinds import Gone, Parts, StepKinds, partial_kind
 from .protect import restore_lease
 
@@ -30,11 +30,11 @@ def candidates(committed: Iterable[int], step: int | None, fallback: bool) -> li
 class StepReader:
     """Reads steps of one directory into a folder of the caller's, or into a workspace of its own."""
 
-    def __init__(self, parts: Parts, claims: Claims, kinds: StepKinds) -> None:
+    def __init__(self, parts: Parts, in_use: InUse, kinds: StepKinds) -> None:
         self._parts, self._kinds = parts, kinds
         self._steps = parts.steps
         self._grace = parts.grace  # of the lease a restore holds on its step (other processes' retention keeps it)
-        self._claims = claims
+        self._in_use = in_use
         self._lock = threading.Lock()  # restores into the reader's own workspace
         self._workspace: Workspace | None = None
 
@@ -63,11 +63,7 @@ class StepReader:
         first_error: Exception | None = None
         for index, candidate in enumerate(candidates):
             try:
-                progress.rewind()
-                result = self.read(candidate, into, progress, paths)
-                if clock is not None:
-                    self._log_restore(candidate, clock)
-                return candidate, result
+                return candidate, self.read_logged(candidate, into, progress, paths, clock)
             except (CheckpointCorruptError, FileNotFoundError) as exc:
                 missing_request = index == 0 and requested and isinstance(exc, FileNotFoundError)
                 if not fallback or missing_request:
@@ -78,6 +74,16 @@ class StepReader:
         assert first_error is not None
         add_note(first_error, "no older step could be restored either")
         raise first_error
+
+    def read_logged(self, step: int, into: Path | None, progress: Progress, paths: Sequence[str] | None,
+                    clock: _log.Clock | None) -> Path:
+        """:meth:`read` with ``progress`` counted from zero, then the load's INFO record (when ``clock`` is given:
+        a restore the caller asked for, not a read inside another operation)."""
+        progress.rewind()
+        result = self.read(step, into, progress, paths)
+        if clock is not None:
+            self._log_restore(step, clock)
+        return result
 
     def _log_restore(self, step: int, clock: _log.Clock) -> None:
         """The INFO record of a restore; the size and kind come from the step's manifest (read again, and
@@ -91,13 +97,13 @@ class StepReader:
     def read(self, step: int, into: Path | None, progress: Progress = NO_PROGRESS,
              paths: Sequence[str] | None = None) -> Path:
         """Restore ``step`` (only ``paths`` when given) into ``into``, or into ``<own workspace>/ckpt-<step>``."""
-        if not self._claims.start_restore(step):
+        if not self._in_use.start_restore(step):
             raise FileNotFoundError(f"step {step} in {self.directory} is being deleted")
         try:
             with restore_lease(self._steps, step, self._grace):
                 return self._read_held(step, into, progress, paths)
         finally:
-            self._claims.end_restore(step)
+            self._in_use.end_restore(step)
 
     def _read_held(self, step: int, into: Path | None, progress: Progress, paths: Sequence[str] | None) -> Path:
         if into is not None:

@@ -35,7 +35,7 @@ from ..payloads import Payload
 from ..ranks import Ranks, incarnation_from_environment, resolve_ranks
 from ..storage import Location
 from .leases import lease_body, renewing
-from .steps import MANIFEST_NAME, RANK_RECORD, StepStore, commit_lease_name, quietly, shard_record_name
+from .steps import MANIFEST_NAME, RANK_RECORD, StepStore, best_effort, commit_lease_name, shard_record_name
 
 #: How long rank 0 waits, by default, for every rank's shard of a step before abandoning it (seconds).
 DEFAULT_COMMIT_TIMEOUT = 600.0
@@ -131,7 +131,7 @@ class ShardWriter:
                 self._steps.object(step, MANIFEST_NAME).write_small(orphan.manifest(shards).to_bytes(),
                                                                     action="commit the checkpoint at")
         finally:
-            quietly(lease.remove)
+            best_effort(lease.remove)
         forget_records(folder, range(1, len(shards)))
         return size, {shard.payload for shard in shards}
 
@@ -143,7 +143,7 @@ class ShardWriter:
         deadline = time.monotonic() + self._plan.commit_timeout
         pause = POLL_FIRST
         while True:
-            collect(folder, step, world, round_, found, stale)
+            gather(folder, step, world, round_, found, stale)
             if len(found) == world:
                 return tuple(found[rank] for rank in range(world))
             if self._waiting is not None:
@@ -165,7 +165,7 @@ class ShardWriter:
             pause = min(pause * 1.5, POLL_LONGEST)
 
 
-def collect(folder: Location, step: int, world: int, round_: str, found: dict[int, Shard], stale: set[int]) -> None:
+def gather(folder: Location, step: int, world: int, round_: str, found: dict[int, Shard], stale: set[int]) -> None:
     """One listing of the step's folder: add to ``found`` the shards whose records of ``round_`` appeared, and
     to ``stale`` the ranks whose record is of another launch (or unreadable). A record not accepted yet is read
     again on every listing: a rewrite within the same second (the resolution of some stores' modification
@@ -199,7 +199,7 @@ def _read_record(location: Location) -> ShardRecord | None:
 def forget_records(folder: Location, ranks: Iterable[int]) -> None:
     """Remove these ranks' records of the step (best effort: what stays is swept after the grace period)."""
     for rank in ranks:
-        quietly(folder.child(shard_record_name(rank)).remove)
+        best_effort(folder.child(shard_record_name(rank)).remove)
 
 
 @dataclass(frozen=True)
@@ -246,7 +246,7 @@ class ShardOrphan:
             return
         found, stale = {0: self.shard(size, digest)}, set[int]()
         while True:
-            collect(folder, self.step, self.ranks.world_size, self.round, found, stale)
+            gather(folder, self.step, self.ranks.world_size, self.round, found, stale)
             if len(found) == self.ranks.world_size:
                 break
             if time.monotonic() >= deadline:

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 from ..errors import CheckpointCorruptError, SaveStalledError, StorageNotFound
 from ..format.records import StepContent, StepManifest
 from ..storage import Location, modified_time
-from .claims import Claims
+from .in_use import InUse
 from .leases import alive, fresh
 
 #: Name of a step's manifest inside its folder; its presence is the step's commit.
@@ -138,9 +138,9 @@ class Folder:
 class StepStore:
     """The steps of the directory ``root``: where each object lives, what the listing holds, what may go."""
 
-    def __init__(self, root: Location, claims: Claims, kinds: KindLookup) -> None:
+    def __init__(self, root: Location, in_use: InUse, kinds: KindLookup) -> None:
         self.root = root
-        self._claims = claims
+        self._in_use = in_use
         self.kinds = kinds
         self._container_seen = False  # the bucket or container is known to exist
         #: Committed steps as last listed, plus those committed here since; None before the first listing.
@@ -267,22 +267,22 @@ class StepStore:
             self._listed_at = time.time()
             folders = self.scan()
             self._known = {step for step, folder in folders.items() if folder.committed}
-            self.let_go(choose(set(self._known), folders), folders, grace)
+            self.retire(choose(set(self._known), folders), folders, grace)
             return self.sweep(folders, grace)
         gone = choose(set(self._known), None)
-        self.let_go(gone, {step: Folder() for step in gone}, grace)
+        self.retire(gone, {step: Folder() for step in gone}, grace)
         return []
 
-    def let_go(self, steps: list[int], folders: dict[int, Folder], grace: float) -> None:
+    def retire(self, steps: list[int], folders: dict[int, Folder], grace: float) -> None:
         """Delete ``steps`` (retention's choice), taking each out of ``folders``; a step being restored in this
         process is skipped (a later save deletes it)."""
         for step in steps:
-            if not self._claims.start_delete(step):
+            if not self._in_use.start_delete(step):
                 continue
             try:
                 self.delete_step(step, folders.pop(step), grace)
             finally:
-                self._claims.end_delete(step)
+                self._in_use.end_delete(step)
 
     def delete_step(self, step: int, folder: Folder, grace: float) -> None:
         """Delete a step: its manifest first (so it stops existing at once), then its payload and leftovers."""
@@ -305,7 +305,7 @@ class StepStore:
         for step, folder in sorted(folders.items()):
             keep: set[str] = set()
             if folder.committed:
-                if self._claims.is_restoring(step):
+                if self._in_use.is_restoring(step):
                     continue
                 extras = [name for name in folder.objects if name != MANIFEST_NAME and self.ours(name, True)]
                 if len(extras) <= 1:
@@ -378,7 +378,7 @@ class StepStore:
         return removed
 
 
-def quietly(action: Callable[[], object]) -> None:
+def best_effort(action: Callable[[], object]) -> None:
     """Best-effort cleanup: whatever it leaves is a leftover that gc removes later."""
     with contextlib.suppress(Exception):
         action()

@@ -25,7 +25,7 @@ from typing import Any, Protocol, cast
 from .. import _log
 from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointCorruptError, CheckpointError
-from ..format.records import StepManifest
+from ..format.records import ObjectRecord, StepManifest
 from ..payloads import FilePayload, Payload
 from ..storage import Location, RetryPolicy
 from ._checks import positive_or_none
@@ -36,7 +36,7 @@ from .kinds.payload import PAYLOAD, PayloadObject
 from .kinds.sharded import Shards
 from .restore import StepReader, candidates
 from .shards import ShardOrphan, ShardWriter
-from .steps import MANIFEST_NAME, StepStore, quietly
+from .steps import MANIFEST_NAME, StepStore, best_effort
 from .tier_ranks import RankVote, RecordedKind, VerifiedShard, own_shard_digest
 
 
@@ -304,23 +304,30 @@ class LocalTier:
         target, commit = self._steps.object(step, content.name), self._steps.object(step, MANIFEST_NAME)
         orphan = PromotionCommit(commit.uri, commit.storage_options, commit.retry, manifest)
         try:
-            stored = store_payload(target, FilePayload(source), self._codec, None, handover, orphan, progress)
-            if stored != (record.size, record.sha256):
-                quietly(target.remove)
-                raise CheckpointCorruptError(
-                    f"step {step} in {self.local.directory} does not match its manifest (read {stored[0]} bytes, "
-                    f"expected {record.size}): it is damaged and was not promoted to {self._steps.directory}")
+            stored = self._store_checked(target, source, record, handover, orphan, progress, f"step {step}")
             self._steps.check_stored(step, {content.name: stored[0]})
             commit.write_small(manifest.to_bytes(), action="promote the checkpoint to")
         finally:
             if handover is not None:
                 handover.finish()
         for name in (replaced or set()) - {content.name}:
-            quietly(self._steps.object(step, name).remove)
+            best_effort(self._steps.object(step, name).remove)
         self._steps.committed(step)
         self._on_commit(step, manifest.metadata)
         _log.transferred("promote", self._steps.step_uri(step), record.kind, stored[0], clock, step)
         self._writer.tidy()
+
+    def _store_checked(self, target: Location, source: Path, record: ObjectRecord, handover: Handover | None,
+                       orphan: Any, progress: Progress, what: str) -> tuple[int, str]:
+        """Copy the local payload ``source`` to ``target`` and check the copy against the local manifest's
+        ``record``: one that does not match is removed and CheckpointCorruptError raised naming ``what``."""
+        stored = store_payload(target, FilePayload(source), self._codec, None, handover, orphan, progress)
+        if stored != (record.size, record.sha256):
+            best_effort(target.remove)
+            raise CheckpointCorruptError(
+                f"{what} in {self.local.directory} does not match its manifest (read {stored[0]} bytes, expected "
+                f"{record.size}): it is damaged and was not promoted to {self._steps.directory}")
+        return stored
 
     def _promote_shard(self, step: int, manifest: StepManifest, source: Path, handover: Handover | None,
                        progress: Progress) -> int:
@@ -331,13 +338,8 @@ class LocalTier:
 
         def store(target: Location, orphan: ShardOrphan) -> tuple[int, str]:
             checked = VerifiedShard(orphan, record.size or 0, record.sha256 or "")
-            stored = store_payload(target, FilePayload(source), self._codec, None, handover, checked, progress)
-            if stored != (record.size, record.sha256):
-                quietly(target.remove)
-                raise CheckpointCorruptError(
-                    f"rank {self._ranks.rank}'s shard of step {step} in {self.local.directory} does not match its "
-                    f"manifest: it is damaged and was not promoted to {self._steps.directory}")
-            return stored
+            return self._store_checked(target, source, record, handover, checked, progress,
+                                       f"rank {self._ranks.rank}'s shard of step {step}")
 
         writer = ShardWriter(self._steps, self._parts.plan, self._parts.grace, self._parts.waiting)
         size, _ = writer.write(step, manifest.metadata, manifest.attempt, cast(Payload, RecordedKind(record.kind)),
@@ -368,11 +370,7 @@ def _read_first(number: int, sources: list[tuple[StepReader, str]], into: Path |
     first_error: Exception | None = None
     for source, (copy, where) in enumerate(sources):
         try:
-            progress.rewind()
-            result = copy.read(number, into, progress, paths)
-            if clock is not None:
-                copy._log_restore(number, clock)
-            return result, first_error
+            return copy.read_logged(number, into, progress, paths, clock), first_error
         except (CheckpointCorruptError, FileNotFoundError) as exc:
             first_error = first_error or exc
             then = (f"restoring its copy in {sources[source + 1][1]}" if source + 1 < len(sources)

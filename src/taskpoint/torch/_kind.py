@@ -23,7 +23,7 @@ from ..format.fileset import FileEntry, FileSetManifest
 from ..format.records import FILESET_CODEC, ObjectRecord, StepManifest
 from ..manager.kinds import Checked, Described, Parts, Saved, SaveJob, register_step_kind, stored_part
 from ..manager.steps import MANIFEST_NAME as STEP_MANIFEST
-from ..manager.steps import StepObjects, StepStore, quietly, stored_names
+from ..manager.steps import StepObjects, StepStore, best_effort, stored_names
 from ._layout import DATA_FILE, MANIFEST_NAME, METADATA_NAME
 
 #: What a save of such a step writes before its commit: swept from a step folder that no manifest commits.
@@ -124,8 +124,8 @@ class DcpKind:
         except (CheckpointCorruptError, FileNotFoundError):
             return set()
         for each in files:
-            quietly(steps.object(step, each).remove)
-        quietly(steps.object(step, name).remove)
+            best_effort(steps.object(step, each).remove)
+        best_effort(steps.object(step, name).remove)
         return {name, *files}
 
     def describe(self, parts: Parts, step: int, manifest: StepManifest) -> Described:

@@ -32,7 +32,7 @@ from ..errors import CheckpointCorruptError
 from ..format.records import ObjectRecord, StepManifest
 from ..manager.kinds import GONE_HOW, Checked, Described, Gone, Parts, Saved, SaveJob, register_step_kind
 from ..manager.steps import MANIFEST_NAME as STEP_MANIFEST
-from ..manager.steps import StepObjects, StepStore, quietly, stored_names
+from ..manager.steps import StepObjects, StepStore, best_effort, stored_names
 from ..payloads import DirectoryPayload
 from ..storage import WRITE_PIECE
 from ..workspace import Staging
@@ -199,7 +199,7 @@ class StateDictKind:
 
     def delete(self, steps: StepStore, step: int, manifest: StepManifest) -> set[str]:
         name = _content(manifest).file
-        quietly(steps.object(step, name).remove)
+        best_effort(steps.object(step, name).remove)
         return {name}
 
     def describe(self, parts: Parts, step: int, manifest: StepManifest) -> Described:

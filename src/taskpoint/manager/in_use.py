@@ -6,7 +6,7 @@ import collections
 import threading
 
 
-class Claims:
+class InUse:
     """Steps this process is restoring or deleting, per directory, shared by all managers in the process.
 
     Retention and ``CheckpointManager.delete`` skip a step being restored; a restore treats a step being
