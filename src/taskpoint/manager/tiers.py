@@ -26,7 +26,7 @@ from .. import _log
 from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..format.records import ObjectRecord, StepManifest
-from ..payloads import FilePayload, Payload
+from ..payloads import FilePayload, Payload, payload_for
 from ..storage import Location, RetryPolicy
 from ._checks import positive_or_none
 from .background import Background, Handover, store_payload
@@ -57,6 +57,9 @@ class LocalManager(Protocol):
     def close(self) -> None: ...
     def gc(self, grace_seconds: float | None = None, *, dry_run: bool = False) -> list[str]: ...
 
+#: The payload kinds a tiered manager saves: those stored as one payload object, which a promotion copies whole
+#: (an extra's step kind, such as a PyTree's files or a torch state dict, is refused at save time).
+PROMOTED_KINDS = frozenset({"bytes", "file", "directory"})
 #: The names ``steps(tier=...)`` accepts (None: both tiers).
 TIERS = ("local", "remote")
 #: The share of the time left before a preemption notice's deadline that the emergency save gives the
@@ -213,6 +216,11 @@ class LocalTier:
         if not overwrite and self._steps.committed_objects(step)[0]:
             raise FileExistsError(f"step {step} already exists in {self._steps.directory}; pass overwrite=True to "
                                   "replace it, or save under a new step")
+        kind = payload_for(data).kind  # cheap: a payload is serialized only when it is stored
+        if kind not in PROMOTED_KINDS:
+            raise TypeError(f"a manager with local_dir saves bytes, files and directories; a {kind!r} payload (a "
+                            "step kind of a taskpoint extra) is not promoted by the local tier: save it with a "
+                            "manager without local_dir")
         uri = self.local.save(data, step, metadata=metadata, overwrite=overwrite or self._ranks.distributed,
                               blocking=not background, progress=progress)
         if step % self.remote_every == 0:
