@@ -10,7 +10,6 @@ and digest passes. The checkpoint record protocol (:mod:`taskpoint.checkpoint`) 
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import os
 import shutil
 import tempfile
@@ -19,9 +18,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from ._progress import NO_PROGRESS, Progress
+from .digests import DIGESTS, streaming_hash
 from .errors import CheckpointCorruptError, CheckpointError
 from .format.codecs import BLOCK_SIZE, Codec, detect_codec, holds_tar
-from .format.pgzip import crc32
 from .format.space import check_room
 from .payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, Payload
 from .signals import uninterrupted
@@ -56,32 +55,13 @@ class SourceIsFolder(CheckpointError):
         self.uri = uri
 
 
-class _Crc32:
-    """CRC32 of a stream (ISA-L: ~10 GB/s). With the size, it catches every truncation and every burst of
-    damage up to 32 bits for certain, other random damage with probability 1 - 2**-32."""
-
-    def __init__(self) -> None:
-        self._crc = 0
-
-    def update(self, data: Any) -> None:
-        self._crc = crc32(data, self._crc)
-
-    def hexdigest(self) -> str:
-        return f"{self._crc & 0xFFFFFFFF:08x}"
-
-
-#: Digest algorithms for stored objects: sha256 for the versioned manager (its manifests promise it),
-#: crc32 for single checkpoints, where it keeps saves and loads at disk speed.
-DIGESTS: dict[str, Callable[[], Any]] = {"sha256": hashlib.sha256, "crc32": _Crc32}
-
-
 class HashingWriter:
     """Passes bytes to a sink, counting and hashing them (and reporting them to ``progress``); remembers
     whether the sink itself failed."""
 
     def __init__(self, sink: IO[bytes], digest: str = "sha256", progress: Progress = NO_PROGRESS) -> None:
         self._sink = sink
-        self._hash = DIGESTS[digest]()
+        self._hash = streaming_hash(digest)  # sha256 on a thread of its own, overlapping the writes
         self._progress = progress
         self.size = 0
         self.failed = False
@@ -111,7 +91,7 @@ class HashingReader:
 
     def __init__(self, source: IO[bytes], digest: str = "sha256", progress: Progress = NO_PROGRESS) -> None:
         self._source = source
-        self._hash = DIGESTS[digest]()
+        self._hash = streaming_hash(digest)  # sha256 on a thread of its own, overlapping the reads
         self._progress = progress
         self._head = b""
         self.size = 0
