@@ -66,7 +66,7 @@ class Preempted(SystemExit):
     """The attempt ended at a safe point after a preemption notice, once its emergency save committed.
 
     A :class:`SystemExit` (not an :class:`Exception`), so that ``except Exception`` in a training loop does not
-    swallow it, and so that, uncaught, it ends the process best_effort with exit status ``128 + signal`` (143 for
+    swallow it, and so that, uncaught, it ends the process quietly with exit status ``128 + signal`` (143 for
     SIGTERM, 138 for SIGUSR1), the status a process killed by that signal reports to shells and runners.
     ``@task`` never retries it in the process (the process is about to be stopped) and never counts it as a
     failure; the next attempt (the restarted process) resumes from :attr:`step`.
