@@ -15,7 +15,7 @@ import click
 from .. import Checkpoint, CheckpointManager, TransferStats
 from ..storage import Location, safe_uri
 from ._app import ERROR, OK, _command, _Failed, _Missing, cli, logger, progress_option
-from .views import _checkpoint, _human, _location
+from .views import _checkpoint_view, _human, _location
 
 
 @contextmanager
@@ -85,13 +85,7 @@ def pull_command(uri: str, dest: Path, step: int | None, paths: tuple[str, ...],
 
 def _single(loc: Location, step: int | None) -> bool:
     """Whether URI is a single checkpoint (a record or an object there) rather than a manager directory."""
-    if step is not None:
-        return False
-    try:
-        _checkpoint(loc).describe()
-    except FileNotFoundError:
-        return False
-    return True
+    return step is None and _checkpoint_view(loc) is not None
 
 
 @cli.command("cat")

@@ -88,7 +88,7 @@ def verify_command(uri: str, step: int | None, progress: bool | None, local_dir:
     return OK
 
 
-# -- pull and push --------------------------------------------------------------------------------------------
+# -- both tiers of a manager (--local-dir) --------------------------------------------------------------------
 
 
 def _verify_tiers(remote: Location, local: Location, step: int | None, progress: bool | None, started: float) -> int:
