@@ -27,7 +27,7 @@ import zlib
 from collections.abc import Callable
 from typing import IO, Any
 
-from ..storage.streams import read_up_to
+from ..storage.streams import OrderedFutureReader, read_up_to
 
 #: Input bytes per member: large enough that headers and lost dictionary cost nothing, small enough to
 #: keep memory bounded (members in flight x 2 x this).
@@ -248,27 +248,25 @@ class ParallelGzipWriter(io.RawIOBase):
         super().close()
 
 
-class ParallelGzipReader(io.RawIOBase):
+class ParallelGzipReader(OrderedFutureReader):
     """Reads a stream of labelled members, inflating up to 2 x threads of them at once, in order.
 
     The source is read, and cut into members, on a thread of its own (the *cutter*), which also runs whatever
-    the source does as it is read (the sha256 of a restore's :class:`~taskpoint.transfer.HashingReader`); the
-    caller's thread only takes inflated members in order. Reading and hashing, inflating, and the caller's
-    use of the bytes (a tar extraction writing files) then overlap: a plain step's restore ran them all on
-    one thread but the inflation, at 5.4x the time of a raw copy. At most 2 x threads members wait inflated or
-    inflating, so memory stays bounded. :meth:`close` stops the cutter at a member's boundary, so the source
-    may be read on from there (a restore drains it to finish its digest).
+    the source does as it is read (a restore's :class:`~taskpoint.transfer.HashingReader`, which hands the
+    bytes to its sha256 thread); the caller's thread only takes inflated members in order. Reading and
+    hashing, inflating, and the caller's use of the bytes (a tar extraction writing files) then overlap: a
+    plain step's restore ran them all on one thread but the inflation, at 5.4x the time of a raw copy. At most
+    2 x threads members wait inflated or inflating, so memory stays bounded. :meth:`close` stops the cutter at
+    a member's boundary, so the source may be read on from there (a restore drains it to finish its digest).
     """
 
     def __init__(self, source: IO[bytes], *, threads: int | None = None) -> None:
-        super().__init__()
         threads = threads or _workers()
+        super().__init__(threads, "taskpoint-gunzip")
         self._source = source
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="taskpoint-gunzip")
         # Futures of inflated members in order; None at the end; an exception when the cutter failed.
         self._queue: queue.Queue[concurrent.futures.Future[bytes] | BaseException | None] = queue.Queue(threads * 2)
         self._stop = threading.Event()
-        self._out = memoryview(b"")
         self._done = False
         self._cutter = threading.Thread(target=self._cut, name="taskpoint-gunzip-cut", daemon=True)
         self._cutter.start()
@@ -306,25 +304,17 @@ class ParallelGzipReader(io.RawIOBase):
             if not isinstance(item, concurrent.futures.Future):
                 return
 
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buf: Any) -> int:
-        while not self._out:
-            if self._done:
-                return 0
-            item = self._queue.get()
-            if item is None:
-                self._done = True
-                return 0
-            if isinstance(item, BaseException):
-                self._done = True
+    def _next_result(self) -> bytes | None:
+        """The next member inflated, from the cutter's queue; None at the end; the cutter's error."""
+        if self._done:
+            return None
+        item = self._queue.get()
+        if item is None or isinstance(item, BaseException):
+            self._done = True
+            if item is not None:
                 raise item
-            self._out = memoryview(item.result())
-        n = min(len(buf), len(self._out))
-        buf[:n] = self._out[:n]
-        self._out = self._out[n:]
-        return n
+            return None
+        return item.result()
 
     def close(self) -> None:
         if not self.closed:
@@ -336,5 +326,4 @@ class ParallelGzipReader(io.RawIOBase):
                 item = self._queue.get_nowait()
                 if isinstance(item, concurrent.futures.Future):
                     item.cancel()
-            self._pool.shutdown(wait=True, cancel_futures=True)
-        super().close()
+        super().close()  # the pool, shut down with what it still holds cancelled

@@ -27,7 +27,8 @@ class OrderedFutureReader(io.RawIOBase):
     """Serves the results of futures, oldest first, while subclasses keep a bounded number in flight.
 
     Subclasses implement :meth:`_fill` (submit work to ``self._pool`` and append the futures to
-    ``self._pending`` until enough are in flight or the input is exhausted).
+    ``self._pending`` until enough are in flight or the input is exhausted), or, when their futures arrive some
+    other way, :meth:`_next_result` itself.
     """
 
     def __init__(self, workers: int, name: str) -> None:
@@ -42,13 +43,21 @@ class OrderedFutureReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
+    def _next_result(self) -> bytes | None:
+        """The next result in order (waiting for it), None at the end."""
+        self._fill()
+        if not self._pending:
+            return None
+        result = self._pending.popleft().result()
+        self._fill()
+        return result
+
     def readinto(self, buf: Any) -> int:
         while not self._out:
-            self._fill()
-            if not self._pending:
+            result = self._next_result()
+            if result is None:
                 return 0
-            self._out = memoryview(self._pending.popleft().result())
-            self._fill()
+            self._out = memoryview(result)
         n = min(len(buf), len(self._out))
         buf[:n] = self._out[:n]
         self._out = self._out[n:]
