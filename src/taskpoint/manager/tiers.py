@@ -14,11 +14,12 @@ WARNING naming both), then older steps.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -243,7 +244,7 @@ class LocalTier:
         (raising its error when it ended). One still running then goes on in the background, no further step is
         promoted in this attempt, and the emergency save does not wait for it (:attr:`promoting`): the emergency
         step, newer, is the resume point, and a copy cut short by the end of the process is never committed."""
-        self.local.wait_until_finished()
+        self.settle()
         if self._idle.wait(max(0.0, (deadline - now()) * PROMOTION_SHARE_OF_GRACE)):
             self._background.settle(wait=True)
             return
@@ -298,32 +299,37 @@ class LocalTier:
         if current is not None and (current.record.save_id == record.save_id or self._ranks.distributed):
             return  # promoted already (several ranks: every rank sees the same commit, and skips it alike)
         source = Path(self.local._steps.object(step, content.name).path)
-        process = self._background.helper_process()
-        handover = None if process is None else Handover(process, ())
-        clock = _log.Clock()
         if self._ranks.distributed:
-            try:
+            with self._handed_over() as handover:
+                clock = _log.Clock()
                 size = self._promote_shard(step, manifest, source, handover, progress)
-            finally:
-                if handover is not None:
-                    handover.finish()
             _log.transferred("promote", self._steps.step_uri(step), record.kind, size, clock, step)
             return
         target, commit = self._steps.object(step, content.name), self._steps.object(step, MANIFEST_NAME)
         orphan = PromotionCommit(commit.uri, commit.storage_options, commit.retry, manifest)
-        try:
+        with self._handed_over() as handover:
+            clock = _log.Clock()
             stored = self._store_checked(target, source, record, handover, orphan, progress, f"step {step}")
             self._steps.check_stored(step, {content.name: stored[0]})
             commit.write_small(manifest.to_bytes(), action="promote the checkpoint to")
-        finally:
-            if handover is not None:
-                handover.finish()
         for name in (replaced or set()) - {content.name}:
             best_effort(self._steps.object(step, name).remove)
         self._steps.committed(step)
         self._on_commit(step, manifest.metadata)
         _log.transferred("promote", self._steps.step_uri(step), record.kind, stored[0], clock, step)
         self._writer.tidy()
+
+    @contextlib.contextmanager
+    def _handed_over(self) -> Iterator[Handover | None]:
+        """The promotion's way to the save process (None without one), finished when the block ends: the
+        process commits the copy if this process dies first, and only then."""
+        process = self._background.helper_process()
+        handover = None if process is None else Handover(process, ())
+        try:
+            yield handover
+        finally:
+            if handover is not None:
+                handover.finish()
 
     def _store_checked(self, target: Location, source: Path, record: ObjectRecord, handover: Handover | None,
                        orphan: Any, progress: Progress, what: str) -> tuple[int, str]:
