@@ -33,7 +33,7 @@ from .._progress import Progress
 from ..errors import CheckpointCorruptError
 from ..format.fileset import FileEntry, FileSetManifest
 from ..format.records import ObjectRecord, StepManifest
-from ..manager.kinds import GONE_HOW, Checked, Described, Gone, Parts, Saved, SaveJob, register_step_kind
+from ..manager.kinds import GONE_HOW, Checked, Described, Gone, Parts, Saved, SaveJob, content_of, register_step_kind
 from ..manager.steps import MANIFEST_NAME as STEP_MANIFEST
 from ..manager.steps import StepObjects, StepStore, best_effort, stored_names
 from ..payloads import DirectoryPayload
@@ -67,12 +67,6 @@ class PyTreeFiles:
 
     def to_json(self) -> dict[str, Any]:
         return {"folder": self.folder}
-
-
-def _content(manifest: StepManifest) -> PyTreeFiles:
-    content = manifest.content
-    assert isinstance(content, PyTreeFiles)
-    return content
 
 
 def _tree_files(root: Path) -> dict[str, int]:
@@ -188,7 +182,7 @@ class PyTreeKind:
     def files(self, steps: StepStore, step: int, manifest: StepManifest) -> dict[str, FileEntry]:
         """The files of the step's tree by relative path, from its file-set manifest checked against the step's
         manifest. FileNotFoundError when that list is missing, CheckpointCorruptError when it is damaged."""
-        content = _content(manifest)
+        content = content_of(manifest, PyTreeFiles)
         location = steps.object(step, content.manifest)
         data = location.read_small()
         if data is None:
@@ -202,7 +196,7 @@ class PyTreeKind:
                 ) -> Path:
         """Copy the tree's files into ``workspace`` (replacing same-named entries), each checked against its
         sha256 before anything lands. :class:`Gone` when a file is missing."""
-        steps, content = parts.steps, _content(manifest)
+        steps, content = parts.steps, content_of(manifest, PyTreeFiles)
         try:
             listed = self.files(steps, step, manifest)
         except FileNotFoundError:
@@ -258,7 +252,7 @@ class PyTreeKind:
             "it again.")
 
     def verify(self, parts: Parts, step: int, manifest: StepManifest, progress: object) -> Checked:
-        steps, content = parts.steps, _content(manifest)
+        steps, content = parts.steps, content_of(manifest, PyTreeFiles)
         listed = self.files(steps, step, manifest)
         for rel, entry in sorted(listed.items()):
             name = f"{content.folder}/{rel}"
@@ -279,7 +273,7 @@ class PyTreeKind:
     # -- listing and deleting ------------------------------------------------------------------------------
 
     def objects(self, steps: StepStore, step: int, manifest: StepManifest) -> StepObjects:
-        content = _content(manifest)
+        content = content_of(manifest, PyTreeFiles)
         listed = self.files(steps, step, manifest)
         return StepObjects(files={content.manifest: manifest.record.size,
                                   **{f"{content.folder}/{rel}": entry.size for rel, entry in listed.items()}},
@@ -288,7 +282,7 @@ class PyTreeKind:
     def delete(self, steps: StepStore, step: int, manifest: StepManifest) -> set[str]:
         """The tree's folder, whole, then the list of its files. A list it cannot read leaves them to the sweep
         of uncommitted folders."""
-        content = _content(manifest)
+        content = content_of(manifest, PyTreeFiles)
         tree = steps.object(step, content.folder)
         try:
             listed = self.files(steps, step, manifest)
@@ -301,7 +295,7 @@ class PyTreeKind:
 
     def describe(self, parts: Parts, step: int, manifest: StepManifest) -> Described:
         listed = self.files(parts.steps, step, manifest)
-        return Described(payload=_content(manifest).manifest, details={
+        return Described(payload=content_of(manifest, PyTreeFiles).manifest, details={
             "size": sum(entry.size for entry in listed.values()), "payload_size": manifest.record.size,
             "files": len(listed)})
 

@@ -30,7 +30,7 @@ from typing import IO, Any, ClassVar, cast
 from .._progress import Progress
 from ..errors import CheckpointCorruptError
 from ..format.records import ObjectRecord, StepManifest
-from ..manager.kinds import GONE_HOW, Checked, Described, Gone, Parts, Saved, SaveJob, register_step_kind
+from ..manager.kinds import GONE_HOW, Checked, Described, Gone, Parts, Saved, SaveJob, content_of, register_step_kind
 from ..manager.steps import MANIFEST_NAME as STEP_MANIFEST
 from ..manager.steps import StepObjects, StepStore, best_effort, stored_names
 from ..payloads import DirectoryPayload
@@ -58,12 +58,6 @@ class StateDictFile:
 
     def to_json(self) -> dict[str, Any]:
         return {"file": self.file, "piece_size": self.piece_size, "pieces": list(self.pieces)}
-
-
-def _content(manifest: StepManifest) -> StateDictFile:
-    content = manifest.content
-    assert isinstance(content, StateDictFile)
-    return content
 
 
 def _check_path(path: str) -> None:
@@ -121,7 +115,7 @@ class StateDictKind:
     # -- reading -------------------------------------------------------------------------------------------
 
     def _reader(self, parts: Parts, step: int, manifest: StepManifest) -> PieceReader:
-        steps, content = parts.steps, _content(manifest)
+        steps, content = parts.steps, content_of(manifest, StateDictFile)
         source = steps.object(step, content.file)
         size = manifest.record.size
         if size is None or -(-size // content.piece_size) != len(content.pieces) - (size == 0):
@@ -179,7 +173,7 @@ class StateDictKind:
         return io.BufferedReader(self._reader(parts, step, manifest), WRITE_PIECE)
 
     def verify(self, parts: Parts, step: int, manifest: StepManifest, progress: object) -> Checked:
-        content = _content(manifest)
+        content = content_of(manifest, StateDictFile)
         try:
             with self._reader(parts, step, manifest) as reader:
                 size = reader.verify_all()
@@ -195,15 +189,15 @@ class StateDictKind:
     # -- listing and deleting ------------------------------------------------------------------------------
 
     def objects(self, steps: StepStore, step: int, manifest: StepManifest) -> StepObjects:
-        return StepObjects(files={_content(manifest).file: manifest.record.size}, noun="file")
+        return StepObjects(files={content_of(manifest, StateDictFile).file: manifest.record.size}, noun="file")
 
     def delete(self, steps: StepStore, step: int, manifest: StepManifest) -> set[str]:
-        name = _content(manifest).file
+        name = content_of(manifest, StateDictFile).file
         best_effort(steps.object(step, name).remove)
         return {name}
 
     def describe(self, parts: Parts, step: int, manifest: StepManifest) -> Described:
-        content = _content(manifest)
+        content = content_of(manifest, StateDictFile)
         return Described(payload=content.file, details={"pieces": len(content.pieces),
                                                         "piece_size": content.piece_size})
 

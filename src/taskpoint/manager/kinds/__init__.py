@@ -19,7 +19,7 @@ import io
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from ... import _progress
 from ..._progress import Progress
@@ -236,6 +236,17 @@ def register_step_kind(kind: StepKind) -> StepKind:
 def step_kind(name: str, where: str = "a step") -> StepKind:
     """The registered step kind ``name`` (see :meth:`StepKinds.kind`)."""
     return KINDS.kind(name, where)
+
+
+C = TypeVar("C")
+
+
+def content_of(manifest: StepManifest, content_class: type[C]) -> C:
+    """The manifest's content as ``content_class``, the class its kind decodes (a kind is handed only the
+    manifests that name it, so anything else is a bug)."""
+    content = manifest.content
+    assert isinstance(content, content_class)
+    return content
 
 
 def stored_part(parts: Parts, step: int, name: str, size: int | None, sha256: str | None, progress: object,

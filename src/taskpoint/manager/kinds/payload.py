@@ -20,7 +20,19 @@ from ...partial import indexed, open_by_restoring, open_indexed, restore_indexed
 from ...payloads import Payload
 from ..background import store_payload
 from ..steps import MANIFEST_NAME, PAYLOAD_NAME, StepObjects, StepStore, stored_names
-from . import GONE_HOW, Checked, Described, Gone, Parts, Saved, SaveJob, read_object, register_step_kind, stored_part
+from . import (
+    GONE_HOW,
+    Checked,
+    Described,
+    Gone,
+    Parts,
+    Saved,
+    SaveJob,
+    content_of,
+    read_object,
+    register_step_kind,
+    stored_part,
+)
 
 _OWNED = stored_names(PAYLOAD_NAME.pattern)
 
@@ -34,12 +46,6 @@ class PayloadObject:
 
     def to_json(self) -> dict[str, Any]:
         return {"payload": self.name}
-
-
-def _content(manifest: StepManifest) -> PayloadObject:
-    content = manifest.content
-    assert isinstance(content, PayloadObject)
-    return content
 
 
 class PayloadKind:
@@ -82,13 +88,13 @@ class PayloadKind:
 
     def restore(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path, progress: Progress
                 ) -> Path:
-        return read_object(parts, step, _content(manifest).name, manifest.record, workspace, progress)
+        return read_object(parts, step, content_of(manifest, PayloadObject).name, manifest.record, workspace, progress)
 
     def restore_paths(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path,
                       paths: Sequence[str], progress: Progress) -> Path:
         """With the archive's index, ranged reads of the members that hold ``paths``; without, the whole object
         streamed and verified against its sha256, keeping those entries."""
-        name, record = _content(manifest).name, manifest.record
+        name, record = content_of(manifest, PayloadObject).name, manifest.record
         if not indexed(record.index, record.codec):
             return read_object(parts, step, name, record, workspace, progress, only=paths)
         assert record.index is not None
@@ -98,7 +104,7 @@ class PayloadKind:
             raise _gone(parts, step, name) from None
 
     def open_file(self, parts: Parts, step: int, manifest: StepManifest, path: str) -> io.BufferedReader:
-        name, record = _content(manifest).name, manifest.record
+        name, record = content_of(manifest, PayloadObject).name, manifest.record
         if not indexed(record.index, record.codec):
             return open_by_restoring(lambda folder: self.restore_paths(
                 parts, step, manifest, folder, [normalize_path(path)], NO_PROGRESS), normalize_path(path))
@@ -106,20 +112,20 @@ class PayloadKind:
         return open_indexed(parts.steps.object(step, name), record.index, path)
 
     def verify(self, parts: Parts, step: int, manifest: StepManifest, progress: object) -> Checked:
-        name, record = _content(manifest).name, manifest.record
+        name, record = content_of(manifest, PayloadObject).name, manifest.record
         size = stored_part(parts, step, name, record.size, record.sha256, progress, f"verify step {step}")
         return Checked(size, "sha256 matches its manifest")
 
     def objects(self, steps: StepStore, step: int, manifest: StepManifest) -> StepObjects:
-        return StepObjects(files={_content(manifest).name: manifest.record.size})
+        return StepObjects(files={content_of(manifest, PayloadObject).name: manifest.record.size})
 
     def delete(self, steps: StepStore, step: int, manifest: StepManifest) -> set[str]:
-        name = _content(manifest).name
+        name = content_of(manifest, PayloadObject).name
         steps.object(step, name).remove()
         return {name}
 
     def describe(self, parts: Parts, step: int, manifest: StepManifest) -> Described:
-        return Described(payload=_content(manifest).name, details={})
+        return Described(payload=content_of(manifest, PayloadObject).name, details={})
 
     def owns(self, name: str, committed: bool) -> bool:
         return bool(_OWNED.fullmatch(name))
