@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
 from taskpoint import CheckpointManager
@@ -66,3 +69,22 @@ def test_a_manifest_write_that_failed_leaves_the_payload_to_the_sweep(store, mon
         assert fresh.gc() == []  # younger than the grace period: a save could still be committing it
         removed = fresh.gc(grace_seconds=0)
         assert [uri.rsplit("/", 1)[-1] for uri in removed] == payloads
+
+
+def test_an_empty_step_folder_goes_once_older_than_the_grace(tmp_path):
+    """A save killed just after it made its ``ckpt-N`` folder leaves the folder empty: it is not a step, and gc
+    removes it once the folder itself is older than the grace (not before: a save may be about to write there)."""
+    with CheckpointManager(tmp_path, preemption=False) as m:
+        m.save(b"one", 1)
+    empty = tmp_path / "ckpt-2"
+    empty.mkdir()
+    with CheckpointManager(tmp_path, preemption=False) as m:
+        assert m.gc() == []
+        assert empty.is_dir()  # fresh: left alone
+        assert [s.state for s in m.inventory()] == ["committed", "incomplete"]
+        old = time.time() - 3600
+        os.utime(empty, (old, old))
+        m.gc(grace_seconds=60)
+        assert not empty.exists()
+        assert [(s.step, s.state) for s in m.inventory()] == [(1, "committed")]
+        assert m.restore().read_bytes() == b"one"

@@ -123,6 +123,8 @@ class Folder:
     objects: dict[str, float | None] = field(default_factory=dict)
     #: The objects that are folders of files (a PyTree step's tree), listed as one object as new as its newest file.
     trees: set[str] = field(default_factory=set)
+    #: When the folder itself was last modified, where the store has folders and listed it (None otherwise).
+    mtime: float | None = None
 
     @property
     def committed(self) -> bool:
@@ -228,7 +230,9 @@ class StepStore:
             if match is None:
                 continue
             folder = folders.setdefault(int(match.group(1)), Folder())
-            if len(parts) == 2 and parts[1] and info.get("type") != "directory":
+            if len(parts) == 1 and info.get("type") == "directory":
+                folder.mtime = modified_time(info)
+            elif len(parts) == 2 and parts[1] and info.get("type") != "directory":
                 folder.objects[parts[1]] = modified_time(info)
             elif len(parts) > 2 and info.get("type") != "directory":
                 folder.add_tree_file(parts[1], modified_time(info))
@@ -343,8 +347,9 @@ class StepStore:
         if dry_run:
             return removed
         # Object stores have no folders; elsewhere an empty one goes (rmdir refuses a non-empty folder). A
-        # folder listed empty is left alone: it may be a deduplicated save's, made just before its manifest.
-        if folder.objects:
+        # folder listed empty goes only once it is itself older than the grace: until then it may be a save's,
+        # made just before its first object (a killed save leaves it so).
+        if folder.objects or (folder.mtime is not None and not fresh(folder.mtime, now, grace)):
             self.root.child(f"ckpt-{step}").remove_empty_folder()
         return removed
 
