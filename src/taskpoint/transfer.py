@@ -55,15 +55,33 @@ class SourceIsFolder(CheckpointError):
         self.uri = uri
 
 
-class HashingWriter:
+class _Hashed:
+    """What both directions share: the bytes that passed are counted, hashed (sha256 on a thread of its own,
+    overlapping the I/O) and reported to ``progress``."""
+
+    def __init__(self, digest: str, progress: Progress) -> None:
+        self._hash = streaming_hash(digest)
+        self._progress = progress
+        self.size = 0
+
+    def _passed(self, data: Any) -> int:
+        self._hash.update(data)
+        n = memoryview(data).nbytes
+        self.size += n
+        self._progress.update(n)
+        return n
+
+    def hexdigest(self) -> str:
+        return str(self._hash.hexdigest())
+
+
+class HashingWriter(_Hashed):
     """Passes bytes to a sink, counting and hashing them (and reporting them to ``progress``); remembers
     whether the sink itself failed."""
 
     def __init__(self, sink: IO[bytes], digest: str = "sha256", progress: Progress = NO_PROGRESS) -> None:
+        super().__init__(digest, progress)
         self._sink = sink
-        self._hash = streaming_hash(digest)  # sha256 on a thread of its own, overlapping the writes
-        self._progress = progress
-        self.size = 0
         self.failed = False
 
     def write(self, b: bytes) -> int:
@@ -72,29 +90,20 @@ class HashingWriter:
         except BaseException:
             self.failed = True
             raise
-        self._hash.update(b)
-        n = memoryview(b).nbytes
-        self.size += n
-        self._progress.update(n)
-        return n
+        return self._passed(b)
 
     def flush(self) -> None:
         pass
 
-    def hexdigest(self) -> str:
-        return str(self._hash.hexdigest())
 
-
-class HashingReader:
+class HashingReader(_Hashed):
     """Reads a storage stream, hashing every byte (and reporting it to ``progress``), with a peek at the head
     to pick the payload kind."""
 
     def __init__(self, source: IO[bytes], digest: str = "sha256", progress: Progress = NO_PROGRESS) -> None:
+        super().__init__(digest, progress)
         self._source = source
-        self._hash = streaming_hash(digest)  # sha256 on a thread of its own, overlapping the reads
-        self._progress = progress
         self._head = b""
-        self.size = 0
 
     def peek_head(self, n: int) -> bytes:
         if len(self._head) < n:
@@ -114,9 +123,7 @@ class HashingReader:
                 data, self._head = self._head[:n], self._head[n:]
         else:
             data = self._source.read(n)
-        self._hash.update(data)
-        self.size += len(data)
-        self._progress.update(len(data))
+        self._passed(data)
         return data
 
     def readinto(self, buf: Any) -> int:
@@ -130,9 +137,6 @@ class HashingReader:
 
     def close(self) -> None:
         """The storage stream is closed by its owner, not by the codec reading through this wrapper."""
-
-    def hexdigest(self) -> str:
-        return str(self._hash.hexdigest())
 
 
 def write_payload(dest: Location, payload: Payload, codec: Codec, level: int | None,

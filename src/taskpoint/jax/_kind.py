@@ -35,7 +35,7 @@ from ..format.fileset import FileEntry, FileSetManifest
 from ..format.records import ObjectRecord, StepManifest
 from ..manager.kinds import GONE_HOW, Checked, Described, Gone, Parts, Saved, SaveJob, content_of, register_step_kind
 from ..manager.steps import MANIFEST_NAME as STEP_MANIFEST
-from ..manager.steps import StepObjects, StepStore, best_effort, stored_names
+from ..manager.steps import StepObjects, StepStore, best_effort, name_in, stored_names
 from ..payloads import DirectoryPayload
 from ..storage import WRITE_PIECE, Location, copy_fd_in_kernel, digest_by_reading
 from ..workspace import Staging
@@ -126,10 +126,7 @@ class PyTreeKind:
     helper = True
 
     def decode(self, body: dict[str, Any]) -> PyTreeFiles:
-        folder = str(body["folder"])
-        if not _FOLDER.fullmatch(folder):
-            raise ValueError(f"it names {folder!r}, which is not a PyTree folder")
-        return PyTreeFiles(folder)
+        return PyTreeFiles(name_in(body, "folder", _FOLDER, "a PyTree folder"))
 
     def accepts(self, payload: object, parts: Parts) -> bool:
         return isinstance(payload, PyTreePayload) and not payload.is_serialized

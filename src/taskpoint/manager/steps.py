@@ -54,6 +54,15 @@ def stored_names(pattern: str) -> re.Pattern[str]:
     return re.compile(rf"\.?(?:{pattern})(?:\.[0-9a-f]{{12}}\.tmp)?")
 
 
+def name_in(body: dict[str, Any], key: str, pattern: re.Pattern[str], what: str) -> str:
+    """The object name a step kind's manifest content holds under ``key``; ValueError (which the manifest's
+    reader reports as a corrupt record) when it does not match ``pattern``, the names of ``what``."""
+    name = str(body[key])
+    if not pattern.fullmatch(name):
+        raise ValueError(f"it names {name!r}, which is not {what}")
+    return name
+
+
 #: What every save leaves in a step folder whatever its kind: the manifest, and the leases.
 _OURS = stored_names(rf"taskpoint\.json|{COMMIT_LEASE.pattern}|{RESTORE_LEASE.pattern}")
 

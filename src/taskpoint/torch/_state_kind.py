@@ -32,7 +32,7 @@ from ..errors import CheckpointCorruptError
 from ..format.records import ObjectRecord, StepManifest
 from ..manager.kinds import GONE_HOW, Checked, Described, Gone, Parts, Saved, SaveJob, content_of, register_step_kind
 from ..manager.steps import MANIFEST_NAME as STEP_MANIFEST
-from ..manager.steps import StepObjects, StepStore, best_effort, stored_names
+from ..manager.steps import StepObjects, StepStore, best_effort, name_in, stored_names
 from ..payloads import DirectoryPayload
 from ..storage import WRITE_PIECE
 from ..workspace import Staging
@@ -74,9 +74,8 @@ class StateDictKind:
     helper = True
 
     def decode(self, body: dict[str, Any]) -> StateDictFile:
-        name, piece_size, pieces = str(body["file"]), int(body["piece_size"]), tuple(body["pieces"])
-        if not _FILE.fullmatch(name):
-            raise ValueError(f"it names {name!r}, which is not a state dict's file")
+        name = name_in(body, "file", _FILE, "a state dict's file")
+        piece_size, pieces = int(body["piece_size"]), tuple(body["pieces"])
         if piece_size <= 0 or not pieces or not all(isinstance(p, str) and _HEX.fullmatch(p) for p in pieces):
             raise ValueError("its piece digests are malformed")
         return StateDictFile(name, piece_size, pieces)

@@ -19,7 +19,7 @@ from ...format.records import ObjectRecord, StepManifest
 from ...partial import indexed, open_by_restoring, open_indexed, restore_indexed
 from ...payloads import Payload
 from ..background import store_payload
-from ..steps import MANIFEST_NAME, PAYLOAD_NAME, StepObjects, StepStore, stored_names
+from ..steps import MANIFEST_NAME, PAYLOAD_NAME, StepObjects, StepStore, name_in, stored_names
 from . import (
     GONE_HOW,
     Checked,
@@ -55,10 +55,7 @@ class PayloadKind:
     helper = True
 
     def decode(self, body: dict[str, Any]) -> PayloadObject:
-        name = str(body["payload"])
-        if not PAYLOAD_NAME.fullmatch(name):
-            raise ValueError(f"it names {name!r}, which is not a payload object")
-        return PayloadObject(name)
+        return PayloadObject(name_in(body, "payload", PAYLOAD_NAME, "a payload object"))
 
     def accepts(self, payload: Payload | object, parts: Parts) -> bool:
         return isinstance(payload, Payload)
