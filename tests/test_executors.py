@@ -71,8 +71,11 @@ def test_the_environment_sets_the_sizes_and_a_bad_value_is_refused_by_name(monke
             _ = IO.threads
     pool = _pool(3, monkeypatch)
     monkeypatch.setenv("TASKPOINT_TEST_THREADS", "zero")
-    with pytest.raises(ValueError, match="TASKPOINT_TEST_THREADS"):
-        pool.lane(1).submit(int).result(timeout=WAIT)  # the pool starts, and refuses, on first use
+    lane = pool.lane(1)
+    for job in [lane.submit(int) for _ in range(3)]:  # the pool starts, and refuses, on first use: every task
+        with pytest.raises(ValueError, match="TASKPOINT_TEST_THREADS"):
+            job.result(timeout=WAIT)
+    lane.shutdown(wait=True)  # nothing is left running
 
 
 def test_a_forked_child_runs_tasks_on_pools_of_its_own():

@@ -166,10 +166,11 @@ class Lane(concurrent.futures.Executor):
                 self._running += 1
             try:
                 self.pool.submit(self._task, future, fn, args, kwargs)
-            except BaseException as exc:  # the pool refuses work (the interpreter is exiting)
+            except BaseException as exc:  # the pool refuses work (a bad size, the interpreter exiting)
                 future.set_exception(exc)
-                self._finished()
-                return
+                with self._lock:  # and the next queued task is tried, in this loop
+                    self._running -= 1
+                    self._idle.notify_all()
 
     def _task(self, future: concurrent.futures.Future[Any], fn: Callable[..., Any], args: tuple[Any, ...],
               kwargs: dict[str, Any]) -> None:
