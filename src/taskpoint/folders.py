@@ -151,6 +151,8 @@ def _download_all(src: Location, files: list[_Entry], staging: Path, progress: P
     if not files:
         return
     workers = min(len(files), DOWNLOADS_IN_FLIGHT if not src.is_local else 4)
+    # Its own pool, not a lane of the shared ones (taskpoint.executors): each download reads through a lane of the
+    # IO pool (ranged GETs) and waits for it, and waiting tasks on a bounded shared pool can deadlock it.
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="taskpoint-folder") as pool:
         jobs = [pool.submit(_download, src, entry, staging, progress) for entry in files]
         try:

@@ -9,7 +9,6 @@ and digest passes. The checkpoint record protocol (:mod:`taskpoint.checkpoint`) 
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import shutil
 import tempfile
@@ -20,6 +19,7 @@ from typing import IO, Any
 from ._progress import NO_PROGRESS, Progress
 from .digests import DIGESTS, streaming_hash
 from .errors import CheckpointCorruptError, CheckpointError
+from .executors import CPU
 from .format.codecs import BLOCK_SIZE, Codec, detect_codec, holds_tar
 from .format.space import check_room
 from .payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, Payload
@@ -269,7 +269,7 @@ def _read_once(src: Location, workspace: Path, choose: KindChooser, verify: Veri
                 fd = raw.fileno()
                 size = os.fstat(fd).st_size
                 hasher = DIGESTS[digest]()
-                with concurrent.futures.ThreadPoolExecutor(1) as pool, \
+                with CPU.lane(1) as pool, \
                         open(staging / RAW_RESULT_NAME, "xb", buffering=0) as out:
                     hashed = pool.submit(digest_by_reading, fd, size, hasher)
                     copied = copy_fd_in_kernel(fd, out.fileno(), size,

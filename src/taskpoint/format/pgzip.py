@@ -27,6 +27,7 @@ import zlib
 from collections.abc import Callable
 from typing import IO, Any
 
+from ..executors import CPU
 from ..storage.streams import OrderedFutureReader, read_up_to
 
 #: Input bytes per member: large enough that headers and lost dictionary cost nothing, small enough to
@@ -165,7 +166,7 @@ class ParallelGzipWriter(io.RawIOBase):
         self._level = isal_level(level)
         self._store = store
         self._threads = threads or _workers()
-        self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="taskpoint-gzip")
+        self._pool = CPU.lane(self._threads)
         self._ordered: queue.Queue[concurrent.futures.Future[bytes] | None] = queue.Queue(self._threads * 2)
         self._buf = bytearray()
         self._members = 0
@@ -244,7 +245,7 @@ class ParallelGzipWriter(io.RawIOBase):
         """End the writer thread after the members already queued, then the pool, then this stream."""
         self._ordered.put(None)
         self._emitter.join()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)  # this stream's lane; the pool stays
         super().close()
 
 
@@ -262,7 +263,7 @@ class ParallelGzipReader(OrderedFutureReader):
 
     def __init__(self, source: IO[bytes], *, threads: int | None = None) -> None:
         threads = threads or _workers()
-        super().__init__(threads, "taskpoint-gunzip")
+        super().__init__(CPU.lane(threads))
         self._source = source
         # Futures of inflated members in order; None at the end; an exception when the cutter failed.
         self._queue: queue.Queue[concurrent.futures.Future[bytes] | BaseException | None] = queue.Queue(threads * 2)

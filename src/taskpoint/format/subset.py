@@ -10,7 +10,6 @@ load (:func:`~.extract.extract_tar`); :class:`PieceFile` is a seekable read-only
 from __future__ import annotations
 
 import bisect
-import concurrent.futures
 import io
 import os
 from collections.abc import Callable, Sequence
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointCorruptError
+from ..executors import IO
 from ..storage.streams import OrderedFutureReader
 from .codecs import DECODE_ERRORS, Codec
 from .extract import extract_tar
@@ -61,7 +61,7 @@ class _RangesStream(OrderedFutureReader):
     member fetched once (on a pool, :data:`MEMBERS_AHEAD` ahead), only the needed bytes kept."""
 
     def __init__(self, members: MemberReader, ranges: Sequence[tuple[int, int]], workers: int) -> None:
-        super().__init__(workers, "taskpoint-member")
+        super().__init__(IO.lane(workers))
         self._members = members
         self._pieces: list[tuple[Span, list[tuple[int, int]]]] = []
         for start, end in ranges:
@@ -147,8 +147,7 @@ class PieceFile(io.RawIOBase):
         todo = [i for i in range(first, last + 1) if self._cached is None or self._cached[0] != i]
         if len(todo) < 2:
             return {}
-        with concurrent.futures.ThreadPoolExecutor(min(MEMBERS_AHEAD, len(todo)),
-                                                   thread_name_prefix="taskpoint-piece") as pool:
+        with IO.lane(min(MEMBERS_AHEAD, len(todo))) as pool:
             return dict(zip(todo, pool.map(self._fetch, todo), strict=True))
 
     def readinto(self, buf: Any) -> int:

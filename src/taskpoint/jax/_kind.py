@@ -157,6 +157,8 @@ class PyTreeKind:
             job.progress.update(entry.size)
             return entry
 
+        # Own pools here and below, not lanes of taskpoint.executors: each file's upload or download waits for its
+        # parts or ranges on a lane of the IO pool, and waiting tasks on a shared bounded pool can deadlock it.
         with concurrent.futures.ThreadPoolExecutor(min(WORKERS, max(1, len(sizes)))) as pool:
             entries = dict(zip(sizes, pool.map(stored, sizes), strict=True))
         if tree.is_local:

@@ -155,6 +155,8 @@ class Dedup:
             reads.begin()
         slots = threading.BoundedSemaphore(2 * self.workers)  # chunks in memory at once
         try:
+            # Its own pool, not a lane of taskpoint.executors: a chunk's write may go up in parts on a lane of
+            # the IO pool and wait for them (a chunk_size above one part), which could deadlock a shared pool.
             with concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="taskpoint-chunk") as pool:
                 pending: list[tuple[int, list[concurrent.futures.Future[tuple[str, int]]], os.stat_result | None]] = []
                 for index, entry in enumerate(entries):

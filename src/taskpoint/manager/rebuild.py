@@ -146,6 +146,8 @@ class Rebuilder:
                 failed.set()
             slots.release()
 
+        # Its own pool, not a lane of taskpoint.executors: a chunk's read goes through the store's backend, which
+        # may read it on a lane of the IO pool and wait, and waiting tasks on a shared bounded pool can deadlock it.
         with concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="taskpoint-chunk") as pool:
             futures = []
             for entry in tree.entries:

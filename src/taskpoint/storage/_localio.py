@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ..executors import IO
+
 #: Buffer of local reads. Readers ask for whole gzip members or pieces of a MiB, which bypass it; larger
 #: buffers only cost a first read that is mostly thrown away (a 16 MiB one took 30% of a 64 MiB bytes load).
 LOCAL_READ_BUFFER = 1 << 20
@@ -160,8 +162,7 @@ class ParallelCopy:
     def __init__(self, threads: int | None = None) -> None:
         import concurrent.futures
 
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads or max(1, min(os.cpu_count() or 1, 4)),
-                                                           thread_name_prefix="taskpoint-copy")
+        self._pool = IO.lane(threads or max(1, min(os.cpu_count() or 1, 4)))
         self._jobs: list[concurrent.futures.Future[None]] = []
 
     def __call__(self, source: str | os.PathLike[str], dest: str | os.PathLike[str]) -> str:

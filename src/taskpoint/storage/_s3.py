@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import io
 import time
 from collections.abc import Callable
 from typing import Any
 
+from ..executors import IO
 from ..signals import uninterrupted
 from .errormap import chain, code_and_status
 from .streams import ConcurrentRangeReader, ObjectChanged, VersionConflict
@@ -46,7 +46,7 @@ class S3MultipartWriter(io.RawIOBase):
         self._bucket, _, self._key = path.partition("/")
         self._part_size = part_size
         self._in_flight = in_flight
-        self._pool = concurrent.futures.ThreadPoolExecutor(in_flight, thread_name_prefix="taskpoint-put")
+        self._pool = IO.lane(in_flight)
         self._buf = bytearray()
         self._upload_id: str | None = None
         self._parts: list[Any] = []

@@ -10,6 +10,9 @@ import io
 from collections.abc import Callable
 from typing import IO, Any
 
+from ..executors import IO as IO_POOL
+from ..executors import Lane
+
 
 def read_up_to(source: IO[bytes], n: int) -> bytes:
     """``n`` bytes of ``source``, fewer only at its end (a single ``read`` may return less at any time)."""
@@ -26,14 +29,15 @@ def read_up_to(source: IO[bytes], n: int) -> bytes:
 class OrderedFutureReader(io.RawIOBase):
     """Serves the results of futures, oldest first, while subclasses keep a bounded number in flight.
 
-    Subclasses implement :meth:`_fill` (submit work to ``self._pool`` and append the futures to
+    ``lane`` is the shared pool's lane the work runs on (:mod:`taskpoint.executors`). Subclasses implement
+    :meth:`_fill` (submit work to ``self._pool`` and append the futures to
     ``self._pending`` until enough are in flight or the input is exhausted), or, when their futures arrive some
     other way, :meth:`_next_result` itself.
     """
 
-    def __init__(self, workers: int, name: str) -> None:
+    def __init__(self, lane: Lane) -> None:
         super().__init__()
-        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=name)
+        self._pool = lane
         self._pending: collections.deque[concurrent.futures.Future[bytes]] = collections.deque()
         self._out = memoryview(b"")
 
@@ -108,7 +112,7 @@ class ConcurrentRangeReader(OrderedFutureReader):
 
     def __init__(self, fs: Any, path: str, size: int, *, version: str | None = None, range_size: int = RANGE_SIZE,
                  in_flight: int = RANGES_IN_FLIGHT) -> None:
-        super().__init__(in_flight, "taskpoint-get")
+        super().__init__(IO_POOL.lane(in_flight))
         self.size = size
         self.version = version
         self._fs, self._path = fs, path

@@ -10,12 +10,14 @@ checked already: nothing unverified is ever handed to it.
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import io
 import os
 from collections.abc import Callable
 from typing import IO, Any
+
+from ..executors import CPU
+from ..executors import IO as IO_POOL
 
 #: Bytes per hashed piece: large enough that a manifest lists few digests (64 per GiB), small enough that
 #: hashing and writing overlap with serializing.
@@ -46,7 +48,7 @@ class PieceWriter(io.RawIOBase):
         self._sink, self._piece_size, self._on_written = sink, piece_size, on_written
         self._hashers: list[Any] = []  # one sha256 per piece, each fed by one thread at a time
         self._size = 0
-        self._pool = concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="taskpoint-hash")
+        self._pool = CPU.lane(WORKERS)
 
     def writable(self) -> bool:
         return True
@@ -106,7 +108,7 @@ class PieceReader(io.RawIOBase):
         self._size, self._digests, self._piece_size = size, digests, piece_size
         self._fetch, self._fd, self._damaged = fetch, fd, damaged
         self._position = 0
-        self._pool = concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="taskpoint-read")
+        self._pool = (CPU if fetch is None else IO_POOL).lane(WORKERS)  # hashing a local file, or fetching
         order = [len(digests) - 1, *range(len(digests) - 1)] if digests else []
         futures = {index: self._pool.submit(self._checked, index) for index in order}
         self._pieces = [futures[index] for index in range(len(digests))]

@@ -165,6 +165,8 @@ class Reader(Rooted, StorageReader):
         """Each file's verified bytes, in order, with at most :attr:`threads` downloads (and files) in memory."""
         if not names:
             return
+        # Its own pool, not a lane of taskpoint.executors: each file's download waits for its ranged GETs on a
+        # lane of the IO pool, and waiting tasks on a shared bounded pool can deadlock it.
         with concurrent.futures.ThreadPoolExecutor(min(self.threads, len(names)),
                                                    thread_name_prefix="taskpoint-dcp-get") as pool:
             pending: collections.deque[tuple[str, concurrent.futures.Future[memoryview]]] = collections.deque()

@@ -113,6 +113,8 @@ class Writer(Rooted, StorageWriter):
         files = [(prefix.name(n), items) for n, items in enumerate(_split(plan.items, self.threads)) if items]
         results: list[WriteResult] = []
         if files:
+            # Its own pool, not a lane of taskpoint.executors: each file's upload waits for its parts on a lane
+            # of the IO pool, and waiting tasks on a shared bounded pool can deadlock it.
             with concurrent.futures.ThreadPoolExecutor(min(self.threads, len(files)),
                                                        thread_name_prefix="taskpoint-dcp-put") as pool:
                 for done in [pool.submit(self._write_file, name, items, planner) for name, items in files]:
