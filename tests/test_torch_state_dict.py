@@ -8,6 +8,7 @@ import os
 import warnings
 from pathlib import Path
 
+import anyio
 import pytest
 
 from helpers import LazyModule, requires
@@ -218,3 +219,74 @@ def test_a_single_checkpoint_stores_the_torch_save_bytes(tmp_path):
 def test_no_step_loads_as_none(tmp_path):
     with CheckpointManager(tmp_path / "steps") as m:
         assert tpt.load_state_dict_sync(m) is None
+
+
+def mapped_file(tensor: object) -> str | None:
+    """The file whose mapping holds the tensor's memory (from /proc/self/maps), None when none does."""
+    address = tensor.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        start, end = (int(bound, 16) for bound in fields[0].split("-"))
+        if start <= address < end:
+            return fields[5] if len(fields) > 5 else None
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the process's mappings from /proc")
+def test_mmap_loads_the_same_values_sharing_memory_with_the_step_file_which_writes_leave_alone(tmp_path):
+    directory = tmp_path / "steps"
+    with CheckpointManager(directory) as m:
+        m.save(tpt.StateDict(model_state(1)), 1)
+        before = state_file(directory, 1).read_bytes()
+        loaded = tpt.load_state_dict_sync(m, mmap=True)
+        assert_same(loaded, model_state(1))
+        weight = loaded["model"]["0.weight"]
+        assert mapped_file(weight) == str(state_file(directory, 1))
+        assert mapped_file(tpt.load_state_dict_sync(m)["model"]["0.weight"]) != str(state_file(directory, 1))
+        weight.fill_(7.0)  # a private mapping: the step's file stays as it was
+        assert state_file(directory, 1).read_bytes() == before
+        assert_same(tpt.load_state_dict_sync(m, 1, mmap=True), model_state(1))
+
+
+@pytest.mark.parametrize("store", ["s3"], indirect=True)
+def test_mmap_from_an_object_store_maps_a_verified_local_copy(store):
+    with CheckpointManager(store.url("steps"), storage_options=store.storage_options) as m:
+        m.save(tpt.StateDict(model_state(2)), 2)
+        assert_same(tpt.load_state_dict_sync(m, mmap=True), model_state(2))
+
+
+def test_mmap_of_a_step_saved_another_way_maps_its_restored_file(tmp_path):
+    with CheckpointManager(tmp_path / "steps", async_save=True) as m:
+        m.save(tpt.StateDict(model_state(3)), 3)
+        m.wait_until_finished()
+        assert m.describe(3).kind == "payload"
+        assert_same(tpt.load_state_dict_sync(m, 3, mmap=True), model_state(3))
+
+
+def test_mmap_refuses_a_damaged_file_before_any_tensor_and_fallback_maps_the_previous_step(tmp_path):
+    directory = tmp_path / "steps"
+    with CheckpointManager(directory) as m:
+        m.save(tpt.StateDict(model_state(1)), 1)
+        m.save(tpt.StateDict(model_state(2)), 2)
+        damaged = state_file(directory, 2)
+        flip_byte(damaged, damaged.stat().st_size - 200)  # inside the zip's directory, which torch.load checks
+        with pytest.raises(CheckpointCorruptError, match=r"step 2 .* is damaged: piece 0 of state-"):
+            tpt.load_state_dict_sync(m, 2, mmap=True)
+        flip_byte(damaged, damaged.stat().st_size - 200)
+        flip_byte(damaged, damaged.stat().st_size // 2)  # inside a tensor, which torch.load(mmap=True) never reads
+        with pytest.raises(CheckpointCorruptError, match=r"step 2 .* is damaged"):
+            tpt.load_state_dict_sync(m, 2, mmap=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert_same(tpt.load_state_dict_sync(m, fallback=True, mmap=True), model_state(1))
+        assert any("step 2" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_mmap_that_is_not_a_bool_is_a_type_error(tmp_path, bad):
+    with CheckpointManager(tmp_path / "steps") as m:
+        m.save(tpt.StateDict(model_state(1)), 1)
+        with pytest.raises(TypeError, match="mmap is True or False"):
+            tpt.load_state_dict_sync(m, mmap=bad)
+        with pytest.raises(TypeError, match="mmap is True or False"):
+            anyio.run(lambda: tpt.load_state_dict(m, mmap=bad))

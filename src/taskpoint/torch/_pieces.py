@@ -10,6 +10,7 @@ checked already: nothing unverified is ever handed to it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import io
 import os
@@ -28,6 +29,12 @@ WORKERS = 2
 READ_BUFFER = 1 << 20
 #: Writes smaller than this are hashed in the caller's thread (a thread's hand-over costs more).
 HASH_ON_THREADS = 1 << 20
+#: The bytes at the end of a file whose pieces are checked first: ``torch.load`` reads a zip's directory
+#: there before anything else (after its first bytes), about 100 bytes per tensor.
+ZIP_TAIL = 1 << 20
+#: Local reads at least this large, once every piece checked, are copied by two threads, half each: a copy
+#: from the page cache runs at about the speed of one core's sha256, so the reader would copy alone at the end.
+SPLIT_READ = 4 << 20
 
 
 def pieces_digest(digests: list[str]) -> str:
@@ -89,29 +96,33 @@ class PieceWriter(io.RawIOBase):
 
 class PieceReader(io.RawIOBase):
     """A read-only, seekable file of ``size`` bytes whose pieces are checked against ``digests`` on threads,
-    ahead of the reads, the last piece first (where a zip file such as ``torch.save``'s keeps its directory),
-    then in order; a read returns bytes only once every piece they lie in has checked. ``damaged(index)`` is
-    the error a piece that differs raises.
+    ahead of the reads, in :func:`check_order`; a read returns bytes only once every piece they lie in has
+    checked, and checks on its own thread those no thread has started on (rather than wait behind the pieces
+    queued before them). ``damaged(index)`` is the error a piece that differs raises.
 
     From an object store, ``fetch(start, length)`` returns a piece's bytes, kept until :meth:`close` (the file
     is held in memory once, as a load of the state dict needs it anyway). From local disk, ``fd`` (an open file,
     closed with the reader): the threads hash each piece through a small buffer and keep nothing, and a read
     goes straight from the file into the caller's buffer (one copy, as ``torch.load`` of a path makes); its
-    bytes are those the threads hashed, as a committed step's file is never written again.
+    bytes are those the threads hashed, as a committed step's file is never written again; ``name`` is its path.
     """
 
     def __init__(self, size: int, digests: list[str], piece_size: int, damaged: Callable[[int], Exception], *,
-                 fetch: Callable[[int, int], bytes] | None = None, fd: int | None = None) -> None:
+                 fetch: Callable[[int, int], bytes] | None = None, fd: int | None = None,
+                 name: str | None = None) -> None:
         super().__init__()
         if (fetch is None) == (fd is None):
             raise ValueError("a PieceReader reads through fetch or from fd, one of them")
+        #: The local file's path (``fd``'s), None through ``fetch``; a file object's ``name``.
+        self.name = name
         self._size, self._digests, self._piece_size = size, digests, piece_size
         self._fetch, self._fd, self._damaged = fetch, fd, damaged
         self._position = 0
         self._pool = (CPU if fetch is None else IO_POOL).lane(WORKERS)  # hashing a local file, or fetching
-        order = [len(digests) - 1, *range(len(digests) - 1)] if digests else []
-        futures = {index: self._pool.submit(self._checked, index) for index in order}
+        self._order = check_order(size, piece_size, len(digests))
+        futures = {index: self._pool.submit(self._checked, index) for index in self._order}
         self._pieces = [futures[index] for index in range(len(digests))]
+        self._settled = 0  # how many pieces at the head of the order have been checked
 
     def _checked(self, index: int) -> bytes:
         """The piece's bytes (b"" from a local file, read again by :meth:`readinto`) once its digest checks."""
@@ -151,14 +162,21 @@ class PieceReader(io.RawIOBase):
         first, last = self._position // self._piece_size, (self._position + want - 1) // self._piece_size
         if self._fd is not None:
             for index in range(first, last + 1):
+                self._claim(index)
+            for index in range(first, last + 1):
                 self._pieces[index].result()  # the piece's error when it did not check
-            done = 0
-            while done < want and (count := os.preadv(self._fd, [out[done:want]], self._position + done)):
-                done += count
+            if want >= SPLIT_READ and self._all_checked():  # the threads are idle: one copies half
+                half = want // 2
+                other = self._pool.submit(_read_into, self._fd, out[half:want], self._position + half)
+                done = _read_into(self._fd, out[:half], self._position)
+                rest = other.result()
+                done += rest if done == half else 0
+            else:
+                done = _read_into(self._fd, out[:want], self._position)
         else:
             done = 0
             for index in range(first, last + 1):
-                data = memoryview(self._pieces[index].result())
+                data = memoryview(self._piece(index))
                 within = self._position + done - index * self._piece_size
                 take = min(want - done, len(data) - within)
                 out[done:done + take] = data[within:within + take]
@@ -166,10 +184,31 @@ class PieceReader(io.RawIOBase):
         self._position += done
         return done
 
+    def _claim(self, index: int) -> None:
+        """Check the piece on this thread if no thread has started on it yet (its result, or its error, kept
+        in its place)."""
+        if self._pieces[index].cancel():
+            future: concurrent.futures.Future[bytes] = concurrent.futures.Future()
+            try:
+                future.set_result(self._checked(index))
+            except Exception as exc:
+                future.set_exception(exc)
+            self._pieces[index] = future
+
+    def _piece(self, index: int) -> bytes:
+        """The piece's checked bytes (its error if it differs), checked on this thread if none started on it."""
+        self._claim(index)
+        return self._pieces[index].result()
+
+    def _all_checked(self) -> bool:
+        while self._settled < len(self._order) and self._pieces[self._order[self._settled]].done():
+            self._settled += 1
+        return self._settled == len(self._order)
+
     def verify_all(self) -> int:
         """Wait for every piece to check (raising the first piece's error); the size."""
-        for piece in self._pieces:
-            piece.result()
+        for index in range(len(self._pieces)):
+            self._piece(index)
         return self._size
 
     def close(self) -> None:
@@ -179,6 +218,22 @@ class PieceReader(io.RawIOBase):
             if self._fd is not None:
                 os.close(self._fd)
         super().close()
+
+
+def check_order(size: int, piece_size: int, count: int) -> list[int]:
+    """The order the ``count`` pieces of a file of ``size`` bytes are checked in: first those that hold its
+    last :data:`ZIP_TAIL` bytes (a zip's directory, which ``torch.load`` reads after the file's first bytes),
+    the last first, then the others from the start, as ``torch.load`` reads the tensors."""
+    tail = range(min(max(0, size - ZIP_TAIL) // piece_size, count - 1), count) if count else range(0)
+    return [*reversed(tail), *range(tail.start)]
+
+
+def _read_into(fd: int, out: memoryview, start: int) -> int:
+    """Read the open file ``fd`` from ``start`` into ``out`` until it is full or the file ends; the count."""
+    done = 0
+    while done < out.nbytes and (count := os.preadv(fd, [out[done:]], start + done)):
+        done += count
+    return done
 
 
 def _hash_range(fd: int, start: int, length: int) -> str:

@@ -14,14 +14,18 @@ import io
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, TYPE_CHECKING, Any, cast
 
 import anyio.to_thread
+import fsspec.utils
 import torch
 
 from ..errors import CheckpointCorruptError
 from ..manager import CheckpointManager
 from ..payloads import BytesPayload, Payload, register_payload
+
+if TYPE_CHECKING:
+    from ._pieces import PieceReader
 
 #: The step kind's name in manifests.
 STEP_KIND = "torch.state_dict"
@@ -118,8 +122,10 @@ register_payload(StateDictPayload)
 
 
 def load_state_dict_sync(manager: CheckpointManager, step: int | None = None, *, fallback: bool = False,
-                         map_location: Any = None) -> dict[str, Any] | None:
+                         map_location: Any = None, mmap: bool = False) -> dict[str, Any] | None:
     """Blocking twin of :func:`load_state_dict`."""
+    if not isinstance(mmap, bool):
+        raise TypeError(f"mmap is True or False, not {mmap!r}")
     if step is None:
         newest = manager.latest_step()
         if newest is None:
@@ -130,7 +136,7 @@ def load_state_dict_sync(manager: CheckpointManager, step: int | None = None, *,
     first: CheckpointCorruptError | None = None
     for number in tried:
         try:
-            return _load_step(manager, number, map_location)
+            return _load_step(manager, number, map_location, mmap)
         except CheckpointCorruptError as exc:
             if not fallback:
                 raise
@@ -142,23 +148,33 @@ def load_state_dict_sync(manager: CheckpointManager, step: int | None = None, *,
 
 
 async def load_state_dict(manager: CheckpointManager, step: int | None = None, *, fallback: bool = False,
-                          map_location: Any = None) -> dict[str, Any] | None:
+                          map_location: Any = None, mmap: bool = False) -> dict[str, Any] | None:
     """The state dict saved as ``StateDict(...)`` in ``step`` (the newest when None; None when there is no
     step), loaded by ``torch.load(weights_only=True)`` with ``map_location``.
 
     Every byte ``torch.load`` reads was checked against the sha256 of its piece first: a damaged step raises
     CheckpointCorruptError, or with ``fallback=True`` warns and loads the newest older step that checks. A step
     saved some other way (a background save, raw bytes) is restored, verified, and its file loaded.
+
+    ``mmap=True`` checks the whole file first, then loads it with ``torch.load(mmap=True)``: the tensors are not
+    copied but share memory with the file (the step's own on local disk; on other stores, or for a step saved
+    some other way, its restored copy in the manager's folder), read from it as they are first touched. Writes to
+    them stay in this process (a private mapping: the file never changes), and the file's disk space is freed
+    only once they are gone, even after the step is deleted.
     """
     return await anyio.to_thread.run_sync(lambda: load_state_dict_sync(manager, step, fallback=fallback,
-                                                                       map_location=map_location))
+                                                                       map_location=map_location, mmap=mmap))
 
 
-def _load_step(manager: CheckpointManager, step: int, map_location: Any) -> dict[str, Any]:
+def _load_step(manager: CheckpointManager, step: int, map_location: Any, mmap: bool) -> dict[str, Any]:
     if manager.describe(step).kind != STEP_KIND:  # saved another way: its payload, restored and verified whole
-        loaded = torch.load(manager.restore(step), map_location=map_location, weights_only=True)
-        return cast("dict[str, Any]", loaded)
+        return _load_file(manager.restore(step), map_location, mmap)
+    if mmap and fsspec.utils.get_protocol(manager.directory) not in ("file", "local"):
+        return _load_file(manager.restore(step) / STATE_FILE, map_location, mmap)  # a verified local copy
     with manager.open(step, STATE_FILE) as source:
+        if mmap:  # the step's own file, checked whole through the open file, then mapped
+            cast("PieceReader", source.raw).verify_all()
+            return _load_file(Path(source.name), map_location, mmap)
         try:
             return cast("dict[str, Any]", torch.load(source, map_location=map_location, weights_only=True))
         except CheckpointCorruptError:
@@ -168,6 +184,11 @@ def _load_step(manager: CheckpointManager, step: int, map_location: Any) -> dict
             if cause is not None:
                 raise cause from None
             raise
+
+
+def _load_file(path: Path, map_location: Any, mmap: bool) -> dict[str, Any]:
+    """``torch.load`` of a local file that was checked whole."""
+    return cast("dict[str, Any]", torch.load(path, map_location=map_location, weights_only=True, mmap=mmap))
 
 
 def _corruption_in(exc: BaseException) -> CheckpointCorruptError | None:

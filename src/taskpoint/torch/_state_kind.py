@@ -133,7 +133,7 @@ class StateDictKind:
                 fd = os.open(source.path, os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:
                 raise self._gone(steps, step, content.file) from None
-            return PieceReader(size, list(content.pieces), content.piece_size, damaged, fd=fd)
+            return PieceReader(size, list(content.pieces), content.piece_size, damaged, fd=fd, name=source.path)
 
         def fetch(start: int, length: int) -> bytes:
             try:

@@ -1,0 +1,95 @@
+"""The hashed-pieces file of taskpoint.torch's state-dict steps (``taskpoint.torch._pieces``): the order its
+pieces are checked in, reads of pieces no thread has started on, and reads copied by two threads."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+
+import pytest
+
+from helpers import LazyModule, requires
+
+pytestmark = requires("torch")
+
+pieces = LazyModule("taskpoint.torch._pieces")
+
+MIB = 1 << 20
+
+
+class Damaged(Exception):
+    pass
+
+
+def digests(data: bytes, piece_size: int) -> list[str]:
+    return [hashlib.sha256(data[at:at + piece_size]).hexdigest() for at in range(0, len(data), piece_size)]
+
+
+def test_the_pieces_of_the_zip_tail_are_checked_first_the_last_first_then_the_rest_from_the_start():
+    assert pieces.check_order(10 * MIB + 100, MIB, 11) == [10, 9, *range(9)]  # the tail spans two pieces
+    assert pieces.check_order(10 * MIB, MIB, 10) == [9, *range(9)]
+    assert pieces.check_order(100, MIB, 1) == [0]
+    assert pieces.check_order(0, MIB, 1) == [0]  # an empty file has one piece, of no bytes
+
+
+def test_a_read_checks_on_its_own_thread_a_piece_no_thread_has_started_on():
+    data = bytes(range(40))
+    gate, fetched = threading.Event(), []
+
+    def fetch(start: int, length: int) -> bytes:
+        fetched.append((start, threading.current_thread() is threading.main_thread()))
+        if threading.current_thread() is not threading.main_thread():
+            gate.wait(5)  # the reader's threads are busy on the tail's pieces meanwhile
+        return data[start:start + length]
+
+    reader = pieces.PieceReader(len(data), digests(data, 4), 4, Damaged, fetch=fetch)
+    try:
+        assert reader.read(6) == data[:6]
+        assert (0, True) in fetched and (4, True) in fetched
+    finally:
+        gate.set()
+        reader.close()
+
+
+def test_damage_in_a_piece_checked_on_the_reading_thread_is_raised_again_on_each_read():
+    data = bytes(range(40))
+    sums = digests(data, 4)
+    sums[0] = hashlib.sha256(b"other").hexdigest()
+    gate = threading.Event()
+
+    def fetch(start: int, length: int) -> bytes:
+        if threading.current_thread() is not threading.main_thread():
+            gate.wait(5)
+        return data[start:start + length]
+
+    reader = pieces.PieceReader(len(data), sums, 4, lambda index: Damaged(index), fetch=fetch)
+    try:
+        for _ in range(2):
+            reader.seek(0)
+            with pytest.raises(Damaged) as raised:
+                reader.read(3)
+            assert raised.value.args == (0,)
+        gate.set()
+        reader.seek(4)
+        assert reader.read(4) == data[4:8]
+        with pytest.raises(Damaged):
+            reader.verify_all()
+    finally:
+        gate.set()
+        reader.close()
+
+
+@pytest.mark.parametrize("size", [1000, 1001, 0])
+def test_large_local_reads_once_every_piece_checked_return_the_file_bytes(tmp_path, monkeypatch, size):
+    monkeypatch.setattr(pieces, "SPLIT_READ", 8)  # every read of 8 bytes or more is copied by two threads
+    data = os.urandom(size)
+    (tmp_path / "f").write_bytes(data)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    reader = pieces.PieceReader(size, digests(data, 64) or [hashlib.sha256().hexdigest()], 64, Damaged, fd=fd,
+                                name=str(tmp_path / "f"))
+    with reader:
+        assert reader.verify_all() == size and reader.name == str(tmp_path / "f")
+        for start, length in ((0, size + 50), (3, 7), (3, 8), (size - 9, 9), (size // 2, 301)):
+            reader.seek(max(0, start))
+            assert reader.read(length) == data[max(0, start):max(0, start) + length]
