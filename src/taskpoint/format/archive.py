@@ -226,6 +226,17 @@ class _TarReader:
             raise EOFError("the archive ends inside a file")
         return view
 
+    def chunks(self, size: int) -> list[memoryview]:
+        """The next up to ``size`` bytes of member data (at least one), at most :data:`WRITE_PIECE`, as one view
+        or, from a source with ``read_view``, as several (a stored gzip member's blocks hold 64 KiB each), for
+        one ``os.writev``; valid until the next call."""
+        views = [self.chunk(size)]
+        got = len(views[0])
+        while self._read_view is not None and got < min(size, WRITE_PIECE):
+            views.append(self.chunk(min(size, WRITE_PIECE) - got))
+            got += len(views[-1])
+        return views
+
     def skip(self, size: int) -> None:
         """Drop ``size`` bytes of member data, and the padding after them."""
         remaining = size
