@@ -99,7 +99,8 @@ class GzipFormatError(ValueError):
 PROBE_SIZE = 64 << 10
 #: A member whose probe compresses to more than this fraction of its size is stored (deflate's stored blocks):
 #: float32 weights compress to about 0.93 of their size at about 100-350 MB/s a core, while a stored member
-#: costs a copy to write and to inflate (docs/performance.md, "Where a restore's time goes").
+#: costs a copy to write and none to read: its blocks' data is served as views of the member, checked against
+#: its CRC32 (docs/performance.md, "Where the time goes").
 STORE_ABOVE = 0.9
 
 
