@@ -46,7 +46,7 @@ def _codecs() -> dict[str, tuple[Callable[[bytes], bytes], Callable[[bytes], byt
         d = zstandard.ZstdDecompressor()
         return c.compress, d.decompress
 
-    inflate = pgzip._open_member
+    inflate = pgzip.open_member
     return {"gzip isal 1, store probe": (gzip_member(1, True), inflate),
             "gzip isal 2, store probe": (gzip_member(2, True), inflate),
             "gzip isal 1, always": (gzip_member(1, False), inflate),

@@ -186,12 +186,14 @@ class _TarReader:
 
     ``tarfile``'s stream mode copies every byte four to six times on its way through; this reader parses
     headers with ``TarInfo.frombuf`` (checksums included), follows pax (``x``) and GNU long-name (``L``,
-    ``K``) records, at most :data:`MAX_HEADER_BYTES` of them per member, and moves file data with
-    ``readinto`` into one reused buffer.
+    ``K``) records, at most :data:`MAX_HEADER_BYTES` of them per member, and hands out file data as views of the
+    source's own buffers when it has ``read_view`` (:class:`~taskpoint.storage.streams.OrderedFutureReader`: a
+    parallel gzip stream, a subset's members), else read with ``readinto`` into one reused buffer.
     """
 
     def __init__(self, source: IO[bytes]) -> None:
         self._source = source
+        self._read_view: Callable[[int], memoryview] | None = getattr(source, "read_view", None)
         self._buf = bytearray(BLOCK_SIZE)
         self._view = memoryview(self._buf)
 
@@ -214,11 +216,26 @@ class _TarReader:
             self._exact(512 - size % 512)
 
     def chunk(self, size: int) -> memoryview:
-        """The next up to ``size`` bytes of member data (at least one), in a buffer reused by the next call."""
-        got = self._readinto(self._view[: min(size, WRITE_PIECE)])
-        if got == 0:
+        """The next up to ``size`` bytes of member data (at least one), valid until the next call (it may be a
+        buffer that call reuses)."""
+        if self._read_view is not None:
+            view = self._read_view(min(size, WRITE_PIECE))
+        else:
+            view = self._view[: self._readinto(self._view[: min(size, WRITE_PIECE)])]
+        if not view:
             raise EOFError("the archive ends inside a file")
-        return self._view[:got]
+        return view
+
+    def chunks(self, size: int) -> list[memoryview]:
+        """The next up to ``size`` bytes of member data (at least one), at most :data:`WRITE_PIECE`, as one view
+        or, from a source with ``read_view``, as several (a stored gzip member's blocks hold 64 KiB each), for
+        one ``os.writev``; valid until the next call."""
+        views = [self.chunk(size)]
+        got = len(views[0])
+        while self._read_view is not None and got < min(size, WRITE_PIECE):
+            views.append(self.chunk(min(size, WRITE_PIECE) - got))
+            got += len(views[-1])
+        return views
 
     def skip(self, size: int) -> None:
         """Drop ``size`` bytes of member data, and the padding after them."""

@@ -226,8 +226,8 @@ def _decode_errors() -> tuple[type[BaseException], ...]:
 DECODE_ERRORS: tuple[type[BaseException], ...] = _decode_errors()
 
 
-#: The gzip of a manager's directory steps: members that do not compress (weights) are stored, inflated as a
-#: copy (docs/performance.md). Still gzip, named so in records: every reader, Flyte's too, opens it.
+#: The gzip of a manager's directory steps: members that do not compress (weights) are stored, read back without
+#: inflating (docs/performance.md). Still gzip, named so in records: every reader, Flyte's too, opens it.
 STEP_GZIP = GzipCodec(store_incompressible=True)
 
 

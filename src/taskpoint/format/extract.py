@@ -335,11 +335,15 @@ def _copy_data(tar: _TarReader, fd: int, size: int, uri: str, what: str) -> None
     caller retries them), local disk errors while writing go through :func:`_raise_local`."""
     remaining = size
     while remaining > 0:
-        view = tar.chunk(remaining)
-        remaining -= len(view)
+        views = tar.chunks(remaining)
+        remaining -= sum(map(len, views))
         try:
-            while view:
-                view = view[os.write(fd, view):]
+            while views:
+                written = os.writev(fd, views)
+                while views and written >= len(views[0]):
+                    written -= len(views.pop(0))
+                if written:
+                    views[0] = views[0][written:]
         except OSError as exc:
             _raise_local(exc, uri, what)
     tar.skip_padding(size)

@@ -9,7 +9,9 @@ inflating it, and inflate them on several threads; any other gzip stream is infl
 Whatever a stream says, a reader's memory stays bounded: a labelled member longer than
 :data:`MAX_MEMBER_LENGTH`, or whose trailer (ISIZE) claims more than :data:`MEMBER_SIZE` bytes, is refused
 before it is read or inflated, and a member is inflated into at most ISIZE + 1 bytes, so one that inflates
-beyond what its trailer says fails at once.
+beyond what its trailer says fails at once. A member made only of stored blocks (what the writer's ``store``
+writes for data that does not compress) is not inflated at all: its blocks' data is served as views of the
+member, checked against the same CRC32 and ISIZE.
 
 Uses ISA-L (``isal``) when installed, stdlib zlib otherwise; both release the GIL while they work.
 """
@@ -98,7 +100,8 @@ class GzipFormatError(ValueError):
 PROBE_SIZE = 64 << 10
 #: A member whose probe compresses to more than this fraction of its size is stored (deflate's stored blocks):
 #: float32 weights compress to about 0.93 of their size at about 100-350 MB/s a core, while a stored member
-#: costs a copy to write and to inflate (docs/performance.md, "Where a restore's time goes").
+#: costs a copy to write and none to read: its blocks' data is served as views of the member, checked against
+#: its CRC32 (docs/performance.md, "Where the time goes").
 STORE_ABOVE = 0.9
 
 
@@ -127,18 +130,67 @@ def member(data: bytes | memoryview, level: int, store: bool = False) -> bytes:
     return b"".join((header, body, _TRAILER.pack(crc32(data, 0) & 0xFFFFFFFF, len(data) & 0xFFFFFFFF)))
 
 
-def open_member(blob: bytes) -> bytes:
-    """Inflate one labelled member into at most its ISIZE bytes, and check its CRC32 and length."""
-    if len(blob) < _HEADER_SIZE + _TRAILER.size:
+# The header of a stored block that starts on a byte boundary: BFINAL (bit 0) and BTYPE 00 (bits 1-2) padded to a
+# byte, then LEN and NLEN, its one's complement (RFC 1951, 3.2.4).
+_STORED_BLOCK = struct.Struct("<BHH")
+
+
+def _stored_blocks(body: memoryview) -> list[bytes | memoryview] | None:
+    """The data of a raw deflate stream made only of stored blocks, as views of ``body``; None when it holds a
+    block of another kind (or padding bits that zlib never writes), which inflate then reads. GzipFormatError for
+    a stored block whose LEN is not the complement of its NLEN or that runs past the end, a stream without a
+    final block, and bytes after the final one."""
+    pieces: list[bytes | memoryview] = []
+    pos = 0
+    while True:
+        if pos + _STORED_BLOCK.size > len(body):
+            if pos < len(body) and body[pos] > 1:
+                return None
+            raise GzipFormatError("deflate stream is truncated or followed by garbage")
+        first, length, nlength = _STORED_BLOCK.unpack_from(body, pos)
+        if first > 1:
+            return None
+        if length != nlength ^ 0xFFFF:
+            raise GzipFormatError("a stored deflate block's lengths do not match (LEN is not the complement of NLEN)")
+        start, pos = pos + _STORED_BLOCK.size, pos + _STORED_BLOCK.size + length
+        if pos > len(body):
+            raise GzipFormatError("a stored deflate block runs past the end of its gzip member")
+        if length:
+            pieces.append(body[start:pos])
+        if first == 1:
+            if pos != len(body):
+                raise GzipFormatError("deflate stream is truncated or followed by garbage")
+            return pieces
+
+
+def member_data(rest: bytes | memoryview) -> list[bytes | memoryview]:
+    """The plain bytes of one labelled member from what follows its header (its deflate stream and trailer), in
+    pieces: a member of stored blocks as views of ``rest`` (no inflate, no copy), any other inflated into at most
+    its ISIZE bytes. Both are checked against the member's CRC32 and ISIZE (GzipFormatError)."""
+    view = memoryview(rest)
+    if len(view) < _TRAILER.size:
         raise GzipFormatError("gzip member is truncated")
-    crc, isize = _TRAILER.unpack_from(blob, len(blob) - _TRAILER.size)
+    crc, isize = _TRAILER.unpack_from(view, len(view) - _TRAILER.size)
     if isize > MEMBER_SIZE:
         raise GzipFormatError(f"a labelled gzip member says it holds {isize} bytes, more than the {MEMBER_SIZE} "
                               "that taskpoint puts in one")
-    out = _inflate(memoryview(blob)[_HEADER_SIZE:-_TRAILER.size], isize)
-    if crc32(out, 0) & 0xFFFFFFFF != crc or len(out) != isize:
+    body = view[:-_TRAILER.size]
+    pieces = _stored_blocks(body)
+    if pieces is None:
+        pieces = [_inflate(body, isize)]
+    check = 0
+    for piece in pieces:
+        check = crc32(piece, check)
+    if check & 0xFFFFFFFF != crc or sum(map(len, pieces)) != isize:
         raise GzipFormatError("gzip member fails its CRC32 or length check")
-    return out
+    return pieces
+
+
+def open_member(blob: bytes) -> bytes:
+    """One labelled member's plain bytes (:func:`member_data`), checked against its CRC32 and length."""
+    if len(blob) < _HEADER_SIZE + _TRAILER.size:
+        raise GzipFormatError("gzip member is truncated")
+    return b"".join(member_data(memoryview(blob)[_HEADER_SIZE:]))
 
 
 def labelled_length(head: bytes) -> int | None:
@@ -266,13 +318,15 @@ class ParallelGzipReader(OrderedFutureReader):
         super().__init__(CPU.lane(threads))
         self._source = source
         # Futures of inflated members in order; None at the end; an exception when the cutter failed.
-        self._queue: queue.Queue[concurrent.futures.Future[bytes] | BaseException | None] = queue.Queue(threads * 2)
+        self._queue: queue.Queue[concurrent.futures.Future[list[bytes | memoryview]] | BaseException | None] = (
+            queue.Queue(threads * 2))
         self._stop = threading.Event()
         self._done = False
         self._cutter = threading.Thread(target=self._cut, name="taskpoint-gunzip-cut", daemon=True)
         self._cutter.start()
 
     def _next_member(self) -> bytes | None:
+        """What follows the next member's header (its deflate stream and trailer); None at the end."""
         head = read_up_to(self._source, _HEADER_SIZE)
         if not head:
             return None
@@ -286,14 +340,14 @@ class ParallelGzipReader(OrderedFutureReader):
         rest = read_up_to(self._source, total - _HEADER_SIZE)
         if len(rest) != total - _HEADER_SIZE:
             raise EOFError("compressed stream ended inside a member")
-        return head + rest
+        return rest
 
     def _cut(self) -> None:
-        item: concurrent.futures.Future[bytes] | BaseException | None
+        item: concurrent.futures.Future[list[bytes | memoryview]] | BaseException | None
         while not self._stop.is_set():
             try:
-                blob = self._next_member()
-                item = None if blob is None else self._pool.submit(open_member, blob)
+                rest = self._next_member()
+                item = None if rest is None else self._pool.submit(member_data, rest)
             except BaseException as exc:  # handed to the caller's thread, raised by its next read
                 item = exc
             while not self._stop.is_set():
@@ -305,8 +359,9 @@ class ParallelGzipReader(OrderedFutureReader):
             if not isinstance(item, concurrent.futures.Future):
                 return
 
-    def _next_result(self) -> bytes | None:
-        """The next member inflated, from the cutter's queue; None at the end; the cutter's error."""
+    def _next_result(self) -> list[bytes | memoryview] | None:
+        """The next member's plain bytes (:func:`member_data`), from the cutter's queue; None at the end; the
+        cutter's error."""
         if self._done:
             return None
         item = self._queue.get()

@@ -26,20 +26,27 @@ def read_up_to(source: IO[bytes], n: int) -> bytes:
     return b"".join(parts)
 
 
+#: What one future of an :class:`OrderedFutureReader` yields: a buffer, or buffers to serve one after the other.
+Result = bytes | memoryview | list[bytes | memoryview]
+
+
 class OrderedFutureReader(io.RawIOBase):
     """Serves the results of futures, oldest first, while subclasses keep a bounded number in flight.
 
     ``lane`` is the shared pool's lane the work runs on (:mod:`taskpoint.executors`). Subclasses implement
     :meth:`_fill` (submit work to ``self._pool`` and append the futures to
     ``self._pending`` until enough are in flight or the input is exhausted), or, when their futures arrive some
-    other way, :meth:`_next_result` itself.
+    other way, :meth:`_next_result` itself. A result is one buffer or a list of buffers served in order (the
+    data of a stored gzip member's blocks, sliced out of the member): :meth:`read_view` hands them out without
+    copying, :meth:`readinto` copies.
     """
 
     def __init__(self, lane: Lane) -> None:
         super().__init__()
         self._pool = lane
-        self._pending: collections.deque[concurrent.futures.Future[bytes]] = collections.deque()
+        self._pending: collections.deque[concurrent.futures.Future[Result]] = collections.deque()
         self._out = memoryview(b"")
+        self._queued: collections.deque[memoryview] = collections.deque()
 
     def _fill(self) -> None:
         raise NotImplementedError
@@ -47,7 +54,7 @@ class OrderedFutureReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def _next_result(self) -> bytes | None:
+    def _next_result(self) -> Result | None:
         """The next result in order (waiting for it), None at the end."""
         self._fill()
         if not self._pending:
@@ -56,15 +63,33 @@ class OrderedFutureReader(io.RawIOBase):
         self._fill()
         return result
 
-    def readinto(self, buf: Any) -> int:
+    def read_view(self, n: int) -> memoryview:
+        """The next up to ``n`` bytes (at least one; none only at the end) as a read-only view of a result, not
+        a copy: it stays valid after later reads, since it keeps its result alive."""
         while not self._out:
+            if self._queued:
+                self._out = self._queued.popleft()
+                continue
             result = self._next_result()
             if result is None:
-                return 0
-            self._out = memoryview(result)
-        n = min(len(buf), len(self._out))
-        buf[:n] = self._out[:n]
-        self._out = self._out[n:]
+                return self._out
+            if isinstance(result, list):
+                self._queued.extend(memoryview(piece) for piece in result)
+            else:
+                self._out = memoryview(result)
+        view, self._out = self._out[:n], self._out[n:]
+        return view.toreadonly()
+
+    def readinto(self, buf: Any) -> int:
+        """Copies the rest of the current result into ``buf`` (as much as fits), waiting for the next result only
+        when none is left: as one read returned up to a whole result when each was a single buffer."""
+        n = 0
+        while n < len(buf) and (not n or self._out or self._queued):
+            view = self.read_view(len(buf) - n)
+            if not view:
+                break
+            buf[n:n + len(view)] = view
+            n += len(view)
         return n
 
     def close(self) -> None:
