@@ -26,9 +26,21 @@ from .errors import (
     UnsafeArchiveError,
 )
 from .latest import latest_checkpoint
-from .manager import CheckpointManager, KeepBest, StepDescription, StepSummary, StepVerification, Verification
-from .runtime import TaskContext, ctx, repair_prev_checkpoint_uri, task
+from .manager import (
+    CheckpointManager,
+    KeepBest,
+    StepDescription,
+    StepSummary,
+    StepVerification,
+    Verification,
+    set_attempt_source,
+)
+from .runtime import TaskContext, ctx, repair_prev_checkpoint_uri, running_attempt, task
 from .storage import RetryPolicy
+
+# The composition root: the manager records the attempt that saved each step, but its layer lies below the
+# runtime's and may not import it; the runtime's lookup is handed to it here, where both are imported.
+set_attempt_source(running_attempt)
 
 __all__ = [
     "BaseCheckpoint",

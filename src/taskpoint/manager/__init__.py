@@ -9,8 +9,8 @@ kinds behind a :class:`StepKind` protocol, one module each (``kinds``), and veri
 listing of steps as typed results (``verify``, ``inventory``).
 
 May import: :mod:`taskpoint.checkpoint`'s layer and everything below it (``transfer``, ``payloads``,
-``workspace``, ``format``, ``storage``, ``errors``). It never imports :mod:`taskpoint.runtime`: the runtime
-tells it the running attempt through :func:`set_attempt_source`.
+``workspace``, ``format``, ``storage``, ``errors``). It never imports :mod:`taskpoint.runtime`:
+``taskpoint/__init__.py`` hands it the runtime's lookup of the running attempt through :func:`set_attempt_source`.
 """
 
 from ._checks import check_step

@@ -1,6 +1,7 @@
 """Which task attempt is running (None outside a task), for the manifests this layer writes.
 
-The runtime layer above installs its lookup with :func:`set_attempt_source`, so that this layer never imports it.
+The runtime layer's lookup is installed with :func:`set_attempt_source` by ``taskpoint/__init__.py``, so that
+this layer never imports the runtime.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ _attempt_source: Callable[[], int | None] = _no_attempt
 
 
 def set_attempt_source(source: Callable[[], int | None]) -> None:
-    """Install the function that tells the running task attempt (the runtime calls this once)."""
+    """Install the function that tells the running task attempt (``taskpoint/__init__.py`` does, once)."""
     global _attempt_source
     _attempt_source = source
 

@@ -11,8 +11,8 @@ package the modules form layers too (``task`` > ``context`` > ``lineage`` > ``re
 import-linter like the package layers.
 """
 
-from .context import ctx, environment_context, repair_prev_checkpoint_uri
+from .context import ctx, environment_context, repair_prev_checkpoint_uri, running_attempt
 from .state import TaskContext
 from .task import task
 
-__all__ = ["TaskContext", "ctx", "environment_context", "repair_prev_checkpoint_uri", "task"]
+__all__ = ["TaskContext", "ctx", "environment_context", "repair_prev_checkpoint_uri", "running_attempt", "task"]

@@ -8,7 +8,6 @@ import threading
 
 from .. import preemption
 from ..checkpoint import Checkpoint
-from ..manager import set_attempt_source
 from ..ranks import RANK_VARIABLES, ranks_from_environment
 from .flyte_bridge import flyte_context
 from .layout import (
@@ -81,13 +80,11 @@ def repair_prev_checkpoint_uri(
     return repair_uri(prev_uri, run_name=run_name, action_name=action_name, attempt=attempt, lookup=ctx)
 
 
-def _running_attempt() -> int | None:
+def running_attempt() -> int | None:
+    """The attempt of the running task (:func:`ctx`'s), None outside one: what the manager records with each
+    step (``taskpoint/__init__.py`` installs it there)."""
     context = ctx()
     return context.attempt if context is not None else None
-
-
-# The manager (a layer below) records the attempt that saved each step; it learns it from here.
-set_attempt_source(_running_attempt)
 
 
 _ENV_KEYS = (ENV_ROOT, ENV_RUN_NAME, ENV_ACTION_NAME, ENV_ATTEMPT, ENV_CHECKPOINT_PATH, ENV_PREV_CHECKPOINT,
