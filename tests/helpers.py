@@ -24,6 +24,7 @@ import fsspec
 
 from taskpoint import RetryPolicy
 from taskpoint.ranks import RANK_VARIABLES
+from taskpoint.storage import NO_DEADLINE, Deadline
 from taskpoint.workspace import process_alive
 
 T = TypeVar("T")
@@ -180,11 +181,12 @@ class CountingRetry(RetryPolicy):
 
     runs: list[str] = field(default_factory=list, compare=False)
 
-    def call(self, fn: Callable[[], T], *, action: str, uri: str, endpoint: str | None = None) -> T:
-        def counted() -> T:
+    def call(self, fn: Callable[[Deadline], T], *, action: str, uri: str, endpoint: str | None = None,
+             outer: Deadline = NO_DEADLINE) -> T:
+        def counted(deadline: Deadline) -> T:
             self.runs.append(action)
-            return fn()
-        return super().call(counted, action=action, uri=uri, endpoint=endpoint)
+            return fn(deadline)
+        return super().call(counted, action=action, uri=uri, endpoint=endpoint, outer=outer)
 
 
 def fast_counting() -> CountingRetry:

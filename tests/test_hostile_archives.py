@@ -648,11 +648,11 @@ _FSIZE_SCRIPT = textwrap.dedent("""
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
     runs = []
     class Counting(RetryPolicy):
-        def call(self, fn, *, action, uri, endpoint=None):
-            def counted():
+        def call(self, fn, *, action, uri, endpoint=None, **kwargs):
+            def counted(deadline):
                 runs.append(action)
-                return fn()
-            return super().call(counted, action=action, uri=uri, endpoint=endpoint)
+                return fn(deadline)
+            return super().call(counted, action=action, uri=uri, endpoint=endpoint, **kwargs)
     try:
         Checkpoint(sys.argv[1], sys.argv[2], workspace=sys.argv[3], retry=Counting(initial_delay=0.01)).load_sync()
         print("loaded")

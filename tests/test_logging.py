@@ -139,7 +139,7 @@ def _payload(store, step: int) -> str:
 def test_each_retry_is_a_debug_record(captured):
     failures = [ConnectionResetError("reset by peer"), ConnectionResetError("reset by peer")]
 
-    def flaky() -> str:
+    def flaky(deadline: object) -> str:
         if failures:
             raise failures.pop()
         return "ok"

@@ -359,7 +359,7 @@ def _silent_server() -> Iterator[tuple[str, list[socket.socket]]]:
 def test_the_retry_deadline_stops_new_attempts_and_names_itself():
     runs = []
 
-    def always_reset() -> None:
+    def always_reset(deadline: object) -> None:
         runs.append(1)
         raise ConnectionResetError("reset by peer")
 

@@ -26,7 +26,7 @@ from .errors import CheckpointCorruptError, CheckpointError, UnsafeArchiveError
 from .format.archive import link_leaves
 from .payloads import DirectoryPayload
 from .signals import uninterrupted
-from .storage import WRITE_PIECE, Kind, Location, copy_fd_in_kernel
+from .storage import WRITE_PIECE, Deadline, Kind, Location, copy_fd_in_kernel
 from .workspace import Staging
 
 #: Objects downloaded at once from an object store.
@@ -169,10 +169,10 @@ def _download(src: Location, entry: _Entry, staging: Path, progress: Progress) -
     target = staging.joinpath(*entry.parts)
     counter = progress.piece()
 
-    def once() -> None:
+    def once(deadline: Deadline) -> None:
         counter.restart()
         try:
-            raw = child.open_read()
+            raw = child.open_read(deadline=deadline)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
             raise CheckpointCorruptError(
                 f"{child.uri} was listed in the folder checkpoint at {src.uri} but vanished (or changed into a "

@@ -15,7 +15,7 @@ from . import _log, _progress
 from .errors import CheckpointCorruptError
 from .format.records import RECORD_SUFFIX
 from .record import listed, load_object, read_record
-from .storage import Location
+from .storage import Deadline, Location, bounded
 from .transfer import hash_object
 
 
@@ -49,9 +49,9 @@ class CheckpointDescription:
 def object_size(loc: Location) -> int | None:
     """The size of the object at ``loc``; None when there is none (or it is a folder)."""
 
-    def info() -> int | None:
+    def info(deadline: Deadline) -> int | None:
         try:
-            found = loc.fs.info(loc.path)
+            found = loc.fs.info(loc.path, **bounded(loc.fs, deadline))
         except (FileNotFoundError, NotADirectoryError):
             return None
         return None if found.get("type") == "directory" else int(found.get("size") or 0)

@@ -20,7 +20,7 @@ from .folders import refuse_folder_destination
 from .format.codecs import Codec
 from .format.records import RECORD_SUFFIX, ObjectRecord, Record
 from .payloads import Payload, payload_class
-from .storage import Location, RetryPolicy, VersionConflict
+from .storage import NO_DEADLINE, Deadline, Location, RetryPolicy, VersionConflict
 from .transfer import guess_kind, read_payload, write_payload
 
 #: How often a load re-reads the record and follows it when the object it read is not listed (each time, a
@@ -97,19 +97,20 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
                          save_id=uuid.uuid4().hex, created=time.time(), size=payload.size())
     state = _SaveState(record_loc, previous, version)
 
-    def on_partial() -> None:  # a multipart upload begins: if this process dies, the next save sweeps it
-        if not state.partial:
+    def on_partial(deadline: Deadline) -> None:  # a multipart upload begins: if this process dies, the next save
+        if not state.partial:  # sweeps it
             state.partial = True
-            state.write(lambda record: replace(record, sweep=True), action="save a checkpoint to")
+            state.write(lambda record: replace(record, sweep=True), action="save a checkpoint to", outer=deadline)
 
-    def before_commit(size: int, digest: str) -> None:
+    def before_commit(size: int, digest: str, deadline: Deadline) -> None:
         # Another process may save here too: the record must keep listing the object it made visible. With
         # conditional writes the store says so (a conflict: read it again); elsewhere read it again unless it
         # was read a moment ago, and keep what it lists besides what this process knew.
         if not record_loc.conditional and (known is not None or time.monotonic() - read_at > _FRESH_SECONDS):
-            state.record = _merged(read_record(record_loc, tolerate_corrupt=True), state.record)
+            state.record = _merged(read_record(record_loc.within(deadline), tolerate_corrupt=True), state.record)
         new = replace(entry, size=size, crc32=digest, index=payload.written_index)
-        state.write(lambda record: record.with_new(new, sweep=state.partial), action="record the checkpoint at")
+        state.write(lambda record: record.with_new(new, sweep=state.partial), action="record the checkpoint at",
+                    outer=deadline)
 
     try:
         size, digest = write_payload(dest, payload, codec, level, digest="crc32", size_hint=payload.size(),
@@ -156,22 +157,23 @@ class _SaveState:
     version: str | None
     partial: bool = False
 
-    def write(self, change: Callable[[Record], Record], *, action: str) -> None:
-        """Store ``change(record)``. Where the store has conditional writes it lands only over the version this
-        save saw; when another writer got there first, read the record again, keep what it lists and apply
-        the change to that."""
-        if not self.loc.conditional:
+    def write(self, change: Callable[[Record], Record], *, action: str, outer: Deadline = NO_DEADLINE) -> None:
+        """Store ``change(record)``, by ``outer`` (the deadline of the write whose hook this is). Where the store
+        has conditional writes it lands only over the version this save saw; when another writer got there
+        first, read the record again, keep what it lists and apply the change to that."""
+        loc = self.loc.within(outer)
+        if not loc.conditional:
             self.record = change(self.record)
-            self.loc.write_small(self.record.to_bytes(), action=action)
+            loc.write_small(self.record.to_bytes(), action=action)
             return
         for _ in range(_CONFLICT_TRIES):
             candidate = change(self.record)
             try:
-                self.version = self.loc.write_versioned(candidate.to_bytes(), self.version, action=action)
+                self.version = loc.write_versioned(candidate.to_bytes(), self.version, action=action)
                 self.record = candidate
                 return
             except VersionConflict:
-                stored, self.version = _read_versioned(self.loc)
+                stored, self.version = _read_versioned(loc)
                 self.record = _merged(stored, self.record)
                 _log.logger.debug("another writer changed the record at %s; merged", _log.safe_uri(self.loc.uri))
         raise StorageUnavailable(

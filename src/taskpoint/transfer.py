@@ -24,7 +24,7 @@ from .format.codecs import BLOCK_SIZE, Codec, detect_codec, holds_tar
 from .format.space import check_room
 from .payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, Payload
 from .signals import uninterrupted
-from .storage import WRITE_PIECE, Location, WriteHooks, copy_fd_in_kernel, digest_by_reading, digest_of_fd
+from .storage import WRITE_PIECE, Deadline, Location, WriteHooks, copy_fd_in_kernel, digest_by_reading, digest_of_fd
 from .storage.streams import ConcurrentRangeReader, read_up_to
 from .workspace import Staging
 
@@ -141,29 +141,31 @@ class HashingReader(_Hashed):
 
 def write_payload(dest: Location, payload: Payload, codec: Codec, level: int | None,
                   digest: str = "sha256", size_hint: int | None = None,
-                  before_commit: Callable[[int, str], None] | None = None,
-                  on_partial: Callable[[], None] | None = None, progress: Progress = NO_PROGRESS) -> tuple[int, str]:
+                  before_commit: Callable[[int, str, Deadline], None] | None = None,
+                  on_partial: Callable[[Deadline], None] | None = None,
+                  progress: Progress = NO_PROGRESS) -> tuple[int, str]:
     """Stream ``payload`` into ``dest`` atomically; return the stored size and its ``digest`` (hex).
 
-    ``before_commit(size, digest)`` runs once every byte is written and hashed and none is visible yet (the
-    checkpoint record is written there, so that every visible object has a digest); ``on_partial`` when a
-    killed writer could leave parts behind. Transient storage failures are retried by rewriting the whole
+    ``before_commit(size, digest, deadline)`` runs once every byte is written and hashed and none is visible
+    yet (the checkpoint record is written there, so that every visible object has a digest); ``on_partial
+    (deadline)`` when a killed writer could leave parts behind; ``deadline`` is the write attempt's, which
+    their own storage calls end by (``Location.within``). Transient storage failures are retried by rewriting the whole
     object; a failure to read the data being saved is raised as it is, without retrying; other storage
     failures become the matching StorageError. ``progress`` counts the stored bytes, or the source bytes for
     kinds that count their own (:attr:`Payload.counts_source <taskpoint.payloads.Payload.counts_source>`).
     """
     progress.set_total(payload.progress_size() if progress.active else None)
 
-    def write() -> tuple[int, str]:
+    def write(deadline: Deadline) -> tuple[int, str]:
         done: list[tuple[int, str]] = []
         progress.restart()
 
-        def commit() -> None:
+        def commit(deadline: Deadline) -> None:
             if before_commit is not None:
-                before_commit(*done[0])
+                before_commit(*done[0], deadline)
 
         hooks = WriteHooks(before_commit=commit, on_partial=on_partial or WriteHooks().on_partial)
-        with dest.open_write(size_hint=size_hint, hooks=hooks) as f:
+        with dest.open_write(size_hint=size_hint, hooks=hooks, deadline=deadline) as f:
             local_source = payload.local_file() if dest.is_local else None
             if local_source is not None:
                 done.append(_copy_local(local_source, f, payload.size(), digest, progress))
@@ -222,16 +224,16 @@ def read_payload(src: Location, workspace: Path, choose: KindChooser, verify: Ve
     ValueError for an object that is no directory.
     """
     progress.set_total(size_hint)
-    return src.run(lambda: _read_once(src, workspace, choose, verify, digest, size_hint, progress, max_expand,
-                                      only), action="load the checkpoint from")
+    return src.run(lambda deadline: _read_once(src, workspace, choose, verify, digest, size_hint, progress,
+                                               max_expand, only, deadline), action="load the checkpoint from")
 
 
 def _read_once(src: Location, workspace: Path, choose: KindChooser, verify: Verifier, digest: str,
                size_hint: int | None, progress: Progress, max_expand: int | None,
-               only: Sequence[str] | None) -> Path | None:
+               only: Sequence[str] | None, deadline: Deadline) -> Path | None:
     progress.restart()
     try:
-        raw = src.open_read(size_hint)
+        raw = src.open_read(size_hint, deadline)
     except (FileNotFoundError, NotADirectoryError):  # not there, or a parent is a file: absent
         return None
     except IsADirectoryError as exc:  # a folder or prefix: the caller loads it as a folder checkpoint
@@ -333,9 +335,9 @@ def hash_object(loc: Location, digest: str, size_hint: int | None, progress: Pro
     the bytes read. FileNotFoundError when there is no such object (or it was deleted while it was read)."""
     seen: list[tuple[int, str]] = []
     if loc.is_local:
-        def local() -> None:
+        def local(deadline: Deadline) -> None:
             progress.restart()
-            with loc.open_read() as raw:
+            with loc.open_read(deadline=deadline) as raw:
                 fd = raw.fileno()
                 size = os.fstat(fd).st_size
                 progress.set_total(size)

@@ -34,7 +34,7 @@ from ..format.archive import walk_source
 from ..format.codecs import Codec, get_codec
 from ..format.records import TreeEntry
 from ..payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, FilePayload, Payload
-from ..storage import Location, modified_time
+from ..storage import Deadline, Location, modified_time
 from .leases import alive, lease_body
 
 CHUNK_FOLDER = "chunks"
@@ -84,8 +84,8 @@ class ChunkStore:
         """Store one chunk atomically (with retries)."""
         location = self.location(key)
 
-        def write() -> None:
-            with location.open_write(size_hint=len(blob)) as f:
+        def write(deadline: Deadline) -> None:
+            with location.open_write(size_hint=len(blob), deadline=deadline) as f:
                 f.write(blob)
 
         location.run(write, action="save a chunk to", writing=True)

@@ -19,6 +19,7 @@ from ._localio import (
     digest_of_fd,
 )
 from .backends import LEFTOVER_GRACE_SECONDS, Kind, WriteHooks, modified_time
+from .deadline import NO_DEADLINE, Deadline, bounded
 from .errormap import Failure, classify, is_transient, map_errors
 from .location import Location, normalize_uri
 from .retry import RetryPolicy
@@ -27,7 +28,9 @@ from .uris import check_uri
 
 __all__ = [
     "LEFTOVER_GRACE_SECONDS",
+    "NO_DEADLINE",
     "WRITE_PIECE",
+    "Deadline",
     "Failure",
     "Kind",
     "Location",
@@ -35,6 +38,7 @@ __all__ = [
     "RetryPolicy",
     "VersionConflict",
     "WriteHooks",
+    "bounded",
     "check_uri",
     "classify",
     "copy_fd_in_kernel",

@@ -24,6 +24,7 @@ from typing import IO, Any
 from . import _s3
 from ._s3 import PARTS_IN_FLIGHT, RECEIVED_PIECE, SINGLE_PUT_MAX, UPLOAD_PART_SIZE
 from .backends import SMALL_READ, Kind, WholeObject, WriteHooks, folder_error
+from .deadline import Deadline
 from .errormap import Failure, classify, code_and_status
 from .objectstores import S3Backend
 from .retry import CLIENT_TIMEOUT
@@ -122,15 +123,16 @@ class ObstoreWriter(io.RawIOBase):
     when ours began) and aborted with the s3fs writer's tries and pause. An upload of the same key that another
     writer began meanwhile is aborted with it; that writer's save fails and is retried."""
 
-    def __init__(self, store: Any, key: str, part_size: int, on_partial: Callable[[], None], fs: Any,
-                 path: str) -> None:
+    def __init__(self, store: Any, key: str, part_size: int, on_partial: Callable[[Deadline], None], fs: Any,
+                 path: str, deadline: Deadline) -> None:
         super().__init__()
         import obstore
 
         self._file = obstore.open_writer(store, key, buffer_size=part_size, max_concurrency=PARTS_IN_FLIGHT)
         self._part_size = part_size
         self._written = 0
-        self._on_partial: Callable[[], None] | None = on_partial
+        self._on_partial: Callable[[Deadline], None] | None = on_partial
+        self._deadline = deadline
         self._fs, self._path = fs, path
         self._earlier: set[str] | None = None  # the ids of this key's unfinished uploads before ours began
 
@@ -140,7 +142,8 @@ class ObstoreWriter(io.RawIOBase):
     def write(self, b: Any) -> int:
         n = memoryview(b).nbytes
         if self._on_partial is not None and self._written + n >= self._part_size:
-            self._on_partial()  # the first part is about to leave: a killed process would leave an upload
+            # The first part is about to leave: a killed process would leave an upload.
+            self._on_partial(self._deadline)
             self._on_partial = None
             # Best effort: without this listing (a role that may not list uploads) only obstore's abort is tried.
             with contextlib.suppress(Exception):
@@ -149,12 +152,12 @@ class ObstoreWriter(io.RawIOBase):
         self._written += n
         return n
 
-    def close(self, before_commit: Callable[[], None] | None = None) -> None:
-        """Send what is left and make the object visible; ``before_commit`` runs just before that."""
+    def close(self, before_commit: Callable[[Deadline], None] | None = None) -> None:
+        """Send what is left and make the object visible; ``before_commit(deadline)`` runs just before that."""
         if self.closed:
             return
         if before_commit is not None:
-            before_commit()
+            before_commit(self._deadline)
         self._file.close()
         super().close()
 
@@ -275,7 +278,7 @@ class ObstoreS3Backend(S3Backend):
 
     def writer(self, path: str, size_hint: int | None, hooks: WriteHooks) -> Any:
         store, key = self._located(path)
-        return ObstoreWriter(store, key, _part_size(size_hint), hooks.on_partial, self.fs, path)
+        return ObstoreWriter(store, key, _part_size(size_hint), hooks.on_partial, self.fs, path, self.deadline)
 
     def read_small(self, path: str) -> bytes:
         return self.read_versioned(path)[0]
@@ -324,4 +327,4 @@ class ObstoreS3Backend(S3Backend):
                 raise folder_error(path) from None
             raise
         return self.range_reader(store, path, int(meta["size"]),  # type: ignore[return-value]
-                                 version=meta.get("e_tag") or None)
+                                 version=meta.get("e_tag") or None, deadline=self.deadline)

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..executors import IO
 from ..signals import uninterrupted
+from .deadline import NO_DEADLINE, Deadline, bounded
 from .errormap import chain, code_and_status
 from .streams import ConcurrentRangeReader, ObjectChanged, VersionConflict
 
@@ -36,12 +37,16 @@ class S3MultipartWriter(io.RawIOBase):
     Up to one part of data is a single PUT. Beyond that a multipart upload is started, each full part is
     sent by a pool (at most :data:`PARTS_IN_FLIGHT`, so memory stays bounded), and ``close()`` completes the
     upload: the object appears whole, at that moment. ``abort()`` aborts the upload: S3 keeps no parts.
+    Each request, parts on the pool's threads too, is given the time left before ``deadline`` (the retried
+    write's); ``on_upload_started`` is given the deadline.
     """
 
     def __init__(self, fs: Any, path: str, *, part_size: int = UPLOAD_PART_SIZE,
-                 in_flight: int = PARTS_IN_FLIGHT, on_upload_started: Callable[[], None] | None = None):
+                 in_flight: int = PARTS_IN_FLIGHT, on_upload_started: Callable[[Deadline], None] | None = None,
+                 deadline: Deadline = NO_DEADLINE):
         super().__init__()
         self._on_upload_started = on_upload_started
+        self._deadline = deadline
         self._fs = fs
         self._bucket, _, self._key = path.partition("/")
         self._part_size = part_size
@@ -70,11 +75,12 @@ class S3MultipartWriter(io.RawIOBase):
     def _send(self, data: bytes) -> None:
         if self._upload_id is None:
             if self._on_upload_started is not None:
-                self._on_upload_started()
+                self._on_upload_started(self._deadline)
             # Uninterrupted: an upload started on the server is aborted only if its id is kept (the request runs
             # on fsspec's IO thread and completes even when a signal ends the wait for it).
             with uninterrupted():
-                started = self._fs.call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key)
+                started = self._fs.call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key,
+                                           **bounded(self._fs, self._deadline))
                 self._upload_id = started["UploadId"]
         number = len(self._parts) + 1
         # Bounded: settle the oldest parts (raising a failed one's error) until another may leave memory's
@@ -87,28 +93,30 @@ class S3MultipartWriter(io.RawIOBase):
 
     def _upload_part(self, number: int, data: bytes) -> dict[str, Any]:
         answer = self._fs.call_s3("upload_part", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id,
-                                  PartNumber=number, Body=data)
+                                  PartNumber=number, Body=data, **bounded(self._fs, self._deadline))
         return {"PartNumber": number, "ETag": answer["ETag"]}
 
-    def close(self, before_commit: Callable[[], None] | None = None) -> None:
-        """Send what is left and make the object visible; ``before_commit`` runs just before that moment. If that
-        fails, whether a part still in flight failed or the completion itself, the upload is aborted before the
-        error is raised: never left open and billed."""
+    def close(self, before_commit: Callable[[Deadline], None] | None = None) -> None:
+        """Send what is left and make the object visible; ``before_commit(deadline)`` runs just before that
+        moment. If that fails, whether a part still in flight failed or the completion itself, the upload is
+        aborted before the error is raised: never left open and billed."""
         if self.closed:
             return
         try:
             if self._upload_id is None:
                 if before_commit is not None:
-                    before_commit()
-                self._fs.call_s3("put_object", Bucket=self._bucket, Key=self._key, Body=bytes(self._buf))
+                    before_commit(self._deadline)
+                self._fs.call_s3("put_object", Bucket=self._bucket, Key=self._key, Body=bytes(self._buf),
+                                 **bounded(self._fs, self._deadline))
             else:
                 if self._buf:
                     self._send(bytes(self._buf))
                 parts = [f.result() for f in self._parts]
                 if before_commit is not None:
-                    before_commit()
+                    before_commit(self._deadline)
                 self._fs.call_s3("complete_multipart_upload", Bucket=self._bucket, Key=self._key,
-                                 UploadId=self._upload_id, MultipartUpload={"Parts": parts})
+                                 UploadId=self._upload_id, MultipartUpload={"Parts": parts},
+                                 **bounded(self._fs, self._deadline))
         except BaseException:
             self.abort()
             raise
@@ -170,7 +178,7 @@ class S3RangeReader(ConcurrentRangeReader):
 
         bucket, _, key = self._path.partition("/")
         try:
-            data: bytes = sync(self._fs.loop, self._get, bucket, key, start, end)
+            data: bytes = sync(self._fs.loop, self._get, bucket, key, start, end, **bounded(self._fs, self.deadline))
         except Exception as exc:
             if _code(exc) in ("PreconditionFailed", "412"):
                 raise ObjectChanged(self._path, self.version) from exc

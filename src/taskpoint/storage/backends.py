@@ -26,12 +26,10 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
-from typing import IO, Any, ClassVar
+from typing import IO, Any, ClassVar, TypeVar
 
-from fsspec.asyn import AsyncFileSystem
-
+from .deadline import NO_DEADLINE, Deadline, bounded
 from .errormap import Failure, classify
-from .retry import time_left
 from .streams import RANGE_SIZE
 
 #: Read-ahead blocks of remote streams, and the block size of client uploads.
@@ -53,18 +51,19 @@ class WholeObject(io.BytesIO):
         self.size = len(data)
 
 
-def _nothing() -> None:
+def _nothing(deadline: Deadline) -> None:
     return None
 
 
 @dataclass(frozen=True)
 class WriteHooks:
-    """What a writer's caller wants to do at two moments of an atomic write."""
+    """What a writer's caller wants to do at two moments of an atomic write; each is given the write's
+    deadline, for the storage calls it makes."""
 
     #: Every byte is written and durable, none is visible yet (before the rename, PUT or completion).
-    before_commit: Callable[[], None] = _nothing
+    before_commit: Callable[[Deadline], None] = _nothing
     #: Something that a killed process would leave behind is about to exist (an S3 multipart upload).
-    on_partial: Callable[[], None] = _nothing
+    on_partial: Callable[[Deadline], None] = _nothing
 
 
 NO_HOOKS = WriteHooks()
@@ -85,20 +84,6 @@ ABSENT_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR})
 
 def _is_absent(exc: OSError) -> bool:
     return isinstance(exc, (FileNotFoundError, NotADirectoryError)) or exc.errno in ABSENT_ERRNOS
-
-
-#: The shortest timeout given to a call when a deadline is near or past (the call then fails at once, as
-#: transient, and the retry policy reports the deadline).
-_MIN_CALL_TIMEOUT = 0.5
-
-
-def bounded(fs: Any) -> dict[str, Any]:
-    """``timeout=`` for one call of an async fsspec client: the time left before the running operation's retry
-    deadline. fsspec's sync wrappers cancel the call when it runs out. Nothing for other filesystems."""
-    left = time_left()
-    if left is None or not isinstance(fs, AsyncFileSystem):
-        return {}
-    return {"timeout": max(left, _MIN_CALL_TIMEOUT)}
 
 
 def folder_error(path: str) -> IsADirectoryError:
@@ -126,18 +111,34 @@ def modified_time(info: dict[str, Any]) -> float | None:
     return None
 
 
+B = TypeVar("B", bound="Backend")
+
 
 class Backend:
-    """The operations of one kind of store on paths of its filesystem ``fs``."""
+    """The operations of one kind of store on paths of its filesystem ``fs``; their client calls are bounded by
+    :attr:`deadline` (:meth:`within` gives the view of a retried operation's attempt)."""
 
     #: Another process can write here with the same URI and options (the manager's save process).
     shared: bool = True
     #: The store has real folders (removed when empty) rather than key prefixes.
     has_folders: ClassVar[bool] = True
 
+    #: The deadline of the operation this view serves: client calls get the time left before it.
+    deadline: Deadline = NO_DEADLINE
+
     def __init__(self, fs: Any, options: dict[str, Any]) -> None:
         self.fs = fs
         self.options = options
+
+    def within(self: B, deadline: Deadline) -> B:
+        """This backend with its calls, and the readers and writers it opens, bounded by ``deadline`` (a
+        shallow copy that shares the client and its caches: about a microsecond)."""
+        if deadline is self.deadline:
+            return self
+        view = object.__new__(type(self))
+        view.__dict__.update(self.__dict__)
+        view.deadline = deadline
+        return view
 
     def credentials(self) -> str | None:
         """Which credentials this store uses, in words (never their values); None where none apply."""
@@ -153,7 +154,7 @@ class Backend:
         # denial as "nothing here".
         self.fs.invalidate_cache(path)
         try:
-            found = self.fs.info(path, **bounded(self.fs)).get("type")
+            found = self.fs.info(path, **bounded(self.fs, self.deadline)).get("type")
         except FileNotFoundError as exc:
             if classify(exc) is Failure.NO_CONTAINER:
                 raise  # no bucket is no "nothing here": the error map makes it StorageNotFound
@@ -168,7 +169,7 @@ class Backend:
         """The size of the object at ``path``, None when there is none; errors other than "not found" raise."""
         self.fs.invalidate_cache(path)
         try:
-            info = self.fs.info(path, **bounded(self.fs))
+            info = self.fs.info(path, **bounded(self.fs, self.deadline))
         except FileNotFoundError as exc:
             if classify(exc) is Failure.NO_CONTAINER:
                 raise
@@ -177,7 +178,7 @@ class Backend:
 
     def read_small(self, path: str) -> bytes:
         self.fs.invalidate_cache(path)
-        return self.fs.cat_file(path, **bounded(self.fs))  # type: ignore[no-any-return]
+        return self.fs.cat_file(path, **bounded(self.fs, self.deadline))  # type: ignore[no-any-return]
 
     #: Writes can be made conditional on the version read (:meth:`read_versioned`, :meth:`write_versioned`).
     conditional: ClassVar[bool] = False
@@ -207,7 +208,7 @@ class Backend:
         """``length`` bytes of the object at ``path`` from ``start`` (fewer only past its end): one ranged GET."""
         if length <= 0:
             return b""
-        return self.fs.cat_file(path, start=start, end=start + length, **bounded(self.fs))  # type: ignore[no-any-return]
+        return self.fs.cat_file(path, start=start, end=start + length, **bounded(self.fs, self.deadline))  # type: ignore[no-any-return]
 
     def open_write(self, path: str, size_hint: int | None, hooks: WriteHooks
                    ) -> contextlib.AbstractContextManager[IO[bytes]]:
@@ -226,7 +227,8 @@ class Backend:
         starts with ``prefix`` when one is given (object stores filter on the server); FileNotFoundError when
         there is none."""
         self.fs.invalidate_cache(path)
-        found = self.fs.find(path, withdirs=True, detail=True, **self._prefixed(prefix), **bounded(self.fs))
+        found = self.fs.find(path, withdirs=True, detail=True, **self._prefixed(prefix),
+                             **bounded(self.fs, self.deadline))
         if not isinstance(found, dict):
             return {}
         if prefix:
@@ -241,7 +243,7 @@ class Backend:
     def list_names(self, path: str) -> list[str]:
         """The names directly inside ``path``; FileNotFoundError when it does not exist."""
         self.fs.invalidate_cache(path)
-        names = self.fs.ls(path, detail=False, **bounded(self.fs))
+        names = self.fs.ls(path, detail=False, **bounded(self.fs, self.deadline))
         return [str(name).rstrip("/").rsplit("/", 1)[-1] for name in names]
 
     def remove_empty_folder(self, path: str) -> None:
@@ -281,7 +283,7 @@ class MovingBackend(Backend):
         try:
             with self.fs.open(tmp, "wb") as f:
                 yield f
-            hooks.before_commit()
+            hooks.before_commit(self.deadline)
             self.fs.mv(tmp, path)
         except BaseException:
             with contextlib.suppress(Exception):

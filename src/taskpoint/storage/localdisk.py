@@ -136,7 +136,7 @@ class LocalBackend(Backend):
                 yield f
                 f.flush()
                 os.fsync(raw.fileno())
-            hooks.before_commit()
+            hooks.before_commit(self.deadline)
             try:
                 os.replace(tmp, path)
             except FileNotFoundError:

@@ -32,6 +32,7 @@ from .backends import (
     credential_source,
     protocols,
 )
+from .deadline import NO_DEADLINE, Deadline
 from .errormap import Failure, classify, describe, map_errors
 from .localdisk import LocalBackend
 from .objectstores import AzureBackend, GCSBackend, ObjectStoreBackend, S3Backend
@@ -43,6 +44,9 @@ T = TypeVar("T")
 
 class Location:
     """One object (file) on an fsspec filesystem, with the operations a checkpoint needs."""
+
+    #: The deadline of an operation this location's operations run inside (:meth:`within`): each ends by it.
+    outer: Deadline = NO_DEADLINE
 
     def __init__(self, uri: str, storage_options: dict[str, Any] | None = None,
                  retry: RetryPolicy | None = None, *, options_checked: bool = False) -> None:
@@ -96,6 +100,13 @@ class Location:
         other.retry = retry
         return other
 
+    def within(self, outer: Deadline) -> Location:
+        """This location, its operations ending by ``outer`` too: the deadline of an operation that runs them
+        (a write's hook that writes the record)."""
+        other = self._moved(self.uri, self.path)
+        other.outer = outer
+        return other
+
     def sibling(self, suffix: str) -> Location:
         """The object whose name is this one's plus ``suffix`` (``ckpt`` -> ``ckpt.taskpoint.json``)."""
         return self._moved(self.uri + suffix, self.path + suffix)
@@ -110,46 +121,48 @@ class Location:
         """True on local disk, where transfers may use file descriptors and kernel copies."""
         return isinstance(self.backend, LocalBackend)
 
-    def run(self, fn: Callable[[], T], *, action: str, writing: bool = False) -> T:
-        """``fn`` with this location's retries and error map (for transfers that span several calls).
+    def run(self, fn: Callable[[Deadline], T], *, action: str, writing: bool = False) -> T:
+        """``fn(deadline)`` with this location's retries and error map (for transfers that span several calls);
+        ``deadline``, the attempt's, is for ``fn`` to pass to :meth:`open_read` and :meth:`open_write`.
         ``writing``: ``fn`` writes here, so "not found" means a missing bucket, container or folder, unless the
         bucket is there: then the store lost something of the write in flight (GCS forgets a resumable upload
         session that a fault interrupted), and the write is retried."""
         call = fn
         if writing and not self.is_local:
-            def call() -> T:
+            def call(deadline: Deadline) -> T:
                 try:
-                    return fn()
+                    return fn(deadline)
                 except FileNotFoundError as exc:
                     if classify(exc) is Failure.ABSENT and not self.backend.container_missing(self.path):
                         raise LostInFlight(errno.EAGAIN, f"the store lost part of the write to {self.uri}") from exc
                     raise
         with map_errors(action, self.uri, self.backend.credentials(), writing=writing):
-            return self.retry.call(call, action=action, uri=self.uri, endpoint=self.backend.endpoint())
+            return self.retry.call(call, action=action, uri=self.uri, endpoint=self.backend.endpoint(),
+                                   outer=self.outer)
 
     # -- reads -------------------------------------------------------------------------------------------
 
     def exists(self) -> bool:
         """True when an object is here (a folder or prefix is not one). Only "not found" is False: a location
         that cannot be read (denied, I/O error, stale handle, outage) raises the matching StorageError."""
-        return self.run(lambda: self.backend.exists(self.path), action="check")
+        return self.run(lambda d: self.backend.within(d).exists(self.path), action="check")
 
     def size(self) -> int | None:
         """The size of the object here, None when there is none (a folder or prefix is none). A location that
         cannot be read raises the matching StorageError."""
-        return self.run(lambda: self.backend.size(self.path), action="check")
+        return self.run(lambda d: self.backend.within(d).size(self.path), action="check")
 
     def kind(self) -> Kind:
         """What is here: an object, a folder (local) or a prefix with objects under it, or nothing. Only "not
         found" is :attr:`Kind.NOTHING`; a location that cannot be read raises the matching StorageError."""
-        return self.run(lambda: self.backend.kind(self.path.rstrip("/") or self.path), action="check")
+        return self.run(lambda d: self.backend.within(d).kind(self.path.rstrip("/") or self.path), action="check")
 
     def read_small(self) -> bytes | None:
         """The whole object, or None when it does not exist (nor its bucket: callers that must tell the two
         apart ask :meth:`container_missing`). For manifests, not payloads."""
-        def read() -> bytes | None:
+        def read(deadline: Deadline) -> bytes | None:
             try:
-                return self.backend.read_small(self.path)
+                return self.backend.within(deadline).read_small(self.path)
             except (FileNotFoundError, NotADirectoryError):
                 return None
         return self.run(read, action="read")
@@ -157,9 +170,9 @@ class Location:
     def read_versioned(self) -> tuple[bytes | None, str | None]:
         """:meth:`read_small` with the object's version, for :meth:`write_versioned` (None where the store has
         no conditional writes, or nothing is there)."""
-        def read() -> tuple[bytes | None, str | None]:
+        def read(deadline: Deadline) -> tuple[bytes | None, str | None]:
             try:
-                return self.backend.read_versioned(self.path)
+                return self.backend.within(deadline).read_versioned(self.path)
             except (FileNotFoundError, NotADirectoryError):
                 return None, None
         return self.run(read, action="read")
@@ -174,36 +187,37 @@ class Location:
         only if nothing is there), with retries, and return the new version; ``VersionConflict`` when another
         writer changed it (a retry whose first try landed but lost its answer also meets it: read again). Where
         not, a plain atomic write that returns None. For records, not payloads."""
-        return self.run(lambda: self.backend.write_versioned(self.path, data, expected), action=action,
+        return self.run(lambda d: self.backend.within(d).write_versioned(self.path, data, expected), action=action,
                         writing=True)
 
-    def open_read(self, size_hint: int | None = None) -> IO[bytes]:
+    def open_read(self, size_hint: int | None = None, deadline: Deadline = NO_DEADLINE) -> IO[bytes]:
         """A streaming reader; FileNotFoundError when the object does not exist. ``size_hint``, the size the
         caller expects, lets a small remote object come down in one request. Not retried here: call it
-        inside :meth:`run`."""
-        return self.backend.open_read(self.path, size_hint)
+        inside :meth:`run`, with its ``deadline``, which bounds the reader's requests (also those it makes on
+        pool threads)."""
+        return self.backend.within(deadline).open_read(self.path, size_hint)
 
     def read_range(self, start: int, length: int) -> bytes:
         """``length`` bytes of the object from ``start`` (fewer only past its end), with retries: what a partial
         restore reads of an archive's members. FileNotFoundError when the object is missing."""
-        return self.run(lambda: self.backend.read_range(self.path, start, length), action="read")
+        return self.run(lambda d: self.backend.within(d).read_range(self.path, start, length), action="read")
 
     def list_tree(self, prefix: str = "") -> dict[str, dict[str, Any]]:
         """Every object and folder below this location, with listing details; {} when there is none. With
         ``prefix``, only what lies under the entries whose names start with it (``ckpt-``: a manager's steps,
         not its chunk store)."""
-        def find() -> dict[str, dict[str, Any]]:
+        def find(deadline: Deadline) -> dict[str, dict[str, Any]]:
             try:
-                return self.backend.list_tree(self.path.rstrip("/"), prefix)
+                return self.backend.within(deadline).list_tree(self.path.rstrip("/"), prefix)
             except (FileNotFoundError, NotADirectoryError):  # not there, or a parent is a file
                 return {}
         return self.run(find, action="list")
 
     def list_names(self) -> list[str]:
         """The names of the entries directly below this location; [] when there is none."""
-        def names() -> list[str]:
+        def names(deadline: Deadline) -> list[str]:
             try:
-                return self.backend.list_names(self.path)
+                return self.backend.within(deadline).list_names(self.path)
             except (FileNotFoundError, NotADirectoryError):
                 return []
         return self.run(names, action="list")
@@ -214,43 +228,45 @@ class Location:
         False when the bucket may not be inspected (a role allowed to read objects but not to look at the bucket
         is common); an outage or any other failure raises: it never answers "the bucket is there"."""
         try:
-            return self.run(lambda: self.backend.container_missing(self.path), action="check")
+            return self.run(lambda d: self.backend.within(d).container_missing(self.path), action="check")
         except StorageAccessDenied:
             return False
 
     # -- writes ------------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def open_write(self, size_hint: int | None = None, hooks: WriteHooks = NO_HOOKS) -> Iterator[IO[bytes]]:
+    def open_write(self, size_hint: int | None = None, hooks: WriteHooks = NO_HOOKS,
+                   deadline: Deadline = NO_DEADLINE) -> Iterator[IO[bytes]]:
         """A writer whose bytes appear at this location all at once when the block exits cleanly.
 
         If the block raises, or the process dies, the previous object (if any) is left untouched.
         ``size_hint`` (the size when known in advance) lets small objects go up as one request; ``hooks``
-        run just before the object becomes visible and when a killed writer could leave parts behind.
-        Not retried here: call it inside :meth:`run`.
+        run just before the object becomes visible and when a killed writer could leave parts behind, and are
+        given ``deadline``. Not retried here: call it inside :meth:`run`, with its ``deadline``, which bounds
+        the writer's requests (S3's parts on pool threads too) and those of the hooks.
         """
-        with self.backend.open_write(self.path, size_hint, hooks) as f:
+        with self.backend.within(deadline).open_write(self.path, size_hint, hooks) as f:
             yield f
 
     def write_small(self, data: bytes, *, action: str = "write") -> None:
         """Write ``data`` atomically, with retries. For manifests, not payloads."""
-        def write() -> None:
-            with self.open_write() as f:
+        def write(deadline: Deadline) -> None:
+            with self.open_write(deadline=deadline) as f:
                 f.write(data)
         self.run(write, action=action, writing=True)
 
     def remove(self) -> None:
         """Delete the object; a missing object is fine."""
-        def rm() -> None:
+        def rm(deadline: Deadline) -> None:
             with contextlib.suppress(FileNotFoundError):
-                self.backend.remove(self.path)
+                self.backend.within(deadline).remove(self.path)
         self.run(rm, action="delete")
 
     def remove_tree(self) -> None:
         """Delete this folder and everything below it; a missing folder is fine."""
-        def rm() -> None:
+        def rm(deadline: Deadline) -> None:
             with contextlib.suppress(FileNotFoundError):
-                self.backend.remove_tree(self.path)
+                self.backend.within(deadline).remove_tree(self.path)
         self.run(rm, action="delete")
 
     def remove_empty_folder(self) -> None:

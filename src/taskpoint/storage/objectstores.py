@@ -19,9 +19,9 @@ from .backends import (
     Backend,
     WholeObject,
     WriteHooks,
-    bounded,
     folder_error,
 )
+from .deadline import bounded
 from .errormap import chain, code_and_status
 from .streams import RANGE_SIZE, ConcurrentRangeReader, ObjectChanged, VersionConflict
 
@@ -39,7 +39,7 @@ class ObjectStoreBackend(Backend):
             # listing and a GET that another writer's replacement can fall between. An object larger than that
             # is not the one expected: read it the usual way.
             try:
-                data: bytes = self.fs.cat_file(path, start=0, end=SMALL_READ + 1, **bounded(self.fs))
+                data: bytes = self.fs.cat_file(path, start=0, end=SMALL_READ + 1, **bounded(self.fs, self.deadline))
             except FileNotFoundError:
                 pass  # absent, or a prefix: told apart below
             except Exception as exc:
@@ -52,7 +52,7 @@ class ObjectStoreBackend(Backend):
         # adlfs forgets only the path itself, and answers info() from its parent's cached listing: the size and
         # version of an object replaced since that listing would be stale.
         self.fs.invalidate_cache(self.fs._parent(path))
-        info = self.fs.info(path, **bounded(self.fs))
+        info = self.fs.info(path, **bounded(self.fs, self.deadline))
         if info.get("type") != "file":
             # A prefix with objects under it: never read it as an empty object.
             raise folder_error(path)
@@ -60,7 +60,8 @@ class ObjectStoreBackend(Backend):
         if size > 2 * RANGE_SIZE or version is not None:
             # Pinned to the version just seen: an object replaced under the read raises ObjectChanged and the
             # read starts over, never mixing two versions (small objects are one range).
-            return self.range_reader(self.fs, path, size, version=version)  # type: ignore[return-value]
+            return self.range_reader(self.fs, path, size, version=version,  # type: ignore[return-value]
+                                     deadline=self.deadline)
         return self.fs.open(path, "rb", block_size=PART_SIZE, cache_type="readahead")  # type: ignore[no-any-return]
 
     def _prefixed(self, prefix: str) -> dict[str, str]:
@@ -76,7 +77,7 @@ class ObjectStoreBackend(Backend):
         f = self.fs.open(path, "wb", block_size=PART_SIZE)
         try:
             yield f
-            hooks.before_commit()
+            hooks.before_commit(self.deadline)
             f.close()
         except BaseException:
             # fsspec files commit in close() and __del__: discard the upload and mark the file closed so
@@ -96,7 +97,7 @@ class ObjectStoreBackend(Backend):
         bucket = path.split("/", 1)[0]
         self.fs.invalidate_cache(bucket)
         try:
-            self.fs.info(bucket, **bounded(self.fs))
+            self.fs.info(bucket, **bounded(self.fs, self.deadline))
         except FileNotFoundError:
             return True
         return False
@@ -120,7 +121,8 @@ class GenerationRangeReader(ConcurrentRangeReader):
         if self.version is None:
             return super()._fetch(start, end)
         try:
-            data: bytes = self._fs.cat_file(self._path, start=start, end=end, generation=self.version)
+            data: bytes = self._fs.cat_file(self._path, start=start, end=end, generation=self.version,
+                                            **bounded(self._fs, self.deadline))
         except FileNotFoundError as exc:
             raise ObjectChanged(self._path, self.version) from exc
         if len(data) != end - start:
@@ -144,7 +146,7 @@ class GCSBackend(ObjectStoreBackend):
         """One GET of the object's media, and the generation it came from (``x-goog-generation``)."""
         bucket, key, _ = self.fs.split_path(path)
         headers, data = sync(self.fs.loop, self.fs._call, "GET", "b/{}/o/{}", bucket, key, alt="media",
-                             **bounded(self.fs))
+                             **bounded(self.fs, self.deadline))
         generation = headers.get("x-goog-generation")
         return bytes(data), str(generation) if generation else None
 
@@ -158,7 +160,8 @@ class GCSBackend(ObjectStoreBackend):
         try:
             answer = sync(self.fs.loop, self.fs._call, "POST", f"{self.fs._location}/upload/storage/v1/b/{bucket}/o",
                           uploadType="multipart", ifGenerationMatch=expected or "0", data=body, json_out=True,
-                          headers={"Content-Type": f'multipart/related; boundary="{boundary}"'}, **bounded(self.fs))
+                          headers={"Content-Type": f'multipart/related; boundary="{boundary}"'},
+                          **bounded(self.fs, self.deadline))
         except FileExistsError:  # gcsfs's name for 412: the generation is not the one expected
             pass
         else:
@@ -191,7 +194,7 @@ class ETagRangeReader(ConcurrentRangeReader):
         if end == start:
             return b""
         try:
-            data: bytes = sync(self._fs.loop, get, **bounded(self._fs))
+            data: bytes = sync(self._fs.loop, get, **bounded(self._fs, self.deadline))
         except (ResourceModifiedError, ResourceNotFoundError):
             changed = True
         else:
@@ -226,7 +229,7 @@ class AzureBackend(ObjectStoreBackend):
                 return await stream.readall(), stream.properties.etag
 
         try:
-            data, etag = sync(self.fs.loop, get, **bounded(self.fs))
+            data, etag = sync(self.fs.loop, get, **bounded(self.fs, self.deadline))
         except ResourceNotFoundError:
             pass  # raised below, outside the handler, as the FileNotFoundError of a missing object
         else:
@@ -250,7 +253,7 @@ class AzureBackend(ObjectStoreBackend):
                 return str(etag) if etag else None
 
         try:
-            return sync(self.fs.loop, put, **bounded(self.fs))  # type: ignore[no-any-return]
+            return sync(self.fs.loop, put, **bounded(self.fs, self.deadline))  # type: ignore[no-any-return]
         except (ResourceExistsError, ResourceModifiedError):
             pass
         except ResourceNotFoundError as exc:
@@ -281,7 +284,8 @@ class S3Backend(ObjectStoreBackend):
         """The multipart writer of one object: ``close(before_commit=...)`` makes it visible, ``abort()`` drops it."""
         single = size_hint is not None and size_hint <= _s3.SINGLE_PUT_MAX
         return _s3.S3MultipartWriter(self.fs, path, part_size=_s3.SINGLE_PUT_MAX + 1 if single
-                                     else _s3.UPLOAD_PART_SIZE, on_upload_started=hooks.on_partial)
+                                     else _s3.UPLOAD_PART_SIZE, on_upload_started=hooks.on_partial,
+                                     deadline=self.deadline)
 
     @contextlib.contextmanager
     def open_write(self, path: str, size_hint: int | None, hooks: WriteHooks) -> Iterator[IO[bytes]]:
@@ -296,22 +300,22 @@ class S3Backend(ObjectStoreBackend):
             self.fs.invalidate_cache(path)
 
     def read_small(self, path: str) -> bytes:
-        return _s3.get_object(self.fs, path, limit=None, **bounded(self.fs))[0]
+        return _s3.get_object(self.fs, path, limit=None, **bounded(self.fs, self.deadline))[0]
 
     conditional = True
 
     def read_versioned(self, path: str) -> tuple[bytes, str | None]:
-        data, _, etag = _s3.get_tagged(self.fs, path, limit=None, **bounded(self.fs))
+        data, _, etag = _s3.get_tagged(self.fs, path, limit=None, **bounded(self.fs, self.deadline))
         return data, etag
 
     def write_versioned(self, path: str, data: bytes, expected: str | None) -> str | None:
-        return _s3.put_if(self.fs, path, data, expected, **bounded(self.fs))
+        return _s3.put_if(self.fs, path, data, expected, **bounded(self.fs, self.deadline))
 
     def open_read(self, path: str, size_hint: int | None = None) -> IO[bytes]:
         if size_hint is not None and size_hint <= SMALL_READ:
             # Expected small: one GET instead of a HEAD and a GET. If the object turns out larger than that, it
             # is not the one expected: read it the usual way.
-            data, complete = _s3.get_object(self.fs, path, limit=SMALL_READ, **bounded(self.fs))
+            data, complete = _s3.get_object(self.fs, path, limit=SMALL_READ, **bounded(self.fs, self.deadline))
             if complete:
                 return WholeObject(data)
         return super().open_read(path, size_hint)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 import socket
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from urllib.parse import urlsplit
 
 from .._log import logger, safe_uri
 from ..errors import StorageUnavailable
+from .deadline import NO_DEADLINE, Deadline
 from .errormap import SYMPTOM_ADVICE, Symptom, describe, is_transient, strongest, symptom
 
 T = TypeVar("T")
@@ -23,15 +23,6 @@ DEFAULT_DEADLINE = 120.0
 #: Client timeouts (seconds) that a retry deadline shorter than this lowers, so that one attempt cannot outlast
 #: it by much (botocore's connect and read timeouts are 60 s by default; obstore's are set to the same).
 CLIENT_TIMEOUT = 60.0
-
-_running = threading.local()
-
-
-def time_left() -> float | None:
-    """Seconds left before the deadline of the retried operation running in this thread (negative once it has
-    passed); None outside one, or without a deadline. Backends pass it to the client as the timeout of a call."""
-    end: float | None = getattr(_running, "end", None)
-    return None if end is None else end - time.monotonic()
 
 
 @dataclass(frozen=True)
@@ -43,12 +34,19 @@ class RetryPolicy:
         initial_delay, max_delay, multiplier: the pause before each retry (jittered, growing exponentially).
         deadline: seconds, measured from the start of an operation's first attempt, after which no new attempt
             starts (a retry whose pause would end after it is not made either); then
-            :class:`~taskpoint.errors.StorageUnavailable` names the deadline. None: no deadline. Single calls
-            of the async clients (s3fs, gcsfs, adlfs: checks, record reads, listings) are given the time left
-            and cancelled when it runs out; a streaming transfer cannot be interrupted from Python, and is
-            bounded only by the client's own timeouts (lowered to the deadline when it is under 60 s, see
-            :func:`~taskpoint.storage.location.client_timeouts`). Each of obstore's requests (``s3_client="obstore"``)
-            lasts at most the deadline of the policy the location was made with. Default 120 s.
+            :class:`~taskpoint.errors.StorageUnavailable` names the deadline. None: no deadline. Default 120 s.
+
+    What the deadline bounds: the operation is handed a :class:`~taskpoint.storage.deadline.Deadline` (the
+    earlier of its own and that of an operation it runs inside), which it passes down to each call, also to
+    those it hands to pool threads. Single calls of the async clients (s3fs, gcsfs, adlfs: checks, record
+    reads and writes, listings, each ranged GET of a large object, each part of an S3 upload) are given the
+    time left and cancelled when it runs out. What it does not bound: a streaming transfer through a client's
+    file object (GCS and Azure uploads, the readahead stream of objects the ranged reader does not take) cannot
+    be interrupted from Python, and is bounded only by the client's own timeouts (lowered to the deadline when
+    it is under 60 s, see :func:`~taskpoint.storage.location.client_timeouts`); obstore's requests
+    (``s3_client="obstore"``) each last at most the deadline of the policy the location was made with, not the
+    time left; local disk is not bounded; the work between calls (hashing, inflating, writing to local disk)
+    is not interrupted, the next call starts with what is left.
     """
 
     attempts: int = 4
@@ -63,28 +61,24 @@ class RetryPolicy:
         if self.deadline is not None and not self.deadline > 0:
             raise ValueError("RetryPolicy.deadline must be a positive number of seconds, or None")
 
-    def call(self, fn: Callable[[], T], *, action: str, uri: str, endpoint: str | None = None) -> T:
-        """Run ``fn``; retry transient failures with jittered exponential backoff, then raise
-        :class:`~taskpoint.errors.StorageUnavailable` (after :attr:`attempts` attempts, or once
-        :attr:`deadline` has passed), whose advice says whether the connections were refused or unanswered
+    def call(self, fn: Callable[[Deadline], T], *, action: str, uri: str, endpoint: str | None = None,
+             outer: Deadline = NO_DEADLINE) -> T:
+        """Run ``fn(deadline)``, ``deadline`` being this call's (:attr:`deadline` from now, or ``outer`` when it
+        comes first: the operation this one runs inside), which ``fn`` passes to the calls it makes; retry
+        transient failures with jittered exponential backoff, then raise
+        :class:`~taskpoint.errors.StorageUnavailable` (after :attr:`attempts` attempts, or once that deadline
+        has passed), whose advice says whether the connections were refused or unanswered
         (``endpoint``: the store's URL, connected to once when the failures do not say). Other failures are
         raised at once, unchanged."""
-        started = time.monotonic()
-        outer: float | None = getattr(_running, "end", None)
-        if self.deadline is not None:
-            end = started + self.deadline
-            _running.end = end if outer is None else min(end, outer)
-        try:
-            return self._attempts(fn, action, uri, endpoint, started)
-        finally:
-            _running.end = outer
+        return self._attempts(fn, action, uri, endpoint, Deadline.from_seconds(self.deadline).min(outer))
 
-    def _attempts(self, fn: Callable[[], T], action: str, uri: str, endpoint: str | None, started: float) -> T:
+    def _attempts(self, fn: Callable[[Deadline], T], action: str, uri: str, endpoint: str | None,
+                  deadline: Deadline) -> T:
         delay = self.initial_delay
         seen: set[Symptom] = set()  # what the failures said about the endpoint, over every attempt
         for attempt in range(1, self.attempts + 1):
             try:
-                return fn()
+                return fn(deadline)
             except BaseException as exc:
                 if not is_transient(exc):
                     raise
@@ -96,10 +90,11 @@ class RetryPolicy:
                     raise StorageUnavailable(
                         f"could not {action} {uri}: storage kept failing after {attempt} attempts "
                         f"({describe(exc)}). {_advice(seen, endpoint)}") from exc
-                if self.deadline is not None and time.monotonic() - started + pause >= self.deadline:
+                left = deadline.time_left()
+                if left is not None and left <= pause:
                     raise StorageUnavailable(
                         f"could not {action} {uri}: storage kept failing until the retry deadline of "
-                        f"{self.deadline:g} s passed ({attempt} attempts; last: {describe(exc)}). "
+                        f"{deadline.seconds:g} s passed ({attempt} attempts; last: {describe(exc)}). "
                         f"{_advice(seen, endpoint)}") from exc
                 logger.debug("retrying %s %s in %.2f s (attempt %d of %d failed: %s)", action, safe_uri(uri), pause,
                              attempt, self.attempts, describe(exc))

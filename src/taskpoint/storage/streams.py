@@ -12,6 +12,7 @@ from typing import IO, Any
 
 from ..executors import IO as IO_POOL
 from ..executors import Lane
+from .deadline import NO_DEADLINE, Deadline, bounded
 
 
 def read_up_to(source: IO[bytes], n: int) -> bytes:
@@ -129,24 +130,27 @@ class ConcurrentRangeReader(OrderedFutureReader):
     raise :class:`ObjectChanged` when the object changed, and the read starts over. Elsewhere (Azure) a change
     shows up as a size or checksum mismatch.
 
-    ``on_received``, when set before the first read, is told of the bytes of each range as they arrive
-    (subclasses that stream a range tell it piece by piece): a load's progress, ahead of what was read.
+    ``deadline``: that of the retried operation the read belongs to; each range, fetched on a pool thread, is
+    given the time left before it. ``on_received``, when set before the first read, is told of the bytes of
+    each range as they arrive (subclasses that stream a range tell it piece by piece): a load's progress,
+    ahead of what was read.
     """
 
     on_received: Callable[[int], None] | None = None
 
     def __init__(self, fs: Any, path: str, size: int, *, version: str | None = None, range_size: int = RANGE_SIZE,
-                 in_flight: int = RANGES_IN_FLIGHT) -> None:
+                 in_flight: int = RANGES_IN_FLIGHT, deadline: Deadline = NO_DEADLINE) -> None:
         super().__init__(IO_POOL.lane(in_flight))
         self.size = size
         self.version = version
+        self.deadline = deadline
         self._fs, self._path = fs, path
         self._range = range_size
         self._in_flight = in_flight
         self._next = 0
 
     def _fetch(self, start: int, end: int) -> bytes:
-        data = self._fs.cat_file(self._path, start=start, end=end)
+        data = self._fs.cat_file(self._path, start=start, end=end, **bounded(self._fs, self.deadline))
         if len(data) != end - start:
             raise OSError(f"short ranged read of {self._path}: {len(data)} of {end - start} bytes")
         self._received(len(data))

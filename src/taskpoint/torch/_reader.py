@@ -29,7 +29,7 @@ from torch.futures import Future
 from ..errors import CheckpointCorruptError, StorageNotFound
 from ..format.fileset import FileEntry, FileSetManifest
 from ..manager import CheckpointManager
-from ..storage import Location, RetryPolicy
+from ..storage import Deadline, Location, RetryPolicy
 from ._layout import (
     DEFAULT_THREADS,
     MANIFEST_KIND,
@@ -187,10 +187,10 @@ class Reader(Rooted, StorageReader):
         entry = self._manifest.entry(name, self._root.uri)
         location = self._root.child(name)
 
-        def download() -> bytearray:
+        def download(deadline: Deadline) -> bytearray:
             buffer = bytearray(entry.size + 1)  # one more: a longer file shows as too long
             view, got = memoryview(buffer), 0
-            with contextlib.closing(location.open_read(size_hint=entry.size)) as source:
+            with contextlib.closing(location.open_read(size_hint=entry.size, deadline=deadline)) as source:
                 while got < len(buffer):
                     n = cast(io.RawIOBase, source).readinto(view[got:])
                     if not n:

@@ -34,7 +34,7 @@ from ..manager.kinds import GONE_HOW, Checked, Described, Gone, Parts, Saved, Sa
 from ..manager.steps import MANIFEST_NAME as STEP_MANIFEST
 from ..manager.steps import StepObjects, StepStore, best_effort, name_in, stored_names
 from ..payloads import DirectoryPayload
-from ..storage import WRITE_PIECE
+from ..storage import WRITE_PIECE, Deadline
 from ..workspace import Staging
 from ._pieces import PIECE_SIZE, PieceReader, PieceWriter, pieces_digest
 from ._state import STATE_FILE, STEP_KIND, StateDictPayload
@@ -92,9 +92,9 @@ class StateDictKind:
         name = f"state-{save_id}.pt"
         target = steps.object(step, name)
 
-        def write() -> tuple[int, list[str]]:
+        def write(deadline: Deadline) -> tuple[int, list[str]]:
             job.progress.rewind()
-            with target.open_write() as sink:
+            with target.open_write(deadline=deadline) as sink:
                 writer = PieceWriter(sink, PIECE_SIZE, job.progress.update)
                 try:
                     payload.save_into(cast("IO[bytes]", writer))

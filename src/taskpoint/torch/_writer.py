@@ -29,7 +29,7 @@ from torch.futures import Future
 
 from ..format.fileset import FileEntry, FileSetManifest
 from ..manager import CheckpointManager
-from ..storage import Location, RetryPolicy
+from ..storage import Deadline, Location, RetryPolicy
 from ..transfer import HashingWriter
 from ._kind import FileSetStep
 from ._layout import (
@@ -127,9 +127,9 @@ class Writer(Rooted, StorageWriter):
         location = self._root.child(name)
         hint = sum(_item_bytes(item) for item in items)
 
-        def write() -> list[WriteResult]:
+        def write(deadline: Deadline) -> list[WriteResult]:
             placed: list[tuple[WriteItem, int, int]] = []
-            with location.open_write(size_hint=hint) as sink:
+            with location.open_write(size_hint=hint, deadline=deadline) as sink:
                 out = HashingWriter(sink, "sha256")
                 for item in items:
                     offset = out.size

@@ -1,0 +1,80 @@
+"""The retry deadline is a value passed down: to each call of an operation, to the calls it hands to pool
+threads (ranged reads of a large object), and to the operations it runs inside (a write's hooks)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+
+from _fault_proxy import fault_proxy
+from helpers import CountingRetry
+from taskpoint import Checkpoint, RetryPolicy, StorageUnavailable
+from taskpoint.storage import NO_DEADLINE, Deadline, objectstores
+
+
+def test_a_call_hands_its_function_the_deadline_combined_with_an_outer_one():
+    seen: list[Deadline] = []
+    policy = RetryPolicy(deadline=30.0)
+    policy.call(seen.append, action="read", uri="s3://b/k")
+    own = seen[-1]
+    left = own.time_left()
+    assert own.seconds == 30.0 and left is not None and 25.0 < left <= 30.0 and not own.expired
+
+    sooner = Deadline.from_seconds(5.0)
+    policy.call(seen.append, action="read", uri="s3://b/k", outer=sooner)
+    assert seen[-1] == sooner  # the outer operation ends first: its deadline bounds this call's
+
+    policy.call(seen.append, action="read", uri="s3://b/k", outer=Deadline.from_seconds(600.0))
+    assert seen[-1].seconds == 30.0  # this call's own ends first
+
+    RetryPolicy(deadline=None).call(seen.append, action="read", uri="s3://b/k")
+    assert seen[-1] == NO_DEADLINE and seen[-1].time_left() is None
+    RetryPolicy(deadline=None).call(seen.append, action="read", uri="s3://b/k", outer=sooner)
+    assert seen[-1] == sooner
+
+
+def test_an_outer_deadline_that_has_passed_stops_the_retries_of_an_inner_call():
+    runs: list[Deadline] = []
+
+    def always_reset(deadline: Deadline) -> None:
+        runs.append(deadline)
+        raise ConnectionResetError("reset by peer")
+
+    passed = Deadline(time.monotonic() - 1.0, 2.0)
+    with pytest.raises(StorageUnavailable, match=r"retry deadline of 2 s passed \(1 attempts"):
+        RetryPolicy(attempts=50, initial_delay=0.01, deadline=60.0).call(
+            always_reset, action="read", uri="s3://b/k", outer=passed)
+    assert runs == [passed]
+
+
+@pytest.mark.timeout(300)
+def test_a_parallel_ranged_read_from_a_stalled_store_ends_at_the_deadline(s3_server, monkeypatch, tmp_path):
+    """The ranges of a large object are fetched on pool threads; they are given the time left too. Without it
+    each stalled range waited out botocore's read timeout on each of its retries, long after the deadline."""
+    url = f"s3://taskpoint-tests/deadline-ranges-{os.getpid()}-{time.monotonic_ns()}/ckpt"
+    with Checkpoint(url, storage_options=s3_server.storage_options) as cp:
+        cp.save_sync(os.urandom(40 << 20))  # > 2 ranges of 8 MiB: read by the concurrent ranged reader
+    with fault_proxy(s3_server.endpoint, kinds=("stall",), stall_seconds=240.0) as proxy:
+
+        class StallingRanges(objectstores.S3Backend.range_reader):  # type: ignore[misc, name-defined]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                proxy.rate = 1.0  # the record and the object's HEAD went through; every range stalls
+
+        monkeypatch.setattr(objectstores.S3Backend, "range_reader", StallingRanges)
+        options = {**s3_server.storage_options, "endpoint_url": proxy.url}
+        retry = CountingRetry(attempts=20, initial_delay=0.05, max_delay=0.1, deadline=4.0)
+        started = time.monotonic()
+        with Checkpoint(tmp_path / "unused", url, storage_options=options, retry=retry) as cp, \
+                pytest.raises(StorageUnavailable, match=r"retry deadline of 4 s passed \(1 attempts") as info:
+            cp.load_sync()
+        took = time.monotonic() - started
+        assert proxy.stats()["stall"] >= 1  # the ranges really were sent, and never answered
+    assert retry.runs.count("load the checkpoint from") == 1
+    assert "FSTimeoutError" in str(info.value)  # fsspec cancelled the range at the deadline
+    # Generous: the stalls last 240 s, and botocore's read timeout (lowered to the deadline) with its retries
+    # kept the old code here for over a minute.
+    assert took < 40.0
