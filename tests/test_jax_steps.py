@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from helpers import LazyModule, requires
-from taskpoint import CheckpointCorruptError, CheckpointManager
+from taskpoint import CheckpointCorruptError, CheckpointError, CheckpointManager
 
 pytestmark = requires("jax", "orbax.checkpoint")
 
@@ -20,6 +21,7 @@ jax = LazyModule("jax")
 jnp = LazyModule("jax.numpy")
 tpjax = LazyModule("taskpoint.jax")
 pytree_kind = LazyModule("taskpoint.jax._kind")
+pytree_load = LazyModule("taskpoint.jax._load")
 
 
 def tree(seed: int) -> dict[str, object]:
@@ -167,3 +169,102 @@ def test_a_background_save_goes_as_an_archive_through_the_save_process_and_both_
         assert [m.describe(s).kind for s in (1, 2)] == ["payload", "jax.pytree"]
         np.testing.assert_array_equal(tpjax.load_pytree_sync(m, step=1)["w"], np.arange(6.0))
         np.testing.assert_array_equal(tpjax.load_pytree_sync(m, step=2)["w"], np.full(6, -1.0))
+
+
+# -- a load from a manager reads a local step in place ---------------------------------------------------------
+
+
+def files_below(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob("*") if p.is_file()]
+
+
+def test_on_local_disk_a_load_reads_the_step_in_place_and_copies_nothing(tmp_path, monkeypatch):
+    directory, temp = tmp_path / "steps", tmp_path / "temp"
+    temp.mkdir()
+    with CheckpointManager(directory) as m:
+        m.save(tpjax.PyTree(tree(1)), 1)
+        m.save(tpjax.PyTree(tree(2)), 2)
+        monkeypatch.setattr(tempfile, "tempdir", str(temp))  # where the manager's restores would copy the files
+        stored = {p: p.stat().st_size for p in files_below(directory)}
+        assert_same(tpjax.load_pytree_sync(m, target=tree(0), step=1), tree(1))
+        assert {p: p.stat().st_size for p in files_below(directory)} == stored  # read only (the lease is gone)
+        assert_same(tpjax.load_pytree_sync(m), tpjax.load_pytree_sync(m.restore(2)))
+        assert m.restored_step == 2
+        assert [p.name for p in files_below(temp) if p.name == "taskpoint-pytree.json"] == ["taskpoint-pytree.json"]
+        with m.restore_in_place(1) as folder:
+            assert folder == tree_folder(directory, 1)
+            assert_same(tpjax.load_pytree_sync(folder, target=tree(0)), tree(1))
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated", "missing", "damaged list"])
+def test_a_damaged_local_step_fails_the_load_as_its_restore_does_before_orbax_reads_it(tmp_path, damage):
+    directory = tmp_path / "steps"
+    with CheckpointManager(directory) as m:
+        m.save(tpjax.PyTree(tree(1)), 1)
+        largest = largest_file(tree_folder(directory, 1))
+        if damage == "flipped byte":  # Orbax itself would read the wrong value without an error
+            flip_byte(largest)
+        elif damage == "truncated":  # Orbax would fail with its own error, wrapped in a ValueError with a target
+            os.truncate(largest, largest.stat().st_size // 2)
+        elif damage == "missing":
+            largest.unlink()
+        else:
+            flip_byte(tree_folder(directory, 1).with_name(tree_folder(directory, 1).name + ".files.json"))
+        with pytest.raises(CheckpointCorruptError, match="step 1") as loaded:
+            tpjax.load_pytree_sync(m, target=tree(0), step=1)
+        with pytest.raises(CheckpointCorruptError) as restored:
+            m.restore(1)
+        assert str(loaded.value) == str(restored.value)
+        assert loaded.value.__cause__ is None  # not an error of Orbax's read
+
+
+@pytest.mark.parametrize("store", ["memory", "s3"], indirect=True)
+def test_on_an_object_store_a_load_reads_a_verified_copy(store):
+    with CheckpointManager(store.url("steps"), storage_options=store.storage_options) as m:
+        m.save(tpjax.PyTree(tree(1)), 1)
+        with m.restore_in_place(1) as folder:
+            assert folder.name == "ckpt-1" and folder.exists()  # the manager's restore folder, as restore() returns
+            assert sorted(p.name for p in folder.iterdir()) == ["orbax", "taskpoint-pytree.json"]
+        assert_same(tpjax.load_pytree_sync(m, target=tree(0), step=1), tree(1))
+
+
+def test_a_step_read_in_place_is_kept_from_another_managers_retention_and_delete(tmp_path, monkeypatch):
+    directory = tmp_path / "steps"
+    listed: list[list[int]] = []
+    with CheckpointManager(directory) as m, CheckpointManager(directory, keep=1) as other:
+        m.save(tpjax.PyTree(tree(1)), 1)
+        read_tree = pytree_load.read_tree  # replaced below in the module itself, not in this lazy proxy
+
+        def read_while_the_other_prunes(folder, target, where):
+            other.save(tpjax.PyTree(tree(2)), 2)  # its retention keeps one step, and would delete step 1
+            with pytest.raises(CheckpointError, match="being restored"):
+                other.delete(1, force=True)
+            listed.append(other.steps())
+            return read_tree(folder, target, where)
+
+        monkeypatch.setattr("taskpoint.jax._load.read_tree", read_while_the_other_prunes)
+        assert_same(tpjax.load_pytree_sync(m, target=tree(0), step=1), tree(1))
+        assert listed == [[1, 2]]
+        other.save(tpjax.PyTree(tree(3)), 3)  # the load is over: retention deletes what it keeps no longer
+        assert other.steps() == [3]
+
+
+def test_files_taken_from_under_orbax_by_another_process_make_the_load_restore_a_copy(tmp_path, monkeypatch):
+    directory = tmp_path / "steps"
+    folders: list[Path] = []
+    with CheckpointManager(directory) as m, CheckpointManager(directory) as other:
+        m.save(tpjax.PyTree(tree(1)), 1)
+        read_tree = pytree_load.read_tree
+
+        def overwritten_under_the_first_read(folder, target, where):
+            folders.append(folder)
+            if len(folders) == 1:  # another process's overwrite: a new tree committed, then the old one removed
+                other.save(tpjax.PyTree(tree(2)), 1, overwrite=True)
+                shutil.rmtree(folder)
+                folder.with_name(f"{folder.name}.files.json").unlink()
+            return read_tree(folder, target, where)
+
+        monkeypatch.setattr("taskpoint.jax._load.read_tree", overwritten_under_the_first_read)
+        assert_same(tpjax.load_pytree_sync(m, target=tree(0), step=1), tree(2))
+        assert folders[0].name.startswith("pytree-") and folders[1].name == "ckpt-1"
+

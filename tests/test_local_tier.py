@@ -345,3 +345,14 @@ def test_a_step_kind_of_an_extra_is_refused_at_save_time_and_nothing_is_saved(tm
         manager.save(b"state", 1)
         manager.wait_until_finished()
         assert manager.steps(tier="local") == [1] and manager.steps(tier="remote") == [1]
+
+
+def test_restore_in_place_with_a_local_tier_restores_as_restore_does(tmp_path):
+    with CheckpointManager(tmp_path / "remote", local_dir=tmp_path / "local") as m:
+        m.save(data(1), 1)
+        m.save(data(2), 2)
+        m.wait_until_finished()
+        with m.restore_in_place(1) as path:
+            assert path.read_bytes() == data(1) and m.restored_step == 1
+        with m.restore_in_place() as path:
+            assert path.read_bytes() == data(2) and m.restored_step == 2

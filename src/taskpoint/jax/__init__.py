@@ -17,7 +17,7 @@ except ImportError as exc:
 
 from . import _kind  # noqa: F401  (registers the jax.pytree step kind of CheckpointManager)
 from ._handler import Checkpointable, OrbaxCheckpointHandler
-from ._payload import load_pytree, load_pytree_sync
+from ._load import load_pytree, load_pytree_sync
 from ._pytree import PyTree
 
 __all__ = ["Checkpointable", "OrbaxCheckpointHandler", "PyTree", "load_pytree", "load_pytree_sync"]

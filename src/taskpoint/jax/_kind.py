@@ -79,16 +79,17 @@ def _tree_files(root: Path) -> dict[str, int]:
     return found
 
 
-def _hash_file(path: Path, *, sync: bool = False) -> FileEntry:
-    """The size and sha256 of the file at ``path``, read once (an entry of size -1 when it is missing, which
-    then differs from any recorded); with ``sync``, the file is fsynced too (a commit is about to name it)."""
+def _hash_file(path: Path, *, sync: bool = False, limit: int | None = None) -> FileEntry:
+    """The size and sha256 of the file at ``path``, read once through one open fd (an entry of size -1 when it is
+    missing, which then differs from any recorded); with ``sync``, the file is fsynced too (a commit is about to
+    name it); with ``limit``, at most that many bytes are read."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return FileEntry(-1, "")
     try:
         hasher = hashlib.sha256()
-        size = digest_by_reading(fd, os.fstat(fd).st_size, hasher)
+        size = digest_by_reading(fd, os.fstat(fd).st_size if limit is None else limit, hasher)
         if sync:
             os.fsync(fd)
     finally:
@@ -211,6 +212,39 @@ class PyTreeKind:
                     del done
             return DirectoryPayload.publish(staging, workspace)
 
+    def restore_in_place(self, parts: Parts, step: int, manifest: StepManifest, progress: Progress) -> Path | None:
+        """The tree's folder in the step's own folder, for Orbax to read without a copy, once every file its list
+        names has been read against its size and sha256 there (on :data:`WORKERS` threads, each through an open
+        fd; the errors and messages of :meth:`restore`). None off local disk, and when the folder holds a file the
+        list does not name: a restore's copy leaves such a file out, and so must what Orbax reads."""
+        steps, content = parts.steps, content_of(manifest, PyTreeFiles)
+        tree = steps.object(step, content.folder)
+        if not tree.is_local:
+            return None
+        try:
+            listed = self.files(steps, step, manifest)
+        except FileNotFoundError:
+            raise self._gone(steps, step, content.manifest) from None
+        root = Path(tree.path)
+        if {Path(folder, name).relative_to(root).as_posix() for folder, _, names in os.walk(root)
+                for name in names} - listed.keys():
+            return None
+        progress.set_total(sum(entry.size for entry in listed.values()))
+
+        def check(rel: str) -> None:
+            name, entry = f"{content.folder}/{rel}", listed[rel]
+            found = _hash_file(root / rel, limit=entry.size + 1)  # a longer file reads one byte past its size
+            if found.size < 0:
+                raise self._gone(steps, step, name)
+            if found != entry:
+                raise self._damaged(steps, step, name, entry, found)
+            progress.update(found.size)
+
+        with concurrent.futures.ThreadPoolExecutor(min(WORKERS, max(1, len(listed)))) as pool:
+            for done in pool.map(check, listed):
+                del done
+        return root
+
     def _fetch(self, steps: StepStore, step: int, name: str, entry: FileEntry, dest: Path, progress: Progress
                ) -> None:
         """Copy the stored file ``name`` to ``dest``, hashing it; on local disk it is hashed, then copied by the
@@ -302,6 +336,20 @@ class PyTreeKind:
         # A tree's folder is swept only from a folder no manifest commits: a committed step's is named by its
         # manifest, or was replaced by an overwrite, whose commit removed the files the old manifest named.
         return bool(_OWNED.fullmatch(name)) or (not committed and bool(_FOLDER.fullmatch(name)))
+
+
+def lost_in_place(folder: Path) -> bool:
+    """Whether ``folder`` is a tree's folder inside a step (what :meth:`PyTreeKind.restore_in_place` returns)
+    that no longer holds every file its list names at its size: another process overwrote or deleted the step
+    while it was read there. False for any other folder (a restore's copy, which nobody else changes)."""
+    if not _FOLDER.fullmatch(folder.name):
+        return False
+    listing = folder.with_name(f"{folder.name}.files.json")
+    try:
+        listed = FileSetManifest.from_bytes(listing.read_bytes(), str(listing)).files
+        return any((folder / rel).stat().st_size != entry.size for rel, entry in listed.items())
+    except (OSError, ValueError, CheckpointCorruptError):
+        return True
 
 
 PYTREE = register_step_kind(PyTreeKind())

@@ -1,4 +1,4 @@
-"""The ``pytree`` payload kind: a :class:`PyTree` saved as a directory checkpoint, and loading it back.
+"""The ``pytree`` payload kind: a :class:`PyTree` saved as a directory checkpoint (:mod:`._load` loads it back).
 
 A :class:`~taskpoint.Checkpoint` serializes the tree with Orbax into a private temp folder, then the folder
 travels as any directory does: streamed as a tar archive, atomically, with its sha256 recorded and verified on
@@ -8,20 +8,14 @@ the step's folder, each hashed.
 
 from __future__ import annotations
 
-import os
 import shutil
 import weakref
 from pathlib import Path
 from typing import Any
 
-import anyio.to_thread
-
-from ..checkpoint import BaseCheckpoint, Checkpoint
-from ..manager import CheckpointManager
 from ..payloads import DirectoryPayload, Payload, register_payload
 from ..workspace import owned_folder, sweep_dead_folders
 from ._pytree import PyTree, write_tree
-from ._read import read_tree
 
 #: Prefix of the temp folders where trees are serialized before upload (below ``$TMPDIR``), followed by
 #: ``<host>-<pid>-`` so that those of killed processes can be swept.
@@ -93,54 +87,3 @@ class PyTreePayload(DirectoryPayload):
 
 
 register_payload(PyTreePayload)
-
-
-Source = BaseCheckpoint | CheckpointManager | str | os.PathLike[str]
-
-
-def load_pytree_sync(cp: Source, target: Any = None, *, step: int | None = None) -> Any:
-    """Blocking twin of :func:`load_pytree`."""
-    if isinstance(cp, CheckpointManager):
-        return _from_manager(cp, target, step)
-    _no_step(cp, step)
-    folder = cp.load_sync() if isinstance(cp, BaseCheckpoint) else Path(os.fspath(cp))
-    return None if folder is None else read_tree(folder, target, _where(cp))
-
-
-async def load_pytree(cp: Source, target: Any = None, *, step: int | None = None) -> Any:
-    """The tree saved as ``taskpoint.jax.PyTree(tree)``; None when there is no previous checkpoint.
-
-    ``cp`` is a :class:`~taskpoint.Checkpoint` (its previous checkpoint is loaded), a
-    :class:`~taskpoint.CheckpointManager` (``step`` is restored, the newest when None; None when it has no
-    step), or the local folder that :meth:`CheckpointManager.restore <taskpoint.CheckpointManager.restore>`
-    returned. Without ``target`` the tree comes back with the containers it was saved with (registered nodes
-    such as namedtuples and dataclasses as dicts) and jax arrays on the default device. With ``target`` (a tree
-    of arrays or ``jax.ShapeDtypeStruct``) it has the target's structure, dtypes and shardings; a target that
-    does not match raises ValueError naming the first path that differs, and the checkpoint's URI (with a
-    manager, the step and its directory; a folder is all a bare folder can name).
-    """
-    if isinstance(cp, CheckpointManager):
-        return await anyio.to_thread.run_sync(_from_manager, cp, target, step)
-    _no_step(cp, step)
-    folder = await cp.load() if isinstance(cp, BaseCheckpoint) else Path(os.fspath(cp))
-    return None if folder is None else await anyio.to_thread.run_sync(read_tree, folder, target, _where(cp))
-
-
-def _from_manager(manager: CheckpointManager, target: Any, step: int | None) -> Any:
-    """``step`` of ``manager`` (the newest when None; None when it has none), named by step and directory in
-    messages: the folder it is restored into is the manager's own, gone once it closes."""
-    if step is None and manager.latest_step() is None:
-        return None
-    folder = manager.restore(step)
-    return read_tree(folder, target, f"step {manager.restored_step} in {manager.directory}")
-
-
-def _no_step(cp: Source, step: int | None) -> None:
-    if step is not None:
-        raise TypeError(f"step= is for a CheckpointManager, not a {type(cp).__name__}")
-
-
-def _where(cp: Source) -> str | None:
-    """What messages call the checkpoint: a Checkpoint's source URI, not the workspace it was loaded into."""
-    source = cp.remote_source if isinstance(cp, Checkpoint) else None
-    return f"the checkpoint at {source}" if source else None

@@ -337,17 +337,16 @@ class CheckpointManager(StepQueries):
         self._ready()
         step = None if step is None else check_step(step)
         if self._tier is not None:  # the newest step that verifies on either tier, local copies first
-            self.restored_step, result = self._tier.restore(step, self._reader, target, fallback=fallback,
-                                                            progress=tracker, paths=selected, clock=clock)
+            restored, result = self._tier.restore(step, self._reader, target, fallback=fallback, progress=tracker,
+                                                  paths=selected, clock=clock)
         else:
             tried = candidates(self.steps() if step is None or fallback else (), step, fallback)
             if not tried:
                 raise FileNotFoundError(f"there is no committed checkpoint in {self.directory}")
-            self.restored_step, result = self._reader.read_first(tried, target, fallback=fallback,
-                                                                 requested=step is not None, clock=clock,
-                                                                 progress=tracker, paths=selected)
-        self._guard.restored_from(self.restored_step)
-        self._schedule.seen(self.restored_step)
+            restored, result = self._reader.read_first(tried, target, fallback=fallback,
+                                                       requested=step is not None, clock=clock, progress=tracker,
+                                                       paths=selected)
+        self._restored(restored)
         return result
 
     # -- delete and garbage collection ---------------------------------------------------------------------

@@ -1,15 +1,19 @@
 """The read-only side of a manager: its committed steps, their metadata, and its policies' answers (should a step
-be saved, which step is the best, which are protected), read without any payload."""
+be saved, which step is the best, which are protected), read without any payload; and the reads of a step where it
+lies (a file of it, or its folder in place)."""
 
 from __future__ import annotations
 
 import functools
 import io
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import anyio.to_thread
 
+from .. import _log
 from ..errors import CheckpointError
 from ..storage import RetryPolicy
 from ._checks import check_step
@@ -17,6 +21,7 @@ from .background import Background
 from .inventory import StepSummary, inventory
 from .kinds import KINDS, Parts, partial_kind
 from .protect import Guard
+from .restore import StepReader
 from .schedule import SaveSchedule
 from .shards import RankPlan
 from .steps import StepStore
@@ -48,6 +53,8 @@ class StepQueries:
 
     _steps: StepStore
     _parts: Parts
+    _reader: StepReader
+    restored_step: int | None
     _plan: RankPlan
     _guard: Guard
     _schedule: SaveSchedule
@@ -68,6 +75,32 @@ class StepQueries:
             raise FileNotFoundError(f"step {step} does not exist in {self.directory}")
         kind = KINDS.kind(manifest.kind, self._steps.step_uri(step))
         return partial_kind(kind).open_file(self._parts, step, manifest, path)
+
+    @contextmanager
+    def restore_in_place(self, step: int | None = None) -> Iterator[Path]:
+        """:meth:`restore` for reading inside a ``with`` block, without a copy where the step's kind allows it
+        (``taskpoint.jax``'s PyTree steps on local disk): a folder of the step's own, every file checked against
+        its sha256 first, which the block must only read. The step stays held against retention and
+        :meth:`delete` (here, and by a lease elsewhere) until the block exits. Other steps, and steps on an
+        object store or a local tier, are restored into the manager's folder as :meth:`restore` does."""
+        self._ready()
+        clock = _log.Clock()
+        if self._tier is not None:
+            number, folder = self._tier.restore(None if step is None else check_step(step), self._reader, None,
+                                                fallback=False, clock=clock)
+            self._restored(number)
+            yield folder
+            return
+        number = self._newest() if step is None else check_step(step)
+        with self._reader.in_place(number, clock) as folder:
+            self._restored(number)
+            yield folder
+
+    def _restored(self, step: int) -> None:
+        """A restore returned ``step``: it is :attr:`restored_step`, protected until a newer step is committed."""
+        self.restored_step = step
+        self._guard.restored_from(step)
+        self._schedule.seen(step)
 
     @property
     def directory(self) -> str:

@@ -5,19 +5,24 @@ from __future__ import annotations
 import shutil
 import threading
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from .. import _log
 from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointCorruptError, CheckpointError, add_note
+from ..format.records import StepManifest
 from ..workspace import Workspace
 from .in_use import InUse
-from .kinds import Gone, Parts, StepKinds, partial_kind
+from .kinds import Gone, Parts, StepKind, StepKinds, in_place_folder, partial_kind
 from .protect import restore_lease
 
 #: How often restore follows a step that another writer overwrites while it is being read.
 RESTORE_ATTEMPTS = 5
+
+T = TypeVar("T")
 
 
 def candidates(committed: Iterable[int], step: int | None, fallback: bool) -> list[int]:
@@ -97,11 +102,31 @@ class StepReader:
     def read(self, step: int, into: Path | None, progress: Progress = NO_PROGRESS,
              paths: Sequence[str] | None = None) -> Path:
         """Restore ``step`` (only ``paths`` when given) into ``into``, or into ``<own workspace>/ckpt-<step>``."""
+        with self._held(step):
+            return self._read_held(step, into, progress, paths)
+
+    @contextmanager
+    def in_place(self, step: int, clock: _log.Clock) -> Iterator[Path]:
+        """A folder of ``step`` to read until the block exits: its own, verified where it lies by its kind
+        (:class:`~.kinds.InPlaceKind`), else a copy as :meth:`read` makes. The step is held against retention and
+        ``delete`` (here, and elsewhere by a lease) for the whole block, not only while it is verified."""
+        with self._held(step):
+            folder = self._follow(step, NO_PROGRESS, lambda kind, manifest: in_place_folder(
+                kind, self._parts, step, manifest, NO_PROGRESS)) if self._steps.root.is_local else None
+            if folder is None:
+                folder = self._read_held(step, None, NO_PROGRESS, None)
+            self._log_restore(step, clock)
+            yield folder
+
+    @contextmanager
+    def _held(self, step: int) -> Iterator[None]:
+        """Hold ``step`` while it is read: retention and ``delete`` of this process skip it, and a restore lease in
+        its folder keeps other processes' retention off it. FileNotFoundError when it is being deleted here."""
         if not self._in_use.start_restore(step):
             raise FileNotFoundError(f"step {step} in {self.directory} is being deleted")
         try:
             with restore_lease(self._steps, step, self._grace):
-                return self._read_held(step, into, progress, paths)
+                yield
         finally:
             self._in_use.end_restore(step)
 
@@ -122,6 +147,16 @@ class StepReader:
     def _read_step(self, step: int, workspace: Path, progress: Progress, paths: Sequence[str] | None) -> Path:
         """Restore the save the manifest commits into ``workspace`` through its kind, following concurrent
         overwrites."""
+        def restore(kind: StepKind, manifest: StepManifest) -> Path:
+            if paths is None:
+                return kind.restore(self._parts, step, manifest, workspace, progress)
+            return partial_kind(kind).restore_paths(self._parts, step, manifest, workspace, paths, progress)
+
+        return self._follow(step, progress, restore)
+
+    def _follow(self, step: int, progress: Progress, read: Callable[[StepKind, StepManifest], T]) -> T:
+        """``read`` the save the manifest of ``step`` commits through its kind; when an object it names is gone,
+        follow the manifest if another writer overwrote or deleted the step meanwhile, else report damage."""
         manifest = self._steps.manifest(step)
         for _ in range(RESTORE_ATTEMPTS):
             if manifest is None:
@@ -129,9 +164,7 @@ class StepReader:
             kind = self._kinds.kind(manifest.kind, self._steps.step_uri(step))
             progress.rewind()  # a manifest followed after an overwrite: its payload is counted from zero
             try:
-                if paths is None:
-                    return kind.restore(self._parts, step, manifest, workspace, progress)
-                return partial_kind(kind).restore_paths(self._parts, step, manifest, workspace, paths, progress)
+                return read(kind, manifest)
             except Gone as gone:
                 now = self._steps.manifest(step)
                 if manifest.same_save(now):

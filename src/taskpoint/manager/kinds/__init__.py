@@ -19,7 +19,7 @@ import io
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 from ... import _progress
 from ..._progress import Progress
@@ -166,6 +166,27 @@ class PartialKind(Protocol):
     def open_file(self, parts: Parts, step: int, manifest: StepManifest, path: str) -> io.BufferedReader:
         """A read-only binary file of the step's file ``path``, read on demand; KeyError when there is none."""
         ...
+
+
+class InPlaceKind(Protocol):
+    """What a step kind adds to be read where it lies, without a copy (optional: a step of a kind without it is
+    restored as :meth:`StepKind.restore` does). Only the manager's own reads use it, while they hold the step
+    against retention and deletion; committed objects are never rewritten, so what was verified stays so."""
+
+    def restore_in_place(self, parts: Parts, step: int, manifest: StepManifest, progress: Progress) -> Path | None:
+        """The folder inside the step's own folder that holds what :meth:`StepKind.restore` would return, every
+        byte verified there first (the same errors, :class:`Gone` included); None when the step cannot be read
+        where it lies (not on local disk, say): the caller then restores a copy."""
+        ...
+
+
+def in_place_folder(kind: StepKind, parts: Parts, step: int, manifest: StepManifest, progress: Progress
+                    ) -> Path | None:
+    """The step's folder verified where it lies by ``kind`` (an :class:`InPlaceKind`), or None when ``kind``
+    cannot read steps in place or this one not."""
+    if not hasattr(kind, "restore_in_place"):
+        return None
+    return cast(InPlaceKind, kind).restore_in_place(parts, step, manifest, progress)
 
 
 def partial_kind(kind: StepKind) -> PartialKind:

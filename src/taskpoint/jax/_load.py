@@ -1,0 +1,81 @@
+"""Loading a :class:`~taskpoint.jax.PyTree` back: from a Checkpoint, a local folder, or a manager's step, which on
+local disk Orbax reads where it lies once every file of it is verified (:mod:`._kind`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import anyio.to_thread
+
+from ..checkpoint import BaseCheckpoint, Checkpoint
+from ..manager import CheckpointManager
+from ._kind import lost_in_place
+from ._read import read_tree
+
+Source = BaseCheckpoint | CheckpointManager | str | os.PathLike[str]
+
+
+def load_pytree_sync(cp: Source, target: Any = None, *, step: int | None = None) -> Any:
+    """Blocking twin of :func:`load_pytree`."""
+    if isinstance(cp, CheckpointManager):
+        return _from_manager(cp, target, step)
+    _no_step(cp, step)
+    folder = cp.load_sync() if isinstance(cp, BaseCheckpoint) else Path(os.fspath(cp))
+    return None if folder is None else read_tree(folder, target, _where(cp))
+
+
+async def load_pytree(cp: Source, target: Any = None, *, step: int | None = None) -> Any:
+    """The tree saved as ``taskpoint.jax.PyTree(tree)``; None when there is no previous checkpoint.
+
+    ``cp`` is a :class:`~taskpoint.Checkpoint` (its previous checkpoint is loaded), a
+    :class:`~taskpoint.CheckpointManager` (``step`` is restored, the newest when None; None when it has no
+    step), or the local folder that :meth:`CheckpointManager.restore <taskpoint.CheckpointManager.restore>`
+    returned. A manager's step on local disk is read in place, without a copy: every file is checked against its
+    sha256 first (damage raises CheckpointCorruptError before Orbax reads anything), and the step is kept from
+    retention and ``delete`` until Orbax has read it. Without ``target`` the tree comes back with the containers
+    it was saved with (registered nodes such as namedtuples and dataclasses as dicts) and jax arrays on the
+    default device. With ``target`` (a tree of arrays or ``jax.ShapeDtypeStruct``) it has the target's
+    structure, dtypes and shardings; a target that does not match raises ValueError naming the first path that
+    differs, and the checkpoint's URI (with a manager, the step and its directory; a folder is all a bare folder
+    can name).
+    """
+    if isinstance(cp, CheckpointManager):
+        return await anyio.to_thread.run_sync(_from_manager, cp, target, step)
+    _no_step(cp, step)
+    folder = await cp.load() if isinstance(cp, BaseCheckpoint) else Path(os.fspath(cp))
+    return None if folder is None else await anyio.to_thread.run_sync(read_tree, folder, target, _where(cp))
+
+
+def _from_manager(manager: CheckpointManager, target: Any, step: int | None) -> Any:
+    """``step`` of ``manager`` (the newest when None; None when it has none), named by step and directory in
+    messages, read through :meth:`CheckpointManager.restore_in_place <taskpoint.CheckpointManager.restore_in_place>`.
+
+    Only another process can take files from under Orbax's read in place (overwriting the step, or deleting it
+    with ``force=True``): when Orbax fails and the folder has lost files, the step is restored as a copy instead,
+    which follows an overwrite or reports the step gone, as a restore does."""
+    if step is None and manager.latest_step() is None:
+        return None
+    with manager.restore_in_place(step) as folder:
+        try:
+            return read_tree(folder, target, _step_where(manager))
+        except Exception:
+            if not lost_in_place(folder):
+                raise
+    return read_tree(manager.restore(step), target, _step_where(manager))
+
+
+def _step_where(manager: CheckpointManager) -> str:
+    return f"step {manager.restored_step} in {manager.directory}"
+
+
+def _no_step(cp: Source, step: int | None) -> None:
+    if step is not None:
+        raise TypeError(f"step= is for a CheckpointManager, not a {type(cp).__name__}")
+
+
+def _where(cp: Source) -> str | None:
+    """What messages call the checkpoint: a Checkpoint's source URI, not the workspace it was loaded into."""
+    source = cp.remote_source if isinstance(cp, Checkpoint) else None
+    return f"the checkpoint at {source}" if source else None
