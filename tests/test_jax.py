@@ -434,10 +434,10 @@ _KILLED_SAVE = """
     with OrbaxCheckpointHandler() as h:
         h.save(directory, {"w": np.arange(4.0), "step": 1}, step=1)
 
-    def dies_midway(path, **kw):  # Orbax has written the tree into the step's folder; nothing is committed
+    def dies_midway(root, plan, **kw):  # Orbax has written the tree into the step's folder; nothing is committed
         os.kill(os.getpid(), signal.SIGKILL)
 
-    pytree_kind._hash_file = dies_midway
+    pytree_kind._hash_local = dies_midway
     OrbaxCheckpointHandler().save(directory, {"w": np.arange(40_000.0), "step": 2}, step=2)
 """
 

@@ -3,17 +3,21 @@ orbax-checkpoint on the CPU: what they hold, what a restore verifies, and how re
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import tempfile
 import warnings
 from pathlib import Path
 
+import fsspec
 import numpy as np
 import pytest
 
 from helpers import LazyModule, requires
 from taskpoint import CheckpointCorruptError, CheckpointError, CheckpointManager
+from taskpoint.format import fileset
 
 pytestmark = requires("jax", "orbax.checkpoint")
 
@@ -268,3 +272,102 @@ def test_files_taken_from_under_orbax_by_another_process_make_the_load_restore_a
         assert_same(tpjax.load_pytree_sync(m, target=tree(0), step=1), tree(2))
         assert folders[0].name.startswith("pytree-") and folders[1].name == "ckpt-1"
 
+
+
+# -- large files listed by pieces ---------------------------------------------------------------------------------
+
+def large_tree(seed: int) -> dict[str, object]:
+    """A tree whose largest file Orbax writes holds more than two pieces (40 MiB of float32)."""
+    rng = np.random.default_rng(seed)
+    return {"w": jnp.asarray(rng.normal(size=10 << 20).astype(np.float32)), "step": seed}
+
+
+def listing_of(directory: Path, step: int) -> dict[str, object]:
+    folder = tree_folder(directory, step)
+    return json.loads(folder.with_name(folder.name + ".files.json").read_bytes())
+
+
+def flip_byte_at(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
+def test_a_file_larger_than_a_piece_is_listed_by_the_sha256_of_each_piece(store):
+    with CheckpointManager(store.url("steps"), storage_options=store.storage_options) as m:
+        m.save(tpjax.PyTree(large_tree(1)), 1)
+        assert_same(tpjax.load_pytree_sync(m, target=large_tree(0), step=1), large_tree(1))
+        assert m.verify(1).steps[0].state == "healthy"
+        restored = m.restore(1)
+        fs, root = fsspec.core.url_to_fs(store.url("steps/ckpt-1"), **store.storage_options)
+        (listing,) = [p for p in fs.ls(root, detail=False) if p.endswith(".files.json")]
+        files = fileset.FileSetManifest.from_bytes(fs.cat_file(listing), listing).files
+        pieced = {rel: entry for rel, entry in files.items() if entry.pieces}
+        ((rel, entry),) = pieced.items()  # the one large file of Orbax's; the small ones keep one sha256 each
+        assert entry.size > 2 * fileset.PIECE_SIZE and len(entry.pieces) == -(-entry.size // fileset.PIECE_SIZE)
+        data = (restored / rel).read_bytes()
+        assert list(entry.pieces) == [hashlib.sha256(data[i:i + fileset.PIECE_SIZE]).hexdigest()
+                                      for i in range(0, len(data), fileset.PIECE_SIZE)]
+        assert entry.sha256 == fileset.pieces_digest(entry.pieces)
+        assert all(not e.pieces and e.sha256 == hashlib.sha256((restored / r).read_bytes()).hexdigest()
+                   for r, e in files.items() if r != rel)
+
+
+@pytest.mark.parametrize("how", ["in place", "copy", "verify"])
+def test_a_flipped_byte_in_a_piece_is_damage_that_names_the_piece(tmp_path, how):
+    directory = tmp_path / "steps"
+    with CheckpointManager(directory) as m:
+        m.save(tpjax.PyTree(large_tree(1)), 1)
+        largest = largest_file(tree_folder(directory, 1))
+        flip_byte_at(largest, fileset.PIECE_SIZE + 7)
+        expected = r"step 1 .* is damaged: read \d+ bytes of pytree-.* \(piece 1, from byte 16777216\)"
+        if how == "in place":
+            with pytest.raises(CheckpointCorruptError, match=expected):
+                tpjax.load_pytree_sync(m, target=large_tree(0), step=1)
+        elif how == "copy":
+            with pytest.raises(CheckpointCorruptError, match=expected):
+                m.restore(1)
+        else:
+            (checked,) = m.verify().steps
+            assert checked.state == "damaged" and "piece 1" in checked.detail
+
+
+def test_a_large_file_listed_whole_by_an_older_taskpoint_still_restores_and_verifies(tmp_path, monkeypatch):
+    directory = tmp_path / "steps"
+    with monkeypatch.context() as patch:  # what a taskpoint before pieces wrote: one sha256 for every file
+        patch.setattr("taskpoint.jax._kind.PIECE_SIZE", 1 << 40)
+        with CheckpointManager(directory) as m:
+            m.save(tpjax.PyTree(large_tree(1)), 1)
+    listing = listing_of(directory, 1)
+    assert listing["version"] == 1 and not [e for e in listing["files"].values() if "pieces" in e]
+    with CheckpointManager(directory) as m:
+        m.save(tpjax.PyTree(large_tree(2)), 2)
+        assert listing_of(directory, 2)["version"] == 2
+        assert_same(tpjax.load_pytree_sync(m, target=large_tree(0), step=1), large_tree(1))
+        assert_same(tpjax.load_pytree_sync(m.restore(1), target=large_tree(0)), large_tree(1))
+        assert [s.state for s in m.verify().steps] == ["healthy", "healthy"]
+        flip_byte(largest_file(tree_folder(directory, 1)))
+        with pytest.raises(CheckpointCorruptError, match=r"step 1 .* is damaged: read \d+ bytes of .* sha256 of its "
+                                                         r"manifest \(recorded"):
+            tpjax.load_pytree_sync(m, target=large_tree(0), step=1)
+
+
+def test_a_listing_whose_pieces_disagree_with_its_digest_or_size_is_damage():
+    good = fileset.FileEntry.of_pieces(fileset.PIECE_SIZE + 1, ["a" * 64, "b" * 64])
+    manifest = fileset.FileSetManifest(kind="jax.orbax", save_id="x", created=1.0, files={"big": good})
+    assert fileset.FileSetManifest.from_bytes(manifest.to_bytes(), "u").files == {"big": good}
+    for bad in (fileset.FileEntry(good.size, good.sha256, ("a" * 64,)),  # a piece short for its size
+                fileset.FileEntry(good.size, "c" * 64, good.pieces),  # pieces that are not its sha256's
+                fileset.FileEntry(3 * fileset.PIECE_SIZE, good.sha256, good.pieces)):
+        data = fileset.FileSetManifest(kind="jax.orbax", save_id="x", created=1.0, files={"big": bad}).to_bytes()
+        with pytest.raises(CheckpointCorruptError, match="unreadable"):
+            fileset.FileSetManifest.from_bytes(data, "u")
+    hasher = fileset.PieceHasher(True)
+    for part in (b"x" * 5, b"y" * (2 * fileset.PIECE_SIZE), b"z"):
+        hasher.update(part)
+    whole = b"x" * 5 + b"y" * (2 * fileset.PIECE_SIZE) + b"z"
+    assert hasher.entry() == fileset.FileEntry.of_pieces(len(whole), [
+        hashlib.sha256(whole[i:i + fileset.PIECE_SIZE]).hexdigest() for i in range(0, len(whole), fileset.PIECE_SIZE)])

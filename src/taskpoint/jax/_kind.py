@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 from .._progress import Progress
 from ..errors import CheckpointCorruptError
-from ..format.fileset import FileEntry, FileSetManifest
+from ..format.fileset import PIECE_SIZE, FileEntry, FileSetManifest, PieceHasher, piece_spans
 from ..format.records import ObjectRecord, StepManifest
 from ..manager.kinds import GONE_HOW, Checked, Described, Gone, Parts, Saved, SaveJob, content_of, register_step_kind
 from ..manager.steps import MANIFEST_NAME as STEP_MANIFEST
@@ -79,33 +79,61 @@ def _tree_files(root: Path) -> dict[str, int]:
     return found
 
 
-def _hash_file(path: Path, *, sync: bool = False, limit: int | None = None) -> FileEntry:
-    """The size and sha256 of the file at ``path``, read once through one open fd (an entry of size -1 when it is
-    missing, which then differs from any recorded); with ``sync``, the file is fsynced too (a commit is about to
-    name it); with ``limit``, at most that many bytes are read."""
+def _hash_local(root: Path, plan: dict[str, tuple[int, bool]], *, sync: bool = False,
+                on_read: Callable[[int], None] | None = None) -> dict[str, FileEntry]:
+    """The entries of files below ``root``, ``plan[rel] = (size, pieced)``: a file listed by pieces is hashed
+    piece by piece on all of :data:`WORKERS` threads at once (one large file is most of a tree), any other whole
+    and one byte past ``size`` (a longer file then differs); an entry of size -1 for a missing file, which
+    differs from any recorded. Each file is read through one open fd; with ``sync``, fsynced too (a commit is
+    about to name it). ``on_read(n)`` is told of the bytes read."""
+    fds: dict[str, int] = {}
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return FileEntry(-1, "")
-    try:
-        hasher = hashlib.sha256()
-        size = digest_by_reading(fd, os.fstat(fd).st_size if limit is None else limit, hasher)
-        if sync:
-            os.fsync(fd)
+        tasks: list[tuple[str, int, int]] = []
+        for rel, (size, pieced) in plan.items():
+            try:
+                fds[rel] = os.open(root / rel, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            tasks += [(rel, start, length) for start, length in (piece_spans(size) if pieced else [(0, size + 1)])]
+
+        def hashed(task: tuple[str, int, int]) -> tuple[int, str]:
+            rel, start, length = task
+            hasher = hashlib.sha256()
+            count = digest_by_reading(fds[rel], length, hasher, start=start)
+            if on_read is not None:
+                on_read(count)
+            return count, hasher.hexdigest()
+
+        with concurrent.futures.ThreadPoolExecutor(min(WORKERS, max(1, len(tasks)))) as pool:
+            done = list(pool.map(hashed, tasks))
+            if sync:
+                list(pool.map(os.fsync, fds.values()))
+        found: dict[str, list[tuple[int, str]]] = {}
+        for (rel, _, _), result in zip(tasks, done, strict=True):
+            found.setdefault(rel, []).append(result)
+        entries = {}
+        for rel, (_, pieced) in plan.items():
+            if rel not in fds:
+                entries[rel] = FileEntry(-1, "")
+            elif pieced:
+                entries[rel] = FileEntry.of_pieces(os.fstat(fds[rel]).st_size, [digest for _, digest in found[rel]])
+            else:
+                entries[rel] = FileEntry(*found[rel][0])
+        return entries
     finally:
-        os.close(fd)
-    return FileEntry(size, hasher.hexdigest())
+        for fd in fds.values():
+            os.close(fd)
 
 
 def _upload(path: Path, target: Location) -> FileEntry:
-    """Upload the file at ``path`` to ``target``, hashing what it sends."""
-    hasher, size = hashlib.sha256(), 0
-    with open(path, "rb") as source, target.open_write(path.stat().st_size) as sink:
+    """Upload the file at ``path`` to ``target``, hashing what it sends (by pieces when it is larger than one)."""
+    size = path.stat().st_size
+    hasher = PieceHasher(size > PIECE_SIZE)
+    with open(path, "rb") as source, target.open_write(size) as sink:
         while data := source.read(WRITE_PIECE):
             hasher.update(data)
             sink.write(data)
-            size += len(data)
-    return FileEntry(size, hasher.hexdigest())
+    return hasher.entry()
 
 
 def _sync_folders(root: Path) -> None:
@@ -146,24 +174,25 @@ class PyTreeKind:
             root = Path(tree.path)
             root.parent.mkdir(parents=True, exist_ok=True)
             payload.write_into(root)
-            store: Callable[[str], FileEntry] = lambda rel: _hash_file(root / rel, sync=True)  # noqa: E731
         else:
             root = payload.serialized()
-            store = lambda rel: _upload(root / rel, tree.child(rel))  # noqa: E731
         sizes = _tree_files(root)
         job.progress.set_total(sum(sizes.values()))  # the bytes of the files Orbax wrote, each counted once stored
-
-        def stored(rel: str) -> FileEntry:
-            entry = store(rel)
-            job.progress.update(entry.size)
-            return entry
-
-        # Own pools here and below, not lanes of taskpoint.executors: each file's upload or download waits for its
-        # parts or ranges on a lane of the IO pool, and waiting tasks on a shared bounded pool can deadlock it.
-        with concurrent.futures.ThreadPoolExecutor(min(WORKERS, max(1, len(sizes)))) as pool:
-            entries = dict(zip(sizes, pool.map(stored, sizes), strict=True))
         if tree.is_local:
+            entries = _hash_local(root, {rel: (size, size > PIECE_SIZE) for rel, size in sizes.items()}, sync=True,
+                                  on_read=job.progress.update)
             _sync_folders(root)
+        else:
+            def stored(rel: str) -> FileEntry:
+                entry = _upload(root / rel, tree.child(rel))
+                job.progress.update(entry.size)
+                return entry
+
+            # Own pools here and below, not lanes of taskpoint.executors: each file's upload or download waits for
+            # its parts or ranges on a lane of the IO pool, and waiting tasks on a shared bounded pool can deadlock
+            # it.
+            with concurrent.futures.ThreadPoolExecutor(min(WORKERS, max(1, len(sizes)))) as pool:
+                entries = dict(zip(sizes, pool.map(stored, sizes), strict=True))
         files = FileSetManifest(kind=FILES_KIND, save_id=save_id, created=time.time(), files=entries,
                                 attempt=job.attempt, metadata=job.metadata)
         data = files.to_bytes()
@@ -230,19 +259,13 @@ class PyTreeKind:
                 for name in names} - listed.keys():
             return None
         progress.set_total(sum(entry.size for entry in listed.values()))
-
-        def check(rel: str) -> None:
-            name, entry = f"{content.folder}/{rel}", listed[rel]
-            found = _hash_file(root / rel, limit=entry.size + 1)  # a longer file reads one byte past its size
-            if found.size < 0:
-                raise self._gone(steps, step, name)
-            if found != entry:
-                raise self._damaged(steps, step, name, entry, found)
-            progress.update(found.size)
-
-        with concurrent.futures.ThreadPoolExecutor(min(WORKERS, max(1, len(listed)))) as pool:
-            for done in pool.map(check, listed):
-                del done
+        found = _hash_local(root, {rel: (entry.size, bool(entry.pieces)) for rel, entry in listed.items()},
+                            on_read=progress.update)
+        for rel, entry in sorted(listed.items()):
+            if found[rel].size < 0:
+                raise self._gone(steps, step, f"{content.folder}/{rel}")
+            if found[rel] != entry:
+                raise self._damaged(steps, step, f"{content.folder}/{rel}", entry, found[rel])
         return root
 
     def _fetch(self, steps: StepStore, step: int, name: str, entry: FileEntry, dest: Path, progress: Progress
@@ -250,7 +273,7 @@ class PyTreeKind:
         """Copy the stored file ``name`` to ``dest``, hashing it; on local disk it is hashed, then copied by the
         kernel (both read the same open file, which saves never write into once committed)."""
         dest.parent.mkdir(parents=True, exist_ok=True)
-        hasher, size, source = hashlib.sha256(), 0, steps.object(step, name)
+        hasher, source = PieceHasher(bool(entry.pieces)), steps.object(step, name)
         try:
             with source.open_read(entry.size) as raw, open(dest, "xb") as out:
                 if source.is_local:
@@ -263,11 +286,10 @@ class PyTreeKind:
                     while data := raw.read(WRITE_PIECE):
                         hasher.update(data)
                         out.write(data)
-                        size += len(data)
                         progress.update(len(data))
         except FileNotFoundError:
             raise self._gone(steps, step, name) from None
-        found = FileEntry(size, hasher.hexdigest())
+        found = hasher.entry()
         if found != entry:
             raise self._damaged(steps, step, name, entry, found)
 
@@ -279,10 +301,12 @@ class PyTreeKind:
     @staticmethod
     def _damaged(steps: StepStore, step: int, name: str, entry: FileEntry, found: FileEntry
                  ) -> CheckpointCorruptError:
+        where = next((f" (piece {index}, from byte {index * PIECE_SIZE})" for index, (a, b)
+                      in enumerate(zip(entry.pieces, found.pieces, strict=False)) if a != b), "")
         return CheckpointCorruptError(
             f"step {step} in {steps.directory} is damaged: read {found.size} bytes of {name} that do not match the "
-            f"sha256 of its manifest (recorded size {entry.size}). Restore an older step (fallback=True), or save "
-            "it again.")
+            f"sha256 of its manifest{where} (recorded size {entry.size}). Restore an older step (fallback=True), or "
+            "save it again.")
 
     def verify(self, parts: Parts, step: int, manifest: StepManifest, progress: object) -> Checked:
         steps, content = parts.steps, content_of(manifest, PyTreeFiles)
@@ -291,13 +315,12 @@ class PyTreeKind:
             name = f"{content.folder}/{rel}"
             try:
                 with steps.object(step, name).open_read(entry.size) as source:
-                    hasher, size = hashlib.sha256(), 0
+                    hasher = PieceHasher(bool(entry.pieces))
                     while data := source.read(WRITE_PIECE):
                         hasher.update(data)
-                        size += len(data)
             except FileNotFoundError:
                 raise FileNotFoundError(f"its file {name} is missing") from None
-            found = FileEntry(size, hasher.hexdigest())
+            found = hasher.entry()
             if found != entry:
                 raise self._damaged(steps, step, name, entry, found)
         return Checked(sum(entry.size for entry in listed.values()),

@@ -65,22 +65,24 @@ def copy_file_in_kernel(source: str | os.PathLike[str], dest_fd: int) -> int:
         return copy_fd_in_kernel(src.fileno(), dest_fd)
 
 
-def digest_by_reading(fd: int, size: int, hasher: Any, on_read: Callable[[int], None] | None = None) -> int:
-    """Feed up to ``size`` bytes of an open file to ``hasher`` with positional reads into one small buffer;
-    return how many there were (``on_read(n)`` is told of each piece). For files others could truncate
-    meanwhile: a memory map would crash the process with SIGBUS, a read just comes up short."""
+def digest_by_reading(fd: int, size: int, hasher: Any, on_read: Callable[[int], None] | None = None, *,
+                      start: int = 0) -> int:
+    """Feed up to ``size`` bytes of an open file, from ``start``, to ``hasher`` with positional reads into one
+    small buffer (it stays in the CPU's cache); return how many there were (``on_read(n)`` is told of each piece).
+    For files others could truncate meanwhile: a memory map would crash the process with SIGBUS, a read just
+    comes up short."""
     piece = 1 << 20
     done = 0
     if not hasattr(os, "preadv"):  # e.g. macOS before 11: a new bytes object per piece
-        while done < size and (chunk := os.pread(fd, min(piece, size - done), done)):
+        while done < size and (chunk := os.pread(fd, min(piece, size - done), start + done)):
             hasher.update(chunk)
             done += len(chunk)
             if on_read is not None:
                 on_read(len(chunk))
         return done
-    view = memoryview(bytearray(piece))
+    view = memoryview(bytearray(min(piece, max(size, 1))))
     while done < size:
-        n = os.preadv(fd, [view[:min(piece, size - done)]], done)
+        n = os.preadv(fd, [view[:min(piece, size - done)]], start + done)
         if n == 0:
             break
         hasher.update(view[:n])

@@ -19,14 +19,13 @@ from typing import IO, Any
 
 from ..executors import CPU
 from ..executors import IO as IO_POOL
+from ..storage import digest_by_reading
 
 #: Bytes per hashed piece: large enough that a manifest lists few digests (64 per GiB), small enough that
 #: hashing and writing overlap with serializing.
 PIECE_SIZE = 16 << 20
 #: Threads that hash the pieces of one save, or fetch and check those of one read.
 WORKERS = 2
-#: Bytes a thread reads at once to hash a piece of a local file.
-READ_BUFFER = 1 << 20
 #: Writes smaller than this are hashed in the caller's thread (a thread's hand-over costs more).
 HASH_ON_THREADS = 1 << 20
 #: The bytes at the end of a file whose pieces are checked first: ``torch.load`` reads a zip's directory
@@ -35,12 +34,6 @@ ZIP_TAIL = 1 << 20
 #: Local reads at least this large, once every piece checked, are copied by two threads, half each: a copy
 #: from the page cache runs at about the speed of one core's sha256, so the reader would copy alone at the end.
 SPLIT_READ = 4 << 20
-
-
-def pieces_digest(digests: list[str]) -> str:
-    """The sha256 of a file's piece digests in order (its record's ``sha256``): one value that changes with
-    any piece."""
-    return hashlib.sha256(b"".join(bytes.fromhex(each) for each in digests)).hexdigest()
 
 
 class PieceWriter(io.RawIOBase):
@@ -237,11 +230,7 @@ def _read_into(fd: int, out: memoryview, start: int) -> int:
 
 
 def _hash_range(fd: int, start: int, length: int) -> str:
-    """The sha256 of ``length`` bytes of the open file ``fd`` from ``start``, read through a small buffer that
-    stays in the CPU's cache; "" when the file is shorter (which then differs from any digest)."""
-    hasher, buffer, done = hashlib.sha256(), bytearray(READ_BUFFER), 0
-    view = memoryview(buffer)
-    while done < length and (count := os.preadv(fd, [view[:min(READ_BUFFER, length - done)]], start + done)):
-        hasher.update(view[:count])
-        done += count
-    return hasher.hexdigest() if done == length else ""
+    """The sha256 of ``length`` bytes of the open file ``fd`` from ``start``; "" when the file is shorter (which
+    then differs from any digest)."""
+    hasher = hashlib.sha256()
+    return hasher.hexdigest() if digest_by_reading(fd, length, hasher, start=start) == length else ""

@@ -29,6 +29,7 @@ from typing import IO, Any, ClassVar, cast
 
 from .._progress import Progress
 from ..errors import CheckpointCorruptError
+from ..format.fileset import pieces_digest
 from ..format.records import ObjectRecord, StepManifest
 from ..manager.kinds import GONE_HOW, Checked, Described, Gone, Parts, Saved, SaveJob, content_of, register_step_kind
 from ..manager.steps import MANIFEST_NAME as STEP_MANIFEST
@@ -36,7 +37,7 @@ from ..manager.steps import StepObjects, StepStore, best_effort, name_in, stored
 from ..payloads import DirectoryPayload
 from ..storage import WRITE_PIECE, Deadline
 from ..workspace import Staging
-from ._pieces import PIECE_SIZE, PieceReader, PieceWriter, pieces_digest
+from ._pieces import PIECE_SIZE, PieceReader, PieceWriter
 from ._state import STATE_FILE, STEP_KIND, StateDictPayload
 
 #: The codec the step's record names: the file as ``torch.save`` wrote it.
