@@ -13,9 +13,13 @@ In one worker process (``benchmarks/_fast_worker.py``), alternating rounds (medi
   ``baseline`` (Flyte's ``tar czf`` at level 9, ``extractall``), against ``CheckpointManager.save(dir)`` and
   ``restore(into=...)``.
 
-Columns: median seconds, MB/s, ``x ref`` (time / the reference's), the worker's CPU seconds. The targets are the
-issue's: PyTree save <= 1.1x and restore <= 1.2x Orbax; state dict save <= 1.3x ``torch.save`` + fsync and restore
-<= 1.3x ``torch.load``; the directory's restore <= 1.5x the raw copy and >= 3x faster than the baseline's load.
+Columns: median seconds, MB/s, ``x ref`` (the median time / the reference's median time), ``paired`` (the median of
+each round's own ratio, time / the reference's time in the same round, a few seconds apart) with the lowest and
+highest round, and the worker's CPU seconds with their ratio to the reference's. On a shared machine the same
+operation's time varies up to 3x between rounds (the kernel's page-cache writes, docs/performance.md), and a round's
+two operations share its conditions: the targets are judged on the paired ratio. They are the issue's: PyTree save
+<= 1.1x and restore <= 1.2x Orbax; state dict save <= 1.3x ``torch.save`` + fsync and restore <= 1.3x
+``torch.load``; the directory's restore <= 1.5x the raw copy and >= 3x faster than the baseline's load.
 """
 
 from __future__ import annotations
@@ -62,21 +66,27 @@ def run(size: float, opts: Options, data_dir: Path, cases: tuple[str, ...] = CAS
     rows = []
     for case, methods in result.items():
         for op in ("save", "load"):
-            ref = statistics.median(methods[REFERENCE[case]][op])
+            refs = methods[REFERENCE[case]]
+            ref = statistics.median(refs[op])
             for method, times in methods.items():
                 seconds = statistics.median(times[op])
+                paired = [ours / theirs for ours, theirs in zip(times[op], refs[op], strict=True)]
+                cpu = statistics.median(times[f"{op}_cpu"])
                 rows.append({"store": "local", "payload": case, "op": op, "method": method, "seconds": seconds,
                              "logical_bytes": logical[case], "time_ratio": seconds / ref,
-                             "cpu_s": statistics.median(times[f"{op}_cpu"]), "runs": times[op]})
+                             "paired_ratio": statistics.median(paired), "paired_range": [min(paired), max(paired)],
+                             "cpu_s": cpu, "cpu_ratio": cpu / max(statistics.median(refs[f"{op}_cpu"]), 1e-9),
+                             "runs": times[op]})
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The section's table (MB = 10^6 bytes)."""
-    head = ["case", "op", "method", "s", "MB/s", "x ref", "cpu s"]
+    head = ["case", "op", "method", "s", "MB/s", "x ref", "paired", "rounds", "cpu s", "cpu x ref"]
     lines = [head] + [[r["payload"], r["op"], r["method"], f"{r['seconds']:.3f}",
                        f"{r['logical_bytes'] / r['seconds'] / 1e6:.1f}", f"{r['time_ratio']:.2f}",
-                       f"{r['cpu_s']:.2f}"] for r in rows]
+                       f"{r['paired_ratio']:.2f}", "{:.2f}-{:.2f}".format(*r["paired_range"]),
+                       f"{r['cpu_s']:.2f}", f"{r['cpu_ratio']:.2f}"] for r in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths,
                                                                                                 strict=True)))
@@ -85,17 +95,18 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The issue's goals, PASS or FAIL from the run."""
-    seconds = {(r["payload"], r["op"], r["method"]): r["seconds"] for r in rows}
+    found = {(r["payload"], r["op"], r["method"]): r for r in rows}
     out = []
     for case, op, ref, bound in GOALS:
-        ours, theirs = seconds.get((case, op, "taskpoint")), seconds.get((case, op, ref))
+        ours, theirs = found.get((case, op, "taskpoint")), found.get((case, op, ref))
         if ours is None or theirs is None:
             continue
+        ratio = statistics.median(a / b for a, b in zip(ours["runs"], theirs["runs"], strict=True))  # paired
         if bound > 0:
-            ratio, ok, want = ours / theirs, ours / theirs <= bound, f"<= {bound}x {ref}"
+            shown, ok, want = ratio, ratio <= bound, f"<= {bound}x {ref}"
         else:
-            ratio, ok, want = theirs / ours, theirs / ours >= -bound, f">= {-bound}x faster than {ref}"
+            shown, ok, want = 1 / ratio, 1 / ratio >= -bound, f">= {-bound}x faster than {ref}"
         out.append({"target": f"issue 26: {case} {op} {want}", "case": f"local/{case}/{op}",
-                    "measured": f"{ratio:.2f}x", "result": "PASS" if ok else "FAIL",
-                    "note": f"{ours:.2f} s vs {theirs:.2f} s"})
+                    "measured": f"{shown:.2f}x", "result": "PASS" if ok else "FAIL",
+                    "note": f"{ours['seconds']:.2f} s vs {theirs['seconds']:.2f} s (medians)"})
     return out
