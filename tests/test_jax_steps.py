@@ -371,3 +371,31 @@ def test_a_listing_whose_pieces_disagree_with_its_digest_or_size_is_damage():
     whole = b"x" * 5 + b"y" * (2 * fileset.PIECE_SIZE) + b"z"
     assert hasher.entry() == fileset.FileEntry.of_pieces(len(whole), [
         hashlib.sha256(whole[i:i + fileset.PIECE_SIZE]).hexdigest() for i in range(0, len(whole), fileset.PIECE_SIZE)])
+
+
+def test_the_orbax_handler_reads_a_local_step_in_place_and_names_the_step_when_it_is_damaged(tmp_path, monkeypatch):
+    directory = tmp_path / "ckpts"
+    with tpjax.OrbaxCheckpointHandler() as handler:
+        handler.save(directory, tree(1), step=1)
+        handler.save(directory, tree(2), step=2)
+        with monkeypatch.context() as patch:  # a copy of the step's files would go through the kind's restore
+            patch.setattr(pytree_kind.PyTreeKind, "restore", lambda *args: pytest.fail("the step was copied"))
+            assert_same(handler.restore(directory, tree(0), step=1), tree(1))
+            assert_same(handler.checkpointer.restore(directory / "ckpt-1", tree(0)), tree(1))
+        flip_byte(largest_file(tree_folder(directory, 2)))
+        with pytest.raises(CheckpointCorruptError, match=r"step 2 in .*ckpts is damaged") as raised:
+            handler.restore(directory, tree(0), step=2)
+        assert raised.value.__cause__ is None  # found by the check before Orbax read anything
+
+
+def test_restore_in_place_counts_the_bytes_it_checks_in_progress(tmp_path):
+    from test_progress import Recorder
+
+    with CheckpointManager(tmp_path / "steps") as m:
+        m.save(tpjax.PyTree(tree(1)), 1)
+        counted = Recorder()
+        with m.restore_in_place(1, progress=counted) as folder:
+            assert folder == tree_folder(tmp_path / "steps", 1)
+        counted.assert_exact(sum(p.stat().st_size for p in files_below(folder)))
+        with pytest.raises(TypeError, match="progress"), m.restore_in_place(1, progress="yes"):
+            pass

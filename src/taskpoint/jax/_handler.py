@@ -21,10 +21,12 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
+import fsspec.utils
 from fsspec.callbacks import Callback
 
 from ..errors import CheckpointError
 from ..manager import CheckpointManager, check_step
+from ._load import _from_manager
 from ._pytree import PyTree
 from ._read import read_tree
 
@@ -92,10 +94,13 @@ class Checkpointer:
         <taskpoint.CheckpointManager.restore>`."""
         manager, step = self._located(directory)
         manager.wait_until_finished()
-        with tempfile.TemporaryDirectory(prefix="taskpoint-restore-") as scratch:
-            # Messages name the step and its URI: the scratch folder is gone once this returns.
-            where = (f"the checkpoint at {manager.directory}" if step == UNVERSIONED_STEP
-                     else f"step {step} in {manager.directory}")
+        # Messages name the step and its URI, not the folder Orbax read.
+        where = (f"the checkpoint at {manager.directory}" if step == UNVERSIONED_STEP
+                 else f"step {step} in {manager.directory}")
+        if fsspec.utils.get_protocol(manager.directory) in ("file", "local"):
+            # A PyTree step on local disk is read where it lies once every file of it is verified (no copy).
+            return _from_manager(manager, item, step, where=where, progress=progress)
+        with tempfile.TemporaryDirectory(prefix="taskpoint-restore-") as scratch:  # gone once this returns
             return read_tree(manager.restore(step, into=scratch, progress=progress), item, where)
 
     def metadata(self, directory: str | os.PathLike[str]) -> dict[str, Any]:

@@ -48,22 +48,24 @@ async def load_pytree(cp: Source, target: Any = None, *, step: int | None = None
     return None if folder is None else await anyio.to_thread.run_sync(read_tree, folder, target, _where(cp))
 
 
-def _from_manager(manager: CheckpointManager, target: Any, step: int | None) -> Any:
+def _from_manager(manager: CheckpointManager, target: Any, step: int | None, *, where: str | None = None,
+                  progress: Any = None) -> Any:
     """``step`` of ``manager`` (the newest when None; None when it has none), named by step and directory in
-    messages, read through :meth:`CheckpointManager.restore_in_place <taskpoint.CheckpointManager.restore_in_place>`.
+    messages (or ``where``), read through :meth:`CheckpointManager.restore_in_place
+    <taskpoint.CheckpointManager.restore_in_place>` (``progress`` as there).
 
     Only another process can take files from under Orbax's read in place (overwriting the step, or deleting it
     with ``force=True``): when Orbax fails and the folder has lost files, the step is restored as a copy instead,
     which follows an overwrite or reports the step gone, as a restore does."""
     if step is None and manager.latest_step() is None:
         return None
-    with manager.restore_in_place(step) as folder:
+    with manager.restore_in_place(step, progress=progress) as folder:
         try:
-            return read_tree(folder, target, _step_where(manager))
+            return read_tree(folder, target, where or _step_where(manager))
         except Exception:
             if not lost_in_place(folder):
                 raise
-    return read_tree(manager.restore(step), target, _step_where(manager))
+    return read_tree(manager.restore(step), target, where or _step_where(manager))
 
 
 def _step_where(manager: CheckpointManager) -> str:

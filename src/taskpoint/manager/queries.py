@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import anyio.to_thread
+from fsspec.callbacks import Callback
 
-from .. import _log
+from .. import _log, _progress
 from ..errors import CheckpointError
 from ..storage import RetryPolicy
 from ._checks import check_step
@@ -77,22 +78,25 @@ class StepQueries:
         return partial_kind(kind).open_file(self._parts, step, manifest, path)
 
     @contextmanager
-    def restore_in_place(self, step: int | None = None) -> Iterator[Path]:
+    def restore_in_place(self, step: int | None = None, *, progress: bool | Callback | None = None
+                         ) -> Iterator[Path]:
         """:meth:`restore` for reading inside a ``with`` block, without a copy where the step's kind allows it
         (``taskpoint.jax``'s PyTree steps on local disk): a folder of the step's own, every file checked against
         its sha256 first, which the block must only read. The step stays held against retention and
         :meth:`delete` (here, and by a lease elsewhere) until the block exits. Other steps, and steps on an
-        object store or a local tier, are restored into the manager's folder as :meth:`restore` does."""
+        object store or a local tier, are restored into the manager's folder as :meth:`restore` does.
+        ``progress``: as for :meth:`restore` (the bytes checked in place, or those restored)."""
+        tracker = _progress.resolve(progress, "restore")
         self._ready()
         clock = _log.Clock()
         if self._tier is not None:
             number, folder = self._tier.restore(None if step is None else check_step(step), self._reader, None,
-                                                fallback=False, clock=clock)
+                                                fallback=False, clock=clock, progress=tracker)
             self._restored(number)
             yield folder
             return
         number = self._newest() if step is None else check_step(step)
-        with self._reader.in_place(number, clock) as folder:
+        with self._reader.in_place(number, clock, tracker) as folder:
             self._restored(number)
             yield folder
 

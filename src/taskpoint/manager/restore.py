@@ -106,15 +106,18 @@ class StepReader:
             return self._read_held(step, into, progress, paths)
 
     @contextmanager
-    def in_place(self, step: int, clock: _log.Clock) -> Iterator[Path]:
+    def in_place(self, step: int, clock: _log.Clock, progress: Progress = NO_PROGRESS) -> Iterator[Path]:
         """A folder of ``step`` to read until the block exits: its own, verified where it lies by its kind
         (:class:`~.kinds.InPlaceKind`), else a copy as :meth:`read` makes. The step is held against retention and
-        ``delete`` (here, and elsewhere by a lease) for the whole block, not only while it is verified."""
+        ``delete`` (here, and elsewhere by a lease) for the whole block, not only while it is verified.
+        ``progress`` counts the bytes verified (or copied)."""
         with self._held(step):
-            folder = self._follow(step, NO_PROGRESS, lambda kind, manifest: in_place_folder(
-                kind, self._parts, step, manifest, NO_PROGRESS)) if self._steps.root.is_local else None
-            if folder is None:
-                folder = self._read_held(step, None, NO_PROGRESS, None)
+            with progress:
+                folder = self._follow(step, progress, lambda kind, manifest: in_place_folder(
+                    kind, self._parts, step, manifest, progress)) if self._steps.root.is_local else None
+                if folder is None:
+                    progress.restart()
+                    folder = self._read_held(step, None, progress, None)
             self._log_restore(step, clock)
             yield folder
 
