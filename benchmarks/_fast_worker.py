@@ -1,9 +1,10 @@
 """The worker of the ``fast`` section (issue 26 item 3): alternating rounds of each case, in one process.
 
 Run as ``python -m benchmarks._fast_worker SPEC RESULT``; SPEC is the JSON :func:`benchmarks._fast.run` writes.
-Every round times each method of each case once, in turn (so that a drift of the machine touches them alike),
-after the runner's wait (``settle`` seconds); the result holds every round's seconds and CPU seconds. Each
-restore is compared with what was saved after its clock stops.
+Every round times each method of each case once, in turn, starting at another method each round (so that a drift
+of the machine, and what an operation inherits from the one before it, touch them alike),
+after a ``sync`` and the runner's wait (``settle`` seconds); the result holds every round's seconds and CPU
+seconds. Each restore is compared with what was saved after its clock stops.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ BASELINE_LEVEL = 9
 
 
 def _timed(fn: Callable[[], Any], settle: float) -> tuple[float, float, Any]:
+    # Every operation starts with no dirty pages: the kernel throttles a writer once the dirty pages of everyone
+    # pass its limits (here about 3 GiB), so an operation timed right after others wrote gigabytes (a round's
+    # baseline and save) paid for their writeback: a directory restore took 2.9 s there and 1.4 s alone.
+    os.sync()
     time.sleep(settle)
     cpu0, t0 = time.process_time(), time.perf_counter()
     out = fn()
@@ -200,7 +205,13 @@ def main(spec_path: str, result_path: str) -> None:
     for number in range(int(spec["runs"])):
         cases.round = number
         for name, methods in built.items():
-            for method, (save, load) in methods.items():
+            # Each round starts the case at another method: an operation's cost depends on what ran just before it
+            # (on this VM, bytes written into page-cache pages freshly taken from the host cost up to 3x the sys
+            # time: a directory restore took 1.2 s alone and 3.0 s right after a raw copy of the same files), so
+            # over the rounds every method takes every place in turn.
+            order = list(methods.items())
+            order = order[number % len(order):] + order[:number % len(order)]
+            for method, (save, load) in order:
                 row = out.setdefault(name, {}).setdefault(method, {"save": [], "load": [], "save_cpu": [],
                                                                    "load_cpu": []})
                 seconds, cpu, _ = _timed(save, spec["settle"])

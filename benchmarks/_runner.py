@@ -394,9 +394,12 @@ def _run_manager(store: Store, dataset: Dataset, payload: str, opts: Options) ->
 
 
 def _settle(store: Store, opts: Options) -> float:
-    """Wait ``opts.settle`` seconds, then on until other processes use under BUSY_CORES (at most
-    ``opts.max_quiet_wait`` seconds more); return the seconds waited."""
+    """Flush the dirty pages of earlier cases (``sync``: the kernel throttles a writer once everyone's dirty pages
+    pass its limits, so a case would pay for its predecessors' writeback), wait ``opts.settle`` seconds, then on
+    until other processes use under BUSY_CORES (at most ``opts.max_quiet_wait`` seconds more); return the seconds
+    waited."""
     start = time.monotonic()
+    os.sync()
     others = OtherLoad(store.server_pid)
     time.sleep(opts.settle)
     busy = others.cores_since_mark()
