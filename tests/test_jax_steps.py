@@ -11,6 +11,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import blake3
 import fsspec
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ import pytest
 from helpers import LazyModule, requires
 from taskpoint import CheckpointCorruptError, CheckpointError, CheckpointManager
 from taskpoint.format import fileset
+from taskpoint.format.sealing import sealed
 
 pytestmark = requires("jax", "orbax.checkpoint")
 
@@ -296,7 +298,7 @@ def flip_byte_at(path: Path, offset: int) -> None:
 
 
 @pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
-def test_a_file_larger_than_a_piece_is_listed_by_the_sha256_of_each_piece(store):
+def test_a_file_larger_than_a_piece_is_listed_by_the_blake3_of_each_piece(store):
     with CheckpointManager(store.url("steps"), storage_options=store.storage_options) as m:
         m.save(tpjax.PyTree(large_tree(1)), 1)
         assert_same(tpjax.load_pytree_sync(m, target=large_tree(0), step=1), large_tree(1))
@@ -304,12 +306,14 @@ def test_a_file_larger_than_a_piece_is_listed_by_the_sha256_of_each_piece(store)
         restored = m.restore(1)
         fs, root = fsspec.core.url_to_fs(store.url("steps/ckpt-1"), **store.storage_options)
         (listing,) = [p for p in fs.ls(root, detail=False) if p.endswith(".files.json")]
+        assert json.loads(fs.cat_file(listing))["version"] == 3
         files = fileset.FileSetManifest.from_bytes(fs.cat_file(listing), listing).files
         pieced = {rel: entry for rel, entry in files.items() if entry.pieces}
         ((rel, entry),) = pieced.items()  # the one large file of Orbax's; the small ones keep one sha256 each
         assert entry.size > 2 * fileset.PIECE_SIZE and len(entry.pieces) == -(-entry.size // fileset.PIECE_SIZE)
         data = (restored / rel).read_bytes()
-        assert list(entry.pieces) == [hashlib.sha256(data[i:i + fileset.PIECE_SIZE]).hexdigest()
+        assert entry.piece_hash == "blake3"
+        assert list(entry.pieces) == [blake3.blake3(data[i:i + fileset.PIECE_SIZE]).hexdigest()
                                       for i in range(0, len(data), fileset.PIECE_SIZE)]
         assert entry.sha256 == fileset.pieces_digest(entry.pieces)
         assert all(not e.pieces and e.sha256 == hashlib.sha256((restored / r).read_bytes()).hexdigest()
@@ -345,7 +349,7 @@ def test_a_large_file_listed_whole_by_an_older_taskpoint_still_restores_and_veri
     assert listing["version"] == 1 and not [e for e in listing["files"].values() if "pieces" in e]
     with CheckpointManager(directory) as m:
         m.save(tpjax.PyTree(large_tree(2)), 2)
-        assert listing_of(directory, 2)["version"] == 2
+        assert listing_of(directory, 2)["version"] == 3
         assert_same(tpjax.load_pytree_sync(m, target=large_tree(0), step=1), large_tree(1))
         assert_same(tpjax.load_pytree_sync(m.restore(1), target=large_tree(0)), large_tree(1))
         assert [s.state for s in m.verify().steps] == ["healthy", "healthy"]
@@ -356,7 +360,7 @@ def test_a_large_file_listed_whole_by_an_older_taskpoint_still_restores_and_veri
 
 
 def test_a_listing_whose_pieces_disagree_with_its_digest_or_size_is_damage():
-    good = fileset.FileEntry.of_pieces(fileset.PIECE_SIZE + 1, ["a" * 64, "b" * 64])
+    good = fileset.FileEntry.of_pieces(fileset.PIECE_SIZE + 1, ["a" * 64, "b" * 64], "blake3")
     manifest = fileset.FileSetManifest(kind="jax.orbax", save_id="x", created=1.0, files={"big": good})
     assert fileset.FileSetManifest.from_bytes(manifest.to_bytes(), "u").files == {"big": good}
     for bad in (fileset.FileEntry(good.size, good.sha256, ("a" * 64,)),  # a piece short for its size
@@ -365,12 +369,54 @@ def test_a_listing_whose_pieces_disagree_with_its_digest_or_size_is_damage():
         data = fileset.FileSetManifest(kind="jax.orbax", save_id="x", created=1.0, files={"big": bad}).to_bytes()
         with pytest.raises(CheckpointCorruptError, match="unreadable"):
             fileset.FileSetManifest.from_bytes(data, "u")
-    hasher = fileset.PieceHasher(True)
-    for part in (b"x" * 5, b"y" * (2 * fileset.PIECE_SIZE), b"z"):
-        hasher.update(part)
+    unknown = json.loads(manifest.to_bytes())
+    unknown["files"]["big"]["piece_hash"] = "md5"
+    with pytest.raises(CheckpointCorruptError, match=r"unreadable .*pieces hashed by 'md5'"):
+        fileset.FileSetManifest.from_bytes(sealed(unknown), "u")
     whole = b"x" * 5 + b"y" * (2 * fileset.PIECE_SIZE) + b"z"
-    assert hasher.entry() == fileset.FileEntry.of_pieces(len(whole), [
-        hashlib.sha256(whole[i:i + fileset.PIECE_SIZE]).hexdigest() for i in range(0, len(whole), fileset.PIECE_SIZE)])
+    for name, make in (("blake3", blake3.blake3), ("sha256", hashlib.sha256)):
+        hasher = fileset.PieceHasher(name)
+        for part in (b"x" * 5, b"y" * (2 * fileset.PIECE_SIZE), b"z"):
+            hasher.update(part)
+        assert hasher.entry() == fileset.FileEntry.of_pieces(len(whole), [
+            make(whole[i:i + fileset.PIECE_SIZE]).hexdigest() for i in range(0, len(whole), fileset.PIECE_SIZE)], name)
+    whole_hasher = fileset.PieceHasher(None)
+    whole_hasher.update(whole)
+    assert whole_hasher.entry() == fileset.FileEntry(len(whole), hashlib.sha256(whole).hexdigest())
+
+
+def test_a_step_whose_pieces_an_older_taskpoint_hashed_by_sha256_restores_verifies_and_catches_damage(
+        tmp_path, monkeypatch):
+    directory = tmp_path / "steps"
+    with monkeypatch.context() as patch:  # what taskpoint wrote before BLAKE3: version 2, sha256 pieces
+        patch.setattr("taskpoint.jax._kind.PIECE_HASH", "sha256")
+        with CheckpointManager(directory) as m:
+            m.save(tpjax.PyTree(large_tree(1)), 1)
+    listing = listing_of(directory, 1)
+    pieced = [e for e in listing["files"].values() if "pieces" in e]
+    assert listing["version"] == 2 and len(pieced) == 1 and "piece_hash" not in pieced[0]
+    data = largest_file(tree_folder(directory, 1)).read_bytes()
+    assert pieced[0]["pieces"] == [hashlib.sha256(data[i:i + fileset.PIECE_SIZE]).hexdigest()
+                                   for i in range(0, len(data), fileset.PIECE_SIZE)]
+    with CheckpointManager(directory) as m:
+        assert_same(tpjax.load_pytree_sync(m, target=large_tree(0), step=1), large_tree(1))
+        assert_same(tpjax.load_pytree_sync(m.restore(1), target=large_tree(0)), large_tree(1))
+        assert m.verify(1).steps[0].state == "healthy"
+        flip_byte_at(largest_file(tree_folder(directory, 1)), fileset.PIECE_SIZE + 7)
+        with pytest.raises(CheckpointCorruptError, match=r"sha256 of its manifest \(piece 1, from byte 16777216\)"):
+            tpjax.load_pytree_sync(m, target=large_tree(0), step=1)
+        with pytest.raises(CheckpointCorruptError, match=r"sha256 of its manifest \(piece 1"):
+            m.restore(1)
+
+
+def test_a_taskpoint_that_reads_only_sha256_pieces_asks_to_be_upgraded_for_blake3_ones(tmp_path, monkeypatch):
+    directory = tmp_path / "steps"
+    with CheckpointManager(directory) as m:
+        m.save(tpjax.PyTree(large_tree(1)), 1)
+        monkeypatch.setattr(fileset, "FILESET_VERSION", 2)  # the newest version the previous release read
+        with pytest.raises(CheckpointCorruptError, match="format version 3, newer than this taskpoint understands "
+                                                         r"\(2\); upgrade taskpoint"):
+            tpjax.load_pytree_sync(m, target=large_tree(0), step=1)
 
 
 def test_the_orbax_handler_reads_a_local_step_in_place_and_names_the_step_when_it_is_damaged(tmp_path, monkeypatch):

@@ -43,7 +43,7 @@ def test_a_read_checks_on_its_own_thread_a_piece_no_thread_has_started_on():
             gate.wait(5)  # the reader's threads are busy on the tail's pieces meanwhile
         return data[start:start + length]
 
-    reader = pieces.PieceReader(len(data), digests(data, 4), 4, Damaged, fetch=fetch)
+    reader = pieces.PieceReader(len(data), digests(data, 4), 4, Damaged, piece_hash="sha256", fetch=fetch)
     try:
         assert reader.read(6) == data[:6]
         assert (0, True) in fetched and (4, True) in fetched
@@ -63,7 +63,7 @@ def test_damage_in_a_piece_checked_on_the_reading_thread_is_raised_again_on_each
             gate.wait(5)
         return data[start:start + length]
 
-    reader = pieces.PieceReader(len(data), sums, 4, lambda index: Damaged(index), fetch=fetch)
+    reader = pieces.PieceReader(len(data), sums, 4, lambda index: Damaged(index), piece_hash="sha256", fetch=fetch)
     try:
         for _ in range(2):
             reader.seek(0)
@@ -86,7 +86,8 @@ def test_large_local_reads_once_every_piece_checked_return_the_file_bytes(tmp_pa
     data = os.urandom(size)
     (tmp_path / "f").write_bytes(data)
     fd = os.open(tmp_path / "f", os.O_RDONLY)
-    reader = pieces.PieceReader(size, digests(data, 64) or [hashlib.sha256().hexdigest()], 64, Damaged, fd=fd,
+    reader = pieces.PieceReader(size, digests(data, 64) or [hashlib.sha256().hexdigest()], 64, Damaged,
+                                piece_hash="sha256", fd=fd,
                                 name=str(tmp_path / "f"))
     with reader:
         assert reader.verify_all() == size and reader.name == str(tmp_path / "f")

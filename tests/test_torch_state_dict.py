@@ -4,11 +4,14 @@ verify and describe treat it; on local disk and the S3 server."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import warnings
 from pathlib import Path
 
 import anyio
+import blake3
 import pytest
 
 from helpers import LazyModule, requires
@@ -91,6 +94,55 @@ def test_on_local_disk_the_step_is_the_torch_save_file_itself(tmp_path):
         assert names == sorted(["taskpoint.json", state_file(directory, 2).name])
         assert_same(torch.load(state_file(directory, 2), weights_only=True), model_state(2))
         assert m.describe(2).size == state_file(directory, 2).stat().st_size
+
+
+def manifest_of(directory: Path, step: int) -> dict[str, object]:
+    return json.loads((directory / f"ckpt-{step}" / "taskpoint.json").read_bytes())
+
+
+def test_the_pieces_are_the_blake3_of_each_piece_and_the_manifest_is_version_5(tmp_path, monkeypatch):
+    monkeypatch.setattr("taskpoint.torch._state_kind.PIECE_SIZE", 4096)
+    directory = tmp_path / "steps"
+    with CheckpointManager(directory) as m:
+        m.save(tpt.StateDict({"big": torch.arange(5000, dtype=torch.float32)}), 1)
+        manifest, data = manifest_of(directory, 1), state_file(directory, 1).read_bytes()
+        assert manifest["version"] == 5 and manifest["content"]["piece_hash"] == "blake3"
+        assert manifest["content"]["pieces"] == [blake3.blake3(data[at:at + 4096]).hexdigest()
+                                                 for at in range(0, len(data), 4096)]
+        assert m.describe(1).details["piece_hash"] == "blake3"
+        assert "blake3 matches" in m.verify(1).steps[0].detail
+        flip_byte(state_file(directory, 1), 4096 + 3)
+        with pytest.raises(CheckpointCorruptError, match=r"piece 1 of state-.* does not match the blake3"):
+            tpt.load_state_dict_sync(m, 1)
+
+
+def test_a_step_whose_pieces_an_older_taskpoint_hashed_by_sha256_loads_and_catches_damage(tmp_path, monkeypatch):
+    directory = tmp_path / "steps"
+    with monkeypatch.context() as patch:  # what taskpoint wrote before BLAKE3: version 4, sha256 pieces
+        patch.setattr("taskpoint.torch._state_kind.PIECE_HASH", "sha256")
+        patch.setattr("taskpoint.torch._state_kind.PIECE_SIZE", 4096)
+        with CheckpointManager(directory) as m:
+            m.save(tpt.StateDict({"big": torch.arange(5000, dtype=torch.float32)}), 1)
+    manifest, data = manifest_of(directory, 1), state_file(directory, 1).read_bytes()
+    assert manifest["version"] == 4 and "piece_hash" not in manifest["content"]
+    assert manifest["content"]["pieces"] == [hashlib.sha256(data[at:at + 4096]).hexdigest()
+                                             for at in range(0, len(data), 4096)]
+    with CheckpointManager(directory) as m:
+        assert_same(tpt.load_state_dict_sync(m, 1), {"big": torch.arange(5000, dtype=torch.float32)})
+        assert "sha256 matches" in m.verify(1).steps[0].detail
+        flip_byte(state_file(directory, 1), 4096 * 2 + 3)
+        with pytest.raises(CheckpointCorruptError, match=r"piece 2 of state-.* does not match the sha256"):
+            tpt.load_state_dict_sync(m, 1)
+
+
+def test_a_taskpoint_that_reads_version_4_asks_to_be_upgraded_for_blake3_pieces(tmp_path, monkeypatch):
+    directory = tmp_path / "steps"
+    with CheckpointManager(directory) as m:
+        m.save(tpt.StateDict(model_state(1)), 1)
+        monkeypatch.setattr("taskpoint.format.records.FORMAT_VERSION", 4)  # the previous release's newest
+        with pytest.raises(CheckpointCorruptError, match=r"format version 5, newer than this taskpoint understands "
+                                                         r"\(4\); upgrade taskpoint"):
+            tpt.load_state_dict_sync(m, 1)
 
 
 def test_a_file_of_several_pieces_is_read_back_through_seeks_and_reads(tmp_path, monkeypatch):

@@ -47,8 +47,13 @@ RECORD_VERSION_UNINDEXED = 2
 #: Newest version of a manager step's manifest this taskpoint reads. Version 1 names one payload object;
 #: version 2 (written only for deduplicated steps) lists a tree of files and the chunks that hold them;
 #: version 3 (written only for steps saved by several ranks) names one payload object per rank; version 4
-#: names its step kind (:data:`STEP_KIND`) and holds that kind's content (:data:`CONTENT`).
-FORMAT_VERSION = 4
+#: names its step kind (:data:`STEP_KIND`) and holds that kind's content (:data:`CONTENT`); version 5 is version 4
+#: whose content a version-4 reader would misread (a state dict's pieces hashed by BLAKE3, which it would check
+#: as sha256 and call damaged), written only for such content (its ``manifest_version``), so that older
+#: taskpoints ask to be upgraded instead.
+FORMAT_VERSION = 5
+#: The version of a manifest that names its step kind, unless its content asks for a newer one.
+KIND_VERSION = 4
 #: The step kinds written in the layout of the version that introduced them, so that older taskpoints read them.
 LEGACY_VERSIONS = {"payload": 1, "chunked": 2, "sharded": 3, FILESET_CODEC: 1}
 #: The fields of a version-4 manifest that name its step kind and hold the kind's content.
@@ -246,7 +251,7 @@ class StepManifest:
     The manifest stores ``kind`` plus the kind's own content. The kinds that shipped before kinds were named
     keep the layout of the format version that introduced them (:data:`LEGACY_VERSIONS`), so that older
     taskpoints still read what is written now; any other kind is written as version 4, its content under
-    ``content``.
+    ``content`` (or as the newer version its content's ``manifest_version`` names, :data:`FORMAT_VERSION`).
     """
 
     step: int
@@ -270,7 +275,8 @@ class StepManifest:
         version = LEGACY_VERSIONS.get(self.kind)
         if version is not None:
             return sealed({**header, "version": version, **self.content.to_json()})
-        return sealed({**header, "version": FORMAT_VERSION, STEP_KIND: self.kind, CONTENT: self.content.to_json()})
+        version = getattr(self.content, "manifest_version", KIND_VERSION)
+        return sealed({**header, "version": version, STEP_KIND: self.kind, CONTENT: self.content.to_json()})
 
     def same_save(self, other: StepManifest | None) -> bool:
         """Whether ``other`` (the step's manifest read again) is the commit of the same save as this one: not

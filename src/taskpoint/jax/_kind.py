@@ -7,11 +7,12 @@ A step of this kind holds, in its folder::
                                  Orbax's checkpoint of the arrays (``orbax/``), written there by Orbax itself
                                  when the store is the local disk, else uploaded file by file
     pytree-<save id>.files.json  taskpoint's file-set manifest: every file of that folder, its size and sha256
+                                 (a file larger than 16 MiB: the BLAKE3 of each 16 MiB piece)
     taskpoint.json               the step's manifest, naming the folder and the file-set manifest's sha256
 
 Why: an archive costs a second copy of every byte and one core of gzip on save and on restore (a 256 MiB tree
 saved 1.45x and restored 2.2x Orbax's own time, issue 26); the files as Orbax wrote them cost one read to hash.
-A restore reads every file against its sha256 before Orbax sees it: into the restore's folder, or (through
+A restore reads every file against its digests before Orbax sees it: into the restore's folder, or (through
 :func:`taskpoint.jax.load_pytree` on a local directory) in place. taskpoint.jax registers the kind on import and
 names this module in the ``taskpoint.step_kinds`` entry points, so that any process reading such a step finds it.
 """
@@ -31,7 +32,7 @@ from typing import Any, ClassVar
 
 from .._progress import Progress
 from ..errors import CheckpointCorruptError
-from ..format.fileset import PIECE_SIZE, FileEntry, FileSetManifest, PieceHasher, piece_spans
+from ..format.fileset import PIECE_HASH, PIECE_SIZE, FileEntry, FileSetManifest, PieceHasher, piece_hasher, piece_spans
 from ..format.records import ObjectRecord, StepManifest
 from ..manager.kinds import GONE_HOW, Checked, Described, Gone, Parts, Saved, SaveJob, content_of, register_step_kind
 from ..manager.steps import MANIFEST_NAME as STEP_MANIFEST
@@ -79,26 +80,28 @@ def _tree_files(root: Path) -> dict[str, int]:
     return found
 
 
-def _hash_local(root: Path, plan: dict[str, tuple[int, bool]], *, sync: bool = False,
+def _hash_local(root: Path, plan: dict[str, tuple[int, str | None]], *, sync: bool = False,
                 on_read: Callable[[int], None] | None = None) -> dict[str, FileEntry]:
-    """The entries of files below ``root``, ``plan[rel] = (size, pieced)``: a file listed by pieces is hashed
-    piece by piece on all of :data:`WORKERS` threads at once (one large file is most of a tree), any other whole
-    and one byte past ``size`` (a longer file then differs); an entry of size -1 for a missing file, which
-    differs from any recorded. Each file is read through one open fd; with ``sync``, fsynced too (a commit is
-    about to name it). ``on_read(n)`` is told of the bytes read."""
+    """The entries of files below ``root``, ``plan[rel] = (size, piece hash)``: a file listed by pieces is hashed
+    piece by piece (by its piece hash) on all of :data:`WORKERS` threads at once (one large file is most of a
+    tree), any other (piece hash None) by sha256, whole and one byte past ``size`` (a longer file then differs);
+    an entry of size -1 for a missing file, which differs from any recorded. Each file is read through one open
+    fd; with ``sync``, fsynced too (a commit is about to name it). ``on_read(n)`` is told of the bytes read."""
     fds: dict[str, int] = {}
     try:
         tasks: list[tuple[str, int, int]] = []
-        for rel, (size, pieced) in plan.items():
+        for rel, (size, piece_hash) in plan.items():
             try:
                 fds[rel] = os.open(root / rel, os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:
                 continue
-            tasks += [(rel, start, length) for start, length in (piece_spans(size) if pieced else [(0, size + 1)])]
+            spans = piece_spans(size) if piece_hash is not None else [(0, size + 1)]
+            tasks += [(rel, start, length) for start, length in spans]
 
         def hashed(task: tuple[str, int, int]) -> tuple[int, str]:
             rel, start, length = task
-            hasher = hashlib.sha256()
+            piece_hash = plan[rel][1]
+            hasher = hashlib.sha256() if piece_hash is None else piece_hasher(piece_hash)
             count = digest_by_reading(fds[rel], length, hasher, start=start)
             if on_read is not None:
                 on_read(count)
@@ -112,11 +115,12 @@ def _hash_local(root: Path, plan: dict[str, tuple[int, bool]], *, sync: bool = F
         for (rel, _, _), result in zip(tasks, done, strict=True):
             found.setdefault(rel, []).append(result)
         entries = {}
-        for rel, (_, pieced) in plan.items():
+        for rel, (_, piece_hash) in plan.items():
             if rel not in fds:
                 entries[rel] = FileEntry(-1, "")
-            elif pieced:
-                entries[rel] = FileEntry.of_pieces(os.fstat(fds[rel]).st_size, [digest for _, digest in found[rel]])
+            elif piece_hash is not None:
+                entries[rel] = FileEntry.of_pieces(os.fstat(fds[rel]).st_size, [digest for _, digest in found[rel]],
+                                                   piece_hash)
             else:
                 entries[rel] = FileEntry(*found[rel][0])
         return entries
@@ -125,10 +129,15 @@ def _hash_local(root: Path, plan: dict[str, tuple[int, bool]], *, sync: bool = F
             os.close(fd)
 
 
+def _hashes(listed: dict[str, FileEntry]) -> str:
+    """The hashes a list's entries are checked by, for messages ("sha256", "sha256 and blake3")."""
+    return " and ".join(sorted({entry.hash_name for entry in listed.values()}))
+
+
 def _upload(path: Path, target: Location) -> FileEntry:
     """Upload the file at ``path`` to ``target``, hashing what it sends (by pieces when it is larger than one)."""
     size = path.stat().st_size
-    hasher = PieceHasher(size > PIECE_SIZE)
+    hasher = PieceHasher(PIECE_HASH if size > PIECE_SIZE else None)
     with open(path, "rb") as source, target.open_write(size) as sink:
         while data := source.read(WRITE_PIECE):
             hasher.update(data)
@@ -179,8 +188,8 @@ class PyTreeKind:
         sizes = _tree_files(root)
         job.progress.set_total(sum(sizes.values()))  # the bytes of the files Orbax wrote, each counted once stored
         if tree.is_local:
-            entries = _hash_local(root, {rel: (size, size > PIECE_SIZE) for rel, size in sizes.items()}, sync=True,
-                                  on_read=job.progress.update)
+            plan = {rel: (size, PIECE_HASH if size > PIECE_SIZE else None) for rel, size in sizes.items()}
+            entries = _hash_local(root, plan, sync=True, on_read=job.progress.update)
             _sync_folders(root)
         else:
             def stored(rel: str) -> FileEntry:
@@ -224,7 +233,7 @@ class PyTreeKind:
     def restore(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path, progress: Progress
                 ) -> Path:
         """Copy the tree's files into ``workspace`` (replacing same-named entries), each checked against its
-        sha256 before anything lands. :class:`Gone` when a file is missing."""
+        digests before anything lands. :class:`Gone` when a file is missing."""
         steps, content = parts.steps, content_of(manifest, PyTreeFiles)
         try:
             listed = self.files(steps, step, manifest)
@@ -243,7 +252,7 @@ class PyTreeKind:
 
     def restore_in_place(self, parts: Parts, step: int, manifest: StepManifest, progress: Progress) -> Path | None:
         """The tree's folder in the step's own folder, for Orbax to read without a copy, once every file its list
-        names has been read against its size and sha256 there (on :data:`WORKERS` threads, each through an open
+        names has been read against its size and digests there (on :data:`WORKERS` threads, each through an open
         fd; the errors and messages of :meth:`restore`). None off local disk, and when the folder holds a file the
         list does not name: a restore's copy leaves such a file out, and so must what Orbax reads."""
         steps, content = parts.steps, content_of(manifest, PyTreeFiles)
@@ -259,7 +268,7 @@ class PyTreeKind:
                 for name in names} - listed.keys():
             return None
         progress.set_total(sum(entry.size for entry in listed.values()))
-        found = _hash_local(root, {rel: (entry.size, bool(entry.pieces)) for rel, entry in listed.items()},
+        found = _hash_local(root, {rel: (entry.size, entry.piece_hash or None) for rel, entry in listed.items()},
                             on_read=progress.update)
         for rel, entry in sorted(listed.items()):
             if found[rel].size < 0:
@@ -273,7 +282,7 @@ class PyTreeKind:
         """Copy the stored file ``name`` to ``dest``, hashing it; on local disk it is hashed, then copied by the
         kernel (both read the same open file, which saves never write into once committed)."""
         dest.parent.mkdir(parents=True, exist_ok=True)
-        hasher, source = PieceHasher(bool(entry.pieces)), steps.object(step, name)
+        hasher, source = PieceHasher(entry.piece_hash or None), steps.object(step, name)
         try:
             with source.open_read(entry.size) as raw, open(dest, "xb") as out:
                 if source.is_local:
@@ -305,8 +314,8 @@ class PyTreeKind:
                       in enumerate(zip(entry.pieces, found.pieces, strict=False)) if a != b), "")
         return CheckpointCorruptError(
             f"step {step} in {steps.directory} is damaged: read {found.size} bytes of {name} that do not match the "
-            f"sha256 of its manifest{where} (recorded size {entry.size}). Restore an older step (fallback=True), or "
-            "save it again.")
+            f"{entry.hash_name} of its manifest{where} (recorded size {entry.size}). Restore an older step "
+            "(fallback=True), or save it again.")
 
     def verify(self, parts: Parts, step: int, manifest: StepManifest, progress: object) -> Checked:
         steps, content = parts.steps, content_of(manifest, PyTreeFiles)
@@ -315,7 +324,7 @@ class PyTreeKind:
             name = f"{content.folder}/{rel}"
             try:
                 with steps.object(step, name).open_read(entry.size) as source:
-                    hasher = PieceHasher(bool(entry.pieces))
+                    hasher = PieceHasher(entry.piece_hash or None)
                     while data := source.read(WRITE_PIECE):
                         hasher.update(data)
             except FileNotFoundError:
@@ -324,7 +333,7 @@ class PyTreeKind:
             if found != entry:
                 raise self._damaged(steps, step, name, entry, found)
         return Checked(sum(entry.size for entry in listed.values()),
-                       f"{len(listed)} files, sha256 matches its manifest")
+                       f"{len(listed)} files, {_hashes(listed)} match its manifest")
 
     # -- listing and deleting ------------------------------------------------------------------------------
 

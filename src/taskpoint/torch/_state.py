@@ -152,7 +152,7 @@ async def load_state_dict(manager: CheckpointManager, step: int | None = None, *
     """The state dict saved as ``StateDict(...)`` in ``step`` (the newest when None; None when there is no
     step), loaded by ``torch.load(weights_only=True)`` with ``map_location``.
 
-    Every byte ``torch.load`` reads was checked against the sha256 of its piece first: a damaged step raises
+    Every byte ``torch.load`` reads was checked against the digest of its piece first: a damaged step raises
     CheckpointCorruptError, or with ``fallback=True`` warns and loads the newest older step that checks. A step
     saved some other way (a background save, raw bytes) is restored, verified, and its file loaded.
 

@@ -5,8 +5,9 @@ A step of this kind holds, in its folder::
 
     state-<save id>.pt   the ``torch.save`` file (on local disk fsynced before the commit; on an object store
                          streamed up as it is serialized)
-    taskpoint.json       the step's manifest: the file's name, its size, the sha256 of each 16 MiB piece, and
-                         as the record's sha256 the sha256 of those digests
+    taskpoint.json       the step's manifest: the file's name, its size, the digest of each 16 MiB piece
+                         (BLAKE3; sha256 in steps saved before, which still load), and as the record's sha256
+                         the sha256 of those digests
 
 Why: serializing into bytes and saving those as a payload copies and hashes every byte after ``torch.save`` is
 done (2.2x ``torch.save`` + fsync, issue 26); here the pieces are written and hashed on other threads while
@@ -29,8 +30,8 @@ from typing import IO, Any, ClassVar, cast
 
 from .._progress import Progress
 from ..errors import CheckpointCorruptError
-from ..format.fileset import pieces_digest
-from ..format.records import ObjectRecord, StepManifest
+from ..format.fileset import PIECE_HASH, piece_hasher, pieces_digest
+from ..format.records import KIND_VERSION, ObjectRecord, StepManifest
 from ..manager.kinds import GONE_HOW, Checked, Described, Gone, Parts, Saved, SaveJob, content_of, register_step_kind
 from ..manager.steps import MANIFEST_NAME as STEP_MANIFEST
 from ..manager.steps import StepObjects, StepStore, best_effort, name_in, stored_names
@@ -49,16 +50,24 @@ _HEX = re.compile(r"[0-9a-f]{64}")
 
 @dataclass(frozen=True)
 class StateDictFile:
-    """The content of a state-dict step: its file in the step's folder, and the sha256 of each of its pieces
-    (``piece_size`` bytes each, the last shorter)."""
+    """The content of a state-dict step: its file in the step's folder, and the digest (by ``piece_hash``) of
+    each of its pieces (``piece_size`` bytes each, the last shorter)."""
 
     kind: ClassVar[str] = STEP_KIND
     file: str
     piece_size: int
     pieces: tuple[str, ...]
+    piece_hash: str = "sha256"
+
+    @property
+    def manifest_version(self) -> int:
+        """The manifest's version: 5 for pieces hashed by anything but sha256, which a reader of version 4
+        would check as sha256 (:data:`~taskpoint.format.records.FORMAT_VERSION`)."""
+        return KIND_VERSION if self.piece_hash == "sha256" else KIND_VERSION + 1
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "piece_size": self.piece_size, "pieces": list(self.pieces)}
+        named = {} if self.piece_hash == "sha256" else {"piece_hash": self.piece_hash}
+        return {"file": self.file, "piece_size": self.piece_size, **named, "pieces": list(self.pieces)}
 
 
 def _check_path(path: str) -> None:
@@ -77,9 +86,11 @@ class StateDictKind:
     def decode(self, body: dict[str, Any]) -> StateDictFile:
         name = name_in(body, "file", _FILE, "a state dict's file")
         piece_size, pieces = int(body["piece_size"]), tuple(body["pieces"])
+        piece_hash = str(body.get("piece_hash", "sha256"))
+        piece_hasher(piece_hash)  # ValueError for a hash this taskpoint does not know
         if piece_size <= 0 or not pieces or not all(isinstance(p, str) and _HEX.fullmatch(p) for p in pieces):
             raise ValueError("its piece digests are malformed")
-        return StateDictFile(name, piece_size, pieces)
+        return StateDictFile(name, piece_size, pieces, piece_hash)
 
     def accepts(self, payload: object, parts: Parts) -> bool:
         return isinstance(payload, StateDictPayload) and not payload.is_serialized
@@ -96,7 +107,7 @@ class StateDictKind:
         def write(deadline: Deadline) -> tuple[int, list[str]]:
             job.progress.rewind()
             with target.open_write(deadline=deadline) as sink:
-                writer = PieceWriter(sink, PIECE_SIZE, job.progress.update)
+                writer = PieceWriter(sink, PIECE_SIZE, job.progress.update, piece_hash=PIECE_HASH)
                 try:
                     payload.save_into(cast("IO[bytes]", writer))
                     return writer.finish()
@@ -107,7 +118,7 @@ class StateDictKind:
         record = ObjectRecord(kind=StateDictPayload.kind, codec=CODEC, save_id=save_id, created=time.time(),
                               size=size, sha256=pieces_digest(digests))
         manifest = StepManifest(step=step, record=record, attempt=job.attempt, metadata=job.metadata,
-                                content=StateDictFile(name, PIECE_SIZE, tuple(digests)))
+                                content=StateDictFile(name, PIECE_SIZE, tuple(digests), PIECE_HASH))
         steps.check_stored(step, {name: size})
         steps.object(step, STEP_MANIFEST).write_small(manifest.to_bytes(), action="commit the checkpoint at")
         return Saved(committed=True, sent=size, names=frozenset({name}))
@@ -125,16 +136,16 @@ class StateDictKind:
         def damaged(index: int) -> CheckpointCorruptError:
             return CheckpointCorruptError(
                 f"step {step} in {steps.directory} is damaged: piece {index} of {content.file} (bytes from "
-                f"{index * content.piece_size}) does not match the sha256 of its manifest (or the file is shorter "
-                f"than its {size} bytes). Restore an older step "
-                "(fallback=True), or save it again.")
+                f"{index * content.piece_size}) does not match the {content.piece_hash} of its manifest (or the file "
+                f"is shorter than its {size} bytes). Restore an older step (fallback=True), or save it again.")
 
         if source.is_local:
             try:
                 fd = os.open(source.path, os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:
                 raise self._gone(steps, step, content.file) from None
-            return PieceReader(size, list(content.pieces), content.piece_size, damaged, fd=fd, name=source.path)
+            return PieceReader(size, list(content.pieces), content.piece_size, damaged,
+                               piece_hash=content.piece_hash, fd=fd, name=source.path)
 
         def fetch(start: int, length: int) -> bytes:
             try:
@@ -142,7 +153,8 @@ class StateDictKind:
             except FileNotFoundError:
                 raise self._gone(steps, step, content.file) from None
 
-        return PieceReader(size, list(content.pieces), content.piece_size, damaged, fetch=fetch)
+        return PieceReader(size, list(content.pieces), content.piece_size, damaged,
+                           piece_hash=content.piece_hash, fetch=fetch)
 
     def restore(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path, progress: Progress
                 ) -> Path:
@@ -179,7 +191,7 @@ class StateDictKind:
                 size = reader.verify_all()
         except Gone:
             raise FileNotFoundError(f"its file {content.file} is missing") from None
-        return Checked(size, f"{len(content.pieces)} pieces, sha256 matches its manifest")
+        return Checked(size, f"{len(content.pieces)} pieces, {content.piece_hash} matches its manifest")
 
     @staticmethod
     def _gone(steps: StepStore, step: int, name: str) -> Gone:
@@ -199,7 +211,8 @@ class StateDictKind:
     def describe(self, parts: Parts, step: int, manifest: StepManifest) -> Described:
         content = content_of(manifest, StateDictFile)
         return Described(payload=content.file, details={"pieces": len(content.pieces),
-                                                        "piece_size": content.piece_size})
+                                                        "piece_size": content.piece_size,
+                                                        "piece_hash": content.piece_hash})
 
     def owns(self, name: str, committed: bool) -> bool:
         return bool(_OWNED.fullmatch(name))
