@@ -7,6 +7,7 @@ local loads use it. Nothing here knows about URIs or remote stores.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import io
 import os
@@ -27,11 +28,36 @@ LOCAL_READ_BUFFER = 1 << 20
 WRITE_PIECE = 128 << 10
 
 
+def _sync_file_range() -> Callable[[int, int, int], None] | None:
+    """Linux's ``sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)``: start writing a range's dirty
+    pages to disk without waiting for them and without dropping them from the page cache; None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    function.restype = ctypes.c_int
+
+    def start(fd: int, offset: int, length: int) -> None:
+        function(fd, offset, length, 2)  # SYNC_FILE_RANGE_WRITE; a failure only leaves the work to the fsync
+
+    return start
+
+
+#: Start writeback of a file's range (``fd, offset, length``) without waiting, None where there is no way to.
+start_writeback = _sync_file_range()
+
+
 class EarlyWriteback(io.BufferedWriter):
     """A buffered file that asks the kernel to start writing each flushed stretch to disk right away.
 
     Without it, gigabytes sit dirty in the page cache and the final fsync writes them all while the save
     waits; with it, the disk works while the data is still being compressed, and the fsync finds little.
+    The pages stay cached (``sync_file_range``): ``POSIX_FADV_DONTNEED``, used before, started the writeback
+    too but dropped the pages already clean, so a step restored right after its save read a third of a
+    256 MiB state dict back from disk (its first load 0.19 s, the next 0.15 s).
     """
 
     _KICK = 32 << 20
@@ -44,9 +70,8 @@ class EarlyWriteback(io.BufferedWriter):
     def flush(self) -> None:
         super().flush()
         written = self.raw.tell()
-        if written - self._kicked >= self._KICK and hasattr(os, "posix_fadvise"):
-            # POSIX_FADV_DONTNEED starts writeback of the range's dirty pages without waiting for it.
-            os.posix_fadvise(self._fd, self._kicked, written - self._kicked, os.POSIX_FADV_DONTNEED)
+        if written - self._kicked >= self._KICK and start_writeback is not None:
+            start_writeback(self._fd, self._kicked, written - self._kicked)
             self._kicked = written
 
     def write(self, b: Any) -> int:
