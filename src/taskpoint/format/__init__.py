@@ -4,6 +4,7 @@ Owns: the codecs (gzip, zstd, none), parallel gzip with labelled members, the ta
 extraction that cannot escape it, and the JSON records beside each object (a checkpoint's record, a
 manager step's manifest), with their format versions.
 
-May import: the standard library, the codec libraries (isal, zstandard), :mod:`taskpoint.errors`, and the
-stream helpers and local-write constants of :mod:`taskpoint.storage`. Nothing here does storage I/O.
+May import: the standard library, the codec and hash libraries (isal, zstandard, blake3),
+:mod:`taskpoint.errors`, and the stream helpers and local-write constants of :mod:`taskpoint.storage`. Nothing
+here does storage I/O.
 """
