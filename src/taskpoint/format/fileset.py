@@ -39,6 +39,9 @@ PIECE_SIZE = 16 << 20
 PIECE_HASHES: dict[str, Callable[[], Any]] = {"sha256": hashlib.sha256, "blake3": blake3.blake3}
 #: The hash taskpoint lists new pieces by (see the module).
 PIECE_HASH = "blake3"
+#: The hash of pieces whose document names none: the only one before ``piece_hash`` (file sets of version 2,
+#: state-dict steps of manifest version 4), so that older taskpoints still read what is written with it.
+UNNAMED_PIECE_HASH = "sha256"
 
 
 def piece_hasher(name: str) -> Any:
@@ -47,6 +50,24 @@ def piece_hasher(name: str) -> Any:
     if make is None:
         raise ValueError(f"pieces hashed by {name!r}, which this taskpoint does not know")
     return make()
+
+
+def file_hasher(piece_hash: str | None) -> Any:
+    """A new hasher of a piece by ``piece_hash``, or with None of a whole file (sha256)."""
+    return hashlib.sha256() if piece_hash is None else piece_hasher(piece_hash)
+
+
+def piece_hash_field(name: str) -> dict[str, str]:
+    """The ``piece_hash`` field a document of pieces by ``name`` carries: none for :data:`UNNAMED_PIECE_HASH`."""
+    return {} if name == UNNAMED_PIECE_HASH else {"piece_hash": name}
+
+
+def read_piece_hash(doc: dict[str, Any]) -> str:
+    """The hash a document's pieces are by (:func:`piece_hash_field`); ValueError for one this taskpoint does not
+    know."""
+    name = str(doc.get("piece_hash", UNNAMED_PIECE_HASH))
+    piece_hasher(name)
+    return name
 
 
 def pieces_digest(digests: list[str] | tuple[str, ...]) -> str:
@@ -78,22 +99,20 @@ class FileEntry:
     @property
     def hash_name(self) -> str:
         """The hash its digests are of, for messages: its pieces' hash, or sha256."""
-        return self.piece_hash or "sha256"
+        return self.piece_hash or UNNAMED_PIECE_HASH
 
     def to_json(self) -> dict[str, Any]:
         if not self.pieces:
             return {"size": self.size, "sha256": self.sha256}
-        named = {} if self.piece_hash == "sha256" else {"piece_hash": self.piece_hash}  # version 2 named none
-        return {"size": self.size, "sha256": self.sha256, "piece_size": PIECE_SIZE, **named,
-                "pieces": list(self.pieces)}
+        return {"size": self.size, "sha256": self.sha256, "piece_size": PIECE_SIZE,
+                **piece_hash_field(self.piece_hash), "pieces": list(self.pieces)}
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> FileEntry:
         size, sha256 = int(value["size"]), str(value["sha256"])
         if "pieces" not in value:
             return cls(size, sha256)
-        piece_hash = str(value.get("piece_hash", "sha256"))
-        piece_hasher(piece_hash)  # ValueError when unknown
+        piece_hash = read_piece_hash(value)
         pieces = tuple(str(each) for each in value["pieces"])
         if int(value["piece_size"]) != PIECE_SIZE or len(pieces) != len(piece_spans(size)):
             raise ValueError(f"a file of {size} bytes is listed by {len(pieces)} pieces of {value['piece_size']}")
@@ -107,25 +126,24 @@ class PieceHasher:
     ``piece_hash`` (:data:`PIECE_HASHES`), or with None one sha256 of them all."""
 
     def __init__(self, piece_hash: str | None) -> None:
-        self._pieced, self._size = piece_hash is not None, 0
-        self._piece_hash = piece_hash or ""
-        self._make = (lambda: piece_hasher(self._piece_hash)) if piece_hash is not None else hashlib.sha256
+        self._piece_hash, self._size = piece_hash, 0
         self._done: list[str] = []
-        self._hasher = self._make()
+        self._hasher = file_hasher(piece_hash)
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data).cast("B")
+        pieced = self._piece_hash is not None
         while view.nbytes:
-            take = view.nbytes if not self._pieced else min(view.nbytes, PIECE_SIZE - self._size % PIECE_SIZE)
+            take = min(view.nbytes, PIECE_SIZE - self._size % PIECE_SIZE) if pieced else view.nbytes
             self._hasher.update(view[:take])
             self._size += take
             view = view[take:]
-            if self._pieced and self._size % PIECE_SIZE == 0:
+            if pieced and self._size % PIECE_SIZE == 0:
                 self._done.append(self._hasher.hexdigest())
-                self._hasher = self._make()
+                self._hasher = file_hasher(self._piece_hash)
 
     def entry(self) -> FileEntry:
-        if not self._pieced:
+        if self._piece_hash is None:
             return FileEntry(self._size, self._hasher.hexdigest())
         last = [self._hasher.hexdigest()] if self._size % PIECE_SIZE or not self._size else []
         return FileEntry.of_pieces(self._size, self._done + last, self._piece_hash)
@@ -148,7 +166,7 @@ class FileSetManifest:
 
     def to_bytes(self) -> bytes:
         hashes = {e.piece_hash for e in self.files.values() if e.pieces}
-        version = 1 if not hashes else 2 if hashes == {"sha256"} else 3
+        version = 1 if not hashes else 2 if hashes == {UNNAMED_PIECE_HASH} else 3
         doc: dict[str, Any] = {
             "format": FILESET_FORMAT, "version": version, "kind": self.kind, "save_id": self.save_id,
             "created": self.created, "attempt": self.attempt, "metadata": self.metadata,

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 from .._progress import Progress
 from ..errors import CheckpointCorruptError
-from ..format.fileset import PIECE_HASH, PIECE_SIZE, FileEntry, FileSetManifest, PieceHasher, piece_hasher, piece_spans
+from ..format.fileset import PIECE_HASH, PIECE_SIZE, FileEntry, FileSetManifest, PieceHasher, file_hasher, piece_spans
 from ..format.records import ObjectRecord, StepManifest
 from ..manager.kinds import GONE_HOW, Checked, Described, Gone, Parts, Saved, SaveJob, content_of, register_step_kind
 from ..manager.steps import MANIFEST_NAME as STEP_MANIFEST
@@ -100,8 +100,7 @@ def _hash_local(root: Path, plan: dict[str, tuple[int, str | None]], *, sync: bo
 
         def hashed(task: tuple[str, int, int]) -> tuple[int, str]:
             rel, start, length = task
-            piece_hash = plan[rel][1]
-            hasher = hashlib.sha256() if piece_hash is None else piece_hasher(piece_hash)
+            hasher = file_hasher(plan[rel][1])
             count = digest_by_reading(fds[rel], length, hasher, start=start)
             if on_read is not None:
                 on_read(count)

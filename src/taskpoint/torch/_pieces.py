@@ -95,10 +95,9 @@ class PieceWriter(io.RawIOBase):
 
 class PieceReader(io.RawIOBase):
     """A read-only, seekable file of ``size`` bytes whose pieces are checked against ``digests`` (of the hash
-    ``piece_hash``) on threads,
-    ahead of the reads, in :func:`check_order`; a read returns bytes only once every piece they lie in has
-    checked, and checks on its own thread those no thread has started on (rather than wait behind the pieces
-    queued before them). ``damaged(index)`` is the error a piece that differs raises.
+    ``piece_hash``) on threads, ahead of the reads, in :func:`check_order`; a read returns bytes only once every
+    piece they lie in has checked, and checks on its own thread those no thread has started on (rather than wait
+    behind the pieces queued before them). ``damaged(index)`` is the error a piece that differs raises.
 
     From an object store, ``fetch(start, length)`` returns a piece's bytes, kept until :meth:`close` (the file
     is held in memory once, as a load of the state dict needs it anyway). From local disk, ``fd`` (an open file,

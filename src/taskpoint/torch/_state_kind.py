@@ -30,7 +30,7 @@ from typing import IO, Any, ClassVar, cast
 
 from .._progress import Progress
 from ..errors import CheckpointCorruptError
-from ..format.fileset import PIECE_HASH, piece_hasher, pieces_digest
+from ..format.fileset import PIECE_HASH, UNNAMED_PIECE_HASH, piece_hash_field, pieces_digest, read_piece_hash
 from ..format.records import KIND_VERSION, ObjectRecord, StepManifest
 from ..manager.kinds import GONE_HOW, Checked, Described, Gone, Parts, Saved, SaveJob, content_of, register_step_kind
 from ..manager.steps import MANIFEST_NAME as STEP_MANIFEST
@@ -57,17 +57,17 @@ class StateDictFile:
     file: str
     piece_size: int
     pieces: tuple[str, ...]
-    piece_hash: str = "sha256"
+    piece_hash: str = UNNAMED_PIECE_HASH
 
     @property
     def manifest_version(self) -> int:
         """The manifest's version: 5 for pieces hashed by anything but sha256, which a reader of version 4
         would check as sha256 (:data:`~taskpoint.format.records.FORMAT_VERSION`)."""
-        return KIND_VERSION if self.piece_hash == "sha256" else KIND_VERSION + 1
+        return KIND_VERSION if self.piece_hash == UNNAMED_PIECE_HASH else KIND_VERSION + 1
 
     def to_json(self) -> dict[str, Any]:
-        named = {} if self.piece_hash == "sha256" else {"piece_hash": self.piece_hash}
-        return {"file": self.file, "piece_size": self.piece_size, **named, "pieces": list(self.pieces)}
+        return {"file": self.file, "piece_size": self.piece_size, **piece_hash_field(self.piece_hash),
+                "pieces": list(self.pieces)}
 
 
 def _check_path(path: str) -> None:
@@ -86,8 +86,7 @@ class StateDictKind:
     def decode(self, body: dict[str, Any]) -> StateDictFile:
         name = name_in(body, "file", _FILE, "a state dict's file")
         piece_size, pieces = int(body["piece_size"]), tuple(body["pieces"])
-        piece_hash = str(body.get("piece_hash", "sha256"))
-        piece_hasher(piece_hash)  # ValueError for a hash this taskpoint does not know
+        piece_hash = read_piece_hash(body)
         if piece_size <= 0 or not pieces or not all(isinstance(p, str) and _HEX.fullmatch(p) for p in pieces):
             raise ValueError("its piece digests are malformed")
         return StateDictFile(name, piece_size, pieces, piece_hash)
