@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,21 +120,26 @@ def three_steps_two_deleted(store: Any, tmp_path: Path) -> dict[int, dict[str, b
     return contents
 
 
-def save_within_bound(mgr: CheckpointManager, source: Path, step: int) -> None:
-    """A blocking save on a thread, which must end within BOUND."""
-    outcome: list[BaseException | str] = []
+def within_bound(call: Callable[[], object], what: str) -> None:
+    """``call`` on a thread, which must return within BOUND."""
+    outcome: list[object] = []
 
     def run() -> None:
         try:
-            outcome.append(mgr.save(source, step, blocking=True))
+            outcome.append(call())
         except BaseException as exc:
             outcome.append(exc)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     thread.join(BOUND)
-    assert not thread.is_alive(), f"the save of step {step} still waits after {BOUND:g} s (the grace is 900 s)"
-    assert isinstance(outcome[0], str), outcome
+    assert not thread.is_alive(), f"{what} still waits after {BOUND:g} s (the grace is 900 s)"
+    assert not isinstance(outcome[0], BaseException), outcome
+
+
+def save_within_bound(mgr: CheckpointManager, source: Path, step: int) -> None:
+    """A blocking save, which must end within BOUND."""
+    within_bound(lambda: mgr.save(source, step, blocking=True), f"the save of step {step}")
 
 
 @LOCAL_S3_SEAWEED
@@ -189,3 +195,28 @@ def test_a_stopped_sweeper_taken_for_dead_removes_nothing_more_once_continued(st
         assert mgr.verify().healthy
     assert sum("/chunks/" in uri for uri in outcome["removed"]) == HALT_AT, outcome  # nothing after the stop
     assert f"stops after removing {HALT_AT} of" in log, log
+
+
+@pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
+def test_background_saves_after_a_sweeper_killed_mid_sweep_commit_and_the_next_save_goes_on(
+        store: Any, tmp_path: Path) -> None:
+    """What a trainer resumed after a crash during a sweep does: background saves (through the manager's save
+    process) of steps 4 and 5 after the sweeper was SIGKILLed mid-sweep; the second waits for the first, which
+    waits for the dead sweep's heartbeat, not the grace: both commit within BOUND and restore."""
+    contents = three_steps_two_deleted(store, tmp_path)
+    sweeper = Sweeper(store, "hang")
+    try:
+        sweeper.wait_for("removing")
+    finally:
+        sweeper.kill()
+    with CheckpointManager(store.url("ckpts"), storage_options=store.storage_options, dedup=True,
+                           preemption=False) as mgr:
+        def two_saves() -> None:
+            mgr.save(folder(tmp_path / "in4", contents[1]), 4, blocking=False)
+            mgr.save(folder(tmp_path / "in5", contents[2]), 5, blocking=False)
+            mgr.wait_until_finished()
+
+        within_bound(two_saves, "the background saves of steps 4 and 5")
+        assert mgr.steps() == [3, 4, 5]
+        for step, files in ((3, contents[3]), (4, contents[1]), (5, contents[2])):
+            assert restored(mgr, step) == files

@@ -121,7 +121,9 @@ class Heartbeat:
     def __init__(self, renew: Callable[[], None], beat: float) -> None:
         self._renew = renew
         self.beat = beat
-        self._last = time.monotonic()  # the writer wrote the lock just before
+        # The writer wrote the lock just before: its write began earlier by that write's latency, far inside the
+        # margin of DEAD_BEATS - SAFE_BEATS periods.
+        self._last = time.monotonic()
         self._lapsed = False
 
     def current(self) -> bool:
