@@ -1,10 +1,12 @@
 """A saver that stops itself with a real SIGSTOP at a chosen moment of a save, for tests/test_stalls.py.
 
 One JSON argument: ``directory``, ``options``, ``grace``, ``dedup``, ``files`` and ``size`` (the payload: that
-many pseudo-random files of that many bytes), ``seed``, ``step``, and ``at``, the moment:
+many pseudo-random files of that many bytes), ``seed``, ``step``, ``at``, the moment, and ``stop_after`` for
+``writing``:
 
 ``chunk``    a deduplicated save, once its first new chunk is stored (others may be on their way)
 ``payload``  a plain save, once its payload object has landed and before its manifest is written
+``writing``  a plain save, in the middle of writing its payload (once ``stop_after`` bytes of it are written)
 
 The moment is chosen by wrapping the one call that precedes it; everything else is the library's own code on
 the real store. Prints JSON lines: ``{"event": "stopping"}`` just before the SIGSTOP, then ``committed`` or
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import taskpoint
+from taskpoint import transfer
 from taskpoint.manager import chunks
 from taskpoint.manager.kinds import payload as commit
 
@@ -63,12 +66,28 @@ def stop_after_payload() -> None:
     commit.store_payload = store_payload  # type: ignore[assignment]
 
 
+def stop_while_writing(after: int) -> None:
+    real, written = transfer.HashingWriter.write, [0]
+
+    def write(self: Any, b: bytes) -> int:
+        out = real(self, b)
+        before, written[0] = written[0], written[0] + len(b)
+        if before < after <= written[0]:
+            stop_here()
+        return out
+
+    transfer.HashingWriter.write = write  # type: ignore[method-assign]
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     payload = Path(tempfile.mkdtemp(prefix="stall-payload-"))
     for i in range(args["files"]):
         (payload / f"w{i}.bin").write_bytes(random.Random(args["seed"] * 1000 + i).randbytes(args["size"]))
-    {"chunk": stop_after_first_chunk, "payload": stop_after_payload}[args["at"]]()
+    if args["at"] == "writing":
+        stop_while_writing(args["stop_after"])
+    else:
+        {"chunk": stop_after_first_chunk, "payload": stop_after_payload}[args["at"]]()
     with taskpoint.CheckpointManager(args["directory"], storage_options=args["options"], dedup=args["dedup"],
                                      grace_seconds=args["grace"], preemption=False,
                                      background_process=False) as mgr:

@@ -246,6 +246,42 @@ def test_a_sweep_reads_the_manifests_again_after_its_epoch_so_a_save_committed_m
         assert restored(mgr, 2) == data
 
 
+@LOCAL_S3_SEAWEED
+def test_a_plain_save_stopped_in_the_middle_of_its_payload_fails_once_a_gc_swept_what_it_was_writing(
+        store: Any, tmp_path: Path) -> None:
+    """A plain save is SIGSTOPped in the middle of writing its payload (40 MiB of 48 written: on local disk a temp
+    file in the step's folder, on S3 a multipart upload) for longer than the grace, while another manager runs
+    gc(): on local disk the temp file and the step's folder go (the folder holds nothing else), on S3 the upload
+    is aborted. The save, resumed, fails with SaveStalledError saying what was removed under it, never with
+    "the folder does not exist"; step 1 restores, and saving step 2 again works."""
+    one = content(1, 1, 1 << 20)
+    with CheckpointManager(store.url("ckpts"), storage_options=store.storage_options, grace_seconds=GRACE,
+                           preemption=False) as mgr:
+        mgr.save(folder(tmp_path / "one", one), 1)
+    saver = StoppedSaver(store, dedup=False, files=2, size=24 << 20, seed=5, step=2, at="writing",
+                         stop_after=40 << 20)
+    try:
+        saver.wait_stopped()
+        aged_past(GRACE)
+        with CheckpointManager(store.url("ckpts"), storage_options=store.storage_options, grace_seconds=GRACE,
+                               preemption=False) as other:
+            removed = other.gc()
+        assert any("ckpt-2" in uri for uri in removed), removed  # what the stopped save was writing
+        outcome = saver.resume()
+    finally:
+        saver.kill()
+    assert outcome["event"] == "failed" and outcome["type"] == "SaveStalledError", outcome
+    what = r"temp file \S*ckpt-2/\.payload\S*\.tmp" if store.kind == "local" else r"multipart upload \S+"
+    assert re.search(what + " was removed while it was being written", outcome["message"]), outcome
+    with CheckpointManager(store.url("ckpts"), storage_options=store.storage_options, grace_seconds=GRACE,
+                           preemption=False) as mgr:
+        assert mgr.steps() == [1]
+        assert restored(mgr, 1) == one
+        two = content(6, 1, 1 << 20)
+        mgr.save(folder(tmp_path / "two", two), 2)
+        assert restored(mgr, 2) == two
+
+
 def test_an_interrupted_local_write_whose_temp_file_was_swept_says_so(tmp_path: Path) -> None:
     """On local disk, a write stopped long enough for a sweep to remove its temp file fails with
     SaveStalledError naming the temp file, not with "the folder does not exist"."""

@@ -7,7 +7,8 @@ Layout under the manager's directory::
                                its bytes compressed alone with that codec (``zst``, ``gz`` or ``raw``)
     leases/save-{id}           a save in flight (written before it relies on any chunk, renewed while it runs,
                                removed after its commit); while fresh, no sweep removes a chunk
-    leases/gc-{id}             a sweep in flight; saves that start meanwhile wait for it to finish
+    leases/gc-{id}             a sweep in flight, renewed every few seconds (its heartbeat); saves that start
+                               meanwhile wait for it to finish, or for its heartbeat to stop
     leases/epoch               rewritten by every sweep before it removes a chunk: a save that sees it change
                                between its start and its commit fails (a sweep judged its lease stale), and a
                                manager that sees it change lists the store again
@@ -23,6 +24,7 @@ differently is another object and every reader knows how to inflate what it read
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import stat
@@ -34,7 +36,7 @@ from ..format.archive import walk_source
 from ..format.codecs import Codec, get_codec
 from ..format.records import TreeEntry
 from ..payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, FilePayload, Payload
-from ..storage import Deadline, Location, modified_time
+from ..storage import Deadline, Location, VersionConflict, modified_time
 from .leases import alive, lease_body
 
 CHUNK_FOLDER = "chunks"
@@ -134,14 +136,19 @@ class ChunkStore:
 
     # -- leases and the epoch ------------------------------------------------------------------------------
 
-    def new_lease(self, kind: str, grace: float) -> str:
+    def new_lease(self, kind: str, grace: float, beat: float | None = None) -> str:
         name = f"{kind}-{uuid.uuid4().hex}"
-        self.write_lease(name, grace)
+        self.write_lease(name, grace, beat)
         return name
 
-    def write_lease(self, name: str, grace: float) -> None:
-        """Write (or renew) lease ``name``, recording its writer's grace (see :mod:`.leases`)."""
-        self.root.child(f"{LEASE_FOLDER}/{name}").write_small(lease_body(grace), action="write a lease at")
+    def write_lease(self, name: str, grace: float, beat: float | None = None) -> None:
+        """Write (or renew) lease ``name``, recording its writer's grace and heartbeat period (see
+        :mod:`.leases`)."""
+        self.root.child(f"{LEASE_FOLDER}/{name}").write_small(lease_body(grace, beat), action="write a lease at")
+
+    def read_lease(self, name: str) -> bytes | None:
+        """The body of lease ``name`` (None once it is gone)."""
+        return self.root.child(f"{LEASE_FOLDER}/{name}").read_small()
 
     def alive(self, name: str, mtime: float | None, now: float, grace: float) -> bool:
         """Whether lease ``name``, written at ``mtime``, is fresh for a judge of ``grace`` (:func:`.leases.alive`)."""
@@ -160,6 +167,15 @@ class ChunkStore:
     def bump_epoch(self) -> None:
         self.root.child(f"{LEASE_FOLDER}/{EPOCH_NAME}").write_small(uuid.uuid4().hex.encode(),
                                                                     action="write the chunk epoch at")
+
+    def fence_epoch(self) -> None:
+        """Rewrite the epoch as a fence against a sweep taken for dead (which stops removing once it sees the
+        epoch it wrote change): conditional on the epoch read here where the store has conditional writes, and
+        a conflict means another writer moved it already, which fences as well."""
+        epoch = self.root.child(f"{LEASE_FOLDER}/{EPOCH_NAME}")
+        _, version = epoch.read_versioned()
+        with contextlib.suppress(VersionConflict):
+            epoch.write_versioned(uuid.uuid4().hex.encode(), version, action="write the chunk epoch at")
 
 
 def source_tree(payload: Payload) -> tuple[list[TreeEntry], dict[str, Path], memoryview | None]:

@@ -12,7 +12,10 @@ before it lists the leases, removes nothing while a fresh save lease exists, and
 its first removal, then reads the manifests again. Both write before they list, so of a save and a sweep that
 overlap, at least one sees the other. A save does not trust its own clock to know that its lease stayed
 fresh (a process stopped by SIGSTOP resumes with its heartbeat): it reads the epoch before and after its
-commit, and a sweep that began removing meanwhile makes it fail rather than commit.
+commit, and a sweep that began removing meanwhile makes it fail rather than commit. A sweep's lock has a
+heartbeat (:class:`.leases.Heartbeat`): a save waits for a sweep only while it beats, so a killed sweep costs it
+seconds, not the grace; it fences off a sweep it takes for dead by rewriting the epoch, and the sweep checks its
+heartbeat before every removal and the epoch every :data:`REMOVAL_BATCH` removals.
 """
 
 from __future__ import annotations
@@ -32,16 +35,17 @@ from ..errors import CheckpointCorruptError, SaveStalledError
 from ..format.records import ChunkedTree
 from ..payloads import BytesPayload, DirectoryPayload, Payload
 from .chunks import ChunkStore, source_tree
-from .leases import fresh, renewing
+from .leases import SWEEP_BEAT, Heartbeat, fresh, heartbeat, renewing
 from .snapshots import ReadIndex, Snapshot, trust_lstat
 from .steps import StepStore, best_effort
+from .sweep_wait import settled_epoch
 
 #: Size of a chunk: 4 MiB (see docs/manager.md for why fixed-size chunks, and why this size).
 CHUNK_SIZE = 4 << 20
 #: Chunks hashed, compressed and uploaded (or fetched and written) at once.
 WORKERS = 8
-#: How often a save waiting for a sweep looks again (seconds).
-POLL = 0.2
+#: Chunks a sweep removes between two readings of the epoch (its heartbeat it checks before every removal).
+REMOVAL_BATCH = 16
 #: Payload kinds a deduplicated step can hold; other kinds (extras) are saved as one payload object.
 KINDS = ("bytes", "file", "directory")
 
@@ -95,16 +99,8 @@ class Dedup:
             best_effort(lambda: self.chunks.remove_lease(name))
 
     def _settled_epoch(self) -> bytes | None:
-        """The epoch, read before a listing of the leases that shows no sweep in flight (waiting for those it
-        shows). A sweep that starts after that listing sees this save's lease; if it takes it for stale (the save
-        was stopped), it rewrites the epoch before its first removal, and :meth:`commit` sees the change."""
-        while True:
-            epoch = self.chunks.read_epoch()
-            now = time.time()
-            if not any(name.startswith("gc-") and self.chunks.alive(name, mtime, now, self.grace)
-                       for name, mtime in self.chunks.leases().items()):
-                return epoch
-            time.sleep(POLL)
+        """The epoch once no sweep is in flight (:func:`.sweep_wait.settled_epoch`)."""
+        return settled_epoch(self.chunks, self.grace, self.steps.directory)
 
     def commit(self, tree: ChunkedTree, write: Callable[[], None], undo: Callable[[], None]) -> None:
         """Write the manifest naming ``tree`` with ``write`` (inside :meth:`lease`), unless a sweep began removing
@@ -254,59 +250,87 @@ class Dedup:
     def sweep_chunks(self, grace: float, *, dry_run: bool = False) -> list[str]:
         """Remove the chunks that no committed manifest names, older than ``grace``, unless a save is in flight
         (a fresh save lease, by the longer of ``grace`` and its own); return their URIs. Also removes leases
-        stale by that rule (of killed saves) and temp files older than ``grace``."""
+        stale by that rule (of killed saves) and temp files older than ``grace``. The sweep's lock has a
+        heartbeat (:class:`.leases.Heartbeat`), and the sweep stops removing once it lapsed or a save fenced it off
+        (the epoch it wrote changed)."""
         if not self.chunks.listing() and not self.chunks.leases() and not self.chunks.temp_files():
             return []
-        lock = None if dry_run else self.chunks.new_lease("gc", grace)
-        started = time.time()
+        if dry_run:
+            return self._sweep(grace, None, None)
+        lock = self.chunks.new_lease("gc", grace, SWEEP_BEAT)
         try:
-            leases = self.chunks.leases()
-            alive = {name for name, mtime in leases.items()
-                     if name != lock and self.chunks.alive(name, mtime, started, grace)}
-            if any(name.startswith("save-") for name in alive):
-                self._unswept = self._unswept or not dry_run  # blocked: sweep again later
-                return []  # a save may be about to name any chunk: sweep another time
-            if not dry_run:
-                for name in leases.keys() - alive - {lock}:  # of killed saves and sweeps
-                    best_effort(lambda name=name: self.chunks.remove_lease(name))  # type: ignore[misc]
-                for relative, mtime in self.chunks.temp_files().items():  # of killed writes (local disk)
-                    if not fresh(mtime, started, grace):
-                        best_effort(self.chunks.root.child(relative).remove)
-            referenced = self._referenced()
-            if referenced is None:
-                self._unswept = self._unswept or not dry_run
-                return []  # never guess what an unreadable manifest names
-            now = time.time()
-            unreferenced = {key: mtime for key, mtime in sorted(self.chunks.listing().items()) if key not in referenced}
-            doomed = [key for key, mtime in unreferenced.items()
-                      if grace == 0 or (mtime is not None and now - mtime >= grace)]
-            if not dry_run:
-                self._unswept = len(doomed) < len(unreferenced)  # young ones wait for a later sweep
-            if dry_run or not doomed:
-                return [self.chunks.uri(key) for key in doomed]
-            self.chunks.bump_epoch()  # before the first removal: a save in flight then fails, or lists the store
-            self.chunks.epoch = self.chunks.read_epoch()
-            # A save that committed before the epoch moved, after the manifests were read above, names chunks
-            # this sweep must keep: read the manifests again.
-            again = self._referenced()
-            if again is None:
-                self._unswept = True
-                return []
-            doomed = [key for key in doomed if key not in again]
-            removed = []
-            for key in doomed:
-                if grace > 0 and time.time() - started > grace / 2:
-                    self._unswept = True
-                    break  # saves stop waiting for this sweep once its lock is older than the grace
-                self.chunks.location(key).remove()
-                if self.chunks.known is not None:
-                    self.chunks.known.discard(key)
-                removed.append(self.chunks.uri(key))
-                self.chunks.root.child(f"chunks/{key[:2]}").remove_empty_folder()
-            return removed
+            with heartbeat(lambda: self.chunks.write_lease(lock, grace, SWEEP_BEAT), SWEEP_BEAT,
+                           "taskpoint-sweep-lock") as pulse:
+                return self._sweep(grace, lock, pulse)
         finally:
-            if lock is not None:
-                best_effort(lambda: self.chunks.remove_lease(lock))
+            best_effort(lambda: self.chunks.remove_lease(lock))
+
+    def _sweep(self, grace: float, lock: str | None, pulse: Heartbeat | None) -> list[str]:
+        """:meth:`sweep_chunks` under ``lock`` kept by ``pulse`` (both None for a dry run)."""
+        dry_run = pulse is None
+        started = time.time()
+        leases = self.chunks.leases()
+        alive = {name for name, mtime in leases.items()
+                 if name != lock and self.chunks.alive(name, mtime, started, grace)}
+        if any(name.startswith("save-") for name in alive):
+            self._unswept = self._unswept or not dry_run  # blocked: sweep again later
+            return []  # a save may be about to name any chunk: sweep another time
+        if not dry_run:
+            for name in leases.keys() - alive - {lock}:  # of killed saves and sweeps
+                best_effort(lambda name=name: self.chunks.remove_lease(name))  # type: ignore[misc]
+            for relative, mtime in self.chunks.temp_files().items():  # of killed writes (local disk)
+                if not fresh(mtime, started, grace):
+                    best_effort(self.chunks.root.child(relative).remove)
+        referenced = self._referenced()
+        if referenced is None:
+            self._unswept = self._unswept or not dry_run
+            return []  # never guess what an unreadable manifest names
+        now = time.time()
+        unreferenced = {key: mtime for key, mtime in sorted(self.chunks.listing().items()) if key not in referenced}
+        doomed = [key for key, mtime in unreferenced.items()
+                  if grace == 0 or (mtime is not None and now - mtime >= grace)]
+        if not dry_run:
+            self._unswept = len(doomed) < len(unreferenced)  # young ones wait for a later sweep
+        if pulse is None or not doomed:
+            return [self.chunks.uri(key) for key in doomed]
+        if not self._may_remove(pulse, None, 0, len(doomed)):
+            return []
+        self.chunks.bump_epoch()  # before the first removal: a save in flight then fails, or lists the store
+        own = self.chunks.epoch = self.chunks.read_epoch()
+        # A save that committed before the epoch moved, after the manifests were read above, names chunks
+        # this sweep must keep: read the manifests again.
+        again = self._referenced()
+        if again is None:
+            self._unswept = True
+            return []
+        doomed = [key for key in doomed if key not in again]
+        removed = []
+        for index, key in enumerate(doomed):
+            if grace > 0 and time.time() - started > grace / 2:
+                self._unswept = True
+                break  # a live sweep holds saves back for no longer: a later sweep removes the rest
+            if not self._may_remove(pulse, own if index % REMOVAL_BATCH == 0 else None, index, len(doomed)):
+                break
+            self.chunks.location(key).remove()
+            if self.chunks.known is not None:
+                self.chunks.known.discard(key)
+            removed.append(self.chunks.uri(key))
+            self.chunks.root.child(f"chunks/{key[:2]}").remove_empty_folder()
+        return removed
+
+    def _may_remove(self, pulse: Heartbeat, own: bytes | None, done: int, total: int) -> bool:
+        """Whether the sweep may remove its next chunk: its heartbeat is current and (when ``own`` is given) the
+        epoch is still the one it wrote. Otherwise a save may have taken it for dead: it stops, saying so."""
+        why = ("its lock was not renewed for too long (the process was paused, or the store refused renewals)"
+               if not pulse.current() else
+               "a save took it for dead and rewrote the chunk epoch" if own is not None and
+               self.chunks.read_epoch() != own else None)
+        if why is None:
+            return True
+        self._unswept = True
+        _log.logger.warning("the sweep of the chunks of %s stops after removing %d of %d: %s; a later sweep "
+                            "removes the rest", _log.safe_uri(self.steps.directory), done, total, why)
+        return False
 
     def _referenced(self) -> set[str] | None:
         """Every chunk that a committed manifest names, from a fresh listing of the steps; None when a manifest

@@ -6,6 +6,13 @@ fresh while younger than the longer of that grace and the judge's own, so that a
 grace (``taskpoint gc DIR --grace 1``) never takes a live writer's lease for a dead one's. Age alone cannot tell
 a stopped process from a dead one: what a writer does when its lease may have lapsed is its own (the chunk
 store's epoch, the check of what a commit names), argued in docs/manager.md.
+
+A sweep's lock also carries a heartbeat (:class:`Heartbeat`): renewed every :data:`SWEEP_BEAT` seconds
+whatever the grace, the period recorded in its body. A judge that sees such a body unchanged for
+:data:`DEAD_BEATS` of those periods by its own monotonic clock takes the sweep for dead (:class:`Silence`), so a
+killed sweep costs the next save seconds, not the grace; and the sweep stops acting once its own last renewal is
+:data:`SAFE_BEATS` periods old, well before anyone can take it for dead. Judging by change, not by modification
+time, needs no agreement between clocks.
 """
 
 from __future__ import annotations
@@ -15,11 +22,19 @@ import json
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 #: How much earlier than its write a modification time listed in whole seconds may be: S3 lists ``LastModified``
 #: so (AWS, moto and SeaweedFS alike), and a lease written at 10.9 s is listed as written at 10 s.
 MTIME_RESOLUTION = 1.0
+#: How often a sweep renews its lock (seconds), whatever its grace: the unit its liveness is judged in.
+SWEEP_BEAT = 2.0
+#: A sweep's lock whose body stays unchanged for this many of its recorded periods is taken for dead: what bounds
+#: a save's wait for a killed sweep (10 s by default, far below the grace of 900 s).
+DEAD_BEATS = 5
+#: A sweep removes nothing once its last successful renewal is this many periods old by its own clock: three
+#: periods inside :data:`DEAD_BEATS`, the margin for a renewal landing late and for a judge's poll.
+SAFE_BEATS = 2
 
 
 def fresh(mtime: float | None, now: float, grace: float) -> bool:
@@ -33,21 +48,36 @@ def fresh(mtime: float | None, now: float, grace: float) -> bool:
     return now - mtime < grace + (MTIME_RESOLUTION if mtime == int(mtime) else 0.0)
 
 
-def lease_body(grace: float) -> bytes:
-    """The body of a lease written now by a writer of ``grace``."""
-    return json.dumps({"written": time.time(), "grace": grace}).encode()
+def lease_body(grace: float, beat: float | None = None) -> bytes:
+    """The body of a lease written now by a writer of ``grace`` (renewed every ``beat`` seconds, when it has a
+    heartbeat). Every renewal's body differs from the last: it records the time of writing."""
+    body: dict[str, float] = {"written": time.time(), "grace": grace}
+    if beat is not None:
+        body["beat"] = beat
+    return json.dumps(body).encode()
+
+
+def _recorded(data: bytes | None, field: str) -> float | None:
+    """A finite number >= 0 that a lease's body records under ``field``; None when it records none (written by
+    an older taskpoint) or cannot be read."""
+    try:
+        value = json.loads(data)[field] if data else None
+    except (ValueError, TypeError, KeyError):
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return None
+    return float(value)
 
 
 def recorded_grace(data: bytes | None) -> float | None:
-    """The grace a lease's body records (a finite number >= 0); None when it records none (written by a
-    taskpoint before leases recorded it) or cannot be read."""
-    try:
-        grace = json.loads(data)["grace"] if data else None
-    except (ValueError, TypeError, KeyError):
-        return None
-    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not math.isfinite(grace) or grace < 0:
-        return None
-    return float(grace)
+    """The grace a lease's body records; None when it records none or cannot be read."""
+    return _recorded(data, "grace")
+
+
+def recorded_beat(data: bytes | None) -> float | None:
+    """The renewal period of the heartbeat a lease's body records (positive); None when it has none."""
+    beat = _recorded(data, "beat")
+    return beat if beat else None
 
 
 def alive(mtime: float | None, now: float, grace: float, body: Callable[[], bytes | None]) -> bool:
@@ -79,3 +109,83 @@ def renewing(renew: Callable[[], None], grace: float, name: str) -> Iterator[Non
         stop.set()
         if thread is not None:
             thread.join()
+
+
+class Heartbeat:
+    """A lock renewed every ``beat`` seconds on a thread of its own (:func:`heartbeat`), and whether its writer
+    may still act on it: :meth:`current` holds while the last successful renewal began less than
+    :data:`SAFE_BEATS` periods ago by this process's monotonic clock. Once that lapses (the process was paused,
+    or the store refused renewals), it never holds again and renewals stop: a judge may already have taken the
+    lock for dead, and renewing it would only hide that."""
+
+    def __init__(self, renew: Callable[[], None], beat: float) -> None:
+        self._renew = renew
+        self.beat = beat
+        # The writer wrote the lock just before: its write began earlier by that write's latency, far inside the
+        # margin of DEAD_BEATS - SAFE_BEATS periods.
+        self._last = time.monotonic()
+        self._lapsed = False
+
+    def current(self) -> bool:
+        """Whether the lock is surely still taken for alive (see the class)."""
+        if not self._lapsed and time.monotonic() - self._last >= SAFE_BEATS * self.beat:
+            self._lapsed = True
+        return not self._lapsed
+
+    def renew(self) -> None:
+        """One renewal, skipped (and the lock let lapse) once :meth:`current` no longer holds."""
+        began = time.monotonic()  # a judge sees the new body no earlier than this
+        if not self.current():
+            return
+        with contextlib.suppress(Exception):
+            self._renew()
+            self._last = began
+
+
+@contextlib.contextmanager
+def heartbeat(renew: Callable[[], None], beat: float, name: str) -> Iterator[Heartbeat]:
+    """A :class:`Heartbeat` whose lock (written just before) is renewed every ``beat`` seconds while the block
+    runs."""
+    pulse = Heartbeat(renew, beat)
+    stop = threading.Event()
+
+    def beat_on() -> None:
+        while not stop.wait(beat):
+            pulse.renew()
+
+    thread = threading.Thread(target=beat_on, name=name, daemon=True)
+    thread.start()
+    try:
+        yield pulse
+    finally:
+        stop.set()
+        thread.join()
+
+
+class Silence:
+    """What a judge saw of the bodies of heartbeat locks, to take one for dead once its body has stayed the same
+    for :data:`DEAD_BEATS` of its recorded periods, by the judge's own monotonic clock."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[bytes, float]] = {}  # name -> (body, when it was first seen so)
+
+    def silent_for(self, name: str, body: bytes | None) -> float:
+        """How long (seconds) lock ``name``, whose body now reads ``body``, has been seen unchanged."""
+        now = time.monotonic()
+        if body is None:
+            return 0.0
+        seen = self._seen.get(name)
+        if seen is None or seen[0] != body:
+            self._seen[name] = (body, now)
+            return 0.0
+        return now - seen[1]
+
+    def dead(self, name: str, body: bytes | None) -> bool:
+        """Whether lock ``name`` (its body now ``body``) has a heartbeat that stopped: unchanged for
+        :data:`DEAD_BEATS` periods. A lock without a heartbeat (an older taskpoint's) is never dead by this."""
+        beat = recorded_beat(body)
+        return beat is not None and self.silent_for(name, body) >= DEAD_BEATS * beat
+
+    def forget(self, names: Iterable[str]) -> None:
+        for name in names:
+            self._seen.pop(name, None)

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..executors import IO
 from ..signals import uninterrupted
 from .deadline import NO_DEADLINE, Deadline, bounded
-from .errormap import chain, code_and_status
+from .errormap import chain, code_and_status, swept_while_written
 from .streams import ConcurrentRangeReader, ObjectChanged, VersionConflict
 
 #: Size of the parts of taskpoint's own S3 multipart uploads (S3 allows 10,000 parts: 80 GB at this size;
@@ -92,9 +93,32 @@ class S3MultipartWriter(io.RawIOBase):
         self._unsettled.append(future)
 
     def _upload_part(self, number: int, data: bytes) -> dict[str, Any]:
-        answer = self._fs.call_s3("upload_part", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id,
-                                  PartNumber=number, Body=data, **bounded(self._fs, self._deadline))
+        with self._not_aborted():
+            answer = self._fs.call_s3("upload_part", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id,
+                                      PartNumber=number, Body=data, **bounded(self._fs, self._deadline))
         return {"PartNumber": number, "ETag": answer["ETag"]}
+
+    @contextlib.contextmanager
+    def _not_aborted(self) -> Iterator[None]:
+        """Raise SaveStalledError when a request of this writer's upload fails because the upload no longer
+        exists: only an abort by someone else (a sweep that took it for a dead writer's) ends an upload this
+        writer has not finished. S3 answers so (``NoSuchUpload``); where a server answers otherwise (moto: 500),
+        one listing of the upload's parts tells."""
+        try:
+            yield
+        except Exception as exc:
+            if _code(exc) != "NoSuchUpload" and not self._upload_gone():
+                raise
+            raise swept_while_written(f"{self._bucket}/{self._key}", f"multipart upload {self._upload_id}") from exc
+
+    def _upload_gone(self) -> bool:
+        """Whether S3 says this writer's upload does not exist (False when it cannot tell)."""
+        try:
+            self._fs.call_s3("list_parts", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id, MaxParts=1,
+                             **bounded(self._fs, self._deadline))
+        except Exception as exc:
+            return _code(exc) == "NoSuchUpload"
+        return False
 
     def close(self, before_commit: Callable[[Deadline], None] | None = None) -> None:
         """Send what is left and make the object visible; ``before_commit(deadline)`` runs just before that
@@ -114,9 +138,10 @@ class S3MultipartWriter(io.RawIOBase):
                 parts = [f.result() for f in self._parts]
                 if before_commit is not None:
                     before_commit(self._deadline)
-                self._fs.call_s3("complete_multipart_upload", Bucket=self._bucket, Key=self._key,
-                                 UploadId=self._upload_id, MultipartUpload={"Parts": parts},
-                                 **bounded(self._fs, self._deadline))
+                with self._not_aborted():
+                    self._fs.call_s3("complete_multipart_upload", Bucket=self._bucket, Key=self._key,
+                                     UploadId=self._upload_id, MultipartUpload={"Parts": parts},
+                                     **bounded(self._fs, self._deadline))
         except BaseException:
             self.abort()
             raise

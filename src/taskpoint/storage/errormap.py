@@ -23,6 +23,7 @@ from collections.abc import Iterator
 
 from ..errors import (
     CheckpointError,
+    SaveStalledError,
     StorageAccessDenied,
     StorageError,
     StorageFull,
@@ -341,6 +342,16 @@ def storage_error(exc: BaseException, failure: Failure, action: str, uri: str,
         return StorageError(f"could not {action} {uri}: {what}. Fix the location (is a parent path a file, or the "
                             "path a folder?) and try again.")
     return exc
+
+
+def swept_while_written(path: str, what: str) -> SaveStalledError:
+    """The error of a write whose unfinished object (``what``: a temp file, a multipart upload) a sweep removed
+    while it was being written, taking it for a dead writer's leftover: the writer was stalled past the grace."""
+    return SaveStalledError(
+        f"{path} was not written: its {what} was removed while it was being written, by a sweep that took it for "
+        "the leftover of a dead save (older than the sweep's grace period). This save was stalled (paused, frozen "
+        "or starved) for longer than that, or another process sweeps with a shorter grace_seconds. Nothing was "
+        "committed; save again.")
 
 
 @contextlib.contextmanager

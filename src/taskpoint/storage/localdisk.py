@@ -13,9 +13,9 @@ import uuid
 from collections.abc import Iterator
 from typing import IO, Any
 
-from ..errors import SaveStalledError
 from ._localio import LOCAL_READ_BUFFER, EarlyWriteback, folder_lock, fsync_dir, local_version, read_range
 from .backends import LEFTOVER_GRACE_SECONDS, NO_HOOKS, Backend, Kind, WriteHooks, _is_absent
+from .errormap import swept_while_written
 from .streams import VersionConflict
 
 #: How often a local write makes its folder again when a sweep removed it, empty, before the file was created.
@@ -140,15 +140,12 @@ class LocalBackend(Backend):
             try:
                 os.replace(tmp, path)
             except FileNotFoundError:
-                if not os.path.isdir(folder):
+                if os.path.lexists(tmp):
                     raise
-                # The temp file was removed while it was written: a sweep (of another process, or with a shorter
-                # grace) took it for a dead writer's leftover because this writer was stopped for that long.
-                raise SaveStalledError(
-                    f"{path} was not written: its temp file {tmp} was removed while it was being written, by a "
-                    "sweep that took it for the leftover of a dead save (older than the sweep's grace period). This "
-                    "save was stalled (paused, frozen or starved) for longer than that, or another process sweeps "
-                    "with a shorter grace_seconds. Nothing was committed; save again.") from None
+                # The temp file was removed while it was written (with its folder, when the folder held nothing
+                # else): a sweep (of another process, or with a shorter grace) took it for a dead writer's
+                # leftover because this writer was stopped for that long.
+                raise swept_while_written(path, f"temp file {tmp}") from None
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
