@@ -193,12 +193,14 @@ def push_command(src: Path, uri: str, step: int | None, metadata: str | None, ov
 def rm_command(uri: str, step: int | None, force: bool) -> int:
     """Delete one step of a CheckpointManager directory (its manifest first, so it stops existing at once).
 
-    A protected step is refused (exit 1, naming the rule) unless --force: the newest committed step that
+    The step is --step N of the directory URI, or the step's folder as URI (.../ckpt-N, as show prints it). A
+    protected step is refused (exit 1, naming the rule) unless --force: the newest committed step that
     verifies, and a step another process is restoring.
 
     \b
-    Example:
+    Examples:
       taskpoint rm s3://bucket/runs/steps --step 1100
+      taskpoint rm s3://bucket/runs/steps/ckpt-1100
     """
     loc, step = target(uri, step)
     if step is None:

@@ -10,7 +10,7 @@ from ..errors import CheckpointCorruptError, CheckpointError
 from ..manager import CheckpointManager, StepVerification, Verification
 from ..storage import Location
 from ._app import OK, _command, _Missing, cli, progress_option
-from .views import UNCHECKED, _checkpoint, _checkpoint_view, _human, folder_objects, local_dir_option, target
+from .views import UNCHECKED, _checkpoint, _checkpoint_view, _human, _location, folder_objects, local_dir_option, target
 
 
 def step_line(result: StepVerification) -> str:
