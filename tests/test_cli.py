@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -73,7 +74,8 @@ def test_checkpoint_object_push_ls_show_verify_pull(capsys, where, tmp_path):
     uri = f"{base}/run/1/checkpoint"
     code, out, err = tp(capsys, "push", model, uri, *opts)
     assert code == 0, err
-    assert out.startswith(f"pushed {model} -> {uri} (directory,") and "MB/s" in out
+    assert re.fullmatch(rf"pushed {re.escape(str(model))} -> {re.escape(uri)} \(directory, [0-9.]+ (B|KiB|MiB) in "
+                        r"[0-9.]+ (ms|s)(, [0-9.]+ (B|KiB|MiB|GiB)/s)?\)\n", out), out
 
     code, out, _ = tp(capsys, "ls", uri, "--json", *opts)
     view = json.loads(out)
@@ -141,7 +143,7 @@ def test_manager_directory_push_ls_show_verify_pull_rm_gc(capsys, where, tmp_pat
     with CheckpointManager(steps, storage_options=options) as manager:
         assert manager.steps() == [1]
     code, _, err = tp(capsys, "rm", steps, "--step", 2, *opts)
-    assert code == 3 and err.strip() == f"taskpoint rm: step 2 does not exist in {steps}"
+    assert code == 3 and err.strip() == f"taskpoint rm: step 2 does not exist in {steps}; its 1 step: 1"
 
     leftover = f"{steps}/ckpt-1/payload-{'ab' * 16}"
     write_object(leftover, options, b"left by a killed save")

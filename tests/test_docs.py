@@ -303,6 +303,56 @@ def test_site_builds_strictly_with_the_docstrings(tmp_path: Path) -> None:
     home = (site / "index.html").read_text(encoding="utf-8")
     assert (site / "search" / "search_index.js").is_file()
     assert 'src="javascripts/iframe-worker-shim.js"' in home and "unpkg.com" not in home
+    _assert_no_raw_roles_or_page_paths(site)
+    # A role with a title is a link to what it names (issue 40: "CheckpointManager.save <taskpoint....save>").
+    torch_page = (site / "api" / "torch.html").read_text(encoding="utf-8")
+    assert re.search(r'<a [^>]*href="manager\.html#taskpoint\.CheckpointManager\.save"[^>]*><code>'
+                     r"CheckpointManager\.save</code></a>", torch_page)
+    # Long lines of code wrap with a hanging indent, not to column 0: every line is a span the stylesheet indents.
+    assert '<span id="__span-0-1">' in (site / "getting-started.html").read_text(encoding="utf-8")
+    css = (DOCS / "stylesheets" / "extra.css").read_text(encoding="utf-8")
+    assert re.search(r'pre > code > span\[id\^="__span-"\] \{[^}]*display: block;[^}]*text-indent: -4ch;', css)
+
+
+#: What Markdown leaves of a Sphinx role or of a page named as a path, in the text of a built page.
+_RAW_ROLE = re.compile(r":(?:meth|class|func|attr|exc|data|mod|obj):|&lt;~?taskpoint\.")
+_RAW_PAGE_PATH = re.compile(r"(?<![\w/.-])docs/[\w/-]+\.md")
+
+
+def _assert_no_raw_roles_or_page_paths(site: Path) -> None:
+    """No page of the built site shows a Sphinx role or a ``docs/....md`` path as text (outside code blocks and
+    links); each page link docs/_hooks.py makes of such a path leads to a page of the site."""
+    found = []
+    for page in site.rglob("*.html"):
+        html = page.read_text(encoding="utf-8")
+        text = re.sub(r"<(pre|script|a)\b.*?</\1>", "", html, flags=re.DOTALL)
+        found += [f"{page.relative_to(site)}: {m.group(0)}" for m in (*_RAW_ROLE.finditer(text),
+                                                                      *_RAW_PAGE_PATH.finditer(text))]
+        for href in re.findall(r'<a href="([^"#:]+\.html)(?:#[\w-]*)?">[\w/-]+\.md', html):
+            assert (page.parent / href).resolve().is_file(), f"{page.relative_to(site)}: {href}"
+    assert not found, "\n".join(found)
+
+
+def test_the_pages_name_every_extra_and_what_a_new_user_needs_beside_it() -> None:
+    """Issue 40: getting-started lists every extra; the API index names the extras' modules and KeepBest; the
+    guides say what goes beside flyte, that s3:// needs [s3] beside [transformers], where StateDict is, and that
+    moto[server] beside [s3] fails in pip's resolver."""
+    started = (DOCS / "getting-started.md").read_text(encoding="utf-8")
+    extras = re.search(r"^Extras: (.*?)\. The core", started, re.M | re.DOTALL)[1]
+    declared = re.findall(r"^(\w+) = \[", (REPO / "pyproject.toml").read_text(encoding="utf-8").split(
+        "[project.optional-dependencies]")[1].split("\n[")[0], re.M)
+    for extra in set(declared) - {"docs", "test", "bench", "dev"}:
+        assert f"`{extra}`" in extras, extra
+    assert "installing-beside-flyte" in started and "TASKPOINT_RUN_NAME" in started
+    index = (DOCS / "api" / "index.md").read_text(encoding="utf-8")
+    for name in ("taskpoint.torch", "taskpoint.lightning", "taskpoint.transformers", "[taskpoint.KeepBest]",
+                 "[taskpoint.checkpoints_in]", "(torch.md)", "(lightning.md)", "(transformers.md)"):
+        assert name in index, name
+    assert "### Installing beside flyte" in (DOCS / "guides" / "platforms.md").read_text(encoding="utf-8")
+    assert "`taskpoint[transformers,s3]`" in (DOCS / "guides" / "transformers.md").read_text(encoding="utf-8")
+    assert "[`StateDict`][taskpoint.torch.StateDict]" in (DOCS / "guides" / "pytorch.md").read_text(encoding="utf-8")
+    storage = (DOCS / "guides" / "storage.md").read_text(encoding="utf-8")
+    assert 'pip install "moto[server]"' in storage and "fails in" in storage and "[test]" in storage
 
 
 def test_user_pages_speak_no_tracker_vocabulary() -> None:

@@ -71,7 +71,9 @@ def root(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def fit(root: Root, max_steps: int, ckpt_path: str | None = None, *, wrap_async: bool = False,
-        model: Any = None, callbacks: tuple[Any, ...] = ()) -> tuple[Any, Any]:
+        model: Any = None, callbacks: tuple[Any, ...] = (), save_last: bool = True,
+        warned: list[str] | None = None) -> tuple[Any, Any]:
+    """Train ``max_steps`` with the plug-in, a checkpoint every 3 steps (``warned``: collects the warnings)."""
     torch.manual_seed(0)
     x = torch.randn(40, 4)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
@@ -81,12 +83,14 @@ def fit(root: Root, max_steps: int, ckpt_path: str | None = None, *, wrap_async:
         default_root_dir=root.url, max_steps=max_steps, logger=False, accelerator="cpu", devices=1,
         plugins=[L.pytorch.plugins.io.AsyncCheckpointIO(io) if wrap_async else io],
         callbacks=[started, *callbacks, L.pytorch.callbacks.ModelCheckpoint(
-            every_n_train_steps=3, save_top_k=2, monitor="step", mode="max", save_last=True)],
+            every_n_train_steps=3, save_top_k=2, monitor="step", mode="max", save_last=save_last)],
         enable_progress_bar=False, enable_model_summary=False,
     )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         trainer.fit(model or models.Regressor(), train_dataloaders=data, ckpt_path=ckpt_path)
+    if warned is not None:
+        warned.extend(str(w.message) for w in caught)
     return trainer, started
 
 
@@ -126,8 +130,19 @@ def test_top_k_last_and_every_n_steps_round_trip(root: Root) -> None:
 
 
 def test_last_with_nothing_saved_starts_from_scratch(root: Root) -> None:
-    trainer, started = fit(root, max_steps=2, ckpt_path="last")
+    """A first run with ``save_last=True`` is told there is no last checkpoint yet and where it looked, not to set
+    ``save_last=True`` (issue 40); without it, the hint to set it stays."""
+    warned: list[str] = []
+    trainer, started = fit(root, max_steps=2, ckpt_path="last", warned=warned)
     assert (trainer.ckpt_path, started.step) == (None, 0)
+    [said] = [w for w in warned if "no last checkpoint" in w]
+    assert "save_last" not in said and "looked for last*.ckpt in " in said and "none saved there yet" in said
+
+    warned.clear()
+    fit(Root(root.join("other"), root.options, root.fs, f"{root.inner}/other"), max_steps=2, ckpt_path="last",
+        save_last=False, warned=warned)
+    [said] = [w for w in warned if "no last checkpoint" in w]
+    assert "HINT: Set `ModelCheckpoint(..., save_last=True)`." in said
 
 
 @pytest.mark.parametrize("root", ["s3"], indirect=True)

@@ -25,6 +25,7 @@ from .errors import (
     StorageUnavailable,
     UnsafeArchiveError,
 )
+from .inspection import checkpoints_in
 from .latest import latest_checkpoint
 from .manager import (
     CheckpointManager,
@@ -65,6 +66,7 @@ __all__ = [
     "TransferStats",
     "UnsafeArchiveError",
     "Verification",
+    "checkpoints_in",
     "ctx",
     "latest_checkpoint",
     "repair_prev_checkpoint_uri",

@@ -68,6 +68,11 @@ class Clock:
         #: When the call returned while the work goes on elsewhere (a background save); None until then.
         self.released: float | None = None
 
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` out of the operation's time: the import of the extra that reads a payload's kind
+        (torch, for a state dict: seconds, once per process), which is not the transfer's."""
+        self.start += seconds
+
     def release(self) -> None:
         """The call returns now; work still running (a background save) reports this as the blocked time."""
         self.released = time.perf_counter()

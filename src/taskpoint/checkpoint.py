@@ -246,7 +246,7 @@ class Checkpoint(BaseCheckpoint):
                 try:
                     result = load_object(self._src, self.path, tracker, strict=self._strict,
                                          copy_of=self._copy_of, max_expand=self._max_expand,
-                                         on_verified=lambda kind, size: verified.append((kind, size)))
+                                         on_verified=lambda kind, size: verified.append((kind, size)), clock=clock)
                 except SourceIsFolder:  # a folder or prefix (flytekit 1.x's layout): a directory checkpoint
                     if self._strict:
                         raise CheckpointCorruptError(unverified(self._src.uri, strict=True)) from None

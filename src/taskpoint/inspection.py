@@ -1,10 +1,12 @@
-"""Looking at one checkpoint object without loading it: :func:`describe_object` (what its record says, and
-whether the stored object is one it lists) and :func:`verify_object` (every byte against the record's checksum),
+"""Looking at checkpoint objects without loading them: :func:`checkpoints_in` (those in a folder),
+:func:`describe_object` (what its record says, and whether the stored object is one it lists) and
+:func:`verify_object` (every byte against the record's checksum),
 behind :meth:`Checkpoint.describe <taskpoint.Checkpoint.describe>` and :meth:`Checkpoint.verify
 <taskpoint.Checkpoint.verify>`."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -15,7 +17,7 @@ from . import _log, _progress
 from .errors import CheckpointCorruptError
 from .format.records import RECORD_SUFFIX
 from .record import listed, load_object, read_record
-from .storage import Deadline, Location, bounded
+from .storage import Deadline, Location, bounded, normalize_uri
 from .transfer import hash_object
 
 
@@ -44,6 +46,19 @@ class CheckpointDescription:
     created: float | None
     objects: tuple[dict[str, Any], ...]
     record: str | None
+
+
+def checkpoints_in(folder: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> list[str]:
+    """The checkpoint objects directly in ``folder`` (any fsspec URL), sorted by name: each object with its record
+    beside it (``<name>.taskpoint.json``), as every taskpoint save leaves one, the ``.ckpt`` files of
+    :class:`taskpoint.lightning.CheckpointIO` among them. ``[]`` when there is none (or no such folder).
+
+    Each URI is one :class:`~taskpoint.Checkpoint` loads, describes and verifies
+    (``taskpoint ls`` and ``taskpoint verify`` of a folder list and check them)."""
+    loc = Location(normalize_uri(folder, "folder").rstrip("/"), storage_options)
+    names = sorted(name[:-len(RECORD_SUFFIX)] for name in loc.list_names()
+                   if name.endswith(RECORD_SUFFIX) and len(name) > len(RECORD_SUFFIX))
+    return [loc.child(name).uri for name in names]
 
 
 def object_size(loc: Location) -> int | None:

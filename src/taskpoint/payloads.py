@@ -33,6 +33,8 @@ class Payload(ABC):
     kind: ClassVar[str]
     #: True when stored as an archive (a codec applies); False when the object holds the raw bytes.
     archived: ClassVar[bool]
+    #: The file a load of a raw kind writes into the workspace (and returns).
+    result_name: ClassVar[str] = RAW_RESULT_NAME
     #: True when :meth:`write` reports the source bytes it reads itself (it is then called with
     #: ``on_read=``, where a save's progress counts); else a save's progress counts the stored bytes written.
     counts_source: ClassVar[bool] = False
@@ -118,15 +120,15 @@ class BytesPayload(Payload):
 
     @classmethod
     def materialize(cls, source: IO[bytes], staging: Path, uri: str) -> None:
-        with open(staging / RAW_RESULT_NAME, "wb") as out:
+        with open(staging / cls.result_name, "wb") as out:
             shutil.copyfileobj(source, out, WRITE_PIECE)
 
     @classmethod
     def publish(cls, staging: Path, workspace: Path) -> Path:
-        target = workspace / RAW_RESULT_NAME
+        target = workspace / cls.result_name
         if target.is_dir() and not target.is_symlink():
             shutil.rmtree(target)
-        os.replace(staging / RAW_RESULT_NAME, target)
+        os.replace(staging / cls.result_name, target)
         return target
 
 

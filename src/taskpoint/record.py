@@ -210,6 +210,8 @@ class _Load:
     on_verified: Verified | None
     #: Only these paths of a directory (normalized), the rest of the archive streamed and skipped; None: all.
     only: Sequence[str] | None = None
+    #: The load's clock, which leaves out the import of the extra that reads the payload's kind.
+    clock: _log.Clock | None = None
 
 
 class _Unlisted(CheckpointCorruptError):
@@ -244,16 +246,18 @@ def listed(entry: ObjectRecord) -> dict[str, Any]:
 
 def load_object(src: Location, workspace: Path, progress: Progress = NO_PROGRESS, *,
                 strict: bool = False, copy_of: Location | None = None, max_expand: int | None = None,
-                on_verified: Verified | None = None, only: Sequence[str] | None = None) -> Path | None:
+                on_verified: Verified | None = None, only: Sequence[str] | None = None,
+                clock: _log.Clock | None = None) -> Path | None:
     """Load the checkpoint at ``src`` into ``workspace``; None when nothing was ever saved there. An object
     with no record is loaded unverified with a WARNING, or refused when ``strict`` (see :data:`VERIFY_MODES`).
     ``max_expand``: the most bytes the load may write (the caller's ``Checkpoint(max_expand=...)``);
-    ``on_verified(kind, size)`` hears what the read that passed its checks held (the load's log record names it).
+    ``on_verified(kind, size)`` hears what the read that passed its checks held (the load's log record names it);
+    ``clock``, the load's, does not count the import of the extra that reads the payload's kind.
 
     ``copy_of``: where ``src`` was copied from without its record (Flyte's local retries copy only the object).
     When ``src`` has no record, the record beside ``copy_of`` verifies it if it lists the copied bytes; if it
     does not (or there is none), the object is what it would be without ``copy_of``: unverified."""
-    load = _Load(progress, max_expand, on_verified, only)
+    load = _Load(progress, max_expand, on_verified, only, clock)
     record_loc = src.sibling(RECORD_SUFFIX)
     record = read_record(record_loc)
     if record is None and copy_of is not None:
@@ -327,7 +331,11 @@ def _loadlisted(src: Location, workspace: Path, record: Record | None, load: _Lo
             raise _Unlisted(f"the checkpoint at {src.uri} holds an object of {size} bytes, which its record "
                             f"does not list: it is truncated or damaged, or was replaced by something other than "
                             f"a taskpoint save. {_UNLISTED_ADVICE}")
-        return payload_class(listed.kind, src.uri)
+        importing = time.perf_counter()
+        found = payload_class(listed.kind, src.uri)
+        if load.clock is not None:
+            load.clock.exclude(time.perf_counter() - importing)
+        return found
 
     def verify(kind: str, size: int, digest: str) -> None:
         _verify(record, kind, size, digest, src.uri)

@@ -22,7 +22,7 @@ from .errors import CheckpointCorruptError, CheckpointError
 from .executors import CPU
 from .format.codecs import BLOCK_SIZE, Codec, detect_codec, holds_tar
 from .format.space import check_room
-from .payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, Payload
+from .payloads import BytesPayload, DirectoryPayload, Payload
 from .signals import uninterrupted
 from .storage import WRITE_PIECE, Deadline, Location, WriteHooks, copy_fd_in_kernel, digest_by_reading, digest_of_fd
 from .storage.streams import ConcurrentRangeReader, read_up_to
@@ -272,7 +272,7 @@ def _read_once(src: Location, workspace: Path, choose: KindChooser, verify: Veri
                 size = os.fstat(fd).st_size
                 hasher = DIGESTS[digest]()
                 with CPU.lane(1) as pool, \
-                        open(staging / RAW_RESULT_NAME, "xb", buffering=0) as out:
+                        open(staging / cls.result_name, "xb", buffering=0) as out:
                     hashed = pool.submit(digest_by_reading, fd, size, hasher)
                     copied = copy_fd_in_kernel(fd, out.fileno(), size,
                                                on_copied=progress.update if progress.active else None)

@@ -15,7 +15,7 @@ import click
 from .. import Checkpoint, CheckpointManager, TransferStats
 from ..storage import Location, safe_uri
 from ._app import ERROR, OK, _command, _Failed, _Missing, cli, logger, progress_option
-from .views import _checkpoint_view, _human, _location
+from .views import _checkpoint_view, _human, _location, target
 
 
 @contextmanager
@@ -40,8 +40,20 @@ def _transfers() -> Iterator[list[TransferStats]]:
         logger.setLevel(level)
 
 
+#: Transfers smaller than this report no rate: their time is mostly round trips and set-up, not throughput.
+RATE_MIN_BYTES = 1 << 20
+
+
 def _figures(stats: TransferStats, moved: str = "") -> str:
-    return f"{stats.kind}, {_human(stats.bytes)}{moved} in {stats.total_seconds:.2f} s, {stats.mb_per_s:.1f} MB/s"
+    """What a pull or push moved, in how long, and (above :data:`RATE_MIN_BYTES`) how fast."""
+    rate = stats.bytes / stats.total_seconds if stats.total_seconds > 0 and stats.bytes >= RATE_MIN_BYTES else None
+    speed = "" if rate is None else f", {_human(int(rate))}/s"
+    return f"{stats.kind}, {_human(stats.bytes)}{moved} in {_seconds(stats.total_seconds)}{speed}"
+
+
+def _seconds(seconds: float) -> str:
+    """A duration with a unit that keeps it readable: milliseconds below one second."""
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
 @cli.command("pull")
@@ -66,7 +78,7 @@ def pull_command(uri: str, dest: Path, step: int | None, paths: tuple[str, ...],
       taskpoint pull s3://bucket/runs/steps ./restored --step 1200
       taskpoint pull s3://bucket/runs/steps ./model --path model/ --path config.json
     """
-    loc = _location(uri)
+    loc, step = target(uri, step)
     only = list(paths) or None
     with _transfers() as seen:
         if _single(loc, step):
@@ -76,9 +88,11 @@ def pull_command(uri: str, dest: Path, step: int | None, paths: tuple[str, ...],
                 raise _Missing(f"nothing taskpoint saved is at {loc.uri}")
         else:
             with CheckpointManager(loc.uri, storage_options=loc.storage_options, preemption=False) as manager:
-                if step is None and manager.latest_step() is None:
+                chosen = manager.latest_step() if step is None else step
+                if chosen is None:
                     raise _Missing(f"nothing taskpoint saved is at {loc.uri}")
-                result = manager.restore(step, into=dest, paths=only, progress=progress)
+                manager.describe(chosen)  # imports the step's kind (torch, for a state dict) outside the restore's time
+                result = manager.restore(chosen, into=dest, paths=only, progress=progress)
     click.echo(f"pulled {safe_uri(loc.uri)} -> {result}" + (f" ({_figures(seen[-1])})" if seen else ""))
     return OK
 
@@ -105,7 +119,7 @@ def cat_command(uri: str, path: str, step: int | None) -> int:
       taskpoint cat s3://bucket/runs/steps config.json --step 1200
       taskpoint cat s3://bucket/runs/job7/train/3/checkpoint model/model.pt > model.pt
     """
-    loc = _location(uri)
+    loc, step = target(uri, step)
     if _single(loc, step):
         with Checkpoint(loc.uri, loc.uri, storage_options=loc.storage_options) as cp:
             source = cp.open(path)
@@ -171,21 +185,26 @@ def push_command(src: Path, uri: str, step: int | None, metadata: str | None, ov
 
 @cli.command("rm")
 @click.argument("uri")
-@click.option("--step", type=click.IntRange(min=0), required=True, help="the step to delete")
+@click.option("--step", type=click.IntRange(min=0), default=None,
+              help="the step to delete (needed unless URI is the step's folder)")
 @click.option("--force", is_flag=True, help="delete a protected step too (the newest committed step that verifies, "
               "or one another process is restoring)")
 @_command
-def rm_command(uri: str, step: int, force: bool) -> int:
+def rm_command(uri: str, step: int | None, force: bool) -> int:
     """Delete one step of a CheckpointManager directory (its manifest first, so it stops existing at once).
 
-    A protected step is refused (exit 1, naming the rule) unless --force: the newest committed step that
+    The step is --step N of the directory URI, or the step's folder as URI (.../ckpt-N, as show prints it). A
+    protected step is refused (exit 1, naming the rule) unless --force: the newest committed step that
     verifies, and a step another process is restoring.
 
     \b
-    Example:
+    Examples:
       taskpoint rm s3://bucket/runs/steps --step 1100
+      taskpoint rm s3://bucket/runs/steps/ckpt-1100
     """
-    loc = _location(uri)
+    loc, step = target(uri, step)
+    if step is None:
+        raise _Failed(ERROR, "give the step to delete: --step N, or the step's folder as URI (.../ckpt-N)")
     with CheckpointManager(loc.uri, storage_options=loc.storage_options, preemption=False) as manager:
         manager.delete(step, force=force)
     click.echo(f"deleted step {step} of {safe_uri(loc.uri)}")

@@ -10,7 +10,7 @@ from ..errors import CheckpointCorruptError, CheckpointError
 from ..manager import CheckpointManager, StepVerification, Verification
 from ..storage import Location
 from ._app import OK, _command, _Missing, cli, progress_option
-from .views import UNCHECKED, _checkpoint, _checkpoint_view, _human, _location, local_dir_option
+from .views import UNCHECKED, _checkpoint, _checkpoint_view, _human, _location, folder_objects, local_dir_option, target
 
 
 def step_line(result: StepVerification) -> str:
@@ -64,16 +64,12 @@ def verify_command(uri: str, step: int | None, progress: bool | None, local_dir:
       taskpoint verify s3://bucket/runs/steps --step 1200 && echo intact
       taskpoint verify s3://bucket/runs/steps --local-dir /nvme/steps    (both tiers, each line with its tier)
     """
-    loc = _location(uri)
+    loc, step = target(uri, step)
     started = time.perf_counter()
     if local_dir is not None:
         return _verify_tiers(loc, _location(local_dir), step, progress, started)
     if step is None and _checkpoint_view(loc) is not None:
-        with _checkpoint(loc) as checkpoint:
-            checked = checkpoint.verify(progress=progress)
-        click.echo(f"{loc.uri}: healthy ({_human(checked.size)}, {checked.digest} matches its record)"
-                   if checked.state == "healthy" else
-                   f"{loc.uri}: readable (no recorded checksum: checked by loading it, with the archive's own checks)")
+        click.echo(_object_line(loc, progress))
         return OK
     with CheckpointManager(loc.uri, storage_options=loc.storage_options, preemption=False) as manager:
         if step is not None:
@@ -82,9 +78,41 @@ def verify_command(uri: str, step: int | None, progress: bool | None, local_dir:
         try:
             verification = manager.verify(progress=progress)
         except FileNotFoundError:
-            raise _Missing(f"nothing taskpoint saved is at {loc.uri}") from None
+            return _verify_folder(loc, progress, started)
     report(verification)
     click.echo(f"{loc.uri}: {len(verification.steps)} step(s) healthy in {time.perf_counter() - started:.2f} s")
+    return OK
+
+
+def _object_line(loc: Location, progress: bool | None) -> str:
+    """Verify the checkpoint object at ``loc``: its line, healthy or readable; CheckpointCorruptError when
+    damaged."""
+    with _checkpoint(loc) as checkpoint:
+        checked = checkpoint.verify(progress=progress)
+    if checked.state == "healthy":
+        return f"{loc.uri}: healthy ({_human(checked.size)}, {checked.digest} matches its record)"
+    return f"{loc.uri}: readable (no recorded checksum: checked by loading it, with the archive's own checks)"
+
+
+def _verify_folder(loc: Location, progress: bool | None, started: float) -> int:
+    """``verify`` of a folder of checkpoint objects (the ``.ckpt`` files of the Lightning plug-in): a line for
+    each, then CheckpointCorruptError naming the damaged ones; _Missing when the folder holds none."""
+    objects = folder_objects(loc)
+    if not objects:
+        raise _Missing(f"nothing taskpoint saved is at {loc.uri}")
+    damaged = []
+    for found in objects:
+        try:
+            click.echo(_object_line(found, progress))
+        except CheckpointCorruptError as exc:
+            click.echo(f"{found.uri}: DAMAGED: {' '.join(str(exc).split())}")
+            damaged.append(found.uri.rpartition("/")[2])
+        except FileNotFoundError:  # deleted since the listing (Lightning's top-k, for one)
+            click.echo(f"{found.uri}: not checked: deleted while the folder was verified")
+    if damaged:
+        raise CheckpointCorruptError(f"{len(damaged)} of {len(objects)} checkpoint(s) in {loc.uri} are damaged: "
+                                     f"{', '.join(damaged)}")
+    click.echo(f"{loc.uri}: {len(objects)} checkpoint(s) checked in {time.perf_counter() - started:.2f} s")
     return OK
 
 

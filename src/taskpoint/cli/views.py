@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from .. import Checkpoint
+from .. import Checkpoint, checkpoints_in
 from ..manager import MANIFEST_NAME, STEP_FOLDER, CheckpointManager, KeepBest, StepDescription
 from ..runtime import layout
 from ..storage import Location
@@ -27,6 +27,21 @@ local_dir_option = click.option(
 
 def _location(uri: str) -> Location:
     return Location(uri.rstrip("/") if not uri.endswith("://") else uri, _state().storage_options())
+
+
+def target(uri: str, step: int | None) -> tuple[Location, int | None]:
+    """The location and the step that ``uri`` (and ``--step``) name. A step's folder (``ckpts/ckpt-180``, the URI
+    ``show`` and ``ls --json`` print for a step) is its manager directory and that step, so that every URI the
+    command line prints is one it takes; anything else is itself, with ``step``."""
+    loc = _location(uri)
+    directory, _, name = loc.uri.rpartition("/")
+    named = STEP_FOLDER.fullmatch(name)
+    if named is None or loc.child(MANIFEST_NAME).read_small() is None:
+        return loc, step
+    if step is not None and step != int(named.group(1)):
+        raise _Failed(ERROR, f"{uri} is step {named.group(1)} of {directory or '.'}, and --step says {step}: "
+                             "give one or the other")
+    return _location(directory or "."), int(named.group(1))
 
 
 def _time(seconds: float | None) -> str:
@@ -122,10 +137,24 @@ def _task_root_view(loc: Location) -> dict[str, Any] | None:
     return {"type": "task-root", "uri": loc.uri, "actions": rows}
 
 
+def folder_objects(loc: Location) -> list[Location]:
+    """The checkpoint objects directly in the folder ``loc`` (:func:`taskpoint.checkpoints_in`)."""
+    return [Location(uri, loc.storage_options) for uri in checkpoints_in(loc.uri, storage_options=loc.storage_options)]
+
+
+def _folder_view(loc: Location) -> dict[str, Any] | None:
+    """A folder of checkpoint objects (:func:`folder_objects`), each with what ``ls`` shows of one object; None
+    when it holds none."""
+    views = [view for view in map(_checkpoint_view, folder_objects(loc)) if view is not None]
+    if not views:
+        return None
+    return {"type": "folder", "uri": loc.uri, "checkpoints": views}
+
+
 def _what(loc: Location, metric: str | None = None) -> dict[str, Any]:
-    """What the URI holds: a checkpoint object, a manager directory (each step's ``metric`` too, when named) or
-    a task root; _Missing otherwise."""
-    view = _checkpoint_view(loc) or _manager_view(loc, metric) or _task_root_view(loc)
+    """What the URI holds: a checkpoint object, a manager directory (each step's ``metric`` too, when named), a
+    task root or a folder of checkpoint objects; _Missing otherwise."""
+    view = _checkpoint_view(loc) or _manager_view(loc, metric) or _task_root_view(loc) or _folder_view(loc)
     if view is None:
         if loc.container_missing():
             raise _Failed(ERROR, f"{loc.uri}: the bucket or container does not exist. Create it, or fix the URI.")
@@ -143,6 +172,18 @@ def _tiers_view(uri: str, local_dir: str, metric: str | None) -> dict[str, Any]:
     rows = [{**row, "tier": tier} for tier, view in views.items() if view is not None for row in view["steps"]]
     rows.sort(key=lambda row: (row["step"], row["tier"] != "local"))
     return {"type": "manager", "uri": remote_loc.uri, "local_dir": local_loc.uri, "steps": rows}
+
+
+def _table(headers: list[str], rows: list[list[str]], right: set[str]) -> list[str]:
+    """Lines of a table whose columns are as wide as their widest value (numbers in ``right`` aligned right),
+    two spaces apart; the last column is not padded."""
+    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows)]
+    lines = []
+    for cells in [headers, *rows]:
+        padded = [cell.rjust(width) if header in right else cell.ljust(width)
+                  for header, cell, width in zip(headers, cells, widths)]
+        lines.append("  ".join(padded).rstrip())
+    return lines
 
 
 def _print_json(value: Any) -> None:
@@ -176,13 +217,14 @@ def _mark(view: dict[str, Any], best: KeepBest | None) -> None:
 @local_dir_option
 @_command
 def ls_command(uri: str, as_json: bool, metric: str | None, mode: str, local_dir: str | None) -> int:
-    """List what URI holds: a checkpoint object, a CheckpointManager directory, or a task root.
+    """List what URI holds: a checkpoint object, a CheckpointManager directory, a task root, or a folder of objects.
 
     A checkpoint object shows its record (<uri>.taskpoint.json); a manager directory its steps (state, size,
-    save time, attempt, metadata keys); a task root its runs, actions and attempts. A size is the data a step
-    holds: its payload as stored, every file of a DCP step, the plain bytes of a deduplicated step's files.
-    States come from the listing and the manifests: sizes are compared, no byte is read (a note below the
-    output says so); `taskpoint verify` checks every byte. A time or attempt that is not known prints `-`.
+    save time, attempt, metadata keys); a task root its runs, actions and attempts; a folder of checkpoint
+    objects (the .ckpt files of the Lightning plug-in) each object; a step's folder (.../ckpt-N) that step. A
+    size is the data a step holds: its payload as stored, every file of a DCP step, the plain bytes of a
+    deduplicated step's files. States come from the listing and the manifests: sizes are compared, no byte is
+    read (a note below the output says so); `taskpoint verify` checks every byte. A time or attempt that is not known prints `-`.
     MARK names the steps retention never deletes (`protected`: the newest step that verifies, a step with a
     restore lease) and, with --best, the best step by a metric of their metadata (as keep_best judges it).
     With --local-dir (a manager's local tier), each step of either tier is listed with its TIER.
@@ -193,9 +235,12 @@ def ls_command(uri: str, as_json: bool, metric: str | None, mode: str, local_dir
       taskpoint ls s3://bucket/runs/job7/train/steps --json
       taskpoint ls gs://bucket/ckpt -o token=anon
     """
-    view = _what(_location(uri), metric) if local_dir is None else _tiers_view(uri, local_dir, metric)
+    loc, only = target(uri, None) if local_dir is None else (_location(uri), None)
+    view = _what(loc, metric) if local_dir is None else _tiers_view(uri, local_dir, metric)
     if view["type"] == "manager":
         _mark(view, None if metric is None else KeepBest(metric, mode))
+        if only is not None:  # a step's folder: that step's row, marked as in its whole directory
+            view["steps"] = [row for row in view["steps"] if row["step"] == only]
     if as_json:
         _print_json(view)
     elif view["type"] == "checkpoint":
@@ -212,22 +257,32 @@ def ls_command(uri: str, as_json: bool, metric: str | None, mode: str, local_dir
     elif view["type"] == "manager":
         click.echo(f"{view['uri']}: {sum(r['state'] == 'committed' for r in view['steps'])} committed step(s)")
         tiers = local_dir is not None
-        click.echo(f"{'STEP':>6}  {'TIER    ' if tiers else ''}{'STATE':<10}  {'KIND':<9}  {'SIZE':>10}  "
-                   f"{'SAVED (UTC)':<19}  ATTEMPT  {'METADATA':<16}  MARK")
+        cells = []
         for row in view["steps"]:
-            attempt = "-" if row["attempt"] is None else str(row["attempt"])
-            state = row["state"] + ("*" if row.get("checked") is False else "")
             marks = [f"best ({metric}={row['metric']})"] if row.get("best") else []
             marks += [f"protected: {row['protected']}"] if row["protected"] else []
-            tier = f"{row['tier']:<6}  " if tiers else ""
-            click.echo(f"{row['step']:>6}  {tier}{state:<10}  {row['kind'] or '-':<9}  {_human(row['size']):>10}  "
-                       f"{_time(row['created']):<19}  {attempt:>7}  {','.join(row['metadata_keys']) or '-':<16}  "
-                       f"{', '.join(marks) or '-'}")
+            cells.append([str(row["step"]), *([row["tier"]] if tiers else []),
+                          row["state"] + ("*" if row.get("checked") is False else ""), row["kind"] or "-",
+                          _human(row["size"]), _time(row["created"]),
+                          "-" if row["attempt"] is None else str(row["attempt"]),
+                          ",".join(row["metadata_keys"]) or "-", ", ".join(marks) or "-"])
+        headers = ["STEP", *(["TIER"] if tiers else []), "STATE", "KIND", "SIZE", "SAVED (UTC)", "ATTEMPT",
+                   "METADATA", "MARK"]
+        for line in _table(headers, cells, right={"STEP", "SIZE", "ATTEMPT"}):
+            click.echo(line)
         if any(row.get("checked") is False for row in view["steps"]):
             click.echo(f"* {UNCHECKED}")
         judged = [row for row in view["steps"] if row["state"] in SIZE_JUDGED]
         if judged:
             click.echo(_sizes_only(view["uri"], chunks=any("chunks" in row for row in judged)))
+    elif view["type"] == "folder":
+        click.echo(f"{view['uri']}: {len(view['checkpoints'])} checkpoint(s)")
+        cells = [[entry["uri"].rpartition("/")[2], entry["state"], entry["kind"] or "-", _human(entry["size"]),
+                  _time(entry["created"])] for entry in view["checkpoints"]]
+        for line in _table(["NAME", "STATE", "KIND", "SIZE", "SAVED (UTC)"], cells, right={"SIZE"}):
+            click.echo(line)
+        if any(entry["state"] in SIZE_JUDGED for entry in view["checkpoints"]):
+            click.echo(_sizes_only(view["uri"]))
     else:
         click.echo(f"{view['uri']}: {len(view['actions'])} action(s)")
         for row in view["actions"]:
@@ -291,7 +346,7 @@ def show_command(uri: str, step: int | None, as_json: bool, local_dir: str | Non
       taskpoint show ./.taskpoint/job7/train/3/checkpoint
       taskpoint show s3://bucket/runs/steps --step 1200 --json
     """
-    loc = _location(uri)
+    loc, step = target(uri, step)
     view = None if step is not None or local_dir is not None else _checkpoint_view(loc)
     if view is None and local_dir is not None:
         view = _tier_step_view(loc, _location(local_dir), step)

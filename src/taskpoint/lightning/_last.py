@@ -74,6 +74,16 @@ def find_last(trainer: pl.Trainer, plugin: CheckpointIO) -> str | None:
     return max(mtimes, key=mtimes.__getitem__) if mtimes else None
 
 
+def _hint(trainer: pl.Trainer) -> str:
+    """What to change when ``"last"`` found nothing: ``save_last=True`` when no ``ModelCheckpoint`` sets it;
+    when one does, nothing to change (a first run has no last checkpoint yet), only where it was looked for."""
+    callbacks = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+    if not any(callback.save_last for callback in callbacks):
+        return " HINT: Set `ModelCheckpoint(..., save_last=True)`."
+    folders = ", ".join(sorted({checkpoint_folder(callback, trainer) for callback in callbacks}))
+    return f" (looked for last*.ckpt in {folders}: none saved there yet)"
+
+
 def install() -> None:
     """Wrap ``_CheckpointConnector._parse_ckpt_path`` once per process (see the module's docstring)."""
     original = _CheckpointConnector._parse_ckpt_path
@@ -90,7 +100,7 @@ def install() -> None:
         found = find_last(self.trainer, plugin)
         if found is None:
             rank_zero_warn(f'.{state_fn.value}(ckpt_path="last") is set, but there is no last checkpoint '
-                           "available. No checkpoint will be loaded. HINT: Set `ModelCheckpoint(..., save_last=True)`.")
+                           f"available. No checkpoint will be loaded.{_hint(self.trainer)}")
         return found
 
     setattr(parse_ckpt_path, _MARK, True)

@@ -24,7 +24,7 @@ from ..errors import CheckpointCorruptError, CheckpointError
 from .in_use import InUse
 from .leases import alive, lease_body, renewing
 from .retention import KeepPolicy
-from .steps import COMMIT_LEASE, MANIFEST_NAME, RESTORE_LEASE, Folder, StepStore, best_effort
+from .steps import COMMIT_LEASE, MANIFEST_NAME, RESTORE_LEASE, Folder, StepStore, best_effort, steps_there
 
 NEWEST = "it is the newest committed step that verifies (a run must have a step to resume from)"
 RESTORED = "this manager restored from it and has not committed a newer step since"
@@ -66,11 +66,11 @@ class Guard:
     def delete(self, step: int, *, force: bool) -> None:
         """Delete the committed ``step`` (:meth:`CheckpointManager.delete <taskpoint.CheckpointManager.delete>`):
         CheckpointError naming the rule when it is protected (unless ``force``) or being restored here."""
-        folders = self._steps.scan()
-        folder, where = folders.get(step), self._steps.directory
-        if folder is None or not folder.committed:
-            raise FileNotFoundError(f"step {step} does not exist in {where}")
+        folders, where = self._steps.scan(), self._steps.directory
         committed = {number for number, found in folders.items() if found.committed}
+        if step not in committed:
+            raise FileNotFoundError(f"step {step} does not exist in {where}; {steps_there(committed)}")
+        folder = folders[step]
         rule = None if force else self.rule(step, self.newest_verified(committed), folder)
         if rule is not None and not self._in_use.is_restoring(step):
             raise CheckpointError(f"step {step} in {where} is protected: {rule}. Pass force=True to delete it anyway")

@@ -73,7 +73,7 @@ class StepQueries:
         step = check_step(step)
         manifest = self._steps.manifest(step)
         if manifest is None:
-            raise FileNotFoundError(f"step {step} does not exist in {self.directory}")
+            raise self._steps.missing(step)
         kind = KINDS.kind(manifest.kind, self._steps.step_uri(step))
         return partial_kind(kind).open_file(self._parts, step, manifest, path)
 
@@ -203,7 +203,7 @@ class StepQueries:
         if manifest is None and self._tier is not None:
             manifest = self._tier.manifest(step)
         if manifest is None:
-            raise FileNotFoundError(f"step {step} does not exist in {self.directory}")
+            raise self._steps.missing(step, self._tier.local.steps() if self._tier is not None else ())
         return manifest.metadata
 
     def _newest(self) -> int:

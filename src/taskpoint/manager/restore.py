@@ -161,9 +161,11 @@ class StepReader:
         """``read`` the save the manifest of ``step`` commits through its kind; when an object it names is gone,
         follow the manifest if another writer overwrote or deleted the step meanwhile, else report damage."""
         manifest = self._steps.manifest(step)
+        if manifest is None:
+            raise self._steps.missing(step)
         for _ in range(RESTORE_ATTEMPTS):
             if manifest is None:
-                raise FileNotFoundError(f"step {step} does not exist in {self.directory} (or was just deleted)")
+                raise FileNotFoundError(f"step {step} was deleted from {self.directory} while it was restored")
             kind = self._kinds.kind(manifest.kind, self._steps.step_uri(step))
             progress.rewind()  # a manifest followed after an overwrite: its payload is counted from zero
             try:

@@ -36,6 +36,8 @@ from ..storage import Location, modified_time
 from .in_use import InUse
 from .leases import alive, fresh
 
+#: How many of the newest steps a message about a missing step names (with the oldest and the count).
+NEWEST_SHOWN = 3
 #: Name of a step's manifest inside its folder; its presence is the step's commit.
 MANIFEST_NAME = "taskpoint.json"
 
@@ -191,6 +193,12 @@ class StepStore:
                 return None
             raise CheckpointCorruptError(f"step {step} in {self.directory}: {exc}") from exc
         return manifest
+
+    def missing(self, step: int, also: Iterable[int] = ()) -> FileNotFoundError:
+        """The error for ``step`` not existing, saying which steps do (this directory's committed steps and
+        ``also``, a local tier's): the count, and the newest few and the oldest, from one listing."""
+        committed = {number for number, folder in self.scan().items() if folder.committed} | set(also)
+        return FileNotFoundError(f"step {step} does not exist in {self.directory}; {steps_there(committed)}")
 
     def named(self, step: int, manifest: StepManifest) -> StepObjects:
         """What ``manifest`` (of ``step``) names, as its kind tells."""
@@ -390,6 +398,18 @@ class StepStore:
                 continue
             removed.append(self.object(int(step.group(1)), name).uri)
         return removed
+
+
+def steps_there(steps: Iterable[int]) -> str:
+    """Which steps exist, for a message about one that does not: all of them when few, else the count, the
+    newest :data:`NEWEST_SHOWN` and the oldest."""
+    ordered = sorted(set(steps), reverse=True)
+    if not ordered:
+        return "it holds no step"
+    count = f"its {len(ordered)} step{'s' if len(ordered) > 1 else ''}"
+    if len(ordered) <= NEWEST_SHOWN + 1:
+        return f"{count}: {', '.join(map(str, reversed(ordered)))}"
+    return f"{count}: newest {', '.join(map(str, ordered[:NEWEST_SHOWN]))}, ..., oldest {ordered[-1]}"
 
 
 def best_effort(action: Callable[[], object]) -> None:

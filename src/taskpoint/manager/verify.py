@@ -97,7 +97,7 @@ def verify_step(parts: Parts, kinds: StepKinds, step: int, progress: object, *, 
     if manifest is None:
         if listed:
             raise StepChanged(steps.directory, step)
-        raise FileNotFoundError(f"step {step} does not exist in {steps.directory}")
+        raise steps.missing(step)
     try:
         checked = kinds.kind(manifest.kind, steps.step_uri(step)).verify(parts, step, manifest, progress)
     except (CheckpointCorruptError, FileNotFoundError) as exc:
@@ -129,7 +129,7 @@ def describe_step(parts: Parts, kinds: StepKinds, step: int) -> StepDescription:
     steps = parts.steps
     manifest = steps.manifest(step)
     if manifest is None:
-        raise FileNotFoundError(f"step {step} does not exist in {steps.directory}")
+        raise steps.missing(step)
     described = kinds.kind(manifest.kind, steps.step_uri(step)).describe(parts, step, manifest)
     record = manifest.record
     return StepDescription(step=manifest.step, uri=steps.step_uri(step), kind=manifest.kind,

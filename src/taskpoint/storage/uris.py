@@ -69,8 +69,10 @@ def _protocols_here() -> str:
 def check_uri(uri: str, what: str = "") -> None:
     """ValueError when ``uri`` looks like a URL but fsspec cannot take it as one: a protocol fsspec does not
     know (``s4://b/k``), or a known one without ``//`` (``s3:/b/k``, ``s3:b/k``, ``gs:/b``), which fsspec would
-    take for a local path. The message names ``what`` (``$TASKPOINT_ROOT``) when given, the URI, what is wrong
-    and the protocols fsspec can use here. Each part of a chained URL (``simplecache::s3://...``) is checked."""
+    take for a local path. The message names ``what`` (``$TASKPOINT_ROOT``) when given, the URI and what is wrong:
+    for a known protocol without ``//`` the fixed URL first (and the install of its client, when missing); for an
+    unknown one the protocols fsspec can use here. Each part of a chained URL (``simplecache::s3://...``) is
+    checked."""
     shown = f"{what}={uri!r}" if what else repr(uri)
     for part in uri.split("::"):
         scheme, sep, rest = part.partition("://")
@@ -88,10 +90,12 @@ def check_uri(uri: str, what: str = "") -> None:
         if scheme.lower() in _WITHOUT_SLASHES or not _known(scheme.lower()):
             continue
         fixed = uri.replace(part, f"{scheme}://{rest.lstrip('/')}", 1)
+        # The fix first and alone: the protocol is known, so the list of protocols would only bury it.
+        client = "" if scheme.lower() in usable_protocols() else f" Its client is not installed: {extra_for(scheme)}."
         raise ValueError(
-            f"{shown} is not a valid URL: {scheme + ':'!r} must be followed by '//' (did you mean {fixed!r}?). "
+            f"{shown} is not a valid URL: did you mean {fixed!r}? ({scheme + ':'!r} must be followed by '//'; "
             f"taskpoint does not take it for a local path, so that nothing is saved to a local folder named "
-            f"after a URL; write {'./' + uri!r} if that folder is meant. {_protocols_here()}")
+            f"after a URL: write {'./' + uri!r} if that folder is meant.){client}")
 
 
 def _near(name: str, candidates: list[str]) -> list[str]:

@@ -79,6 +79,7 @@ class StateDictPayload(BytesPayload):
     its tensors as soon as the save call returns)."""
 
     kind = "torch.state_dict"
+    result_name = STATE_FILE  # what a load of a Checkpoint object holding one writes, as a step's restore does
 
     def __init__(self, state: StateDict) -> None:
         self._state: Mapping[str, Any] | None = state.state
