@@ -4,7 +4,8 @@ the code defines appears in the specification.
 
 The versions are found by asking the readers themselves (a sealed probe of each version, until the reader refuses
 one as newer), not by a list kept here, so a new version in the code fails this test until the table has its
-row. Modules of the optional extras are read with ``ast``, so that the test imports neither JAX nor torch.
+row. Modules of the optional extras are read with ``ast``, so that the test imports neither JAX nor torch. And a
+run of the core's step kinds leaves no object in a manager's directory that the specification's layout omits.
 """
 
 from __future__ import annotations
@@ -123,3 +124,67 @@ def test_a_version_missing_from_the_table_is_found(tmp_path: Path) -> None:
 ])
 def test_every_stored_name_is_in_the_specification(name: str) -> None:
     assert name in SPEC.read_text(encoding="utf-8")
+
+
+#: What each placeholder of the specification's layout stands for.
+PLACEHOLDERS = {"{step}": "(0|[1-9][0-9]*)", "{save_id}": "[0-9a-f]{32}", "{id}": "[0-9a-f]{32}",
+                "{k}": "[0-9]+", "{rank}": "[0-9]+", "{n}": "[0-9]+", "{save}": "[0-9a-f]{12}",
+                "{key[:2]}": "[0-9a-f]{2}", "{key}": "[0-9a-f]{64}[.](zst|gz|raw)"}
+
+
+def specified_names(prefix: str) -> list[re.Pattern[str]]:
+    """The paths the specification's layout blocks list below ``prefix`` (``{dir}/``), as patterns of paths
+    relative to it; a path ending in ``/`` covers everything below it."""
+    patterns = []
+    for line in SPEC.read_text(encoding="utf-8").splitlines():
+        if not line.startswith(prefix):
+            continue
+        path = line[len(prefix):].split()[0]
+        regex = re.escape(path)
+        for placeholder, meaning in PLACEHOLDERS.items():
+            regex = regex.replace(re.escape(placeholder), meaning)
+        patterns.append(re.compile(regex + (".+" if path.endswith("/") else "")))
+    return patterns
+
+
+def test_every_object_a_manager_leaves_is_named_by_the_specification(tmp_path: Path) -> None:
+    """Steps of the kinds the core writes (one payload, deduplicated, several ranks), an overwrite, a delete and
+    a sweep that removes chunks (the epoch): every object left in the directory matches a path of the layout."""
+    import threading
+
+    from taskpoint import CheckpointManager
+
+    source = tmp_path / "source"
+    (source / "sub").mkdir(parents=True)
+    (source / "sub" / "a.txt").write_text("a")
+    directory = tmp_path / "steps"
+    with CheckpointManager(directory) as manager:
+        manager.save(source, 1, metadata={"loss": 0.5})
+        manager.save(b"bytes", 2)
+        manager.save(b"again", 2, overwrite=True)
+    with CheckpointManager(directory, dedup=True) as dedup:
+        dedup.save(source, 3)
+        (source / "sub" / "a.txt").write_text("b")
+        dedup.save(source, 4)
+        dedup.delete(3)
+        dedup.gc(0)
+    errors: list[BaseException] = []
+
+    def rank(k: int) -> None:
+        try:
+            with CheckpointManager(directory, rank=k, world_size=2, commit_timeout=120) as ranked:
+                ranked.save(f"rank {k}".encode(), 5)
+        except BaseException as exc:  # reported below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(k,)) for k in (1, 0)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(180)
+    assert not errors and not any(thread.is_alive() for thread in threads)
+    patterns = specified_names("{dir}/")
+    stored = [path.relative_to(directory).as_posix() for path in directory.rglob("*") if path.is_file()]
+    assert {"ckpt-5/taskpoint.json", "leases/epoch"} <= set(stored)  # the run did reach every kind and the sweep
+    unnamed = [name for name in stored if not any(p.fullmatch(name) for p in patterns)]
+    assert unnamed == [], "objects docs/format.md's layout of a manager's directory does not name"
