@@ -1,10 +1,10 @@
 """Stale local copies of the local tier (issue 40, item 6): a node killed after ``save(3)`` returned and before
 step 3 was promoted keeps a local step 3 that the job, resumed elsewhere, commits again with other bytes. The
 remote manifest is the truth: such a copy is never restored (the remote copy is, and the stale one removed),
-and ``open()`` reads steps the local tier alone holds.
+``taskpoint verify --local-dir`` reports it, and ``open()`` reads steps the local tier alone holds.
 
 The killed node is a real process (SIGKILL, its promotion of step 3 held by the test so that the kill comes
-before it); the remote tier is local disk or the S3 server.
+before it); the remote tier is local disk or the S3 server; the command line runs as the real ``taskpoint``.
 """
 
 from __future__ import annotations
@@ -69,6 +69,15 @@ def tiered(remote: Any, local_dir: Path, **kwargs: Any) -> CheckpointManager:
                              preemption=False, **kwargs)
 
 
+def taskpoint_command(remote: Any, *args: object) -> subprocess.CompletedProcess[str]:
+    """The real ``taskpoint`` command (the console script beside this interpreter), the remote tier's storage
+    options in its environment."""
+    env = {**os.environ, "TASKPOINT_STORAGE_OPTIONS": json.dumps(remote.storage_options),
+           "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run([str(Path(sys.executable).with_name("taskpoint")), *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
 def node_a_killed_before_promoting_step_3(remote: Any, local_dir: Path) -> None:
     """Run node A until ``save(3)`` returned, then SIGKILL it: step 3 is on its local tier alone."""
     node = subprocess.Popen([sys.executable, "-c", _NODE_A, remote.url("ckpts"), json.dumps(remote.storage_options),
@@ -112,6 +121,27 @@ def test_a_stale_local_copy_is_never_restored_the_committed_step_is(remote, tmp_
         assert a.restore(3).read_bytes() == state("B", 3) and a.restore().read_bytes() == state("A", 4)
     with CheckpointManager(remote.url("ckpts"), storage_options=remote.storage_options, preemption=False) as far:
         assert far.verify().healthy and far.restore(3).read_bytes() == state("B", 3)
+
+
+def test_verify_with_local_dir_reports_a_local_copy_that_is_not_the_committed_step(remote, tmp_path):
+    node_a = tmp_path / "node-a"
+    node_a_killed_before_promoting_step_3(remote, node_a)
+    done = taskpoint_command(remote, "verify", remote.url("ckpts"), "--local-dir", node_a)
+    assert done.returncode == 0, done.stderr  # step 3 on the local tier alone: restorable, as the tier's point is
+    resumed_elsewhere(remote, tmp_path / "node-b")
+    for args in ((), ("--step", 3)):
+        done = taskpoint_command(remote, "verify", remote.url("ckpts"), "--local-dir", node_a, *args)
+        assert done.returncode == 1, (done.stdout, done.stderr)
+        assert "local: step 3: healthy" in done.stdout and "remote: step 3: healthy" in done.stdout
+        (line,) = [line for line in done.stdout.splitlines() if "not the committed step" in line]
+        assert line.startswith("local: step 3: ") and remote.url("ckpts") in line, line
+        assert "1 local copy" in done.stderr and "step(s) 3" in done.stderr, done.stderr
+    done = taskpoint_command(remote, "verify", remote.url("ckpts"), "--local-dir", node_a, "--step", 2)
+    assert done.returncode == 0, done.stderr  # a promoted copy is the committed step
+    with tiered(remote, node_a) as a:  # a tiered restore replaces the stale copy by reading the committed one
+        assert a.restore().read_bytes() == state("B", 3)
+    done = taskpoint_command(remote, "verify", remote.url("ckpts"), "--local-dir", node_a)
+    assert done.returncode == 0, (done.stdout, done.stderr)
 
 
 def test_open_reads_a_step_the_local_tier_alone_holds(remote, tmp_path):

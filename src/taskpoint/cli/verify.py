@@ -10,7 +10,7 @@ from ..errors import CheckpointCorruptError, CheckpointError
 from ..manager import CheckpointManager, StepVerification, Verification
 from ..storage import Location
 from ._app import OK, _command, _Missing, cli, progress_option
-from .views import UNCHECKED, _checkpoint, _checkpoint_view, _human, _location, local_dir_option
+from .views import UNCHECKED, _checkpoint, _checkpoint_view, _human, _local_dir, _location, local_dir_option
 
 
 def step_line(result: StepVerification) -> str:
@@ -55,8 +55,8 @@ def verify_command(uri: str, step: int | None, progress: bool | None, local_dir:
     """Stream every byte of a checkpoint (or of a manager's steps) and check it against its recorded checksum.
 
     Nothing is extracted: the stored bytes are hashed as they stream. Exit code 0 healthy, 1 error (storage,
-    usage, a step overwritten or deleted while it was verified), 2 damaged (the object or step is named), 3 not
-    found.
+    usage, a step overwritten or deleted while it was verified; with --local-dir, a local copy that is not the
+    committed step of the remote tier), 2 damaged (the object or step is named), 3 not found.
 
     \b
     Examples:
@@ -67,7 +67,7 @@ def verify_command(uri: str, step: int | None, progress: bool | None, local_dir:
     loc = _location(uri)
     started = time.perf_counter()
     if local_dir is not None:
-        return _verify_tiers(loc, _location(local_dir), step, progress, started)
+        return _verify_tiers(loc, _local_dir(local_dir), step, progress, started)
     if step is None and _checkpoint_view(loc) is not None:
         with _checkpoint(loc) as checkpoint:
             checked = checkpoint.verify(progress=progress)
@@ -93,23 +93,40 @@ def verify_command(uri: str, step: int | None, progress: bool | None, local_dir:
 
 def _verify_tiers(remote: Location, local: Location, step: int | None, progress: bool | None, started: float) -> int:
     """``verify --local-dir``: the steps of both tiers of a manager (``step`` alone: on every tier that holds it),
-    each line prefixed with its tier; exit codes as for one directory."""
-    found: list[tuple[str, Verification]] = []
-    for tier, loc in (("local", local), ("remote", remote)):
-        with CheckpointManager(loc.uri, storage_options=loc.storage_options, preemption=False) as manager:
-            listed = manager.steps()
+    each line prefixed with its tier, then a line for each local copy that is not the committed step of the
+    remote tier (:meth:`~taskpoint.manager.StepDescription.not_a_copy_of`); exit codes as for one directory,
+    and 1 for such a copy."""
+    found: dict[str, Verification] = {}
+    with CheckpointManager(local.uri, storage_options=local.storage_options, preemption=False) as local_manager, \
+            CheckpointManager(remote.uri, storage_options=remote.storage_options, preemption=False) as manager:
+        tiers = {"local": local_manager, "remote": manager}
+        for tier, each in tiers.items():
+            listed = each.steps()
             if step is not None and step in listed:
-                found.append((tier, manager.verify(step, progress=progress)))
+                found[tier] = each.verify(step, progress=progress)
             elif step is None and listed:
-                found.append((tier, manager.verify(progress=progress)))
-    if not found:
-        what = "nothing taskpoint saved is" if step is None else f"step {step} is on neither tier"
-        raise _Missing(f"{what} at {remote.uri} or {local.uri}")
-    for tier, verification in found:
-        for result in verification.steps:
-            click.echo(f"{tier}: {step_line(result)}")
-    for _, verification in found:
+                found[tier] = each.verify(progress=progress)
+        if not found:
+            what = "nothing taskpoint saved is" if step is None else f"step {step} is on neither tier"
+            raise _Missing(f"{what} at {remote.uri} or {local.uri}")
+        for tier, verification in found.items():
+            for result in verification.steps:
+                click.echo(f"{tier}: {step_line(result)}")
+        mismatched: list[int] = []
+        if len(found) == len(tiers):  # the steps on both tiers whose copies verified
+            on_both = ({result.step for result in found["local"].steps if result.healthy}
+                       & {result.step for result in found["remote"].steps if result.healthy})
+            for number in sorted(on_both):
+                why = local_manager.describe(number).not_a_copy_of(manager.describe(number))
+                if why is not None:
+                    click.echo(f"local: step {number}: {why}")
+                    mismatched.append(number)
+    for verification in found.values():
         check(verification)
-    total = sum(len(verification.steps) for _, verification in found)
+    if mismatched:
+        raise CheckpointError(f"{len(mismatched)} local cop{'y' if len(mismatched) == 1 else 'ies'} in {local.uri} "
+                              f"{'is' if len(mismatched) == 1 else 'are'} not the committed step of {remote.uri}: "
+                              f"step(s) {', '.join(map(str, mismatched))}")
+    total = sum(len(verification.steps) for verification in found.values())
     click.echo(f"{remote.uri} and {local.uri}: {total} step(s) healthy in {time.perf_counter() - started:.2f} s")
     return OK

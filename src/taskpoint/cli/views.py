@@ -29,6 +29,11 @@ def _location(uri: str) -> Location:
     return Location(uri.rstrip("/") if not uri.endswith("://") else uri, _state().storage_options())
 
 
+def _local_dir(path: str) -> Location:
+    """The location of ``--local-dir``: a local path, so the storage options (the remote tier's) are not its."""
+    return Location(path.rstrip("/") or path, {})
+
+
 def _time(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -136,7 +141,7 @@ def _what(loc: Location, metric: str | None = None) -> dict[str, Any]:
 def _tiers_view(uri: str, local_dir: str, metric: str | None) -> dict[str, Any]:
     """The steps of a manager directory and of its local tier, each row with its ``tier`` (``local`` first for
     a step on both); _Missing when neither holds a step."""
-    remote_loc, local_loc = _location(uri), _location(local_dir)
+    remote_loc, local_loc = _location(uri), _local_dir(local_dir)
     views = {"remote": _manager_view(remote_loc, metric), "local": _manager_view(local_loc, metric)}
     if views["remote"] is None and views["local"] is None:
         raise _Missing(f"nothing taskpoint saved is at {remote_loc.uri} or {local_loc.uri}")
@@ -294,7 +299,7 @@ def show_command(uri: str, step: int | None, as_json: bool, local_dir: str | Non
     loc = _location(uri)
     view = None if step is not None or local_dir is not None else _checkpoint_view(loc)
     if view is None and local_dir is not None:
-        view = _tier_step_view(loc, _location(local_dir), step)
+        view = _tier_step_view(loc, _local_dir(local_dir), step)
     if view is None:
         with CheckpointManager(loc.uri, storage_options=loc.storage_options, preemption=False) as manager:
             chosen = step if step is not None else manager.latest_step()
