@@ -1,7 +1,7 @@
 """Stale local copies of the local tier (issue 40, item 6): a node killed after ``save(3)`` returned and before
 step 3 was promoted keeps a local step 3 that the job, resumed elsewhere, commits again with other bytes. The
 remote manifest is the truth: such a copy is never restored (the remote copy is, and the stale one removed),
-``taskpoint verify --local-dir`` reports it, and ``open()`` reads steps the local tier alone holds.
+``taskpoint verify/ls/show --local-dir`` report it, and ``open()`` reads steps the local tier alone holds.
 
 The killed node is a real process (SIGKILL, its promotion of step 3 held by the test so that the kill comes
 before it); the remote tier is local disk or the S3 server; the command line runs as the real ``taskpoint``.
@@ -123,7 +123,7 @@ def test_a_stale_local_copy_is_never_restored_the_committed_step_is(remote, tmp_
         assert far.verify().healthy and far.restore(3).read_bytes() == state("B", 3)
 
 
-def test_verify_with_local_dir_reports_a_local_copy_that_is_not_the_committed_step(remote, tmp_path):
+def test_verify_ls_and_show_with_local_dir_report_a_local_copy_that_is_not_the_committed_step(remote, tmp_path):
     node_a = tmp_path / "node-a"
     node_a_killed_before_promoting_step_3(remote, node_a)
     done = taskpoint_command(remote, "verify", remote.url("ckpts"), "--local-dir", node_a)
@@ -138,6 +138,17 @@ def test_verify_with_local_dir_reports_a_local_copy_that_is_not_the_committed_st
         assert "1 local copy" in done.stderr and "step(s) 3" in done.stderr, done.stderr
     done = taskpoint_command(remote, "verify", remote.url("ckpts"), "--local-dir", node_a, "--step", 2)
     assert done.returncode == 0, done.stderr  # a promoted copy is the committed step
+    done = taskpoint_command(remote, "ls", remote.url("ckpts"), "--local-dir", node_a, "--json")
+    rows = {(row["step"], row["tier"]): row for row in json.loads(done.stdout)["steps"]}
+    assert [key for key, row in rows.items() if row.get("not_the_committed_step")] == [(3, "local")]
+    assert rows[(2, "local")]["not_the_committed_step"] is None and "not_the_committed_step" not in rows[(3, "remote")]
+    done = taskpoint_command(remote, "ls", remote.url("ckpts"), "--local-dir", node_a)
+    assert [line.split()[:2] for line in done.stdout.splitlines() if "not the committed step" in line] == [
+        ["3", "local"]], done.stdout
+    done = taskpoint_command(remote, "show", remote.url("ckpts"), "--local-dir", node_a, "--step", 3, "--json")
+    shown = json.loads(done.stdout)  # the committed step, and why the local copy is not it
+    assert shown["metadata"] == {"node": "B"} and shown["tiers"] == "local, remote"
+    assert shown["local_copy"].startswith("not the committed step"), shown
     with tiered(remote, node_a) as a:  # a tiered restore replaces the stale copy by reading the committed one
         assert a.restore().read_bytes() == state("B", 3)
     done = taskpoint_command(remote, "verify", remote.url("ckpts"), "--local-dir", node_a)

@@ -10,7 +10,8 @@ from ..errors import CheckpointCorruptError, CheckpointError
 from ..manager import CheckpointManager, StepVerification, Verification
 from ..storage import Location
 from ._app import OK, _command, _Missing, cli, progress_option
-from .views import UNCHECKED, _checkpoint, _checkpoint_view, _human, _local_dir, _location, local_dir_option
+from .views import (UNCHECKED, _checkpoint, _checkpoint_view, _human, _local_dir, _location, _tier_managers,
+                    local_dir_option, stale_copies)
 
 
 def step_line(result: StepVerification) -> str:
@@ -94,39 +95,32 @@ def verify_command(uri: str, step: int | None, progress: bool | None, local_dir:
 def _verify_tiers(remote: Location, local: Location, step: int | None, progress: bool | None, started: float) -> int:
     """``verify --local-dir``: the steps of both tiers of a manager (``step`` alone: on every tier that holds it),
     each line prefixed with its tier, then a line for each local copy that is not the committed step of the
-    remote tier (:meth:`~taskpoint.manager.StepDescription.not_a_copy_of`); exit codes as for one directory,
-    and 1 for such a copy."""
+    remote tier (:func:`.views.stale_copies`); exit codes as for one directory, and 1 for such a copy."""
     found: dict[str, Verification] = {}
-    with CheckpointManager(local.uri, storage_options=local.storage_options, preemption=False) as local_manager, \
-            CheckpointManager(remote.uri, storage_options=remote.storage_options, preemption=False) as manager:
-        tiers = {"local": local_manager, "remote": manager}
-        for tier, each in tiers.items():
-            listed = each.steps()
+    with _tier_managers(remote, local) as managers:
+        for tier, manager in managers.items():
+            listed = manager.steps()
             if step is not None and step in listed:
-                found[tier] = each.verify(step, progress=progress)
+                found[tier] = manager.verify(step, progress=progress)
             elif step is None and listed:
-                found[tier] = each.verify(progress=progress)
+                found[tier] = manager.verify(progress=progress)
         if not found:
             what = "nothing taskpoint saved is" if step is None else f"step {step} is on neither tier"
             raise _Missing(f"{what} at {remote.uri} or {local.uri}")
         for tier, verification in found.items():
             for result in verification.steps:
                 click.echo(f"{tier}: {step_line(result)}")
-        mismatched: list[int] = []
-        if len(found) == len(tiers):  # the steps on both tiers whose copies verified
-            on_both = ({result.step for result in found["local"].steps if result.healthy}
-                       & {result.step for result in found["remote"].steps if result.healthy})
-            for number in sorted(on_both):
-                why = local_manager.describe(number).not_a_copy_of(manager.describe(number))
-                if why is not None:
-                    click.echo(f"local: step {number}: {why}")
-                    mismatched.append(number)
+        healthy = [{result.step for result in found[tier].steps if result.healthy} if tier in found else set()
+                   for tier in managers]
+        stale = stale_copies(managers, set.intersection(*healthy))  # the steps whose copies verified on both
+    for number, why in stale.items():
+        click.echo(f"local: step {number}: {why}")
     for verification in found.values():
         check(verification)
-    if mismatched:
-        raise CheckpointError(f"{len(mismatched)} local cop{'y' if len(mismatched) == 1 else 'ies'} in {local.uri} "
-                              f"{'is' if len(mismatched) == 1 else 'are'} not the committed step of {remote.uri}: "
-                              f"step(s) {', '.join(map(str, mismatched))}")
+    if stale:
+        raise CheckpointError(f"{len(stale)} local cop{'y' if len(stale) == 1 else 'ies'} in {local.uri} "
+                              f"{'is' if len(stale) == 1 else 'are'} not the committed step of {remote.uri}: "
+                              f"step(s) {', '.join(map(str, stale))}")
     total = sum(len(verification.steps) for verification in found.values())
     click.echo(f"{remote.uri} and {local.uri}: {total} step(s) healthy in {time.perf_counter() - started:.2f} s")
     return OK

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Any
 
@@ -147,7 +149,30 @@ def _tiers_view(uri: str, local_dir: str, metric: str | None) -> dict[str, Any]:
         raise _Missing(f"nothing taskpoint saved is at {remote_loc.uri} or {local_loc.uri}")
     rows = [{**row, "tier": tier} for tier, view in views.items() if view is not None for row in view["steps"]]
     rows.sort(key=lambda row: (row["step"], row["tier"] != "local"))
+    committed = {tier: {row["step"] for row in rows if row["tier"] == tier and row["state"] == "committed"}
+                 for tier in views}
+    with _tier_managers(remote_loc, local_loc) as managers:
+        stale = stale_copies(managers, committed["local"] & committed["remote"])
+    for row in rows:
+        if row["tier"] == "local":
+            row["not_the_committed_step"] = stale.get(row["step"])
     return {"type": "manager", "uri": remote_loc.uri, "local_dir": local_loc.uri, "steps": rows}
+
+
+@contextmanager
+def _tier_managers(remote: Location, local: Location) -> Iterator[dict[str, CheckpointManager]]:
+    """The managers of a manager directory (``remote``) and of its local tier, by tier, open for the block."""
+    with CheckpointManager(local.uri, storage_options=local.storage_options, preemption=False) as on_local, \
+            CheckpointManager(remote.uri, storage_options=remote.storage_options, preemption=False) as on_remote:
+        yield {"local": on_local, "remote": on_remote}
+
+
+def stale_copies(managers: dict[str, CheckpointManager], steps: Iterable[int]) -> dict[int, str]:
+    """Of ``steps`` (committed on both tiers of ``managers``), those whose local copy is not the committed step
+    of the remote tier, each with why (:meth:`~taskpoint.manager.StepDescription.not_a_copy_of`)."""
+    found = {number: managers["local"].describe(number).not_a_copy_of(managers["remote"].describe(number))
+             for number in sorted(steps)}
+    return {number: why for number, why in found.items() if why is not None}
 
 
 def _print_json(value: Any) -> None:
@@ -190,7 +215,8 @@ def ls_command(uri: str, as_json: bool, metric: str | None, mode: str, local_dir
     output says so); `taskpoint verify` checks every byte. A time or attempt that is not known prints `-`.
     MARK names the steps retention never deletes (`protected`: the newest step that verifies, a step with a
     restore lease) and, with --best, the best step by a metric of their metadata (as keep_best judges it).
-    With --local-dir (a manager's local tier), each step of either tier is listed with its TIER.
+    With --local-dir (a manager's local tier), each step of either tier is listed with its TIER, and MARK names
+    a local copy that is not the committed step of the remote tier (`taskpoint verify --local-dir` says why).
 
     \b
     Examples:
@@ -224,6 +250,7 @@ def ls_command(uri: str, as_json: bool, metric: str | None, mode: str, local_dir
             state = row["state"] + ("*" if row.get("checked") is False else "")
             marks = [f"best ({metric}={row['metric']})"] if row.get("best") else []
             marks += [f"protected: {row['protected']}"] if row["protected"] else []
+            marks += ["not the committed step (taskpoint verify says why)"] if row.get("not_the_committed_step") else []
             tier = f"{row['tier']:<6}  " if tiers else ""
             click.echo(f"{row['step']:>6}  {tier}{state:<10}  {row['kind'] or '-':<9}  {_human(row['size']):>10}  "
                        f"{_time(row['created']):<19}  {attempt:>7}  {','.join(row['metadata_keys']) or '-':<16}  "
@@ -258,17 +285,19 @@ def _step_view(described: StepDescription) -> dict[str, Any]:
 
 def _tier_step_view(remote: Location, local: Location, step: int | None) -> dict[str, Any]:
     """``step`` (the newest of either tier when None) of a manager directory and its local tier: described from
-    its local copy when it has one, with ``tiers``, the tiers that hold it; _Missing when neither does."""
-    with CheckpointManager(remote.uri, storage_options=remote.storage_options, preemption=False) as on_remote, \
-            CheckpointManager(local.uri, storage_options=local.storage_options, preemption=False) as on_local:
-        managers = {"local": on_local, "remote": on_remote}
+    its local copy when it has one that is the committed step (else from the remote copy, with ``local_copy``
+    saying why not), with ``tiers``, the tiers that hold it; _Missing when neither does."""
+    with _tier_managers(remote, local) as managers:
         held = {tier: set(manager.steps()) for tier, manager in managers.items()}
         chosen = step if step is not None else max(held["local"] | held["remote"], default=None)
         tiers = [tier for tier in managers if chosen in held[tier]]
         if chosen is None or not tiers:
             what = "no committed step" if chosen is None else f"no step {chosen}"
             raise _Missing(f"there is {what} in {remote.uri} or {local.uri}")
-        return {**_step_view(managers[tiers[0]].describe(chosen)), "tiers": ", ".join(tiers)}
+        stale = stale_copies(managers, [chosen] if len(tiers) == len(managers) else []).get(chosen)
+        shown = "remote" if stale is not None else tiers[0]
+        return {**_step_view(managers[shown].describe(chosen)), "tiers": ", ".join(tiers),
+                **({"local_copy": stale} if stale is not None else {})}
 
 
 @cli.command("show")
@@ -288,8 +317,9 @@ def show_command(uri: str, step: int | None, as_json: bool, local_dir: str | Non
     saves follow); the newest object of a healthy checkpoint is not confirmed until the next save, which says
     nothing about its health. A step's size is the data it holds (for a DCP step every file it lists, for a
     deduplicated one the plain bytes of its files). A value that is not known prints `-`. With --local-dir (a
-    manager's local tier) the step is the newest of either tier, shown from its local copy when it has one, and
-    `tiers` says which tiers hold it.
+    manager's local tier) the step is the newest of either tier, shown from its local copy when it has one that
+    is the committed step (else from the remote copy, `local_copy` saying why), and `tiers` says which tiers
+    hold it.
 
     \b
     Examples:
