@@ -294,18 +294,22 @@ def local_or_s3(request: pytest.FixtureRequest):
     yield from _location_fixture(request)
 
 
-def test_retention_and_delete_keep_a_step_another_process_is_overwriting(local_or_s3, tmp_path):
+@pytest.mark.parametrize("writer_kind", ["plain", "tiered"])
+def test_retention_and_delete_keep_a_step_another_process_is_overwriting(local_or_s3, tmp_path, writer_kind):
     """A real process overwrites step 1 and is held with its save in flight (before it stores the new payload;
-    the hold is the test's, patched into the child): its lease in the step's folder keeps the step from this
-    process's retention, and ``delete`` refuses naming the rule; the overwrite then commits, and its lease goes."""
+    with a local tier, before its promotion copies it; the hold is the test's, patched into the child): its lease
+    in the step's folder keeps the step from this process's retention, and ``delete`` refuses naming the rule;
+    the overwrite then commits, and its lease goes."""
     url, options = local_or_s3.url("ckpts"), local_or_s3.storage_options
     gate, entered = tmp_path / "gate", tmp_path / "entered"
     with manager(url, storage_options=options, keep=1, grace_seconds=30) as mgr:
         mgr.save(b"first", 1)
+    module, local_dir = {"plain": ("taskpoint.manager.kinds.payload", None),
+                         "tiered": ("taskpoint.manager.tiers", str(tmp_path / "writer-local"))}[writer_kind]
     script = textwrap.dedent(f"""
         import json, os, time
         from taskpoint import CheckpointManager
-        from taskpoint.manager.kinds import payload as kind
+        import {module} as kind
 
         store = kind.store_payload
 
@@ -318,7 +322,7 @@ def test_retention_and_delete_keep_a_step_another_process_is_overwriting(local_o
 
         kind.store_payload = held
         with CheckpointManager({url!r}, storage_options=json.loads({json.dumps(options)!r}), grace_seconds=30,
-                               preemption=False, background_process=False) as m:
+                               preemption=False, background_process=False, local_dir={local_dir!r}) as m:
             m.save(b"second", 1, overwrite=True)
         print("committed", flush=True)
     """)

@@ -39,6 +39,7 @@ from .commit import StepWriter
 from .kinds import Parts
 from .kinds.payload import PAYLOAD, PayloadObject
 from .kinds.sharded import Shards
+from .protect import overwrite_lease
 from .restore import StepReader, candidates
 from .shards import ShardOrphan, ShardWriter
 from .steps import MANIFEST_NAME, StepStore, best_effort
@@ -335,7 +336,9 @@ class LocalTier:
             return
         target, commit = self._steps.object(step, content.name), self._steps.object(step, MANIFEST_NAME)
         orphan = PromotionCommit(commit.uri, commit.storage_options, commit.retry, manifest)
-        with self._handed_over() as handover:
+        # Overwriting a remote step: other processes keep it while the promotion is in flight (its rule).
+        held = overwrite_lease(self._steps, step, self._parts.grace) if exists else contextlib.nullcontext()
+        with held, self._handed_over() as handover:
             clock = _log.Clock()
             stored = self._store_checked(target, source, record, handover, orphan, progress, f"step {step}")
             self._steps.check_stored(step, {content.name: stored[0]})
