@@ -81,7 +81,7 @@ class StepDescription:
         """Why this step (a local tier's copy) is not the step ``committed`` describes (the remote tier's, whose
         manifest is the truth), or None when it is: when its size and sha256 are the ones ``committed`` records
         (for a multi-rank step, some rank's shard: a tool that does not know which rank wrote a local_dir accepts
-        any; a restore asks for its own rank's, :mod:`.tiers`)."""
+        any; a tiered restore asks for its own rank's)."""
         shards = committed.details.get("shards")
         recorded = ({(shard["size"], shard["sha256"]) for shard in shards} if shards
                     else {(committed.size, committed.sha256)})
