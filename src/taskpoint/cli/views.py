@@ -169,10 +169,17 @@ def _tier_managers(remote: Location, local: Location) -> Iterator[dict[str, Chec
 
 def stale_copies(managers: dict[str, CheckpointManager], steps: Iterable[int]) -> dict[int, str]:
     """Of ``steps`` (committed on both tiers of ``managers``), those whose local copy is not the committed step
-    of the remote tier, each with why (:meth:`~taskpoint.manager.StepDescription.not_a_copy_of`)."""
-    found = {number: managers["local"].describe(number).not_a_copy_of(managers["remote"].describe(number))
-             for number in sorted(steps)}
-    return {number: why for number, why in found.items() if why is not None}
+    of the remote tier, each with why (:meth:`~taskpoint.manager.StepDescription.not_a_copy_of`). A step
+    deleted from either tier since it was listed has no copy to judge."""
+    found: dict[int, str] = {}
+    for number in sorted(steps):
+        try:
+            why = managers["local"].describe(number).not_a_copy_of(managers["remote"].describe(number))
+        except FileNotFoundError:
+            continue
+        if why is not None:
+            found[number] = why
+    return found
 
 
 def _print_json(value: Any) -> None:
