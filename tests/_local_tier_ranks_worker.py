@@ -2,7 +2,8 @@
 
 The rank comes from torchrun's variables; the argument is one JSON object: ``remote`` and ``options`` (the
 remote tier), ``local`` (this job's local folders, one per rank: ``<local>/rank-<k>``, as each node has its
-own disk), ``group`` (start a gloo process group first), and the mode. Prints one JSON line per event on
+own disk), ``group`` (start a gloo process group first), ``tag`` (in this job's state, which then differs
+from another job's state of the same step), and the mode. Prints one JSON line per event on
 stdout, flushed, with the WARNING (and the restore INFO) records of taskpoint's logger, so that the test can
 tell which tier each rank read.
 
@@ -31,9 +32,10 @@ def say(**event: Any) -> None:
     print(json.dumps(event), flush=True)
 
 
-def state(rank: int, step: int) -> bytes:
-    """Rank ``rank``'s state at ``step`` (each rank's shard differs)."""
-    return f"rank {rank} at step {step} ".encode() * 3000
+def state(rank: int, step: int, tag: str = "") -> bytes:
+    """Rank ``rank``'s state at ``step`` (each rank's shard differs; ``tag``: a job's own, when two jobs save
+    the same step number)."""
+    return f"rank {rank} at step {step} {tag}".encode() * 3000
 
 
 class Records(logging.Handler):
@@ -48,7 +50,7 @@ class Records(logging.Handler):
 
 
 def main(args: dict[str, Any]) -> None:
-    rank = int(os.environ["RANK"])
+    rank, tag = int(os.environ["RANK"]), args.get("tag", "")
     if args.get("group"):
         import torch.distributed as dist
 
@@ -64,7 +66,7 @@ def main(args: dict[str, Any]) -> None:
                                      preemption=False) as mgr:
         if args["mode"] == "save":
             for step in args["steps"]:
-                mgr.save(state(rank, step), step)
+                mgr.save(state(rank, step, tag), step)
             mgr.wait_until_finished()
             say(event="saved", remote=mgr.steps(tier="remote"), local=mgr.steps(tier="local"))
             return
@@ -73,14 +75,14 @@ def main(args: dict[str, Any]) -> None:
         except FileNotFoundError:
             data = None
         restored = mgr.restored_step
-        say(event="restored", step=restored, exact=data is not None and data == state(rank, restored or 0),
+        say(event="restored", step=restored, exact=data is not None and data == state(rank, restored or 0, tag),
             logs=records.messages, local=mgr.steps(tier="local"))
         if args["mode"] == "restore":
             return
         step = restored or 0
         while True:
             step += 1
-            mgr.save(state(rank, step), step, blocking=step % 2 == 0)
+            mgr.save(state(rank, step, tag), step, blocking=step % 2 == 0)
             # the save processes (the promotions' and the local tier's), which finish their part for a dead rank
             savers = (mgr._background.saver, mgr._tier.local._background.saver)  # type: ignore[union-attr]
             say(event="step", step=step, helpers=[saver.pid for saver in savers if saver])

@@ -170,6 +170,25 @@ def test_a_step_only_one_rank_committed_locally_is_never_restored(remote, six):
     assert [event["step"] for event in run(remote, six, "restore")] == [6, 6]  # without a group: remote steps only
 
 
+def test_a_local_step_every_rank_holds_is_read_only_when_it_is_each_ranks_shard_of_the_remote_step(remote, six):
+    """Every rank holds steps 7 and 8 locally, never promoted (not due); the job then moves to other nodes and
+    commits its own steps 7 and 8 remotely. Back on the first nodes, a restore through the group reads step 8 from
+    the remote tier on every rank (the local copies are not the committed step's shards: each is removed, with a
+    WARNING), never the stale local shards, although every rank holds them."""
+    run(remote, six, "save", steps=[7, 8])  # not due (remote_every=3): on the local tiers alone
+    assert [local_steps(six, rank) for rank in range(WORLD)] == [[7, 8]] * WORLD
+    elsewhere = six.parent / "elsewhere"
+    run(remote, elsewhere, "save", steps=[7, 8], remote_every=1, tag="elsewhere")
+    assert remote_steps(remote) == [3, 6, 7, 8]
+    events = run(remote, six, "restore", group=True, tag="elsewhere")
+    assert [(event["step"], event["exact"]) for event in events] == [(8, True)] * WORLD
+    for rank, event in enumerate(events):
+        assert read_from(event, remote.url("ckpts")), event["logs"]
+        (warning,) = warnings_of(event)
+        assert "not the committed step" in warning and str(six / f"rank-{rank}") in warning, warning
+        assert 8 not in local_steps(six, rank)  # removed: it is not step 8
+
+
 # -- SIGKILL of one rank -------------------------------------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import _location_fixture
 from helpers import wait_until
 from taskpoint import CheckpointError, CheckpointManager, KeepBest, preemption
 from taskpoint.manager.schedule import SaveSchedule
@@ -285,6 +286,69 @@ def test_retention_keeps_a_step_another_process_is_restoring(tmp_path):
         gate.touch()
         reader.kill()
         reader.wait()
+
+
+@pytest.fixture(params=["local", "s3"], ids=["local", "s3"])
+def local_or_s3(request: pytest.FixtureRequest):
+    """A fresh location on local disk and on the S3 server."""
+    yield from _location_fixture(request)
+
+
+@pytest.mark.parametrize("writer_kind", ["plain", "tiered"])
+def test_retention_and_delete_keep_a_step_another_process_is_overwriting(local_or_s3, tmp_path, writer_kind):
+    """A real process overwrites step 1 and is held with its save in flight (before it stores the new payload;
+    with a local tier, before its promotion copies it; the hold is the test's, patched into the child): its lease
+    in the step's folder keeps the step from this process's retention, and ``delete`` refuses naming the rule;
+    the overwrite then commits, and its lease goes."""
+    url, options = local_or_s3.url("ckpts"), local_or_s3.storage_options
+    gate, entered = tmp_path / "gate", tmp_path / "entered"
+    with manager(url, storage_options=options, keep=1, grace_seconds=30) as mgr:
+        mgr.save(b"first", 1)
+    module, local_dir = {"plain": ("taskpoint.manager.kinds.payload", None),
+                         "tiered": ("taskpoint.manager.tiers", str(tmp_path / "writer-local"))}[writer_kind]
+    script = textwrap.dedent(f"""
+        import json, os, time
+        from taskpoint import CheckpointManager
+        import {module} as kind
+
+        store = kind.store_payload
+
+        def held(*args, **kwargs):
+            open({str(entered)!r}, "w").close()
+            end = time.monotonic() + 120
+            while not os.path.exists({str(gate)!r}) and time.monotonic() < end:
+                time.sleep(0.02)
+            return store(*args, **kwargs)
+
+        kind.store_payload = held
+        with CheckpointManager({url!r}, storage_options=json.loads({json.dumps(options)!r}), grace_seconds=30,
+                               preemption=False, background_process=False, local_dir={local_dir!r}) as m:
+            m.save(b"second", 1, overwrite=True)
+        print("committed", flush=True)
+    """)
+    writer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert wait_until(entered.exists, timeout=60)
+        fs, path = fsspec.core.url_to_fs(url, **local_or_s3.fs_options)
+        assert [name for name in fs.ls(f"{path}/ckpt-1", detail=False) if "commit-" in name]
+        with manager(url, storage_options=options, keep=1, grace_seconds=30) as mgr:
+            mgr.save(b"two", 2)
+            assert mgr.steps() == [1, 2]  # retention left step 1: another process's save of it is in flight
+            assert mgr.protected_steps()[1].startswith("another process is restoring or committing it")
+            with pytest.raises(CheckpointError, match=r"step 1 .* protected: another process is restoring or "
+                                                      r"committing it"):
+                mgr.delete(1)
+            gate.touch()
+            assert writer.wait(120) == 0 and writer.stdout.read().strip() == "committed"
+            assert mgr.restore(1).read_bytes() == b"second"
+            fs.invalidate_cache()
+            assert not [name for name in fs.ls(f"{path}/ckpt-1", detail=False) if "commit-" in name]
+            mgr.save(b"three", 3)
+            assert mgr.steps() == [3]
+    finally:
+        gate.touch()
+        writer.kill()
+        writer.wait()
 
 
 # -- random sequences: kept = the union of the rules, protected never deleted, every kept step restores -----

@@ -10,7 +10,18 @@ from ..errors import CheckpointCorruptError, CheckpointError
 from ..manager import CheckpointManager, StepVerification, Verification
 from ..storage import Location
 from ._app import OK, _command, _Missing, cli, progress_option
-from .views import UNCHECKED, _checkpoint, _checkpoint_view, _human, _location, folder_objects, local_dir_option, target
+from .views import (
+    UNCHECKED,
+    _checkpoint,
+    _checkpoint_view,
+    _human,
+    _local_dir,
+    _tier_managers,
+    folder_objects,
+    local_dir_option,
+    stale_copies,
+    target,
+)
 
 
 def step_line(result: StepVerification) -> str:
@@ -55,8 +66,8 @@ def verify_command(uri: str, step: int | None, progress: bool | None, local_dir:
     """Stream every byte of a checkpoint (or of a manager's steps) and check it against its recorded checksum.
 
     Nothing is extracted: the stored bytes are hashed as they stream. Exit code 0 healthy, 1 error (storage,
-    usage, a step overwritten or deleted while it was verified), 2 damaged (the object or step is named), 3 not
-    found.
+    usage, a step overwritten or deleted while it was verified; with --local-dir, a local copy that is not the
+    committed step of the remote tier), 2 damaged (the object or step is named), 3 not found.
 
     \b
     Examples:
@@ -67,7 +78,7 @@ def verify_command(uri: str, step: int | None, progress: bool | None, local_dir:
     loc, step = target(uri, step)
     started = time.perf_counter()
     if local_dir is not None:
-        return _verify_tiers(loc, _location(local_dir), step, progress, started)
+        return _verify_tiers(loc, _local_dir(local_dir), step, progress, started)
     if step is None and _checkpoint_view(loc) is not None:
         click.echo(_object_line(loc, progress))
         return OK
@@ -121,23 +132,33 @@ def _verify_folder(loc: Location, progress: bool | None, started: float) -> int:
 
 def _verify_tiers(remote: Location, local: Location, step: int | None, progress: bool | None, started: float) -> int:
     """``verify --local-dir``: the steps of both tiers of a manager (``step`` alone: on every tier that holds it),
-    each line prefixed with its tier; exit codes as for one directory."""
-    found: list[tuple[str, Verification]] = []
-    for tier, loc in (("local", local), ("remote", remote)):
-        with CheckpointManager(loc.uri, storage_options=loc.storage_options, preemption=False) as manager:
+    each line prefixed with its tier, then a line for each local copy that is not the committed step of the
+    remote tier (:func:`.views.stale_copies`); exit codes as for one directory, and 1 for such a copy."""
+    found: dict[str, Verification] = {}
+    with _tier_managers(remote, local) as managers:
+        for tier, manager in managers.items():
             listed = manager.steps()
             if step is not None and step in listed:
-                found.append((tier, manager.verify(step, progress=progress)))
+                found[tier] = manager.verify(step, progress=progress)
             elif step is None and listed:
-                found.append((tier, manager.verify(progress=progress)))
-    if not found:
-        what = "nothing taskpoint saved is" if step is None else f"step {step} is on neither tier"
-        raise _Missing(f"{what} at {remote.uri} or {local.uri}")
-    for tier, verification in found:
-        for result in verification.steps:
-            click.echo(f"{tier}: {step_line(result)}")
-    for _, verification in found:
+                found[tier] = manager.verify(progress=progress)
+        if not found:
+            what = "nothing taskpoint saved is" if step is None else f"step {step} is on neither tier"
+            raise _Missing(f"{what} at {remote.uri} or {local.uri}")
+        for tier, verification in found.items():
+            for result in verification.steps:
+                click.echo(f"{tier}: {step_line(result)}")
+        healthy = [{result.step for result in found[tier].steps if result.healthy} if tier in found else set()
+                   for tier in managers]
+        stale = stale_copies(managers, set.intersection(*healthy))  # the steps whose copies verified on both
+    for number, why in stale.items():
+        click.echo(f"local: step {number}: {why}")
+    for verification in found.values():
         check(verification)
-    total = sum(len(verification.steps) for _, verification in found)
+    if stale:
+        raise CheckpointError(f"{len(stale)} local cop{'y' if len(stale) == 1 else 'ies'} in {local.uri} "
+                              f"{'is' if len(stale) == 1 else 'are'} not the committed step of {remote.uri}: "
+                              f"step(s) {', '.join(map(str, stale))}")
+    total = sum(len(verification.steps) for verification in found.values())
     click.echo(f"{remote.uri} and {local.uri}: {total} step(s) healthy in {time.perf_counter() - started:.2f} s")
     return OK

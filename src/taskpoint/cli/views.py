@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Any
 
@@ -42,6 +44,11 @@ def target(uri: str, step: int | None) -> tuple[Location, int | None]:
         raise _Failed(ERROR, f"{uri} is step {named.group(1)} of {directory or '.'}, and --step says {step}: "
                              "give one or the other")
     return _location(directory or "."), int(named.group(1))
+
+
+def _local_dir(path: str) -> Location:
+    """The location of ``--local-dir``: a local path, so the storage options (the remote tier's) are not its."""
+    return Location(path.rstrip("/") or path, {})
 
 
 def _time(seconds: float | None) -> str:
@@ -165,25 +172,55 @@ def _what(loc: Location, metric: str | None = None) -> dict[str, Any]:
 def _tiers_view(uri: str, local_dir: str, metric: str | None) -> dict[str, Any]:
     """The steps of a manager directory and of its local tier, each row with its ``tier`` (``local`` first for
     a step on both); _Missing when neither holds a step."""
-    remote_loc, local_loc = _location(uri), _location(local_dir)
+    remote_loc, local_loc = _location(uri), _local_dir(local_dir)
     views = {"remote": _manager_view(remote_loc, metric), "local": _manager_view(local_loc, metric)}
     if views["remote"] is None and views["local"] is None:
         raise _Missing(f"nothing taskpoint saved is at {remote_loc.uri} or {local_loc.uri}")
     rows = [{**row, "tier": tier} for tier, view in views.items() if view is not None for row in view["steps"]]
     rows.sort(key=lambda row: (row["step"], row["tier"] != "local"))
+    committed = {tier: {row["step"] for row in rows if row["tier"] == tier and row["state"] == "committed"}
+                 for tier in views}
+    with _tier_managers(remote_loc, local_loc) as managers:
+        stale = stale_copies(managers, committed["local"] & committed["remote"])
+    for row in rows:
+        if row["tier"] == "local":
+            row["not_the_committed_step"] = stale.get(row["step"])
     return {"type": "manager", "uri": remote_loc.uri, "local_dir": local_loc.uri, "steps": rows}
 
 
 def _table(headers: list[str], rows: list[list[str]], right: set[str]) -> list[str]:
     """Lines of a table whose columns are as wide as their widest value (numbers in ``right`` aligned right),
     two spaces apart; the last column is not padded."""
-    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows)]
+    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=True)]
     lines = []
     for cells in [headers, *rows]:
         padded = [cell.rjust(width) if header in right else cell.ljust(width)
-                  for header, cell, width in zip(headers, cells, widths)]
+                  for header, cell, width in zip(headers, cells, widths, strict=True)]
         lines.append("  ".join(padded).rstrip())
     return lines
+
+
+@contextmanager
+def _tier_managers(remote: Location, local: Location) -> Iterator[dict[str, CheckpointManager]]:
+    """The managers of a manager directory (``remote``) and of its local tier, by tier, open for the block."""
+    with CheckpointManager(local.uri, storage_options=local.storage_options, preemption=False) as on_local, \
+            CheckpointManager(remote.uri, storage_options=remote.storage_options, preemption=False) as on_remote:
+        yield {"local": on_local, "remote": on_remote}
+
+
+def stale_copies(managers: dict[str, CheckpointManager], steps: Iterable[int]) -> dict[int, str]:
+    """Of ``steps`` (committed on both tiers of ``managers``), those whose local copy is not the committed step
+    of the remote tier, each with why (:meth:`~taskpoint.manager.StepDescription.not_a_copy_of`). A step
+    deleted from either tier since it was listed has no copy to judge."""
+    found: dict[int, str] = {}
+    for number in sorted(steps):
+        try:
+            why = managers["local"].describe(number).not_a_copy_of(managers["remote"].describe(number))
+        except FileNotFoundError:
+            continue
+        if why is not None:
+            found[number] = why
+    return found
 
 
 def _print_json(value: Any) -> None:
@@ -224,10 +261,12 @@ def ls_command(uri: str, as_json: bool, metric: str | None, mode: str, local_dir
     objects (the .ckpt files of the Lightning plug-in) each object; a step's folder (.../ckpt-N) that step. A
     size is the data a step holds: its payload as stored, every file of a DCP step, the plain bytes of a
     deduplicated step's files. States come from the listing and the manifests: sizes are compared, no byte is
-    read (a note below the output says so); `taskpoint verify` checks every byte. A time or attempt that is not known prints `-`.
+    read (a note below the output says so); `taskpoint verify` checks every byte. A time or attempt that is not
+    known prints `-`.
     MARK names the steps retention never deletes (`protected`: the newest step that verifies, a step with a
     restore lease) and, with --best, the best step by a metric of their metadata (as keep_best judges it).
-    With --local-dir (a manager's local tier), each step of either tier is listed with its TIER.
+    With --local-dir (a manager's local tier), each step of either tier is listed with its TIER, and MARK names
+    a local copy that is not the committed step of the remote tier (`taskpoint verify --local-dir` says why).
 
     \b
     Examples:
@@ -261,6 +300,7 @@ def ls_command(uri: str, as_json: bool, metric: str | None, mode: str, local_dir
         for row in view["steps"]:
             marks = [f"best ({metric}={row['metric']})"] if row.get("best") else []
             marks += [f"protected: {row['protected']}"] if row["protected"] else []
+            marks += ["not the committed step (taskpoint verify says why)"] if row.get("not_the_committed_step") else []
             cells.append([str(row["step"]), *([row["tier"]] if tiers else []),
                           row["state"] + ("*" if row.get("checked") is False else ""), row["kind"] or "-",
                           _human(row["size"]), _time(row["created"]),
@@ -308,17 +348,19 @@ def _step_view(described: StepDescription) -> dict[str, Any]:
 
 def _tier_step_view(remote: Location, local: Location, step: int | None) -> dict[str, Any]:
     """``step`` (the newest of either tier when None) of a manager directory and its local tier: described from
-    its local copy when it has one, with ``tiers``, the tiers that hold it; _Missing when neither does."""
-    with CheckpointManager(remote.uri, storage_options=remote.storage_options, preemption=False) as on_remote, \
-            CheckpointManager(local.uri, storage_options=local.storage_options, preemption=False) as on_local:
-        managers = {"local": on_local, "remote": on_remote}
+    its local copy when it has one that is the committed step (else from the remote copy, with ``local_copy``
+    saying why not), with ``tiers``, the tiers that hold it; _Missing when neither does."""
+    with _tier_managers(remote, local) as managers:
         held = {tier: set(manager.steps()) for tier, manager in managers.items()}
         chosen = step if step is not None else max(held["local"] | held["remote"], default=None)
         tiers = [tier for tier in managers if chosen in held[tier]]
         if chosen is None or not tiers:
             what = "no committed step" if chosen is None else f"no step {chosen}"
             raise _Missing(f"there is {what} in {remote.uri} or {local.uri}")
-        return {**_step_view(managers[tiers[0]].describe(chosen)), "tiers": ", ".join(tiers)}
+        stale = stale_copies(managers, [chosen] if len(tiers) == len(managers) else []).get(chosen)
+        shown = "remote" if stale is not None else tiers[0]
+        return {**_step_view(managers[shown].describe(chosen)), "tiers": ", ".join(tiers),
+                **({"local_copy": stale} if stale is not None else {})}
 
 
 @cli.command("show")
@@ -338,8 +380,9 @@ def show_command(uri: str, step: int | None, as_json: bool, local_dir: str | Non
     saves follow); the newest object of a healthy checkpoint is not confirmed until the next save, which says
     nothing about its health. A step's size is the data it holds (for a DCP step every file it lists, for a
     deduplicated one the plain bytes of its files). A value that is not known prints `-`. With --local-dir (a
-    manager's local tier) the step is the newest of either tier, shown from its local copy when it has one, and
-    `tiers` says which tiers hold it.
+    manager's local tier) the step is the newest of either tier, shown from its local copy when it has one that
+    is the committed step (else from the remote copy, `local_copy` saying why), and `tiers` says which tiers
+    hold it.
 
     \b
     Examples:
@@ -349,7 +392,7 @@ def show_command(uri: str, step: int | None, as_json: bool, local_dir: str | Non
     loc, step = target(uri, step)
     view = None if step is not None or local_dir is not None else _checkpoint_view(loc)
     if view is None and local_dir is not None:
-        view = _tier_step_view(loc, _location(local_dir), step)
+        view = _tier_step_view(loc, _local_dir(local_dir), step)
     if view is None:
         with CheckpointManager(loc.uri, storage_options=loc.storage_options, preemption=False) as manager:
             chosen = step if step is not None else manager.latest_step()

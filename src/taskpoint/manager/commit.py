@@ -7,6 +7,7 @@ writer stored (``taskpoint.torch``) to the kind it names.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -19,7 +20,7 @@ from ..payloads import Payload
 from .background import Handover
 from .in_use import InUse
 from .kinds import Parts, SaveJob, StepKind, StepKinds
-from .protect import Guard
+from .protect import Guard, overwrite_lease
 from .steps import best_effort
 
 
@@ -45,14 +46,18 @@ class StepWriter:
 
     def write(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: set[str] | None,
               data: Payload | StepContent, saver: Handover | None = None, *, clock: _log.Clock,
-              progress: Progress = NO_PROGRESS) -> TransferStats:
+              progress: Progress = NO_PROGRESS, overwrites: bool = False) -> TransferStats:
         """Save ``data`` as ``step`` through its kind, which commits it with the manifest; then tidy up (the
         objects of the ``replaced`` step its new manifest does not name, retention, leftovers). Returns the
         save's figures (``CheckpointManager.last_save``). ``progress`` counts the upload; its callback is told
-        the last count once the step is committed."""
+        the last count once the step is committed. ``overwrites``: ``step`` is committed already, and other
+        processes keep it while this save is in flight (:func:`~.protect.overwrite_lease`; with several ranks,
+        rank 0's own commit lease does)."""
         self.last_step = step
         kind = self.kind_for(data)
-        with progress:
+        held = (overwrite_lease(self._parts.steps, step, self._parts.grace)
+                if overwrites and not self._parts.plan.ranks.distributed else contextlib.nullcontext())
+        with progress, held:
             saved = kind.save(self._parts, SaveJob(step, metadata, attempt, data, saver, progress))
         if saved.committed:
             steps = self._parts.steps

@@ -273,7 +273,7 @@ class CheckpointManager(StepQueries):
                                       "replace it, or save under a new step")
             payload = payload_for(data)  # after the existence check: some kinds (PyTree) serialize here
             job = functools.partial(self._write_step, step, record_metadata, attempt, replaced, clock=clock,
-                                    progress=tracker)
+                                    progress=tracker, overwrites=exists)
             if not background:
                 job(payload)
             else:
@@ -295,9 +295,9 @@ class CheckpointManager(StepQueries):
 
     def _write_step(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: set[str] | None,
                     payload: Payload, saver: Handover | None = None, *, clock: _log.Clock,
-                    progress: _progress.Progress) -> None:
+                    progress: _progress.Progress, overwrites: bool) -> None:
         self.last_save = self._writer.write(step, metadata, attempt, replaced, payload, saver, clock=clock,
-                                            progress=progress)
+                                            progress=progress, overwrites=overwrites)
 
     # -- preemption: the notice, and the emergency save (emergency.py) --------------------------------------
     def reached_preemption(self, step: int | None = None) -> bool:

@@ -7,7 +7,8 @@ Retention deletes what its policy (:mod:`.retention`) lets go, less the steps pr
 - the step this manager restored from, until it commits a newer one: a run that resumed from an older step
   (``fallback=True``) keeps it until it has a successor;
 - a step being restored, here (the steps this process has in use) or by another process (a fresh restore lease in the
-  step's folder), or being committed by rank 0 of another process (its commit lease).
+  step's folder), or being committed by rank 0 of another process, or overwritten by another process's save in
+  flight (their commit lease: :func:`overwrite_lease`).
 
 The metric of ``keep_best`` comes from each step's metadata: remembered for the steps this manager commits,
 read once from the manifest for the others (and again when a listing shows the manifest was rewritten).
@@ -24,7 +25,16 @@ from ..errors import CheckpointCorruptError, CheckpointError
 from .in_use import InUse
 from .leases import alive, lease_body, renewing
 from .retention import KeepPolicy
-from .steps import COMMIT_LEASE, MANIFEST_NAME, RESTORE_LEASE, Folder, StepStore, best_effort, steps_there
+from .steps import (
+    COMMIT_LEASE,
+    MANIFEST_NAME,
+    RESTORE_LEASE,
+    Folder,
+    StepStore,
+    best_effort,
+    commit_lease_name,
+    steps_there,
+)
 
 NEWEST = "it is the newest committed step that verifies (a run must have a step to resume from)"
 RESTORED = "this manager restored from it and has not committed a newer step since"
@@ -169,15 +179,31 @@ class Guard:
 def restore_lease(steps: StepStore, step: int, grace: float) -> Iterator[None]:
     """Hold a lease on ``step``'s folder while a restore reads it, so that other processes' retention keeps it.
     Best effort: a store this process may only read (or any failure) restores without one."""
-    lease = steps.object(step, f"restore-{uuid.uuid4().hex}.json")
+    with _held(steps, step, f"restore-{uuid.uuid4().hex}.json", grace, "restore"):
+        yield
+
+
+@contextmanager
+def overwrite_lease(steps: StepStore, step: int, grace: float) -> Iterator[None]:
+    """Hold a commit lease on the folder of the committed ``step`` while a save overwrites it, so that other
+    processes' retention and ``delete`` keep the step whose save is in flight (and their sweeps leave the folder
+    alone). Best effort, as a restore's: the save itself reports a store it cannot write."""
+    with _held(steps, step, commit_lease_name(uuid.uuid4().hex), grace, "commit"):
+        yield
+
+
+@contextmanager
+def _held(steps: StepStore, step: int, name: str, grace: float, what: str) -> Iterator[None]:
+    """Hold the lease ``name`` (a ``what`` lease) in ``step``'s folder, renewed, while the block runs."""
+    lease = steps.object(step, name)
     try:
-        lease.write_small(lease_body(grace), action="write a restore lease at")
+        lease.write_small(lease_body(grace), action=f"write a {what} lease at")
     except Exception:
         yield
         return
     try:
-        with renewing(lambda: lease.write_small(lease_body(grace), action="renew a restore lease at"), grace,
-                      "taskpoint-restore-lease"):
+        with renewing(lambda: lease.write_small(lease_body(grace), action=f"renew a {what} lease at"), grace,
+                      f"taskpoint-{what}-lease"):
             yield
     finally:
         best_effort(lease.remove)

@@ -68,10 +68,13 @@ class StepQueries:
         read on demand: only the compressed members or chunks that hold the bytes asked for are fetched, each
         verified before its bytes are returned (``torch.load(manager.open(step, "model.pt"))``). A step saved
         without an index restores that one file into a temporary folder first. KeyError when the step has no such
-        file; FileNotFoundError when there is no such step. Reads fail once the step is deleted."""
+        file; FileNotFoundError when there is no such step. Reads fail once the step is deleted. With a local
+        tier: the committed step of the remote tier, else a step the local tier alone holds, from there."""
         self._ready()
         step = check_step(step)
         manifest = self._steps.manifest(step)
+        if manifest is None and self._tier is not None and step in self._tier.local.steps():
+            return self._tier.local.open(step, path)
         if manifest is None:
             raise self._steps.missing(step)
         kind = KINDS.kind(manifest.kind, self._steps.step_uri(step))

@@ -7,11 +7,13 @@ no rank sees another node's local tier, the ranks agree on what a tier holds in 
   (a byte copy of its local payload, checked against its local manifest) and records it; rank 0 writes the
   manifest once every rank's shard is there. That manifest is the agreement on a remote step: a rank reads its
   shard of a remote step from its local copy when that copy's sha256 is the one the remote manifest names for
-  its rank, and from the remote copy otherwise (with a WARNING when the local copy fails verification).
+  its rank, and from the remote copy otherwise (with a WARNING when the local copy fails verification, or is
+  not the committed step's shard: then it is removed).
 - **A step on the local tiers alone** is restored only through an initialized ``torch.distributed`` process
   group: the ranks gather which local steps each holds (:class:`RankVote`), try the newest step every rank holds
-  (locally or remotely), and all move to the next older step unless every rank read its shard. Without a
-  process group, restores choose among the remote steps only (local copies still serve the reads).
+  (locally or remotely; a step on the remote tier too is read locally only as above), and all move to the next
+  older step unless every rank read its shard. Without a process group, restores choose among the remote steps
+  only (local copies still serve the reads).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..format.records import StepManifest
+from ..format.records import ObjectRecord, StepManifest
 from .agreement import initialized_group
 from .kinds.sharded import Shards
 from .shards import ShardOrphan
@@ -52,11 +54,11 @@ class RankVote:
         return all(self._gather(bool(ok)))
 
 
-def own_shard_digest(manifest: StepManifest | None, rank: int) -> str | None:
-    """The sha256 a remote multi-rank manifest records for ``rank``'s shard (None: no such shard)."""
-    if manifest is None or not isinstance(manifest.content, Shards) or rank >= len(manifest.content.shards):
+def own_shard(manifest: StepManifest, rank: int) -> ObjectRecord | None:
+    """The record a remote multi-rank manifest holds of ``rank``'s shard (None: no such shard)."""
+    if not isinstance(manifest.content, Shards) or rank >= len(manifest.content.shards):
         return None
-    return manifest.content.shards[rank].record.sha256
+    return manifest.content.shards[rank].record
 
 
 @dataclasses.dataclass(frozen=True)

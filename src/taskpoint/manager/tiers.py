@@ -9,7 +9,10 @@ step is never promoted; a promotion killed midway leaves an uncommitted object t
 promotion redoes every due local step newer than the remote's newest.
 
 Reads see both tiers; a restore reads the local copy first, then the remote copy of the same step (with a
-WARNING naming both), then older steps.
+WARNING naming both), then older steps. The remote manifest is the truth: a local copy of a step the remote tier
+also holds is read only when it is the committed step's (the same size and sha256); one that is not (a save
+never promoted, whose step number another node committed since) is removed, with a WARNING, and the remote
+copy read. A step on the local tier alone is read from it (it is the newest state, not yet promoted).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import io
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -35,10 +39,11 @@ from .commit import StepWriter
 from .kinds import Parts
 from .kinds.payload import PAYLOAD, PayloadObject
 from .kinds.sharded import Shards
+from .protect import overwrite_lease
 from .restore import StepReader, candidates
 from .shards import ShardOrphan, ShardWriter
 from .steps import MANIFEST_NAME, StepStore, best_effort
-from .tier_ranks import RankVote, RecordedKind, VerifiedShard, own_shard_digest
+from .tier_ranks import RankVote, RecordedKind, VerifiedShard, own_shard
 
 
 class LocalManager(Protocol):
@@ -51,6 +56,7 @@ class LocalManager(Protocol):
     @property
     def directory(self) -> str: ...
     def steps(self, tier: str | None = None) -> list[int]: ...
+    def open(self, step: int, path: str) -> io.BufferedReader: ...
     def save(self, data: Any, step: int, *, metadata: dict[str, Any] | None = None, overwrite: bool = False,
              blocking: bool | None = None, progress: Any = None) -> str: ...
     def wait_until_finished(self) -> None: ...
@@ -163,9 +169,8 @@ class LocalTier:
         vote = RankVote.of_initialized() if self._ranks.distributed else None
         if self._ranks.distributed:
             agreed = vote.common(local) if vote is not None else set()
-            usable = {number for number in local if number in agreed or (number in remote and self._own(number))}
         else:
-            agreed = usable = local
+            agreed = local
         if step is not None and step not in agreed | remote:
             raise FileNotFoundError(f"step {step} exists on neither tier ({self.local.directory}, "
                                     f"{self._steps.directory})")
@@ -174,7 +179,8 @@ class LocalTier:
         first_error: Exception | None = None
         with progress:
             for number in tried:
-                sources = [(self.local._reader, self.local.directory)] if number in usable else []
+                serves = number in local and self._serves(number, number in remote, number in agreed)
+                sources = [(self.local._reader, self.local.directory)] if serves else []
                 sources += [(reader, self._steps.directory)] if number in remote else []
                 result, error = _read_first(number, sources, into, progress, paths, fallback, clock)
                 first_error = first_error or error
@@ -191,11 +197,34 @@ class LocalTier:
                                     f"{self._steps.directory}")
         raise first_error
 
-    def _own(self, step: int) -> bool:
-        """Whether this rank's local copy of ``step`` is its shard of the remote step (the same sha256)."""
-        local = self.manifest(step)
-        remote = self._steps.manifest(step, tolerate_corrupt=True)
-        return local is not None and own_shard_digest(remote, self._ranks.rank) == local.record.sha256
+    def _serves(self, step: int, on_remote: bool, agreed: bool) -> bool:
+        """Whether this rank's local copy of ``step`` may be read for it. A step on the local tier alone: when
+        every rank holds it (``agreed``; always with one rank), as the tier's point is. A step on the remote
+        tier too: only when the local copy is the committed step's (this rank's shard of it, with several
+        ranks), by the size and sha256 the remote manifest records: the remote manifest is the truth. A local
+        copy that is not (a save never promoted, whose step number another node committed since) is removed,
+        with a WARNING; one whose remote manifest cannot be read is left alone, unread (the remote read then
+        says why the step does not restore)."""
+        if not on_remote:
+            return agreed
+        copy = self.manifest(step)
+        try:
+            committed = self._steps.manifest(step)
+        except CheckpointCorruptError:
+            return False
+        if copy is None or committed is None:
+            return False
+        expected = (own_shard(committed, self._ranks.rank) if self._ranks.distributed
+                    else committed.record if committed.kind == PAYLOAD.name else None)
+        if expected is not None and (expected.size, expected.sha256) == (copy.record.size, copy.record.sha256):
+            return True
+        _log.logger.warning("the local copy of step %d in %s is not the committed step (the manifest in %s records "
+                            "another %s): a save never promoted, whose step number was committed since by "
+                            "another save; reading the remote copy, and removing the local one", step,
+                            _log.safe_uri(self.local.directory), _log.safe_uri(self._steps.directory),
+                            "shard for this rank" if self._ranks.distributed else "payload")
+        best_effort(functools.partial(self.local.delete, step, force=True))
+        return False
 
     def _drop_newer(self, step: int, vote: RankVote) -> None:
         """After every rank resumed from ``step``: delete this rank's local steps newer than it (not every rank
@@ -307,7 +336,9 @@ class LocalTier:
             return
         target, commit = self._steps.object(step, content.name), self._steps.object(step, MANIFEST_NAME)
         orphan = PromotionCommit(commit.uri, commit.storage_options, commit.retry, manifest)
-        with self._handed_over() as handover:
+        # Overwriting a remote step: other processes keep it while the promotion is in flight (its rule).
+        held = overwrite_lease(self._steps, step, self._parts.grace) if exists else contextlib.nullcontext()
+        with held, self._handed_over() as handover:
             clock = _log.Clock()
             stored = self._store_checked(target, source, record, handover, orphan, progress, f"step {step}")
             self._steps.check_stored(step, {content.name: stored[0]})

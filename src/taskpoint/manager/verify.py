@@ -77,6 +77,20 @@ class StepDescription:
     metadata: dict[str, Any]
     details: dict[str, Any] = field(default_factory=dict)
 
+    def not_a_copy_of(self, committed: StepDescription) -> str | None:
+        """Why this step (a local tier's copy) is not the step ``committed`` describes (the remote tier's, whose
+        manifest is the truth), or None when it is: when its size and sha256 are the ones ``committed`` records
+        (for a multi-rank step, some rank's shard: a tool that does not know which rank wrote a local_dir accepts
+        any; a tiered restore asks for its own rank's)."""
+        shards = committed.details.get("shards")
+        recorded = ({(shard["size"], shard["sha256"]) for shard in shards} if shards
+                    else {(committed.size, committed.sha256)})
+        if (self.size, self.sha256) in recorded:
+            return None
+        return (f"not the committed step: its sha256 {self.sha256} is not the one {committed.uri} records for "
+                f"{'any shard' if shards else 'its payload'} (a save never promoted, whose step number another "
+                "save committed since); a restore with this local_dir reads the remote copy and removes this one")
+
 
 class StepChanged(CheckpointError):
     """The step was deleted or overwritten (by another writer, or its retention) between the read of its
