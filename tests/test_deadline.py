@@ -85,6 +85,9 @@ def test_a_parallel_ranged_read_from_a_stalled_store_ends_at_the_deadline(s3_ser
 #: The small request of step 2's background save that the proxy holds, per way of saving in the background: a
 #: deduplicated save (a thread of this process) reads the sweepers' epoch; the save process checks the payload it
 #: uploaded (a HEAD). Both come after ``save(blocking=False)`` has returned.
+#: The retry deadline of the managers that meet a held request: short for a test, long enough for the requests
+#: that pass on a loaded machine (at load 14 on 2 cores, building a client's session alone took over 5 s).
+HELD_DEADLINE = 20.0
 HELD = {
     "dedup-epoch-get": ({"dedup": True}, "GET", "/leases/epoch"),
     "save-process-head": ({}, "HEAD", "/ckpt-2/payload-"),
@@ -112,12 +115,13 @@ def test_a_background_save_whose_small_request_is_held_forever_fails_at_its_dead
 
     with fault_proxy(s3_server.endpoint, stall_seconds=math.inf) as proxy:
         options = {**s3_server.storage_options, "endpoint_url": proxy.url}
-        with CheckpointManager(url, storage_options=options, retry=RetryPolicy(deadline=5.0),
+        with CheckpointManager(url, storage_options=options, retry=RetryPolicy(deadline=HELD_DEADLINE),
                                **options_of_manager) as mgr:
             mgr.save(data, 1)
             proxy.hold = hold
-            mgr.save(data, 2, blocking=False)  # returns before the held request is sent
-            with pytest.raises(StorageUnavailable, match=r"retry deadline of 5 s passed .*\[background save of step 2\]"):
+            mgr.save(data, 2, blocking=False)  # the held request is in its background part
+            with pytest.raises(StorageUnavailable, match=rf"retry deadline of {HELD_DEADLINE:g} s passed .*"
+                                                         r"\[background save of step 2\]"):
                 mgr.save(data, 3)
             assert len(held) == 1 and any(entry[2] == "stall" for entry in proxy.log)
             assert mgr.steps() == [1]
