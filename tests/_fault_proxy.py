@@ -16,6 +16,9 @@ random generator, whether to let it through or to fail it in one of these ways:
     the request goes to the server, but its response is cut short: the head and half the body reach
     the client, then the connection is reset (or, for a response without a body, half of the head).
 
+``hold`` (a function of a request's method and path) stalls the requests it picks, whatever the rate: with
+``stall_seconds=math.inf`` they are never answered (until the client gives up or the proxy closes).
+
 The server is real and so is every byte that is let through; only the failures are made here. With
 ``throttle`` (bytes per second, per connection) the bodies that pass go no faster than that: a slow network. Requests
 and responses are parsed just enough to find where each one ends (``Content-Length``, chunked transfer
@@ -43,7 +46,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -202,6 +205,8 @@ class FaultProxy:
         self.kinds = tuple(kinds)
         self.stall_seconds = stall_seconds
         self.throttle = throttle
+        #: Picks requests (by method and path, without the query) to stall, whatever the rate; None: none.
+        self.hold: Callable[[str, str], bool] | None = None
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._counts: dict[str, int] = dict.fromkeys(("requests", "passed", *FAULT_KINDS), 0)
@@ -219,10 +224,12 @@ class FaultProxy:
         with self._lock:
             return dict(self._counts)
 
-    def _decide(self) -> str | None:
+    def _decide(self, method: str, path: str) -> str | None:
+        held = self.hold is not None and self.hold(method, path)
         with self._lock:
             self._counts["requests"] += 1
-            fault = self._rng.choice(self.kinds) if self.kinds and self._rng.random() < self.rate else None
+            fault = "stall" if held else \
+                self._rng.choice(self.kinds) if self.kinds and self._rng.random() < self.rate else None
             self._counts[fault or "passed"] += 1
             return fault
 
@@ -272,8 +279,8 @@ class FaultProxy:
                 if headers.get("expect", "").lower() == "100-continue":
                     head = _without_header(head, "expect")
                     client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
-                fault = self._decide()
                 path = request_line.split(" ")[1].split("?")[0] if " " in request_line else "?"
+                fault = self._decide(method, path)
                 entry = [method, path, fault, None]
                 self.log.append(entry)
                 has_body = "content-length" in headers or "transfer-encoding" in headers

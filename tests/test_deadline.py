@@ -3,15 +3,17 @@ threads (ranged reads of a large object), and to the operations it runs inside (
 
 from __future__ import annotations
 
+import math
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from _fault_proxy import fault_proxy
-from helpers import CountingRetry
-from taskpoint import Checkpoint, RetryPolicy, StorageUnavailable
+from helpers import CountingRetry, make_tree, snapshot
+from taskpoint import Checkpoint, CheckpointManager, RetryPolicy, StorageUnavailable
 from taskpoint.storage import NO_DEADLINE, Deadline, objectstores
 
 
@@ -78,3 +80,52 @@ def test_a_parallel_ranged_read_from_a_stalled_store_ends_at_the_deadline(s3_ser
     # Generous: the stalls last 240 s, and botocore's read timeout (lowered to the deadline) with its retries
     # kept the old code here for over a minute.
     assert took < 40.0
+
+
+#: The small request of step 2's background save that the proxy holds, per way of saving in the background: a
+#: deduplicated save (a thread of this process) reads the sweepers' epoch; the save process checks the payload it
+#: uploaded (a HEAD). Both come after ``save(blocking=False)`` has returned.
+#: The retry deadline of the managers that meet a held request: short for a test, long enough for the requests
+#: that pass on a loaded machine (at load 14 on 2 cores, building a client's session alone took over 5 s).
+HELD_DEADLINE = 20.0
+HELD = {
+    "dedup-epoch-get": ({"dedup": True}, "GET", "/leases/epoch"),
+    "save-process-head": ({}, "HEAD", "/ckpt-2/payload-"),
+}
+
+
+@pytest.mark.timeout(300)  # the bound of every wait below: a save that hangs fails the test here
+@pytest.mark.parametrize("case", list(HELD))
+def test_a_background_save_whose_small_request_is_held_forever_fails_at_its_deadline_and_the_next_save_commits(
+        s3_server, tmp_path: Path, case: str) -> None:
+    """One small request of a background save is never answered (the proxy holds it until the client gives up).
+    The save fails at its retry deadline with StorageUnavailable naming the deadline; the error reaches the user
+    at the next save, which then does nothing else (docs/manager.md); step 2 is not committed; the save after
+    that commits, and every committed step restores."""
+    options_of_manager, method, part = HELD[case]
+    url = f"s3://taskpoint-tests/held-{case}-{os.getpid()}-{time.monotonic_ns()}/steps"
+    data = make_tree(tmp_path / "data")
+    held: list[str] = []
+
+    def hold(request_method: str, path: str) -> bool:
+        if request_method == method and part in path and not held:
+            held.append(path)
+            return True
+        return False
+
+    with fault_proxy(s3_server.endpoint, stall_seconds=math.inf) as proxy:
+        options = {**s3_server.storage_options, "endpoint_url": proxy.url}
+        with CheckpointManager(url, storage_options=options, retry=RetryPolicy(deadline=HELD_DEADLINE),
+                               **options_of_manager) as mgr:
+            mgr.save(data, 1)
+            proxy.hold = hold
+            mgr.save(data, 2, blocking=False)  # the held request is in its background part
+            with pytest.raises(StorageUnavailable, match=rf"retry deadline of {HELD_DEADLINE:g} s passed .*"
+                                                         r"\[background save of step 2\]"):
+                mgr.save(data, 3)
+            assert len(held) == 1 and any(entry[2] == "stall" for entry in proxy.log)
+            assert mgr.steps() == [1]
+            mgr.save(data, 3)
+            assert mgr.steps() == [1, 3]
+            for step in (1, 3):
+                assert snapshot(mgr.restore(step)) == snapshot(data)

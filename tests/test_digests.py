@@ -6,8 +6,8 @@ import gc
 import hashlib
 import os
 import threading
-import time
 
+from helpers import wait_until
 from taskpoint.digests import BATCH_BYTES, HashBehind, streaming_hash
 from taskpoint.transfer import HashingWriter
 
@@ -67,8 +67,4 @@ def test_a_writer_dropped_midway_ends_its_hashing_thread():
     assert len(_hash_threads()) == before + 1
     del writer
     gc.collect()
-    for _ in range(200):  # the thread hashes what it holds, then ends
-        if len(_hash_threads()) == before:
-            break
-        time.sleep(0.05)
-    assert len(_hash_threads()) == before
+    assert wait_until(lambda: len(_hash_threads()) == before)  # the thread hashes what it holds, then ends

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import _location_fixture
-from helpers import process_gone, wait_until
+from helpers import ORPHAN_EXIT_SLACK, process_gone, wait_until
 from taskpoint import CheckpointManager
 from test_local_tier import plain, tiered
 
@@ -124,7 +124,7 @@ def kill_campaign(remote, tmp_path: Path, trials: int, seed: int) -> dict[str, i
             code = trainer.process.wait(60)
             outcomes["finished" if code == 0 else victim] += 1
             for helper in trainer.helpers:  # an orphaned save process finishes its commit, then exits
-                assert process_gone(helper, 30), helper
+                assert process_gone(helper, ORPHAN_EXIT_SLACK), helper
         finally:
             with contextlib.suppress(ProcessLookupError):
                 trainer.process.kill()

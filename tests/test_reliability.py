@@ -72,10 +72,12 @@ def test_no_resource_leaks(servers, tmp_path):
 
 
 def test_concurrent_writers_and_a_reader(servers, tmp_path):
-    _check(concurrency.run(servers, ("local",), QUICK_COUNTS["concurrency_seconds"], tmp_path))
+    _check(concurrency.run(servers, ("local",), QUICK_COUNTS["concurrency_seconds"], QUICK_COUNTS["concurrency_loads"],
+                          tmp_path))
 
 
 def test_concurrent_writers_and_a_reader_on_s3(servers, tmp_path):
     """Two processes saving one destination on S3 while a third loads: the record is written with a conditional
     PUT (If-Match on the ETag read), so neither writer drops the other's entry and every load is verified."""
-    _check(concurrency.run(servers, ("s3",), QUICK_COUNTS["concurrency_seconds"], tmp_path))
+    _check(concurrency.run(servers, ("s3",), QUICK_COUNTS["concurrency_seconds"], QUICK_COUNTS["concurrency_loads"],
+                          tmp_path))

@@ -124,7 +124,7 @@ def test_the_helper_exits_when_its_parent_is_killed(tmp_path):
         os.kill(helper, 0)  # alive while its parent is
         parent.kill()
         parent.wait(TIMEOUT)
-        assert process_gone(helper, 10), "the save process outlived its killed parent"
+        assert process_gone(helper, TIMEOUT), "the save process outlived its killed parent"
     finally:
         parent.kill()
         parent.wait(TIMEOUT)

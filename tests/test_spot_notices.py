@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 import taskpoint
+from helpers import wait_until
 from taskpoint import preemption
 
 STOP_AT = time.time() + 120
@@ -125,14 +126,11 @@ def test_the_poller_thread_notices_within_its_interval_and_survives_an_unreachab
     poller = preemption.NoticePoller("aws", url=cloud.url, interval=0.05).start()
     try:
         with caplog.at_level(logging.DEBUG, logger="taskpoint"):
-            time.sleep(0.3)
+            assert wait_until(lambda: any("could not poll the gcp preemption notice" in r.getMessage()
+                                          for r in caplog.records))  # the dead service's first poll failed
             assert preemption.notice() is None
             cloud.noticed = True
-            end = time.monotonic() + 10
-            while preemption.notice() is None and time.monotonic() < end:
-                time.sleep(0.01)
-        assert preemption.notice() is not None
-        assert any("could not poll the gcp preemption notice" in r.getMessage() for r in caplog.records)
+            assert wait_until(lambda: preemption.notice() is not None)
         assert dead._thread is not None and dead._thread.is_alive()  # kept trying
     finally:
         dead.stop()

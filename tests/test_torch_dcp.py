@@ -247,10 +247,10 @@ class FailAfter(FaultProxy):
         self.passing = passing
         self._seen = 0
 
-    def _decide(self) -> str | None:
+    def _decide(self, method: str, path: str) -> str | None:
         self._seen += 1
         self.rate = 0.0 if self._seen <= self.passing else 1.0
-        return super()._decide()
+        return super()._decide(method, path)
 
 
 def test_storage_failing_midway_commits_nothing_and_the_previous_checkpoint_loads(s3_server: Any,

@@ -342,3 +342,58 @@ def test_mmap_that_is_not_a_bool_is_a_type_error(tmp_path, bad):
             tpt.load_state_dict_sync(m, mmap=bad)
         with pytest.raises(TypeError, match="mmap is True or False"):
             anyio.run(lambda: tpt.load_state_dict(m, mmap=bad))
+
+
+def _flip(at: int):  # noqa: ANN202  (the damages below: the file's bytes in, the damaged bytes out)
+    def damage(data: bytes) -> bytes:
+        at_ = at if at >= 0 else len(data) + at
+        return data[:at_] + bytes([data[at_] ^ 0xFF]) + data[at_ + 1:]
+    return damage
+
+
+#: Every way a state-dict step's file can differ from what was committed: a flipped byte in its first, a middle
+#: and its last piece, cut short, and one byte appended (which a PyTree step's check refuses too).
+STATE_DAMAGE = {
+    "flipped-in-the-first-piece": _flip(100),
+    "flipped-in-a-middle-piece": _flip(5 * 65536 + 123),
+    "flipped-in-the-last-piece": _flip(-300),
+    "truncated": lambda data: data[:-10],
+    "one-byte-appended": lambda data: data + b"\0",
+}
+
+
+def large_state(seed: int) -> dict[str, object]:
+    """About 1 MiB in tensors: 16 pieces of 64 KiB, so that ``torch.load`` reads across many pieces."""
+    generator = torch.Generator().manual_seed(seed)
+    return {f"layer{i}": torch.randn(16384, generator=generator) for i in range(16)}
+
+
+@pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
+@pytest.mark.parametrize("damage", list(STATE_DAMAGE))
+def test_every_damage_of_a_state_dict_step_is_corrupt_on_every_read_and_fallback_loads_the_older_step(
+        store, monkeypatch, damage):
+    """Whatever differs in the step's file, every read path raises CheckpointCorruptError (never what torch.load
+    makes of a failed read, such as "ValueError: read of closed file"), fallback=True loads the older step, and
+    verify() reports the step damaged."""
+    monkeypatch.setattr("taskpoint.torch._state_kind.PIECE_SIZE", 65536)
+    directory = store.url("steps")
+    with CheckpointManager(directory, storage_options=store.storage_options) as m:
+        m.save(tpt.StateDict(large_state(1)), 1)
+        m.save(tpt.StateDict(large_state(2)), 2)
+        fs = store.fs()
+        (path,) = fs.glob(f"{directory}/ckpt-2/state-*.pt")
+        fs.pipe_file(path, STATE_DAMAGE[damage](fs.cat_file(path)))
+        for mmap in (False, True):
+            with pytest.raises(CheckpointCorruptError, match=r"step 2 .* is damaged"):
+                tpt.load_state_dict_sync(m, 2, mmap=mmap)
+        with pytest.raises(CheckpointCorruptError, match=r"step 2 .* is damaged"):
+            m.restore(2)
+        with pytest.raises(CheckpointCorruptError, match=r"step 2 .* is damaged"), m.open(2, tpt.STATE_FILE) as f:
+            f.read()
+        for step in (2, None):
+            for mmap in (False, True):
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    assert_same(tpt.load_state_dict_sync(m, step, fallback=True, mmap=mmap), large_state(1))
+                assert any("step 2" in str(w.message) for w in caught)
+        assert [s.state for s in m.verify().steps] == ["healthy", "damaged"]

@@ -17,6 +17,7 @@ FULL_COUNTS = {
     "roundtrip": {"memory": 150, "local": 150, "s3": 40},
     "resource_cycles": 1000,
     "concurrency_seconds": 30.0,
+    "concurrency_loads": 100,
     "manifest_damage": {"local": 1000, "s3": 100},
     "kill_after_return": {"local": 20, "s3": 20},
 }
@@ -28,6 +29,7 @@ QUICK_COUNTS = {
     "roundtrip": {"memory": 20, "local": 20, "s3": 6},
     "resource_cycles": 100,
     "concurrency_seconds": 5.0,
+    "concurrency_loads": 20,
     "manifest_damage": {"local": 100},
     "kill_after_return": {"local": 6, "s3": 6},
 }

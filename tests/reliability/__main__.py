@@ -46,7 +46,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stores", default=",".join(STORES),
                    help="comma-separated stores the scenarios may use (default all: local,memory,s3,gcs,azure)")
     p.add_argument("--trials", type=int, help="one count for everything: trials per store and mode, cycles, "
-                                              "examples, and seconds of concurrency (for development)")
+                                              "examples, and seconds and loads of concurrency (for development)")
     p.add_argument("--sigkill", type=_store_counts, help="SIGKILL trials per mode, e.g. local=50,s3=20,gcs=10,azure=10")
     p.add_argument("--sigkill-modes", default=",".join(("checkpoint", "manager", "background-trainer",
                                                         "background-helper")),
@@ -55,7 +55,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-outage", action="store_true", help="skip the 100%% fault runs")
     p.add_argument("--roundtrip", type=_store_counts, help="Hypothesis examples, e.g. memory=150,local=150,s3=40")
     p.add_argument("--resource-cycles", type=int, help="save/load cycles of the resources scenario")
-    p.add_argument("--concurrency-seconds", type=float, help="how long the writers of the concurrency scenario run")
+    p.add_argument("--concurrency-seconds", type=float,
+                   help="the least time the concurrency scenario's reader races the writers")
+    p.add_argument("--concurrency-loads", type=int, help="the least number of loads of the concurrency scenario")
     p.add_argument("--manifest-damage", type=_store_counts,
                    help="damaged manifests and records per store, e.g. local=1000,s3=100")
     p.add_argument("--seed", type=int, default=20261201, help="seed of every random choice (default %(default)s)")
@@ -75,6 +77,7 @@ def plan(args: argparse.Namespace) -> dict:
         counts["kill_after_return"] = dict.fromkeys(counts["kill_after_return"], n)
         counts["resource_cycles"] = n
         counts["concurrency_seconds"] = float(n)
+        counts["concurrency_loads"] = n
     for name in ("sigkill", "fault_cycles", "roundtrip", "manifest_damage"):
         if getattr(args, name) is not None:
             counts[name] = getattr(args, name)
@@ -82,6 +85,8 @@ def plan(args: argparse.Namespace) -> dict:
         counts["resource_cycles"] = args.resource_cycles
     if args.concurrency_seconds is not None:
         counts["concurrency_seconds"] = args.concurrency_seconds
+    if args.concurrency_loads is not None:
+        counts["concurrency_loads"] = args.concurrency_loads
     if args.no_outage:
         counts["outage"] = {}
     stores = set(args.stores.split(","))
@@ -127,7 +132,8 @@ def run(args: argparse.Namespace) -> tuple[list[Result], dict]:
                     results += resources.run(servers, counts["resource_cycles"], sub, use_s3="s3" in stores)
                 elif scenario == "concurrency":
                     kinds = tuple(k for k in ("local", "s3", "gcs", "azure") if k in stores)
-                    results += concurrency.run(servers, kinds, counts["concurrency_seconds"], sub)
+                    results += concurrency.run(servers, kinds, counts["concurrency_seconds"], counts["concurrency_loads"],
+                                               sub)
                 elif scenario == "hostile":
                     results += hostile.run(sub)
                 elif scenario == "manifests":

@@ -27,6 +27,7 @@ _CHILD = textwrap.dedent("""
     from reliability._common import check_state, describe_exception, write_state
 
     cycles, scratch, s3 = int(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
+    SETTLE_SECONDS = 60  # the bound of a measure's settling: ample on a loaded machine, ended as soon as settled
     tmp = Path(os.environ["TMPDIR"])
     tempfile.tempdir = str(tmp)
     me = os.getpid()
@@ -96,8 +97,8 @@ _CHILD = textwrap.dedent("""
         return out
 
     def measure():
-        deadline = time.monotonic() + 10
-        while True:  # settle: give finishing threads and exiting children a moment, up to 10 s
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while True:  # settle: give finishing threads and exiting children a moment (returns once they are gone)
             gc.collect()
             time.sleep(0.3)
             # The shared pools' threads (taskpoint.executors) stay for the next operation, bounded by the pools'

@@ -55,7 +55,7 @@ class CheckpointIO(_LightningCheckpointIO):
         self.storage_options = dict(storage_options or {})
         self.retry = retry
         self.progress = progress
-        _last.install()
+        _last.install(CheckpointIO)
 
     def _checkpoint(self, path: str | os.PathLike[str]) -> taskpoint.Checkpoint:
         return taskpoint.Checkpoint(os.fspath(path), os.fspath(path), storage_options=self.storage_options,

@@ -15,8 +15,9 @@ from __future__ import annotations
 import functools
 import os
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+import fsspec
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
@@ -25,19 +26,23 @@ from lightning.pytorch.utilities import rank_zero_warn
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from ._io import CheckpointIO
-
 _MARK = "__taskpoint_last__"
 
 
-def plugin_of(trainer: pl.Trainer) -> CheckpointIO | None:
-    """The trainer's taskpoint plug-in, also when wrapped (``AsyncCheckpointIO``); None when it has none."""
-    from ._io import CheckpointIO
+class Lister(Protocol):
+    """What ``"last"`` needs of the plug-in: its filesystem for a folder. The plug-in's class is handed to
+    :func:`install` rather than imported here, so that ``_io`` (which installs) and this module form no cycle."""
 
+    def filesystem(self, path: str | os.PathLike[str]) -> tuple[fsspec.AbstractFileSystem, str]: ...
+
+
+def plugin_of(trainer: pl.Trainer, plugin_type: type[Lister]) -> Lister | None:
+    """The trainer's plug-in of ``plugin_type``, also when wrapped (``AsyncCheckpointIO``); None when it has
+    none."""
     io: Any = trainer.strategy.checkpoint_io
     while isinstance(io, _WrappingCheckpointIO):
         io = io.checkpoint_io
-    return io if isinstance(io, CheckpointIO) else None
+    return io if isinstance(io, plugin_type) else None
 
 
 def checkpoint_folder(callback: ModelCheckpoint, trainer: pl.Trainer) -> str:
@@ -48,7 +53,7 @@ def checkpoint_folder(callback: ModelCheckpoint, trainer: pl.Trainer) -> str:
     return str(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))  # type: ignore[attr-defined]
 
 
-def find_last(trainer: pl.Trainer, plugin: CheckpointIO) -> str | None:
+def find_last(trainer: pl.Trainer, plugin: Lister) -> str | None:
     """The ``last*.ckpt`` modified most recently in the folders of the trainer's ``ModelCheckpoint`` callbacks,
     as a full URI (a local path on local disk), or None."""
     mtimes: dict[str, float] = {}
@@ -84,8 +89,9 @@ def _hint(trainer: pl.Trainer) -> str:
     return f" (looked for last*.ckpt in {folders}: none saved there yet)"
 
 
-def install() -> None:
-    """Wrap ``_CheckpointConnector._parse_ckpt_path`` once per process (see the module's docstring)."""
+def install(plugin_type: type[Lister]) -> None:
+    """Wrap ``_CheckpointConnector._parse_ckpt_path`` once per process (see the module's docstring), for the
+    trainers whose checkpoint plug-in is a ``plugin_type``."""
     original = _CheckpointConnector._parse_ckpt_path
     if getattr(original, _MARK, False):
         return
@@ -93,7 +99,7 @@ def install() -> None:
     @functools.wraps(original)
     def parse_ckpt_path(self: _CheckpointConnector, state_fn: Any, ckpt_path: Any, model_provided: bool,
                         model_connected: bool) -> Any:
-        plugin = plugin_of(self.trainer) if ckpt_path == "last" else None
+        plugin = plugin_of(self.trainer, plugin_type) if ckpt_path == "last" else None
         if plugin is None:
             return original(self, state_fn, ckpt_path, model_provided=model_provided,
                             model_connected=model_connected)

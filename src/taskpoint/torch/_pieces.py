@@ -97,7 +97,8 @@ class PieceReader(io.RawIOBase):
     """A read-only, seekable file of ``size`` bytes whose pieces are checked against ``digests`` (of the hash
     ``piece_hash``) on threads, ahead of the reads, in :func:`check_order`; a read returns bytes only once every
     piece they lie in has checked, and checks on its own thread those no thread has started on (rather than wait
-    behind the pieces queued before them). ``damaged(index)`` is the error a piece that differs raises.
+    behind the pieces queued before them). ``damaged(index)`` is the error a piece that differs raises (the last
+    piece also when the file is longer than ``size``).
 
     From an object store, ``fetch(start, length)`` returns a piece's bytes, kept until :meth:`close` (the file
     is held in memory once, as a load of the state dict needs it anyway). From local disk, ``fd`` (an open file,
@@ -126,14 +127,18 @@ class PieceReader(io.RawIOBase):
         self._settled = 0  # how many pieces at the head of the order have been checked
 
     def _checked(self, index: int) -> bytes:
-        """The piece's bytes (b"" from a local file, read again by :meth:`readinto`) once its digest checks."""
+        """The piece's bytes (b"" from a local file, read again by :meth:`readinto`) once its digest checks. The
+        last piece checks also that the file ends where it should: bytes appended to it are damage too."""
         start = index * self._piece_size
         length = min(self._piece_size, self._size - start)
+        last = index == len(self._digests) - 1
         if self._fd is not None:
             data, digest = b"", _hash_range(self._fd, start, length, piece_hasher(self._piece_hash))
+            if last and os.fstat(self._fd).st_size != self._size:
+                digest = ""
         else:
             assert self._fetch is not None
-            data = self._fetch(start, length)
+            data = self._fetch(start, length + last)  # one byte past the end of the last piece: there is none
             hasher = piece_hasher(self._piece_hash)
             hasher.update(data)
             digest = hasher.hexdigest() if len(data) == length else ""

@@ -136,7 +136,8 @@ class StateDictKind:
             return CheckpointCorruptError(
                 f"step {step} in {steps.directory} is damaged: piece {index} of {content.file} (bytes from "
                 f"{index * content.piece_size}) does not match the {content.piece_hash} of its manifest (or the file "
-                f"is shorter than its {size} bytes). Restore an older step (fallback=True), or save it again.")
+                f"is not the {size} bytes it was saved with). Restore an older step (fallback=True), or save it "
+                "again.")
 
         if source.is_local:
             try:
