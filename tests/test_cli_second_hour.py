@@ -95,7 +95,7 @@ def test_ls_columns_line_up_with_long_values(capsys, tmp_path):
         assert row[starts["MARK"] - 2:starts["MARK"]] == "  " and row[starts["MARK"]] != " ", out
     # Numbers align right: each step and size ends where its header does.
     ends = {name: header.index(name) + len(name) for name in ("STEP", "SIZE")}
-    for row, step, size in zip(rows, ("8", "500008"), ("6 B", "11 B")):
+    for row, step, size in zip(rows, ("8", "500008"), ("6 B", "11 B"), strict=True):
         assert row[:ends["STEP"]].endswith(step) and row[:ends["SIZE"]].endswith(" " + size), out
 
 

@@ -344,7 +344,7 @@ def test_mmap_that_is_not_a_bool_is_a_type_error(tmp_path, bad):
             anyio.run(lambda: tpt.load_state_dict(m, mmap=bad))
 
 
-def _flip(at: int):  # noqa: ANN202  (the damages below: the file's bytes in, the damaged bytes out)
+def _flip(at: int):  # the damages below: the file's bytes in, the damaged bytes out
     def damage(data: bytes) -> bytes:
         at_ = at if at >= 0 else len(data) + at
         return data[:at_] + bytes([data[at_] ^ 0xFF]) + data[at_ + 1:]

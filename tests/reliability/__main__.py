@@ -132,8 +132,8 @@ def run(args: argparse.Namespace) -> tuple[list[Result], dict]:
                     results += resources.run(servers, counts["resource_cycles"], sub, use_s3="s3" in stores)
                 elif scenario == "concurrency":
                     kinds = tuple(k for k in ("local", "s3", "gcs", "azure") if k in stores)
-                    results += concurrency.run(servers, kinds, counts["concurrency_seconds"], counts["concurrency_loads"],
-                                               sub)
+                    results += concurrency.run(servers, kinds, counts["concurrency_seconds"],
+                                               counts["concurrency_loads"], sub)
                 elif scenario == "hostile":
                     results += hostile.run(sub)
                 elif scenario == "manifests":

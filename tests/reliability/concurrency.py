@@ -142,7 +142,7 @@ def run_case(servers: Servers, kind: str, mode: str, seconds: float, loads: int,
             writers = [subprocess.Popen(
                 [sys.executable, "-c", CHILD_PRELUDE + _WRITER, who, mode, target, options, str(SIZES[kind]),
                  str(marker), str(stop), str(work / who)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                env=env) for who, marker in zip(("A", "B"), ready)]
+                env=env) for who, marker in zip(("A", "B"), ready, strict=True)]
             try:
                 reader = subprocess.run(
                     [sys.executable, "-c", CHILD_PRELUDE + _READER, mode, target, options, str(loads), str(seconds),

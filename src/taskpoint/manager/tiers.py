@@ -167,10 +167,7 @@ class LocalTier:
         remote = {step for step, folder in self._steps.scan().items() if folder.committed}
         local = set(self.local.steps())
         vote = RankVote.of_initialized() if self._ranks.distributed else None
-        if self._ranks.distributed:
-            agreed = vote.common(local) if vote is not None else set()
-        else:
-            agreed = local
+        agreed = (vote.common(local) if vote is not None else set()) if self._ranks.distributed else local
         if step is not None and step not in agreed | remote:
             raise FileNotFoundError(f"step {step} exists on neither tier ({self.local.directory}, "
                                     f"{self._steps.directory})")
