@@ -152,7 +152,8 @@ def _cases() -> Any:
     cases = []
     for store, group, one, restarts in bounded:
         name = f"{'process-group' if group else 'storage'}-{'one-rank' if one else 'all-ranks'}-restarts{restarts}"
-        cases.append(pytest.param(store, group, one, restarts, 1, id=f"1-{name}-{store}"))
+        cases.append(pytest.param(store, group, one, restarts, 1, id=f"1-{name}-{store}",
+                                  marks=pytest.mark.timeout(2 * READY_WITHIN + 2 * EXIT_WITHIN)))
         cases.append(pytest.param(store, group, one, restarts, 5, id=f"5-{name}-{store}",
                                   marks=[pytest.mark.timeout(3000),
                                          pytest.mark.campaign("5 preemptions under the real torchrun per case")]))
