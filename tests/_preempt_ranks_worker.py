@@ -10,7 +10,9 @@ Modes:
             slower) and changes the state; ``should_save(step)`` every step and ``save`` when it says so (every
             ``every`` steps, and at the agreed stop after a notice, where the manager's emergency save of
             ``on_preemption`` ends the process with 128 + signal). With ``group``, a gloo process group and one
-            all-reduce per step (the gradients' place), as data-parallel training has.
+            all-reduce per step (the gradients' place), as data-parallel training has. With ``restarted_ends``,
+            a process that torchrun's agent restarted (``TORCHELASTIC_RESTART_COUNT`` > 0) ends with 0 once
+            it printed where it resumed (without a process group: see ``train``).
 ``handed``  save steps in the background; after the save of ``kill_step`` returned, print ``handed`` with the
             save process's pid and wait to be SIGKILLed.
 ``resume``  print the newest committed step and the sha256 of this rank's shard of it, then exit 0.
@@ -48,7 +50,10 @@ def manager(args: dict[str, Any], **more: Any) -> taskpoint.CheckpointManager:
 
 def train(args: dict[str, Any]) -> None:
     group = None
-    if args.get("group"):
+    restarted = bool(args.get("restarted_ends")) and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    # A gloo group of workers the agent restarted does not connect under torch 2.13 (connectFullMesh:
+    # connection refused, with a plain script too; pytorch/pytorch#167288 for NCCL): restarted workers only resume.
+    if args.get("group") and not restarted:
         import torch
         import torch.distributed as dist
 
@@ -60,7 +65,11 @@ def train(args: dict[str, Any]) -> None:
     latest = mgr.latest_step()
     if latest is not None:
         state, step = mgr.restore(latest).read_bytes(), latest
-    say(event="resumed", rank=rank, step=latest, sha=digest(state))
+    say(event="resumed", rank=rank, step=latest, sha=digest(state),
+        restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    if restarted:
+        mgr.close()
+        return
     pause = args["base"] * args["factor"][rank]
     try:
         while True:

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -314,3 +315,76 @@ def test_a_rank_that_never_joins_the_collective_ends_the_others_at_the_deadline(
     assert "did not answer the preemption agreement" in err and "without an emergency step" in err
     with taskpoint.CheckpointManager(tmp_path / "steps", world_size=1, preemption=False) as reader:
         assert reader.steps() == []
+
+
+# -- a rank > 0 waits for rank 0 to settle the emergency step; a rank that is gone is not waited for ----------
+
+
+def test_a_rank_waits_for_rank_zeros_commit_and_tells_each_outcome(tmp_path: Path) -> None:
+    """await_commit (what a rank > 0 does after storing its emergency shard, so that it never exits first and
+    lets a launcher tear down the others): committed once rank 0's manifest names its shard; abandoned when
+    rank 0 gave up (it removes the records); rank 0 gone; and the bound."""
+    from taskpoint.manager.shards import await_commit
+
+    directory = tmp_path / "steps"
+    with taskpoint.CheckpointManager(directory, rank=1, world_size=2, preemption=False) as rank1:
+        rank1.save(b"rank 1's shard", 3)
+
+        def commit() -> None:
+            with taskpoint.CheckpointManager(directory, rank=0, world_size=2, preemption=False) as rank0:
+                rank0.save(b"rank 0's shard", 3)
+
+        committer = threading.Thread(target=commit)
+        committer.start()
+        assert await_commit(rank1._steps, 1, 3, 120, set) == "committed"
+        committer.join(60)
+        rank1.save(b"rank 1's shard", 4)
+        assert await_commit(rank1._steps, 1, 4, 120, lambda: {0}) == "rank 0 gone"
+        assert await_commit(rank1._steps, 1, 4, 0.3, set) == "timed out"
+    with taskpoint.CheckpointManager(directory, rank=1, world_size=3, preemption=False) as rank1:
+        rank1.save(b"rank 1's shard", 5)  # rank 2 never stores one: rank 0 abandons the step
+        rank0 = taskpoint.CheckpointManager(directory, rank=0, world_size=3, preemption=False, commit_timeout=0.5)
+        with pytest.raises(taskpoint.StepAbandonedError):
+            rank0.save(b"rank 0's shard", 5)
+        assert await_commit(rank1._steps, 1, 5, 120, set) == "abandoned"
+    with taskpoint.CheckpointManager(directory, world_size=1, preemption=False) as reader:
+        assert reader.steps() == [3]
+
+
+GONE_RANK = """
+import os, signal, sys
+import taskpoint
+from taskpoint import preemption
+mgr = taskpoint.CheckpointManager(sys.argv[1], rank=1, world_size=2, commit_timeout=60, on_preemption=lambda: b"x")
+preemption.notify(signal.SIGTERM)
+assert not mgr.should_save(5)  # publishes the step it reached, then the process is gone
+os._exit(0)
+"""
+
+
+def test_rank_zero_abandons_the_emergency_step_at_once_when_a_rank_of_its_host_is_gone(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Rank 1 published the step it reached and its process ended: rank 0 (commit_timeout 300 s) agrees on the
+    stop, saves its shard, and abandons the step because rank 1's process is gone, not at its timeout; it ends
+    with 143 and no step, saying why."""
+    from taskpoint import preemption
+
+    directory = tmp_path / "steps"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    gone = subprocess.run([sys.executable, "-c", GONE_RANK, str(directory)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert gone.returncode == 0, gone.stderr
+    rank0 = taskpoint.CheckpointManager(directory, rank=0, world_size=2, commit_timeout=300,
+                                        on_preemption=lambda: b"rank 0's state")
+    try:
+        preemption.notify(signal.SIGTERM)
+        assert not rank0.should_save(5)  # rank 0 publishes step 5 too: every rank stops at 6
+        with caplog.at_level("WARNING", logger="taskpoint"), pytest.raises(taskpoint.Preempted) as raised:
+            rank0.save(b"regular", 6)  # the safe point at the agreed stop: the emergency save of step 6
+        assert raised.value.code == 143 and raised.value.step is None
+        assert "the processes of ranks [1] are gone" in caplog.text, caplog.text
+        with taskpoint.CheckpointManager(directory, world_size=1, preemption=False) as reader:
+            assert reader.steps() == []
+    finally:
+        rank0.close()
+        preemption.clear()

@@ -377,6 +377,39 @@ def test_a_second_sigterm_outside_an_emergency_save_ends_the_process(tmp_path: P
     assert proc.returncode == -signal.SIGTERM
 
 
+ENDING = """
+import logging, os, signal, sys, time
+from taskpoint import preemption
+if sys.argv[1] == "configured":
+    logging.basicConfig(format="app: %(message)s")
+preemption.install()
+os.kill(os.getpid(), signal.SIGTERM)  # the notice
+with preemption.emergency():
+    os.kill(os.getpid(), signal.SIGTERM)  # the platform, or a launcher, signals again during the save
+    os.kill(os.getpid(), signal.SIGTERM)
+preemption.ending("taskpoint: test: saved step %d at %s", 7, "the place")
+os.kill(os.getpid(), signal.SIGTERM)  # a launcher's SIGTERM to every process once one of them exited
+raise SystemExit(143)
+"""
+
+
+@pytest.mark.parametrize("logging_configured", [False, True], ids=["no-logging", "logging-configured"])
+def test_the_end_of_a_preempted_process_says_what_it_saved_and_repeated_sigterms_keep_its_status_143(
+        logging_configured: bool) -> None:
+    """The line naming the step and where is printed once, also when the application configured no logging
+    (the package's NullHandler would swallow it); repeated SIGTERMs during the save are counted in a line of
+    their own; and a SIGTERM while the process ends after the save leaves its status 143 (the default disposition
+    would make it -15)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-c", ENDING, "configured" if logging_configured else "bare"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 143, proc.stderr
+    assert proc.stderr.count("taskpoint: test: saved step 7 at the place") == 1, proc.stderr
+    absorbed = "SIGTERM arrived 2 more time(s) during the emergency save; absorbed"
+    if logging_configured:  # (an ordinary WARNING: shown where the application shows the package's lines)
+        assert "app: taskpoint: test: saved step 7" in proc.stderr and absorbed in proc.stderr
+
+
 # -- a background save outlives the trainer ------------------------------------------------------------------
 
 KILLED_TRAINER = """

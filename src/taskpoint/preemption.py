@@ -12,7 +12,13 @@ which saves and ends the process. A program that reaches none still ends by the 
 (``TASKPOINT_GRACE_SECONDS`` after the notice) a watchdog thread delivers it again, and a *second* such
 signal while no emergency save runs restores the default and delivers it once more. During an emergency
 save further signals are only counted and the deadline waits (the save runs to its commit, then the
-process ends; the platform's ``SIGKILL`` remains the hard limit).
+process ends; the platform's ``SIGKILL`` remains the hard limit); the count is logged once the save ends.
+Once the emergency save committed and the process ends (:func:`ending`), a repeated signal is absorbed too:
+a launcher that signals every process again when one of them exits (torchrun's agent does, SIGKILL 30 s
+later) must leave the exit status 128 + signal. The signal is then ignored (``SIG_IGN``, from the main thread):
+the interpreter's exit puts the default disposition back before it unloads the modules (with torch loaded,
+a second or more), and the default would end the process by the signal instead (status -15, not 143). Off
+the main thread the handler absorbs it until the deadline. :func:`clear` puts the handler back.
 ``SIG_IGN`` stays ignored (the notice is still recorded).
 
 Handlers are installed only from the main thread (Python's rule), once per signal, and work under asyncio and
@@ -77,6 +83,12 @@ _notice: Notice | None = None
 _count = 0
 _signalled = 0
 _saving = 0
+#: Signals only counted because an emergency save ran or the process was ending after one.
+_absorbed = 0
+#: Set by :func:`ending`: the emergency save committed and the process is ending with 128 + signal.
+_ending = False
+#: The signals :func:`ending` set to ``SIG_IGN`` (our handler goes back on them at :func:`clear`).
+_ignored: set[int] = set()
 _install_lock = threading.Lock()
 #: Set by the handler when a signal with the default disposition arrived: the watchdog's deadline starts.
 _armed = threading.Event()
@@ -190,23 +202,64 @@ def notify(signum: int = signal.SIGTERM, *, deadline: float | None = None) -> No
 
 def clear() -> None:
     """Forget the notice (a new attempt in the same process after an emergency save)."""
-    global _notice, _count, _signalled
-    _notice, _count, _signalled = None, 0, 0
+    global _notice, _count, _signalled, _absorbed, _ending
+    _notice, _count, _signalled, _absorbed, _ending = None, 0, 0, 0, False
+    if threading.current_thread() is threading.main_thread():
+        for sig in list(_ignored):
+            if signal.getsignal(sig) == signal.SIG_IGN:
+                signal.signal(sig, _handle)
+            _ignored.discard(sig)
 
 
 @contextlib.contextmanager
 def emergency() -> Iterator[None]:
-    """While inside, a repeated signal is only counted: the emergency save runs to its commit."""
+    """While inside, a repeated signal is only counted: the emergency save runs to its commit. On the way out
+    a line at WARNING says how many were absorbed, if any."""
     global _saving
+    before = _absorbed
     _saving += 1
     try:
         yield
     finally:
         _saving -= 1
+        if _absorbed > before:
+            name = _notice.name if _notice is not None else "the signal"
+            _logger.warning("taskpoint: %s arrived %d more time(s) during the emergency save; absorbed, so that "
+                            "the save ran to its end", name, _absorbed - before)
+
+
+def ending(message: str, *args: object) -> None:
+    """The process is about to end with 128 + signal after its emergency save: log ``message % args`` at
+    WARNING, also on stderr when the application configured no logging (the package's own ``NullHandler``
+    would swallow it: a preempted process must say what it saved and where), and absorb repeated signals from
+    now on (see the module's docstring)."""
+    global _ending
+    _ending = True
+    if threading.current_thread() is threading.main_thread():
+        with _install_lock:
+            for sig, previous in _previous.items():
+                if previous in (signal.SIG_DFL, None) and signal.getsignal(sig) is _handle:
+                    signal.signal(sig, signal.SIG_IGN)
+                    _ignored.add(sig)
+    if not _logger.isEnabledFor(logging.WARNING):
+        return
+    _logger.warning(message, *args, stacklevel=2)
+    if not _shown(_logger) and logging.lastResort is not None:
+        logging.lastResort.handle(_logger.makeRecord(_logger.name, logging.WARNING, "", 0, message, args, None))
+
+
+def _shown(logger: logging.Logger) -> bool:
+    """Whether a handler other than a ``NullHandler`` on ``logger`` or its ancestors takes WARNING records."""
+    current: logging.Logger | None = logger
+    while current is not None:
+        if any(not isinstance(h, logging.NullHandler) and h.level <= logging.WARNING for h in current.handlers):
+            return True
+        current = current.parent if current.propagate else None
+    return False
 
 
 def _handle(signum: int, frame: FrameType | None) -> None:
-    global _signalled
+    global _signalled, _absorbed
     _signalled += 1
     first = _signalled == 1
     notify(signum)
@@ -217,7 +270,9 @@ def _handle(signum: int, frame: FrameType | None) -> None:
         return
     elif first:
         _armed.set()  # the default would have ended the process: it ends at the deadline at the latest
-    elif not _saving:
+    elif _saving or (_ending and _notice is not None and time.time() < _notice.deadline):
+        _absorbed += 1  # the emergency save runs to its end; the process ends with 128 + signal after it
+    else:
         # The default disposition, signalled again with no emergency save running: end as it would have.
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
@@ -13,7 +12,6 @@ from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 
 from taskpoint import preemption
 
-_logger = logging.getLogger("taskpoint")
 
 #: The exit status after a preemption save: 128 + SIGTERM, what a process ended by SIGTERM reports, so that an
 #: orchestrator counts the attempt as failed and retries it (never 0, which would end the task as done).
@@ -87,9 +85,8 @@ class SaveOnPreemption(Callback):
             trainer.save_checkpoint(path)
             _wait_for_commit(trainer)
             trainer.strategy.barrier("taskpoint.lightning.SaveOnPreemption")
-        _logger.warning("preempted (%s): saved step %d to %s; exiting with status %d",
-                        notice.name if notice else "another rank", trainer.global_step, path,
-                        self.exit_status)
+        preemption.ending("taskpoint: preempted (%s): saved step %d to %s; exiting with status %d",
+                          notice.name if notice else "another rank", trainer.global_step, path, self.exit_status)
         raise SystemExit(self.exit_status)
 
 

@@ -19,6 +19,16 @@ give shards of different steps, which rank 0 never commits. So the answer of ``r
   ``commit_timeout`` (and never past the notice's deadline): a rank that never answers does not hold the
   others, who then end without an emergency step (:class:`NoAgreement`).
 
+Under a launcher that tears the job down when one process exits (torchrun's elastic agent signals every
+other rank, and SIGKILLs them 30 s later; with ``--max-restarts`` it then restarts them all), a rank that ended
+early would cost the others their emergency step. So no rank ends before the step is settled: ranks > 0 wait,
+after storing their shard, until rank 0 committed the step or abandoned it (:func:`~.shards.await_commit`,
+at most ``commit_timeout``), and a repeated signal meanwhile is absorbed (:func:`preemption.emergency`). A rank
+that is gone is noticed instead of waited for, where it can be: each record names its host and pid, and a
+rank whose record names this host and a process that no longer exists is gone (:meth:`Agreement.gone`):
+rank 0 then abandons the step at once rather than at its ``commit_timeout``, and a rank waiting for rank 0's
+commit stops waiting. A rank on another host is known gone only by its silence, at the timeout.
+
 Records carry the *round* of the save (:func:`~.shards.save_round`) and are ignored when they are of another
 round or not after the step this manager restored (a relaunch that resumed from the emergency step never
 mistakes the records of the launch before for a new notice). Rank 0 removes them once the emergency step is
@@ -30,6 +40,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import os
+import socket
 import sys
 import threading
 import time
@@ -76,6 +88,8 @@ class Agreement:
         self._heard_signal = 0
         self._stop_watching = threading.Event()
         self._publishing = threading.Lock()
+        #: The newest record read of each rank (kept after rank 0 removes them: :meth:`gone` reads it).
+        self._peers: dict[int, dict[str, Any]] = {}
 
     @property
     def distributed(self) -> bool:
@@ -141,16 +155,24 @@ class Agreement:
         assert self._folder is not None
         return self._folder.child(f"rank-{rank}.json")
 
-    def while_committing(self, step: int) -> None:
+    def while_committing(self, step: int) -> set[int]:
         """Rank 0 waits for the shards of ``step``: a rank that had a notice may be waiting for rank 0's step,
         and would never store its shard. So rank 0 publishes ``step`` now when it heard of a notice (it will not
-        pass the step after it before the agreement either)."""
-        if self._folder is None or self._group is not None or self._agreed or self._published is not None:
-            return
+        pass the step after it before the agreement either). Returns the ranks known gone (:meth:`gone`): their
+        shards will never come."""
+        if self._folder is None or self._group is not None or self._published is not None or self._agreed:
+            return self.gone()
         notice = preemption.notice()
-        if notice is None and not self._heard.is_set():
-            return
-        self._publish(step, notice.signal if notice is not None else self._heard_signal or 15)
+        if notice is not None or self._heard.is_set():
+            self._publish(step, notice.signal if notice is not None else self._heard_signal or 15)
+        return set()
+
+    def gone(self) -> set[int]:
+        """The ranks whose newest record names this host and a process that no longer exists (a rank on another
+        host is never reported: only its silence tells)."""
+        host = socket.gethostname()
+        return {rank for rank, doc in self._peers.items()
+                if rank != self._ranks.rank and doc.get("host") == host and not _alive(doc.get("pid"))}
 
     def _publish(self, position: int, signal: int) -> None:
         with self._publishing:
@@ -159,7 +181,7 @@ class Agreement:
 
     def _write(self, position: int, signal: int) -> None:
         body = {"rank": self._ranks.rank, "step": position, "round": self._round(), "signal": signal,
-                "at": time.time()}
+                "at": time.time(), "host": socket.gethostname(), "pid": os.getpid()}
         self._record(self._ranks.rank).write_small(json.dumps(body).encode(), action="publish the stopping step at")
         self._published = position
 
@@ -179,6 +201,7 @@ class Agreement:
                 if floor is not None and int(doc["step"]) <= floor:
                     continue  # a launch before this one published it: this one resumed past it
                 found[int(doc["rank"])] = doc
+        self._peers.update(found)
         return found
 
     def _wait_for_all(self, notice: preemption.Notice) -> dict[int, int]:
@@ -221,6 +244,19 @@ class Agreement:
 
     def close(self) -> None:
         self._stop_watching.set()
+
+
+def _alive(pid: object) -> bool:
+    """Whether process ``pid`` of this host exists (True when unknown: a record without a pid)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists, as another user's process
+        return True
+    return True
 
 
 def initialized_group() -> Any | None:

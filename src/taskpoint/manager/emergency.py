@@ -1,8 +1,9 @@
 """The manager's side of preemption: whether a notice arrived, and the emergency save at the next safe point.
 
 The manager passes its own operations down as callbacks (finish the save in flight, the next step, a
-blocking save), so this module knows nothing of the orchestrator above it. With several ranks the answer
-comes from the :class:`~.agreement.Agreement`: every rank stops at the same step.
+blocking save, the wait for rank 0's commit), so this module knows nothing of the orchestrator above it. With
+several ranks the answer comes from the :class:`~.agreement.Agreement`: every rank stops at the same step,
+and no rank ends before rank 0 settled it (a launcher such as torchrun tears down the job when one rank exits).
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ class PreemptionPolicy:
             with contextlib.suppress(Exception):  # only for the message
                 newest = resume() if resume is not None else None
             signal = self.agreement.signal or 15
-            _log.warning("taskpoint: %s; ending the attempt without an emergency step: the newest committed step "
-                         "(%s) stays the resume point", exc, newest)
+            preemption.ending("taskpoint: %s; ending the attempt without an emergency step: the newest committed "
+                              "step (%s) stays the resume point", exc, newest)
             raise Preempted(signal) from exc
 
     def due(self, fn: Callable[[], Any] | None = None, step: int | None = None,
@@ -66,12 +67,13 @@ class PreemptionPolicy:
         return (fn or self.fn) is not None and not self._saving and self.reached(step, resume)
 
     def run(self, settle: Callable[[], None], next_step: Callable[[], int],
-            save: Callable[[Any, int, dict[str, Any]], str], fn: Callable[[], Any] | None = None,
-            step: int | None = None) -> NoReturn:
+            save: Callable[[Any, int, dict[str, Any]], str], settled: Callable[[int], str],
+            fn: Callable[[], Any] | None = None, step: int | None = None) -> NoReturn:
         """Finish the save in flight, save ``fn()`` as the agreed ``step`` (with one rank, or without one: the
-        next step; blocking, to its commit), and raise :class:`Preempted`. Repeated signals meanwhile are only
-        counted (:func:`preemption.emergency`). A step abandoned by rank 0 (a rank's shard never came) ends
-        the attempt all the same, with no emergency step."""
+        next step; blocking, to its commit; a rank > 0 then waits with ``settled`` until rank 0 committed or
+        abandoned it, :func:`~.shards.await_commit`), and raise :class:`Preempted`. Repeated signals meanwhile
+        are only counted (:func:`preemption.emergency`). A step abandoned by rank 0 (a rank's shard never came)
+        ends the attempt all the same, with no emergency step."""
         notice, fn = preemption.notice(), fn or self.fn
         assert notice is not None and fn is not None
         with preemption.emergency():
@@ -90,16 +92,23 @@ class PreemptionPolicy:
                 try:
                     uri = save(data, number, meta)
                 except StepAbandonedError as exc:
-                    _log.warning("taskpoint: %s: the emergency step %d was not committed (%s); ending the attempt "
-                                 "without it", notice.name, number, exc)
+                    preemption.ending("taskpoint: %s: the emergency step %d was not committed (%s); ending the "
+                                      "attempt without it", notice.name, number, exc)
                     raise Preempted(notice.signal) from exc
+                outcome = "committed" if not self.agreement.distributed or self.agreement.commits else settled(
+                    number)
                 committed = time.time()
             finally:
                 self._saving = False
         if self.agreement.commits:
             self.agreement.forget()
         self.agreement.close()
-        _log.warning("taskpoint: %s: the emergency save committed step %d at %s, %.2f s after the notice "
-                     "(%.1f s before its deadline); ending the attempt", notice.name, number, uri,
-                     committed - notice.at, notice.deadline - committed)
+        if outcome != "committed":
+            preemption.ending("taskpoint: %s: this rank stored its shard of the emergency step %d at %s, but rank 0 "
+                              "did not commit it (%s); ending the attempt: the newest committed step stays the "
+                              "resume point", notice.name, number, uri, outcome)
+            raise Preempted(notice.signal)
+        preemption.ending("taskpoint: %s: the emergency save committed step %d at %s, %.2f s after the notice "
+                          "(%.1f s before its deadline); ending the process with status %d", notice.name, number,
+                          uri, committed - notice.at, notice.deadline - committed, 128 + notice.signal)
         raise Preempted(notice.signal, number, uri, committed)

@@ -49,7 +49,7 @@ from .rebuild import Rebuilder
 from .restore import StepReader, candidates
 from .retention import KeepBest, KeepPolicy
 from .schedule import SaveSchedule
-from .shards import DEFAULT_COMMIT_TIMEOUT, RankPlan, save_round
+from .shards import DEFAULT_COMMIT_TIMEOUT, RankPlan, await_commit, save_round
 from .steps import StepStore
 from .tiers import LocalTier
 
@@ -311,9 +311,11 @@ class CheckpointManager(StepQueries):
             tier, notice = self._tier, preemption.notice()
             settle = self.wait_until_finished if tier is None or notice is None else functools.partial(
                 tier.settle_within, notice.deadline)
+            agreement = self._preemption.agreement
             self._preemption.run(settle, lambda: self._plan.next_step(
                 self.latest_step(), self._writer.last_step), lambda data, at, meta: self.save(
-                data, at, metadata=meta, blocking=True), state, step)
+                data, at, metadata=meta, blocking=True), lambda at: await_commit(
+                self._steps, self._plan.ranks.rank, at, self._plan.commit_timeout, agreement.gone), state, step)
 
     # -- restore -------------------------------------------------------------------------------------------
 

@@ -8,9 +8,13 @@ The commit, on storage only (no process group):
 3. Rank 0, once its own shard is stored, lists ``ckpt-N/`` (from every 0.05 s, backing off to 1 s) and reads
    each rank record that appeared or changed, until it holds one of the current round from every rank. Then it
    writes the manifest (version 3) naming every shard with its sha256: the commit; and removes the records.
-4. If ``commit_timeout`` seconds pass first, rank 0 removes the records it found and raises
+4. If ``commit_timeout`` seconds pass first (or, after a preemption notice, a missing rank is known gone:
+   :meth:`.agreement.Agreement.gone`), rank 0 removes the records it found and raises
    :class:`~taskpoint.StepAbandonedError` naming the ranks missing. No manifest was written, so the step never
    appears; its shards are leftovers that ``gc()`` (and later saves) remove once older than the grace period.
+
+Either way rank 0 removes the records, which is what a rank > 0 that must not end before the step is settled
+(an emergency save: :func:`await_commit`) watches for.
 
 The *round* tells the records of this save from those a previous launch of the job left for the same step
 (a rank that stored its record and was then killed with the others): it is the task attempt
@@ -23,6 +27,7 @@ attempt taken from a restart counter starts again at 1 when the whole job is lau
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -36,6 +41,8 @@ from ..ranks import Ranks, incarnation_from_environment, resolve_ranks
 from ..storage import Location
 from .leases import lease_body, renewing
 from .steps import MANIFEST_NAME, RANK_RECORD, StepStore, best_effort, commit_lease_name, shard_record_name
+
+_log = logging.getLogger("taskpoint")
 
 #: How long rank 0 waits, by default, for every rank's shard of a step before abandoning it (seconds).
 DEFAULT_COMMIT_TIMEOUT = 600.0
@@ -85,9 +92,10 @@ class ShardWriter:
     """Stores this rank's shard of a step; on rank 0, also gathers the others' records and commits."""
 
     def __init__(self, steps: StepStore, plan: RankPlan, grace: float,
-                 waiting: Callable[[int], None] | None = None) -> None:
+                 waiting: Callable[[int], set[int]] | None = None) -> None:
         self._steps, self._plan, self._grace = steps, plan, grace
-        #: Called with the step on every listing while rank 0 waits for the shards (the preemption agreement).
+        #: Called with the step on every listing while rank 0 waits for the shards (the preemption agreement);
+        #: returns the ranks known gone, whose shards will never come.
         self._waiting = waiting
 
     @property
@@ -146,23 +154,58 @@ class ShardWriter:
             gather(folder, step, world, round_, found, stale)
             if len(found) == world:
                 return tuple(found[rank] for rank in range(world))
-            if self._waiting is not None:
-                self._waiting(step)
+            missing = [rank for rank in range(world) if rank not in found]
+            gone = sorted(set(missing) & self._waiting(step)) if self._waiting is not None else []
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or gone:
                 forget_records(folder, [rank for rank in found if rank] + sorted(stale))
-                missing = [rank for rank in range(world) if rank not in found]
                 also = f" (ranks {sorted(stale)} left records of another launch)" if stale else ""
                 if len(found) == 1 and not stale:
                     also = (" (no other rank stored a shard: if only rank 0 saves in this job, create its manager "
                             "with world_size=1)")
+                waited = (f"stopped waiting for the shards of ranks {missing} of {world}: the processes of ranks "
+                          f"{gone} are gone{also}" if gone else f"waited {self._plan.commit_timeout:g} s for the "
+                          f"shards of ranks {missing} of {world}{also}")
                 raise StepAbandonedError(
-                    f"step {step} in {self._steps.directory} was abandoned: rank 0 waited "
-                    f"{self._plan.commit_timeout:g} s for the shards of ranks {missing} of {world}{also}, "
-                    "and committed nothing. The previous steps are intact; gc() removes this step's shards once "
-                    "they are older than the grace period.")
+                    f"step {step} in {self._steps.directory} was abandoned: rank 0 {waited}, and committed "
+                    "nothing. The previous steps are intact; gc() removes this step's shards once they are older "
+                    "than the grace period.")
             time.sleep(min(pause, remaining))
             pause = min(pause * 1.5, POLL_LONGEST)
+
+
+def await_commit(steps: StepStore, rank: int, step: int, timeout: float, gone: Callable[[], set[int]]) -> str:
+    """After rank ``rank`` (> 0) stored its shard of ``step`` and its record: wait until rank 0 settled the step
+    (it removes the records once it committed, and when it abandons), at most ``timeout`` seconds, or until
+    rank 0 is known gone (``gone()``). Returns ``"committed"`` (the manifest names this rank's shard),
+    ``"abandoned"``, ``"rank 0 gone"`` or ``"timed out"``; logs what it waits for and how it ended. An
+    emergency save waits so, because a launcher that sees one rank exit tears down the others (torchrun)."""
+    record = steps.object(step, shard_record_name(rank))
+    began = time.monotonic()
+    _log.info("taskpoint: rank %d waits (at most %.0f s) for rank 0 to commit step %d in %s", rank, timeout, step,
+              steps.directory)
+    pause = POLL_FIRST
+    while True:
+        waited = time.monotonic() - began
+        if not record.exists():
+            outcome = "abandoned"
+        elif 0 in gone():
+            outcome = "rank 0 gone"
+        elif waited >= timeout:
+            outcome = "timed out"
+        else:
+            time.sleep(min(pause, timeout - waited))
+            pause = min(pause * 1.5, POLL_LONGEST)
+            continue
+        break
+    # Committed whatever ended the wait: a rank 0 may die after its commit, before it removed the records.
+    manifest = steps.manifest(step, tolerate_corrupt=True)
+    if manifest is not None and any(s.rank == rank for s in getattr(manifest.content, "shards", ())):
+        outcome = "committed"
+    (_log.info if outcome == "committed" else _log.warning)(
+        "taskpoint: rank %d: step %d in %s: %s after %.1f s", rank, step, steps.directory, outcome,
+        time.monotonic() - began)
+    return outcome
 
 
 def gather(folder: Location, step: int, world: int, round_: str, found: dict[int, Shard], stale: set[int]) -> None:

@@ -97,7 +97,10 @@ class TaskContext:
             raise Preempted(notice.signal)  # nowhere to save: the attempt still ends at this safe point
         with _preemption.emergency():
             self.checkpoint.save_sync(fn())
-        raise Preempted(notice.signal, None, self.checkpoint.remote_destination, time.time())
+        where = self.checkpoint.remote_destination
+        _preemption.ending("taskpoint: %s: the emergency save committed the task's checkpoint at %s; ending the "
+                           "process with status %d", notice.name, where, 128 + notice.signal)
+        raise Preempted(notice.signal, None, where, time.time())
 
 
 def set_context(value: TaskContext | None) -> contextvars.Token[TaskContext | None]:

@@ -95,8 +95,8 @@ class CheckpointCallback(TrainerCallback):
             committed = time.time()
             self.manager = None
             manager.close()
-        _log.warning("taskpoint: %s: committed step %d at %s, %.2f s after the notice; ending the process",
-                     notice.name, step, uri, committed - notice.at)
+        preemption.ending("taskpoint: %s: committed step %d at %s, %.2f s after the notice; ending the process "
+                          "with status %d", notice.name, step, uri, committed - notice.at, 128 + notice.signal)
         raise Preempted(notice.signal, step, uri, committed)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,

@@ -56,8 +56,9 @@ class Parts:
     rebuilder: Rebuilder
     #: The chunk store's saves, when this manager deduplicates (``dedup=True``); else None.
     dedup: Dedup | None = None
-    #: Told the step on every listing while rank 0 waits for the shards of a step (the preemption agreement).
-    waiting: Callable[[int], None] | None = None
+    #: Told the step on every listing while rank 0 waits for the shards of a step (the preemption agreement);
+    #: answers the ranks known gone.
+    waiting: Callable[[int], set[int]] | None = None
 
 
 @dataclass(frozen=True)
