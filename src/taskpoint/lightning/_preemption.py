@@ -12,7 +12,6 @@ from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 
 from taskpoint import preemption
 
-
 #: The exit status after a preemption save: 128 + SIGTERM, what a process ended by SIGTERM reports, so that an
 #: orchestrator counts the attempt as failed and retries it (never 0, which would end the task as done).
 PREEMPTED_EXIT_STATUS = 143
