@@ -451,7 +451,8 @@ def kill_and_resume_cycle(example: ModuleType, reference: dict[str, Any], store:
     return figures
 
 
-# Two trials in make test, both killing inside a sweep (its lock left behind), on local disk and moto.
+# Two trials in make test, on local disk and moto, both killing the moment a sweep's lock appears (the report of
+# each says whether the lock was left behind: the SIGKILL landed inside the sweep).
 @pytest.mark.parametrize(("store", "trial"), [("local", 0), ("s3", 2)], indirect=["store"])
 def test_sigkill_in_a_sweep_of_a_run_saving_every_step_resumes_in_a_fresh_process(
         example: ModuleType, reference: dict[str, Any], store: Any, tmp_path: Path, trial: int) -> None:
