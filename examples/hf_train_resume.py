@@ -9,6 +9,11 @@ from the newest committed step; on SIGTERM it saves the step it reached, commits
     python examples/hf_train_resume.py --directory runs/hf            # trains 10 steps from scratch
     python examples/hf_train_resume.py --directory runs/hf --step-delay 1 &  sleep 12; kill -TERM $!
     python examples/hf_train_resume.py --directory runs/hf            # resumes at the step the SIGTERM stopped
+    python examples/hf_train_resume.py --directory runs/hf-2 --save-steps 1 --save-total-limit 2 --log-level INFO
+
+The last line saves every step and keeps the two newest (the Trainer's ``save_total_limit``, which the callback
+follows): each save after the third deletes a step and sweeps the chunks no step names any more; ``INFO`` shows
+one line per save and restore, and what a save waited for.
 
 The model is built from a config and the data is random tokens: nothing is downloaded.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import tempfile
 import time
@@ -90,15 +96,21 @@ def main() -> None:
     parser.add_argument("--output-dir", default=None, help="the Trainer's local folder (default: a temp folder)")
     parser.add_argument("--max-steps", type=int, default=10)
     parser.add_argument("--save-steps", type=int, default=2)
+    parser.add_argument("--save-total-limit", type=int, default=None,
+                        help="keep the newest N checkpoints (the Trainer's and taskpoint's); default: all")
     parser.add_argument("--step-delay", type=float, default=0.0, help="seconds of sleep after each step")
     parser.add_argument("--out", default=None, help="write the final step and weights' sha256 here (JSON)")
+    parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="of the taskpoint logger, printed to stderr")
     opts = parser.parse_args()
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("taskpoint").setLevel(opts.log_level)
     output_dir = opts.output_dir or tempfile.mkdtemp(prefix="hf-output-")
 
     # --8<-- [start:glue]
     callback = CheckpointCallback(opts.directory, storage_options=opts.storage_options)
     trainer = build_trainer(output_dir, max_steps=opts.max_steps, save_steps=opts.save_steps,
-                            callbacks=[callback, Progress(opts.step_delay)])
+                            callbacks=[callback, Progress(opts.step_delay)], save_total_limit=opts.save_total_limit)
     checkpoint = resume(opts.directory, output_dir, storage_options=opts.storage_options)
     print(f"resuming from {checkpoint}" if checkpoint else "starting from scratch", flush=True)
     trainer.train(resume_from_checkpoint=checkpoint)

@@ -6,16 +6,23 @@ must bring back the newest step that verifies; a process SIGKILLed at a random m
 newest committed step and end with the weights of an uninterrupted run, bit for bit (one CPU thread; the
 Trainer restores its RNG states and skips the batches it had trained); a SIGTERM must end the process with
 status 143 after committing the step it stopped at. The killed processes run examples/hf_train_resume.py.
+
+The kill-and-resume cycle of issue 40 saves every step and keeps two, so every save sweeps the chunk store; it
+SIGKILLs the example, often the moment a sweep's lock appears, and resumes in a fresh process, which must finish
+within a bound far below the lease grace (a dead sweeper costs its first save about 10 s) with the same weights.
+Every wait on a process has a bound; one that does not end prints its threads' stacks (faulthandler) and fails.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import queue
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -143,40 +150,76 @@ def test_resume_skips_a_step_that_does_not_verify(example: ModuleType, tmp_path:
 # -- real processes, real signals ----------------------------------------------------------------------------
 
 
-def start_example(store: Any, workdir: Path, *args: str) -> subprocess.Popen[str]:
-    import json
+class Example:
+    """examples/hf_train_resume.py in a real process (with ``-X faulthandler``), its output (stderr too) read by a
+    thread into ``seen``, so that no wait on it is unbounded."""
 
-    (workdir / "tmp").mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TASKPOINT_")}
-    env.update(PYTHONPATH=os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")]), HF_HUB_OFFLINE="1",
-               TMPDIR=str(workdir / "tmp"))
-    command = [sys.executable, str(EXAMPLE), "--directory", store.base, "--output-dir", str(workdir / "out"),
-               "--max-steps", str(MAX_STEPS), "--save-steps", str(SAVE_STEPS), "--out", str(workdir / "result.json"),
-               *args]
-    if store.storage_options:
-        command += ["--storage-options", json.dumps(store.storage_options)]
-    return subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    def __init__(self, store: Any, workdir: Path, *args: str, save_steps: int = SAVE_STEPS) -> None:
+        import json
 
+        (workdir / "tmp").mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TASKPOINT_")}
+        env.update(PYTHONPATH=os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")]), HF_HUB_OFFLINE="1",
+                   TMPDIR=str(workdir / "tmp"))
+        command = [sys.executable, "-X", "faulthandler", str(EXAMPLE), "--directory", store.base, "--output-dir",
+                   str(workdir / "out"), "--max-steps", str(MAX_STEPS), "--save-steps", str(save_steps), "--out",
+                   str(workdir / "result.json"), *args]
+        if store.storage_options:
+            command += ["--storage-options", json.dumps(store.storage_options)]
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
+        self.seen: list[str] = []
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True, name="example-output")
+        self._reader.start()
 
-def read_until(proc: subprocess.Popen[str], line: str, seen: list[str]) -> None:
-    """Read the process's output into ``seen`` until a line equal to ``line`` (fails if it ends first)."""
-    assert proc.stdout is not None
-    deadline = time.monotonic() + TIMEOUT
-    while time.monotonic() < deadline:
-        out = proc.stdout.readline()
-        if not out:
-            pytest.fail(f"the example ended (status {proc.wait()}) before printing {line!r}:\n{''.join(seen)}")
-        seen.append(out)
-        if out.rstrip("\n") == line:
-            return
-    pytest.fail(f"no {line!r} within {TIMEOUT} s:\n{''.join(seen)}")
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
 
+    def output(self) -> str:
+        return "".join(self.seen)
 
-def finish(proc: subprocess.Popen[str], seen: list[str]) -> int:
-    assert proc.stdout is not None
-    seen.extend(proc.stdout.readlines())
-    return proc.wait(timeout=TIMEOUT)
+    def next_line(self, deadline: float) -> str | None:
+        """The next line of output (also kept in ``seen``), None once the output ended; fails past ``deadline``."""
+        try:
+            line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            self.dump_and_fail("still running past its bound")
+        if line is not None:
+            self.seen.append(line)
+        return line
+
+    def read_until(self, line: str) -> None:
+        """Read the output until a line equal to ``line`` (fails if the output ends first, or after TIMEOUT)."""
+        deadline = time.monotonic() + TIMEOUT
+        while (out := self.next_line(deadline)) is not None:
+            if out.rstrip("\n") == line:
+                return
+        pytest.fail(f"the example ended (status {self.proc.wait(TIMEOUT)}) before printing {line!r}:\n{self.output()}")
+
+    def finish(self, timeout: float = TIMEOUT) -> int:
+        """Wait up to ``timeout`` s for the process to end and read all its output; its status. A process that
+        does not end is made to print its threads' stacks (SIGABRT, faulthandler) and the test fails with them."""
+        deadline = time.monotonic() + timeout
+        while self.next_line(deadline) is not None:
+            pass
+        return self.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+
+    def dump_and_fail(self, why: str) -> None:
+        self.proc.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack, then the process ends
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self._reader.join(timeout=30)
+        while (line := self._lines.get_nowait() if not self._lines.empty() else None) is not None:
+            self.seen.append(line)
+        pytest.fail(f"{why}: the example's output and stacks:\n{self.output()}")
 
 
 def last_step(seen: list[str]) -> int:
@@ -209,12 +252,12 @@ def continue_in_process(example: ModuleType, store: Any, tmp_path: Path, expect_
 def sigkill_at_random_then_resume(example: ModuleType, reference: dict[str, Any], store: Any, tmp_path: Path,
                                   trial: int) -> None:
     pause = random.Random(trial).uniform(0.0, 1.4)  # about the length of the training at --step-delay 0.1
-    proc = start_example(store, tmp_path / "killed", "--step-delay", "0.1")
-    seen: list[str] = []
-    read_until(proc, "training from step 0", seen)
+    killed = Example(store, tmp_path / "killed", "--step-delay", "0.1")
+    killed.read_until("training from step 0")
     time.sleep(pause)
-    proc.send_signal(signal.SIGKILL)
-    status = finish(proc, seen)
+    killed.proc.send_signal(signal.SIGKILL)
+    status = killed.finish()
+    seen = killed.seen
     context = f"trial {trial}: SIGKILL {pause:.2f} s into training, status {status}:\n{''.join(seen)}"
 
     with manager(store) as mgr:
@@ -269,12 +312,11 @@ def test_sigterm_commits_the_step_it_stopped_at_exits_143_and_the_example_resume
 
     # Saves every 3 steps; the SIGTERM lands in the delay after step 4, so the Trainer saves step 5 only
     # because the callback asks it to (a notice that lands before a due save stops at that save).
-    proc = start_example(store, tmp_path / "first", "--step-delay", "0.3", "--save-steps", "3")
-    seen: list[str] = []
-    read_until(proc, "step 4", seen)
-    proc.send_signal(signal.SIGTERM)
-    status = finish(proc, seen)
-    context = "".join(seen)
+    first = Example(store, tmp_path / "first", "--step-delay", "0.3", save_steps=3)
+    first.read_until("step 4")
+    first.proc.send_signal(signal.SIGTERM)
+    status = first.finish()
+    seen, context = first.seen, first.output()
     assert status == 143, context
     stopped = last_step(seen)  # the step on which the Trainer saved and stopped
     assert stopped == 5, context
@@ -288,9 +330,9 @@ def test_sigterm_commits_the_step_it_stopped_at_exits_143_and_the_example_resume
     assert restored is not None
     same_files(Path(restored), tmp_path / "first" / "out" / f"checkpoint-{stopped}")
 
-    second = start_example(store, tmp_path / "second", "--save-steps", "3")
-    seen = []
-    assert finish(second, seen) == 0, "".join(seen)
+    second = Example(store, tmp_path / "second", save_steps=3)
+    assert second.finish() == 0, second.output()
+    seen = second.seen
     assert f"training from step {stopped}\n" in seen, "".join(seen)
     assert last_step(seen) == MAX_STEPS and f"step {stopped}\n" not in seen  # no step trained twice
     result = json.loads((tmp_path / "second" / "result.json").read_text())
@@ -300,3 +342,136 @@ def test_sigterm_commits_the_step_it_stopped_at_exits_143_and_the_example_resume
     assert result["sha256"] == example.weights_sha256(model)
     with manager(store) as mgr:
         assert mgr.latest_step() == MAX_STEPS
+
+
+# -- the kill-and-resume cycle of issue 40: every step saved, two kept, a SIGKILL that may land in a sweep -------
+
+#: The cycle keeps this many steps (``save_total_limit``): every save from step LIMIT + 1 on deletes a step and
+#: sweeps the chunk store, so a SIGKILL can land in the middle of a sweep and leave its ``gc-`` lock behind.
+LIMIT = 2
+#: The longest the resumed process may take, from its start to its exit: generous on a busy machine, and far
+#: below the lease grace (900 s) that a save waited for a dead sweeper before issue 40.
+RESUME_BOUND = 300.0
+#: How often the test looks at the store for a sweep's lock, in a trial that kills during a sweep (seconds).
+LOCK_POLL = 0.002
+
+
+def sweep_locks(fs: Any, store: Any) -> list[str]:
+    """The names of the sweep locks (``leases/gc-*``) in the store now."""
+    try:
+        names = fs.ls(f"{store.base}/leases", detail=False, refresh=True)
+    except FileNotFoundError:
+        return []
+    return [name.rsplit("/", 1)[-1] for name in names if name.rsplit("/", 1)[-1].startswith("gc-")]
+
+
+def kill_in_a_sweep(killed: Example, store: Any, after: int) -> str:
+    """SIGKILL the example as soon as the store holds a sweep lock, once it printed ``step {after}``; what the
+    test did, for the report. Fails when the example ends first (each save from step LIMIT + 1 on sweeps)."""
+    import fsspec
+
+    fs, _ = fsspec.core.url_to_fs(store.base, **store.fs_options)
+    killed.read_until(f"step {after}")
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline and killed.proc.poll() is None:
+        if sweep_locks(fs, store):
+            killed.proc.send_signal(signal.SIGKILL)
+            return f"killed at the first sweep lock seen after step {after}"
+        time.sleep(LOCK_POLL)
+    killed.finish()
+    pytest.fail(f"the example saved every step up to {MAX_STEPS} and no sweep lock was seen after step {after}:\n"
+                f"{killed.output()}")
+
+
+def kill_and_resume_cycle(example: ModuleType, reference: dict[str, Any], store: Any, tmp_path: Path,
+                          trial: int) -> dict[str, Any]:
+    """One cycle: the example saves every step (deduplicated, LIMIT kept) and is SIGKILLed at a seeded moment:
+    even trials as soon as a sweep's lock appears after a random step, odd ones a random time into training. A
+    fresh process then resumes with the example (``resume()``, then the callback) and must end within
+    RESUME_BOUND at MAX_STEPS with the weights of the uninterrupted run, having trained no step twice (unless the
+    killed run had committed MAX_STEPS: then that step holds those weights); every kept step must restore.
+    Returns the trial's figures."""
+    import json
+
+    import fsspec
+
+    import taskpoint
+
+    rng = random.Random(trial)
+    args = ("--step-delay", "0.1", "--save-total-limit", str(LIMIT), "--log-level", "INFO")
+    killed = Example(store, tmp_path / "killed", *args, save_steps=1)
+    if trial % 2 == 0:
+        how = kill_in_a_sweep(killed, store, rng.randint(LIMIT + 1, MAX_STEPS - 2))
+    else:
+        pause = rng.uniform(0.0, 2.0)  # about the length of the training, saving every step
+        killed.read_until("training from step 0")
+        time.sleep(pause)
+        killed.proc.send_signal(signal.SIGKILL)
+        how = f"killed {pause:.2f} s into training"
+    status = killed.finish()
+    fs, _ = fsspec.core.url_to_fs(store.base, **store.fs_options)
+    left = sweep_locks(fs, store)  # a lock left behind: the SIGKILL landed in the middle of a sweep
+    with manager(store) as mgr:
+        steps = mgr.steps()
+    start = steps[-1] if steps else 0
+    context = (f"trial {trial}: {how}, status {status}, sweep locks left {left}, committed steps {steps}:\n"
+               f"{killed.output()}")
+    assert status in (-signal.SIGKILL, 0), context
+
+    took, waits = None, []
+    if start < MAX_STEPS:
+        resumed = Example(store, tmp_path / "resumed", *args, save_steps=1)
+        resumed_status = resumed.finish(RESUME_BOUND)
+        took = time.monotonic() - resumed.started
+        context += f"\nthe resumed process (status {resumed_status}, {took:.1f} s):\n{resumed.output()}"
+        assert resumed_status == 0, context
+        assert f"training from step {start}\n" in resumed.seen, context
+        assert start == 0 or f"step {start}\n" not in resumed.seen, context  # no step trained twice
+        result = json.loads((tmp_path / "resumed" / "result.json").read_text())
+        assert result["global_step"] == MAX_STEPS, context
+        model = example.build_trainer(str(tmp_path / "unused"), max_steps=1, save_steps=1, callbacks=[]).model
+        model.load_state_dict(reference)
+        assert result["sha256"] == example.weights_sha256(model), context
+        waits = [float(line.split("after waiting ")[1].split(" s")[0]) for line in resumed.seen
+                 if "goes on after waiting" in line]
+        if left:  # its first save met the dead sweep's lock: it said so and took it for dead
+            assert any("for dead" in line and left[0] in line for line in resumed.seen), context
+    # else the run had committed its last step: nothing to resume (the Trainer, resumed at max_steps, would train
+    # one step more); the last step's weights are checked below
+
+    with taskpoint.CheckpointManager(store.base, storage_options=store.storage_options, preemption=False) as mgr:
+        kept = mgr.steps()
+        if start < MAX_STEPS:  # the resumed run saved: its retention left the LIMIT newest
+            assert kept == list(range(MAX_STEPS - LIMIT + 1, MAX_STEPS + 1)), context
+        assert kept[-1] == MAX_STEPS, context
+        for step in kept:  # every kept step restores (each chunk it names is there and verifies)
+            folder = mgr.restore(step, into=tmp_path / "kept" / str(step))
+            assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == step, context
+    last = tmp_path / "kept" / str(MAX_STEPS)
+    if start < MAX_STEPS:
+        same_files(last, tmp_path / "resumed" / "out" / f"checkpoint-{MAX_STEPS}")
+    else:
+        from safetensors.torch import load_file
+
+        weights = load_file(last / "model.safetensors")  # without lm_head.weight: tied to the embedding
+        same_weights(weights, {name: reference[name] for name in weights})
+    figures = {"trial": trial, "store": store.kind, "how": how, "in_sweep": bool(left), "resumed_from": start,
+               "resume_seconds": None if took is None else round(took, 1), "sweep_wait": max(waits, default=0.0)}
+    print(f"hf cycle: {json.dumps(figures)}")
+    return figures
+
+
+# Two trials in make test, on local disk and moto, both killing the moment a sweep's lock appears (the report of
+# each says whether the lock was left behind: the SIGKILL landed inside the sweep).
+@pytest.mark.parametrize(("store", "trial"), [("local", 0), ("s3", 2)], indirect=["store"])
+def test_sigkill_in_a_sweep_of_a_run_saving_every_step_resumes_in_a_fresh_process(
+        example: ModuleType, reference: dict[str, Any], store: Any, tmp_path: Path, trial: int) -> None:
+    kill_and_resume_cycle(example, reference, store, tmp_path, trial)
+
+
+@pytest.mark.campaign("the HF kill-and-resume cycle 20 times in a row (issue 40)")
+@pytest.mark.parametrize("trial", range(100, 120))
+@pytest.mark.parametrize("store", ["s3", "local"], indirect=True)
+def test_kill_and_resume_cycle_campaign(example: ModuleType, reference: dict[str, Any], store: Any, tmp_path: Path,
+                                        trial: int) -> None:
+    kill_and_resume_cycle(example, reference, store, tmp_path, trial)
