@@ -17,10 +17,9 @@ import time
 import uuid
 from typing import Any
 
+import taskpoint
 from _fault_proxy import fault_proxy
 from _servers import running_s3_server
-
-import taskpoint
 from taskpoint import TransferStats
 
 
