@@ -135,7 +135,7 @@ class Backend:
         self.fs = fs
         self.options = options
         #: What this store said about its load (throttling answers, the cap on requests in flight).
-        self.pushback = pushback_for(store_key(self.endpoint(), protocols(fs)[0]))
+        self.pushback = pushback_for(store_key(self.store_url(), protocols(fs)[0]))
 
     def within(self: B, deadline: Deadline) -> B:
         """This backend with its calls, and the readers and writers it opens, bounded by ``deadline`` (a
@@ -154,6 +154,11 @@ class Backend:
     def endpoint(self) -> str | None:
         """The URL of the server this store's client talks to, where it was given (None: the client's own)."""
         return None
+
+    def store_url(self) -> str | None:
+        """The URL that names this store in what it said about its load (:attr:`pushback`): the endpoint, or
+        the client's own account URL where it makes one (Azure)."""
+        return self.endpoint()
 
     def kind(self, path: str) -> Kind:
         """What ``path`` holds. Only "not found" is :attr:`Kind.NOTHING`; any other failure is raised."""

@@ -221,6 +221,11 @@ class AzureBackend(ObjectStoreBackend):
     range_reader = ETagRangeReader
     conditional = True
 
+    def store_url(self) -> str | None:
+        """The account's URL, from the connection string or the account's name (adlfs's service client)."""
+        url = getattr(getattr(self.fs, "service_client", None), "url", None)
+        return url if isinstance(url, str) else None
+
     def version_of(self, info: dict[str, Any]) -> str | None:
         etag = info.get("etag")
         return str(etag) if etag else None

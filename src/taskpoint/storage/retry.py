@@ -32,7 +32,9 @@ class RetryPolicy:
     """How often and how patiently to retry a storage operation that failed transiently.
 
     Attributes:
-        attempts: how many times an operation runs at most.
+        attempts: how many times an operation runs at most. Attempts that met throttling (the store asked to
+            wait: 429, 503 SlowDown) do not count where a deadline bounds the operation: then the deadline is
+            the budget, and a store that throttles a share of the requests costs time, not the operation.
         initial_delay, max_delay, multiplier: the pause before each retry (jittered, growing exponentially).
         deadline: seconds, measured from the start of an operation's first attempt, after which no new attempt
             starts (a retry whose pause would end after it is not made either); then
@@ -85,7 +87,10 @@ class RetryPolicy:
         delay = self.initial_delay
         seen: set[Symptom] = set()  # what the failures said about the endpoint, over every attempt
         before = pushback.throttled if pushback is not None else 0
-        for attempt in range(1, self.attempts + 1):
+        spent = 0  # the attempts that count against self.attempts
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 result = fn(deadline)
             except BaseException as exc:
@@ -103,7 +108,9 @@ class RetryPolicy:
                     pause = full_jitter(delay, max(asked, default=None))
                 else:
                     pause = delay * random.uniform(0.5, 1.0)
-                if attempt == self.attempts:
+                if not (slow_down and deadline.end is not None):
+                    spent += 1
+                if spent == self.attempts:
                     raise StorageUnavailable(
                         f"could not {action} {uri}: storage kept failing after {attempt} attempts "
                         f"({describe(exc)}). {_why(pushback, before, seen, endpoint)}") from exc
@@ -113,15 +120,14 @@ class RetryPolicy:
                         f"could not {action} {uri}: storage kept failing until the retry deadline of "
                         f"{deadline.seconds:g} s passed ({attempt} attempts; last: {describe(exc)})."
                         f" {_why(pushback, before, seen, endpoint)}") from exc
-                logger.debug("retrying %s %s in %.2f s (attempt %d of %d failed: %s)", action, safe_uri(uri), pause,
-                             attempt, self.attempts, describe(exc))
+                logger.debug("retrying %s %s in %.2f s (attempt %d failed, %d of %d counted: %s)", action,
+                             safe_uri(uri), pause, attempt, spent, self.attempts, describe(exc))
                 time.sleep(pause)
                 delay = min(delay * self.multiplier, self.max_delay)
             else:
                 if count and pushback is not None:
                     pushback.answered()
                 return result
-        raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _why(pushback: Pushback | None, before: int, seen: set[Symptom], endpoint: str | None) -> str:

@@ -11,11 +11,12 @@ flight there, lowered by half at each throttling answer and raised by one per wi
 Where the backoff sits: one budget, the retry deadline of :class:`~taskpoint.storage.RetryPolicy`.
 
 - Per request, the client's own retries absorb a throttling answer without restarting the operation (a part
-  of a multipart upload, one ranged GET): botocore (s3fs), gcsfs, azure-core and obstore each retry 429 and
-  503 themselves. taskpoint watches the answers of botocore (a ``needs-retry`` handler: each answer counted,
-  the pause of a retry the store gave a ``Retry-After`` for made at least that long, with full jitter) and of
-  gcsfs (an aiohttp trace: each answer counted, its ``Retry-After`` kept for the policy). azure-core honours
-  ``Retry-After`` itself; obstore's retries are invisible, and only what they give up on is counted.
+  of a multipart upload, one ranged GET): botocore (s3fs), gcsfs and obstore retry 429 and 503 themselves,
+  Azure's storage client 503 only (15 s before its first retry, by default). taskpoint watches the answers of
+  botocore (a ``needs-retry`` handler: each answer counted, the pause before a retry drawn with full jitter
+  and never shorter than its ``Retry-After``) and of gcsfs (an aiohttp trace: each answer counted, its
+  ``Retry-After`` kept for the policy; gcsfs's own pauses do not read it). Azure's and obstore's retries are
+  invisible, and neither reads ``Retry-After``: what they give up on is counted by the policy.
 - Per operation, the retry policy retries what the client gave up on, the pause drawn with full jitter
   (between 0 and the exponential delay) and never shorter than the store's last ``Retry-After``.
 - Every client call is given the time left before the deadline (:func:`~taskpoint.storage.deadline.bounded`),
