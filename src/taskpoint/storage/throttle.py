@@ -18,11 +18,12 @@ Where the backoff sits: one budget, the retry deadline of :class:`~taskpoint.sto
   ``Retry-After`` kept for the policy; gcsfs's own pauses do not read it). Azure's and obstore's retries are
   invisible, and neither reads ``Retry-After``: what they give up on is counted by the policy.
 - Per operation, the retry policy retries what the client gave up on, the pause drawn with full jitter
-  (between 0 and the exponential delay) and never shorter than the store's last ``Retry-After``.
+  (between 0 and the exponential delay) and never shorter than the store's last ``Retry-After``; attempts
+  that met throttling count against the deadline only (where there is one), not against its attempts.
 - Every client call is given the time left before the deadline (:func:`~taskpoint.storage.deadline.bounded`),
   so the nested retries (botocore's attempts, s3fs's tries of ``SlowDown``, gcsfs's) end when it passes,
-  instead of multiplying into minutes; a ``Retry-After`` longer than the time left ends the operation at once.
-  Then :class:`~taskpoint.errors.StorageUnavailable` names the store and how many answers throttled.
+  instead of multiplying into minutes; the policy does not start a retry whose ``Retry-After`` ends past the
+  deadline. Then :class:`~taskpoint.errors.StorageUnavailable` names the store and how many answers throttled.
 """
 
 from __future__ import annotations
