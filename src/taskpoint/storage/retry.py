@@ -108,8 +108,8 @@ class RetryPolicy:
                     pause = full_jitter(delay, max(asked, default=None))
                 else:
                     pause = delay * random.uniform(0.5, 1.0)
-                if not (slow_down and deadline.end is not None):
-                    spent += 1
+                counted = not (slow_down and deadline.end is not None)
+                spent += counted
                 if spent == self.attempts:
                     raise StorageUnavailable(
                         f"could not {action} {uri}: storage kept failing after {attempt} attempts "
@@ -120,8 +120,12 @@ class RetryPolicy:
                         f"could not {action} {uri}: storage kept failing until the retry deadline of "
                         f"{deadline.seconds:g} s passed ({attempt} attempts; last: {describe(exc)})."
                         f" {_why(pushback, before, seen, endpoint)}") from exc
-                logger.debug("retrying %s %s in %.2f s (attempt %d failed, %d of %d counted: %s)", action,
-                             safe_uri(uri), pause, attempt, spent, self.attempts, describe(exc))
+                if counted:
+                    logger.debug("retrying %s %s in %.2f s (attempt %d of %d failed: %s)", action, safe_uri(uri),
+                                 pause, spent, self.attempts, describe(exc))
+                else:
+                    logger.debug("retrying %s %s in %.2f s (attempt %d throttled, which counts against the deadline "
+                                 "only: %s)", action, safe_uri(uri), pause, attempt, describe(exc))
                 time.sleep(pause)
                 delay = min(delay * self.multiplier, self.max_delay)
             else:
