@@ -22,7 +22,7 @@ from _servers import azure_storage_options
 from taskpoint import CheckpointManager, RetryPolicy, StorageUnavailable, TransferStats
 from taskpoint.executors import IO
 from taskpoint.storage import Location
-from taskpoint.storage.throttle import Pushback, parse_retry_after, retry_after, throttled
+from taskpoint.storage.throttle import MAX_IN_FLIGHT, Pushback, parse_retry_after, retry_after, throttled
 
 #: Bound of every wait on a thread in these tests (seconds): far past any deadline they set.
 WAIT_BOUND = 300.0
@@ -159,6 +159,7 @@ def test_a_store_that_throttles_every_request_ends_with_storage_unavailable_nami
         assert proxy.stats()[status] > 0
         assert f"127.0.0.1:{proxy.port}" in str(error)
         assert "throttling" in str(error)
+        assert Location(url, options).backend.pushback.cap(4) < 4  # fewer requests in flight there, meanwhile
         proxy.rate = 0.0
         assert CheckpointManager(url, storage_options=options).restore().read_bytes() == b"the good step"
 
@@ -188,17 +189,16 @@ def test_a_retry_after_is_waited_out_before_the_request_is_sent_again(request, k
 
 def test_the_requests_in_flight_are_halved_by_each_throttling_answer_and_grow_back_with_those_that_pass():
     pushback = Pushback("test://store")
-    assert pushback.cap(8) == 8
+    assert pushback.cap(4) == 4 and pushback.cap(64) == MAX_IN_FLIGHT
+    pushback.throttle()
+    assert pushback.throttled == 1
+    assert pushback.cap(64) == MAX_IN_FLIGHT // 2
     for _ in range(3):
         pushback.throttle()
-    assert pushback.throttled == 3
-    assert pushback.cap(64) == 8
+    assert pushback.cap(64) == 1
     for _ in range(100):
         pushback.answered()
-    assert pushback.cap(64) > 8
-    for _ in range(10):
-        pushback.throttle()
-    assert pushback.cap(64) == 1
+    assert pushback.cap(64) == MAX_IN_FLIGHT
 
 
 def test_a_lane_runs_no_more_tasks_at_once_than_its_cap_allows():

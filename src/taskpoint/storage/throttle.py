@@ -37,6 +37,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .errormap import chain, code_and_status
+from .streams import RANGES_IN_FLIGHT
 
 #: Error codes of throttling answers (S3, Azure, AWS services behind S3-compatible fronts).
 THROTTLE_CODES = frozenset({
@@ -45,8 +46,9 @@ THROTTLE_CODES = frozenset({
 })
 #: HTTP statuses of throttling answers: Too Many Requests, and Service Unavailable (S3's SlowDown).
 THROTTLE_STATUSES = frozenset({429, 503})
-#: The cap on requests in flight per transfer where the store never pushed back: above every lane's width.
-MAX_IN_FLIGHT = 64
+#: The cap on one transfer's requests in flight where the store never pushed back: the widest lane that asks
+#: for it (ranged reads; a multipart upload's parts are fewer), so that the first throttling answer bites.
+MAX_IN_FLIGHT = RANGES_IN_FLIGHT
 #: The longest ``Retry-After`` taken as given (seconds): a larger one is this (the deadline cuts it anyway).
 MAX_RETRY_AFTER = 300.0
 
