@@ -9,9 +9,11 @@ random generator, whether to let it through or to fail it in one of these ways:
 ``stall``
     the request is read but never answered; the connection is held open for :attr:`stall_seconds`
     (longer than the client's timeout), then closed: a server or load balancer that hangs.
-``500`` / ``503``
-    the proxy answers itself with that status (an S3-style XML or a GCS-style JSON error body, as the
-    client expects) and closes the connection: an overloaded or failing server.
+``500`` / ``503`` / ``429``
+    the proxy answers itself with that status (an S3-style XML body, ``SlowDown`` for 503; an Azure-style
+    XML body, ``ServerBusy``; or a GCS-style JSON body, as the client expects), with ``Retry-After`` when
+    :attr:`retry_after` is set, and closes the connection: an overloaded, failing or throttling server.
+    ``429`` (Too Many Requests) is not among the kinds drawn by default.
 ``cut``
     the request goes to the server, but its response is cut short: the head and half the body reach
     the client, then the connection is reset (or, for a response without a body, half of the head).
@@ -33,6 +35,7 @@ Usage::
         ...
         proxy.rate = 1.0        # every request fails from now on
         proxy.stats()           # {"requests": ..., "passed": ..., "reset": ..., ...}
+        proxy.log               # [method, path, fault, status, arrival (time.monotonic())] per request
 """
 
 from __future__ import annotations
@@ -52,10 +55,13 @@ from urllib.parse import urlsplit
 
 from helpers import AcceptLoop
 
-__all__ = ["FAULT_KINDS", "FaultProxy", "fault_proxy"]
+__all__ = ["FAULT_KINDS", "THROTTLE_KINDS", "FaultProxy", "fault_proxy"]
 
-#: Every kind of fault the proxy can inject.
+#: The kinds of fault the proxy draws from by default.
 FAULT_KINDS: tuple[str, ...] = ("reset", "stall", "500", "503", "cut")
+#: The answers of a store that pushes back: 503 (S3's SlowDown, Azure's ServerBusy) and 429.
+THROTTLE_KINDS: tuple[str, ...] = ("503", "429")
+_KNOWN_KINDS = (*FAULT_KINDS, "429")
 
 _MAX_HEAD = 256 << 10
 _CHUNK = 64 << 10
@@ -168,21 +174,26 @@ def _reset(sock: socket.socket) -> None:
         sock.close()
 
 
-def _error_response(status: int, request_headers: dict[str, str]) -> bytes:
-    reason = {500: "Internal Server Error", 503: "Service Unavailable"}[status]
+def _error_response(status: int, request_headers: dict[str, str], retry_after: float | None = None, *,
+                    head: bool = False) -> bytes:
+    """The proxy's own error answer; to a HEAD request, without its body (as servers answer it)."""
+    reason = {500: "Internal Server Error", 503: "Service Unavailable", 429: "Too Many Requests"}[status]
     s3_style = ("authorization" in request_headers and "aws4" in request_headers["authorization"].lower()) or any(
         name.startswith("x-amz-") for name in request_headers)
-    if s3_style:
-        code = {500: "InternalError", 503: "SlowDown"}[status]
-        body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+    azure_style = any(name.startswith("x-ms-") for name in request_headers)
+    if s3_style or azure_style:
+        codes = ({500: "InternalError", 503: "SlowDown", 429: "SlowDown"} if s3_style else
+                 {500: "InternalError", 503: "ServerBusy", 429: "TooManyRequests"})
+        body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{codes[status]}</Code>'
                 f"<Message>injected by the fault proxy</Message><RequestId>fault</RequestId></Error>").encode()
         kind = "application/xml"
     else:
         body = json.dumps({"error": {"code": status, "message": "injected by the fault proxy",
                                      "errors": [{"reason": "backendError", "message": "injected"}]}}).encode()
         kind = "application/json"
-    return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
-            f"Connection: close\r\n\r\n").encode() + body
+    wait = "" if retry_after is None else f"Retry-After: {retry_after:g}\r\n"
+    return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n{wait}"
+            f"Connection: close\r\n\r\n").encode() + (b"" if head else body)
 
 
 class FaultProxy:
@@ -195,10 +206,10 @@ class FaultProxy:
 
     def __init__(self, upstream_url: str, *, seed: int = 0, rate: float = 0.0,
                  kinds: Sequence[str] = FAULT_KINDS, stall_seconds: float = 10.0,
-                 throttle: float | None = None) -> None:
-        unknown = set(kinds) - set(FAULT_KINDS)
+                 throttle: float | None = None, retry_after: float | None = None) -> None:
+        unknown = set(kinds) - set(_KNOWN_KINDS)
         if unknown:
-            raise ValueError(f"unknown fault kinds {sorted(unknown)}; choose from {FAULT_KINDS}")
+            raise ValueError(f"unknown fault kinds {sorted(unknown)}; choose from {_KNOWN_KINDS}")
         parts = urlsplit(upstream_url)
         self._upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
         self.rate = rate
@@ -207,10 +218,13 @@ class FaultProxy:
         self.throttle = throttle
         #: Picks requests (by method and path, without the query) to stall, whatever the rate; None: none.
         self.hold: Callable[[str, str], bool] | None = None
+        #: Seconds sent as ``Retry-After`` with the proxy's own 429 and 503 answers (None: no header).
+        self.retry_after = retry_after
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
-        self._counts: dict[str, int] = dict.fromkeys(("requests", "passed", *FAULT_KINDS), 0)
-        #: The last requests, for diagnosis: (method, path without query, fault or None, status or None).
+        self._counts: dict[str, int] = dict.fromkeys(("requests", "passed", *_KNOWN_KINDS), 0)
+        #: The last requests: (method, path without query, fault or None, status or None, arrival on the
+        #: monotonic clock), for diagnosis and for tests that check when a retry came.
         self.log: collections.deque[list[Any]] = collections.deque(maxlen=400)
         self._open: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
@@ -281,7 +295,7 @@ class FaultProxy:
                     client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
                 path = request_line.split(" ")[1].split("?")[0] if " " in request_line else "?"
                 fault = self._decide(method, path)
-                entry = [method, path, fault, None]
+                entry = [method, path, fault, None, time.monotonic()]
                 self.log.append(entry)
                 has_body = "content-length" in headers or "transfer-encoding" in headers
                 if fault == "reset":
@@ -300,13 +314,15 @@ class FaultProxy:
                     _reset(client)
                     _reset(upstream)
                     return
-                if fault in ("stall", "500", "503"):
+                if fault in ("stall", "500", "503", "429"):
                     for _ in _body(reader, headers, to_eof=False):
                         pass  # the whole request is read (the client is done sending) ...
                     if fault == "stall":  # ... and never answered
                         self._hold(client)
                         return
-                    client.sendall(_error_response(int(fault), headers))
+                    client.sendall(_error_response(int(fault), headers,
+                                                   self.retry_after if fault in THROTTLE_KINDS else None,
+                                                   head=method == "HEAD"))
                     return
                 if upstream is None:
                     upstream = self._connect()

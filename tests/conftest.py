@@ -75,11 +75,12 @@ apply_default_environment()  # the same defaults, plus 127.0.0.1 on NO_PROXY
 _SERVER_FIXTURES = {"s3": "s3_server", "s3-obstore": "s3_server", "s3-seaweed": "seaweed_server",
                     "gcs": "gcs_server", "azure": "azure_server"}
 #: The modules whose store fixtures run over obstore too (``s3-obstore``): the storage contract (stores, record
-#: protocol, failures and errors through the fault proxy, integrity), the obstore tests, and the manager's
-#: tests that name ``s3-obstore`` themselves (two managers racing). Elsewhere the client under the backend
+#: protocol, failures and errors through the fault proxy, integrity, throttling), the obstore tests, and the
+#: manager's tests that name ``s3-obstore`` themselves (two managers racing). Elsewhere the client under the backend
 #: changes nothing that the S3 run does not already cover, and running everything twice would add minutes.
 _OBSTORE_MODULES = frozenset({"test_stores.py", "test_record_protocol.py", "test_storage_failures.py",
-                              "test_storage_errors.py", "test_integrity.py", "test_obstore.py", "test_manager.py"})
+                              "test_storage_errors.py", "test_integrity.py", "test_obstore.py", "test_manager.py",
+                              "test_throttling.py"})
 #: The modules whose store fixtures run on SeaweedFS too (``s3-seaweed``): those whose promises rest on
 #: conditional writes (the record protocol) and the SeaweedFS tests themselves. Elsewhere a test runs there
 #: when it names ``s3-seaweed`` in its own parametrize (the dedup leases and sweeps, two managers racing) or

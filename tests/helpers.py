@@ -193,11 +193,11 @@ class CountingRetry(RetryPolicy):
     runs: list[str] = field(default_factory=list, compare=False)
 
     def call(self, fn: Callable[[Deadline], T], *, action: str, uri: str, endpoint: str | None = None,
-             outer: Deadline = NO_DEADLINE) -> T:
+             outer: Deadline = NO_DEADLINE, **throttling: Any) -> T:
         def counted(deadline: Deadline) -> T:
             self.runs.append(action)
             return fn(deadline)
-        return super().call(counted, action=action, uri=uri, endpoint=endpoint, outer=outer)
+        return super().call(counted, action=action, uri=uri, endpoint=endpoint, outer=outer, **throttling)
 
 
 def fast_counting() -> CountingRetry:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
@@ -36,6 +37,9 @@ class TransferStats:
     total_seconds: float
     #: The manager step, where it applies.
     step: int | None = None
+    #: Answers by which the store asked to slow down (429, 503 SlowDown) while it ran, all retried: requests
+    #: of other operations on the same store at the same time are counted too.
+    throttled: int = 0
 
     @property
     def mb_per_s(self) -> float:
@@ -61,9 +65,13 @@ def short_name(uri: str) -> str:
 
 
 class Clock:
-    """Started when an operation is called; :meth:`release` marks when the caller got control back."""
+    """Started when an operation is called; :meth:`release` marks when the caller got control back.
+    ``throttles``: the count of the store's throttling answers so far (:meth:`Location.throttles
+    <taskpoint.storage.Location.throttles>`), whose growth the figures report."""
 
-    def __init__(self) -> None:
+    def __init__(self, throttles: Callable[[], int] | None = None) -> None:
+        self._throttles = throttles
+        self._throttled_before = 0 if throttles is None else throttles()
         self.start = time.perf_counter()
         #: When the call returned while the work goes on elsewhere (a background save); None until then.
         self.released: float | None = None
@@ -81,7 +89,8 @@ class Clock:
               ) -> TransferStats:
         total = time.perf_counter() - self.start
         blocked = total if self.released is None else min(total, self.released - self.start)
-        return TransferStats(operation, safe_uri(uri), kind, int(size or 0), blocked, total, step)
+        throttled = 0 if self._throttles is None else self._throttles() - self._throttled_before
+        return TransferStats(operation, safe_uri(uri), kind, int(size or 0), blocked, total, step, throttled)
 
 
 def log_transfer(stats: TransferStats) -> TransferStats:
@@ -89,8 +98,9 @@ def log_transfer(stats: TransferStats) -> TransferStats:
     if logger.isEnabledFor(INFO):
         where = "" if stats.step is None else f" step {stats.step}"
         verb = "saved" if stats.operation == "save" else "loaded"
-        logger.info("%s %s%s (%s, %d bytes) in %.3f s (caller blocked %.3f s), %.1f MB/s", verb, stats.uri, where,
-                    stats.kind, stats.bytes, stats.total_seconds, stats.blocked_seconds, stats.mb_per_s,
+        pushed = f", {stats.throttled} throttled answers retried" if stats.throttled else ""
+        logger.info("%s %s%s (%s, %d bytes) in %.3f s (caller blocked %.3f s), %.1f MB/s%s", verb, stats.uri, where,
+                    stats.kind, stats.bytes, stats.total_seconds, stats.blocked_seconds, stats.mb_per_s, pushed,
                     extra={"transfer": stats})
     return stats
 

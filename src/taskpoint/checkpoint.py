@@ -213,7 +213,7 @@ class Checkpoint(BaseCheckpoint):
         """Save ``data``. ``progress``: True shows a bar, False nothing, an ``fsspec.callbacks.Callback`` is
         told the total and each step; None (the default) shows a bar on a terminal for saves longer than
         about two seconds (see docs/checkpoint.md, "Progress")."""
-        clock = _log.Clock()
+        clock = _log.Clock(self._dest.throttles)
         tracker = _progress.resolve(progress, f"save {_log.short_name(self._dest.uri)}")
         payload = payload_for(data)
         with self._lock, tracker:
@@ -240,7 +240,7 @@ class Checkpoint(BaseCheckpoint):
                 return self._loaded
             if self._src is None:
                 return None
-            clock = _log.Clock()
+            clock = _log.Clock(self._src.throttles)
             verified: list[tuple[str, int]] = [("unknown", 0)]  # a folder load has no verified read to name
             with _progress.resolve(progress, f"load {_log.short_name(self._src.uri)}") as tracker:
                 try:

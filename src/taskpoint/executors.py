@@ -76,9 +76,10 @@ class SharedPool:
         """The pool's size, as the environment says now (read again when the pool starts)."""
         return threads_from_env(self.variable, self._default())
 
-    def lane(self, width: int) -> Lane:
-        """A view of this pool for one operation that keeps at most ``width`` of its tasks in flight."""
-        return Lane(self, width)
+    def lane(self, width: int, cap: Callable[[int], int] | None = None) -> Lane:
+        """A view of this pool for one operation that keeps at most ``width`` of its tasks in flight, or
+        ``cap(width)`` as it says at each moment (a store that pushes back: fewer requests in flight)."""
+        return Lane(self, width, cap)
 
     def submit(self, fn: Callable[..., Any], /, *args: Any) -> concurrent.futures.Future[Any]:
         """Put ``fn(*args)`` on the pool's queue (lanes do this; operations use a lane)."""
@@ -126,12 +127,13 @@ def _run(future: concurrent.futures.Future[T], fn: Callable[..., T], args: tuple
 class Lane(concurrent.futures.Executor):
     """One operation's share of a :class:`SharedPool`: an :class:`~concurrent.futures.Executor` (``submit``,
     ``map``, ``shutdown``, a ``with`` block that waits for its tasks) that keeps at most ``width`` of its tasks
-    on the pool at once and the others queued here, in order. :meth:`cancel` drops what is still queued."""
+    on the pool at once and the others queued here, in order. :meth:`cancel` drops what is still queued.
+    ``cap``, where given, lowers the width while it says so (asked each time a task could start)."""
 
-    def __init__(self, pool: SharedPool, width: int) -> None:
+    def __init__(self, pool: SharedPool, width: int, cap: Callable[[int], int] | None = None) -> None:
         if width < 1:
             raise ValueError(f"a lane needs a width of at least 1, got {width}")
-        self.pool, self.width = pool, width
+        self.pool, self.width, self._cap = pool, width, cap
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._queue: collections.deque[tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...],
@@ -158,7 +160,7 @@ class Lane(concurrent.futures.Executor):
         """Move queued tasks to the pool while fewer than ``width`` are there."""
         while True:
             with self._lock:
-                if self._running >= self.width or not self._queue:
+                if self._running >= (self.width if self._cap is None else self._cap(self.width)) or not self._queue:
                     return
                 future, fn, args, kwargs = self._queue.popleft()
                 if not future.set_running_or_notify_cancel():

@@ -124,7 +124,7 @@ def run_store(servers: Servers, kind: str, cycles: int, outage: bool | str, rng:
             proxy.log.clear()
             error = _cycle(i, location.base, options, retry, rng, scratch)
             if error is not None:  # what the wire saw: faults injected and answers other than 2xx
-                seen = [f"{m} {p.rsplit('/', 1)[-1] or p} {f or ''}{s or ''}" for m, p, f, s in list(proxy.log)
+                seen = [f"{m} {p.rsplit('/', 1)[-1] or p} {f or ''}{s or ''}" for m, p, f, s, *_ in list(proxy.log)
                         if f or (s is not None and not 200 <= s < 300)]
                 error += f" [wire: {'; '.join(seen[-6:])}]"
             cycles_result.trial(error)

@@ -163,6 +163,7 @@ class CheckpointManager(StepQueries):
         self._level = level
         self._async_save = bool(async_save)
         root = Location(uri, storage_options, retry)
+        self._throttles = root.throttles
         self._in_use = InUse((str(root.fs.protocol), root.path))
         self._steps = StepStore(root, self._in_use, KINDS)
         chunks = ChunkStore(root, "zstd" if codec is None else codec, level)
@@ -251,7 +252,7 @@ class CheckpointManager(StepQueries):
         anything else. ``progress``: as for
         :meth:`Checkpoint.save_sync <taskpoint.Checkpoint.save_sync>` (a background save shows no bar unless True).
         """
-        clock, began = _log.Clock(), self._schedule.now()
+        clock, began = _log.Clock(self._throttles), self._schedule.now()
         step = check_step(step)
         record_metadata = check_metadata(metadata)
         attempt = running_attempt()
@@ -290,7 +291,7 @@ class CheckpointManager(StepQueries):
         with self._lock:
             self._check_open()
             self._writer.write(check_step(step), record_metadata, running_attempt(), None, content,
-                               clock=_log.Clock())
+                               clock=_log.Clock(self._throttles))
         return self._steps.step_uri(step)
 
     def _write_step(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: set[str] | None,
@@ -334,7 +335,7 @@ class CheckpointManager(StepQueries):
         :attr:`restored_step` is the step the last restore returned. ``progress``: as for :meth:`Checkpoint.load_sync
         <taskpoint.Checkpoint.load_sync>`."""
         selected = None if paths is None else normalize_paths(paths)
-        clock, tracker = _log.Clock(), _progress.resolve(progress, "restore")
+        clock, tracker = _log.Clock(self._throttles), _progress.resolve(progress, "restore")
         target = None if into is None else Path(normalize_uri(into, "into"))
         self._ready()
         step = None if step is None else check_step(step)

@@ -62,6 +62,8 @@ class StepQueries:
     _tier: LocalTier | None
     _background: Background
     _closed: bool
+    #: The count of the store's throttling answers so far, for the figures of a save or restore.
+    _throttles: Callable[[], int]
 
     def open(self, step: int, path: str) -> io.BufferedReader:
         """A read-only binary file (``read``, ``readinto``, ``seek``, ``tell``) of the file ``path`` of ``step``,
@@ -91,7 +93,7 @@ class StepQueries:
         ``progress``: as for :meth:`restore` (the bytes checked in place, or those restored)."""
         tracker = _progress.resolve(progress, "restore")
         self._ready()
-        clock = _log.Clock()
+        clock = _log.Clock(self._throttles)
         if self._tier is not None:
             number, folder = self._tier.restore(None if step is None else check_step(step), self._reader, None,
                                                 fallback=False, clock=clock, progress=tracker)

@@ -248,6 +248,8 @@ class ObstoreS3Backend(S3Backend):
     doing what carries none (listings, checks, deletes, unfinished uploads)."""
 
     range_reader = ObstoreRangeReader
+    #: obstore's own retries of the data path are invisible: the retry policy counts what reaches it.
+    answers_watched = False
 
     def __init__(self, fs: Any, options: dict[str, Any], deadline: float | None) -> None:
         super().__init__(fs, options)
@@ -327,4 +329,5 @@ class ObstoreS3Backend(S3Backend):
                 raise folder_error(path) from None
             raise
         return self.range_reader(store, path, int(meta["size"]),  # type: ignore[return-value]
-                                 version=meta.get("e_tag") or None, deadline=self.deadline)
+                                 version=meta.get("e_tag") or None, deadline=self.deadline,
+                                 cap=self.pushback.cap)

@@ -39,12 +39,13 @@ class S3MultipartWriter(io.RawIOBase):
     sent by a pool (at most :data:`PARTS_IN_FLIGHT`, so memory stays bounded), and ``close()`` completes the
     upload: the object appears whole, at that moment. ``abort()`` aborts the upload: S3 keeps no parts.
     Each request, parts on the pool's threads too, is given the time left before ``deadline`` (the retried
-    write's); ``on_upload_started`` is given the deadline.
+    write's); ``on_upload_started`` is given the deadline. ``cap``: the store's cap on requests in flight, which
+    lowers the parts sent at once while it throttles.
     """
 
     def __init__(self, fs: Any, path: str, *, part_size: int = UPLOAD_PART_SIZE,
                  in_flight: int = PARTS_IN_FLIGHT, on_upload_started: Callable[[Deadline], None] | None = None,
-                 deadline: Deadline = NO_DEADLINE):
+                 deadline: Deadline = NO_DEADLINE, cap: Callable[[int], int] | None = None):
         super().__init__()
         self._on_upload_started = on_upload_started
         self._deadline = deadline
@@ -52,7 +53,7 @@ class S3MultipartWriter(io.RawIOBase):
         self._bucket, _, self._key = path.partition("/")
         self._part_size = part_size
         self._in_flight = in_flight
-        self._pool = IO.lane(in_flight)
+        self._pool = IO.lane(in_flight, cap)
         self._buf = bytearray()
         self._upload_id: str | None = None
         self._parts: list[Any] = []

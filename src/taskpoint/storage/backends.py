@@ -31,6 +31,7 @@ from typing import IO, Any, ClassVar, TypeVar
 from .deadline import NO_DEADLINE, Deadline, bounded
 from .errormap import Failure, classify
 from .streams import RANGE_SIZE
+from .throttle import pushback_for, store_key
 
 #: Read-ahead blocks of remote streams, and the block size of client uploads.
 PART_SIZE = 16 << 20
@@ -123,12 +124,18 @@ class Backend:
     #: The store has real folders (removed when empty) rather than key prefixes.
     has_folders: ClassVar[bool] = True
 
+    #: The client reports each answer of the store to :attr:`pushback` (throttling answers its own retries
+    #: absorb are counted there); where not, the retry policy counts those that reach it.
+    answers_watched: ClassVar[bool] = False
+
     #: The deadline of the operation this view serves: client calls get the time left before it.
     deadline: Deadline = NO_DEADLINE
 
     def __init__(self, fs: Any, options: dict[str, Any]) -> None:
         self.fs = fs
         self.options = options
+        #: What this store said about its load (throttling answers, the cap on requests in flight).
+        self.pushback = pushback_for(store_key(self.store_url(), protocols(fs)[0]))
 
     def within(self: B, deadline: Deadline) -> B:
         """This backend with its calls, and the readers and writers it opens, bounded by ``deadline`` (a
@@ -147,6 +154,11 @@ class Backend:
     def endpoint(self) -> str | None:
         """The URL of the server this store's client talks to, where it was given (None: the client's own)."""
         return None
+
+    def store_url(self) -> str | None:
+        """The URL that names this store in what it said about its load (:attr:`pushback`): the endpoint, or
+        the client's own account URL where it makes one (Azure)."""
+        return self.endpoint()
 
     def kind(self, path: str) -> Kind:
         """What ``path`` holds. Only "not found" is :attr:`Kind.NOTHING`; any other failure is raised."""

@@ -37,6 +37,7 @@ from .errormap import Failure, classify, describe, map_errors
 from .localdisk import LocalBackend
 from .objectstores import AzureBackend, GCSBackend, ObjectStoreBackend, S3Backend
 from .retry import CLIENT_TIMEOUT, RetryPolicy
+from .throttle import gcs_trace
 from .uris import check_storage_options, check_uri, extra_for
 
 T = TypeVar("T")
@@ -66,8 +67,8 @@ class Location:
         try:
             # Some clients check credentials as they connect (gcsfs with token="google_default").
             with map_errors("connect to", uri, credential_source((scheme,), fs_options)):
-                self.fs, self.path = fsspec.core.url_to_fs(uri, **client_timeouts(scheme, fs_options,
-                                                                                   self.retry.deadline))
+                self.fs, self.path = fsspec.core.url_to_fs(uri, **watched(scheme, client_timeouts(
+                    scheme, fs_options, self.retry.deadline)))
         except ImportError as exc:
             raise ImportError(f"{uri}: {exc}. To use {scheme}://, {extra_for(scheme.rpartition('::')[2])}.") from exc
         except (KeyError, ValueError, TypeError) as exc:
@@ -116,6 +117,11 @@ class Location:
         relative = relative.strip("/")
         return self._moved(f"{self.uri.rstrip('/')}/{relative}", f"{self.path.rstrip('/')}/{relative}")
 
+    def throttles(self) -> int:
+        """Answers by which this location's store asked to slow down, so far in this process (every location
+        of the store counts into one figure): a save's or load's log record reports how many came while it ran."""
+        return self.backend.pushback.throttled
+
     @property
     def is_local(self) -> bool:
         """True on local disk, where transfers may use file descriptors and kernel copies."""
@@ -138,7 +144,8 @@ class Location:
                     raise
         with map_errors(action, self.uri, self.backend.credentials(), writing=writing):
             return self.retry.call(call, action=action, uri=self.uri, endpoint=self.backend.endpoint(),
-                                   outer=self.outer)
+                                   outer=self.outer, pushback=self.backend.pushback,
+                                   count=not self.backend.answers_watched)
 
     # -- reads -------------------------------------------------------------------------------------------
 
@@ -314,6 +321,19 @@ def client_timeouts(scheme: str, options: dict[str, Any], deadline: float | None
         out.setdefault("connection_timeout", deadline)
         out.setdefault("read_timeout", deadline)
     return out
+
+
+def watched(scheme: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with gcsfs's aiohttp session traced (:func:`~taskpoint.storage.throttle.gcs_trace`), so that
+    each throttling answer its own retries absorb is counted; other clients are watched by their backend."""
+    if scheme not in ("gs", "gcs"):
+        return options
+    session = dict(options.get("session_kwargs") or {})
+    traces = list(session.get("trace_configs") or [])
+    if gcs_trace() not in traces:
+        traces.append(gcs_trace())
+    session["trace_configs"] = traces
+    return {**options, "session_kwargs": session}
 
 
 #: The storage option, and the environment variable, that choose the client of ``s3://`` locations.

@@ -24,6 +24,7 @@ from .backends import (
 from .deadline import bounded
 from .errormap import chain, code_and_status
 from .streams import RANGE_SIZE, ConcurrentRangeReader, ObjectChanged, VersionConflict
+from .throttle import watch_s3fs
 
 
 class ObjectStoreBackend(Backend):
@@ -61,7 +62,7 @@ class ObjectStoreBackend(Backend):
             # Pinned to the version just seen: an object replaced under the read raises ObjectChanged and the
             # read starts over, never mixing two versions (small objects are one range).
             return self.range_reader(self.fs, path, size, version=version,  # type: ignore[return-value]
-                                     deadline=self.deadline)
+                                     deadline=self.deadline, cap=self.pushback.cap)
         return self.fs.open(path, "rb", block_size=PART_SIZE, cache_type="readahead")  # type: ignore[no-any-return]
 
     def _prefixed(self, prefix: str) -> dict[str, str]:
@@ -135,6 +136,12 @@ class GCSBackend(ObjectStoreBackend):
     """GCS: large objects are read as ranged GETs pinned to the generation seen when the read began."""
 
     range_reader = GenerationRangeReader
+    answers_watched = True
+
+    def endpoint(self) -> str | None:
+        """The URL gcsfs sends requests to (an emulator's, or Google's)."""
+        url = getattr(self.fs, "_location", None)
+        return url if isinstance(url, str) else None
 
     def version_of(self, info: dict[str, Any]) -> str | None:
         generation = info.get("generation")
@@ -214,6 +221,11 @@ class AzureBackend(ObjectStoreBackend):
     range_reader = ETagRangeReader
     conditional = True
 
+    def store_url(self) -> str | None:
+        """The account's URL, from the connection string or the account's name (adlfs's service client)."""
+        url = getattr(getattr(self.fs, "service_client", None), "url", None)
+        return url if isinstance(url, str) else None
+
     def version_of(self, info: dict[str, Any]) -> str | None:
         etag = info.get("etag")
         return str(etag) if etag else None
@@ -269,6 +281,11 @@ class S3Backend(ObjectStoreBackend):
     objects are read as ranged GETs pinned to the ETag seen when the read began (``If-Match``)."""
 
     range_reader: ClassVar[type[ConcurrentRangeReader]] = _s3.S3RangeReader
+    answers_watched = True
+
+    def __init__(self, fs: Any, options: dict[str, Any]) -> None:
+        super().__init__(fs, options)
+        watch_s3fs(fs, self.pushback)
 
     def endpoint(self) -> str | None:
         """``endpoint_url`` (an option, ``client_kwargs`` or fsspec's configuration); None: AWS's own."""
@@ -285,7 +302,7 @@ class S3Backend(ObjectStoreBackend):
         single = size_hint is not None and size_hint <= _s3.SINGLE_PUT_MAX
         return _s3.S3MultipartWriter(self.fs, path, part_size=_s3.SINGLE_PUT_MAX + 1 if single
                                      else _s3.UPLOAD_PART_SIZE, on_upload_started=hooks.on_partial,
-                                     deadline=self.deadline)
+                                     deadline=self.deadline, cap=self.pushback.cap)
 
     @contextlib.contextmanager
     def open_write(self, path: str, size_hint: int | None, hooks: WriteHooks) -> Iterator[IO[bytes]]:

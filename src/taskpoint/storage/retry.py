@@ -1,5 +1,6 @@
 """How storage operations that failed transiently are retried: bounded in attempts and in time, with jittered
-exponential backoff."""
+exponential backoff; throttling answers with full jitter, honouring the store's ``Retry-After``
+(:mod:`.throttle` says where this backoff sits beside the clients' own)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from .._log import logger, safe_uri
 from ..errors import StorageUnavailable
 from .deadline import NO_DEADLINE, Deadline
 from .errormap import SYMPTOM_ADVICE, Symptom, describe, is_transient, strongest, symptom
+from .throttle import Pushback, full_jitter, retry_after, throttled
 
 T = TypeVar("T")
 
@@ -30,7 +32,9 @@ class RetryPolicy:
     """How often and how patiently to retry a storage operation that failed transiently.
 
     Attributes:
-        attempts: how many times an operation runs at most.
+        attempts: how many times an operation runs at most. Attempts that met throttling (the store asked to
+            wait: 429, 503 SlowDown) do not count where a deadline bounds the operation: then the deadline is
+            the budget, and a store that throttles a share of the requests costs time, not the operation.
         initial_delay, max_delay, multiplier: the pause before each retry (jittered, growing exponentially).
         deadline: seconds, measured from the start of an operation's first attempt, after which no new attempt
             starts (a retry whose pause would end after it is not made either); then
@@ -62,45 +66,84 @@ class RetryPolicy:
             raise ValueError("RetryPolicy.deadline must be a positive number of seconds, or None")
 
     def call(self, fn: Callable[[Deadline], T], *, action: str, uri: str, endpoint: str | None = None,
-             outer: Deadline = NO_DEADLINE) -> T:
+             outer: Deadline = NO_DEADLINE, pushback: Pushback | None = None, count: bool = False) -> T:
         """Run ``fn(deadline)``, ``deadline`` being this call's (:attr:`deadline` from now, or ``outer`` when it
         comes first: the operation this one runs inside), which ``fn`` passes to the calls it makes; retry
         transient failures with jittered exponential backoff, then raise
         :class:`~taskpoint.errors.StorageUnavailable` (after :attr:`attempts` attempts, or once that deadline
         has passed), whose advice says whether the connections were refused or unanswered
         (``endpoint``: the store's URL, connected to once when the failures do not say). Other failures are
-        raised at once, unchanged."""
-        return self._attempts(fn, action, uri, endpoint, Deadline.from_seconds(self.deadline).min(outer))
+        raised at once, unchanged.
+
+        A throttling answer (:mod:`~taskpoint.storage.throttle`) is retried after a pause drawn with full
+        jitter and never shorter than the store's ``Retry-After`` (``pushback``: the store's, which also keeps
+        the last one its client saw); ``count``: the client does not report its answers, so each one that
+        reaches here is counted into ``pushback``. When the store throttled, StorageUnavailable names it."""
+        return self._attempts(fn, action, uri, endpoint, Deadline.from_seconds(self.deadline).min(outer),
+                              pushback, count)
 
     def _attempts(self, fn: Callable[[Deadline], T], action: str, uri: str, endpoint: str | None,
-                  deadline: Deadline) -> T:
+                  deadline: Deadline, pushback: Pushback | None, count: bool) -> T:
         delay = self.initial_delay
         seen: set[Symptom] = set()  # what the failures said about the endpoint, over every attempt
-        for attempt in range(1, self.attempts + 1):
+        before = pushback.throttled if pushback is not None else 0
+        spent = 0  # the attempts that count against self.attempts
+        attempt = 0
+        while True:
+            attempt += 1
             try:
-                return fn(deadline)
+                result = fn(deadline)
             except BaseException as exc:
                 if not is_transient(exc):
                     raise
                 found = symptom(exc)
                 if found is not None:
                     seen.add(found)
-                pause = delay * random.uniform(0.5, 1.0)
-                if attempt == self.attempts:
+                slow_down = throttled(exc)
+                if slow_down and count and pushback is not None:
+                    pushback.throttle(retry_after(exc))
+                if slow_down:
+                    asked = [w for w in (retry_after(exc), None if pushback is None else pushback.wait_asked())
+                             if w is not None]
+                    pause = full_jitter(delay, max(asked, default=None))
+                else:
+                    pause = delay * random.uniform(0.5, 1.0)
+                counted = not (slow_down and deadline.end is not None)
+                spent += counted
+                if spent == self.attempts:
                     raise StorageUnavailable(
                         f"could not {action} {uri}: storage kept failing after {attempt} attempts "
-                        f"({describe(exc)}). {_advice(seen, endpoint)}") from exc
+                        f"({describe(exc)}). {_why(pushback, before, seen, endpoint)}") from exc
                 left = deadline.time_left()
                 if left is not None and left <= pause:
                     raise StorageUnavailable(
                         f"could not {action} {uri}: storage kept failing until the retry deadline of "
-                        f"{deadline.seconds:g} s passed ({attempt} attempts; last: {describe(exc)}). "
-                        f"{_advice(seen, endpoint)}") from exc
-                logger.debug("retrying %s %s in %.2f s (attempt %d of %d failed: %s)", action, safe_uri(uri), pause,
-                             attempt, self.attempts, describe(exc))
+                        f"{deadline.seconds:g} s passed ({attempt} attempts; last: {describe(exc)})."
+                        f" {_why(pushback, before, seen, endpoint)}") from exc
+                if counted:
+                    logger.debug("retrying %s %s in %.2f s (attempt %d of %d failed: %s)", action, safe_uri(uri),
+                                 pause, spent, self.attempts, describe(exc))
+                else:
+                    logger.debug("retrying %s %s in %.2f s (attempt %d throttled, which counts against the deadline "
+                                 "only: %s)", action, safe_uri(uri), pause, attempt, describe(exc))
                 time.sleep(pause)
                 delay = min(delay * self.multiplier, self.max_delay)
-        raise AssertionError("unreachable")  # pragma: no cover
+            else:
+                if count and pushback is not None:
+                    pushback.answered()
+                return result
+
+
+def _why(pushback: Pushback | None, before: int, seen: set[Symptom], endpoint: str | None) -> str:
+    """What to check: when the store throttled during the operation (its count was ``before``), the store's
+    name and how often, since the connections' symptoms then only say that the answers were refusals;
+    otherwise the :func:`_advice` of the symptoms."""
+    if pushback is None or pushback.throttled == before:
+        return _advice(seen, endpoint)
+    return (f"The store {safe_uri(pushback.store)} answered {pushback.throttled - before} requests with "
+            "throttling (429, or 503 SlowDown) and did not let up before the retries ran out: lower the request "
+            "rate (fewer ranks saving at once, fewer and larger objects), or ask the provider to raise the limit. "
+            f"{_AGAIN}")
 
 
 def _advice(seen: set[Symptom], endpoint: str | None) -> str:
@@ -110,7 +153,10 @@ def _advice(seen: set[Symptom], endpoint: str | None) -> str:
     if found is Symptom.NO_ANSWER and endpoint is not None:
         found = probe(endpoint) or found
     check = SYMPTOM_ADVICE[found] if found is not None else "Check the network and the storage service"
-    return f"{check}. Then run again; no checkpoint was lost or reported missing."
+    return f"{check}. {_AGAIN}"
+
+
+_AGAIN = "Then run again; no checkpoint was lost or reported missing."
 
 
 #: How long :func:`probe` waits for a TCP connection (seconds).

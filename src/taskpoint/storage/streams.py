@@ -130,6 +130,7 @@ class ConcurrentRangeReader(OrderedFutureReader):
     raise :class:`ObjectChanged` when the object changed, and the read starts over. Elsewhere (Azure) a change
     shows up as a size or checksum mismatch.
 
+    ``cap``: the store's cap on requests in flight (:meth:`~taskpoint.storage.throttle.Pushback.cap`).
     ``deadline``: that of the retried operation the read belongs to; each range, fetched on a pool thread, is
     given the time left before it. ``on_received``, when set before the first read, is told of the bytes of
     each range as they arrive (subclasses that stream a range tell it piece by piece): a load's progress,
@@ -139,8 +140,9 @@ class ConcurrentRangeReader(OrderedFutureReader):
     on_received: Callable[[int], None] | None = None
 
     def __init__(self, fs: Any, path: str, size: int, *, version: str | None = None, range_size: int = RANGE_SIZE,
-                 in_flight: int = RANGES_IN_FLIGHT, deadline: Deadline = NO_DEADLINE) -> None:
-        super().__init__(IO_POOL.lane(in_flight))
+                 in_flight: int = RANGES_IN_FLIGHT, deadline: Deadline = NO_DEADLINE,
+                 cap: Callable[[int], int] | None = None) -> None:
+        super().__init__(IO_POOL.lane(in_flight, cap))
         self.size = size
         self.version = version
         self.deadline = deadline
