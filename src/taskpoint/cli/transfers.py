@@ -15,7 +15,8 @@ import click
 from .. import Checkpoint, CheckpointManager, TransferStats
 from ..storage import Location, safe_uri
 from ._app import ERROR, OK, _command, _Failed, _Missing, cli, logger, progress_option
-from .views import _checkpoint_view, _human, _location, target
+from .holdings import _checkpoint_view, _location, target
+from .views import _human
 
 
 @contextmanager

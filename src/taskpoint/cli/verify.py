@@ -10,18 +10,8 @@ from ..errors import CheckpointCorruptError, CheckpointError
 from ..manager import CheckpointManager, StepVerification, Verification
 from ..storage import Location
 from ._app import OK, _command, _Missing, cli, progress_option
-from .views import (
-    UNCHECKED,
-    _checkpoint,
-    _checkpoint_view,
-    _human,
-    _local_dir,
-    _tier_managers,
-    folder_objects,
-    local_dir_option,
-    stale_copies,
-    target,
-)
+from .holdings import _checkpoint, _checkpoint_view, _local_dir, _tier_managers, folder_objects, stale_copies, target
+from .views import UNCHECKED, _human, local_dir_option
 
 
 def step_line(result: StepVerification) -> str:
@@ -133,7 +123,7 @@ def _verify_folder(loc: Location, progress: bool | None, started: float) -> int:
 def _verify_tiers(remote: Location, local: Location, step: int | None, progress: bool | None, started: float) -> int:
     """``verify --local-dir``: the steps of both tiers of a manager (``step`` alone: on every tier that holds it),
     each line prefixed with its tier, then a line for each local copy that is not the committed step of the
-    remote tier (:func:`.views.stale_copies`); exit codes as for one directory, and 1 for such a copy."""
+    remote tier (:func:`.holdings.stale_copies`); exit codes as for one directory, and 1 for such a copy."""
     found: dict[str, Verification] = {}
     with _tier_managers(remote, local) as managers:
         for tier, manager in managers.items():

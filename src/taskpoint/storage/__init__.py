@@ -1,9 +1,10 @@
 """The storage layer: where bytes live, and everything that can go wrong on the way there.
 
-Owns: :class:`Location` (a URI as a value object), the retry policy, the typed error map that turns each
-client's exceptions into :mod:`taskpoint.errors`' storage errors, one backend per kind of store (local disk,
-S3, other object stores, write-then-move), S3 multipart uploads (``_s3``), the obstore fast path for S3
-(``_obstore``), kernel copies and fsync on local disk (``_localio``), and stream helpers (``streams``).
+Owns: :class:`Location` (a URI as a value object), the client and backend chosen for it (``clients``), the
+retry policy, the typed error map that turns each client's exceptions into :mod:`taskpoint.errors`' storage
+errors, one backend per kind of store (local disk, S3, other object stores, write-then-move), S3 multipart
+uploads (``_s3``), the obstore fast path for S3 (``_obstore``), kernel copies and fsync on local disk
+(``_localio``), and stream helpers (``streams``).
 
 May import: the standard library, fsspec, and :mod:`taskpoint.errors`; the stores' clients (s3fs, obstore,
 ...) only where used, never at import. Nothing here knows what a checkpoint, a payload or an archive is.

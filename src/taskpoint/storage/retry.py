@@ -47,7 +47,7 @@ class RetryPolicy:
     time left and cancelled when it runs out. What it does not bound: a streaming transfer through a client's
     file object (GCS and Azure uploads, the readahead stream of objects the ranged reader does not take) cannot
     be interrupted from Python, and is bounded only by the client's own timeouts (lowered to the deadline when
-    it is under 60 s, see :func:`~taskpoint.storage.location.client_timeouts`); obstore's requests
+    it is under 60 s, see :func:`~taskpoint.storage.clients.client_timeouts`); obstore's requests
     (``s3_client="obstore"``) each last at most the deadline of the policy the location was made with, not the
     time left; local disk is not bounded; the work between calls (hashing, inflating, writing to local disk)
     is not interrupted, the next call starts with what is left.
