@@ -42,7 +42,8 @@ from .kinds.sharded import Shards
 from .protect import overwrite_lease
 from .restore import StepReader, candidates
 from .shards import ShardOrphan, ShardWriter
-from .steps import MANIFEST_NAME, StepStore, best_effort
+from .step_names import MANIFEST_NAME
+from .steps import StepStore, best_effort
 from .tier_ranks import RankVote, RecordedKind, VerifiedShard, own_shard
 
 
