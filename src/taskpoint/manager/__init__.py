@@ -4,7 +4,8 @@ Owns: :class:`CheckpointManager` (the orchestrator), the step layout (``step_nam
 leftovers (``steps``), retention as a policy (``retention``, with :class:`KeepBest`), the steps it never deletes
 (``protect``), when to save (``schedule``), verified restores (``restore``), background saves with snapshots
 (``background``) and the process they upload from (``saver``), steps saved by several ranks and rank 0's
-commit of them (``shards``), the steps this process is restoring or deleting (``in_use``), the step
+commit of them (``shards``), the local tier and its promotions to the remote directory (``tiers``,
+``promotion``), the steps this process is restoring or deleting (``in_use``), the step
 kinds behind a :class:`StepKind` protocol, one module each (``kinds``), and verification, description and the
 listing of steps as typed results (``verify``, ``inventory``).
 
