@@ -305,7 +305,7 @@ def test_retention_and_delete_keep_a_step_another_process_is_overwriting(local_o
     with manager(url, storage_options=options, keep=1, grace_seconds=30) as mgr:
         mgr.save(b"first", 1)
     module, local_dir = {"plain": ("taskpoint.manager.kinds.payload", None),
-                         "tiered": ("taskpoint.manager.tiers", str(tmp_path / "writer-local"))}[writer_kind]
+                         "tiered": ("taskpoint.manager.promotion", str(tmp_path / "writer-local"))}[writer_kind]
     script = textwrap.dedent(f"""
         import json, os, time
         from taskpoint import CheckpointManager

@@ -35,8 +35,9 @@ from ..errors import CheckpointCorruptError
 from ..format.fileset import PIECE_HASH, PIECE_SIZE, FileEntry, FileSetManifest, PieceHasher, file_hasher, piece_spans
 from ..format.records import ObjectRecord, StepManifest
 from ..manager.kinds import GONE_HOW, Checked, Described, Gone, Parts, Saved, SaveJob, content_of, register_step_kind
-from ..manager.steps import MANIFEST_NAME as STEP_MANIFEST
-from ..manager.steps import StepObjects, StepStore, best_effort, name_in, stored_names
+from ..manager.step_names import MANIFEST_NAME as STEP_MANIFEST
+from ..manager.step_names import name_in, stored_names
+from ..manager.steps import StepObjects, StepStore, best_effort
 from ..payloads import DirectoryPayload
 from ..storage import WRITE_PIECE, Location, copy_fd_in_kernel, digest_by_reading
 from ..workspace import Staging

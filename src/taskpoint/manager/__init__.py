@@ -1,10 +1,11 @@
 """The manager layer: numbered steps in one directory, each committed by a manifest written last.
 
-Owns: :class:`CheckpointManager` (the orchestrator), the step layout and sweeping of leftovers (``steps``),
-retention as a policy (``retention``, with :class:`KeepBest`), the steps it never deletes (``protect``), when to
-save (``schedule``), verified restores (``restore``), background saves with snapshots
+Owns: :class:`CheckpointManager` (the orchestrator), the step layout (``step_names``) and sweeping of
+leftovers (``steps``), retention as a policy (``retention``, with :class:`KeepBest`), the steps it never deletes
+(``protect``), when to save (``schedule``), verified restores (``restore``), background saves with snapshots
 (``background``) and the process they upload from (``saver``), steps saved by several ranks and rank 0's
-commit of them (``shards``), the steps this process is restoring or deleting (``in_use``), the step
+commit of them (``shards``), the local tier and its promotions to the remote directory (``tiers``,
+``promotion``), the steps this process is restoring or deleting (``in_use``), the step
 kinds behind a :class:`StepKind` protocol, one module each (``kinds``), and verification, description and the
 listing of steps as typed results (``verify``, ``inventory``).
 
@@ -19,7 +20,7 @@ from .inventory import StepSummary
 from .kinds import StepKind, register_step_kind
 from .manager import CheckpointManager
 from .retention import KeepBest
-from .steps import MANIFEST_NAME, STEP_FOLDER
+from .step_names import MANIFEST_NAME, STEP_FOLDER
 from .verify import StepDescription, StepVerification, Verification
 
 __all__ = ["MANIFEST_NAME", "STEP_FOLDER", "CheckpointManager", "KeepBest", "StepDescription", "StepKind",

@@ -10,7 +10,7 @@ from ..errors import CheckpointCorruptError
 from ..format.records import StepManifest
 from .chunks import CHUNK_FOLDER
 from .kinds import Parts, StepKinds
-from .steps import MANIFEST_NAME, RESTORE_LEASE, STEP_FOLDER
+from .step_names import MANIFEST_NAME, RESTORE_LEASE, STEP_FOLDER
 
 #: The fields of a kind's description that a summary carries, as counts.
 COUNTED = ("shards", "chunks", "files")

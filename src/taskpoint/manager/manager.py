@@ -1,9 +1,10 @@
 """CheckpointManager: numbered steps in one directory, each committed by a manifest written last.
 
-The manager orchestrates; the parts live beside it: :mod:`.steps` (layout, manifests, listing, sweeping),
-:mod:`.retention` (which steps to keep), :mod:`.restore` (verified reads that follow concurrent writers),
-:mod:`.background` and :mod:`.saver` (background saves and their process), :mod:`.in_use` (steps being
-restored or deleted in this process), :mod:`.shards` (steps saved by several ranks, committed by rank 0).
+The manager orchestrates; the parts live beside it: :mod:`.step_names` (the layout), :mod:`.steps` (manifests,
+listing, sweeping), :mod:`.retention` (which steps to keep), :mod:`.restore` (verified reads that follow
+concurrent writers), :mod:`.background` and :mod:`.saver` (background saves and their process), :mod:`.in_use`
+(steps being restored or deleted in this process), :mod:`.shards` (steps saved by several ranks, committed by
+rank 0).
 
 Every save writes its payload under a name of its own and the manifest names the payload it commits, so two
 writers of the same step never mix their data: the last manifest wins, and it names one writer's complete

@@ -25,16 +25,8 @@ from ..errors import CheckpointCorruptError, CheckpointError
 from .in_use import InUse
 from .leases import alive, lease_body, renewing
 from .retention import KeepPolicy
-from .steps import (
-    COMMIT_LEASE,
-    MANIFEST_NAME,
-    RESTORE_LEASE,
-    Folder,
-    StepStore,
-    best_effort,
-    commit_lease_name,
-    steps_there,
-)
+from .step_names import COMMIT_LEASE, MANIFEST_NAME, RESTORE_LEASE, commit_lease_name
+from .steps import Folder, StepStore, best_effort, steps_there
 
 NEWEST = "it is the newest committed step that verifies (a run must have a step to resume from)"
 RESTORED = "this manager restored from it and has not committed a newer step since"

@@ -40,7 +40,8 @@ from ..payloads import Payload
 from ..ranks import Ranks, incarnation_from_environment, resolve_ranks
 from ..storage import Location
 from .leases import lease_body, renewing
-from .steps import MANIFEST_NAME, RANK_RECORD, StepStore, best_effort, commit_lease_name, shard_record_name
+from .step_names import MANIFEST_NAME, RANK_RECORD, commit_lease_name, shard_record_name
+from .steps import StepStore, best_effort
 
 _log = logging.getLogger("taskpoint")
 

@@ -1,14 +1,6 @@
-"""The steps of one manager directory as stored: names, manifests, listings, and sweeping what saves left.
+"""The steps of one manager directory as stored: manifests, listings, deleting, and sweeping what saves left.
 
-Layout under the manager's directory (any fsspec URL)::
-
-    ckpt-{step}/payload-{save_id}   the payload, stored as a Checkpoint stores it (raw, or a tar archive)
-    ckpt-{step}/taskpoint.json      the step's manifest, written after the payload: the commit
-    ckpt-{step}/rank-{k}.json       a step saved by several ranks: rank k's record of its shard (a payload
-                                    like the above), until rank 0 commits the step (see :mod:`.shards`)
-    ckpt-{step}/commit-{id}.json    rank 0's lease while it gathers the shards and commits (:mod:`.leases`)
-    ckpt-{step}/...                 what another kind of step stores (:mod:`.kinds`: a plug-in's own files)
-    chunks/, leases/                the chunk store of deduplicated steps (see :mod:`.chunks`)
+The layout of a step folder, and the names of what it holds, are :mod:`.step_names`'s.
 
 What a step's manifest names, how it is deleted and which leftovers are whose is its kind's to say
 (:class:`StoredKind`, looked up by name in the registry the manager passes in): this module knows no kind.
@@ -24,7 +16,6 @@ meanwhile keeps its payload.
 from __future__ import annotations
 
 import contextlib
-import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -35,51 +26,14 @@ from ..format.records import StepContent, StepManifest
 from ..storage import Location, modified_time
 from .in_use import InUse
 from .leases import alive, fresh
+from .step_names import COMMIT_LEASE, MANIFEST_NAME, PAYLOAD_NAME, RESTORE_LEASE, STEP_FOLDER, stored_names
+from .step_names import shard_record_name as shard_record_name  # re-exported: tests name it here
 
 #: How many of the newest steps a message about a missing step names (with the oldest and the count).
 NEWEST_SHOWN = 3
-#: Name of a step's manifest inside its folder; its presence is the step's commit.
-MANIFEST_NAME = "taskpoint.json"
-
-STEP_FOLDER = re.compile(r"ckpt-(0|[1-9][0-9]*)")
-#: An object holding one payload (of a step, or of one rank's shard of it): unique per save.
-PAYLOAD_NAME = re.compile(r"payload-[0-9a-f]{32}")
-#: Rank 0's lease on a step it is gathering the shards of: while fresh, no sweep removes anything in the folder.
-COMMIT_LEASE = re.compile(r"commit-[0-9a-f]{32}\.json")
-#: A restore's lease on the step it reads: while fresh, retention in other processes keeps the step.
-RESTORE_LEASE = re.compile(r"restore-[0-9a-f]{32}\.json")
-
-
-def stored_names(pattern: str) -> re.Pattern[str]:
-    """The names an object matching ``pattern`` has in a step folder: itself, and the temp files of its
-    atomic writes (``.<name>.<12 hex>.tmp``)."""
-    return re.compile(rf"\.?(?:{pattern})(?:\.[0-9a-f]{{12}}\.tmp)?")
-
-
-def name_in(body: dict[str, Any], key: str, pattern: re.Pattern[str], what: str) -> str:
-    """The object name a step kind's manifest content holds under ``key``; ValueError (which the manifest's
-    reader reports as a corrupt record) when it does not match ``pattern``, the names of ``what``."""
-    name = str(body[key])
-    if not pattern.fullmatch(name):
-        raise ValueError(f"it names {name!r}, which is not {what}")
-    return name
-
 
 #: What every save leaves in a step folder whatever its kind: the manifest, and the leases.
 _OURS = stored_names(rf"taskpoint\.json|{COMMIT_LEASE.pattern}|{RESTORE_LEASE.pattern}")
-
-
-RANK_RECORD = re.compile(r"rank-(0|[1-9][0-9]*)\.json")
-
-
-def commit_lease_name(save_id: str) -> str:
-    """The name of rank 0's lease on a step folder while it gathers the shards of save ``save_id``."""
-    return f"commit-{save_id}.json"
-
-
-def shard_record_name(rank: int) -> str:
-    """The name of rank ``rank``'s record of its shard, in the step's folder."""
-    return f"rank-{rank}.json"
 
 
 @dataclass(frozen=True)

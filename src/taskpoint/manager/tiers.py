@@ -1,12 +1,10 @@
 """The local tier: steps committed to fast local storage first, promoted to the remote directory in the background.
 
 A manager given ``local_dir`` saves each step as a plain step of a second manager on ``local_dir`` (same layout,
-manifest and sha256), and *promotes* every ``remote_every``-th step to its own directory: the local payload
-object is copied byte for byte under its own name (from the save process when there is one), its size and
-sha256 are checked against the local manifest, and only then is the local manifest written remotely, which
-commits the step there as any step. A copy that does not match is removed and never committed, so a torn local
-step is never promoted; a promotion killed midway leaves an uncommitted object that sweeps remove, and the next
-promotion redoes every due local step newer than the remote's newest.
+manifest and sha256), and *promotes* every ``remote_every``-th step to its own directory (:mod:`.promotion`:
+a byte copy checked against the local manifest, then the local manifest written remotely, which commits the
+step there as any step; a torn local step is never promoted). A promotion killed midway leaves an uncommitted
+object that sweeps remove, and the next promotion redoes every due local step newer than the remote's newest.
 
 Reads see both tiers; a restore reads the local copy first, then the remote copy of the same step (with a
 WARNING naming both), then older steps. The remote manifest is the truth: a local copy of a step the remote tier
@@ -17,33 +15,29 @@ copy read. A step on the local tier alone is read from it (it is the newest stat
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
 import io
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 from .. import _log
 from .._progress import NO_PROGRESS, Progress
-from ..errors import CheckpointCorruptError, CheckpointError
-from ..format.records import ObjectRecord, StepManifest
-from ..payloads import FilePayload, Payload, payload_for
-from ..storage import Location, RetryPolicy
+from ..errors import CheckpointCorruptError
+from ..format.records import StepManifest
+from ..payloads import payload_for
 from ._checks import positive_or_none
-from .background import Background, Handover, store_payload
+from .background import Background
 from .commit import StepWriter
 from .kinds import Parts
-from .kinds.payload import PAYLOAD, PayloadObject
-from .kinds.sharded import Shards
-from .protect import overwrite_lease
+from .kinds.payload import PAYLOAD
+from .promotion import Promoter
+from .promotion import PromotionCommit as PromotionCommit  # re-exported: tests name it here
 from .restore import StepReader, candidates
-from .shards import ShardOrphan, ShardWriter
-from .steps import MANIFEST_NAME, StepStore, best_effort
-from .tier_ranks import RankVote, RecordedKind, VerifiedShard, own_shard
+from .steps import StepStore, best_effort
+from .tier_ranks import RankVote, own_shard
 
 
 class LocalManager(Protocol):
@@ -74,25 +68,6 @@ TIERS = ("local", "remote")
 PROMOTION_SHARE_OF_GRACE = 0.5
 
 
-@dataclasses.dataclass(frozen=True)
-class PromotionCommit:
-    """What the save process commits for a trainer that died while it copied a step to the remote tier: the
-    local manifest, written remotely only when the copy's size and sha256 are the ones it records (a torn local
-    step is never committed), and never over a manifest already there."""
-
-    uri: str
-    storage_options: dict[str, Any]
-    retry: RetryPolicy
-    manifest: StepManifest
-
-    def finish(self, size: int, digest: str, deadline: float) -> None:
-        record = self.manifest.record
-        location = Location(self.uri, self.storage_options, self.retry)
-        if (size, digest) != (record.size, record.sha256) or location.exists():
-            return
-        location.write_small(self.manifest.to_bytes(), action="promote, for a trainer that died, the checkpoint at")
-
-
 def check_tier(tier: str | None) -> str | None:
     """``tier`` when it names a tier (or is None); ValueError otherwise."""
     if tier is not None and tier not in TIERS:
@@ -113,9 +88,9 @@ class LocalTier:
                  background: Background, on_commit: Callable[[int, dict[str, Any]], None]) -> None:
         self.local = local
         self.remote_every = remote_every
-        self._parts, self._steps, self._writer, self._background = parts, parts.steps, writer, background
-        self._on_commit, self._codec = on_commit, parts.codec
+        self._steps, self._background = parts.steps, background
         self._ranks = parts.plan.ranks
+        self._promoter = Promoter(local._steps, parts, writer, background, on_commit)
         self._idle = threading.Event()  # no promotion in flight
         self._idle.set()
         self._cut = False  # the emergency save stopped waiting: promote no further step in this attempt
@@ -310,87 +285,8 @@ class LocalTier:
             raise failed[0]
 
     def promote(self, step: int, progress: Progress = NO_PROGRESS) -> None:
-        """Copy the local ``step`` to the remote tier, check it against the local manifest, and commit it there.
-        A copy that does not match is removed and CheckpointCorruptError raised: the local step is damaged."""
-        manifest = self.manifest(step)
-        if manifest is None:
-            return  # deleted meanwhile
-        if manifest.kind != PAYLOAD.name:
-            raise CheckpointError(f"step {step} in {self.local.directory} is a {manifest.kind!r} step, which "
-                                  "the local tier does not promote")
-        content, record = manifest.content, manifest.record
-        assert isinstance(content, PayloadObject)
-        exists, replaced = self._steps.committed_objects(step)
-        current = self._steps.manifest(step, tolerate_corrupt=True) if exists else None
-        if current is not None and (current.record.save_id == record.save_id or self._ranks.distributed):
-            return  # promoted already (several ranks: every rank sees the same commit, and skips it alike)
-        source = Path(self.local._steps.object(step, content.name).path)
-        if self._ranks.distributed:
-            with self._handed_over() as handover:
-                clock = _log.Clock()
-                size = self._promote_shard(step, manifest, source, handover, progress)
-            _log.transferred("promote", self._steps.step_uri(step), record.kind, size, clock, step)
-            return
-        target, commit = self._steps.object(step, content.name), self._steps.object(step, MANIFEST_NAME)
-        orphan = PromotionCommit(commit.uri, commit.storage_options, commit.retry, manifest)
-        # Overwriting a remote step: other processes keep it while the promotion is in flight (its rule).
-        held = overwrite_lease(self._steps, step, self._parts.grace) if exists else contextlib.nullcontext()
-        with held, self._handed_over() as handover:
-            clock = _log.Clock()
-            stored = self._store_checked(target, source, record, handover, orphan, progress, f"step {step}")
-            self._steps.check_stored(step, {content.name: stored[0]})
-            commit.write_small(manifest.to_bytes(), action="promote the checkpoint to")
-        for name in (replaced or set()) - {content.name}:
-            best_effort(self._steps.object(step, name).remove)
-        self._steps.committed(step)
-        self._on_commit(step, manifest.metadata)
-        _log.transferred("promote", self._steps.step_uri(step), record.kind, stored[0], clock, step)
-        self._writer.tidy()
-
-    @contextlib.contextmanager
-    def _handed_over(self) -> Iterator[Handover | None]:
-        """The promotion's way to the save process (None without one), finished when the block ends: the
-        process commits the copy if this process dies first, and only then."""
-        process = self._background.helper_process()
-        handover = None if process is None else Handover(process, ())
-        try:
-            yield handover
-        finally:
-            if handover is not None:
-                handover.finish()
-
-    def _store_checked(self, target: Location, source: Path, record: ObjectRecord, handover: Handover | None,
-                       orphan: Any, progress: Progress, what: str) -> tuple[int, str]:
-        """Copy the local payload ``source`` to ``target`` and check the copy against the local manifest's
-        ``record``: one that does not match is removed and CheckpointCorruptError raised naming ``what``."""
-        stored = store_payload(target, FilePayload(source), self._codec, None, handover, orphan, progress)
-        if stored != (record.size, record.sha256):
-            best_effort(target.remove)
-            raise CheckpointCorruptError(
-                f"{what} in {self.local.directory} does not match its manifest (read {stored[0]} bytes, expected "
-                f"{record.size}): it is damaged and was not promoted to {self._steps.directory}")
-        return stored
-
-    def _promote_shard(self, step: int, manifest: StepManifest, source: Path, handover: Handover | None,
-                       progress: Progress) -> int:
-        """Copy this rank's local shard of ``step`` to the remote tier, check it against its local manifest, and
-        record it there (rank 0: commit the step once every rank's shard is recorded, then apply retention).
-        A copy that does not match is removed and CheckpointCorruptError raised; the size stored."""
-        record = manifest.record
-
-        def store(target: Location, orphan: ShardOrphan) -> tuple[int, str]:
-            checked = VerifiedShard(orphan, record.size or 0, record.sha256 or "")
-            return self._store_checked(target, source, record, handover, checked, progress,
-                                       f"rank {self._ranks.rank}'s shard of step {step}")
-
-        writer = ShardWriter(self._steps, self._parts.plan, self._parts.grace, self._parts.waiting)
-        size, _ = writer.write(step, manifest.metadata, manifest.attempt, cast(Payload, RecordedKind(record.kind)),
-                               record.codec, Shards, store)
-        if writer.commits:
-            self._steps.committed(step)
-            self._on_commit(step, manifest.metadata)
-            self._writer.tidy()
-        return size
+        """Promote the local ``step`` to the remote tier (:meth:`.promotion.Promoter.promote`)."""
+        self._promoter.promote(step, progress)
 
     def delete(self, step: int, *, force: bool) -> bool:
         """Delete the local copy of ``step``; whether there was one."""

@@ -22,8 +22,9 @@ from ..errors import CheckpointCorruptError, CheckpointError
 from ..format.fileset import FileEntry, FileSetManifest
 from ..format.records import FILESET_CODEC, ObjectRecord, StepManifest
 from ..manager.kinds import Checked, Described, Parts, Saved, SaveJob, register_step_kind, stored_part
-from ..manager.steps import MANIFEST_NAME as STEP_MANIFEST
-from ..manager.steps import StepObjects, StepStore, best_effort, stored_names
+from ..manager.step_names import MANIFEST_NAME as STEP_MANIFEST
+from ..manager.step_names import stored_names
+from ..manager.steps import StepObjects, StepStore, best_effort
 from ._layout import DATA_FILE, MANIFEST_NAME, METADATA_NAME
 
 #: What a save of such a step writes before its commit: swept from a step folder that no manifest commits.

@@ -33,8 +33,9 @@ from ..errors import CheckpointCorruptError
 from ..format.fileset import PIECE_HASH, UNNAMED_PIECE_HASH, piece_hash_field, pieces_digest, read_piece_hash
 from ..format.records import KIND_VERSION, ObjectRecord, StepManifest
 from ..manager.kinds import GONE_HOW, Checked, Described, Gone, Parts, Saved, SaveJob, content_of, register_step_kind
-from ..manager.steps import MANIFEST_NAME as STEP_MANIFEST
-from ..manager.steps import StepObjects, StepStore, best_effort, name_in, stored_names
+from ..manager.step_names import MANIFEST_NAME as STEP_MANIFEST
+from ..manager.step_names import name_in, stored_names
+from ..manager.steps import StepObjects, StepStore, best_effort
 from ..payloads import DirectoryPayload
 from ..storage import WRITE_PIECE, Deadline
 from ..workspace import Staging

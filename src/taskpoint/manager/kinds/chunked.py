@@ -23,7 +23,8 @@ from ...format.subset import PieceFile, open_pieces
 from ...payloads import Payload
 from ..dedup import deduplicable
 from ..rebuild import MissingChunk
-from ..steps import MANIFEST_NAME, StepObjects, StepStore
+from ..step_names import MANIFEST_NAME
+from ..steps import StepObjects, StepStore
 from . import GONE_HOW, Checked, Described, Gone, Parts, Saved, SaveJob, register_step_kind
 
 

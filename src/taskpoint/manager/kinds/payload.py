@@ -19,7 +19,8 @@ from ...format.records import ObjectRecord, StepManifest
 from ...partial import indexed, open_by_restoring, open_indexed, restore_indexed
 from ...payloads import Payload
 from ..background import store_payload
-from ..steps import MANIFEST_NAME, PAYLOAD_NAME, StepObjects, StepStore, name_in, stored_names
+from ..step_names import MANIFEST_NAME, PAYLOAD_NAME, name_in, stored_names
+from ..steps import StepObjects, StepStore
 from . import (
     GONE_HOW,
     Checked,
