@@ -319,3 +319,46 @@ def requires(*modules: str) -> Any:
 
     absent = [name for name in modules if missing(name)]
     return pytest.mark.skipif(bool(absent), reason=f"{', '.join(absent)} not installed")
+
+
+class WorkerProcess:
+    """A test worker script in a real process, given one JSON argument, printing one JSON event a line; its
+    events collected on a thread as they come (``events``), its stderr read once it has ended."""
+
+    def __init__(self, worker: Path, args: dict[str, Any]) -> None:
+        self.process = subprocess.Popen([sys.executable, str(worker), json.dumps(args)], stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True)
+        self.events: list[dict[str, Any]] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.events.append(json.loads(line))
+
+    def stopped(self) -> bool:
+        """Whether the process is stopped (state T in /proc)."""
+        stat = Path(f"/proc/{self.process.pid}/stat").read_text()
+        return stat.rpartition(")")[2].split()[0] in ("T", "t")
+
+    def wait_for(self, event: str, *, stopped: bool = False) -> None:
+        """Until the worker has printed ``event`` (and, with ``stopped``, is stopped): at most 120 s."""
+        assert wait_until(lambda: any(e["event"] == event for e in self.events) and (not stopped or self.stopped()),
+                          120), (self.events, self.process.poll(), self.stderr())
+
+    def resume(self) -> dict[str, Any]:
+        """SIGCONT, then the worker's last event, once it has ended with status 0."""
+        os.kill(self.process.pid, signal.SIGCONT)
+        assert self.process.wait(120) == 0, self.stderr()
+        self._reader.join(10)
+        return self.events[-1]
+
+    def stderr(self) -> str:
+        """Its stderr once it has ended ("" while it runs); read once."""
+        return self.process.stderr.read() if self.process.poll() is not None and self.process.stderr else ""
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(30)

@@ -9,13 +9,8 @@ bound the tests poll for.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import random
-import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from helpers import wait_until
+from helpers import WorkerProcess
 from taskpoint import CheckpointManager
 
 WORKER = Path(__file__).with_name("_sweep_worker.py")
@@ -68,45 +63,17 @@ def sweep_locks(store: Any) -> list[str]:
         return [name for name in mgr._dedup.chunks.leases() if name.startswith("gc-")]
 
 
-class Sweeper:
+class Sweeper(WorkerProcess):
     """tests/_sweep_worker.py in a real process: gc() with grace 0, halted after ``HALT_AT`` removals."""
 
     def __init__(self, store: Any, how: str) -> None:
-        args = {"directory": store.url("ckpts"), "options": store.storage_options, "grace": 0, "at": HALT_AT,
-                "how": how}
-        self.process = subprocess.Popen([sys.executable, str(WORKER), json.dumps(args)], stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True)
-        self.events: list[dict[str, Any]] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.events.append(json.loads(line))
-
-    def stopped(self) -> bool:
-        stat = Path(f"/proc/{self.process.pid}/stat").read_text()
-        return stat.rpartition(")")[2].split()[0] in ("T", "t")
-
-    def wait_for(self, event: str, *, stopped: bool = False) -> None:
-        assert wait_until(lambda: any(e["event"] == event for e in self.events) and (not stopped or self.stopped()),
-                          120), (self.events, self.process.poll(), self.stderr())
+        super().__init__(WORKER, {"directory": store.url("ckpts"), "options": store.storage_options, "grace": 0,
+                                  "at": HALT_AT, "how": how})
 
     def finish(self) -> tuple[dict[str, Any], str]:
         """SIGCONT, then the sweep's outcome and its log."""
-        os.kill(self.process.pid, signal.SIGCONT)
-        assert self.process.wait(120) == 0, self.stderr()
-        self._reader.join(10)
-        return self.events[-1], self.stderr()
-
-    def stderr(self) -> str:
-        return self.process.stderr.read() if self.process.poll() is not None and self.process.stderr else ""
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(30)
+        outcome = self.resume()
+        return outcome, self.stderr()
 
 
 def three_steps_two_deleted(store: Any, tmp_path: Path) -> dict[int, dict[str, bytes]]:

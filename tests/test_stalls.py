@@ -9,7 +9,6 @@ stopped save stored; the tests wait for the stop itself by polling, never for a 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import re
@@ -23,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from helpers import RankProcess, wait_until
+from helpers import RankProcess, WorkerProcess, wait_until
 from taskpoint import CheckpointManager, SaveStalledError
 from taskpoint.manager.leases import MTIME_RESOLUTION
 from taskpoint.storage import Location
@@ -53,45 +52,15 @@ def restored(mgr: CheckpointManager, step: int) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
 
 
-class StoppedSaver:
+class StoppedSaver(WorkerProcess):
     """``tests/_stall_worker.py`` in a real process, stopped by its own SIGSTOP at the moment asked for."""
 
     def __init__(self, store: Any, **args: Any) -> None:
-        args = {"directory": store.url("ckpts"), "options": store.storage_options, "grace": GRACE, **args}
-        self.process = subprocess.Popen([sys.executable, str(WORKER), json.dumps(args)], stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True)
-        self.events: list[dict[str, Any]] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.events.append(json.loads(line))
-
-    def stopped(self) -> bool:
-        """Whether the process is stopped (state T in /proc)."""
-        stat = Path(f"/proc/{self.process.pid}/stat").read_text()
-        return stat.rpartition(")")[2].split()[0] in ("T", "t")
+        super().__init__(WORKER, {"directory": store.url("ckpts"), "options": store.storage_options, "grace": GRACE,
+                                  **args})
 
     def wait_stopped(self) -> None:
-        assert wait_until(lambda: any(e["event"] == "stopping" for e in self.events) and self.stopped(), 120), (
-            self.events, self.process.poll(), self._stderr())
-
-    def resume(self) -> dict[str, Any]:
-        """SIGCONT, then the save's outcome (``committed`` or ``failed``)."""
-        os.kill(self.process.pid, signal.SIGCONT)
-        assert self.process.wait(120) == 0, self._stderr()
-        self._reader.join(10)
-        return self.events[-1]
-
-    def _stderr(self) -> str:
-        return self.process.stderr.read()[-3000:] if self.process.poll() is not None and self.process.stderr else ""
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(30)
+        self.wait_for("stopping", stopped=True)
 
 
 def aged_past(seconds: float) -> None:
