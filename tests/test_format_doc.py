@@ -20,7 +20,7 @@ import pytest
 from taskpoint.errors import CheckpointCorruptError
 from taskpoint.format import fileset, records
 from taskpoint.format.sealing import CRC32, SHA256, sealed
-from taskpoint.manager import agreement, chunks, steps
+from taskpoint.manager import agreement, chunks, step_names
 from taskpoint.runtime import layout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,9 +116,9 @@ def test_a_version_missing_from_the_table_is_found(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", [
-    records.RECORD_SUFFIX, steps.MANIFEST_NAME, chunks.CHUNK_FOLDER, chunks.LEASE_FOLDER, chunks.EPOCH_NAME,
+    records.RECORD_SUFFIX, step_names.MANIFEST_NAME, chunks.CHUNK_FOLDER, chunks.LEASE_FOLDER, chunks.EPOCH_NAME,
     agreement.AGREEMENT_FOLDER, layout.ATTEMPT_MARKER, layout.RENDEZVOUS_FOLDER, layout.CHECKPOINT_NAME,
-    layout.STEPS_FOLDER, steps.commit_lease_name("{id}"), steps.shard_record_name(7).replace("7", "{k}"),
+    layout.STEPS_FOLDER, step_names.commit_lease_name("{id}"), step_names.shard_record_name(7).replace("7", "{k}"),
     str(module_constant("torch/_layout", "MANIFEST_NAME")), str(module_constant("torch/_layout", "METADATA_NAME")),
     str(module_constant("jax/_pytree", "SIDECAR_NAME")), str(module_constant("jax/_pytree", "ARRAYS_FOLDER")),
 ])
