@@ -93,22 +93,34 @@ def alive(mtime: float | None, now: float, grace: float, body: Callable[[], byte
 def renewing(renew: Callable[[], None], grace: float, name: str) -> Iterator[None]:
     """Call ``renew`` every quarter of ``grace`` on a thread of its own while the block runs (not at all with
     ``grace`` 0). A renewal that fails is skipped: the lease then ages, which its writer learns of otherwise."""
+    if grace <= 0:
+        yield
+        return
+
+    def quietly() -> None:
+        with contextlib.suppress(Exception):
+            renew()
+
+    with _every(grace / 4, quietly, name):
+        yield
+
+
+@contextlib.contextmanager
+def _every(period: float, call: Callable[[], None], name: str) -> Iterator[None]:
+    """Call ``call`` every ``period`` seconds on a thread named ``name`` while the block runs; joined after it."""
     stop = threading.Event()
 
-    def beat() -> None:
-        while not stop.wait(grace / 4):
-            with contextlib.suppress(Exception):
-                renew()
+    def loop() -> None:
+        while not stop.wait(period):
+            call()
 
-    thread = threading.Thread(target=beat, name=name, daemon=True) if grace > 0 else None
-    if thread is not None:
-        thread.start()
+    thread = threading.Thread(target=loop, name=name, daemon=True)
+    thread.start()
     try:
         yield
     finally:
         stop.set()
-        if thread is not None:
-            thread.join()
+        thread.join()
 
 
 class Heartbeat:
@@ -147,19 +159,8 @@ def heartbeat(renew: Callable[[], None], beat: float, name: str) -> Iterator[Hea
     """A :class:`Heartbeat` whose lock (written just before) is renewed every ``beat`` seconds while the block
     runs."""
     pulse = Heartbeat(renew, beat)
-    stop = threading.Event()
-
-    def beat_on() -> None:
-        while not stop.wait(beat):
-            pulse.renew()
-
-    thread = threading.Thread(target=beat_on, name=name, daemon=True)
-    thread.start()
-    try:
+    with _every(beat, pulse.renew, name):
         yield pulse
-    finally:
-        stop.set()
-        thread.join()
 
 
 class Silence:
