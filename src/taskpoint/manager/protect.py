@@ -26,7 +26,7 @@ from .in_use import InUse
 from .leases import alive, lease_body, renewing
 from .retention import KeepPolicy
 from .step_names import COMMIT_LEASE, MANIFEST_NAME, RESTORE_LEASE, commit_lease_name
-from .steps import Folder, StepStore, best_effort, steps_there
+from .steps import Folder, StepStore, best_effort
 
 NEWEST = "it is the newest committed step that verifies (a run must have a step to resume from)"
 RESTORED = "this manager restored from it and has not committed a newer step since"
@@ -71,7 +71,7 @@ class Guard:
         folders, where = self._steps.scan(), self._steps.directory
         committed = {number for number, found in folders.items() if found.committed}
         if step not in committed:
-            raise FileNotFoundError(f"step {step} does not exist in {where}; {steps_there(committed)}")
+            raise self._steps.missing(step)  # the error path lists the steps again, for the one message
         folder = folders[step]
         rule = None if force else self.rule(step, self.newest_verified(committed), folder)
         if rule is not None and not self._in_use.is_restoring(step):
