@@ -22,7 +22,10 @@ from helpers import WorkerProcess
 from taskpoint import CheckpointManager
 
 WORKER = Path(__file__).with_name("_sweep_worker.py")
-LOCAL_S3_SEAWEED = pytest.mark.parametrize("store", ["local", "s3", "s3-seaweed"], indirect=True)
+#: Local disk and SeaweedFS (conditional writes) in make test; moto as well in make reliability.
+LOCAL_S3_SEAWEED = pytest.mark.parametrize("store", [
+    "local", pytest.param("s3", marks=pytest.mark.campaign("the dead sweeper on moto too (make test: local, Seaweed)")),
+    "s3-seaweed"], indirect=True)
 #: Files (one chunk each) of every step saved here, and their size.
 FILES, SIZE = 12, 48 << 10
 #: Chunks the sweeper removes before it halts.
@@ -164,7 +167,9 @@ def test_a_stopped_sweeper_taken_for_dead_removes_nothing_more_once_continued(st
     assert f"stops after removing {HALT_AT} of" in log, log
 
 
-@pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
+@pytest.mark.parametrize("store", [
+    pytest.param("local", marks=pytest.mark.campaign("background saves after a dead sweeper on local disk too")),
+    "s3"], indirect=True)
 def test_background_saves_after_a_sweeper_killed_mid_sweep_commit_and_the_next_save_goes_on(
         store: Any, tmp_path: Path) -> None:
     """What a trainer resumed after a crash during a sweep does: background saves (through the manager's save

@@ -311,16 +311,16 @@ def _report(delays: list[float], waits: list[float], s3_store: Any) -> None:
           f"in flight: median {statistics.median(waits):.3f} s, max {max(waits):.3f} s")
 
 
-@pytest.mark.timeout(900)  # ten trainers signalled and resumed in turn: minutes on a loaded machine
+@pytest.mark.timeout(900)  # five trainers signalled and resumed in turn: minutes on a loaded machine
 def test_sigterm_at_random_moments_commits_the_emergency_step_and_the_next_attempt_resumes(
         s3_store: Any, tmp_path: Path) -> None:
-    delays, waits = _preempt_many(s3_store, tmp_path, trials=10, seed=12)
+    delays, waits = _preempt_many(s3_store, tmp_path, trials=5, seed=12)
     assert max(delays) < TRAINER_GRACE
     _report(delays, waits, s3_store)
 
 
 @pytest.mark.slow
-@pytest.mark.campaign("30 SIGTERMs on S3 (the test above: 10)")
+@pytest.mark.campaign("30 SIGTERMs on S3 (the test above: 5)")
 def test_sigterm_at_random_moments_many_trials(s3_store: Any, tmp_path: Path) -> None:
     delays, waits = _preempt_many(s3_store, tmp_path, trials=30, seed=1212)
     assert max(delays) < TRAINER_GRACE
@@ -467,17 +467,17 @@ def _sigkill_trials(s3_store: Any, trials: int, seed: int, grace: float = 10.0) 
     return outcomes
 
 
-@pytest.mark.timeout(900)  # ten trainers started, killed and checked in turn: minutes on a loaded machine
+@pytest.mark.timeout(900)  # six trainers started, killed and checked in turn: minutes on a loaded machine
 def test_a_background_save_in_flight_when_the_trainer_is_killed_is_committed_or_absent(s3_store: Any) -> None:
-    outcomes = _sigkill_trials(s3_store, trials=10, seed=3)
+    outcomes = _sigkill_trials(s3_store, trials=6, seed=3)
     print(f"\nSIGKILL during a background save: {outcomes}")
     # The kill lands while the last save uploads: the helper finishing and committing it is the common case
     # (before, the helper died with its parent and the step was always lost).
-    assert outcomes["committed by the helper"] >= 5
+    assert outcomes["committed by the helper"] >= 3
 
 
 @pytest.mark.slow
-@pytest.mark.campaign("30 SIGKILLs during background saves on S3 (the test above: 10)")
+@pytest.mark.campaign("30 SIGKILLs during background saves on S3 (the test above: 6)")
 def test_a_background_save_in_flight_when_the_trainer_is_killed_many_trials(s3_store: Any) -> None:
     outcomes = _sigkill_trials(s3_store, trials=30, seed=33)
     print(f"\nSIGKILL during a background save: {outcomes}")

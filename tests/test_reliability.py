@@ -21,8 +21,10 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 #: make test's counts where they differ from ``--quick``: SIGKILLs of savers on local disk and S3 only (on GCS and
 #: Azure, tests/test_backend_conformance.py checks that an upload ended midway leaves the previous object, and
-#: make reliability kills savers there too), and half the trainers killed the instant after save() returned.
-SUITE_COUNTS = {**QUICK_COUNTS, "sigkill": {"local": 2, "s3": 1}, "kill_after_return": {"local": 3, "s3": 3}}
+#: make reliability kills savers there too), half the trainers killed the instant after save() returned, and half
+#: the fault cycles on the wire (each cycle is a save and a restore through the proxy: the same paths every time).
+SUITE_COUNTS = {**QUICK_COUNTS, "sigkill": {"local": 2, "s3": 1}, "kill_after_return": {"local": 3, "s3": 3},
+                "fault_cycles": {"s3": 5, "gcs": 5}}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,7 @@ def test_a_trainer_killed_after_save_returned_loses_no_step(servers, tmp_path):
 
 
 def test_faults_on_the_wire(servers, tmp_path):
-    kinds = {k: (v, QUICK_COUNTS["outage"].get(k, False)) for k, v in QUICK_COUNTS["fault_cycles"].items()}
+    kinds = {k: (v, QUICK_COUNTS["outage"].get(k, False)) for k, v in SUITE_COUNTS["fault_cycles"].items()}
     _check(faults.run(servers, kinds, random.Random(2), tmp_path))
 
 
