@@ -8,6 +8,8 @@ records what the permutation is drawn from (the global generator's state, the sa
 epoch and seed), and it counts the indices handed out. A resume sets those back, draws the same permutation,
 skips what was handed out, and puts torch's global generator back where the training left it (starting the
 loader's iteration draws a seed from it for the workers, a draw the interrupted run made at the epoch's start).
+A resume at an epoch's end runs that epoch's iteration out at once instead: a ``RandomSampler`` draws once more
+from its generator when its iteration ends, and the next epoch draws from where that left it.
 
 The count is exact only when the loader fetches a batch when the loop asks for it: ``num_workers=0``. Workers
 prefetch ahead of the loop; torchdata's ``StatefulDataLoader`` (``data=`` takes it) tracks them.
@@ -74,15 +76,23 @@ class SamplerPosition:
             inner = iter(self.sampler)
         else:
             start, taken = pending
-            after = self._global_after if self._global_after is not None else torch.get_rng_state()
-            self._set(start)
-            inner = iter(self.sampler)
-            skipped = sum(1 for _ in itertools.islice(inner, taken))  # draws the same permutation, then skips
-            torch.set_rng_state(after)
-            self._start, self._taken, self._global_after = start, skipped, None
+            inner = self._replay(start, taken, self._global_after)
+            self._start, self._taken, self._global_after = start, taken, None
         for index in inner:
             self._taken += 1
             yield index
+
+    def _replay(self, start: dict[str, Any], taken: int | None, after: torch.Tensor | None) -> Iterator[int]:
+        """The sampler's iteration of the epoch that began at ``start``, its first ``taken`` indices skipped (all
+        when None: its generator then stands where the interrupted epoch left it); torch's global generator set
+        to ``after`` (or left as it was) once the permutation is drawn."""
+        after = after if after is not None else torch.get_rng_state()
+        self._set(start)
+        inner = iter(self.sampler)
+        for _ in itertools.islice(inner, taken):
+            pass
+        torch.set_rng_state(after)
+        return inner
 
     def _capture(self) -> dict[str, Any]:
         generator = getattr(self.sampler, "generator", None)
@@ -117,10 +127,15 @@ class SamplerPosition:
             return None
 
         def apply() -> None:
-            consumed = saved["taken"] if self.batch_size is None else math.ceil(saved["taken"] / self.batch_size)
-            finished = start is None or saved["taken"] == 0 or consumed >= self.batches
-            self._pending = None if finished else (start, saved["taken"])
-            self._start, self._taken = start, saved["taken"]
-            self._global_after = global_after
+            taken = saved["taken"]
+            consumed = taken if self.batch_size is None else math.ceil(taken / self.batch_size)
+            self._start, self._taken, self._pending = start, taken, None
+            if start is None or taken == 0:
+                return
+            if consumed < self.batches:
+                self._pending, self._global_after = (start, taken), global_after
+            else:  # a finished epoch: run it out, so that its generator is where the next epoch draws from
+                for _ in self._replay(start, None, global_after):
+                    pass
 
         return apply

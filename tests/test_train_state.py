@@ -1,0 +1,116 @@
+"""``TrainState``'s data position and generators in one process: after a restore the loader hands out the rest of
+the interrupted epoch, batch for batch, for each sampler it follows, and the generators draw what they would
+have drawn. (tests/test_resume_exact.py checks whole runs across real processes and signals.)"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+np = pytest.importorskip("numpy")
+
+from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+
+from taskpoint import CheckpointManager  # noqa: E402
+from taskpoint.torch import TrainState  # noqa: E402
+
+DATA = torch.arange(40).float().unsqueeze(1)
+
+
+def loaders() -> dict[str, DataLoader[torch.Tensor]]:
+    return {
+        "shuffled": DataLoader(DATA, batch_size=3, shuffle=True),
+        "shuffled, own generator": DataLoader(DATA, batch_size=4, shuffle=True,
+                                              generator=torch.Generator().manual_seed(5)),
+        "shuffled, last batch dropped": DataLoader(DATA, batch_size=6, shuffle=True, drop_last=True),
+        "distributed": DataLoader(DATA, batch_size=4, sampler=DistributedSampler(DATA, num_replicas=2, rank=1,
+                                                                                  seed=9)),
+    }
+
+
+def draws() -> tuple[float, float, float]:
+    return random.random(), float(np.random.rand()), torch.rand(1).item()
+
+
+@pytest.mark.parametrize("kind", list(loaders()))
+@pytest.mark.parametrize("where", ["mid-epoch", "at an epoch's end"])
+def test_after_a_restore_the_loader_and_generators_go_on_as_the_interrupted_run(tmp_path, kind, where):
+    torch.manual_seed(0)
+    loader = loaders()[kind]
+    state = TrainState(torch.nn.Linear(1, 1), None, data=loader)
+    per_epoch = len(loader)
+    stop = per_epoch + 2 if where == "mid-epoch" else 2 * per_epoch
+    seen: list[tuple[list[float], tuple[float, float, float]]] = []
+    with CheckpointManager(tmp_path / "steps", preemption=False) as mgr:
+        for epoch in range(3):
+            if isinstance(loader.sampler, DistributedSampler):
+                loader.sampler.set_epoch(epoch)
+            for batch in loader:
+                seen.append((batch.flatten().tolist(), draws()))
+                if len(seen) == stop:
+                    mgr.save(state, stop)
+        torch.manual_seed(123)  # another process's generators, until the restore
+        random.seed(4)
+        resumed_loader = loaders()[kind]
+        assert TrainState(torch.nn.Linear(1, 1), None, data=resumed_loader).restore(mgr) == stop
+    again: list[tuple[list[float], tuple[float, float, float]]] = []
+    for epoch in range(stop // per_epoch, 3):
+        if isinstance(resumed_loader.sampler, DistributedSampler):
+            resumed_loader.sampler.set_epoch(epoch)
+        again += [(batch.flatten().tolist(), draws()) for batch in resumed_loader]
+    assert again == seen[stop:]
+
+
+def test_a_background_save_keeps_the_state_of_when_it_was_called(tmp_path):
+    model = torch.nn.Linear(2, 1)
+    progress = {"step": 1}
+    state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), extra=progress)
+    with CheckpointManager(tmp_path / "steps", async_save=True, preemption=False) as mgr:
+        mgr.save(state, 1, blocking=False)
+        saved_weight = model.weight.detach().clone()
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        progress["step"] = 2
+        mgr.wait_until_finished()
+        assert state.restore(mgr) == 1
+    assert torch.equal(model.weight, saved_weight) and progress == {"step": 1}
+
+
+class Stateful:
+    """Anything with state_dict()/load_state_dict(), as torchdata's StatefulDataLoader."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
+
+
+def test_data_with_its_own_state_dict_is_saved_through_it(tmp_path):
+    data = Stateful()
+    data.position = 17
+    with CheckpointManager(tmp_path / "steps", preemption=False) as mgr:
+        mgr.save(TrainState(torch.nn.Linear(1, 1), None, data=data, rng=False), 1)
+        restored = Stateful()
+        assert TrainState(torch.nn.Linear(1, 1), None, data=restored, rng=False).restore(mgr) == 1
+    assert restored.position == 17
+
+
+def test_a_loader_with_workers_is_refused_naming_the_way_out():
+    with pytest.raises(ValueError, match="num_workers=2.*StatefulDataLoader"):
+        TrainState(torch.nn.Linear(1, 1), None, data=DataLoader(DATA, batch_size=2, num_workers=2))
+
+
+def test_numpy_and_torch_generators_given_are_restored(tmp_path):
+    numpy_generator, torch_generator = np.random.default_rng(1), torch.Generator().manual_seed(2)
+    state = TrainState(torch.nn.Linear(1, 1), None, rng=[numpy_generator, torch_generator])
+    with CheckpointManager(tmp_path / "steps", preemption=False) as mgr:
+        mgr.save(state, 1)
+        expected = (numpy_generator.random(3).tolist(), torch.rand(3, generator=torch_generator).tolist())
+        assert state.restore(mgr) == 1
+    assert (numpy_generator.random(3).tolist(), torch.rand(3, generator=torch_generator).tolist()) == expected
