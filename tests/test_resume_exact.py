@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from helpers import WorkerProcess
+from helpers import WorkerProcess, requires
 
-pytest.importorskip("torch")
+pytestmark = requires("torch", "numpy")
 
 WORKER = Path(__file__).with_name("_resume_worker.py")
 STEPS = 24  # 3 epochs of 48 samples in batches of 6

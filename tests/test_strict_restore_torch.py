@@ -1,25 +1,31 @@
 """Strict restores of torch state: a model with a layer added, one removed, or one of another shape raises
 RestoreMismatch naming them, with the target untouched; ``strict=False`` restores what matches and reports the
-rest. Through ``load_state_dict_sync(manager, into=model)`` and ``TrainState.restore``, on local disk (what is
+rest. Through ``tp_torch.load_state_dict_sync(manager, into=model)`` and ``TrainState.restore``, on local disk (what is
 checked is the state dict, not the store)."""
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from helpers import LazyModule, requires
+from taskpoint import CheckpointManager, RestoreMismatch, RestoreReport
+from taskpoint.errors import NAMES_SHOWN
 
-from taskpoint import CheckpointManager, RestoreMismatch, RestoreReport  # noqa: E402
-from taskpoint.errors import NAMES_SHOWN  # noqa: E402
-from taskpoint.torch import StateDict, TrainState, load_state_dict_sync  # noqa: E402
+pytestmark = requires("torch")
+
+# Imported when a test first uses them: collecting this module imports no torch.
+torch = LazyModule("torch")
+tp_torch = LazyModule("taskpoint.torch")
 
 
 def net(*widths: int) -> torch.nn.Sequential:
     torch.manual_seed(len(widths))
-    return torch.nn.Sequential(*(torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:], strict=False)))
+    return torch.nn.Sequential(*(torch.nn.Linear(a, b) for a, b in itertools.pairwise(widths)))
 
 
 SAVED = (4, 8, 2)  # layers "0" (8x4) and "1" (2x8)
@@ -40,7 +46,7 @@ def copy_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 @pytest.fixture
 def manager(tmp_path):
     with CheckpointManager(tmp_path / "steps", preemption=False) as mgr:
-        mgr.save(StateDict(net(*SAVED).state_dict()), 7)
+        mgr.save(tp_torch.StateDict(net(*SAVED).state_dict()), 7)
         yield mgr
 
 
@@ -50,7 +56,7 @@ def test_a_model_that_does_not_match_raises_naming_the_layers_and_is_left_untouc
     model = net(*widths)
     before = copy_of(model)
     with pytest.raises(RestoreMismatch) as info:
-        load_state_dict_sync(manager, into=model)
+        tp_torch.load_state_dict_sync(manager, into=model)
     assert info.value.report == report
     for line in report.problems():
         assert line in str(info.value)
@@ -63,7 +69,7 @@ def test_strict_false_restores_what_matches_and_reports_the_rest(manager, change
     widths, report = CHANGES[change]
     model, saved = net(*widths), net(*SAVED).state_dict()
     before = copy_of(model)
-    assert load_state_dict_sync(manager, into=model, strict=False) == report
+    assert tp_torch.load_state_dict_sync(manager, into=model, strict=False) == report
     mismatched = {name for name, _ in report.mismatched} | set(report.missing)
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name] if name in mismatched else saved[name]), name
@@ -72,38 +78,39 @@ def test_strict_false_restores_what_matches_and_reports_the_rest(manager, change
 def test_a_model_that_matches_is_restored_and_the_step_returned(manager):
     model = net(4, 8, 2)
     torch.nn.init.zeros_(model[0].weight)
-    assert load_state_dict_sync(manager, into=model) == 7
+    assert tp_torch.load_state_dict_sync(manager, into=model) == 7
     assert torch.equal(model[0].weight, net(*SAVED)[0].weight)
-    assert load_state_dict_sync(manager, into=model, strict=False) == RestoreReport(7)
+    assert tp_torch.load_state_dict_sync(manager, into=model, strict=False) == RestoreReport(7)
     with pytest.raises(TypeError, match="with into= restore a chosen step"):
-        load_state_dict_sync(manager, into=model, fallback=True)
+        tp_torch.load_state_dict_sync(manager, into=model, fallback=True)
 
 
 def test_another_dtype_is_a_mismatch_not_a_silent_cast(manager):
     model = net(4, 8, 2).double()
     with pytest.raises(RestoreMismatch, match=re.escape("0.weight: dtype torch.float32 in the checkpoint vs "
                                                         "torch.float64 in the target")):
-        load_state_dict_sync(manager, into=model)
+        tp_torch.load_state_dict_sync(manager, into=model)
 
 
 def test_the_message_names_the_first_few_and_how_many(tmp_path):
     wide = torch.nn.ModuleDict({f"layer{n}": torch.nn.Linear(2, 2) for n in range(6)})
     with CheckpointManager(tmp_path / "steps", preemption=False) as mgr:
-        mgr.save(StateDict(torch.nn.Linear(2, 2).state_dict()), 1)
+        mgr.save(tp_torch.StateDict(torch.nn.Linear(2, 2).state_dict()), 1)
         with pytest.raises(RestoreMismatch) as info:
-            load_state_dict_sync(mgr, into=wide)
+            tp_torch.load_state_dict_sync(mgr, into=wide)
     message = str(info.value)
     assert len(info.value.report.missing) == 12 and len(info.value.report.unexpected) == 2
-    assert f"and {14 - NAMES_SHOWN} more" in message and "12 missing from the checkpoint, 2 not in the target" in message
+    assert f"and {14 - NAMES_SHOWN} more" in message
+    assert "12 missing from the checkpoint, 2 not in the target" in message
     assert "layer0.weight: the target has this" in message and "layer5.bias" not in message
 
 
-def train_state(widths: tuple[int, ...], **parts: object) -> TrainState:
+def train_state(widths: tuple[int, ...], **parts: object) -> Any:
     model = net(*widths)
-    return TrainState(model, torch.optim.Adam(model.parameters()), **parts)  # type: ignore[arg-type]
+    return tp_torch.TrainState(model, torch.optim.Adam(model.parameters()), **parts)
 
 
-def one_step(state: TrainState) -> None:
+def one_step(state: Any) -> None:
     model, optimizer = state.models[""], state.optimizers[""]
     model(torch.ones(1, 4)).sum().backward()
     optimizer.step()
@@ -139,16 +146,16 @@ def test_train_state_parts_missing_or_unexpected_are_named(tmp_path):
         mgr.save(saved, 3)
         scheduled = train_state(SAVED, rng=False)
         scheduled_lr = torch.optim.lr_scheduler.StepLR(scheduled.optimizers[""], step_size=1)
-        target = TrainState(scheduled.models[""], scheduled.optimizers[""], scheduler=scheduled_lr, rng=False)
+        target = tp_torch.TrainState(scheduled.models[""], scheduled.optimizers[""], scheduler=scheduled_lr, rng=False)
         with pytest.raises(RestoreMismatch) as info:
             target.restore(mgr)
     assert info.value.report.missing == ("scheduler",)
     assert set(info.value.report.unexpected) == {"rng", "extra"}
 
 
-@pytest.mark.parametrize("bad", [lambda: TrainState(torch.nn.Linear(1, 1), object()),  # type: ignore[arg-type]
-                                 lambda: TrainState("model", None),  # type: ignore[arg-type]
-                                 lambda: TrainState(torch.nn.Linear(1, 1), None, data=[1, 2])])
+@pytest.mark.parametrize("bad", [lambda: tp_torch.TrainState(torch.nn.Linear(1, 1), object()),
+                                 lambda: tp_torch.TrainState("model", None),
+                                 lambda: tp_torch.TrainState(torch.nn.Linear(1, 1), None, data=[1, 2])])
 def test_train_state_refuses_what_it_cannot_save(bad: Callable[[], object]):
     with pytest.raises(TypeError, match=r"TrainState\("):
         bad()

@@ -158,11 +158,7 @@ def load_state_dict_sync(manager: CheckpointManager, step: int | None = None, *,
                          strict: bool = True) -> dict[str, Any] | int | RestoreReport | None:
     """Blocking twin of :func:`load_state_dict`."""
     if into is not None:
-        if fallback:
-            raise TypeError("fallback=True restores an older step when one is damaged; with into= restore a "
-                            "chosen step instead (the step restored into a model must be the one reported)")
-        return restore_into(manager, step, strict, lambda saved, found: [module_plan(into, saved, "", found)],
-                            map_location=map_location)
+        return _load_into(manager, step, into, strict, fallback, map_location)
     if not isinstance(mmap, bool):
         raise TypeError(f"mmap is True or False, not {mmap!r}")
     if step is None:
@@ -208,10 +204,18 @@ async def load_state_dict(manager: CheckpointManager, step: int | None = None, *
     only once they are gone, even after the step is deleted.
     """
     if into is not None:
-        return await anyio.to_thread.run_sync(lambda: load_state_dict_sync(
-            manager, step, fallback=fallback, map_location=map_location, into=into, strict=strict))
+        return await anyio.to_thread.run_sync(_load_into, manager, step, into, strict, fallback, map_location)
     return await anyio.to_thread.run_sync(lambda: load_state_dict_sync(manager, step, fallback=fallback,
                                                                        map_location=map_location, mmap=mmap))
+
+
+def _load_into(manager: CheckpointManager, step: int | None, into: torch.nn.Module, strict: bool, fallback: bool,
+               map_location: Any) -> int | RestoreReport | None:
+    if fallback:
+        raise TypeError("fallback=True restores an older step when one is damaged; with into= restore a chosen "
+                        "step instead (the step restored into a model must be the one reported)")
+    return restore_into(manager, step, strict, lambda saved, found: [module_plan(into, saved, "", found)],
+                        map_location=map_location)
 
 
 #: Checks a saved state dict against a target, noting what does not match; what restores each part that fits.

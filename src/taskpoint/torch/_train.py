@@ -9,6 +9,7 @@ as the run never interrupted (tests/test_resume_exact.py).
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -116,12 +117,12 @@ class TrainState(SavedAsStateDict):
             found.missing += [f"{part}.{name}" for name in objects if name not in saved_part]
             found.unexpected += [f"{part}.{name}" for name in saved_part if name not in objects]
             plan = module_plan if part == "model" else optimizer_plan
-            actions += [plan(item, saved_part[name], _prefix(part, name, objects), found)  # type: ignore[arg-type]
+            actions += [plan(item, saved_part[name], _prefix(part, name, objects), found)
                         for name, item in objects.items() if name in saved_part]
         for part in ("scheduler", "scaler"):
             target = getattr(self, part)
             if target is not None and part in saved:
-                actions.append(lambda target=target, part=part: target.load_state_dict(saved[part]))
+                actions.append(functools.partial(target.load_state_dict, saved[part]))
         if self.rng and "rng" in saved:
             actions.append(_rng_plan(saved["rng"], self.generators, found))
         if self.data is not None and "data" in saved:
