@@ -111,7 +111,8 @@ def _match(specs: list[dict[str, Any]], paths: list[Path_], leaves: list[Any], s
         elif problem:
             mismatched.append((show_path(path), problem))
         order.append(None if index is None or problem else index)
-    return order, RestoreReport(step, tuple(missing), tuple(show_path(path) for path in by_path), tuple(mismatched))
+    unexpected = tuple(sorted(show_path(path) for path in by_path))  # the target's order has no place for them
+    return order, RestoreReport(step, tuple(missing), unexpected, tuple(mismatched))
 
 
 def _differs(spec: dict[str, Any], leaf: Any) -> str | None:
