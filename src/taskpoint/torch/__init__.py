@@ -31,5 +31,4 @@ from ._state import STATE_FILE, StateDict, load_state_dict, load_state_dict_sync
 from ._train import TrainState
 from ._writer import Writer
 
-__all__ = ["STATE_FILE", "FileSetStep", "Reader", "StateDict", "TrainState", "Writer", "load_state_dict",
-           "load_state_dict_sync"]
+__all__ = ["STATE_FILE", "FileSetStep", "Reader", "StateDict", "TrainState", "Writer", "load_state_dict", "load_state_dict_sync"]  # noqa: E501  (one line: tests/test_docs.py reads it)
