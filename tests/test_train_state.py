@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from helpers import LazyModule, requires
-from taskpoint import CheckpointManager
+from taskpoint import CheckpointManager, RestoreMismatch
 
 pytestmark = requires("torch", "numpy")
 
@@ -120,3 +120,23 @@ def test_numpy_and_torch_generators_given_are_restored(tmp_path):
         expected = (numpy_generator.random(3).tolist(), torch.rand(3, generator=torch_generator).tolist())
         assert state.restore(mgr) == 1
     assert (numpy_generator.random(3).tolist(), torch.rand(3, generator=torch_generator).tolist()) == expected
+
+
+def test_a_loader_over_another_data_set_or_seed_is_a_mismatch(tmp_path):
+    def loader(size: int, seed: int) -> Any:
+        samples = torch.zeros(size, 1)
+        return data.DataLoader(samples, batch_size=2,
+                               sampler=data.DistributedSampler(samples, num_replicas=1, rank=0, seed=seed))
+
+    def state(of: Any) -> Any:
+        return tp_torch.TrainState(torch.nn.Linear(1, 1), None, data=of)
+
+    saved = loader(8, 0)
+    saving = state(saved)
+    next(iter(saved))  # mid-epoch
+    with CheckpointManager(tmp_path / "steps", preemption=False) as mgr:
+        mgr.save(saving, 1)
+        with pytest.raises(RestoreMismatch, match=r"data\.length: 8 samples an epoch in the checkpoint vs 10"):
+            state(loader(10, 0)).restore(mgr)
+        with pytest.raises(RestoreMismatch, match=r"data\.seed: sampler seed 0 in the checkpoint vs 1"):
+            state(loader(8, 1)).restore(mgr)

@@ -109,21 +109,25 @@ class SamplerPosition:
             self.sampler.set_epoch(start["epoch"])
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the current epoch started from, and how many indices of it were handed out (``taken`` 0 and no
-        start before the first epoch)."""
-        return {"taken": self._taken, "start": self._start}
+        """Where the current epoch started from, how many indices of it were handed out (``taken`` 0 and no
+        start before the first epoch), and how many an epoch has (another data set shuffles otherwise)."""
+        return {"taken": self._taken, "start": self._start, "length": len(self.sampler)}
 
     def plan(self, saved: Any, prefix: str, found: Mismatches, global_after: torch.Tensor | None) -> Apply | None:
         """Check a saved position (the sampler's seed must be the one saved); what restores it.
         ``global_after``: torch's global generator state to continue from after the epoch's permutation is
         drawn again (the one restored with it), else the state it has then."""
-        if not isinstance(saved, dict) or not {"taken", "start"} <= saved.keys():
+        if not isinstance(saved, dict) or not {"taken", "start", "length"} <= saved.keys():
             found.mismatched.append((prefix.rstrip("."), "the checkpoint holds no DataLoader position"))
             return None
         start = saved["start"]
         seed = getattr(self.sampler, "seed", None)
         if start is not None and start["seed"] != seed:
             found.mismatched.append((f"{prefix}seed", f"sampler seed {start['seed']} in the checkpoint vs {seed}"))
+            return None
+        if saved["length"] != len(self.sampler):  # another data set: another permutation
+            found.mismatched.append((f"{prefix}length", f"{saved['length']} samples an epoch in the checkpoint vs "
+                                                        f"{len(self.sampler)}"))
             return None
 
         def apply() -> None:

@@ -132,8 +132,7 @@ class TrainState(SavedAsStateDict):
             else:
                 actions.append(lambda: self.data.load_state_dict(saved["data"]))
         if self.extra is not None and "extra" in saved:
-            fitting = found.entries(saved["extra"], self.extra, "extra.")
-            actions.append(lambda: self.extra.update(fitting) if self.extra is not None else None)
+            actions.append(functools.partial(self.extra.update, found.entries(saved["extra"], self.extra, "extra.")))
         return actions
 
 
