@@ -18,7 +18,7 @@ import pytest
 
 from helpers import WorkerProcess, requires
 
-pytestmark = requires("torch", "numpy")
+pytestmark = [pytest.mark.slow, requires("torch", "numpy")]
 
 WORKER = Path(__file__).with_name("_resume_worker.py")
 STEPS = 24  # 3 epochs of 48 samples in batches of 6
