@@ -241,12 +241,12 @@ def test_a_step_read_in_place_is_kept_from_another_managers_retention_and_delete
         m.save(tpjax.PyTree(tree(1)), 1)
         read_tree = pytree_load.read_tree  # replaced below in the module itself, not in this lazy proxy
 
-        def read_while_the_other_prunes(folder, target, where):
+        def read_while_the_other_prunes(folder, target, where, **options):
             other.save(tpjax.PyTree(tree(2)), 2)  # its retention keeps one step, and would delete step 1
             with pytest.raises(CheckpointError, match="being restored"):
                 other.delete(1, force=True)
             listed.append(other.steps())
-            return read_tree(folder, target, where)
+            return read_tree(folder, target, where, **options)
 
         monkeypatch.setattr("taskpoint.jax._load.read_tree", read_while_the_other_prunes)
         assert_same(tpjax.load_pytree_sync(m, target=tree(0), step=1), tree(1))
@@ -262,13 +262,13 @@ def test_files_taken_from_under_orbax_by_another_process_make_the_load_restore_a
         m.save(tpjax.PyTree(tree(1)), 1)
         read_tree = pytree_load.read_tree
 
-        def overwritten_under_the_first_read(folder, target, where):
+        def overwritten_under_the_first_read(folder, target, where, **options):
             folders.append(folder)
             if len(folders) == 1:  # another process's overwrite: a new tree committed, then the old one removed
                 other.save(tpjax.PyTree(tree(2)), 1, overwrite=True)
                 shutil.rmtree(folder)
                 folder.with_name(f"{folder.name}.files.json").unlink()
-            return read_tree(folder, target, where)
+            return read_tree(folder, target, where, **options)
 
         monkeypatch.setattr("taskpoint.jax._load.read_tree", overwritten_under_the_first_read)
         assert_same(tpjax.load_pytree_sync(m, target=tree(0), step=1), tree(2))

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
     "Preempted",
+    "RestoreMismatch",
+    "RestoreReport",
     "SaveStalledError",
     "StepAbandonedError",
     "StorageAccessDenied",
@@ -60,6 +64,59 @@ class StorageNotFound(StorageError):
 
 class StorageFull(StorageError):
     """No space left: on the destination, or on the local disk a load extracts to. Not retried."""
+
+
+#: How many names of each kind a :class:`RestoreMismatch` message lists before "and N more".
+NAMES_SHOWN = 5
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    """What a restore into a target (a model, a :class:`~taskpoint.torch.TrainState`, a PyTree target) did not
+    restore, returned by the restore with ``strict=False``; empty lists mean everything matched.
+
+    Attributes:
+        step: the step restored (None for a :class:`~taskpoint.Checkpoint`'s previous checkpoint).
+        missing: names the target has and the checkpoint does not: left as they were in the target.
+        unexpected: names the checkpoint has and the target does not: not restored.
+        mismatched: ``(name, what differs)`` for names in both whose shape or dtype differ: left as they were.
+    """
+
+    step: int | None
+    missing: tuple[str, ...] = ()
+    unexpected: tuple[str, ...] = ()
+    mismatched: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def complete(self) -> bool:
+        """True when everything in the checkpoint and the target matched, and all of it was restored."""
+        return not (self.missing or self.unexpected or self.mismatched)
+
+    def problems(self) -> list[str]:
+        """One line per name that did not match, mismatched first: ``"fc.weight: shape (4, 3) in the checkpoint
+        vs (5, 3) in the target"``."""
+        return [*(f"{name}: {what}" for name, what in self.mismatched),
+                *(f"{name}: the target has this, the checkpoint does not" for name in self.missing),
+                *(f"{name}: the checkpoint has this, the target does not" for name in self.unexpected)]
+
+
+class RestoreMismatch(CheckpointError, ValueError):
+    """A checkpoint does not match the target it is restored into (names missing, unexpected, or of another
+    shape or dtype), and the restore was strict: nothing was restored. The message names the first few of each
+    and how many there are; :attr:`report` lists them all. ``strict=False`` restores what matches instead and
+    returns that report. A ValueError too, as a mismatched target was before this class existed."""
+
+    def __init__(self, report: RestoreReport, where: str) -> None:
+        problems = report.problems()
+        shown = "; ".join(problems[:NAMES_SHOWN])
+        more = f"; and {len(problems) - NAMES_SHOWN} more" if len(problems) > NAMES_SHOWN else ""
+        counts = ", ".join(f"{count} {what}" for count, what in (
+            (len(report.mismatched), "of another shape or dtype"), (len(report.missing), "missing from the checkpoint"),
+            (len(report.unexpected), "not in the target")) if count)
+        super().__init__(f"{shown}{more} ({where} does not match the target's structure: {counts}; nothing was "
+                         "restored. Restore with strict=False to load what matches and get a report of the rest, "
+                         "or restore without a target to see what it holds)")
+        self.report = report
 
 
 class Preempted(SystemExit):

@@ -24,7 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 import fsspec.utils
 from fsspec.callbacks import Callback
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, RestoreReport
 from ..manager import CheckpointManager, check_step
 from ._load import _from_manager
 from ._pytree import PyTree
@@ -87,10 +87,10 @@ class Checkpointer:
         return self.manager(parent, keep).save(payload, step, metadata=metadata, overwrite=force, progress=progress)
 
     def restore(self, directory: str | os.PathLike[str], item: Any = None, *,
-                progress: bool | Callback | None = None) -> Any:
+                progress: bool | Callback | None = None, strict: bool = True) -> Any:
         """The tree saved at ``directory``, shaped like ``item`` when given (see
-        :func:`~taskpoint.jax.load_pytree`); waits for a save in flight there first. FileNotFoundError when
-        nothing was saved there. ``progress`` as for :meth:`CheckpointManager.restore
+        :func:`~taskpoint.jax.load_pytree`, and for ``strict``); waits for a save in flight there first.
+        FileNotFoundError when nothing was saved there. ``progress`` as for :meth:`CheckpointManager.restore
         <taskpoint.CheckpointManager.restore>`."""
         manager, step = self._located(directory)
         manager.wait_until_finished()
@@ -99,9 +99,10 @@ class Checkpointer:
                  else f"step {step} in {manager.directory}")
         if fsspec.utils.get_protocol(manager.directory) in ("file", "local"):
             # A PyTree step on local disk is read where it lies once every file of it is verified (no copy).
-            return _from_manager(manager, item, step, where=where, progress=progress)
+            return _from_manager(manager, item, step, where=where, progress=progress, strict=strict)
         with tempfile.TemporaryDirectory(prefix="taskpoint-restore-") as scratch:  # gone once this returns
-            return read_tree(manager.restore(step, into=scratch, progress=progress), item, where)
+            return read_tree(manager.restore(step, into=scratch, progress=progress), item, where, strict=strict,
+                             step=step)
 
     def metadata(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
         """The metadata saved with the checkpoint at ``directory``, read without its payload."""
@@ -218,13 +219,17 @@ class OrbaxCheckpointHandler:
     # -- restore -----------------------------------------------------------------------------------------
 
     def restore(self, directory: str | os.PathLike[str], target: Any = None, step: int | None = None,
-                metadata_only: bool = False, *, progress: bool | Callback | None = None) -> Any:
+                metadata_only: bool = False, *, progress: bool | Callback | None = None, strict: bool = True) -> Any:
         """Restore ``step`` (None: the newest step, else ``directory/checkpoint``) into ``target``.
 
         A :class:`Checkpointable` gets the saved state through ``set_state`` and an ``nnx.Module`` is
         updated in place; both are returned. A PyTree target gives the restored tree its structure, dtypes
-        and shardings, and the tree is returned; a target that does not match raises ValueError naming the
-        first path that differs. With no target, the saved state is returned. ``metadata_only=True`` returns
+        and shardings, and the tree is returned. A target (PyTree or module) that does not match raises
+        :class:`~taskpoint.errors.RestoreMismatch` (a ValueError) naming the leaves missing, unexpected or of
+        another shape, and restores nothing; ``strict=False`` restores the leaves that match and returns
+        ``(result, report)``, the :class:`~taskpoint.errors.RestoreReport` listing the others (a Checkpointable
+        takes the saved state whole: its report is empty). With no target, the saved state is returned.
+        ``metadata_only=True`` returns
         the metadata dict saved with the checkpoint and reads nothing else. Background saves to
         ``directory`` are waited for first. FileNotFoundError when there is nothing to restore. ``progress``
         as for :meth:`save` (a restore counts the stored bytes).
@@ -232,7 +237,7 @@ class OrbaxCheckpointHandler:
         path = self._newest(directory) if step is None else _step_path(directory, check_step(step))
         if metadata_only:
             return self.checkpointer.metadata(path)
-        return _apply(self.checkpointer, path, target, progress)
+        return _apply(self.checkpointer, path, target, progress, strict)
 
     def _newest(self, directory: str | os.PathLike[str]) -> str:
         """The newest committed step's path when ``directory`` has one, else the unversioned checkpoint's."""
@@ -273,19 +278,21 @@ def _state_of(target: Any) -> Any:
     return target
 
 
-def _apply(checkpointer: Checkpointer, path: str, target: Any, progress: bool | Callback | None) -> Any:
+def _apply(checkpointer: Checkpointer, path: str, target: Any, progress: bool | Callback | None,
+           strict: bool) -> Any:
     """Restore the tree at ``path`` into ``target`` as :meth:`OrbaxCheckpointHandler.restore` describes."""
     if isinstance(target, Checkpointable):  # first, as Datarax does (and as _state_of saved it)
         target.set_state(checkpointer.restore(path, progress=progress))
-        return target
+        return target if strict else (target, RestoreReport(_split(path)[1]))
     nnx = _nnx()
     if nnx is not None and isinstance(target, nnx.Module):
         state = nnx.state(target)
-        restored = checkpointer.restore(path, item=nnx.to_pure_dict(state), progress=progress)
-        nnx.replace_by_pure_dict(state, restored)
+        restored = checkpointer.restore(path, item=nnx.to_pure_dict(state), progress=progress, strict=strict)
+        tree, report = (restored, None) if strict else restored
+        nnx.replace_by_pure_dict(state, tree)
         nnx.update(target, state)
-        return target
-    return checkpointer.restore(path, item=target, progress=progress)
+        return target if strict else (target, report)
+    return checkpointer.restore(path, item=target, progress=progress, strict=strict)
 
 
 def _nnx() -> Any:

@@ -17,16 +17,16 @@ from ._read import read_tree
 Source = BaseCheckpoint | CheckpointManager | str | os.PathLike[str]
 
 
-def load_pytree_sync(cp: Source, target: Any = None, *, step: int | None = None) -> Any:
+def load_pytree_sync(cp: Source, target: Any = None, *, step: int | None = None, strict: bool = True) -> Any:
     """Blocking twin of :func:`load_pytree`."""
     if isinstance(cp, CheckpointManager):
-        return _from_manager(cp, target, step)
+        return _from_manager(cp, target, step, strict=strict)
     _no_step(cp, step)
     folder = cp.load_sync() if isinstance(cp, BaseCheckpoint) else Path(os.fspath(cp))
-    return None if folder is None else read_tree(folder, target, _where(cp))
+    return None if folder is None else read_tree(folder, target, _where(cp), strict=strict)
 
 
-async def load_pytree(cp: Source, target: Any = None, *, step: int | None = None) -> Any:
+async def load_pytree(cp: Source, target: Any = None, *, step: int | None = None, strict: bool = True) -> Any:
     """The tree saved as ``taskpoint.jax.PyTree(tree)``; None when there is no previous checkpoint.
 
     ``cp`` is a :class:`~taskpoint.Checkpoint` (its previous checkpoint is loaded), a
@@ -37,19 +37,23 @@ async def load_pytree(cp: Source, target: Any = None, *, step: int | None = None
     retention and ``delete`` until Orbax has read it. Without ``target`` the tree comes back with the containers
     it was saved with (registered nodes such as namedtuples and dataclasses as dicts) and jax arrays on the
     default device. With ``target`` (a tree of arrays or ``jax.ShapeDtypeStruct``) it has the target's
-    structure, dtypes and shardings; a target that does not match raises ValueError naming the first path that
-    differs, and the checkpoint's URI (with a manager, the step and its directory; a folder is all a bare folder
-    can name).
+    structure, dtypes (arrays are cast to the target's) and shardings. Leaves of the target missing from the
+    checkpoint, leaves of the checkpoint the target lacks, and leaves of another shape or kind raise
+    :class:`~taskpoint.errors.RestoreMismatch` (a ValueError) naming the first few and how many, and the
+    checkpoint's URI (with a manager, the step and its directory; a folder is all a bare folder can name); nothing
+    is returned. ``strict=False`` returns ``(tree, report)`` instead: the leaves that match restored, the others
+    left as the target's own, and a :class:`~taskpoint.errors.RestoreReport` listing them.
     """
     if isinstance(cp, CheckpointManager):
-        return await anyio.to_thread.run_sync(_from_manager, cp, target, step)
+        return await anyio.to_thread.run_sync(lambda: _from_manager(cp, target, step, strict=strict))
     _no_step(cp, step)
     folder = await cp.load() if isinstance(cp, BaseCheckpoint) else Path(os.fspath(cp))
-    return None if folder is None else await anyio.to_thread.run_sync(read_tree, folder, target, _where(cp))
+    return None if folder is None else await anyio.to_thread.run_sync(
+        lambda: read_tree(folder, target, _where(cp), strict=strict))
 
 
 def _from_manager(manager: CheckpointManager, target: Any, step: int | None, *, where: str | None = None,
-                  progress: Any = None) -> Any:
+                  progress: Any = None, strict: bool = True) -> Any:
     """``step`` of ``manager`` (the newest when None; None when it has none), named by step and directory in
     messages (or ``where``), read through :meth:`CheckpointManager.restore_in_place
     <taskpoint.CheckpointManager.restore_in_place>` (``progress`` as there).
@@ -61,11 +65,13 @@ def _from_manager(manager: CheckpointManager, target: Any, step: int | None, *, 
         return None
     with manager.restore_in_place(step, progress=progress) as folder:
         try:
-            return read_tree(folder, target, where or _step_where(manager))
+            return read_tree(folder, target, where or _step_where(manager), strict=strict,
+                             step=manager.restored_step)
         except Exception:
             if not lost_in_place(folder):
                 raise
-    return read_tree(manager.restore(step), target, where or _step_where(manager))
+    return read_tree(manager.restore(step), target, where or _step_where(manager), strict=strict,
+                     step=manager.restored_step)
 
 
 def _step_where(manager: CheckpointManager) -> str:

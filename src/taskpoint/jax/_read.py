@@ -8,14 +8,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, RestoreMismatch, RestoreReport
 from ._pytree import (
     _ARRAY_KINDS,
     ARRAYS_FOLDER,
@@ -32,28 +32,38 @@ from ._pytree import (
 )
 
 
-def read_tree(folder: Path, target: Any = None, where: str | None = None) -> Any:
+def read_tree(folder: Path, target: Any = None, where: str | None = None, *, strict: bool = True,
+              step: int | None = None) -> Any:
     """The tree serialized in ``folder``; shaped, typed and placed like ``target`` when it is given. ``where``
     names the checkpoint in messages ("the checkpoint at s3://...", "step 3 in s3://..."): ``folder`` is a
     workspace, gone once the load returns.
 
     Without a target, containers come back as saved (dict, list, tuple, None; other registered nodes as
     dicts of their children), jax arrays on the default device. With one, the result has the target's
-    structure, dtypes and shardings; a mismatch raises ValueError naming the first path that differs.
+    structure, dtypes and shardings; leaves missing from the checkpoint, leaves the target lacks, and leaves
+    of another shape or kind raise RestoreMismatch naming them (a ValueError too). ``strict=False`` returns
+    ``(tree, report)`` instead: the leaves that match restored, the others the target's own, and a
+    RestoreReport (of ``step``) listing them.
     """
     where = where or f"the checkpoint in {folder}"
     sidecar = _read_sidecar(folder, where)
     specs: list[dict[str, Any]] = sidecar["leaves"]
     if target is None:
-        values = _Restorer(folder, specs, [None] * len(specs), where).values()
-        return _build(sidecar["structure"], values)
+        tree = _build(sidecar["structure"], _Restorer(folder, specs, [None] * len(specs), where).values())
+        return tree if strict else (tree, RestoreReport(step))
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
-    order = _match(where, specs, [tuple(entry_key(e) for e in path) for path, _ in flat], [leaf for _, leaf in flat])
+    leaves = [leaf for _, leaf in flat]
+    order, report = _match(specs, [tuple(entry_key(e) for e in path) for path, _ in flat], leaves, step)
+    if strict and not report.complete:
+        raise RestoreMismatch(report, where)
     targets: list[Any] = [None] * len(specs)
     for position, index in enumerate(order):
-        targets[index] = flat[position][1]
+        if index is not None:
+            targets[index] = leaves[position]
     values = _Restorer(folder, specs, targets, where, with_target=True).values()
-    return jax.tree_util.tree_unflatten(treedef, [values[index] for index in order])
+    tree = jax.tree_util.tree_unflatten(treedef, [leaves[position] if index is None else values[index]
+                                                  for position, index in enumerate(order)])
+    return tree if strict else (tree, report)
 
 
 def _read_sidecar(folder: Path, where: str) -> dict[str, Any]:
@@ -85,21 +95,24 @@ def _build(node: Any, values: list[Any]) -> Any:
 # -- matching a target -------------------------------------------------------------------------------------
 
 
-def _match(where: str, specs: list[dict[str, Any]], paths: list[Path_], leaves: list[Any]) -> list[int]:
-    """For each target leaf, the index of its checkpoint leaf; ValueError at the first path that differs."""
+def _match(specs: list[dict[str, Any]], paths: list[Path_], leaves: list[Any], step: int | None
+           ) -> tuple[list[int | None], RestoreReport]:
+    """For each target leaf, the index of the checkpoint leaf that fits it (None when none does); and the
+    report of every leaf that did not match, named by path."""
     by_path = {tuple(spec["path"]): index for index, spec in enumerate(specs)}
-    order: list[int] = []
+    order: list[int | None] = []
+    missing: list[str] = []
+    mismatched: list[tuple[str, str]] = []
     for path, leaf in zip(paths, leaves, strict=True):
         index = by_path.pop(path, None)
+        problem = None if index is None else _differs(specs[index], leaf)
         if index is None:
-            _mismatch(where, path, "the target has this leaf, the checkpoint does not")
-        problem = _differs(specs[index], leaf)
-        if problem:
-            _mismatch(where, path, problem)
-        order.append(index)
-    if by_path:
-        _mismatch(where, next(iter(by_path)), "the checkpoint has this leaf, the target does not")
-    return order
+            missing.append(show_path(path))
+        elif problem:
+            mismatched.append((show_path(path), problem))
+        order.append(None if index is None or problem else index)
+    unexpected = tuple(sorted(show_path(path) for path in by_path))  # the target's order has no place for them
+    return order, RestoreReport(step, tuple(missing), unexpected, tuple(mismatched))
 
 
 def _differs(spec: dict[str, Any], leaf: Any) -> str | None:
@@ -140,11 +153,6 @@ def _describe(leaf: Any) -> str:
     if isinstance(leaf, jax.Array):
         return "jax.Array"
     return f"{type(leaf).__module__}.{type(leaf).__qualname__}".removeprefix("builtins.")
-
-
-def _mismatch(where: str, path: Path_, problem: str) -> NoReturn:
-    raise ValueError(f"{show_path(path)}: {problem} ({where} does not match the target's "
-                     "structure; restore without a target to see what it holds)")
 
 
 # -- restoring values --------------------------------------------------------------------------------------

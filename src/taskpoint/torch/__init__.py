@@ -12,7 +12,10 @@ Every file goes up atomically and in parallel, hashed (sha256) as it is written;
 written last, after taskpoint's manifest of every file, and is the commit. A load verifies every byte it
 reads. DCP does the planning and the resharding. A plain state dict goes into a
 :class:`~taskpoint.CheckpointManager` step with ``manager.save(StateDict(model.state_dict()), step)`` and comes
-back, verified, with ``load_state_dict_sync(manager)``. See docs/torch.md.
+back, verified, with ``load_state_dict_sync(manager)`` (or into a model, checked name by name, with
+``into=model``). A training loop's whole state, generators and data position included, is a
+:class:`TrainState`: ``manager.save(state, step)`` and ``state.restore(manager)``. See docs/torch.md and
+docs/resume.md.
 """
 
 try:
@@ -25,6 +28,7 @@ from . import _state_kind  # noqa: F401  (registers the torch.state_dict step ki
 from ._kind import FileSetStep
 from ._reader import Reader
 from ._state import STATE_FILE, StateDict, load_state_dict, load_state_dict_sync
+from ._train import TrainState
 from ._writer import Writer
 
-__all__ = ["STATE_FILE", "FileSetStep", "Reader", "StateDict", "Writer", "load_state_dict", "load_state_dict_sync"]
+__all__ = ["STATE_FILE", "FileSetStep", "Reader", "StateDict", "TrainState", "Writer", "load_state_dict", "load_state_dict_sync"]  # noqa: E501  (one line: tests/test_docs.py reads it)

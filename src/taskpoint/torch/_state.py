@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import io
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, cast
+from typing import IO, TYPE_CHECKING, Any, Literal, cast, overload
 
 import anyio.to_thread
 import fsspec.utils
 import torch
 
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, RestoreMismatch, RestoreReport
 from ..manager import CheckpointManager
 from ..payloads import BytesPayload, Payload, register_payload
+from ._match import Apply, Mismatches, module_plan
 
 if TYPE_CHECKING:
     from ._pieces import PieceReader
@@ -72,6 +73,14 @@ class StateDict:
         return f"StateDict({len(self.state)} entries)"
 
 
+class SavedAsStateDict:
+    """Base of objects a manager saves as the state dict their :meth:`state_dict` returns, taken when the save is
+    called (:class:`~taskpoint.torch.TrainState`)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
 class StateDictPayload(BytesPayload):
     """A :class:`StateDict`. A manager's blocking save writes it through the ``torch.state_dict`` step kind
     (``torch.save`` into the step, :meth:`save_into`); anything else stores its ``torch.save`` bytes, serialized
@@ -109,6 +118,8 @@ class StateDictPayload(BytesPayload):
 
     @classmethod
     def claim(cls, data: object) -> Payload | None:
+        if isinstance(data, SavedAsStateDict):
+            return cls(StateDict(data.state_dict()))
         return cls(data) if isinstance(data, StateDict) else None
 
     def snapshot(self, scratch: Path) -> Payload:
@@ -122,9 +133,32 @@ class StateDictPayload(BytesPayload):
 register_payload(StateDictPayload)
 
 
+@overload
 def load_state_dict_sync(manager: CheckpointManager, step: int | None = None, *, fallback: bool = False,
-                         map_location: Any = None, mmap: bool = False) -> dict[str, Any] | None:
+                         map_location: Any = None, mmap: bool = False, into: None = None) -> dict[str, Any] | None:
+    ...
+
+
+@overload
+def load_state_dict_sync(manager: CheckpointManager, step: int | None = None, *, fallback: bool = False,
+                         map_location: Any = None, mmap: bool = False, into: torch.nn.Module,
+                         strict: Literal[True] = True) -> int | None:
+    ...
+
+
+@overload
+def load_state_dict_sync(manager: CheckpointManager, step: int | None = None, *, fallback: bool = False,
+                         map_location: Any = None, mmap: bool = False, into: torch.nn.Module,
+                         strict: Literal[False]) -> RestoreReport | None:
+    ...
+
+
+def load_state_dict_sync(manager: CheckpointManager, step: int | None = None, *, fallback: bool = False,
+                         map_location: Any = None, mmap: bool = False, into: torch.nn.Module | None = None,
+                         strict: bool = True) -> dict[str, Any] | int | RestoreReport | None:
     """Blocking twin of :func:`load_state_dict`."""
+    if into is not None:
+        return _load_into(manager, step, into, strict, fallback, map_location)
     if not isinstance(mmap, bool):
         raise TypeError(f"mmap is True or False, not {mmap!r}")
     if step is None:
@@ -149,9 +183,15 @@ def load_state_dict_sync(manager: CheckpointManager, step: int | None = None, *,
 
 
 async def load_state_dict(manager: CheckpointManager, step: int | None = None, *, fallback: bool = False,
-                          map_location: Any = None, mmap: bool = False) -> dict[str, Any] | None:
+                          map_location: Any = None, mmap: bool = False, into: torch.nn.Module | None = None,
+                          strict: bool = True) -> dict[str, Any] | int | RestoreReport | None:
     """The state dict saved as ``StateDict(...)`` in ``step`` (the newest when None; None when there is no
     step), loaded by ``torch.load(weights_only=True)`` with ``map_location``.
+
+    ``into=model`` loads it into the module instead and returns the step restored (None when there is none),
+    after checking every name, shape and dtype against ``model.state_dict()`` first: a missing, unexpected or
+    mismatched entry raises :class:`~taskpoint.errors.RestoreMismatch` naming them, with the model untouched.
+    ``strict=False`` loads what matches and returns a :class:`~taskpoint.errors.RestoreReport` of the rest.
 
     Every byte ``torch.load`` reads was checked against the digest of its piece first: a damaged step raises
     CheckpointCorruptError, or with ``fallback=True`` warns and loads the newest older step that checks. A step
@@ -163,8 +203,44 @@ async def load_state_dict(manager: CheckpointManager, step: int | None = None, *
     them stay in this process (a private mapping: the file never changes), and the file's disk space is freed
     only once they are gone, even after the step is deleted.
     """
+    if into is not None:
+        return await anyio.to_thread.run_sync(_load_into, manager, step, into, strict, fallback, map_location)
     return await anyio.to_thread.run_sync(lambda: load_state_dict_sync(manager, step, fallback=fallback,
                                                                        map_location=map_location, mmap=mmap))
+
+
+def _load_into(manager: CheckpointManager, step: int | None, into: torch.nn.Module, strict: bool, fallback: bool,
+               map_location: Any) -> int | RestoreReport | None:
+    if fallback:
+        raise TypeError("fallback=True restores an older step when one is damaged; with into= restore a chosen "
+                        "step instead (the step restored into a model must be the one reported)")
+    return restore_into(manager, step, strict, lambda saved, found: [module_plan(into, saved, "", found)],
+                        map_location=map_location)
+
+
+#: Checks a saved state dict against a target, noting what does not match; what restores each part that fits.
+Planner = Callable[[dict[str, Any], Mismatches], list[Apply | None]]
+
+
+def restore_into(manager: CheckpointManager, step: int | None, strict: bool, plan: Planner, *,
+                 map_location: Any = None) -> int | RestoreReport | None:
+    """Load ``step`` (the newest when None), check it against a target with ``plan``, then restore it: nothing
+    when strict and anything differs (RestoreMismatch naming it), else every part that fits. The step restored
+    when strict, else the report of what was not; None when there is no step."""
+    number = manager.latest_step() if step is None else step
+    if number is None:
+        return None
+    saved = load_state_dict_sync(manager, number, map_location=map_location)
+    assert saved is not None
+    found = Mismatches()
+    actions = plan(saved, found)
+    report = found.report(number)
+    if strict and not report.complete:
+        raise RestoreMismatch(report, f"step {number} in {manager.directory}")
+    for action in actions:
+        if action is not None:
+            action()
+    return number if strict else report
 
 
 def _load_step(manager: CheckpointManager, step: int, map_location: Any, mmap: bool) -> dict[str, Any]:
