@@ -123,7 +123,8 @@ register_payload(StateDictPayload)
 
 
 def load_state_dict_sync(manager: CheckpointManager, step: int | None = None, *, fallback: bool = False,
-                         map_location: Any = None, mmap: bool = False) -> dict[str, Any] | None:
+                         map_location: Any = None, mmap: bool = False, broadcast: bool = False
+                         ) -> dict[str, Any] | None:
     """Blocking twin of :func:`load_state_dict`."""
     if not isinstance(mmap, bool):
         raise TypeError(f"mmap is True or False, not {mmap!r}")
@@ -137,7 +138,7 @@ def load_state_dict_sync(manager: CheckpointManager, step: int | None = None, *,
     first: CheckpointCorruptError | None = None
     for number in tried:
         try:
-            return _load_step(manager, number, map_location, mmap)
+            return _load_step(manager, number, map_location, mmap, broadcast)
         except CheckpointCorruptError as exc:
             if not fallback:
                 raise
@@ -149,7 +150,8 @@ def load_state_dict_sync(manager: CheckpointManager, step: int | None = None, *,
 
 
 async def load_state_dict(manager: CheckpointManager, step: int | None = None, *, fallback: bool = False,
-                          map_location: Any = None, mmap: bool = False) -> dict[str, Any] | None:
+                          map_location: Any = None, mmap: bool = False, broadcast: bool = False
+                          ) -> dict[str, Any] | None:
     """The state dict saved as ``StateDict(...)`` in ``step`` (the newest when None; None when there is no
     step), loaded by ``torch.load(weights_only=True)`` with ``map_location``.
 
@@ -162,16 +164,21 @@ async def load_state_dict(manager: CheckpointManager, step: int | None = None, *
     some other way, its restored copy in the manager's folder), read from it as they are first touched. Writes to
     them stay in this process (a private mapping: the file never changes), and the file's disk space is freed
     only once they are gone, even after the step is deleted.
+
+    ``broadcast=True``, called by every rank of a ``torch.distributed`` process group together: the step's file is
+    read from the store once among the ranks and sent to the others, each rank checking every piece it received
+    (:meth:`CheckpointManager.restore <taskpoint.CheckpointManager.restore>`), then loaded from that local copy.
     """
-    return await anyio.to_thread.run_sync(lambda: load_state_dict_sync(manager, step, fallback=fallback,
-                                                                       map_location=map_location, mmap=mmap))
+    return await anyio.to_thread.run_sync(lambda: load_state_dict_sync(
+        manager, step, fallback=fallback, map_location=map_location, mmap=mmap, broadcast=broadcast))
 
 
-def _load_step(manager: CheckpointManager, step: int, map_location: Any, mmap: bool) -> dict[str, Any]:
+def _load_step(manager: CheckpointManager, step: int, map_location: Any, mmap: bool, broadcast: bool
+               ) -> dict[str, Any]:
     if manager.describe(step).kind != STEP_KIND:  # saved another way: its payload, restored and verified whole
-        return _load_file(manager.restore(step), map_location, mmap)
-    if mmap and fsspec.utils.get_protocol(manager.directory) not in ("file", "local"):
-        return _load_file(manager.restore(step) / STATE_FILE, map_location, mmap)  # a verified local copy
+        return _load_file(manager.restore(step, broadcast=broadcast), map_location, mmap)
+    if broadcast or (mmap and fsspec.utils.get_protocol(manager.directory) not in ("file", "local")):
+        return _load_file(manager.restore(step, broadcast=broadcast) / STATE_FILE, map_location, mmap)  # verified
     with manager.open(step, STATE_FILE) as source:
         pieces = cast("PieceReader", source.raw)
         if mmap:  # the step's own file, checked whole through the open file, then mapped

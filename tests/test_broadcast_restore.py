@@ -1,0 +1,130 @@
+"""``restore(broadcast=True)``: 4 gloo ranks started by the real ``torchrun`` restore one step with one read of it.
+
+The step is saved straight to the S3 server; each phase's ranks restore it through a proxy of their own
+(tests/_fault_proxy.py, passing everything), which counts the response bytes it serves: what the store was asked
+to send. With ``broadcast=True`` that is one copy of the step (plus the manifests each rank reads); without it,
+each rank reads the whole step itself. Every rank's bytes are hashed and compared with what was saved, and a
+byte flipped in the stored payload fails every rank with CheckpointCorruptError naming the payload. The workers
+are tests/_broadcast_worker.py; every wait is bounded, nothing asserts how long anything took.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+from _fault_proxy import FaultProxy, fault_proxy
+from helpers import LazyModule, requires
+
+import taskpoint
+
+torch = LazyModule("torch")
+tp_torch = LazyModule("taskpoint.torch")
+worker = LazyModule("_broadcast_worker")
+WORKER = Path(__file__).with_name("_broadcast_worker.py")
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+WORLD = 4
+#: Bytes of the payload step: three 16 MiB blocks of the exchange (the last short), read by three ranks.
+SIZE = (32 << 20) + 12345
+#: The bound on one torchrun job (4 workers import torch on 2 busy cores, then restore a few tens of MiB).
+JOB_WITHIN = 300.0
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not TORCHRUN.exists(), reason="no torchrun beside python"),
+              requires("torch")]
+
+
+def torchrun(phases: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
+    """Run the worker's ``phases`` on 4 ranks; each phase's outcome by rank (the job killed, and the test failed,
+    after :data:`JOB_WITHIN` seconds)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([str(TORCHRUN), "--standalone", f"--nproc-per-node={WORLD}", str(WORKER),
+                             json.dumps(phases)], env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=JOB_WITHIN)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+        raise AssertionError(f"torchrun did not end within {JOB_WITHIN} s:\n{err[-4000:]}") from None
+    assert proc.returncode == 0, f"torchrun ended with {proc.returncode}:\n{err[-4000:]}"
+    outcomes: dict[str, dict[int, dict[str, Any]]] = {}
+    for line in out.splitlines():
+        if line.startswith("{"):
+            event = json.loads(line)
+            outcomes.setdefault(event["name"], {})[event["rank"]] = event
+    assert all(len(ranks) == WORLD for ranks in outcomes.values()), (outcomes, err[-4000:])
+    return outcomes
+
+
+def phase(name: str, proxy: FaultProxy | None, server: Any, directory: str, call: str, broadcast: bool
+          ) -> dict[str, Any]:
+    options = server.storage_options
+    if proxy is not None:
+        options["endpoint_url"] = proxy.url
+    return {"name": name, "directory": directory, "options": options, "call": call, "broadcast": broadcast}
+
+
+def test_four_ranks_read_a_step_once_with_broadcast_and_each_whole_without(s3_server):
+    base = s3_server.new_location().base
+    data = os.urandom(SIZE)
+    state = {"weight": torch.randn(1536, 1024), "bias": torch.arange(2_000_000, dtype=torch.float64)}
+    with taskpoint.CheckpointManager(f"{base}/bytes", storage_options=s3_server.storage_options) as manager:
+        manager.save(data, 1)
+    with taskpoint.CheckpointManager(f"{base}/state", storage_options=s3_server.storage_options) as manager:
+        manager.save(tp_torch.StateDict(state), 1)
+        state_size = manager.describe(1).size
+    with fault_proxy(s3_server.endpoint) as once, fault_proxy(s3_server.endpoint) as each, \
+            fault_proxy(s3_server.endpoint) as pieces:
+        outcomes = torchrun([
+            phase("broadcast", once, s3_server, f"{base}/bytes", "restore", True),
+            phase("each", each, s3_server, f"{base}/bytes", "restore", False),
+            phase("state_dict", pieces, s3_server, f"{base}/state", "state_dict", True),
+        ])
+        served = {"broadcast": once.stats()["served"], "each": each.stats()["served"],
+                  "state_dict": pieces.stats()["served"]}
+    expected = hashlib.sha256(data).hexdigest()
+    for name in ("broadcast", "each"):
+        assert {rank: got.get("sha256", got) for rank, got in outcomes[name].items()} == dict.fromkeys(
+            range(WORLD), expected), name
+    assert SIZE <= served["broadcast"] <= 1.2 * SIZE, served
+    assert served["each"] >= WORLD * SIZE, served
+    assert {rank: got.get("sha256", got) for rank, got in outcomes["state_dict"].items()} == dict.fromkeys(
+        range(WORLD), worker.tensors_digest(state))
+    assert state_size <= served["state_dict"] <= 1.2 * state_size, served
+
+
+def test_a_byte_flipped_on_the_store_fails_every_rank_of_a_broadcast_restore_naming_the_payload(s3_server):
+    base = s3_server.new_location().base
+    with taskpoint.CheckpointManager(base, storage_options=s3_server.storage_options) as manager:
+        manager.save(os.urandom(SIZE), 1)
+        payload = manager.describe(1).payload
+    fs = fsspec.filesystem("s3", **s3_server.storage_options)
+    stored = f"{base}/ckpt-1/{payload}".removeprefix("s3://")
+    damaged = bytearray(fs.cat_file(stored))
+    damaged[SIZE - 100] ^= 0x01  # in the last block: read by rank 2, received by the others
+    fs.pipe_file(stored, bytes(damaged))
+    with fault_proxy(s3_server.endpoint) as proxy:
+        outcomes = torchrun([phase("flipped", proxy, s3_server, base, "restore", True)])
+        served = proxy.stats()["served"]
+    for rank, got in outcomes["flipped"].items():
+        assert got.get("error") == "CheckpointCorruptError", (rank, got)
+        assert payload in got["message"] and "step 1" in got["message"], (rank, got)
+    assert served <= 1.2 * SIZE  # the damaged step, too, was read once
+
+
+def test_without_a_process_group_broadcast_reads_the_step_itself(tmp_path, caplog):
+    data = os.urandom(1 << 20)
+    with taskpoint.CheckpointManager(tmp_path / "steps") as manager:
+        manager.save(data, 3)
+        with caplog.at_level("INFO", logger="taskpoint"):
+            assert manager.restore(broadcast=True).read_bytes() == data
+            with manager.restore_in_place(3, broadcast=True) as folder:
+                assert folder.read_bytes() == data
+    assert "without a torch.distributed process group" in caplog.text
