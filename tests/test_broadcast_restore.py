@@ -21,10 +21,10 @@ from typing import Any
 
 import fsspec
 import pytest
-from _fault_proxy import FaultProxy, fault_proxy
-from helpers import LazyModule, requires
 
 import taskpoint
+from _fault_proxy import FaultProxy, fault_proxy
+from helpers import LazyModule, requires
 
 torch = LazyModule("torch")
 tp_torch = LazyModule("taskpoint.torch")
