@@ -5,9 +5,10 @@ Each rank joins one gloo process group (its collectives bounded by :data:`GROUP_
 of PHASES_JSON in order, each a dict: ``name``, ``directory`` and ``options`` (the manager's), ``call``
 (``restore``: ``manager.restore(broadcast=...)`` of the newest step, its ``payload`` file hashed;
 ``state_dict``: ``taskpoint.torch.load_state_dict_sync(manager, broadcast=...)``, its tensors hashed by
-:func:`tensors_digest`) and ``broadcast``. Each rank prints one JSON line per phase: ``{"event": "phase", "name",
-"rank", "sha256", "seconds"}``, or ``"error"`` (the exception's type) and ``"message"`` instead of ``sha256``;
-the ranks meet at a monitored barrier between phases, so that each phase's requests reach the store apart.
+:func:`tensors_digest`) and ``broadcast``. Each rank prints one JSON line per phase: ``{"event": "phase",
+"name", "rank", "sha256", "seconds"}`` (``seconds``: the restore or load alone), or ``"error"`` (the exception's
+type) and ``"message"`` instead of ``sha256``; the ranks meet at a monitored barrier between phases, so that
+each phase's requests reach the store apart.
 """
 
 from __future__ import annotations
@@ -38,20 +39,22 @@ def run(phase: dict[str, Any], rank: int) -> dict[str, Any]:
     import taskpoint
     import taskpoint.torch
 
-    began = time.monotonic()
     try:
         with taskpoint.CheckpointManager(phase["directory"], storage_options=phase["options"],
                                          preemption=False) as manager:
+            began = time.monotonic()
             if phase["call"] == "restore":
                 folder = manager.restore(broadcast=phase["broadcast"])
-                digest = hashlib.sha256(folder.read_bytes() if folder.is_file() else b"").hexdigest()
+                seconds = time.monotonic() - began
+                digest = hashlib.sha256(folder.read_bytes()).hexdigest()
             else:
                 state = taskpoint.torch.load_state_dict_sync(manager, broadcast=phase["broadcast"])
+                seconds = time.monotonic() - began
                 assert state is not None
                 digest = tensors_digest(state)
     except Exception as exc:
         return {"error": type(exc).__name__, "message": str(exc)}
-    return {"sha256": digest, "seconds": time.monotonic() - began}
+    return {"sha256": digest, "seconds": seconds}
 
 
 def main() -> None:
