@@ -5,10 +5,11 @@ Each rank joins one gloo process group (its collectives bounded by :data:`GROUP_
 of PHASES_JSON in order, each a dict: ``name``, ``directory`` and ``options`` (the manager's), ``call``
 (``restore``: ``manager.restore(broadcast=...)`` of the newest step, its ``payload`` file hashed;
 ``state_dict``: ``taskpoint.torch.load_state_dict_sync(manager, broadcast=...)``, its tensors hashed by
-:func:`tensors_digest`) and ``broadcast``. Each rank prints one JSON line per phase: ``{"event": "phase",
-"name", "rank", "sha256", "seconds"}`` (``seconds``: the restore or load alone), or ``"error"`` (the exception's
-type) and ``"message"`` instead of ``sha256``; the ranks meet at a monitored barrier between phases, so that
-each phase's requests reach the store apart.
+:func:`tensors_digest`) and ``broadcast``; optionally ``commit_timeout`` (the manager's, which bounds each
+collective) and ``absent`` (a rank that never takes part in the job's last phase, and then exits). Each rank
+prints one JSON line per phase: ``{"event": "phase", "name", "rank", "sha256", "seconds"}`` (``seconds``: the
+restore or load alone), or ``"error"`` (the exception's type) and ``"message"`` instead of ``sha256``; the ranks
+meet at a monitored barrier between phases, so that each phase's requests reach the store apart.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import datetime
 import hashlib
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Mapping
@@ -40,8 +42,8 @@ def run(phase: dict[str, Any], rank: int) -> dict[str, Any]:
     import taskpoint.torch
 
     try:
-        with taskpoint.CheckpointManager(phase["directory"], storage_options=phase["options"],
-                                         preemption=False) as manager:
+        with taskpoint.CheckpointManager(phase["directory"], storage_options=phase["options"], preemption=False,
+                                         commit_timeout=phase.get("commit_timeout", 600)) as manager:
             began = time.monotonic()
             if phase["call"] == "restore":
                 folder = manager.restore(broadcast=phase["broadcast"])
@@ -64,8 +66,13 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=GROUP_TIMEOUT)
     rank = dist.get_rank()
     for phase in json.loads(sys.argv[1]):
+        if phase.get("absent") == rank:  # never takes part: the others' waits must end (the job's last phase)
+            time.sleep(3 * phase["commit_timeout"])
+            os._exit(0)
         outcome = run(phase, rank)
         print(json.dumps({"event": "phase", "name": phase["name"], "rank": rank, **outcome}), flush=True)
+        if "absent" in phase:  # the group is broken now: no collective, no teardown that could wait on it
+            os._exit(0)
         dist.monitored_barrier(timeout=GROUP_TIMEOUT)
     dist.destroy_process_group()
 

@@ -40,9 +40,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not TORCHRUN.exists(), reason
               requires("torch")]
 
 
-def torchrun(phases: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
-    """Run the worker's ``phases`` on 4 ranks; each phase's outcome by rank (the job killed, and the test failed,
-    after :data:`JOB_WITHIN` seconds)."""
+def torchrun(phases: list[dict[str, Any]], ranks: dict[str, int] | None = None
+             ) -> dict[str, dict[int, dict[str, Any]]]:
+    """Run the worker's ``phases`` on 4 ranks; each phase's outcome by rank, from every rank unless ``ranks`` names
+    how many report it (the job killed, and the test failed, after :data:`JOB_WITHIN` seconds)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.Popen([str(TORCHRUN), "--standalone", f"--nproc-per-node={WORLD}", str(WORKER),
                              json.dumps(phases)], env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -59,7 +60,7 @@ def torchrun(phases: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]
         if line.startswith("{"):
             event = json.loads(line)
             outcomes.setdefault(event["name"], {})[event["rank"]] = event
-    assert all(len(ranks) == WORLD for ranks in outcomes.values()), (outcomes, err[-4000:])
+    assert all(len(got) == (ranks or {}).get(name, WORLD) for name, got in outcomes.items()), (outcomes, err[-4000:])
     return outcomes
 
 
@@ -100,23 +101,42 @@ def test_four_ranks_read_a_step_once_with_broadcast_and_each_whole_without(s3_se
     assert state_size <= served["state_dict"] <= 1.2 * state_size, served
 
 
-def test_a_byte_flipped_on_the_store_fails_every_rank_of_a_broadcast_restore_naming_the_payload(s3_server):
+@pytest.fixture(scope="module")
+def damaged(s3_server):
+    """One job of two phases on a step whose stored payload has a byte flipped: all 4 ranks restore it with
+    broadcast through a byte-counting proxy; then rank 3 never takes part, the others' collectives bounded by a
+    5 s ``commit_timeout``. The outcomes, the payload's name and the bytes the proxy served."""
     base = s3_server.new_location().base
     with taskpoint.CheckpointManager(base, storage_options=s3_server.storage_options) as manager:
         manager.save(os.urandom(SIZE), 1)
         payload = manager.describe(1).payload
     fs = fsspec.filesystem("s3", **s3_server.storage_options)
     stored = f"{base}/ckpt-1/{payload}".removeprefix("s3://")
-    damaged = bytearray(fs.cat_file(stored))
-    damaged[SIZE - 100] ^= 0x01  # in the last block: read by rank 2, received by the others
-    fs.pipe_file(stored, bytes(damaged))
+    data = bytearray(fs.cat_file(stored))
+    data[SIZE - 100] ^= 0x01  # in the last block: read by rank 2, received by the others
+    fs.pipe_file(stored, bytes(data))
     with fault_proxy(s3_server.endpoint) as proxy:
-        outcomes = torchrun([phase("flipped", proxy, s3_server, base, "restore", True)])
+        outcomes = torchrun([phase("flipped", proxy, s3_server, base, "restore", True),
+                             {**phase("absent", None, s3_server, base, "restore", True), "absent": 3,
+                              "commit_timeout": 5}], ranks={"absent": WORLD - 1})
         served = proxy.stats()["served"]
+    return outcomes, payload, served
+
+
+def test_a_byte_flipped_on_the_store_fails_every_rank_of_a_broadcast_restore_naming_the_payload(damaged):
+    outcomes, payload, served = damaged
     for rank, got in outcomes["flipped"].items():
         assert got.get("error") == "CheckpointCorruptError", (rank, got)
         assert payload in got["message"] and "step 1" in got["message"], (rank, got)
     assert served <= 1.2 * SIZE  # the damaged step, too, was read once
+
+
+def test_a_rank_that_never_takes_part_ends_the_others_wait_with_an_error_naming_them(damaged):
+    outcomes, _, _ = damaged
+    assert sorted(outcomes["absent"]) == [0, 1, 2]
+    for rank, got in outcomes["absent"].items():
+        assert got.get("error") in ("TimeoutError", "CheckpointError"), (rank, got)
+        assert f"rank {rank} of {WORLD} gave up waiting for the objects of step 1" in got["message"], (rank, got)
 
 
 def test_without_a_process_group_broadcast_reads_the_step_itself(tmp_path, caplog):

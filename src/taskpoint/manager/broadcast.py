@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import _log
-from ..errors import CheckpointError, add_note
+from ..errors import CheckpointCorruptError, CheckpointError, add_note
 from ..executors import IO
 from ..format.records import StepManifest
 from ..storage import Location
@@ -81,9 +81,10 @@ class Exchange:
 
     def mirror(self, parts: Parts, kind: StepKind, step: int, manifest: StepManifest) -> Parts:
         """``parts`` whose step store reads ``step`` from a local copy of the objects its kind restores, each
-        read from the store by one rank and sent to the others (see the module); ``parts`` itself for a step
-        whose objects are not all in its folder (a deduplicated step's chunks: each rank reads for itself).
-        Every rank calls this together, once per step it restores. :class:`Gone` when an object is missing."""
+        read from the store by one rank and sent to the others (see the module); ``parts`` itself when the ranks
+        share no object (each rank's own shard) or the step's are not all in its folder (a deduplicated step's
+        chunks): each rank then reads for itself. Every rank calls this together, once per step it restores.
+        :class:`Gone` when an object is missing."""
         key = (step, manifest.record.save_id)
         if key in self._copies:
             return self._copies[key]
@@ -119,7 +120,8 @@ class Exchange:
         def read(block: _Block) -> int:
             data = steps.object(step, block.name).read_range(block.start, block.length)
             if len(data) != block.length:
-                raise CheckpointError(f"read {len(data)} bytes where {block.length} were expected")
+                raise CheckpointCorruptError(f"step {step} in {steps.directory} is damaged: {block.name} holds fewer "
+                                             "bytes than its manifest records")
             fd = os.open(copy.object(step, block.name).path, os.O_WRONLY | os.O_CLOEXEC)
             try:
                 os.pwrite(fd, data, block.start)
@@ -137,7 +139,8 @@ class Exchange:
                 except Exception as exc:
                     error = error or exc
                     failure = failure or {"name": block.name, "start": block.start, "length": block.length,
-                                          "missing": isinstance(exc, FileNotFoundError), "error": str(exc)}
+                                          "missing": isinstance(exc, FileNotFoundError), "error": str(exc),
+                                          "damaged": isinstance(exc, CheckpointCorruptError)}
         reports = [json.loads(each) for each in self._gather(json.dumps(failure).encode(),
                                                               f"whether every rank read its share of step {step}")]
         for rank, report in enumerate(reports):
@@ -152,7 +155,7 @@ class Exchange:
             if rank == self.rank and error is not None:
                 add_note(error, where)
                 raise error
-            raise CheckpointError(f"{where}: {report['error']}")
+            raise (CheckpointCorruptError if report["damaged"] else CheckpointError)(f"{where}: {report['error']}")
         return sum(block.length for block in blocks)
 
     def _send_all(self, copy: StepStore, step: int, blocks: list[_Block]) -> None:
@@ -201,13 +204,16 @@ class Exchange:
         return [bytes(each.cpu().numpy()[:int(size.item())]) for each, size in zip(theirs, lengths, strict=True)]
 
     def _wait(self, work: Any, what: str) -> None:
-        """Wait for a collective at most the timeout; TimeoutError naming this rank and ``what`` after it."""
+        """Wait for a collective at most the timeout: TimeoutError naming this rank and ``what`` after it, and
+        CheckpointError when the group fails sooner (a rank gone)."""
         try:
             work.wait(timeout=datetime.timedelta(seconds=self._timeout))
         except RuntimeError as exc:
-            raise TimeoutError(
-                f"rank {self.rank} of {self.world} waited {self._timeout:g} s for {what} in a broadcast restore and "
-                f"gave up ({exc}); every rank must call restore(broadcast=True) for the same step together") from exc
+            timed_out = "timed out" in str(exc).lower()
+            raise (TimeoutError if timed_out else CheckpointError)(
+                f"rank {self.rank} of {self.world} gave up waiting for {what} in a broadcast restore "
+                f"({'after ' + format(self._timeout, 'g') + ' s' if timed_out else 'the process group failed'}: "
+                f"{exc}); every rank must call it for the same step together") from exc
 
 
 @contextmanager
