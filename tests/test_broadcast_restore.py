@@ -1,15 +1,18 @@
 """``restore(broadcast=True)``: 4 gloo ranks started by the real ``torchrun`` restore one step with one read of it.
 
-The step is saved straight to the S3 server; each phase's ranks restore it through a proxy of their own
+The steps are saved straight to the S3 server; each phase's ranks restore one through a proxy of their own
 (tests/_fault_proxy.py, passing everything), which counts the response bytes it serves: what the store was asked
-to send. With ``broadcast=True`` that is one copy of the step (plus the manifests each rank reads); without it,
-each rank reads the whole step itself. Every rank's bytes are hashed and compared with what was saved, and a
-byte flipped in the stored payload fails every rank with CheckpointCorruptError naming the payload. The workers
-are tests/_broadcast_worker.py; every wait is bounded, nothing asserts how long anything took.
+to send. With ``broadcast=True`` that is one copy of the step (plus the manifests each rank reads), for a payload
+step and for a ``StateDict`` step loaded by ``load_state_dict_sync``; without it, each rank reads the whole step.
+Every rank's bytes (or tensors) are hashed and compared with what was saved; a byte flipped in the stored payload
+fails every rank with CheckpointCorruptError naming the payload; a rank that never takes part ends the others'
+waits, bounded by ``commit_timeout``, with an error naming each waiting rank. The workers are
+tests/_broadcast_worker.py; every wait is bounded, nothing asserts how long anything took.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -72,7 +75,14 @@ def phase(name: str, proxy: FaultProxy | None, server: Any, directory: str, call
     return {"name": name, "directory": directory, "options": options, "call": call, "broadcast": broadcast}
 
 
-def test_four_ranks_read_a_step_once_with_broadcast_and_each_whole_without(s3_server):
+@pytest.fixture(scope="module")
+def job(s3_server):
+    """One torchrun job of 4 ranks (their start costs more than the restores) over three steps saved straight to
+    the S3 server: a payload step, restored with broadcast and without; a ``StateDict`` step, loaded with
+    broadcast; and a payload step with a byte of its stored payload flipped, restored with broadcast, then once
+    more with rank 3 never taking part and the others' collectives bounded by a 5 s ``commit_timeout``. Each
+    phase but the last goes through a byte-counting proxy of its own. What was saved, the outcomes and the
+    bytes each proxy served."""
     base = s3_server.new_location().base
     data = os.urandom(SIZE)
     state = {"weight": torch.randn(1536, 1024), "bias": torch.arange(2_000_000, dtype=torch.float64)}
@@ -81,58 +91,60 @@ def test_four_ranks_read_a_step_once_with_broadcast_and_each_whole_without(s3_se
     with taskpoint.CheckpointManager(f"{base}/state", storage_options=s3_server.storage_options) as manager:
         manager.save(tp_torch.StateDict(state), 1)
         state_size = manager.describe(1).size
-    with fault_proxy(s3_server.endpoint) as once, fault_proxy(s3_server.endpoint) as each, \
-            fault_proxy(s3_server.endpoint) as pieces:
-        outcomes = torchrun([
-            phase("broadcast", once, s3_server, f"{base}/bytes", "restore", True),
-            phase("each", each, s3_server, f"{base}/bytes", "restore", False),
-            phase("state_dict", pieces, s3_server, f"{base}/state", "state_dict", True),
-        ])
-        served = {"broadcast": once.stats()["served"], "each": each.stats()["served"],
-                  "state_dict": pieces.stats()["served"]}
-    expected = hashlib.sha256(data).hexdigest()
-    for name in ("broadcast", "each"):
-        assert {rank: got.get("sha256", got) for rank, got in outcomes[name].items()} == dict.fromkeys(
-            range(WORLD), expected), name
-    assert SIZE <= served["broadcast"] <= 1.2 * SIZE, served
-    assert served["each"] >= WORLD * SIZE, served
-    assert {rank: got.get("sha256", got) for rank, got in outcomes["state_dict"].items()} == dict.fromkeys(
-        range(WORLD), worker.tensors_digest(state))
-    assert state_size <= served["state_dict"] <= 1.2 * state_size, served
-
-
-@pytest.fixture(scope="module")
-def damaged(s3_server):
-    """One job of two phases on a step whose stored payload has a byte flipped: all 4 ranks restore it with
-    broadcast through a byte-counting proxy; then rank 3 never takes part, the others' collectives bounded by a
-    5 s ``commit_timeout``. The outcomes, the payload's name and the bytes the proxy served."""
-    base = s3_server.new_location().base
-    with taskpoint.CheckpointManager(base, storage_options=s3_server.storage_options) as manager:
-        manager.save(os.urandom(SIZE), 1)
+    with taskpoint.CheckpointManager(f"{base}/damaged", storage_options=s3_server.storage_options) as manager:
+        manager.save(data, 1)
         payload = manager.describe(1).payload
     fs = fsspec.filesystem("s3", **s3_server.storage_options)
-    stored = f"{base}/ckpt-1/{payload}".removeprefix("s3://")
-    data = bytearray(fs.cat_file(stored))
-    data[SIZE - 100] ^= 0x01  # in the last block: read by rank 2, received by the others
-    fs.pipe_file(stored, bytes(data))
-    with fault_proxy(s3_server.endpoint) as proxy:
-        outcomes = torchrun([phase("flipped", proxy, s3_server, base, "restore", True),
-                             {**phase("absent", None, s3_server, base, "restore", True), "absent": 3,
-                              "commit_timeout": 5}], ranks={"absent": WORLD - 1})
-        served = proxy.stats()["served"]
-    return outcomes, payload, served
+    stored = f"{base}/damaged/ckpt-1/{payload}".removeprefix("s3://")
+    damaged = bytearray(data)
+    damaged[SIZE - 100] ^= 0x01  # in the last block: read by rank 2, received by the others
+    fs.pipe_file(stored, bytes(damaged))
+    names = ("broadcast", "each", "state_dict", "flipped")
+    with contextlib.ExitStack() as stack:
+        proxy = {name: stack.enter_context(fault_proxy(s3_server.endpoint)) for name in names}
+        outcomes = torchrun([
+            phase("broadcast", proxy["broadcast"], s3_server, f"{base}/bytes", "restore", True),
+            phase("each", proxy["each"], s3_server, f"{base}/bytes", "restore", False),
+            phase("state_dict", proxy["state_dict"], s3_server, f"{base}/state", "state_dict", True),
+            phase("flipped", proxy["flipped"], s3_server, f"{base}/damaged", "restore", True),
+            {**phase("absent", None, s3_server, f"{base}/damaged", "restore", True), "absent": WORLD - 1,
+             "commit_timeout": 5},
+        ], ranks={"absent": WORLD - 1})
+        served = {name: proxy[name].stats()["served"] for name in names}
+    saved = {"bytes": hashlib.sha256(data).hexdigest(), "state": worker.tensors_digest(state),
+             "state_size": state_size, "payload": payload}
+    return saved, outcomes, served
 
 
-def test_a_byte_flipped_on_the_store_fails_every_rank_of_a_broadcast_restore_naming_the_payload(damaged):
-    outcomes, payload, served = damaged
+def digests(outcome: dict[int, dict[str, Any]]) -> dict[int, Any]:
+    """Each rank's sha256 (or its whole report, when it has none)."""
+    return {rank: got.get("sha256", got) for rank, got in outcome.items()}
+
+
+def test_four_ranks_read_a_step_once_with_broadcast_and_each_whole_without(job):
+    saved, outcomes, served = job
+    assert digests(outcomes["broadcast"]) == dict.fromkeys(range(WORLD), saved["bytes"])
+    assert digests(outcomes["each"]) == dict.fromkeys(range(WORLD), saved["bytes"])
+    assert SIZE <= served["broadcast"] <= 1.2 * SIZE, served
+    assert served["each"] >= WORLD * SIZE, served
+
+
+def test_four_ranks_load_a_state_dict_read_once_each_piece_checked(job):
+    saved, outcomes, served = job
+    assert digests(outcomes["state_dict"]) == dict.fromkeys(range(WORLD), saved["state"])
+    assert saved["state_size"] <= served["state_dict"] <= 1.2 * saved["state_size"], served
+
+
+def test_a_byte_flipped_on_the_store_fails_every_rank_of_a_broadcast_restore_naming_the_payload(job):
+    saved, outcomes, served = job
     for rank, got in outcomes["flipped"].items():
         assert got.get("error") == "CheckpointCorruptError", (rank, got)
-        assert payload in got["message"] and "step 1" in got["message"], (rank, got)
-    assert served <= 1.2 * SIZE  # the damaged step, too, was read once
+        assert saved["payload"] in got["message"] and "step 1" in got["message"], (rank, got)
+    assert served["flipped"] <= 1.2 * SIZE  # the damaged step, too, was read once
 
 
-def test_a_rank_that_never_takes_part_ends_the_others_wait_with_an_error_naming_them(damaged):
-    outcomes, _, _ = damaged
+def test_a_rank_that_never_takes_part_ends_the_others_wait_with_an_error_naming_them(job):
+    _, outcomes, _ = job
     assert sorted(outcomes["absent"]) == [0, 1, 2]
     for rank, got in outcomes["absent"].items():
         assert got.get("error") in ("TimeoutError", "CheckpointError"), (rank, got)
