@@ -3,7 +3,8 @@ real ``torchrun``: ``python tests/_broadcast_worker.py PHASES_JSON``.
 
 Each rank joins one gloo process group (its collectives bounded by :data:`GROUP_TIMEOUT`), then runs the phases
 of PHASES_JSON in order, each a dict: ``name``, ``directory`` and ``options`` (the manager's), ``call``
-(``restore``: ``manager.restore(broadcast=...)`` of the newest step, its ``payload`` file hashed;
+(``restore``: ``manager.restore(broadcast=...)`` of the newest step, its ``payload`` file hashed; ``in_place``:
+the same through ``manager.restore_in_place(broadcast=...)``;
 ``state_dict``: ``taskpoint.torch.load_state_dict_sync(manager, broadcast=...)``, its tensors hashed by
 :func:`tensors_digest`) and ``broadcast``; optionally ``commit_timeout`` (the manager's, which bounds each
 collective) and ``absent`` (a rank that never takes part in the job's last phase, and then exits). Each rank
@@ -49,6 +50,10 @@ def run(phase: dict[str, Any], rank: int) -> dict[str, Any]:
                 folder = manager.restore(broadcast=phase["broadcast"])
                 seconds = time.monotonic() - began
                 digest = hashlib.sha256(folder.read_bytes()).hexdigest()
+            elif phase["call"] == "in_place":
+                with manager.restore_in_place(broadcast=phase["broadcast"]) as folder:
+                    seconds = time.monotonic() - began
+                    digest = hashlib.sha256(folder.read_bytes()).hexdigest()
             else:
                 state = taskpoint.torch.load_state_dict_sync(manager, broadcast=phase["broadcast"])
                 seconds = time.monotonic() - began

@@ -78,11 +78,11 @@ def phase(name: str, proxy: FaultProxy | None, server: Any, directory: str, call
 @pytest.fixture(scope="module")
 def job(s3_server):
     """One torchrun job of 4 ranks (their start costs more than the restores) over three steps saved straight to
-    the S3 server: a payload step, restored with broadcast and without; a ``StateDict`` step, loaded with
-    broadcast; and a payload step with a byte of its stored payload flipped, restored with broadcast, then once
-    more with rank 3 never taking part and the others' collectives bounded by a 5 s ``commit_timeout``. Each
-    phase but the last goes through a byte-counting proxy of its own. What was saved, the outcomes and the
-    bytes each proxy served."""
+    the S3 server: a payload step, restored with broadcast and without, and in place with it; a ``StateDict``
+    step, loaded with broadcast; and a payload step with a byte of its stored payload flipped, restored with
+    broadcast, then once more with rank 3 never taking part and the others' collectives bounded by a 5 s
+    ``commit_timeout``. Each phase but the last goes through a byte-counting proxy of its own. What was saved,
+    the outcomes and the bytes each proxy served."""
     base = s3_server.new_location().base
     data = os.urandom(SIZE)
     state = {"weight": torch.randn(1536, 1024), "bias": torch.arange(2_000_000, dtype=torch.float64)}
@@ -99,12 +99,13 @@ def job(s3_server):
     damaged = bytearray(data)
     damaged[SIZE - 100] ^= 0x01  # in the last block: read by rank 2, received by the others
     fs.pipe_file(stored, bytes(damaged))
-    names = ("broadcast", "each", "state_dict", "flipped")
+    names = ("broadcast", "each", "in_place", "state_dict", "flipped")
     with contextlib.ExitStack() as stack:
         proxy = {name: stack.enter_context(fault_proxy(s3_server.endpoint)) for name in names}
         outcomes = torchrun([
             phase("broadcast", proxy["broadcast"], s3_server, f"{base}/bytes", "restore", True),
             phase("each", proxy["each"], s3_server, f"{base}/bytes", "restore", False),
+            phase("in_place", proxy["in_place"], s3_server, f"{base}/bytes", "in_place", True),
             phase("state_dict", proxy["state_dict"], s3_server, f"{base}/state", "state_dict", True),
             phase("flipped", proxy["flipped"], s3_server, f"{base}/damaged", "restore", True),
             {**phase("absent", None, s3_server, f"{base}/damaged", "restore", True), "absent": WORLD - 1,
@@ -127,6 +128,12 @@ def test_four_ranks_read_a_step_once_with_broadcast_and_each_whole_without(job):
     assert digests(outcomes["each"]) == dict.fromkeys(range(WORLD), saved["bytes"])
     assert SIZE <= served["broadcast"] <= 1.2 * SIZE, served
     assert served["each"] >= WORLD * SIZE, served
+
+
+def test_restore_in_place_with_broadcast_reads_the_step_once_and_hands_each_rank_the_checked_copy(job):
+    saved, outcomes, served = job
+    assert digests(outcomes["in_place"]) == dict.fromkeys(range(WORLD), saved["bytes"])
+    assert SIZE <= served["in_place"] <= 1.2 * SIZE, served  # its copy, made once, is what the block reads
 
 
 def test_four_ranks_load_a_state_dict_read_once_each_piece_checked(job):

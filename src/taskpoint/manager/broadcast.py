@@ -274,11 +274,15 @@ def _common(everyone: list[Any]) -> list[str]:
 
 
 def _deal(names: list[str], sizes: dict[str, int], ranks: int, first: int = 0) -> list[_Block]:
-    """The :data:`BLOCK` ranges of ``names`` in order, dealt to ``ranks`` ranks in turn from ``first`` (one
-    rank: ``first`` reads them all)."""
+    """The :data:`BLOCK` ranges of ``names`` in order, each dealt to the one of ``ranks`` ranks (from ``first``)
+    that has the fewest bytes so far, the lowest first: a step of many small files is shared by bytes, not by
+    count. One rank: ``first`` reads them all."""
     blocks: list[_Block] = []
+    load = [0] * ranks
     for name in names:
         for start in range(0, sizes[name], BLOCK):
-            blocks.append(_Block(name, start, min(BLOCK, sizes[name] - start), first + len(blocks) % ranks))
+            length = min(BLOCK, sizes[name] - start)
+            least = load.index(min(load))
+            load[least] += length
+            blocks.append(_Block(name, start, length, first + least))
     return blocks
-
