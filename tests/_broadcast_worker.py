@@ -4,7 +4,8 @@ real ``torchrun``: ``python tests/_broadcast_worker.py PHASES_JSON``.
 Each rank joins one gloo process group (its collectives bounded by :data:`GROUP_TIMEOUT`), then runs the phases
 of PHASES_JSON in order, each a dict: ``name``, ``directory`` and ``options`` (the manager's), ``call``
 (``restore``: ``manager.restore(broadcast=...)`` of the newest step, its ``payload`` file hashed; ``in_place``:
-the same through ``manager.restore_in_place(broadcast=...)``;
+the same through ``manager.restore_in_place(broadcast=...)``; ``pytree``: ``taskpoint.jax.load_pytree_sync(manager,
+broadcast=...)``, its arrays hashed by :func:`arrays_digest`;
 ``state_dict``: ``taskpoint.torch.load_state_dict_sync(manager, broadcast=...)``, its tensors hashed by
 :func:`tensors_digest`) and ``broadcast``; optionally ``commit_timeout`` (the manager's, which bounds each
 collective) and ``absent`` (a rank that never takes part in the job's last phase, and then exits). Each rank
@@ -38,6 +39,17 @@ def tensors_digest(state: Mapping[str, Any]) -> str:
     return digest.hexdigest()
 
 
+def arrays_digest(tree: Mapping[str, Any]) -> str:
+    """The sha256 of a flat tree's arrays' bytes, in key order (numpy or jax arrays alike)."""
+    import numpy as np
+
+    digest = hashlib.sha256()
+    for key in sorted(tree):
+        digest.update(key.encode())
+        digest.update(np.asarray(tree[key]).tobytes())
+    return digest.hexdigest()
+
+
 def run(phase: dict[str, Any], rank: int) -> dict[str, Any]:
     import taskpoint
     import taskpoint.torch
@@ -54,6 +66,12 @@ def run(phase: dict[str, Any], rank: int) -> dict[str, Any]:
                 with manager.restore_in_place(broadcast=phase["broadcast"]) as folder:
                     seconds = time.monotonic() - began
                     digest = hashlib.sha256(folder.read_bytes()).hexdigest()
+            elif phase["call"] == "pytree":
+                import taskpoint.jax
+
+                tree = taskpoint.jax.load_pytree_sync(manager, broadcast=phase["broadcast"])
+                seconds = time.monotonic() - began
+                digest = arrays_digest(tree)
             else:
                 state = taskpoint.torch.load_state_dict_sync(manager, broadcast=phase["broadcast"])
                 seconds = time.monotonic() - began

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+import numpy as np
 import pytest
 
 import taskpoint
@@ -31,12 +32,17 @@ from helpers import LazyModule, requires
 
 torch = LazyModule("torch")
 tp_torch = LazyModule("taskpoint.torch")
+tp_jax = LazyModule("taskpoint.jax")
 worker = LazyModule("_broadcast_worker")
 WORKER = Path(__file__).with_name("_broadcast_worker.py")
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 WORLD = 4
 #: Bytes of the payload step: three 16 MiB blocks of the exchange (the last short), read by three ranks.
 SIZE = (32 << 20) + 12345
+#: Whether the job also loads a PyTree step (taskpoint.jax's extra installed).
+JAX = not requires("jax", "orbax.checkpoint").args[0]
+#: The PyTree step's tree: 4 MiB of float32 in one array, and a small one.
+TREE = {"w": np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024), "b": np.arange(7, dtype=np.int32)}
 #: The bound on one torchrun job (4 workers import torch on 2 busy cores, then restore a few tens of MiB).
 JOB_WITHIN = 300.0
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not TORCHRUN.exists(), reason="no torchrun beside python"),
@@ -47,7 +53,7 @@ def torchrun(phases: list[dict[str, Any]], ranks: dict[str, int] | None = None
              ) -> dict[str, dict[int, dict[str, Any]]]:
     """Run the worker's ``phases`` on 4 ranks; each phase's outcome by rank, from every rank unless ``ranks`` names
     how many report it (the job killed, and the test failed, after :data:`JOB_WITHIN` seconds)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.Popen([str(TORCHRUN), "--standalone", f"--nproc-per-node={WORLD}", str(WORKER),
                              json.dumps(phases)], env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
@@ -91,6 +97,9 @@ def job(s3_server):
     with taskpoint.CheckpointManager(f"{base}/state", storage_options=s3_server.storage_options) as manager:
         manager.save(tp_torch.StateDict(state), 1)
         state_size = manager.describe(1).size
+    if JAX:
+        with taskpoint.CheckpointManager(f"{base}/tree", storage_options=s3_server.storage_options) as manager:
+            manager.save(tp_jax.PyTree(TREE), 1)
     with taskpoint.CheckpointManager(f"{base}/damaged", storage_options=s3_server.storage_options) as manager:
         manager.save(data, 1)
         payload = manager.describe(1).payload
@@ -99,7 +108,7 @@ def job(s3_server):
     damaged = bytearray(data)
     damaged[SIZE - 100] ^= 0x01  # in the last block: read by rank 2, received by the others
     fs.pipe_file(stored, bytes(damaged))
-    names = ("broadcast", "each", "in_place", "state_dict", "flipped")
+    names = ("broadcast", "each", "in_place", "state_dict", "flipped", "pytree")
     with contextlib.ExitStack() as stack:
         proxy = {name: stack.enter_context(fault_proxy(s3_server.endpoint)) for name in names}
         outcomes = torchrun([
@@ -107,13 +116,15 @@ def job(s3_server):
             phase("each", proxy["each"], s3_server, f"{base}/bytes", "restore", False),
             phase("in_place", proxy["in_place"], s3_server, f"{base}/bytes", "in_place", True),
             phase("state_dict", proxy["state_dict"], s3_server, f"{base}/state", "state_dict", True),
+            *([phase("pytree", proxy["pytree"], s3_server, f"{base}/tree", "pytree", True)] if JAX else []),
             phase("flipped", proxy["flipped"], s3_server, f"{base}/damaged", "restore", True),
             {**phase("absent", None, s3_server, f"{base}/damaged", "restore", True), "absent": WORLD - 1,
              "commit_timeout": 5},
         ], ranks={"absent": WORLD - 1})
         served = {name: proxy[name].stats()["served"] for name in names}
     saved = {"bytes": hashlib.sha256(data).hexdigest(), "state": worker.tensors_digest(state),
-             "state_size": state_size, "payload": payload}
+             "state_size": state_size, "payload": payload, "tree": worker.arrays_digest(TREE),
+             "tree_size": int(fs.du(f"{base}/tree/ckpt-1".removeprefix("s3://"))) if JAX else 0}
     return saved, outcomes, served
 
 
@@ -140,6 +151,13 @@ def test_four_ranks_load_a_state_dict_read_once_each_piece_checked(job):
     saved, outcomes, served = job
     assert digests(outcomes["state_dict"]) == dict.fromkeys(range(WORLD), saved["state"])
     assert saved["state_size"] <= served["state_dict"] <= 1.2 * saved["state_size"], served
+
+
+@requires("jax", "orbax.checkpoint")
+def test_four_ranks_load_a_pytree_read_once_each_checking_its_copy_before_orbax_reads_it(job):
+    saved, outcomes, served = job
+    assert digests(outcomes["pytree"]) == dict.fromkeys(range(WORLD), saved["tree"])
+    assert served["pytree"] <= 1.2 * saved["tree_size"], served  # every file of the step, once
 
 
 def test_a_byte_flipped_on_the_store_fails_every_rank_of_a_broadcast_restore_naming_the_payload(job):
