@@ -10,9 +10,10 @@ pieces' or files' digests): a byte flipped on the store fails every rank with Ch
 object. An object only some ranks need (each rank's own shard of a sharded step) is read by each of them alone.
 
 Every collective waits at most the manager's ``commit_timeout``, and the wait ends in a TimeoutError naming this
-rank and what it waited for (a CheckpointError when the group fails sooner, a rank gone); a rank that cannot read its share tells the others through one more all-gather,
-and all of them raise an error naming that rank, the object and its range. The copy lives in a temporary
-folder until the restore returns (or, for ``restore_in_place``, until its block exits).
+rank and what it waited for (a CheckpointError when the group fails sooner, a rank gone); a rank that cannot read
+its share tells the others through one more all-gather, and all of them raise an error naming that rank, the
+object and its range. The copy lives in a temporary folder until the restore returns (or, for
+``restore_in_place``, until its block exits).
 
 Measured (4 gloo ranks on 2 shared cores): broadcasting 256 MiB in 16 MiB blocks took 0.39 s; 4 ranks restoring
 a 256 MiB step from moto read 1.00 copy of it in 0.78x the time of each rank reading it, 4.00 copies
