@@ -34,7 +34,7 @@ Usage::
         options = {**server.storage_options, "endpoint_url": proxy.url}
         ...
         proxy.rate = 1.0        # every request fails from now on
-        proxy.stats()           # {"requests": ..., "passed": ..., "reset": ..., ...}
+        proxy.stats()           # {"requests": ..., "passed": ..., "served": bytes, "reset": ..., ...}
         proxy.log               # [method, path, fault, status, arrival (time.monotonic())] per request
 """
 
@@ -222,7 +222,8 @@ class FaultProxy:
         self.retry_after = retry_after
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
-        self._counts: dict[str, int] = dict.fromkeys(("requests", "passed", *_KNOWN_KINDS), 0)
+        #: ``served``: the bytes of the response bodies passed whole to the clients (what a store bills as read).
+        self._counts: dict[str, int] = dict.fromkeys(("requests", "passed", "served", *_KNOWN_KINDS), 0)
         #: The last requests: (method, path without query, fault or None, status or None, arrival on the
         #: monotonic clock), for diagnosis and for tests that check when a retry came.
         self.log: collections.deque[list[Any]] = collections.deque(maxlen=400)
@@ -410,6 +411,8 @@ class FaultProxy:
             return headers.get("connection", "").lower() != "close"
         for data in _body(upstream, headers, to_eof=not framed):
             self._pass(client, data)
+            with self._lock:
+                self._counts["served"] += len(data)
         return framed and headers.get("connection", "").lower() != "close"
 
 

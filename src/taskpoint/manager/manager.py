@@ -322,7 +322,7 @@ class CheckpointManager(StepQueries):
     # -- restore -------------------------------------------------------------------------------------------
 
     def restore(self, step: int | None = None, into: str | os.PathLike[str] | None = None, *,
-                paths: Iterable[str] | None = None, fallback: bool = False,
+                paths: Iterable[str] | None = None, fallback: bool = False, broadcast: bool = False,
                 progress: bool | Callback | None = None) -> Path:
         """Restore ``step`` (the newest when None) and return it as :meth:`Checkpoint.load
         <taskpoint.Checkpoint.load>` does: a folder for directories, ``<folder>/payload`` for bytes and files.
@@ -334,7 +334,8 @@ class CheckpointManager(StepQueries):
         lands: a mismatch raises CheckpointCorruptError naming the step. ``fallback=True`` skips a damaged step
         with a warning for the newest older one that verifies; storage errors are raised, never skipped.
         :attr:`restored_step` is the step the last restore returned. ``progress``: as for :meth:`Checkpoint.load_sync
-        <taskpoint.Checkpoint.load_sync>`."""
+        <taskpoint.Checkpoint.load_sync>`. ``broadcast=True`` (all ranks of a torch.distributed group at once): one
+        read of the step among them, each rank verifying what it receives (docs/distributed.md, "One read")."""
         selected = None if paths is None else normalize_paths(paths)
         clock, tracker = _log.Clock(self._throttles), _progress.resolve(progress, "restore")
         target = None if into is None else Path(normalize_uri(into, "into"))
@@ -347,9 +348,9 @@ class CheckpointManager(StepQueries):
             tried = candidates(self.steps() if step is None or fallback else (), step, fallback)
             if not tried:
                 raise FileNotFoundError(f"there is no committed checkpoint in {self.directory}")
-            restored, result = self._reader.read_first(tried, target, fallback=fallback,
-                                                       requested=step is not None, clock=clock, progress=tracker,
-                                                       paths=selected)
+            restored, result = self._reader.read_first(tried, target, fallback=fallback, requested=step is not None,
+                                                       clock=clock, progress=tracker, paths=selected,
+                                                       broadcast=broadcast)
         self._restored(restored)
         return result
 

@@ -83,14 +83,15 @@ class StepQueries:
         return partial_kind(kind).open_file(self._parts, step, manifest, path)
 
     @contextmanager
-    def restore_in_place(self, step: int | None = None, *, progress: bool | Callback | None = None
-                         ) -> Iterator[Path]:
+    def restore_in_place(self, step: int | None = None, *, broadcast: bool = False,
+                         progress: bool | Callback | None = None) -> Iterator[Path]:
         """:meth:`restore` for reading inside a ``with`` block, without a copy where the step's kind allows it
         (``taskpoint.jax``'s PyTree steps on local disk): a folder of the step's own, every file checked against
         its sha256 first, which the block must only read. The step stays held against retention and
         :meth:`delete` (here, and by a lease elsewhere) until the block exits. Other steps, and steps on an
         object store or a local tier, are restored into the manager's folder as :meth:`restore` does.
-        ``progress``: as for :meth:`restore` (the bytes checked in place, or those restored)."""
+        ``progress``: as for :meth:`restore` (the bytes checked in place, or those restored). ``broadcast``: as for
+        :meth:`restore`; the ranks' local copy is then read in place, and removed when the block exits."""
         tracker = _progress.resolve(progress, "restore")
         self._ready()
         clock = _log.Clock(self._throttles)
@@ -101,7 +102,7 @@ class StepQueries:
             yield folder
             return
         number = self._newest() if step is None else check_step(step)
-        with self._reader.in_place(number, clock, tracker) as folder:
+        with self._reader.in_place(number, clock, tracker, broadcast) as folder:
             self._restored(number)
             yield folder
 

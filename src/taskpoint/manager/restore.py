@@ -15,6 +15,7 @@ from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointCorruptError, CheckpointError, add_note
 from ..format.records import StepManifest
 from ..workspace import Workspace
+from .broadcast import Exchange, shared_reads
 from .in_use import InUse
 from .kinds import Gone, Parts, StepKind, StepKinds, in_place_folder, partial_kind
 from .protect import restore_lease
@@ -54,21 +55,22 @@ class StepReader:
 
     def read_first(self, candidates: list[int], into: Path | None, *, fallback: bool, requested: bool,
                    clock: _log.Clock | None = None, progress: Progress = NO_PROGRESS,
-                   paths: Sequence[str] | None = None) -> tuple[int, Path]:
+                   paths: Sequence[str] | None = None, broadcast: bool = False) -> tuple[int, Path]:
         """The first of ``candidates`` that restores, and where. Without ``fallback`` only the first is tried;
         with it, a damaged or vanished step is skipped with a warning, but a ``requested`` step that does not
         exist is an error at once, and storage errors are raised, never skipped. ``progress`` counts the step
-        being read, and starts again from zero for the next candidate. ``paths``: only these (normalized)."""
-        with progress:
-            return self._read_first(candidates, into, fallback, requested, clock, progress, paths)
+        being read, and starts again from zero for the next candidate. ``paths``: only these (normalized).
+        ``broadcast``: each step read once among the ranks of the process group (:mod:`.broadcast`)."""
+        with progress, shared_reads(broadcast, self._parts.plan.commit_timeout) as exchange:
+            return self._read_first(candidates, into, fallback, requested, clock, progress, paths, exchange)
 
     def _read_first(self, candidates: list[int], into: Path | None, fallback: bool, requested: bool,
-                    clock: _log.Clock | None, progress: Progress, paths: Sequence[str] | None
-                    ) -> tuple[int, Path]:
+                    clock: _log.Clock | None, progress: Progress, paths: Sequence[str] | None,
+                    exchange: Exchange | None) -> tuple[int, Path]:
         first_error: Exception | None = None
         for index, candidate in enumerate(candidates):
             try:
-                return candidate, self.read_logged(candidate, into, progress, paths, clock)
+                return candidate, self.read_logged(candidate, into, progress, paths, clock, exchange)
             except (CheckpointCorruptError, FileNotFoundError) as exc:
                 missing_request = index == 0 and requested and isinstance(exc, FileNotFoundError)
                 if not fallback or missing_request:
@@ -81,11 +83,11 @@ class StepReader:
         raise first_error
 
     def read_logged(self, step: int, into: Path | None, progress: Progress, paths: Sequence[str] | None,
-                    clock: _log.Clock | None) -> Path:
+                    clock: _log.Clock | None, exchange: Exchange | None = None) -> Path:
         """:meth:`read` with ``progress`` counted from zero, then the load's INFO record (when ``clock`` is given:
         a restore the caller asked for, not a read inside another operation)."""
         progress.rewind()
-        result = self.read(step, into, progress, paths)
+        result = self.read(step, into, progress, paths, exchange)
         if clock is not None:
             self._log_restore(step, clock)
         return result
@@ -100,24 +102,27 @@ class StepReader:
                              record.size if record else None, clock, step)
 
     def read(self, step: int, into: Path | None, progress: Progress = NO_PROGRESS,
-             paths: Sequence[str] | None = None) -> Path:
+             paths: Sequence[str] | None = None, exchange: Exchange | None = None) -> Path:
         """Restore ``step`` (only ``paths`` when given) into ``into``, or into ``<own workspace>/ckpt-<step>``."""
         with self._held(step):
-            return self._read_held(step, into, progress, paths)
+            return self._read_held(step, into, progress, paths, exchange)
 
     @contextmanager
-    def in_place(self, step: int, clock: _log.Clock, progress: Progress = NO_PROGRESS) -> Iterator[Path]:
+    def in_place(self, step: int, clock: _log.Clock, progress: Progress = NO_PROGRESS,
+                 broadcast: bool = False) -> Iterator[Path]:
         """A folder of ``step`` to read until the block exits: its own, verified where it lies by its kind
         (:class:`~.kinds.InPlaceKind`), else a copy as :meth:`read` makes. The step is held against retention and
         ``delete`` (here, and elsewhere by a lease) for the whole block, not only while it is verified.
-        ``progress`` counts the bytes verified (or copied)."""
-        with self._held(step):
+        ``progress`` counts the bytes verified (or copied). With ``broadcast``, the step is read once among the
+        ranks into a local copy (:mod:`.broadcast`), read in place there until the block exits."""
+        with self._held(step), shared_reads(broadcast, self._parts.plan.commit_timeout) as exchange:
             with progress:
-                folder = self._follow(step, progress, lambda kind, manifest: in_place_folder(
-                    kind, self._parts, step, manifest, progress)) if self._steps.root.is_local else None
+                folder = self._follow(step, progress, lambda kind, manifest, parts: in_place_folder(
+                    kind, parts, step, manifest, progress), exchange) \
+                    if self._steps.root.is_local or exchange is not None else None
                 if folder is None:
                     progress.restart()
-                    folder = self._read_held(step, None, progress, None)
+                    folder = self._read_held(step, None, progress, None, exchange)
             self._log_restore(step, clock)
             yield folder
 
@@ -133,33 +138,37 @@ class StepReader:
         finally:
             self._in_use.end_restore(step)
 
-    def _read_held(self, step: int, into: Path | None, progress: Progress, paths: Sequence[str] | None) -> Path:
+    def _read_held(self, step: int, into: Path | None, progress: Progress, paths: Sequence[str] | None,
+                   exchange: Exchange | None) -> Path:
         if into is not None:
-            return self._read_step(step, into, progress, paths)
+            return self._read_step(step, into, progress, paths, exchange)
         with self._lock:
             if self._workspace is None:
                 self._workspace = Workspace(None)
             folder = self._workspace.path / f"ckpt-{step}"
             shutil.rmtree(folder, ignore_errors=True)
             try:
-                return self._read_step(step, folder, progress, paths)
+                return self._read_step(step, folder, progress, paths, exchange)
             except BaseException:
                 shutil.rmtree(folder, ignore_errors=True)
                 raise
 
-    def _read_step(self, step: int, workspace: Path, progress: Progress, paths: Sequence[str] | None) -> Path:
+    def _read_step(self, step: int, workspace: Path, progress: Progress, paths: Sequence[str] | None,
+                   exchange: Exchange | None) -> Path:
         """Restore the save the manifest commits into ``workspace`` through its kind, following concurrent
         overwrites."""
-        def restore(kind: StepKind, manifest: StepManifest) -> Path:
+        def restore(kind: StepKind, manifest: StepManifest, parts: Parts) -> Path:
             if paths is None:
-                return kind.restore(self._parts, step, manifest, workspace, progress)
-            return partial_kind(kind).restore_paths(self._parts, step, manifest, workspace, paths, progress)
+                return kind.restore(parts, step, manifest, workspace, progress)
+            return partial_kind(kind).restore_paths(parts, step, manifest, workspace, paths, progress)
 
-        return self._follow(step, progress, restore)
+        return self._follow(step, progress, restore, exchange)
 
-    def _follow(self, step: int, progress: Progress, read: Callable[[StepKind, StepManifest], T]) -> T:
-        """``read`` the save the manifest of ``step`` commits through its kind; when an object it names is gone,
-        follow the manifest if another writer overwrote or deleted the step meanwhile, else report damage."""
+    def _follow(self, step: int, progress: Progress, read: Callable[[StepKind, StepManifest, Parts], T],
+                exchange: Exchange | None) -> T:
+        """``read`` the save the manifest of ``step`` commits through its kind (with ``exchange``, from the local
+        copy the ranks made of it); when an object it names is gone, follow the manifest if another writer
+        overwrote or deleted the step meanwhile, else report damage."""
         manifest = self._steps.manifest(step)
         if manifest is None:
             raise self._steps.missing(step)
@@ -169,7 +178,8 @@ class StepReader:
             kind = self._kinds.kind(manifest.kind, self._steps.step_uri(step))
             progress.rewind()  # a manifest followed after an overwrite: its payload is counted from zero
             try:
-                return read(kind, manifest)
+                return read(kind, manifest, self._parts if exchange is None else
+                            exchange.mirror(self._parts, kind, step, manifest))
             except Gone as gone:
                 now = self._steps.manifest(step)
                 if manifest.same_save(now):

@@ -135,30 +135,31 @@ register_payload(StateDictPayload)
 
 @overload
 def load_state_dict_sync(manager: CheckpointManager, step: int | None = None, *, fallback: bool = False,
-                         map_location: Any = None, mmap: bool = False, into: None = None) -> dict[str, Any] | None:
+                         map_location: Any = None, mmap: bool = False, into: None = None,
+                         broadcast: bool = False) -> dict[str, Any] | None:
     ...
 
 
 @overload
 def load_state_dict_sync(manager: CheckpointManager, step: int | None = None, *, fallback: bool = False,
                          map_location: Any = None, mmap: bool = False, into: torch.nn.Module,
-                         strict: Literal[True] = True) -> int | None:
+                         strict: Literal[True] = True, broadcast: bool = False) -> int | None:
     ...
 
 
 @overload
 def load_state_dict_sync(manager: CheckpointManager, step: int | None = None, *, fallback: bool = False,
                          map_location: Any = None, mmap: bool = False, into: torch.nn.Module,
-                         strict: Literal[False]) -> RestoreReport | None:
+                         strict: Literal[False], broadcast: bool = False) -> RestoreReport | None:
     ...
 
 
 def load_state_dict_sync(manager: CheckpointManager, step: int | None = None, *, fallback: bool = False,
                          map_location: Any = None, mmap: bool = False, into: torch.nn.Module | None = None,
-                         strict: bool = True) -> dict[str, Any] | int | RestoreReport | None:
+                         strict: bool = True, broadcast: bool = False) -> dict[str, Any] | int | RestoreReport | None:
     """Blocking twin of :func:`load_state_dict`."""
     if into is not None:
-        return _load_into(manager, step, into, strict, fallback, map_location)
+        return _load_into(manager, step, into, strict, fallback, map_location, broadcast)
     if not isinstance(mmap, bool):
         raise TypeError(f"mmap is True or False, not {mmap!r}")
     if step is None:
@@ -171,7 +172,7 @@ def load_state_dict_sync(manager: CheckpointManager, step: int | None = None, *,
     first: CheckpointCorruptError | None = None
     for number in tried:
         try:
-            return _load_step(manager, number, map_location, mmap)
+            return _load_step(manager, number, map_location, mmap, broadcast)
         except CheckpointCorruptError as exc:
             if not fallback:
                 raise
@@ -184,7 +185,7 @@ def load_state_dict_sync(manager: CheckpointManager, step: int | None = None, *,
 
 async def load_state_dict(manager: CheckpointManager, step: int | None = None, *, fallback: bool = False,
                           map_location: Any = None, mmap: bool = False, into: torch.nn.Module | None = None,
-                          strict: bool = True) -> dict[str, Any] | int | RestoreReport | None:
+                          strict: bool = True, broadcast: bool = False) -> dict[str, Any] | int | RestoreReport | None:
     """The state dict saved as ``StateDict(...)`` in ``step`` (the newest when None; None when there is no
     step), loaded by ``torch.load(weights_only=True)`` with ``map_location``.
 
@@ -202,20 +203,25 @@ async def load_state_dict(manager: CheckpointManager, step: int | None = None, *
     some other way, its restored copy in the manager's folder), read from it as they are first touched. Writes to
     them stay in this process (a private mapping: the file never changes), and the file's disk space is freed
     only once they are gone, even after the step is deleted.
+
+    ``broadcast=True``, called by every rank of a ``torch.distributed`` process group together: the step's file is
+    read from the store once among the ranks and sent to the others, each rank checking every piece it received
+    (:meth:`CheckpointManager.restore <taskpoint.CheckpointManager.restore>`), then loaded from that local copy.
     """
     if into is not None:
-        return await anyio.to_thread.run_sync(_load_into, manager, step, into, strict, fallback, map_location)
-    return await anyio.to_thread.run_sync(lambda: load_state_dict_sync(manager, step, fallback=fallback,
-                                                                       map_location=map_location, mmap=mmap))
+        return await anyio.to_thread.run_sync(_load_into, manager, step, into, strict, fallback, map_location,
+                                              broadcast)
+    return await anyio.to_thread.run_sync(lambda: load_state_dict_sync(
+        manager, step, fallback=fallback, map_location=map_location, mmap=mmap, broadcast=broadcast))
 
 
 def _load_into(manager: CheckpointManager, step: int | None, into: torch.nn.Module, strict: bool, fallback: bool,
-               map_location: Any) -> int | RestoreReport | None:
+               map_location: Any, broadcast: bool = False) -> int | RestoreReport | None:
     if fallback:
         raise TypeError("fallback=True restores an older step when one is damaged; with into= restore a chosen "
                         "step instead (the step restored into a model must be the one reported)")
     return restore_into(manager, step, strict, lambda saved, found: [module_plan(into, saved, "", found)],
-                        map_location=map_location)
+                        map_location=map_location, broadcast=broadcast)
 
 
 #: Checks a saved state dict against a target, noting what does not match; what restores each part that fits.
@@ -223,14 +229,14 @@ Planner = Callable[[dict[str, Any], Mismatches], list[Apply | None]]
 
 
 def restore_into(manager: CheckpointManager, step: int | None, strict: bool, plan: Planner, *,
-                 map_location: Any = None) -> int | RestoreReport | None:
+                 map_location: Any = None, broadcast: bool = False) -> int | RestoreReport | None:
     """Load ``step`` (the newest when None), check it against a target with ``plan``, then restore it: nothing
     when strict and anything differs (RestoreMismatch naming it), else every part that fits. The step restored
     when strict, else the report of what was not; None when there is no step."""
     number = manager.latest_step() if step is None else step
     if number is None:
         return None
-    saved = load_state_dict_sync(manager, number, map_location=map_location)
+    saved = load_state_dict_sync(manager, number, map_location=map_location, broadcast=broadcast)
     assert saved is not None
     found = Mismatches()
     actions = plan(saved, found)
@@ -243,11 +249,12 @@ def restore_into(manager: CheckpointManager, step: int | None, strict: bool, pla
     return number if strict else report
 
 
-def _load_step(manager: CheckpointManager, step: int, map_location: Any, mmap: bool) -> dict[str, Any]:
+def _load_step(manager: CheckpointManager, step: int, map_location: Any, mmap: bool, broadcast: bool
+               ) -> dict[str, Any]:
     if manager.describe(step).kind != STEP_KIND:  # saved another way: its payload, restored and verified whole
-        return _load_file(manager.restore(step), map_location, mmap)
-    if mmap and fsspec.utils.get_protocol(manager.directory) not in ("file", "local"):
-        return _load_file(manager.restore(step) / STATE_FILE, map_location, mmap)  # a verified local copy
+        return _load_file(manager.restore(step, broadcast=broadcast), map_location, mmap)
+    if broadcast or (mmap and fsspec.utils.get_protocol(manager.directory) not in ("file", "local")):
+        return _load_file(manager.restore(step, broadcast=broadcast) / STATE_FILE, map_location, mmap)  # verified
     with manager.open(step, STATE_FILE) as source:
         pieces = cast("PieceReader", source.raw)
         if mmap:  # the step's own file, checked whole through the open file, then mapped

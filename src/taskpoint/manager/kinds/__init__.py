@@ -301,7 +301,7 @@ def read_object(parts: Parts, step: int, name: str, record: ObjectRecord, worksp
         if (kind, size, digest) != (record.kind, record.size, record.sha256):
             raise CheckpointCorruptError(
                 f"step {step} in {steps.directory} does not match the sha256 recorded when it was saved "
-                f"(read {size} bytes, expected {record.size}); it is damaged. Restore an older step "
+                f"(read {size} bytes of {name}, expected {record.size}); it is damaged. Restore an older step "
                 "(fallback=True), or save it again.")
 
     gone = Gone(f"step {step} in {steps.directory} is committed but its payload {name} is missing: it was removed "

@@ -81,6 +81,11 @@ class ShardedKind:
         shard = self._own(parts, step, manifest)
         return read_object(parts, step, shard.payload, shard.record, workspace, progress)
 
+    def reads(self, parts: Parts, step: int, manifest: StepManifest) -> StepObjects:
+        """What this rank's restore reads: its own shard (a broadcast restore shares no object of such a step)."""
+        shard = self._own(parts, step, manifest)
+        return StepObjects(files={shard.payload: shard.record.size})
+
     def verify(self, parts: Parts, step: int, manifest: StepManifest, progress: object) -> Checked:
         shards = _shards(manifest)
         size = sum(stored_part(parts, step, shard.payload, shard.record.size, shard.record.sha256, progress,
