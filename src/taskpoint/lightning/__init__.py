@@ -24,5 +24,6 @@ except ImportError as exc:
 
 from ._io import CheckpointIO
 from ._preemption import SaveOnPreemption
+from ._resume import ResumeExactly
 
-__all__ = ["CheckpointIO", "SaveOnPreemption"]
+__all__ = ["CheckpointIO", "ResumeExactly", "SaveOnPreemption"]
