@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,8 +21,11 @@ from typing import Any
 from helpers import wait_until
 
 #: The bound of one attempt: the worker imports torch and a framework and trains a few dozen tiny steps, which
-#: took 30 s on a 2-core machine under load; far above that, a hang is a failure, not a slow machine.
-ATTEMPT_TIMEOUT = 300.0
+#: took 30 s alone on the 2-core machine and 2-3 minutes beside four others at a load of 19; far above that, a
+#: hang is a failure, not a slow machine.
+ATTEMPT_TIMEOUT = 600.0
+#: The bound of a whole scenario (:func:`check_kill_twice_and_resume`), for ``pytest.mark.timeout``.
+SCENARIO_TIMEOUT = 1800
 
 
 def records(log: Path) -> list[dict[str, Any]]:
@@ -67,10 +71,16 @@ def interrupted(worker: Path, options: dict[str, Any], sig: signal.Signals, even
     log = Path(options["log"])
     before = len(records(log))
     process = start(worker, options, env)
+    size = [log.stat().st_size if log.exists() else 0]
 
     def reached() -> bool:
-        return process.poll() is not None or any(
-            r["event"] == event and r["step"] >= at_least for r in records(log)[before:])
+        if process.poll() is not None:
+            return True
+        now = log.stat().st_size if log.exists() else 0
+        if now == size[0]:  # parse the log only when it grew: the poll runs beside the training it waits for
+            return False
+        size[0] = now
+        return any(r["event"] == event and r["step"] >= at_least for r in records(log)[before:])
 
     try:
         assert wait_until(reached, ATTEMPT_TIMEOUT), f"no {event} record of step {at_least} or later"
@@ -100,3 +110,31 @@ def assert_not_same_run(reference: Path, resumed: Path) -> None:
     differing = [r["step"] for r in records(resumed) if r["event"] == "step" and r != expected.get(r["step"])]
     assert differing, "the control resumed to the same run: the comparison cannot tell a wrong resume"
     assert records(resumed)[-1]["params"] != records(reference)[-1]["params"]
+
+
+def check_kill_twice_and_resume(worker: Path, tmp_path: Path, store: str, killed_after: int,
+                                terminated_at: int) -> None:
+    """The scenario of issue 45: an uninterrupted reference; an attempt SIGKILLed after a save of step
+    ``killed_after`` or later, one SIGTERMed at step ``terminated_at`` or later (the preemption save, exit 143), one
+    run to the end: the same run as the reference. Two controls resume the SIGKILLed attempt's checkpoint with
+    ``leave_out`` set to ``"generators"`` and ``"position"``: each must differ from it. ``store`` is the worker's
+    option naming where it saves. The reference and the controls run beside the attempts (one thread each)."""
+    reference = start(worker, {store: str(tmp_path / "reference"), "log": str(tmp_path / "reference.log")})
+    run = {store: str(tmp_path / "run"), "log": str(tmp_path / "run.log")}
+    assert interrupted(worker, run, signal.SIGKILL, "saved", killed_after) == -signal.SIGKILL
+    controls = {}
+    for part in ("generators", "position"):
+        shutil.copytree(run[store], tmp_path / part)
+        shutil.copy(run["log"], tmp_path / f"{part}.log")
+        controls[part] = start(worker, {store: str(tmp_path / part), "log": str(tmp_path / f"{part}.log"),
+                                        "leave_out": part})
+    assert interrupted(worker, run, signal.SIGTERM, "step", terminated_at) == 143
+    run_to_end(worker, run)
+
+    status, output = finish(reference)
+    assert status == 0, output[-3000:]
+    assert_same_run(tmp_path / "reference.log", tmp_path / "run.log")
+    for part, control in controls.items():
+        status, output = finish(control)
+        assert status == 0, (part, output[-3000:])
+        assert_not_same_run(tmp_path / "reference.log", tmp_path / f"{part}.log")

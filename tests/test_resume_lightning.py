@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
-import signal
 from pathlib import Path
 
 import pytest
 
-from _same_run import assert_not_same_run, assert_same_run, finish, interrupted, run_to_end, start
+from _same_run import SCENARIO_TIMEOUT, check_kill_twice_and_resume
 from helpers import requires
 
 pytestmark = [pytest.mark.slow, requires("lightning", "torch")]
@@ -28,26 +26,8 @@ WORKER = Path(__file__).with_name("_lightning_same_run.py")
 STEPS, SAVE_EVERY = 36, 5  # 3 epochs of 12 batches, a last.ckpt every 5 steps: every save is mid-epoch
 
 
+@pytest.mark.timeout(SCENARIO_TIMEOUT)
 def test_sigkill_after_a_save_then_sigterm_resume_to_the_same_losses_batches_and_weights(tmp_path: Path) -> None:
     rng = random.Random(int(os.environ.get("TASKPOINT_TEST_SEED", "45")))
     killed_after, terminated_at = rng.randint(SAVE_EVERY, 3 * SAVE_EVERY), rng.randint(4 * SAVE_EVERY, STEPS - 3)
-    reference = start(WORKER, {"root": str(tmp_path / "reference"), "log": str(tmp_path / "reference.log")})
-    run = {"root": str(tmp_path / "run"), "log": str(tmp_path / "run.log")}
-
-    assert interrupted(WORKER, run, signal.SIGKILL, "saved", killed_after) == -signal.SIGKILL
-    controls = {}
-    for part in ("generators", "position"):
-        shutil.copytree(run["root"], tmp_path / part)
-        shutil.copy(run["log"], tmp_path / f"{part}.log")
-        controls[part] = start(WORKER, {"root": str(tmp_path / part), "log": str(tmp_path / f"{part}.log"),
-                                        "leave_out": part})
-    assert interrupted(WORKER, run, signal.SIGTERM, "step", terminated_at) == 143
-    run_to_end(WORKER, run)
-
-    status, output = finish(reference)
-    assert status == 0, output[-3000:]
-    assert_same_run(tmp_path / "reference.log", tmp_path / "run.log")
-    for part, control in controls.items():
-        status, output = finish(control)
-        assert status == 0, (part, output[-3000:])
-        assert_not_same_run(tmp_path / "reference.log", tmp_path / f"{part}.log")
+    check_kill_twice_and_resume(WORKER, tmp_path, "root", killed_after, terminated_at)

@@ -40,7 +40,9 @@ def generator_states() -> dict[str, Any]:
         import numpy
     except ImportError:
         return states
-    kind, keys, position, has_gauss, gauss = numpy.random.get_state()
+    legacy = numpy.random.get_state(legacy=True)  # the MT19937 tuple, which set_state takes back
+    assert isinstance(legacy, tuple)
+    kind, keys, position, has_gauss, gauss = legacy
     states["numpy"] = (kind, torch.from_numpy(keys.copy()), position, has_gauss, gauss)
     return states
 
