@@ -1,4 +1,5 @@
-"""One attempt of a Hugging Face Trainer run for tests/test_resume_transformers.py: ``python _hf_same_run.py '<json>'``.
+"""One attempt of a Hugging Face Trainer run for tests/test_resume_frameworks.py:
+``python _hf_same_run.py '<json>'``.
 
 A tiny GPT-2 built from a config (dropout 0.1 in its embeddings, attention and residuals; nothing from the hub),
 32 random token sequences shuffled by the Trainer's sampler, 3 epochs of 8 steps, ``full_determinism`` on one

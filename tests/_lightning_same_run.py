@@ -1,4 +1,5 @@
-"""One attempt of a Lightning fit for tests/test_resume_lightning.py: ``python _lightning_same_run.py '<json>'``.
+"""One attempt of a Lightning fit for tests/test_resume_frameworks.py:
+``python _lightning_same_run.py '<json>'``.
 
 A small regressor with dropout, a shuffled ``DataLoader`` (``RandomSampler``, no generator of its own), three
 epochs of 12 batches, deterministic algorithms on one CPU thread; taskpoint's ``CheckpointIO``,

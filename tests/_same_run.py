@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -112,13 +113,17 @@ def assert_not_same_run(reference: Path, resumed: Path) -> None:
     assert records(resumed)[-1]["params"] != records(reference)[-1]["params"]
 
 
-def check_kill_twice_and_resume(worker: Path, tmp_path: Path, store: str, killed_after: int,
-                                terminated_at: int) -> None:
-    """The scenario of issue 45: an uninterrupted reference; an attempt SIGKILLed after a save of step
-    ``killed_after`` or later, one SIGTERMed at step ``terminated_at`` or later (the preemption save, exit 143), one
-    run to the end: the same run as the reference. Two controls resume the SIGKILLed attempt's checkpoint with
-    ``leave_out`` set to ``"generators"`` and ``"position"``: each must differ from it. ``store`` is the worker's
-    option naming where it saves. The reference and the controls run beside the attempts (one thread each)."""
+def check_kill_twice_and_resume(worker: Path, tmp_path: Path, store: str, seed: int, kill_after: tuple[int, int],
+                                terminate_at: tuple[int, int]) -> None:
+    """The scenario of issue 45: an uninterrupted reference; an attempt SIGKILLed after a save of a step drawn
+    from ``kill_after`` (or later), one SIGTERMed at a step drawn from ``terminate_at`` (or later; the preemption
+    save, exit 143), one run to the end: the same run as the reference. ``seed`` draws the steps. Two controls
+    resume the SIGKILLed attempt's checkpoint with ``leave_out`` set to ``"generators"`` and ``"position"``: each
+    must differ from it. ``store`` is the worker's option naming where it saves. The reference and the controls
+    run beside the attempts (one thread each)."""
+    rng = random.Random(seed)
+    killed_after, terminated_at = rng.randint(*kill_after), rng.randint(*terminate_at)
+    tmp_path.mkdir(parents=True, exist_ok=True)
     reference = start(worker, {store: str(tmp_path / "reference"), "log": str(tmp_path / "reference.log")})
     run = {store: str(tmp_path / "run"), "log": str(tmp_path / "run.log")}
     assert interrupted(worker, run, signal.SIGKILL, "saved", killed_after) == -signal.SIGKILL
