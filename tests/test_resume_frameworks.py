@@ -14,6 +14,7 @@ states or without the data position, and must differ (tests/_same_run.py).
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -59,3 +60,27 @@ def test_same_run_campaign(framework: Framework, tmp_path: Path) -> None:
     for seed in range(10):
         check_kill_twice_and_resume(framework.worker, tmp_path / f"seed-{seed}", framework.store, seed,
                                     framework.kill_after, framework.terminate_at)
+
+
+@requires("transformers", "accelerate", "torch")
+def test_the_callback_warns_of_the_trainer_settings_that_make_a_resumed_run_differ(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from taskpoint.transformers import CheckpointCallback
+
+    def warnings_at_train_begin(**settings: object) -> list[str]:
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], **settings)
+        callback = CheckpointCallback(tmp_path / "steps")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="taskpoint"):
+            callback.on_train_begin(args, TrainerState(), TrainerControl())
+        callback.on_train_end(args, TrainerState(), TrainerControl())
+        return [r.getMessage() for r in caplog.records if r.name == "taskpoint"]
+
+    assert warnings_at_train_begin() == []
+    [warned] = warnings_at_train_begin(ignore_data_skip=True, save_only_model=True,
+                                       accelerator_config={"use_seedable_sampler": False})
+    assert "will not be the interrupted run" in warned
+    assert all(setting in warned for setting in ("ignore_data_skip=True", "save_only_model=True",
+                                                 "use_seedable_sampler=False"))

@@ -83,9 +83,9 @@ class ResumeExactly(Callback):
 
     Add it to the ``Trainer``'s callbacks beside ``ModelCheckpoint`` (and :class:`SaveOnPreemption`); it works
     with any checkpoint plug-in. The data position is kept for a map-style ``DataLoader`` with ``num_workers=0``
-    whose sampler is a ``RandomSampler``, a ``DistributedSampler`` or a ``SequentialSampler`` (the usual
-    ``DataLoader(dataset, batch_size=..., shuffle=True)``); a loader with ``state_dict``/``load_state_dict``
-    (torchdata's ``StatefulDataLoader``) keeps its own position, which Lightning saves. With another loader the
+    that batches with a ``batch_size`` (the usual ``DataLoader(dataset, batch_size=..., shuffle=True)``, whose
+    ``RandomSampler`` the tests resume); a loader with ``state_dict``/``load_state_dict`` (torchdata's
+    ``StatefulDataLoader``) is left to Lightning, which saves its position itself. With another loader the
     resume logs a WARNING that its position is not kept. docs/resume-frameworks.md says what else it needs.
     """
 
