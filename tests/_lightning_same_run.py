@@ -7,7 +7,8 @@ epochs of 12 batches, deterministic algorithms on one CPU thread; taskpoint's ``
 It appends JSON lines to ``log``: ``step`` (the step, its loss as ``float.hex``, the sha256 of its batch and of
 torch's generator state as the step began) from inside ``training_step``; ``saved`` once a ``last.ckpt`` is
 committed; ``done`` with the sha256 of the final parameters. Options: ``root``; ``log``; ``leave_out``
-(``"generators"`` or ``"position"``: a control whose resume drops that part of what ``ResumeExactly`` kept).
+(``"generators"`` or ``"position"``: a control whose resume drops that part of what ``ResumeExactly`` kept;
+``"all"``: Lightning alone, without ``ResumeExactly``).
 """
 
 from __future__ import annotations
@@ -86,10 +87,11 @@ def main() -> None:
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sin().sum(1, keepdim=True)),
                                        batch_size=BATCH, shuffle=True)
     exactly = LeavingOut() if opts.get("leave_out") else taskpoint.lightning.ResumeExactly()
+    callbacks = [exactly] if opts.get("leave_out") != "all" else []
     trainer = L.Trainer(
         default_root_dir=opts["root"], max_epochs=EPOCHS, logger=False, accelerator="cpu", devices=1,
         deterministic=True, plugins=[Committed()], enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[exactly, taskpoint.lightning.SaveOnPreemption(),
+        callbacks=[*callbacks, taskpoint.lightning.SaveOnPreemption(),
                    ModelCheckpoint(every_n_train_steps=SAVE_EVERY, save_last=True)])
     model = Regressor()
     trainer.fit(model, train_dataloaders=data, ckpt_path="last")

@@ -93,7 +93,9 @@ class ResumeExactly(Callback):
         self._trainer: pl.Trainer | None = None
         self._epoch_start: dict[str, Any] | None = None
         self._pending: dict[str, Any] | None = None
-        self._first_epoch_of_fit = False
+        #: Whether the epoch in progress created its data iterator before its on_train_epoch_start (the fit's first
+        #: epoch does, in Lightning's setup_data; later ones after the hook).
+        self._iterator_before_epoch_hook = False
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps: the generators now and at the epoch's start, and the batches drawn."""
@@ -126,22 +128,22 @@ class ResumeExactly(Callback):
         elif pending is not None:
             set_generator_states(pending["epoch_start"])
         self._epoch_start = generator_states()
-        self._first_epoch_of_fit = True
+        self._iterator_before_epoch_hook = True
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Later epochs create their iterator after this hook; the fit's first created it before (see above).
-        if not self._first_epoch_of_fit:
+        if not self._iterator_before_epoch_hook:
             self._epoch_start = generator_states()
-        self._first_epoch_of_fit = False
+        self._iterator_before_epoch_hook = False
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._first_epoch_of_fit = False
+        self._iterator_before_epoch_hook = False
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._pending is None:
             return
         # A mid-epoch resume calls no on_train_epoch_start for the epoch it resumes; the next one's comes first.
-        self._first_epoch_of_fit = False
+        self._iterator_before_epoch_hook = False
         if self._pending["batches"] == 0:
             return
         loader = trainer.train_dataloader
