@@ -1,8 +1,9 @@
 """Lightning writing its checkpoints through taskpoint, surviving SIGKILL and SIGTERM.
 
-Three lines of glue: the ``CheckpointIO`` plug-in (every ``.ckpt`` atomic, recorded, verified on load), the
-``SaveOnPreemption`` callback (SIGTERM: a checkpoint at the next batch end, then exit status 143), and
-``ckpt_path="last"`` (resume from the newest ``last.ckpt``, on any store):
+Four lines of glue: the ``CheckpointIO`` plug-in (every ``.ckpt`` atomic, recorded, verified on load), the
+``SaveOnPreemption`` callback (SIGTERM: a checkpoint at the next batch end, then exit status 143), the
+``ResumeExactly`` callback (a mid-epoch resume draws the batch and the random numbers the interrupted run would
+have drawn), and ``ckpt_path="last"`` (resume from the newest ``last.ckpt``, on any store):
 
     python examples/lightning_plugin.py --root ./run --steps 40             # trains; rerun: nothing left to do
     python examples/lightning_plugin.py --root ./run2 --steps 400 &         # kill -TERM it: exit 143
@@ -93,6 +94,7 @@ def main() -> None:
         default_root_dir=args.root, max_steps=args.steps, logger=False, accelerator="cpu", devices=1,
         plugins=[L.pytorch.plugins.io.AsyncCheckpointIO(io) if args.async_save else io],
         callbacks=[Report(args.out, args.sleep), taskpoint.lightning.SaveOnPreemption(),
+                   taskpoint.lightning.ResumeExactly(),  # the generators and the place in the epoch
                    ModelCheckpoint(every_n_train_steps=5, save_top_k=2, monitor="step", mode="max", save_last=True)],
         enable_progress_bar=False, enable_model_summary=False,
     )

@@ -25,6 +25,20 @@ DEFAULT_OUTPUT_DIR = "trainer_output"
 _log = logging.getLogger("taskpoint")
 
 
+def not_the_same_run(args: TrainingArguments) -> list[str]:
+    """The settings of ``args`` with which a resumed run draws other batches or other random numbers than the run
+    it resumes (the Trainer keeps both by default: its ``rng_state.pth`` and its skip of the trained batches)."""
+    unlike = []
+    if args.ignore_data_skip:
+        unlike.append("ignore_data_skip=True trains the resumed epoch from its first batch again")
+    if args.save_only_model:
+        unlike.append("save_only_model=True saves neither the optimizer nor the random generators")
+    if not getattr(args.accelerator_config, "use_seedable_sampler", True):
+        unlike.append("use_seedable_sampler=False draws the resumed epoch's order before the Trainer puts the "
+                      "saved generators back")
+    return unlike
+
+
 class CheckpointCallback(TrainerCallback):
     """Store every checkpoint the Trainer saves as step ``global_step`` of a manager at ``directory``.
 
@@ -65,7 +79,9 @@ class CheckpointCallback(TrainerCallback):
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
-        self._open(args)
+        if self._open(args) is not None and (unlike := not_the_same_run(args)):
+            _log.warning("taskpoint: a run resumed from these checkpoints will not be the interrupted run: %s; "
+                         "see docs/resume-frameworks.md", "; ".join(unlike))
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
