@@ -26,9 +26,10 @@ from typing import Any
 import blake3
 
 from ..errors import CheckpointCorruptError
+from .legacy import UNNAMED_PIECE_HASH
+from .names import FILESET_FORMAT
 from .sealing import parse, sealed
 
-FILESET_FORMAT = "taskpoint.fileset"
 #: Newest version of the file-set manifest this taskpoint reads; it writes 3 only for a set with a file listed
 #: by BLAKE3 pieces, 2 for one listed by sha256 pieces (never written now), and 1 for whole files only, which
 #: every taskpoint reads.
@@ -39,9 +40,6 @@ PIECE_SIZE = 16 << 20
 PIECE_HASHES: dict[str, Callable[[], Any]] = {"sha256": hashlib.sha256, "blake3": blake3.blake3}
 #: The hash taskpoint lists new pieces by (see the module).
 PIECE_HASH = "blake3"
-#: The hash of pieces whose document names none: the only one before ``piece_hash`` (file sets of version 2,
-#: state-dict steps of manifest version 4), so that older taskpoints still read what is written with it.
-UNNAMED_PIECE_HASH = "sha256"
 
 
 def piece_hasher(name: str) -> Any:
@@ -63,9 +61,9 @@ def piece_hash_field(name: str) -> dict[str, str]:
 
 
 def read_piece_hash(doc: dict[str, Any]) -> str:
-    """The hash a document's pieces are by (:func:`piece_hash_field`); ValueError for one this taskpoint does not
-    know."""
-    name = str(doc.get("piece_hash", UNNAMED_PIECE_HASH))
+    """The hash a document's pieces are by, which it names (the older forms that name none reach here named by
+    :mod:`.legacy`); ValueError for one this taskpoint does not know."""
+    name = str(doc["piece_hash"])
     piece_hasher(name)
     return name
 
@@ -177,8 +175,6 @@ class FileSetManifest:
     @classmethod
     def from_bytes(cls, data: bytes, uri: str) -> FileSetManifest:
         def build(doc: dict[str, Any], checked: bool) -> FileSetManifest:
-            if not checked:
-                raise ValueError("the manifest carries no check (a damaged byte)")
             files = {str(name): FileEntry.from_json(e) for name, e in doc["files"].items()}
             attempt, metadata = doc.get("attempt"), doc.get("metadata", {})
             if not isinstance(metadata, dict):
