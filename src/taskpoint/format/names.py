@@ -9,6 +9,8 @@ STEP_FORMAT = "taskpoint.step"
 SHARD_FORMAT = "taskpoint.shard"
 #: The manifest of a file set (:class:`~.fileset.FileSetManifest`).
 FILESET_FORMAT = "taskpoint.fileset"
+#: The ``kind`` of a PyTorch DCP checkpoint's file-set manifest (:mod:`taskpoint.torch`).
+DCP_FILESET_KIND = "torch.dcp"
 #: The step kind of a state dict saved by ``torch.save`` (:mod:`taskpoint.torch`), whose older content
 #: :mod:`.legacy` reads.
 STATE_DICT_KIND = "torch.state_dict"
