@@ -12,7 +12,7 @@ import pytest
 
 import taskpoint
 from taskpoint.cli import main
-from taskpoint.format.sealing import SHA256, sealed
+from taskpoint.format.sealing import CRC32, SHA256, sealed
 
 DAMAGED = 2
 
@@ -57,3 +57,19 @@ def test_a_field_the_readers_tolerate_is_still_reported(tmp_path: Path, capsys: 
         assert manager.restore(1).read_bytes() == b"state"
     assert main(["verify", str(directory)]) == DAMAGED
     assert "field `created`: expected int or float, found str" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_checkpoints_record_off_its_specification_is_reported(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """The record beside a single checkpoint (CRC32-sealed) with an entry's ``sha256`` set, where the specification
+    says null: the object still matches its CRC32, and verify reports the record's field."""
+    destination = tmp_path / "ckpt"
+    taskpoint.Checkpoint(str(destination)).save_sync(b"state")
+    record = tmp_path / "ckpt.taskpoint.json"
+    doc = json.loads(record.read_bytes())
+    doc.pop("check")
+    doc["objects"][0]["sha256"] = "0" * 64
+    record.write_bytes(sealed(doc, CRC32))
+    assert main(["verify", str(destination)]) == DAMAGED
+    err = " ".join(capsys.readouterr().err.split())
+    assert "does not follow the stored format" in err and "field `objects[0].sha256`: expected null" in err

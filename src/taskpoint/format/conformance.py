@@ -4,17 +4,18 @@ The readers (:mod:`.records`, :mod:`.fileset`) read leniently what they need: ``
 the wrong length still reads, and a checked document's fields they do not know are ignored. A document whose
 check matches yet whose fields break the specification was written by a writer other than taskpoint's, or by a
 taskpoint with a bug; :func:`format_problems` names the first such field, so that ``taskpoint verify`` reports it
-with the document. Only the forms written now are held to the tables here; older forms are checked by their
-readers (:mod:`.legacy`).
+with the document (a step's manifest and file-set manifests, a checkpoint's record). Only the forms written now
+are held to the tables here; older forms are checked by their readers (:mod:`.legacy`).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from typing import Any
 
-from .names import CHECKPOINT_FORMAT, FILESET_FORMAT, SHARD_FORMAT, STEP_FORMAT
+from .names import CHECKPOINT_FORMAT, FILESET_FORMAT, STEP_FORMAT
 
 #: Checks one field's value; what it expected when it does not hold.
 Rule = tuple[Callable[[Any], bool], str]
@@ -57,10 +58,6 @@ _ENTRY: Fields = {"kind": (STR, True), "codec": (STR, True), "save_id": (SAVE_ID
                   "size": (INT, True), "crc32": (CRC32, True), "sha256": (NULL, True), "index": (OBJECT, False)}
 _RECORD: Fields = {"format": (STR, True), "version": (INT, True), "objects": (LIST, True),
                    "confirmed": (_or_null(SAVE_ID), True), "sweep": (BOOL, False), "check": (CRC32, True)}
-_SHARD: Fields = {"format": (STR, True), "version": (INT, True), "step": (INT, True), "world_size": (INT, True),
-                  "round": (STR, True), "shard": (OBJECT, True), "check": (SHA256, True)}
-_SHARD_ENTRY: Fields = {"rank": (INT, True), "payload": (STR, True), **_ENTRY, "size": (INT, True),
-                        "sha256": (SHA256, True), "crc32": (NULL, True)}
 _FILESET: Fields = {"format": (STR, True), "version": (INT, True), "kind": (STR, True), "save_id": (SAVE_ID, True),
                     "created": (NUMBER, True), "attempt": (_or_null(INT), True), "metadata": (OBJECT, True),
                     "files": (OBJECT, True), "check": (SHA256, True)}
@@ -100,10 +97,6 @@ def _record(doc: dict[str, Any]) -> str | None:
                   *(_fields(entry, _ENTRY, f"objects[{i}].") for i, entry in enumerate(entries)))
 
 
-def _shard(doc: dict[str, Any]) -> str | None:
-    return _first(_fields(doc, _SHARD, ""), _fields(doc.get("shard"), _SHARD_ENTRY, "shard."))
-
-
 def _fileset(doc: dict[str, Any]) -> str | None:
     files = doc.get("files")
     listed = files.items() if isinstance(files, dict) else ()
@@ -111,9 +104,21 @@ def _fileset(doc: dict[str, Any]) -> str | None:
 
 
 _CHECKS: dict[str, Callable[[dict[str, Any]], str | None]] = {
-    STEP_FORMAT: _step, CHECKPOINT_FORMAT: _record, SHARD_FORMAT: _shard, FILESET_FORMAT: _fileset}
+    STEP_FORMAT: _step, CHECKPOINT_FORMAT: _record, FILESET_FORMAT: _fileset}
 #: The first version of each format held to these tables (older ones: their readers in :mod:`.legacy`).
 _HELD_SINCE = {CHECKPOINT_FORMAT: 2}
+
+
+def document_problem(name: str, data: bytes | None) -> str | None:
+    """What is wrong with the stored document ``name`` (its bytes ``data``; None: absent) by
+    :func:`format_problems`, as a report says it; None when it follows the specification, is no sealed document,
+    or is not JSON (its reader says so)."""
+    try:
+        doc = json.loads(data) if data is not None else None
+    except ValueError:
+        return None
+    problem = format_problems(doc) if isinstance(doc, dict) else None
+    return None if problem is None else f"{name} does not follow the stored format (docs/format.md): {problem}"
 
 
 def format_problems(doc: dict[str, Any]) -> str | None:

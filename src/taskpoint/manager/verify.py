@@ -5,12 +5,11 @@ that another writer overwrote or deleted meanwhile."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError
-from ..format.conformance import format_problems
+from ..format.conformance import document_problem
 from ..format.records import StepManifest
 from .kinds import Parts, StepKind, StepKinds
 from .step_names import MANIFEST_NAME
@@ -139,14 +138,9 @@ def format_problem(parts: Parts, kind: StepKind, step: int, manifest: StepManife
     steps = parts.steps
     named = kind.objects(steps, step, manifest).files
     for name in [MANIFEST_NAME, *sorted(n for n in named if n.endswith(".json") and "/" not in n)]:
-        data = steps.object(step, name).read_small()
-        try:
-            doc = json.loads(data) if data is not None else None
-        except ValueError:
-            continue  # not JSON: not one of the documents (the kind's verify read those)
-        problem = format_problems(doc) if isinstance(doc, dict) else None
+        problem = document_problem(name, steps.object(step, name).read_small())
         if problem is not None:
-            return f"{name} does not follow the stored format (docs/format.md): {problem}"
+            return problem
     return None
 
 
