@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     # sections with data of their own
     separate = (_dcp.METHOD, _preemption.METHOD, _agreement.METHOD, _dedup.METHOD, _subset.METHOD, _fast.METHOD,
-                _tiers.METHOD, _broadcast.METHOD, LIGHTNING)
+                _fast.FORMAT_METHOD, _tiers.METHOD, _broadcast.METHOD, LIGHTNING)
     main_table = any(m not in separate for m in args.methods)
     dataset = _dataset.prepare(args.data_dir, args.size) if main_table else None
     mib = {k: v / 2**20 for k, v in dataset.sizes.items()} if dataset else {}
@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                                 if _dedup.METHOD in args.methods else ([], None))
     subset_rows = _subset.run(args.size, opts, args.data_dir / "work-subset") if _subset.METHOD in args.methods else []
     fast_rows = _fast.run(args.size, opts, args.data_dir) if _fast.METHOD in args.methods else []
+    format_rows = (_fast.run(args.size, opts, args.data_dir, _fast.FORMAT_CASES)
+                   if _fast.FORMAT_METHOD in args.methods else [])
     tier_rows = _tiers.run(args.size, opts, args.data_dir / "work-tiers") if _tiers.METHOD in args.methods else []
     broadcast_rows = (_broadcast.run(args.size, opts, args.data_dir / "work-broadcast")
                       if _broadcast.METHOD in args.methods else [])
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     background = _report.add_background_ratios([r for r in summaries if r["method"] == _background.METHOD])
     goals = ((_report.targets(rows) if rows else []) + (_report.background_targets(background) if background else [])
              + _dcp.targets(dcp_rows) + _dedup.targets(dedup_rows) + _subset.targets(subset_rows)
-             + _fast.targets(fast_rows)
+             + _fast.targets(fast_rows) + _fast.targets(format_rows)
              + (_tiers.targets(tier_rows) if tier_rows else []) + _broadcast.targets(broadcast_rows))
     directory = f" (directory {mib['directory']:.0f} MiB)" if mib else ""
     title = (f"taskpoint benchmark, size {args.size:g}{directory}, "
@@ -200,6 +202,11 @@ def main(argv: list[str] | None = None) -> int:
         sections += [f"manager steps against the tools users pick instead (issue 26): local disk, alternating rounds, "
                      f"size {args.size:g}; x ref = time / the case's reference (orbax, torch, raw copy)", "",
                      _fast.table(fast_rows), ""]
+    if format_rows:
+        sections += [f"the stored format's costs (issue 42): local disk, alternating rounds, size {args.size:g}; "
+                     "x ref = time / raw copy with fsync (plain save and restore: a raw copy back), reading the "
+                     "bytes once (verify's load = the verify; its save row is the step's save, alike for both), DCP's "
+                     "FileSystemReader (dcp)", "", _fast.table(format_rows), ""]
     if tier_rows:
         sections += [f"local tier (issue 24): CheckpointManager(local_dir=..., codec='none') on the dedup section's "
                      f"float32 files, remote tier on the {tier_rows[0]['store']} store; ratios are medians of per-run "
@@ -231,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.size != 1:
         text += "\n\n(scaled run: the targets are stated for size 1; RSS and ratios at other sizes are indicative)"
     print("\n" + text)
-    failed = [r for r in rows + background + dcp_rows + dedup_rows + subset_rows + fast_rows if r.get("error")]
+    failed = [r for r in rows + background + dcp_rows + dedup_rows + subset_rows + fast_rows + format_rows
+              if r.get("error")]
     failed += [{**r, "method": _tiers.METHOD} for r in tier_rows if r.get("error")]
     if dedup_stored and dedup_stored.get("error"):
         failed.append({"store": dedup_stored["store"], "payload": "directory", "op": "stored bytes",
@@ -254,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         "tmp+ is the peak of bytes in TMPDIR, the load workspace and the local store folder minus what remains",
     }
     _report.write_json(args.results_dir / f"{stem}.json", meta,
-                       rows + background + dcp_rows + dedup_rows + subset_rows + fast_rows + broadcast_rows, goals,
-                       text)
+                       rows + background + dcp_rows + dedup_rows + subset_rows + fast_rows + format_rows
+                       + broadcast_rows, goals, text)
     (args.results_dir / f"{stem}.txt").write_text(text + "\n")
     try:
         if rows:  # the plot shows MB/s of saves and loads; the background saves have no such bars

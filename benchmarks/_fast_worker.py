@@ -197,6 +197,115 @@ class Cases:
                 "taskpoint": (ours_save, ours_load)}
 
 
+    # -- issue 42: the stored format's costs against the plain operations ------------------------------------
+
+    def plain(self) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
+        """A plain directory step saved and restored, against a raw copy of the same files with fsync, and a raw
+        copy back."""
+        methods = self.directory()
+        source, state = Path(self.spec["directory"]), {}
+
+        def raw_fsync_save() -> None:
+            state["raw"] = self.fresh("raw")
+            shutil.copytree(source, state["raw"], copy_function=_copy_fsync)
+
+        def raw_load() -> Path:
+            out = self.fresh("raw-out")
+            shutil.copytree(state["raw"], out)
+            return out
+
+        self.checks["plain"] = self.checks["directory"]
+        return {"raw-fsync": (raw_fsync_save, raw_load), "taskpoint": methods["taskpoint"]}
+
+    def verify(self) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
+        """``CheckpointManager.verify`` of a directory step (its "load"), against reading the step's stored bytes
+        once, unhashed; each saves the same step first (its "save")."""
+        from taskpoint import CheckpointManager
+
+        source, state = Path(self.spec["directory"]), {}
+
+        def save(name: str) -> Callable[[], None]:
+            def run() -> None:
+                state[name] = self.fresh(name)
+                with CheckpointManager(str(state[name]), keep=None) as manager:
+                    manager.save(source, 1)
+            return run
+
+        def verify() -> Any:
+            with CheckpointManager(str(state["verify"]), keep=None) as manager:
+                return manager.verify(1).steps[0].healthy
+
+        def read() -> Any:
+            for path in sorted((state["read"] / "ckpt-1").iterdir()):
+                with open(path, "rb", buffering=0) as f:
+                    while f.read(READ_PIECE):
+                        pass
+            return True
+
+        def check(healthy: Any) -> None:
+            assert healthy is True, "the step did not verify"
+
+        self.checks["verify"] = check
+        return {"read": (save("read"), read), "taskpoint": (save("verify"), verify)}
+
+    def dcp(self) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
+        """A DCP checkpoint of one process saved and loaded through DCP's own FileSystemWriter/Reader, and through
+        taskpoint.torch's Writer/Reader of a manager step (every byte verified by its BLAKE3 pieces)."""
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        from taskpoint import CheckpointManager
+        from taskpoint.torch import Reader, Writer
+
+        total, tensors = int(self.spec["state_dict_bytes"]), 8
+        generator = torch.Generator().manual_seed(0)
+        sd = {f"layer{i}.weight": torch.randn(total // tensors // 4, generator=generator) for i in range(tensors)}
+        state: dict[str, Any] = {}
+
+        def empty() -> dict[str, Any]:
+            return {k: torch.empty_like(v) for k, v in sd.items()}
+
+        def fs_save() -> None:
+            state["fs"] = self.fresh("dcp-fs")
+            dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(state["fs"])))
+
+        def fs_load() -> Any:
+            target = empty()
+            dcp.load(target, storage_reader=dcp.FileSystemReader(str(state["fs"])))
+            return target
+
+        def ours_save() -> None:
+            state["manager"] = CheckpointManager(str(self.fresh("dcp-manager")), keep=None)
+            dcp.save(sd, storage_writer=Writer.for_step(state["manager"], 1))
+
+        def ours_load() -> Any:
+            target = empty()
+            with state["manager"] as manager:
+                dcp.load(target, storage_reader=Reader.for_step(manager, 1))
+            return target
+
+        def check(restored: Any) -> None:
+            assert all(torch.equal(sd[k], restored[k]) for k in sd), "a loaded tensor differs"
+
+        self.checks["dcp"] = check
+        return {"filesystem": (fs_save, fs_load), "taskpoint": (ours_save, ours_load)}
+
+
+#: Bytes per read of the "read once" reference.
+READ_PIECE = 8 << 20
+
+
+def _copy_fsync(src: str, dst: str) -> str:
+    """``shutil.copy2`` and an fsync of the copy: a raw copy as durable as a save."""
+    shutil.copy2(src, dst)
+    fd = os.open(dst, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return dst
+
+
 def main(spec_path: str, result_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     cases = Cases(spec)

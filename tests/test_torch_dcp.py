@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import blake3
 import pytest
 
 import taskpoint
@@ -153,7 +154,7 @@ def test_flipped_byte_raises_corrupt_naming_the_file_while_dcps_fsspec_reader_lo
 
     error = load_error(uri, s3_store.storage_options)
     assert isinstance(error, CheckpointCorruptError)
-    assert path.rsplit("/", 1)[-1] in str(error) and "sha256" in str(error)
+    assert path.rsplit("/", 1)[-1] in str(error) and "blake3" in str(error)
 
     # DCP's own fsspec reader: no error, and a tensor that is not the one saved.
     target = empty_state()
@@ -226,9 +227,13 @@ def test_a_committed_checkpoint_is_refused_unless_overwrite(tmp_path: Path) -> N
 
     writer = tp_torch.Writer(uri, overwrite=True)
     dcp.save(small_state(1), storage_writer=writer)
-    # The manifest lists every stored file but itself, .metadata included, with its true size and sha256.
+    # The manifest lists every stored file but itself, .metadata included, with its true size and BLAKE3 pieces
+    # (one per 16 MiB; these files are smaller), and as sha256 the sha256 of the piece digests.
     listed = json.loads((Path(uri) / "taskpoint.dcp.json").read_bytes())["files"]
-    stored = {p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+    pieces = {p.name: [blake3.blake3(p.read_bytes()).hexdigest()] for p in Path(uri).iterdir()}
+    stored = {p.name: {"size": p.stat().st_size, "piece_size": 16 << 20, "piece_hash": "blake3",
+                       "pieces": pieces[p.name],
+                       "sha256": hashlib.sha256(bytes.fromhex(pieces[p.name][0])).hexdigest()}
               for p in Path(uri).iterdir() if p.name != "taskpoint.dcp.json"}
     assert listed == stored and ".metadata" in listed
     assert writer.committed is not None and set(writer.committed.files) == set(stored)

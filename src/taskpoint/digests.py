@@ -9,6 +9,7 @@ returns. CRC32 (single checkpoints: ISA-L, about 10 GB/s) stays on the stream's 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import queue
 import threading
@@ -16,6 +17,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from .format.fileset import PIECE_HASHES, PIECES_DIGEST_PREFIX, PieceHasher
 from .format.pgzip import crc32
 
 
@@ -34,8 +36,11 @@ class Crc32:
 
 
 #: Digest algorithms for stored objects: sha256 for the versioned manager (its manifests promise it),
-#: crc32 for single checkpoints, where it keeps saves and loads at disk speed.
-DIGESTS: dict[str, Callable[[], Any]] = {"sha256": hashlib.sha256, "crc32": Crc32}
+#: crc32 for single checkpoints, where it keeps saves and loads at disk speed, and the pieces of a file-set's
+#: file (``pieces:blake3``, :attr:`~taskpoint.format.fileset.FileEntry.digest`).
+DIGESTS: dict[str, Callable[[], Any]] = {
+    "sha256": hashlib.sha256, "crc32": Crc32,
+    **{f"{PIECES_DIGEST_PREFIX}{name}": functools.partial(PieceHasher, name) for name in PIECE_HASHES}}
 
 #: Bytes gathered before a batch goes to the hashing thread (fewer hand-overs than one per written piece).
 BATCH_BYTES = 4 << 20

@@ -15,6 +15,7 @@ from typing import Any
 
 from . import _log, _progress
 from .errors import CheckpointCorruptError
+from .format.conformance import document_problem
 from .format.records import RECORD_SUFFIX
 from .record import listed, load_object, read_record
 from .storage import Deadline, Location, bounded, normalize_uri
@@ -99,7 +100,11 @@ def verify_object(loc: Location, progress: object = None) -> CheckpointVerificat
     """Read every byte of the checkpoint object at ``loc`` against its record, keeping nothing. An object with
     no record is loaded into a temporary folder (the archive's own checks). CheckpointCorruptError when damaged
     or recorded but missing; FileNotFoundError when nothing is there."""
-    record = read_record(loc.sibling(RECORD_SUFFIX))
+    record_loc = loc.sibling(RECORD_SUFFIX)
+    record = read_record(record_loc)
+    problem = None if record is None else document_problem(record_loc.uri, record_loc.read_small())
+    if problem is not None:
+        raise CheckpointCorruptError(f"{loc.uri} is damaged: {problem}")
     label = f"verify {_log.short_name(loc.uri)}"
     if record is None or not record.objects:
         if object_size(loc) is None:

@@ -57,10 +57,11 @@ class SourceIsFolder(CheckpointError):
 
 class _Hashed:
     """What both directions share: the bytes that passed are counted, hashed (sha256 on a thread of its own,
-    overlapping the I/O) and reported to ``progress``."""
+    overlapping the I/O) and reported to ``progress``. ``digest``: a :data:`~taskpoint.digests.DIGESTS` name, or
+    a hasher of one's own (``update``, ``hexdigest``), kept as :attr:`hasher`."""
 
-    def __init__(self, digest: str, progress: Progress) -> None:
-        self._hash = streaming_hash(digest)
+    def __init__(self, digest: str | Any, progress: Progress) -> None:
+        self.hasher = self._hash = streaming_hash(digest) if isinstance(digest, str) else digest
         self._progress = progress
         self.size = 0
 
@@ -79,7 +80,7 @@ class HashingWriter(_Hashed):
     """Passes bytes to a sink, counting and hashing them (and reporting them to ``progress``); remembers
     whether the sink itself failed."""
 
-    def __init__(self, sink: IO[bytes], digest: str = "sha256", progress: Progress = NO_PROGRESS) -> None:
+    def __init__(self, sink: IO[bytes], digest: str | Any = "sha256", progress: Progress = NO_PROGRESS) -> None:
         super().__init__(digest, progress)
         self._sink = sink
         self.failed = False

@@ -6,7 +6,8 @@ be visible at the destination, newest first, each with kind, size and CRC32. A s
 object's digest while it writes the object's temp file or parts, and writes the record listing the new
 object beside the previous ones *before* the object becomes visible (the rename, the PUT, the multipart
 completion). So every object a reader can see has a digest to check, whenever the saver is killed; a load
-accepts whichever listed object it finds, verified. Format 1 (``committed`` and ``pending``) is still read.
+accepts whichever listed object it finds, verified. Format 1 (``committed`` and ``pending``) is still read, through
+its older reader (:mod:`.legacy`, the one table of the forms taskpoint no longer writes).
 
 The versioned manager (:mod:`taskpoint.manager`) keeps a :class:`StepManifest` in each step's folder instead: it
 is written once, after the payload, and is the step's commit.
@@ -18,8 +19,8 @@ a file set's, :mod:`.fileset`) use sha256: a step's manifest lists every chunk o
 megabytes, and it is the one file that vouches for every other byte. The record beside a checkpoint keeps
 CRC32 (its format 2 shipped with it): it is a few kB, and at that size CRC32 detects every error of up to
 three bits and every burst of up to 32 (any flipped or replaced byte); with a field it does not know also
-counted as damage. Step manifests and rank records written before they carried a check still read, marked
-unchecked (:attr:`StepManifest.checked`); such a document with a field an older taskpoint never wrote is
+counted as damage. Step manifests and rank records written before they carried a check still read (:mod:`.legacy`),
+marked unchecked (:attr:`StepManifest.checked`); such a document with a field an older taskpoint never wrote is
 damage (a ``check`` whose name a flip changed). Older taskpoints read checked manifests as before: they
 ignore a field they do not know.
 """
@@ -31,13 +32,15 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Protocol
 
 from .index import ArchiveIndex
-from .sealing import CHECK, CRC32, known_fields_if_unchecked, parse, sealed
+from .legacy import PENDING
+from .names import CHECKPOINT_FORMAT as FORMAT
+from .names import SHARD_FORMAT, STEP_FORMAT
+from .sealing import CHECK, CRC32, parse, sealed
 
 RECORD_SUFFIX = ".taskpoint.json"
 #: The codec of a manager step whose files another writer stored (taskpoint.torch): its manifest names their
 #: own file-set manifest (:mod:`taskpoint.format.fileset`) by size and sha256.
 FILESET_CODEC = "fileset"
-FORMAT = "taskpoint.checkpoint"
 #: Newest version of the checkpoint record (format 1 is still read). Version 3 is version 2 whose entries may
 #: carry an archive's index (:mod:`.index`); a record without one is still written as version 2, which older
 #: taskpoints read, and one with an index asks them to upgrade rather than calling it damaged.
@@ -65,12 +68,6 @@ RECORD_KEEPS = 3
 #: one destination, one may list several saves while the other's object is still on its way (a slow PUT).
 RECORD_RECENT_SECONDS = 60.0
 RECORD_RECENT_MAX = 32
-#: The format name of a manager step's manifest (version :data:`FORMAT_VERSION`).
-STEP_FORMAT = "taskpoint.step"
-#: The format name of the record one rank writes beside its shard of a step (version 1).
-SHARD_FORMAT = "taskpoint.shard"
-#: The field in which a record or manifest carries the digest of the rest of itself (:func:`sealed`).
-#: The digests of a document's check: sha256 for manifests, CRC32 for the record beside a checkpoint.
 
 
 
@@ -142,24 +139,18 @@ class Record:
     @classmethod
     def from_bytes(cls, data: bytes, uri: str) -> Record:
         def build(doc: dict[str, Any], checked: bool) -> Record:
-            version = int(doc["version"])
-            unknown = set(doc) - (_RECORD_KEYS if version >= 2 else _RECORD_1_KEYS)
-            if unknown or version < 1:
-                raise ValueError(f"unknown fields {sorted(unknown)} or version {version}")
-            if version >= 2 and not checked:
-                raise ValueError("the record carries no check (a damaged byte)")
-            entries = doc["objects"] if version >= 2 else [doc.get("committed"), doc.get("pending")]
-            if any(e is not None and set(e) - _ENTRY_KEYS for e in entries):
+            # Unchecked: a version-1 record, as its older reader handed it on (:mod:`.legacy`), with its pending
+            # entry.
+            unknown = set(doc) - (_RECORD_KEYS if checked else _RECORD_KEYS | {PENDING})
+            if unknown or int(doc["version"]) < 2:
+                raise ValueError(f"unknown fields {sorted(unknown)} or version {doc['version']}")
+            if any(e is not None and set(e) - _ENTRY_KEYS for e in doc["objects"]):
                 raise ValueError("an entry has fields this taskpoint does not know")
-            if version < 2:  # format 1: committed and pending
-                committed, pending = _record(doc.get("committed")), _record(doc.get("pending"))
-                return cls(objects=(committed,) if committed else (),
-                           confirmed=committed.save_id if committed else None,
-                           sweep=pending is not None or bool(doc.get("interrupted", False)), unverified=pending)
             objects = tuple(_record(o) for o in doc["objects"])
             confirmed = doc.get("confirmed")
             return cls(objects=tuple(o for o in objects if o is not None),
-                       confirmed=None if confirmed is None else str(confirmed), sweep=bool(doc.get("sweep", False)))
+                       confirmed=None if confirmed is None else str(confirmed), sweep=bool(doc.get("sweep", False)),
+                       unverified=_record(doc.get(PENDING)))
 
         return parse(data, FORMAT, uri, build, RECORD_VERSION,
                       "delete it to load the checkpoint without verification, or save a new checkpoint", CRC32)
@@ -287,7 +278,6 @@ class StepManifest:
     def from_bytes(cls, data: bytes, uri: str, contents: ContentDecoder) -> StepManifest:
         """The manifest in ``data``; ``contents`` gives the decoder of its kind (an unknown kind raises there)."""
         def build(doc: dict[str, Any], checked: bool) -> StepManifest:
-            known_fields_if_unchecked(doc, checked, _STEP_KEYS)
             attempt, metadata, record = doc.get("attempt"), doc["metadata"], _record(doc)
             if not isinstance(metadata, dict) or record is None:
                 raise TypeError("metadata is not a JSON object")
@@ -352,27 +342,19 @@ class ShardRecord:
     @classmethod
     def from_bytes(cls, data: bytes, uri: str) -> ShardRecord:
         def build(doc: dict[str, Any], checked: bool) -> ShardRecord:
-            known_fields_if_unchecked(doc, checked, _SHARD_RECORD_KEYS)
             return cls(step=int(doc["step"]), world_size=int(doc["world_size"]), round=str(doc["round"]),
                        shard=Shard.from_json(doc["shard"]))
 
         return parse(data, SHARD_FORMAT, uri, build, 1, "it is removed by gc() once older than the grace period")
 
 
-#: The fields of a checkpoint's record (format 2, and format 1); any other is damage.
+#: The fields of a checkpoint's record (versions 2 and 3); any other is damage.
 _RECORD_KEYS = frozenset({"format", "version", "objects", "confirmed", "sweep", CHECK})
-_RECORD_1_KEYS = frozenset({"format", "version", "committed", "pending", "interrupted"})
-#: The fields of an entry (``check``: written by one development version of format 1, accepted).
-_ENTRY_KEYS = frozenset({f.name for f in fields(ObjectRecord)} | {"check"})
-
-
-#: Every field of a step's manifest and of a rank's record as written before they carried a check.
-_STEP_KEYS = frozenset({"format", "version", "step", "payload", "attempt", "metadata", "tree", "shards",
-                        *(f.name for f in fields(ObjectRecord))})
+#: The fields of an entry.
+_ENTRY_KEYS = frozenset(f.name for f in fields(ObjectRecord))
 #: The fields every step's manifest has; in versions 1 to 3 the others are its kind's content.
 _HEADER_KEYS = frozenset({"format", "version", "step", "attempt", "metadata", CHECK,
                           *(f.name for f in fields(ObjectRecord))})
-_SHARD_RECORD_KEYS = frozenset({"format", "version", "step", "world_size", "round", "shard"})
 
 
 def _record(value: Any) -> ObjectRecord | None:

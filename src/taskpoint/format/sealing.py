@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..errors import CheckpointCorruptError
+from .legacy import older_reader
 
 #: The field of a document that holds the digest of the rest of it.
 CHECK = "check"
@@ -34,7 +35,9 @@ def check_of(doc: dict[str, Any], digest: str) -> str:
 def parse(data: bytes, fmt: str, uri: str, build: Callable[[dict[str, Any], bool], T], newest: int,
            what_to_do: str, digest: str = SHA256) -> T:
     """``build`` applied to the ``fmt`` document in ``data`` and whether it carried its check; anything
-    unreadable, and a check that fails, is CheckpointCorruptError."""
+    unreadable, and a check that fails, is CheckpointCorruptError. A document of a form taskpoint no longer writes
+    reaches ``build`` through its older reader (:mod:`.legacy`), in the form written now; one without a check
+    only so (every form written now carries one)."""
     try:
         doc = json.loads(data)
         if not isinstance(doc, dict) or doc.get("format") != fmt:
@@ -48,16 +51,14 @@ def parse(data: bytes, fmt: str, uri: str, build: Callable[[dict[str, Any], bool
                 f"{'' if intact else ' (or it is damaged: it fails its check)'}.")
         if not intact:
             raise ValueError(f"it fails its check ({digest}): a byte of it is damaged")
+        older = older_reader(fmt, int(doc["version"]), checked)
+        if older is not None:
+            doc = older.upgrade(doc)
+        elif not checked:
+            raise ValueError("it carries no check (a damaged byte)")
         return build(doc, checked)
     except CheckpointCorruptError:
         raise
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise CheckpointCorruptError(f"the checkpoint record {uri} is unreadable ({exc}); {what_to_do}.") from exc
 
-
-def known_fields_if_unchecked(doc: dict[str, Any], checked: bool, known: frozenset[str]) -> None:
-    """A document without its check must be one an older taskpoint wrote: a field it never wrote is damage
-    (most likely the name ``check`` with a flipped bit). A checked document may hold newer fields."""
-    unknown = set(doc) - known
-    if not checked and unknown:
-        raise ValueError(f"it has no check and fields no taskpoint writes without one ({sorted(unknown)})")

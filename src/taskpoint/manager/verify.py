@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError
+from ..format.conformance import document_problem
 from ..format.records import StepManifest
-from .kinds import Parts, StepKinds
+from .kinds import Parts, StepKind, StepKinds
+from .step_names import MANIFEST_NAME
 
 HEALTHY, DAMAGED, CHANGED = "healthy", "damaged", "changed"
 
@@ -113,7 +115,11 @@ def verify_step(parts: Parts, kinds: StepKinds, step: int, progress: object, *, 
             raise StepChanged(steps.directory, step)
         raise steps.missing(step)
     try:
-        checked = kinds.kind(manifest.kind, steps.step_uri(step)).verify(parts, step, manifest, progress)
+        kind = kinds.kind(manifest.kind, steps.step_uri(step))
+        off_format = format_problem(parts, kind, step, manifest)
+        if off_format is not None:
+            raise CheckpointCorruptError(f"step {step} in {steps.directory} is damaged: {off_format}")
+        checked = kind.verify(parts, step, manifest, progress)
     except (CheckpointCorruptError, FileNotFoundError) as exc:
         # A retention or an overwrite deletes the manifest first, then the objects it names: what is missing
         # or short is damage only if the step is still the save that was read.
@@ -123,6 +129,19 @@ def verify_step(parts: Parts, kinds: StepKinds, step: int, progress: object, *, 
             raise
         raise CheckpointCorruptError(f"step {step} in {steps.directory} is damaged: {exc}") from None
     return StepVerification(step, HEALTHY, checked.detail, manifest.kind, checked.size, manifest.checked)
+
+
+def format_problem(parts: Parts, kind: StepKind, step: int, manifest: StepManifest) -> str | None:
+    """The first document of ``step`` (its manifest, the file-set manifests it names) with a field that does not
+    follow the specification (:func:`~taskpoint.format.conformance.format_problems`), named with the field; None
+    when every one does (the JSON objects at the top of its folder), checked before the bytes they describe."""
+    steps = parts.steps
+    named = kind.objects(steps, step, manifest).files
+    for name in [MANIFEST_NAME, *sorted(n for n in named if n.endswith(".json") and "/" not in n)]:
+        problem = document_problem(name, steps.object(step, name).read_small())
+        if problem is not None:
+            return problem
+    return None
 
 
 def verify_steps(parts: Parts, kinds: StepKinds, listed: list[int], progress: object) -> Verification:

@@ -103,12 +103,13 @@ class DcpKind:
     def verify(self, parts: Parts, step: int, manifest: StepManifest, progress: object) -> Checked:
         name = _name(manifest)
         files = _files(parts.steps, step, name)
-        checks = [(name, manifest.record.size, manifest.record.sha256),
-                  *((each, entry.size, entry.sha256) for each, entry in sorted(files.items()))]
-        for each, size, sha256 in checks:
-            stored_part(parts, step, each, size, sha256, progress, f"verify step {step}: {each}")
+        checks = [(name, manifest.record.size, manifest.record.sha256, "sha256"),
+                  *((each, entry.size, entry.sha256, entry.digest) for each, entry in sorted(files.items()))]
+        for each, size, digest, by in checks:
+            stored_part(parts, step, each, size, digest, progress, f"verify step {step}: {each}", by)
         # The data the step holds, as ls shows it: its files, not the manifest of them.
-        return Checked(sum(entry.size for entry in files.values()), f"{len(files)} files, sha256 matches its manifest")
+        hashes = " and ".join(sorted({entry.hash_name for entry in files.values()}))
+        return Checked(sum(entry.size for entry in files.values()), f"{len(files)} files, {hashes} match its manifest")
 
     def objects(self, steps: StepStore, step: int, manifest: StepManifest) -> StepObjects:
         name = _name(manifest)

@@ -3,7 +3,7 @@
 Layout under the checkpoint's URI (a folder or prefix)::
 
     __{rank}_{n}-{save}.distcp   the tensors and bytes of one rank, split into files uploaded in parallel
-    taskpoint.dcp.json           taskpoint's manifest: every file above and .metadata, with size and sha256
+    taskpoint.dcp.json           taskpoint's manifest: every file above and .metadata, with size and BLAKE3 pieces
     .metadata                    DCP's metadata (pickled), written last: the commit
 
 The data files and ``.metadata`` are DCP's own format, so DCP's readers load the checkpoint too (without
@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ..format.fileset import FileEntry
+from ..format.names import DCP_FILESET_KIND
 from ..storage import Location, RetryPolicy, normalize_uri
 
 #: DCP's metadata file: its presence commits the checkpoint.
@@ -24,7 +26,7 @@ METADATA_NAME = ".metadata"
 #: taskpoint's manifest, written just before the commit; a manager step of such a checkpoint names it.
 MANIFEST_NAME = "taskpoint.dcp.json"
 #: The ``kind`` of a DCP checkpoint's file-set manifest.
-MANIFEST_KIND = "torch.dcp"
+MANIFEST_KIND = DCP_FILESET_KIND
 #: Data files of a save (``save`` is the first 12 hex digits of the coordinator's save id).
 DATA_FILE = re.compile(r"__(0|[1-9][0-9]*)_(0|[1-9][0-9]*)-[0-9a-f]{12}\.distcp")
 #: Files of one rank uploaded at once by default (each an atomic upload with its own parts in flight).
@@ -45,14 +47,13 @@ class FilePrefix:
 
 @dataclass(frozen=True)
 class StoredItem:
-    """``WriteResult.storage_data`` from a rank to the coordinator: where one item landed, and the size and
-    sha256 of its whole file (for the manifest). The coordinator turns it into DCP's ``_StorageInfo``."""
+    """``WriteResult.storage_data`` from a rank to the coordinator: where one item landed, and the manifest's
+    entry of its whole file (size and BLAKE3 pieces). The coordinator turns it into DCP's ``_StorageInfo``."""
 
     relative_path: str
     offset: int
     length: int
-    file_size: int
-    file_sha256: str
+    file: FileEntry
 
 
 def root_location(uri: str | os.PathLike[str], storage_options: dict[str, Any] | None,

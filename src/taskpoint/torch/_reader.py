@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import hashlib
 import io
 import os
 import pickle
@@ -27,7 +26,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..errors import CheckpointCorruptError, StorageNotFound
-from ..format.fileset import FileEntry, FileSetManifest
+from ..format.fileset import FileEntry, FileSetManifest, entry_of
 from ..manager import CheckpointManager
 from ..storage import Deadline, Location, RetryPolicy
 from ._layout import (
@@ -272,10 +271,11 @@ def _relative_path(info: Any, where: str) -> str:
 
 
 def _verify(uri: str, data: bytes | bytearray, entry: FileEntry) -> None:
-    """Raise CheckpointCorruptError naming ``uri`` unless ``data`` has the manifest's size and sha256."""
+    """Raise CheckpointCorruptError naming ``uri`` unless ``data`` has the manifest's size and digests (BLAKE3
+    pieces, or a sha256 of the whole file in a manifest of version 3 or older)."""
     if len(data) != entry.size:
         raise CheckpointCorruptError(f"{uri} is damaged: {len(data)} bytes where the manifest says {entry.size} "
                                      "(truncated or extended after the save)")
-    if hashlib.sha256(data).hexdigest() != entry.sha256:
-        raise CheckpointCorruptError(f"{uri} is damaged: its sha256 differs from the one recorded when it was "
-                                     "saved (a changed byte)")
+    if entry_of(data, entry.piece_hash or None) != entry:
+        raise CheckpointCorruptError(f"{uri} is damaged: its {entry.hash_name} differs from the one recorded when it "
+                                     "was saved (a changed byte)")

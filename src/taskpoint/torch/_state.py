@@ -21,6 +21,7 @@ import fsspec.utils
 import torch
 
 from ..errors import CheckpointCorruptError, RestoreMismatch, RestoreReport
+from ..format.names import STATE_DICT_KIND as STEP_KIND
 from ..manager import CheckpointManager
 from ..payloads import BytesPayload, Payload, register_payload
 from ._match import Apply, Mismatches, module_plan
@@ -28,8 +29,6 @@ from ._match import Apply, Mismatches, module_plan
 if TYPE_CHECKING:
     from ._pieces import PieceReader
 
-#: The step kind's name in manifests.
-STEP_KIND = "torch.state_dict"
 STATE_FILE = "state_dict.pt"
 """The name of a state-dict step's one file: in the folder ``manager.restore(step)`` returns, and the path
 ``manager.open(step, STATE_FILE)`` reads."""

@@ -30,7 +30,9 @@ from typing import IO, Any, ClassVar, cast
 
 from .._progress import Progress
 from ..errors import CheckpointCorruptError
-from ..format.fileset import PIECE_HASH, UNNAMED_PIECE_HASH, piece_hash_field, pieces_digest, read_piece_hash
+from ..format.fileset import PIECE_HASH, piece_hash_field, pieces_digest, read_piece_hash
+from ..format.legacy import UNNAMED_PIECE_HASH
+from ..format.names import STATE_DICT_KIND as STEP_KIND
 from ..format.records import KIND_VERSION, ObjectRecord, StepManifest
 from ..manager.kinds import GONE_HOW, Checked, Described, Gone, Parts, Saved, SaveJob, content_of, register_step_kind
 from ..manager.step_names import MANIFEST_NAME as STEP_MANIFEST
@@ -40,7 +42,7 @@ from ..payloads import DirectoryPayload
 from ..storage import WRITE_PIECE, Deadline
 from ..workspace import Staging
 from ._pieces import PIECE_SIZE, PieceReader, PieceWriter
-from ._state import STATE_FILE, STEP_KIND, StateDictPayload
+from ._state import STATE_FILE, StateDictPayload
 
 #: The codec the step's record names: the file as ``torch.save`` wrote it.
 CODEC = "torch.save"

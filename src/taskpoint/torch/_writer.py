@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import hashlib
 import io
 import os
 import pickle
@@ -27,7 +26,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..format.fileset import FileEntry, FileSetManifest
+from ..format.fileset import PIECE_HASH, FileEntry, FileSetManifest, PieceHasher, entry_of
 from ..manager import CheckpointManager
 from ..storage import Deadline, Location, RetryPolicy
 from ..transfer import HashingWriter
@@ -130,14 +129,14 @@ class Writer(Rooted, StorageWriter):
         def write(deadline: Deadline) -> list[WriteResult]:
             placed: list[tuple[WriteItem, int, int]] = []
             with location.open_write(size_hint=hint, deadline=deadline) as sink:
-                out = HashingWriter(sink, "sha256")
+                out = HashingWriter(sink, PieceHasher(PIECE_HASH))
                 for item in items:
                     offset = out.size
                     _write_item(out, planner.resolve_data(item), item)
                     placed.append((item, offset, out.size - offset))
-            digest = out.hexdigest()
+            entry = out.hasher.entry()
             return [WriteResult(index=item.index, size_in_bytes=length,
-                                storage_data=StoredItem(name, offset, length, out.size, digest))
+                                storage_data=StoredItem(name, offset, length, entry))
                     for item, offset, length in placed]
 
         return location.run(write, action="write", writing=True)
@@ -152,12 +151,12 @@ class Writer(Rooted, StorageWriter):
             if not isinstance(stored, StoredItem):
                 raise TypeError("a write result did not come from taskpoint.torch.Writer's write_data")
             storage[result.index] = _StorageInfo(stored.relative_path, stored.offset, stored.length)
-            files[stored.relative_path] = FileEntry(stored.file_size, stored.file_sha256)
+            files[stored.relative_path] = stored.file
         metadata.version = DCP_VERSION
         metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
         blob = pickle.dumps(metadata)
-        files[METADATA_NAME] = FileEntry(len(blob), hashlib.sha256(blob).hexdigest())
+        files[METADATA_NAME] = entry_of(blob)
         manifest = self.new_manifest(files)
         self.commit(manifest, blob)
         self.committed = manifest

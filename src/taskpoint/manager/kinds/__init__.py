@@ -25,6 +25,7 @@ from ... import _progress
 from ..._progress import Progress
 from ...errors import CheckpointCorruptError, CheckpointError
 from ...format.codecs import Codec
+from ...format.fileset import PIECES_DIGEST_PREFIX
 from ...format.records import ObjectRecord, StepContent, StepManifest
 from ...payloads import Payload, payload_class
 from ...transfer import hash_object, read_payload
@@ -272,19 +273,22 @@ def content_of(manifest: StepManifest, content_class: type[C]) -> C:
 
 
 def stored_part(parts: Parts, step: int, name: str, size: int | None, sha256: str | None, progress: object,
-                label: str) -> int:
+                label: str, digest: str = "sha256") -> int:
     """Hash the object ``name`` of ``step``'s folder and compare it with the ``size`` and ``sha256`` its
-    manifest records; its size. CheckpointCorruptError when it differs, FileNotFoundError when it is missing."""
+    manifest records (the hexdigest of ``digest``, a :data:`~taskpoint.digests.DIGESTS` name: a file-set's file
+    listed by pieces names its piece hash); its size. CheckpointCorruptError when it differs, FileNotFoundError
+    when it is missing."""
 
     steps = parts.steps
     with _progress.resolve(progress, label) as tracker:
         try:
-            found, digest = hash_object(steps.object(step, name), "sha256", size, tracker)
+            found, hexdigest = hash_object(steps.object(step, name), digest, size, tracker)
         except FileNotFoundError:
             raise FileNotFoundError(f"its payload {name} is missing") from None
-    if (found, digest) != (size, sha256):
+    if (found, hexdigest) != (size, sha256):
+        by = digest.removeprefix(PIECES_DIGEST_PREFIX)
         raise CheckpointCorruptError(
-            f"step {step} in {steps.directory} is damaged: read {found} bytes of {name} that do not match the sha256 "
+            f"step {step} in {steps.directory} is damaged: read {found} bytes of {name} that do not match the {by} "
             f"of its manifest (recorded size {size})")
     return found
 
