@@ -25,7 +25,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import taskpoint.lightning
-from taskpoint.lightning._resume import generator_states
+from taskpoint.generators import global_states
 
 opts: dict[str, Any] = json.loads(sys.argv[1])
 SAMPLES, BATCH, EPOCHS, SAVE_EVERY = 48, 4, 3, 5
@@ -72,7 +72,7 @@ class LeavingOut(taskpoint.lightning.ResumeExactly):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if opts["leave_out"] == "generators":
-            state_dict = {**state_dict, "generators": generator_states(), "epoch_start": generator_states()}
+            state_dict = {**state_dict, "generators": global_states(), "epoch_start": global_states()}
         elif opts["leave_out"] == "position":
             state_dict = {**state_dict, "batches": 0}
         super().load_state_dict(state_dict)

@@ -18,47 +18,16 @@ from __future__ import annotations
 
 import itertools
 import logging
-import random
 from collections.abc import Iterator, Sized
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
+from ..generators import global_states, set_global_states
+
 _logger = logging.getLogger("taskpoint")
-
-
-def generator_states() -> dict[str, Any]:
-    """The global random generators' states: Python's, NumPy's (when installed), torch CPU's and each CUDA
-    device's. Tensors and plain values only, so that ``torch.load(weights_only=True)`` reads them."""
-    states: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy
-    except ImportError:
-        return states
-    legacy = numpy.random.get_state(legacy=True)  # the MT19937 tuple, which set_state takes back
-    assert isinstance(legacy, tuple)
-    kind, keys, position, has_gauss, gauss = legacy
-    states["numpy"] = (kind, torch.from_numpy(keys.copy()), position, has_gauss, gauss)
-    return states
-
-
-def set_generator_states(states: dict[str, Any]) -> None:
-    """Put back what :func:`generator_states` took."""
-    python = states["python"]
-    random.setstate((python[0], tuple(python[1]), python[2]))  # a tuple read back from a checkpoint may be a list
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
-    if "numpy" in states:
-        import numpy
-
-        kind, keys, position, has_gauss, gauss = states["numpy"]
-        numpy.random.set_state((kind, keys.numpy(), position, has_gauss, gauss))
 
 
 class _SkipOnce(Sampler[int]):
@@ -99,7 +68,7 @@ class ResumeExactly(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps: the generators now and at the epoch's start, and the batches drawn."""
-        return {"generators": generator_states(), "epoch_start": self._epoch_start,
+        return {"generators": global_states(), "epoch_start": self._epoch_start,
                 "batches": self._batches_drawn, "epoch_done": self._epoch_done}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -123,17 +92,17 @@ class ResumeExactly(Callback):
         # checkpoint's own when it was taken at the end of an epoch (the next epoch draws from those).
         pending = self._pending
         if pending is not None and (pending["epoch_done"] or pending["epoch_start"] is None):
-            set_generator_states(pending["generators"])
+            set_global_states(pending["generators"])
             self._pending = None
         elif pending is not None:
-            set_generator_states(pending["epoch_start"])
-        self._epoch_start = generator_states()
+            set_global_states(pending["epoch_start"])
+        self._epoch_start = global_states()
         self._iterator_before_epoch_hook = True
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Later epochs create their iterator after this hook; the fit's first created it before (see above).
         if not self._iterator_before_epoch_hook:
-            self._epoch_start = generator_states()
+            self._epoch_start = global_states()
         self._iterator_before_epoch_hook = False
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -162,5 +131,5 @@ class ResumeExactly(Callback):
                              batch_idx: int) -> None:
         # The batch is drawn: from here on, the generators are those of the moment the checkpoint was taken.
         if self._pending is not None:
-            set_generator_states(self._pending["generators"])
+            set_global_states(self._pending["generators"])
             self._pending = None

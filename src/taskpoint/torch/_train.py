@@ -10,7 +10,6 @@ as the run never interrupted (tests/test_resume_exact.py).
 from __future__ import annotations
 
 import functools
-import random
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -18,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..errors import RestoreReport
+from ..generators import global_states, numpy_or_none, plain, set_global_states
 from ._data import SamplerPosition
 from ._match import Apply, Mismatches, module_plan, optimizer_plan
 from ._state import SavedAsStateDict, restore_into
@@ -159,13 +159,7 @@ def _stateful(value: Any) -> bool:
 
 def _rng_state(generators: Sequence[Any]) -> dict[str, Any]:
     """The states of the global generators and of ``generators``, as values a state dict holds."""
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state(),
-                             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-                             "generators": [_generator_state(g) for g in generators]}
-    numpy = _numpy()
-    if numpy is not None:
-        state["numpy"] = _plain(numpy.random.get_state(legacy=False))
-    return state
+    return {**global_states(), "generators": [_generator_state(g) for g in generators]}
 
 
 def _generator_state(generator: Any) -> Any:
@@ -175,7 +169,7 @@ def _generator_state(generator: Any) -> Any:
     if bit_generator is None:
         raise TypeError(f"TrainState(rng=[...]) takes numpy.random.Generator and torch.Generator objects, not a "
                         f"{type(generator).__name__}")
-    return _plain(bit_generator.state)
+    return plain(bit_generator.state)
 
 
 def _rng_plan(saved: Any, generators: Sequence[Any], found: Mismatches) -> Apply | None:
@@ -187,17 +181,11 @@ def _rng_plan(saved: Any, generators: Sequence[Any], found: Mismatches) -> Apply
     if len(saved["cuda"]) not in (0, devices):
         found.mismatched.append(("rng.cuda", f"{len(saved['cuda'])} CUDA devices in the checkpoint vs {devices}"))
         return None
-    numpy = _numpy()
-    if "numpy" in saved and numpy is None:
+    if "numpy" in saved and numpy_or_none() is None:
         found.unexpected.append("rng.numpy")
 
     def apply() -> None:
-        random.setstate(saved["python"])
-        torch.set_rng_state(saved["torch"])
-        if saved["cuda"]:
-            torch.cuda.set_rng_state_all(saved["cuda"])
-        if numpy is not None and "numpy" in saved:
-            numpy.random.set_state(saved["numpy"])
+        set_global_states(saved)
         for generator, state in zip(generators, saved["generators"], strict=True):
             if isinstance(generator, torch.Generator):
                 generator.set_state(state)
@@ -205,20 +193,3 @@ def _rng_plan(saved: Any, generators: Sequence[Any], found: Mismatches) -> Apply
                 generator.bit_generator.state = state
 
     return apply
-
-
-def _plain(value: Any) -> Any:
-    """A NumPy generator's state with its arrays as lists of ints (NumPy takes them back as they are)."""
-    if isinstance(value, dict):
-        return {key: _plain(item) for key, item in value.items()}
-    tolist = getattr(value, "tolist", None)
-    return tolist() if callable(tolist) and not isinstance(value, (int, float, str)) else value
-
-
-def _numpy() -> Any:
-    """NumPy when it is installed (torch does not need it), else None."""
-    try:
-        import numpy
-    except ImportError:
-        return None
-    return numpy
