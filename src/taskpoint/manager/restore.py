@@ -18,6 +18,7 @@ from ..workspace import Workspace
 from .in_use import InUse
 from .kinds import Gone, Parts, StepKind, StepKinds, in_place_folder, partial_kind
 from .protect import restore_lease
+from .shards import naming_rank
 
 #: How often restore follows a step that another writer overwrites while it is being read.
 RESTORE_ATTEMPTS = 5
@@ -58,8 +59,9 @@ class StepReader:
         """The first of ``candidates`` that restores, and where. Without ``fallback`` only the first is tried;
         with it, a damaged or vanished step is skipped with a warning, but a ``requested`` step that does not
         exist is an error at once, and storage errors are raised, never skipped. ``progress`` counts the step
-        being read, and starts again from zero for the next candidate. ``paths``: only these (normalized)."""
-        with progress:
+        being read, and starts again from zero for the next candidate. ``paths``: only these (normalized). With
+        several ranks, an error names this rank."""
+        with progress, naming_rank(self._parts.plan.ranks):
             return self._read_first(candidates, into, fallback, requested, clock, progress, paths)
 
     def _read_first(self, candidates: list[int], into: Path | None, fallback: bool, requested: bool,

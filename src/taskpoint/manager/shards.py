@@ -26,15 +26,16 @@ attempt taken from a restart counter starts again at 1 when the whole job is lau
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointCorruptError, CheckpointError, StepAbandonedError
+from ..errors import CheckpointCorruptError, CheckpointError, StepAbandonedError, say_in_message
 from ..format.records import ObjectRecord, Shard, ShardRecord, StepContent, StepManifest
 from ..payloads import Payload
 from ..ranks import Ranks, incarnation_from_environment, resolve_ranks
@@ -111,6 +112,12 @@ class ShardWriter:
         (rank 0) with a manifest holding ``content(shards)``. ``store`` hands the :class:`ShardOrphan` to the
         save process, which finishes this rank's part if this process dies first. Returns the shard's size and
         the payloads the manifest names (rank 0; others: their own)."""
+        with naming_rank(self._plan.ranks):
+            return self._write(step, metadata, attempt, payload, codec, content, store)
+
+    def _write(self, step: int, metadata: dict[str, Any], attempt: int | None, payload: Payload, codec: str,
+               content: Callable[[tuple[Shard, ...]], StepContent],
+               store: Callable[[Location, ShardOrphan], tuple[int, str]]) -> tuple[int, set[str]]:
         ranks = self._plan.ranks
         save_id = uuid.uuid4().hex
         name = f"payload-{save_id}"
@@ -173,6 +180,18 @@ class ShardWriter:
                     "than the grace period.")
             time.sleep(min(pause, remaining))
             pause = min(pause * 1.5, POLL_LONGEST)
+
+
+@contextlib.contextmanager
+def naming_rank(ranks: Ranks) -> Iterator[None]:
+    """With several ranks, taskpoint's errors raised in the block name this rank (``[rank 1 of 3]``): in a job of
+    many processes, the first thing to know of a save or restore that failed (a stalled part: which rank's)."""
+    try:
+        yield
+    except CheckpointError as exc:
+        if ranks.distributed:
+            say_in_message(exc, f"rank {ranks.rank} of {ranks.world_size}")
+        raise
 
 
 def await_commit(steps: StepStore, rank: int, step: int, timeout: float, gone: Callable[[], set[int]]) -> str:

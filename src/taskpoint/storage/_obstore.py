@@ -200,7 +200,7 @@ class ObstoreRangeReader(ConcurrentRangeReader):
         super().__init__(store, path, size, **kwargs)  # the bucket's obstore store in the place of the client
         self._store, self._key = store, path.partition("/")[2]
 
-    def _fetch(self, start: int, end: int) -> bytes:
+    def _fetch_range(self, start: int, end: int, deadline: Deadline) -> bytes:
         import obstore
         from obstore.exceptions import PreconditionError
 
@@ -330,4 +330,4 @@ class ObstoreS3Backend(S3Backend):
             raise
         return self.range_reader(store, path, int(meta["size"]),  # type: ignore[return-value]
                                  version=meta.get("e_tag") or None, deadline=self.deadline,
-                                 cap=self.pushback.cap)
+                                 cap=self.pushback.cap, stall=self.stall)
