@@ -40,8 +40,8 @@ class TransferStalled(TimeoutError):
 
     def __init__(self, what: str, window: float, tries: int, deadline: Deadline) -> None:
         until = f"the retry deadline of {deadline.seconds:g} s" if deadline.seconds is not None else "the deadline"
-        super().__init__(errno.ETIMEDOUT, f"{what} made no progress: sent {tries} times, each abandoned after "
-                                          f"{window:g} s without an answer, until {until} passed")
+        super().__init__(errno.ETIMEDOUT, f"{what} made no progress before {until} passed ({tries} tries, each "
+                                          f"abandoned after at most {window:g} s without an answer)")
         self.what = what
 
 
