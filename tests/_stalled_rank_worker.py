@@ -35,10 +35,10 @@ def main() -> None:
     args = json.loads(sys.argv[1])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=240))
     rank = dist.get_rank()
+    retry = taskpoint.RetryPolicy(deadline=args["deadline"], stall_timeout=args["stall"])
     mgr = taskpoint.CheckpointManager(args["directory"], storage_options=args["options"], preemption=False,
                                       commit_timeout=args["commit_timeout"], grace_seconds=args["grace"],
-                                      background_process=False,
-                                      retry=taskpoint.RetryPolicy(deadline=args["deadline"], stall_timeout=args["stall"]))
+                                      background_process=False, retry=retry)
     assert (mgr.rank, mgr.world_size) == (rank, dist.get_world_size())
     mgr.save(shard(rank, 1), 1)
     dist.barrier()

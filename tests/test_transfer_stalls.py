@@ -30,10 +30,10 @@ from taskpoint.storage import Location
 #: The retry deadline of the saves and restores below, and the stall timeout of one transfer (seconds): a part
 #: is abandoned after STALL s without an answer, several times before the deadline. Generous for the requests
 #: that pass: an 8 MiB part to moto takes well under a second, also beside two CPU burners.
-DEADLINE, STALL = 20.0, 4.0
+DEADLINE, STALL = 12.0, 3.0
 #: A folder of random (incompressible) bytes: its archive goes up as a multipart upload of three 8 MiB parts,
 #: and comes down as three ranged GETs.
-FOLDER_BYTES = 20 << 20
+FOLDER_BYTES = 17 << 20
 pytestmark = pytest.mark.timeout(300)  # the bound of every wait: a save that hangs fails the test here
 
 
@@ -69,12 +69,14 @@ class Holder:
             return True
 
 
-@pytest.fixture
-def proxied(s3_server: Any) -> Iterator[tuple[FaultProxy, str, dict[str, Any]]]:
-    """The proxy in front of the S3 server (holding nothing yet), a fresh directory URL and options through it."""
+@pytest.fixture(params=["s3fs", "obstore"])
+def proxied(s3_server: Any, request: pytest.FixtureRequest) -> Iterator[tuple[FaultProxy, str, dict[str, Any]]]:
+    """The proxy in front of the S3 server (holding nothing yet), a fresh directory URL and options through it,
+    for each S3 client (obstore abandons a request whose connection brings nothing for the stall timeout
+    itself, and taskpoint names the part or range its failure is about)."""
     url = f"s3://taskpoint-tests/transfer-stalls-{os.getpid()}-{time.monotonic_ns()}/steps"
     with fault_proxy(s3_server.endpoint, stall_seconds=math.inf) as proxy:
-        yield proxy, url, {**s3_server.storage_options, "endpoint_url": proxy.url}
+        yield proxy, url, {**s3_server.storage_options, "endpoint_url": proxy.url, "s3_client": request.param}
 
 
 def manager(url: str, options: dict[str, Any]) -> CheckpointManager:
@@ -99,13 +101,16 @@ def test_a_part_stalled_forever_fails_the_save_at_its_deadline_naming_the_object
             mgr.save(folder(tmp_path / "two", 2), 2)
         proxy.hold = None
         message = str(info.value)
-        named = re.search(r"part (\d) \(bytes (\d+)-(\d+)\) of (s3://\S+/ckpt-2/payload-\w+) made no progress "
-                          r"before the retry deadline of 20 s passed \((\d+) tries, each abandoned after at most 4 s "
-                          r"without an answer\)", message)
+        named = re.search(r"part (\d) \(bytes (\d+)-(\d+)\) of s3://\S+/ckpt-2/payload-\w+", message)
         assert named, message
         part, first, last = (int(named.group(i)) for i in (1, 2, 3))
-        assert part in (1, 2, 3) and first == (part - 1) * (8 << 20) and last - first + 1 <= 8 << 20
-        assert int(named.group(5)) >= 2  # abandoned and sent again, not waited on for the whole deadline
+        size = last - first + 1  # 8 MiB parts (s3fs), 16 MiB (obstore, for a payload of unknown size)
+        # Which part is held depends on which request reaches the proxy second: parts leave together.
+        assert part in (1, 2, 3) and size in (8 << 20, 16 << 20) and first == (part - 1) * size
+        if options.get("s3_client") == "s3fs":  # abandoned and sent again, not waited on for the whole deadline
+            tries = re.search(r"made no progress before the retry deadline of 12 s passed \((\d+) tries, each "
+                              r"abandoned after at most 3 s without an answer\)", message)
+            assert tries and int(tries.group(1)) >= 2, message
         assert f"retry deadline of {DEADLINE:g} s passed" in message
         assert len(set(holder.held)) == 1 and len(holder.held) >= 2  # one object's parts, each resend held too
         assert mgr.steps() == [1]
@@ -126,7 +131,7 @@ def test_a_part_stalled_once_is_sent_again_and_the_save_commits(
         proxy.hold = holder
         data = folder(tmp_path / "one", 1)
         mgr.save(data, 1)
-        assert len(holder.held) == 1 and holder.seen >= 4  # three parts, one of them sent twice
+        assert len(holder.held) == 1 and holder.seen >= 3  # two or three parts, one of them sent twice
         assert proxy.stats()["stall"] == 1
         assert mgr.steps() == [1]
         assert files(mgr.restore(1)) == files(data)
@@ -173,10 +178,9 @@ def test_a_ranged_read_stalled_forever_fails_the_restore_at_its_deadline_naming_
     with pytest.raises(StorageUnavailable) as info:
         restore()
     message = str(info.value)
-    named = re.search(r"bytes (\d+)-(\d+) of \S+/ckpt-1/payload-\w+ made no progress before the retry deadline "
-                      r"of 20 s passed \((\d+) tries", message)
+    named = re.search(r"bytes (\d+)-(\d+) of s3://\S+/ckpt-1/payload-\w+", message)
     assert named, message
-    assert int(named.group(1)) % (8 << 20) == 0 and int(named.group(3)) >= 2
+    assert int(named.group(1)) % (8 << 20) == 0 and f"retry deadline of {DEADLINE:g} s passed" in message
     assert len(holder.held) >= 2
     holder.times = 0  # hold nothing more
     assert files(restore()) == files(data)

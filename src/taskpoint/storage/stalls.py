@@ -45,6 +45,17 @@ class TransferStalled(TimeoutError):
         self.what = what
 
 
+class TransferFailed(OSError):
+    """A transient failure of one transfer, naming it (``what``: the part or byte range, and the object) where the
+    client's own error does not: obstore's names the request's URL without its query (which holds the part's
+    number, and is cut from messages for the signatures it may carry), and no byte range. Transient like the
+    failure it wraps (its ``__cause__``, where the error map and the throttling checks still read it)."""
+
+    def __init__(self, what: str, exc: BaseException) -> None:
+        super().__init__(errno.EIO, f"{what}: {type(exc).__name__}: {exc}")
+        self.what = what
+
+
 def window(stall: float, size: int) -> float:
     """How long a request moving ``size`` bytes may go unanswered: ``stall`` per :data:`PROGRESS_UNIT`."""
     return stall * max(1, math.ceil(size / PROGRESS_UNIT))

@@ -151,6 +151,8 @@ class ConcurrentRangeReader(OrderedFutureReader):
         self.deadline = deadline
         self.stall = stall
         self._fs, self._path = fs, path
+        #: The object's URL, as errors name it.
+        self.uri: str = fs.unstrip_protocol(path) if hasattr(fs, "unstrip_protocol") else path
         self._range = range_size
         self._in_flight = in_flight
         self._next = 0
@@ -158,7 +160,7 @@ class ConcurrentRangeReader(OrderedFutureReader):
     def _fetch(self, start: int, end: int) -> bytes:
         """Bytes ``start`` to ``end`` of the object, sent again while they make no progress."""
         return watched(lambda attempt: self._fetch_range(start, end, attempt), size=end - start,
-                       what=f"bytes {start}-{end - 1} of {self._path}", deadline=self.deadline, stall=self.stall)
+                       what=f"bytes {start}-{end - 1} of {self.uri}", deadline=self.deadline, stall=self.stall)
 
     def _fetch_range(self, start: int, end: int, deadline: Deadline) -> bytes:
         """One request for bytes ``start`` to ``end``, ending by ``deadline``."""
