@@ -156,3 +156,11 @@ def add_note(exc: BaseException, note: str) -> None:
         add(note)
     else:
         exc.__notes__ = [*getattr(exc, "__notes__", []), note]
+
+
+def say_in_message(error: BaseException, what: str) -> None:
+    """Put ``what`` in the message of one of taskpoint's errors, for Python 3.10, which does not print notes, and
+    for logs that keep only the message: which background save, which rank the error comes from. Other
+    exceptions are left as they are (their arguments may mean something else)."""
+    if isinstance(error, CheckpointError) and len(error.args) == 1 and isinstance(error.args[0], str):
+        error.args = (f"{error.args[0]} [{what}]",)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .._progress import NO_PROGRESS, Progress
-from ..errors import CheckpointError, add_note
+from ..errors import add_note, say_in_message
 from ..format.codecs import Codec
 from ..payloads import Payload
 from ..storage import Location
@@ -63,7 +63,7 @@ class BackgroundSave:
             self._thread, error, self._error = None, self._error, None
         if error is not None:
             add_note(error, f"raised here because the background save of step {self._step} failed")
-            _say_in_message(error, f"background save of step {self._step}")
+            say_in_message(error, f"background save of step {self._step}")
             raise error
 
     def report_unclaimed(self, directory: str) -> None:
@@ -75,14 +75,6 @@ class BackgroundSave:
         if thread is not None and not thread.is_alive() and error is not None:
             warnings.warn(f"the background save of step {self._step} to {directory} failed and no later call "
                           f"reported it: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=1)
-
-
-def _say_in_message(error: BaseException, what: str) -> None:
-    """Put ``what`` in the message of one of taskpoint's errors, for Python 3.10, which does not print notes:
-    an error raised by a later call (a save, close, wait_until_finished) must say that it comes from a
-    background save. Other exceptions are left as they are (their arguments may mean something else)."""
-    if isinstance(error, CheckpointError) and len(error.args) == 1 and isinstance(error.args[0], str):
-        error.args = (f"{error.args[0]} [{what}]",)
 
 
 #: Start of the names of background-save snapshot folders: ``taskpoint-snapshot-<host>-<pid>-<random>``.

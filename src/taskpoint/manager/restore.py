@@ -19,6 +19,7 @@ from .broadcast import Exchange, shared_reads
 from .in_use import InUse
 from .kinds import Gone, Parts, StepKind, StepKinds, in_place_folder, partial_kind
 from .protect import restore_lease
+from .shards import naming_rank
 
 #: How often restore follows a step that another writer overwrites while it is being read.
 RESTORE_ATTEMPTS = 5
@@ -60,8 +61,10 @@ class StepReader:
         with it, a damaged or vanished step is skipped with a warning, but a ``requested`` step that does not
         exist is an error at once, and storage errors are raised, never skipped. ``progress`` counts the step
         being read, and starts again from zero for the next candidate. ``paths``: only these (normalized).
-        ``broadcast``: each step read once among the ranks of the process group (:mod:`.broadcast`)."""
-        with progress, shared_reads(broadcast, self._parts.plan.commit_timeout) as exchange:
+        ``broadcast``: each step read once among the ranks of the process group (:mod:`.broadcast`). With several
+        ranks, an error names this rank."""
+        with progress, naming_rank(self._parts.plan.ranks), \
+                shared_reads(broadcast, self._parts.plan.commit_timeout) as exchange:
             return self._read_first(candidates, into, fallback, requested, clock, progress, paths, exchange)
 
     def _read_first(self, candidates: list[int], into: Path | None, fallback: bool, requested: bool,

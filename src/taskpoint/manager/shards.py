@@ -26,21 +26,30 @@ attempt taken from a restart counter starts again at 1 when the whole job is lau
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointCorruptError, CheckpointError, StepAbandonedError
+from ..errors import CheckpointCorruptError, CheckpointError, StepAbandonedError, say_in_message
 from ..format.records import ObjectRecord, Shard, ShardRecord, StepContent, StepManifest
 from ..payloads import Payload
 from ..ranks import Ranks, incarnation_from_environment, resolve_ranks
-from ..storage import Location
+from ..storage import Location, RetryPolicy
 from .leases import lease_body, renewing
-from .step_names import MANIFEST_NAME, RANK_RECORD, commit_lease_name, shard_record_name
+from .step_names import (
+    MANIFEST_NAME,
+    RANK_FAILURE,
+    RANK_RECORD,
+    commit_lease_name,
+    rank_failure_name,
+    round_tag,
+    shard_record_name,
+)
 from .steps import StepStore, best_effort
 
 _log = logging.getLogger("taskpoint")
@@ -98,6 +107,8 @@ class ShardWriter:
         #: Called with the step on every listing while rank 0 waits for the shards (the preemption agreement);
         #: returns the ranks known gone, whose shards will never come.
         self._waiting = waiting
+        #: The failure notes this rank wrote (:func:`tell_rank_zero`), removed if it saves the step again.
+        self._failed: set[str] = set()
 
     @property
     def commits(self) -> bool:
@@ -111,6 +122,12 @@ class ShardWriter:
         (rank 0) with a manifest holding ``content(shards)``. ``store`` hands the :class:`ShardOrphan` to the
         save process, which finishes this rank's part if this process dies first. Returns the shard's size and
         the payloads the manifest names (rank 0; others: their own)."""
+        with naming_rank(self._plan.ranks):
+            return self._write(step, metadata, attempt, payload, codec, content, store)
+
+    def _write(self, step: int, metadata: dict[str, Any], attempt: int | None, payload: Payload, codec: str,
+               content: Callable[[tuple[Shard, ...]], StepContent],
+               store: Callable[[Location, ShardOrphan], tuple[int, str]]) -> tuple[int, set[str]]:
         ranks = self._plan.ranks
         save_id = uuid.uuid4().hex
         name = f"payload-{save_id}"
@@ -119,8 +136,17 @@ class ShardWriter:
         orphan = ShardOrphan(folder.uri, folder.storage_options, folder.retry, step, ranks, save_round(attempt),
                              name, record, metadata, attempt, content)
         if ranks.rank != 0:
-            size, digest = store(self._steps.object(step, name), orphan)
-            orphan.record_shard(folder, size, digest)
+            failure = folder.child(rank_failure_name(ranks.rank, orphan.round))
+            if failure.uri in self._failed:  # this rank's earlier save of the step failed: rank 0 must not read it
+                best_effort(failure.remove)
+                self._failed.discard(failure.uri)
+            try:
+                size, digest = store(self._steps.object(step, name), orphan)
+                orphan.record_shard(folder, size, digest)
+            except CheckpointError as exc:
+                tell_rank_zero(failure, exc)
+                self._failed.add(failure.uri)
+                raise
             return size, {name}
         # Rank 0 holds a lease on the folder from before its own shard until the commit: no sweep removes the
         # shards it is gathering, however long the others take (a sweep with a shorter grace included).
@@ -149,30 +175,65 @@ class ShardWriter:
         world = self._plan.ranks.world_size
         found: dict[int, Shard] = {0: own}
         stale: set[int] = set()
+        failed: dict[int, str] = {}
         deadline = time.monotonic() + self._plan.commit_timeout
         pause = POLL_FIRST
         while True:
-            gather(folder, step, world, round_, found, stale)
+            gather(folder, step, world, round_, found, stale, failed)
             if len(found) == world:
                 return tuple(found[rank] for rank in range(world))
             missing = [rank for rank in range(world) if rank not in found]
             gone = sorted(set(missing) & self._waiting(step)) if self._waiting is not None else []
+            failing = sorted(set(missing) & set(failed))
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or gone:
+            if remaining <= 0 or gone or failing:
                 forget_records(folder, [rank for rank in found if rank] + sorted(stale))
+                for rank in failing:
+                    best_effort(folder.child(rank_failure_name(rank, round_)).remove)
                 also = f" (ranks {sorted(stale)} left records of another launch)" if stale else ""
-                if len(found) == 1 and not stale:
+                if len(found) == 1 and not stale and not failing:
                     also = (" (no other rank stored a shard: if only rank 0 saves in this job, create its manager "
                             "with world_size=1)")
-                waited = (f"stopped waiting for the shards of ranks {missing} of {world}: the processes of ranks "
-                          f"{gone} are gone{also}" if gone else f"waited {self._plan.commit_timeout:g} s for the "
-                          f"shards of ranks {missing} of {world}{also}")
+                if failing:
+                    why = "; ".join(f"rank {rank} failed to save its shard ({failed[rank]})" for rank in failing)
+                    waited = f"stopped waiting for the shards of ranks {missing} of {world}: {why}{also}"
+                elif gone:
+                    waited = (f"stopped waiting for the shards of ranks {missing} of {world}: the processes of ranks "
+                              f"{gone} are gone{also}")
+                else:
+                    waited = (f"waited {self._plan.commit_timeout:g} s for the shards of ranks {missing} of "
+                              f"{world}{also}")
                 raise StepAbandonedError(
                     f"step {step} in {self._steps.directory} was abandoned: rank 0 {waited}, and committed "
                     "nothing. The previous steps are intact; gc() removes this step's shards once they are older "
                     "than the grace period.")
             time.sleep(min(pause, remaining))
             pause = min(pause * 1.5, POLL_LONGEST)
+
+
+@contextlib.contextmanager
+def naming_rank(ranks: Ranks) -> Iterator[None]:
+    """With several ranks, taskpoint's errors raised in the block name this rank (``[rank 1 of 3]``): in a job of
+    many processes, the first thing to know of a save or restore that failed (a stalled part: which rank's)."""
+    try:
+        yield
+    except CheckpointError as exc:
+        if ranks.distributed:
+            say_in_message(exc, f"rank {ranks.rank} of {ranks.world_size}")
+        raise
+
+
+#: How long a rank whose save failed tries to tell rank 0 (seconds): the store may be what failed.
+FAILURE_NOTE_DEADLINE = 10.0
+
+
+def tell_rank_zero(note: Location, error: CheckpointError) -> None:
+    """Write ``note`` (a rank's failure note, :func:`~.step_names.rank_failure_name`) holding ``error``'s message,
+    so that rank 0, gathering the shards, abandons the step at once with it instead of at its commit_timeout.
+    Best effort and short: where the store itself failed, rank 0 still stops at its commit_timeout."""
+    quick = note.with_retry(RetryPolicy(attempts=2, deadline=FAILURE_NOTE_DEADLINE))
+    _log.warning("taskpoint: telling rank 0 that this rank's save failed, at %s", note.uri)
+    best_effort(lambda: quick.write_small(str(error).encode(), action="tell rank 0 of the failure at"))
 
 
 def await_commit(steps: StepStore, rank: int, step: int, timeout: float, gone: Callable[[], set[int]]) -> str:
@@ -209,12 +270,19 @@ def await_commit(steps: StepStore, rank: int, step: int, timeout: float, gone: C
     return outcome
 
 
-def gather(folder: Location, step: int, world: int, round_: str, found: dict[int, Shard], stale: set[int]) -> None:
+def gather(folder: Location, step: int, world: int, round_: str, found: dict[int, Shard], stale: set[int],
+           failed: dict[int, str] | None = None) -> None:
     """One listing of the step's folder: add to ``found`` the shards whose records of ``round_`` appeared, and
-    to ``stale`` the ranks whose record is of another launch (or unreadable). A record not accepted yet is read
-    again on every listing: a rewrite within the same second (the resolution of some stores' modification
-    times) would leave its time unchanged."""
+    to ``stale`` the ranks whose record is of another launch (or unreadable); to ``failed``, when given, the
+    ranks that noted their save of ``round_`` failed, with the error. A record not accepted yet is read again on
+    every listing: a rewrite within the same second (the resolution of some stores' modification times) would
+    leave its time unchanged."""
+    tag = round_tag(round_)
     for name in folder.list_names():
+        note = RANK_FAILURE.fullmatch(name)
+        if note is not None and failed is not None and note.group(2) == tag and int(note.group(1)) not in failed:
+            failed[int(note.group(1))] = (folder.child(name).read_small() or b"").decode("utf-8", "replace")
+            continue
         rank = _rank_of(name, world)
         if rank is None or rank in found:
             continue

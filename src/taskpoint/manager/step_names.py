@@ -7,6 +7,7 @@ Layout under the manager's directory (any fsspec URL)::
     ckpt-{step}/rank-{k}.json       a step saved by several ranks: rank k's record of its shard (a payload
                                     like the above), until rank 0 commits the step (see :mod:`.shards`)
     ckpt-{step}/commit-{id}.json    rank 0's lease while it gathers the shards and commits (:mod:`.leases`)
+    ckpt-{step}/rank-{k}.failed-{r} rank k's save of the step failed (the error's message): rank 0 stops waiting
     ckpt-{step}/...                 what another kind of step stores (:mod:`.kinds`: a plug-in's own files)
     chunks/, leases/                the chunk store of deduplicated steps (see :mod:`.chunks`)
 
@@ -15,6 +16,7 @@ Names and patterns only: what a listing holds and what may be swept is :mod:`.st
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Any
 
@@ -30,6 +32,8 @@ COMMIT_LEASE = re.compile(r"commit-[0-9a-f]{32}\.json")
 RESTORE_LEASE = re.compile(r"restore-[0-9a-f]{32}\.json")
 #: Rank k's record of its shard of a step saved by several ranks.
 RANK_RECORD = re.compile(r"rank-(0|[1-9][0-9]*)\.json")
+#: Rank k's note that its save of a step failed in the round whose tag (:func:`round_tag`) follows.
+RANK_FAILURE = re.compile(r"rank-(0|[1-9][0-9]*)\.failed-([0-9a-f]{12})")
 
 
 def stored_names(pattern: str) -> re.Pattern[str]:
@@ -50,6 +54,16 @@ def name_in(body: dict[str, Any], key: str, pattern: re.Pattern[str], what: str)
 def commit_lease_name(save_id: str) -> str:
     """The name of rank 0's lease on a step folder while it gathers the shards of save ``save_id``."""
     return f"commit-{save_id}.json"
+
+
+def round_tag(round_: str) -> str:
+    """12 hex digits naming a save's round (:func:`~.shards.save_round`) in an object's name."""
+    return hashlib.sha256(round_.encode()).hexdigest()[:12]
+
+
+def rank_failure_name(rank: int, round_: str) -> str:
+    """The name of rank ``rank``'s note that its save of the step in ``round_`` failed."""
+    return f"rank-{rank}.failed-{round_tag(round_)}"
 
 
 def shard_record_name(rank: int) -> str:

@@ -16,18 +16,20 @@ import datetime
 import errno
 import io
 import os
+import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 from . import _s3
 from ._s3 import PARTS_IN_FLIGHT, RECEIVED_PIECE, SINGLE_PUT_MAX, UPLOAD_PART_SIZE
 from .backends import SMALL_READ, Kind, WholeObject, WriteHooks, folder_error
 from .deadline import Deadline
-from .errormap import Failure, classify, code_and_status
+from .errormap import Failure, classify, code_and_status, is_transient
 from .objectstores import S3Backend
 from .retry import CLIENT_TIMEOUT
+from .stalls import STALL_TIMEOUT, TransferFailed
 from .streams import ConcurrentRangeReader, ObjectChanged, VersionConflict
 
 #: Part size when the size is not known in advance (a compressed payload): 16 MiB parts reach 156 GiB in
@@ -42,6 +44,8 @@ MAX_PARTS = 9000
 CLIENT_RETRIES = 3
 #: Overall time limit of one request when the operation has no deadline.
 REQUEST_TIMEOUT = 3600.0
+#: The part's number in the URL of a request of a multipart upload (in obstore's error messages).
+_PART_NUMBER = re.compile(r"[?&]partNumber=(\d+)")
 #: What to install when the option names obstore and it is missing.
 INSTALL_HINT = 'pip install "taskpoint[obstore]"'
 
@@ -54,13 +58,15 @@ def require_obstore() -> None:
         raise ImportError(f"s3_client='obstore' needs the obstore package: {INSTALL_HINT}") from exc
 
 
-def store_config(options: dict[str, Any], deadline: float | None) -> dict[str, Any]:
+def store_config(options: dict[str, Any], deadline: float | None, stall: float = STALL_TIMEOUT) -> dict[str, Any]:
     """obstore's ``S3Store`` keyword arguments (all but the bucket) from the storage options users give s3fs:
     ``key``, ``secret``, ``token``, ``anon``, ``endpoint_url`` (or ``client_kwargs["endpoint_url"]``) and
     ``client_kwargs["region_name"]``, ``config_kwargs={"s3": {"payload_signing_enabled": False}}``; what is not
     given comes from the AWS_* environment variables (not from ~/.aws files or profiles). Timeouts
-    follow the s3fs path: connect and read timeouts of :data:`CLIENT_TIMEOUT`, lowered to a shorter deadline;
-    no single request lasts longer than the deadline."""
+    follow the s3fs path: connect timeout of :data:`CLIENT_TIMEOUT`, lowered to a shorter deadline; no single
+    request lasts longer than the deadline. The read timeout is the stall timeout (:mod:`.stalls`) where that is
+    shorter: a request whose connection brings no byte for that long (a part or a range the store never
+    answers) is abandoned and sent again by obstore's own retries."""
     if options.get("profile"):
         raise ValueError("s3_client='obstore' cannot read AWS profiles: give key and secret in storage_options "
                          "or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or use s3_client='s3fs'")
@@ -82,7 +88,7 @@ def store_config(options: dict[str, Any], deadline: float | None) -> dict[str, A
     limit = CLIENT_TIMEOUT if deadline is None else min(CLIENT_TIMEOUT, deadline)
     client_options: dict[str, Any] = {
         "connect_timeout": datetime.timedelta(seconds=limit),
-        "read_timeout": datetime.timedelta(seconds=limit),
+        "read_timeout": datetime.timedelta(seconds=min(limit, stall)),
         "timeout": datetime.timedelta(seconds=REQUEST_TIMEOUT if deadline is None else deadline),
     }
     if endpoint and str(endpoint).startswith("http://"):
@@ -148,9 +154,30 @@ class ObstoreWriter(io.RawIOBase):
             # Best effort: without this listing (a role that may not list uploads) only obstore's abort is tried.
             with contextlib.suppress(Exception):
                 self._earlier = {upload_id for _, upload_id in self._uploads()}
-        self._file.write(b)
+        with self._named():
+            self._file.write(b)
         self._written += n
         return n
+
+    @contextlib.contextmanager
+    def _named(self) -> Iterator[None]:
+        """A transient failure of the upload as :class:`~.stalls.TransferFailed` naming the part (its number, from
+        the request's URL in obstore's message, and its bytes) or the single PUT, and the object."""
+        try:
+            yield
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            failed = exc
+        else:
+            return
+        number = _PART_NUMBER.search(str(failed))
+        if number is not None:
+            first = (int(number.group(1)) - 1) * self._part_size
+            what = f"part {number.group(1)} (bytes {first}-{first + self._part_size - 1}) of s3://{self._path}"
+        else:
+            what = f"the upload of s3://{self._path}"
+        raise TransferFailed(what, failed) from failed
 
     def close(self, before_commit: Callable[[Deadline], None] | None = None) -> None:
         """Send what is left and make the object visible; ``before_commit(deadline)`` runs just before that."""
@@ -158,7 +185,8 @@ class ObstoreWriter(io.RawIOBase):
             return
         if before_commit is not None:
             before_commit(self._deadline)
-        self._file.close()
+        with self._named():
+            self._file.close()
         super().close()
 
     def abort(self) -> None:
@@ -199,8 +227,9 @@ class ObstoreRangeReader(ConcurrentRangeReader):
     def __init__(self, store: Any, path: str, size: int, **kwargs: Any) -> None:
         super().__init__(store, path, size, **kwargs)  # the bucket's obstore store in the place of the client
         self._store, self._key = store, path.partition("/")[2]
+        self.uri = f"s3://{path}"
 
-    def _fetch(self, start: int, end: int) -> bytes:
+    def _fetch_range(self, start: int, end: int, deadline: Deadline) -> bytes:
         import obstore
         from obstore.exceptions import PreconditionError
 
@@ -209,6 +238,7 @@ class ObstoreRangeReader(ConcurrentRangeReader):
         options: dict[str, Any] = {"range": (start, end)}
         if self.version is not None:
             options["if_match"] = self.version
+        failed: Exception | None = None
         try:
             result = obstore.get(self._store, self._key, options=options)  # type: ignore[arg-type]
             if self.on_received is None:
@@ -221,10 +251,16 @@ class ObstoreRangeReader(ConcurrentRangeReader):
                 data = b"".join(parts)
         except PreconditionError:
             changed = True
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            failed, changed = exc, False
         else:
             changed = False
         if changed:  # raised outside the handler: the client's 412 must not be read by the error map
             raise ObjectChanged(self._path, str(self.version))
+        if failed is not None:  # named: obstore's message does not say which bytes
+            raise TransferFailed(f"bytes {start}-{end - 1} of {self.uri}", failed) from failed
         if len(data) != end - start:
             raise OSError(f"short ranged read of {self._path}: {len(data)} of {end - start} bytes")
         if self.on_received is None:
@@ -251,10 +287,10 @@ class ObstoreS3Backend(S3Backend):
     #: obstore's own retries of the data path are invisible: the retry policy counts what reaches it.
     answers_watched = False
 
-    def __init__(self, fs: Any, options: dict[str, Any], deadline: float | None) -> None:
+    def __init__(self, fs: Any, options: dict[str, Any], deadline: float | None, stall: float) -> None:
         super().__init__(fs, options)
         # The options s3fs was made with: those given, under fsspec's configuration (FSSPEC_S3, its files).
-        self._config = store_config({**options, **getattr(fs, "storage_options", {})}, deadline)
+        self._config = store_config({**options, **getattr(fs, "storage_options", {})}, deadline, stall)
         self._stores: dict[str, Any] = {}
         self._lock = threading.Lock()
 
@@ -330,4 +366,4 @@ class ObstoreS3Backend(S3Backend):
             raise
         return self.range_reader(store, path, int(meta["size"]),  # type: ignore[return-value]
                                  version=meta.get("e_tag") or None, deadline=self.deadline,
-                                 cap=self.pushback.cap)
+                                 cap=self.pushback.cap, stall=self.stall)

@@ -13,6 +13,7 @@ from ..executors import IO
 from ..signals import uninterrupted
 from .deadline import NO_DEADLINE, Deadline, bounded
 from .errormap import chain, code_and_status, swept_while_written
+from .stalls import STALL_TIMEOUT, watched
 from .streams import ConcurrentRangeReader, ObjectChanged, VersionConflict
 
 #: Size of the parts of taskpoint's own S3 multipart uploads (S3 allows 10,000 parts: 80 GB at this size;
@@ -40,15 +41,19 @@ class S3MultipartWriter(io.RawIOBase):
     upload: the object appears whole, at that moment. ``abort()`` aborts the upload: S3 keeps no parts.
     Each request, parts on the pool's threads too, is given the time left before ``deadline`` (the retried
     write's); ``on_upload_started`` is given the deadline. ``cap``: the store's cap on requests in flight, which
-    lowers the parts sent at once while it throttles.
+    lowers the parts sent at once while it throttles. A part (or the single PUT) that makes no progress for
+    ``stall`` seconds is sent again (:func:`~.stalls.watched`), and named when the deadline passes.
     """
 
     def __init__(self, fs: Any, path: str, *, part_size: int = UPLOAD_PART_SIZE,
                  in_flight: int = PARTS_IN_FLIGHT, on_upload_started: Callable[[Deadline], None] | None = None,
-                 deadline: Deadline = NO_DEADLINE, cap: Callable[[int], int] | None = None):
+                 deadline: Deadline = NO_DEADLINE, cap: Callable[[int], int] | None = None,
+                 stall: float = STALL_TIMEOUT):
         super().__init__()
         self._on_upload_started = on_upload_started
         self._deadline = deadline
+        self._stall = stall
+        self._sent = 0  # bytes handed to parts so far: where the next part starts
         self._fs = fs
         self._bucket, _, self._key = path.partition("/")
         self._part_size = part_size
@@ -89,14 +94,20 @@ class S3MultipartWriter(io.RawIOBase):
         # reach. A deque of the unsettled ones keeps this O(1) per part, also for 10,000-part uploads.
         while self._unsettled and (self._unsettled[0].done() or len(self._unsettled) >= self._in_flight):
             self._unsettled.popleft().result()
-        future = self._pool.submit(self._upload_part, number, data)
+        future = self._pool.submit(self._upload_part, number, data, self._sent)
+        self._sent += len(data)
         self._parts.append(future)
         self._unsettled.append(future)
 
-    def _upload_part(self, number: int, data: bytes) -> dict[str, Any]:
+    def _upload_part(self, number: int, data: bytes, start: int) -> dict[str, Any]:
+        def send(attempt: Deadline) -> dict[str, Any]:
+            return self._fs.call_s3("upload_part", Bucket=self._bucket, Key=self._key,  # type: ignore[no-any-return]
+                                    UploadId=self._upload_id, PartNumber=number, Body=data,
+                                    **bounded(self._fs, attempt))
+
+        what = f"part {number} (bytes {start}-{start + len(data) - 1}) of s3://{self._bucket}/{self._key}"
         with self._not_aborted():
-            answer = self._fs.call_s3("upload_part", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id,
-                                      PartNumber=number, Body=data, **bounded(self._fs, self._deadline))
+            answer = watched(send, what=what, size=len(data), deadline=self._deadline, stall=self._stall)
         return {"PartNumber": number, "ETag": answer["ETag"]}
 
     @contextlib.contextmanager
@@ -131,8 +142,11 @@ class S3MultipartWriter(io.RawIOBase):
             if self._upload_id is None:
                 if before_commit is not None:
                     before_commit(self._deadline)
-                self._fs.call_s3("put_object", Bucket=self._bucket, Key=self._key, Body=bytes(self._buf),
-                                 **bounded(self._fs, self._deadline))
+                body = bytes(self._buf)
+                watched(lambda attempt: self._fs.call_s3("put_object", Bucket=self._bucket, Key=self._key, Body=body,
+                                                         **bounded(self._fs, attempt)),
+                        what=f"the PUT of s3://{self._bucket}/{self._key} ({len(body)} bytes)", size=len(body),
+                        deadline=self._deadline, stall=self._stall)
             else:
                 if self._buf:
                     self._send(bytes(self._buf))
@@ -197,14 +211,14 @@ class S3RangeReader(ConcurrentRangeReader):
     replaced meanwhile, the next range fails with 412 and :class:`ObjectChanged` is raised (a transient error:
     the retry policy starts the read over, from the new version) instead of two versions being mixed."""
 
-    def _fetch(self, start: int, end: int) -> bytes:
+    def _fetch_range(self, start: int, end: int, deadline: Deadline) -> bytes:
         if self.version is None:
-            return super()._fetch(start, end)
+            return super()._fetch_range(start, end, deadline)
         from fsspec.asyn import sync
 
         bucket, _, key = self._path.partition("/")
         try:
-            data: bytes = sync(self._fs.loop, self._get, bucket, key, start, end, **bounded(self._fs, self.deadline))
+            data: bytes = sync(self._fs.loop, self._get, bucket, key, start, end, **bounded(self._fs, deadline))
         except Exception as exc:
             if _code(exc) in ("PreconditionFailed", "412"):
                 raise ObjectChanged(self._path, self.version) from exc

@@ -30,6 +30,7 @@ from typing import IO, Any, ClassVar, TypeVar
 
 from .deadline import NO_DEADLINE, Deadline, bounded
 from .errormap import Failure, classify
+from .stalls import STALL_TIMEOUT
 from .streams import RANGE_SIZE
 from .throttle import pushback_for, store_key
 
@@ -130,6 +131,9 @@ class Backend:
 
     #: The deadline of the operation this view serves: client calls get the time left before it.
     deadline: Deadline = NO_DEADLINE
+    #: Seconds after which a part or ranged read that made no progress is sent again (the location's
+    #: ``RetryPolicy.stall_timeout``, :mod:`.stalls`).
+    stall: float = STALL_TIMEOUT
 
     def __init__(self, fs: Any, options: dict[str, Any]) -> None:
         self.fs = fs

@@ -67,7 +67,8 @@ class Location:
                 f"{credential_source((scheme,), options)}; check that they are complete and valid.") from exc
         self.backend: Backend = backend_for(self.fs, fs_options)
         if client == "obstore" and isinstance(self.backend, S3Backend):
-            self.backend = ObstoreS3Backend(self.fs, fs_options, self.retry.deadline)
+            self.backend = ObstoreS3Backend(self.fs, fs_options, self.retry.deadline, self.retry.stall_timeout)
+        self.backend.stall = self.retry.stall_timeout
 
     @staticmethod
     def check_options(uris: list[str], storage_options: dict[str, Any] | None) -> None:

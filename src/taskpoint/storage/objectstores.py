@@ -21,7 +21,7 @@ from .backends import (
     WriteHooks,
     folder_error,
 )
-from .deadline import bounded
+from .deadline import Deadline, bounded
 from .errormap import chain, code_and_status
 from .streams import RANGE_SIZE, ConcurrentRangeReader, ObjectChanged, VersionConflict
 from .throttle import watch_s3fs
@@ -62,7 +62,7 @@ class ObjectStoreBackend(Backend):
             # Pinned to the version just seen: an object replaced under the read raises ObjectChanged and the
             # read starts over, never mixing two versions (small objects are one range).
             return self.range_reader(self.fs, path, size, version=version,  # type: ignore[return-value]
-                                     deadline=self.deadline, cap=self.pushback.cap)
+                                     deadline=self.deadline, cap=self.pushback.cap, stall=self.stall)
         return self.fs.open(path, "rb", block_size=PART_SIZE, cache_type="readahead")  # type: ignore[no-any-return]
 
     def _prefixed(self, prefix: str) -> dict[str, str]:
@@ -118,12 +118,12 @@ class GenerationRangeReader(ConcurrentRangeReader):
     is replaced that generation is gone (404, unless the bucket keeps versions: then the read stays on it),
     and :class:`ObjectChanged` starts the read over from the new one."""
 
-    def _fetch(self, start: int, end: int) -> bytes:
+    def _fetch_range(self, start: int, end: int, deadline: Deadline) -> bytes:
         if self.version is None:
-            return super()._fetch(start, end)
+            return super()._fetch_range(start, end, deadline)
         try:
             data: bytes = self._fs.cat_file(self._path, start=start, end=end, generation=self.version,
-                                            **bounded(self._fs, self.deadline))
+                                            **bounded(self._fs, deadline))
         except FileNotFoundError as exc:
             raise ObjectChanged(self._path, self.version) from exc
         if len(data) != end - start:
@@ -184,9 +184,9 @@ class ETagRangeReader(ConcurrentRangeReader):
     """Azure: ranged GETs pinned to the blob's ETag (``If-Match``): a blob replaced or deleted under the read
     raises :class:`ObjectChanged`, and the read starts over."""
 
-    def _fetch(self, start: int, end: int) -> bytes:
+    def _fetch_range(self, start: int, end: int, deadline: Deadline) -> bytes:
         if self.version is None:
-            return super()._fetch(start, end)
+            return super()._fetch_range(start, end, deadline)
         from azure.core import MatchConditions
         from azure.core.exceptions import ResourceModifiedError, ResourceNotFoundError
 
@@ -201,7 +201,7 @@ class ETagRangeReader(ConcurrentRangeReader):
         if end == start:
             return b""
         try:
-            data: bytes = sync(self._fs.loop, get, **bounded(self._fs, self.deadline))
+            data: bytes = sync(self._fs.loop, get, **bounded(self._fs, deadline))
         except (ResourceModifiedError, ResourceNotFoundError):
             changed = True
         else:
@@ -302,7 +302,7 @@ class S3Backend(ObjectStoreBackend):
         single = size_hint is not None and size_hint <= _s3.SINGLE_PUT_MAX
         return _s3.S3MultipartWriter(self.fs, path, part_size=_s3.SINGLE_PUT_MAX + 1 if single
                                      else _s3.UPLOAD_PART_SIZE, on_upload_started=hooks.on_partial,
-                                     deadline=self.deadline, cap=self.pushback.cap)
+                                     deadline=self.deadline, cap=self.pushback.cap, stall=self.stall)
 
     @contextlib.contextmanager
     def open_write(self, path: str, size_hint: int | None, hooks: WriteHooks) -> Iterator[IO[bytes]]:

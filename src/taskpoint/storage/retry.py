@@ -16,6 +16,7 @@ from .._log import logger, safe_uri
 from ..errors import StorageUnavailable
 from .deadline import NO_DEADLINE, Deadline
 from .errormap import SYMPTOM_ADVICE, Symptom, describe, is_transient, strongest, symptom
+from .stalls import STALL_TIMEOUT
 from .throttle import Pushback, full_jitter, retry_after, throttled
 
 T = TypeVar("T")
@@ -39,6 +40,10 @@ class RetryPolicy:
         deadline: seconds, measured from the start of an operation's first attempt, after which no new attempt
             starts (a retry whose pause would end after it is not made either); then
             :class:`~taskpoint.errors.StorageUnavailable` names the deadline. None: no deadline. Default 120 s.
+        stall_timeout: seconds after which one transfer (a part of an upload, a ranged read of a large object)
+            that made no progress is abandoned and sent again, within the deadline; once the deadline passes,
+            StorageUnavailable names the object and the part or byte range (:mod:`~taskpoint.storage.stalls`).
+            Default 60 s.
 
     What the deadline bounds: the operation is handed a :class:`~taskpoint.storage.deadline.Deadline` (the
     earlier of its own and that of an operation it runs inside), which it passes down to each call, also to
@@ -58,10 +63,13 @@ class RetryPolicy:
     max_delay: float = 8.0
     multiplier: float = 2.0
     deadline: float | None = DEFAULT_DEADLINE
+    stall_timeout: float = STALL_TIMEOUT
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
             raise ValueError("RetryPolicy.attempts must be at least 1")
+        if not self.stall_timeout > 0:
+            raise ValueError("RetryPolicy.stall_timeout must be a positive number of seconds")
         if self.deadline is not None and not self.deadline > 0:
             raise ValueError("RetryPolicy.deadline must be a positive number of seconds, or None")
 

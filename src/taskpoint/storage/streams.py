@@ -13,6 +13,7 @@ from typing import IO, Any
 from ..executors import IO as IO_POOL
 from ..executors import Lane
 from .deadline import NO_DEADLINE, Deadline, bounded
+from .stalls import STALL_TIMEOUT, watched
 
 
 def read_up_to(source: IO[bytes], n: int) -> bytes:
@@ -132,7 +133,9 @@ class ConcurrentRangeReader(OrderedFutureReader):
 
     ``cap``: the store's cap on requests in flight (:meth:`~taskpoint.storage.throttle.Pushback.cap`).
     ``deadline``: that of the retried operation the read belongs to; each range, fetched on a pool thread, is
-    given the time left before it. ``on_received``, when set before the first read, is told of the bytes of
+    given the time left before it, and is sent again when it made no progress for ``stall`` seconds
+    (:func:`~.stalls.watched`, which names its byte range once the deadline passes). Subclasses fetch one
+    range in :meth:`_fetch_range`. ``on_received``, when set before the first read, is told of the bytes of
     each range as they arrive (subclasses that stream a range tell it piece by piece): a load's progress,
     ahead of what was read.
     """
@@ -141,18 +144,27 @@ class ConcurrentRangeReader(OrderedFutureReader):
 
     def __init__(self, fs: Any, path: str, size: int, *, version: str | None = None, range_size: int = RANGE_SIZE,
                  in_flight: int = RANGES_IN_FLIGHT, deadline: Deadline = NO_DEADLINE,
-                 cap: Callable[[int], int] | None = None) -> None:
+                 cap: Callable[[int], int] | None = None, stall: float = STALL_TIMEOUT) -> None:
         super().__init__(IO_POOL.lane(in_flight, cap))
         self.size = size
         self.version = version
         self.deadline = deadline
+        self.stall = stall
         self._fs, self._path = fs, path
+        #: The object's URL, as errors name it.
+        self.uri: str = fs.unstrip_protocol(path) if hasattr(fs, "unstrip_protocol") else path
         self._range = range_size
         self._in_flight = in_flight
         self._next = 0
 
     def _fetch(self, start: int, end: int) -> bytes:
-        data = self._fs.cat_file(self._path, start=start, end=end, **bounded(self._fs, self.deadline))
+        """Bytes ``start`` to ``end`` of the object, sent again while they make no progress."""
+        return watched(lambda attempt: self._fetch_range(start, end, attempt), size=end - start,
+                       what=f"bytes {start}-{end - 1} of {self.uri}", deadline=self.deadline, stall=self.stall)
+
+    def _fetch_range(self, start: int, end: int, deadline: Deadline) -> bytes:
+        """One request for bytes ``start`` to ``end``, ending by ``deadline``."""
+        data = self._fs.cat_file(self._path, start=start, end=end, **bounded(self._fs, deadline))
         if len(data) != end - start:
             raise OSError(f"short ranged read of {self._path}: {len(data)} of {end - start} bytes")
         self._received(len(data))

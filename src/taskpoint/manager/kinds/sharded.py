@@ -14,11 +14,11 @@ from ...format.records import Shard, StepManifest
 from ...payloads import Payload
 from ..background import store_payload
 from ..shards import ShardWriter
-from ..step_names import PAYLOAD_NAME, RANK_RECORD, stored_names
+from ..step_names import PAYLOAD_NAME, RANK_FAILURE, RANK_RECORD, stored_names
 from ..steps import StepObjects, StepStore
 from . import Checked, Described, Parts, Saved, SaveJob, read_object, register_step_kind, stored_part
 
-_OWNED = stored_names(rf"{PAYLOAD_NAME.pattern}|{RANK_RECORD.pattern}")
+_OWNED = stored_names(rf"{PAYLOAD_NAME.pattern}|{RANK_RECORD.pattern}|{RANK_FAILURE.pattern}")
 
 
 @dataclass(frozen=True)
