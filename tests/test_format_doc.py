@@ -128,7 +128,7 @@ def test_every_stored_name_is_in_the_specification(name: str) -> None:
 
 #: What each placeholder of the specification's layout stands for.
 PLACEHOLDERS = {"{step}": "(0|[1-9][0-9]*)", "{save_id}": "[0-9a-f]{32}", "{id}": "[0-9a-f]{32}",
-                "{k}": "[0-9]+", "{rank}": "[0-9]+", "{n}": "[0-9]+", "{save}": "[0-9a-f]{12}",
+                "{k}": "[0-9]+", "{rank}": "[0-9]+", "{n}": "[0-9]+", "{save}": "[0-9a-f]{12}", "{r}": "[0-9a-f]{12}",
                 "{key[:2]}": "[0-9a-f]{2}", "{key}": "[0-9a-f]{64}[.](zst|gz|raw)"}
 
 
