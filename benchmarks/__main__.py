@@ -12,6 +12,7 @@ Examples::
     python -m benchmarks --methods lightning                      # only Lightning's step time with the plug-in
     python -m benchmarks --methods subset --size 0.0625 --runs 1  # only issue 26's one file out of a step
     python -m benchmarks --methods tiers --size 0.0625 --runs 1   # only issue 24's local tier, 64 MiB
+    python -m benchmarks --methods latency                        # only issue 44's small operations at 20 ms RTT
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from . import _agreement, _background, _dataset, _dcp, _dedup, _fast, _preemption, _report, _subset, _tiers
+from . import _agreement, _background, _dataset, _dcp, _dedup, _fast, _latency, _preemption, _report, _subset, _tiers
 from ._operations import METHODS, PAYLOADS, STORES
 from ._runner import REPO_ROOT, Options, run_all
 
@@ -75,7 +76,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "15's deduplicated steps of CheckpointManager against today's, see benchmarks/_dedup.py; "
                    "subset: issue 26's one file out of a step against its full restore, see benchmarks/_subset.py; "
                    "fast: issue 26's manager steps against Orbax, torch.save and a raw copy, see benchmarks/_fast.py; "
-                   "tiers: issue 24's local tier against a raw local copy and S3 restores, see benchmarks/_tiers.py)")
+                   "tiers: issue 24's local tier against a raw local copy and S3 restores, see benchmarks/_tiers.py; "
+                   "latency: issue 44's small saves and restores through a 10 ms proxy against their floor, see "
+                   "benchmarks/_latency.py)")
     p.add_argument("--codec", default="gzip", help="taskpoint's codec (default gzip, the targets' default)")
     p.add_argument("--level", type=int, default=None, help="taskpoint's compression level (default: its own)")
     p.add_argument("--data-dir", type=Path, default=BENCH_DIR / "data", help="where the data set is built")
@@ -129,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     # sections with data of their own
     separate = (_dcp.METHOD, _preemption.METHOD, _agreement.METHOD, _dedup.METHOD, _subset.METHOD, _fast.METHOD,
-                _tiers.METHOD, LIGHTNING)
+                _tiers.METHOD, _latency.METHOD, LIGHTNING)
     main_table = any(m not in separate for m in args.methods)
     dataset = _dataset.prepare(args.data_dir, args.size) if main_table else None
     mib = {k: v / 2**20 for k, v in dataset.sizes.items()} if dataset else {}
@@ -164,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     subset_rows = _subset.run(args.size, opts, args.data_dir / "work-subset") if _subset.METHOD in args.methods else []
     fast_rows = _fast.run(args.size, opts, args.data_dir) if _fast.METHOD in args.methods else []
     tier_rows = _tiers.run(args.size, opts, args.data_dir / "work-tiers") if _tiers.METHOD in args.methods else []
+    latency_rows = _latency.run(args.runs) if _latency.METHOD in args.methods else []
     lightning = (subprocess.run([sys.executable, "-m", "benchmarks.lightning_step_time"], check=True,
                                 capture_output=True, text=True).stdout.strip() if LIGHTNING in args.methods else "")
     summaries = [r.summary() for r in results]
@@ -200,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         sections += [f"local tier (issue 24): CheckpointManager(local_dir=..., codec='none') on the dedup section's "
                      f"float32 files, remote tier on the {tier_rows[0]['store']} store; ratios are medians of per-run "
                      "ratios (benchmarks/_tiers.py)", "", _tiers.table(tier_rows), ""]
+    if latency_rows:
+        sections += [_latency.notes(), "", _latency.table(latency_rows), ""]
     if lightning:
         sections += ["Lightning: a training loop's step time with a .ckpt every few steps (benchmarks/"
                      "lightning_step_time.py)", "", lightning, ""]
@@ -246,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         "tmp+ is the peak of bytes in TMPDIR, the load workspace and the local store folder minus what remains",
     }
     _report.write_json(args.results_dir / f"{stem}.json", meta,
-                       rows + background + dcp_rows + dedup_rows + subset_rows + fast_rows, goals, text)
+                       rows + background + dcp_rows + dedup_rows + subset_rows + fast_rows + latency_rows, goals, text)
     (args.results_dir / f"{stem}.txt").write_text(text + "\n")
     try:
         if rows:  # the plot shows MB/s of saves and loads; the background saves have no such bars
