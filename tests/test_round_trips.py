@@ -6,7 +6,8 @@ A real store answers in 5-30 ms, so each request a small operation waits on is i
 is two PUTs (the payload, then the manifest created only where there is none: no read before, no HEAD after),
 a restore of the newest step is the listing and two GETs (its restore lease written on a thread of its own, off
 the restore's path), a small ``Checkpoint.save_sync`` at a name saved to before is two PUTs (the record,
-then the object). A reader that may not write restores with one warning that it took no lease.
+then the object), and at a new name three round trips (the record's read; its create beside the check that the
+name is no folder; the object). A reader that may not write restores with one warning that it took no lease.
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def test_restoring_the_newest_step_waits_on_the_listing_and_two_gets(proxied):
     path = [request for request in made if not _LEASE.fullmatch(request[1])]
     assert [method for method, _, _ in path] == ["GET", "GET", "GET"], _methods(made)
     assert path[1][1].endswith("/ckpt-7/taskpoint.json") and "/ckpt-7/payload-" in path[2][1]
-    assert any(method == "PUT" and _LEASE.fullmatch(p) for method, p, _ in made), "no lease was asked for"
+    leases = [(method, status) for method, p, status in made if _LEASE.fullmatch(p)]
+    assert leases == [("PUT", None)], f"the restore waited on its lease: {leases}"  # one try, still unanswered
 
 
 def test_a_restore_takes_its_lease_and_removes_it(proxied, s3_server):
@@ -182,10 +184,10 @@ def test_a_small_checkpoint_save_again_is_two_puts(proxied):
     assert Checkpoint(f"{url}/other", f"{url}/ckpt", storage_options=options).load_sync().read_bytes() == b"b" * 1024
 
 
-def test_a_first_small_checkpoint_save_is_two_round_trips(proxied):
-    """``Checkpoint.save_sync(1 KiB)`` at a new name: the record's create, the destination's HEAD and the listing
-    under it go together (the listing is held at the proxy until the record's PUT has come, which it does), then
-    the object's PUT."""
+def test_a_first_small_checkpoint_save_is_three_round_trips(proxied):
+    """``Checkpoint.save_sync(1 KiB)`` at a new name: the record's GET (none there); then the record's create, the
+    destination's HEAD and the listing under it together (the listing is held at the proxy until the record's PUT
+    has come, which it does); then the object's PUT."""
     proxy, url, options = proxied
     checkpoint = Checkpoint(f"{url}/first", storage_options=options)
     record = f"/first{RECORD_SUFFIX}"
@@ -207,6 +209,7 @@ def test_a_first_small_checkpoint_save_is_two_round_trips(proxied):
     saving.join(WAIT_BOUND)
     assert not saving.is_alive()
     answered = [(method, path) for method, path, status in proxy.requests(since) if status is not None]
-    assert sorted(method for method, _ in answered[:3]) == ["GET", "HEAD", "PUT"], answered
-    assert len(answered) == 4 and answered[3][0] == "PUT" and answered[3][1].endswith("/first"), answered
+    assert answered[0] == ("GET", answered[0][1]) and answered[0][1].endswith(record), answered
+    assert sorted(method for method, _ in answered[1:4]) == ["GET", "HEAD", "PUT"], answered
+    assert len(answered) == 5 and answered[4][0] == "PUT" and answered[4][1].endswith("/first"), answered
     assert Checkpoint(f"{url}/other", f"{url}/first", storage_options=options).load_sync().read_bytes() == b"c" * 1024

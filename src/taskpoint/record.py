@@ -82,17 +82,16 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
     record_loc = dest.sibling(RECORD_SUFFIX)
     known, version = memory.take(record_loc)
     read_at = time.monotonic()
-    # The first save here of this process, on an object store with conditional writes, reads nothing first: its
-    # record write creates the record only where there is none (where there is one, another save's, it reads
-    # and merges it as it would any other writer's), beside the folder check (:func:`_first_write`). A small
-    # save is then two round trips (the record, the object), not five (5-30 ms each on a real store).
-    unread = known is None and record_loc.conditional and not dest.is_local
-    if known is None and not unread:
+    if known is None:
         stored, version = _read_versioned(record_loc)
         previous = stored or Record()
     else:
-        previous = known or Record()
-    if not unread and (dest.is_local or not previous.objects):
+        previous = known
+    # With no record there (or one listing nothing), on an object store with conditional writes, the folder check
+    # goes beside the record's first write (made only over the version read: where there was none, only where there
+    # is none): one round trip for both, where they took three in a row (5-30 ms each on a real store).
+    beside = known is None and not previous.objects and record_loc.conditional and not dest.is_local
+    if not beside and (dest.is_local or not previous.objects):
         # A folder or prefix is refused before anything is written (folders.py). A destination with a record
         # was saved to as an object before: on object stores that spares the first save a HEAD and a listing.
         memory.refuse_folder(dest)
@@ -101,7 +100,7 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
         dest.sweep_leftovers(started_before=time.time())  # what killed or failed saves left
     entry = ObjectRecord(kind=payload.kind, codec=codec.name if payload.archived else "raw",
                          save_id=uuid.uuid4().hex, created=time.time(), size=payload.size())
-    state = _SaveState(record_loc, previous, version, check=(lambda: memory.refuse_folder(dest)) if unread else None)
+    state = _SaveState(record_loc, previous, version, check=(lambda: memory.refuse_folder(dest)) if beside else None)
 
     def on_partial(deadline: Deadline) -> None:  # a multipart upload begins: if this process dies, the next save
         if not state.partial:  # sweeps it
@@ -115,14 +114,18 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
         if not record_loc.conditional and (known is not None or time.monotonic() - read_at > _FRESH_SECONDS):
             state.record = _merged(read_record(record_loc.within(deadline), tolerate_corrupt=True), state.record)
         new = replace(entry, size=size, crc32=digest, index=payload.written_index)
-        # Unread, a record found in place may ask for a sweep this save did not make: it keeps asking.
-        state.write(lambda record: record.with_new(new, sweep=state.partial or (unread and record.sweep)),
-                    action="record the checkpoint at", outer=deadline)
+        state.write(lambda record: record.with_new(new, sweep=state.partial), action="record the checkpoint at",
+                    outer=deadline)
 
     try:
         size, digest = write_payload(dest, payload, codec, level, digest="crc32", size_hint=payload.size(),
                                      before_commit=before_commit, on_partial=on_partial, progress=progress)
     except BaseException:
+        if state.refused:  # the destination is a folder: a record this save made goes again, nothing is left
+            with contextlib.suppress(Exception):
+                if state.created:
+                    record_loc.remove()
+            raise
         with contextlib.suppress(Exception):  # best effort: the record already lists all that may be visible
             # The failed save's object may have become visible if only the answer was lost: the record keeps
             # every object it listed, and asks the next save to sweep what this one may have left. One try,
@@ -130,8 +133,7 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
             state.loc = record_loc.with_retry(_MARK_RETRY)
             state.write(lambda record: replace(record, sweep=True), action="record a failed save at")
         raise
-    memory.keep(record_loc, replace(state.record, confirmed=entry.save_id, sweep=unread and state.record.sweep),
-                state.version)
+    memory.keep(record_loc, replace(state.record, confirmed=entry.save_id, sweep=False), state.version)
     return replace(entry, size=size, crc32=digest, index=payload.written_index)
 
 
@@ -167,6 +169,7 @@ class _SaveState:
     #: The folder check still to run beside the first write (an unread save's), None when none is due.
     check: Callable[[], None] | None = None
     created: bool = False  # a write of this save found no record and made it
+    refused: bool = False  # the folder check found the destination a folder
 
     def write(self, change: Callable[[Record], Record], *, action: str, outer: Deadline = NO_DEADLINE) -> None:
         """Store ``change(record)``, by ``outer`` (the deadline of the write whose hook this is). Where the store
@@ -198,22 +201,14 @@ class _SaveState:
 
     def _beside(self, check: Callable[[], None], write: Callable[[], None]) -> None:
         """``write`` (the first) with the folder ``check`` on a pool thread meanwhile: one round trip for both.
-        When the check refuses the destination, a record the write created is removed: nothing is left."""
+        :attr:`refused` when the check refuses the destination."""
         with IO.lane(1) as lane:
             checked = lane.submit(check)
             try:
                 write()
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    checked.result()
-                raise
-            try:
-                checked.result()
-            except CheckpointError:
-                if self.created:
-                    with contextlib.suppress(Exception):
-                        self.loc.remove()
-                raise
+            finally:
+                self.refused = isinstance(checked.exception(), CheckpointError)
+            checked.result()
 
 
 def read_record(record_loc: Location, *, tolerate_corrupt: bool = False) -> Record | None:
