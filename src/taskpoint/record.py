@@ -15,7 +15,7 @@ from typing import Any
 
 from . import _log
 from ._progress import NO_PROGRESS, Progress
-from .errors import CheckpointCorruptError, CheckpointError, StorageNotFound, StorageUnavailable
+from .errors import CheckpointCorruptError, StorageNotFound, StorageUnavailable
 from .executors import IO
 from .folders import refuse_folder_destination
 from .format.codecs import Codec
@@ -121,7 +121,7 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
         size, digest = write_payload(dest, payload, codec, level, digest="crc32", size_hint=payload.size(),
                                      before_commit=before_commit, on_partial=on_partial, progress=progress)
     except BaseException:
-        if state.refused:  # the destination is a folder: a record this save made goes again, nothing is left
+        if state.refused:  # never written (a folder, say): a record this save made goes again, nothing is left
             with contextlib.suppress(Exception):
                 if state.created:
                     record_loc.remove()
@@ -166,10 +166,10 @@ class _SaveState:
     record: Record
     version: str | None
     partial: bool = False
-    #: The folder check still to run beside the first write (an unread save's), None when none is due.
+    #: The folder check still to run beside the first write (no record listed objects), None when none is due.
     check: Callable[[], None] | None = None
     created: bool = False  # a write of this save found no record and made it
-    refused: bool = False  # the folder check found the destination a folder
+    refused: bool = False  # that check refused the destination (or failed): the object was never written
 
     def write(self, change: Callable[[Record], Record], *, action: str, outer: Deadline = NO_DEADLINE) -> None:
         """Store ``change(record)``, by ``outer`` (the deadline of the write whose hook this is). Where the store
@@ -201,13 +201,13 @@ class _SaveState:
 
     def _beside(self, check: Callable[[], None], write: Callable[[], None]) -> None:
         """``write`` (the first) with the folder ``check`` on a pool thread meanwhile: one round trip for both.
-        :attr:`refused` when the check refuses the destination."""
+        :attr:`refused` when the check refuses the destination or fails."""
         with IO.lane(1) as lane:
             checked = lane.submit(check)
             try:
                 write()
             finally:
-                self.refused = isinstance(checked.exception(), CheckpointError)
+                self.refused = checked.exception() is not None
             checked.result()
 
 
