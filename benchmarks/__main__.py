@@ -13,6 +13,7 @@ Examples::
     python -m benchmarks --methods subset --size 0.0625 --runs 1  # only issue 26's one file out of a step
     python -m benchmarks --methods tiers --size 0.0625 --runs 1   # only issue 24's local tier, 64 MiB
     python -m benchmarks --methods broadcast --size 0.25 --runs 3 # only issue 44's 4 ranks restoring 64 MiB
+    python -m benchmarks --methods latency                        # only issue 44's small operations at 20 ms RTT
 """
 
 from __future__ import annotations
@@ -28,7 +29,20 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from . import _agreement, _background, _broadcast, _dataset, _dcp, _dedup, _fast, _preemption, _report, _subset, _tiers
+from . import (
+    _agreement,
+    _background,
+    _broadcast,
+    _dataset,
+    _dcp,
+    _dedup,
+    _fast,
+    _latency,
+    _preemption,
+    _report,
+    _subset,
+    _tiers,
+)
 from ._operations import METHODS, PAYLOADS, STORES
 from ._runner import REPO_ROOT, Options, run_all
 
@@ -77,7 +91,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "subset: issue 26's one file out of a step against its full restore, see benchmarks/_subset.py; "
                    "fast: issue 26's manager steps against Orbax, torch.save and a raw copy, see benchmarks/_fast.py; "
                    "tiers: issue 24's local tier against a raw local copy and S3 restores, see benchmarks/_tiers.py; "
-                   "broadcast: issue 44's 4 ranks restoring one step read once, see benchmarks/_broadcast.py)")
+                   "broadcast: issue 44's 4 ranks restoring one step read once, see benchmarks/_broadcast.py; "
+                   "latency: issue 44's small saves and restores through a 10 ms proxy against their floor, see "
+                   "benchmarks/_latency.py)")
     p.add_argument("--codec", default="gzip", help="taskpoint's codec (default gzip, the targets' default)")
     p.add_argument("--level", type=int, default=None, help="taskpoint's compression level (default: its own)")
     p.add_argument("--data-dir", type=Path, default=BENCH_DIR / "data", help="where the data set is built")
@@ -131,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     # sections with data of their own
     separate = (_dcp.METHOD, _preemption.METHOD, _agreement.METHOD, _dedup.METHOD, _subset.METHOD, _fast.METHOD,
-                _fast.FORMAT_METHOD, _tiers.METHOD, _broadcast.METHOD, LIGHTNING)
+                _fast.FORMAT_METHOD, _tiers.METHOD, _broadcast.METHOD, _latency.METHOD, LIGHTNING)
     main_table = any(m not in separate for m in args.methods)
     dataset = _dataset.prepare(args.data_dir, args.size) if main_table else None
     mib = {k: v / 2**20 for k, v in dataset.sizes.items()} if dataset else {}
@@ -170,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     tier_rows = _tiers.run(args.size, opts, args.data_dir / "work-tiers") if _tiers.METHOD in args.methods else []
     broadcast_rows = (_broadcast.run(args.size, opts, args.data_dir / "work-broadcast")
                       if _broadcast.METHOD in args.methods else [])
+    latency_rows = _latency.run(args.runs) if _latency.METHOD in args.methods else []
     lightning = (subprocess.run([sys.executable, "-m", "benchmarks.lightning_step_time"], check=True,
                                 capture_output=True, text=True).stdout.strip() if LIGHTNING in args.methods else "")
     summaries = [r.summary() for r in results]
@@ -215,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         sections += [f"one read per step (issue 44): {_broadcast.RANKS} gloo ranks under torchrun on 2 shared cores "
                      "restore one step from moto, each way through a byte-counting proxy (benchmarks/_broadcast.py)",
                      "", _broadcast.table(broadcast_rows), ""]
+    if latency_rows:
+        sections += [_latency.notes(), "", _latency.table(latency_rows), ""]
     if lightning:
         sections += ["Lightning: a training loop's step time with a .ckpt every few steps (benchmarks/"
                      "lightning_step_time.py)", "", lightning, ""]
@@ -263,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     _report.write_json(args.results_dir / f"{stem}.json", meta,
                        rows + background + dcp_rows + dedup_rows + subset_rows + fast_rows + format_rows
-                       + broadcast_rows, goals, text)
+                       + broadcast_rows + latency_rows, goals, text)
     (args.results_dir / f"{stem}.txt").write_text(text + "\n")
     try:
         if rows:  # the plot shows MB/s of saves and loads; the background saves have no such bars

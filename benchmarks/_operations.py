@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 METHODS = ("taskpoint", "taskpoint-progress", "taskpoint-async", "baseline", "raw", "raw-fsync", "manager", "dcp",
-           "preemption", "agreement", "dedup", "subset", "tiers", "lightning", "fast", "format", "broadcast")
+           "preemption", "agreement", "dedup", "subset", "tiers", "lightning", "fast", "format", "broadcast",
+           "latency")
 PAYLOADS = ("directory", "file", "bytes", "small")
 #: Payloads held in memory (``bytes`` objects) rather than read from a path by the save.
 IN_MEMORY = ("bytes", "small")

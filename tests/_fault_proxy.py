@@ -19,7 +19,13 @@ random generator, whether to let it through or to fail it in one of these ways:
     the client, then the connection is reset (or, for a response without a body, half of the head).
 
 ``hold`` (a function of a request's method and path) stalls the requests it picks, whatever the rate: with
-``stall_seconds=math.inf`` they are never answered (until the client gives up or the proxy closes).
+``stall_seconds=math.inf`` they are never answered (until the client gives up or the proxy closes). ``choose``
+(a function of the same) names the fault of each request it picks, whatever the rate: any kind above, or
+``403`` (S3's ``AccessDenied``: a credential that may read but not write, say).
+
+``delay`` (seconds) is a latency added each way: each request waits that long before it goes to the server,
+and each response before it goes back to the client, so that a request that fits in one send costs
+``2 * delay`` more, as on a store in the same region (5-30 ms). The proxy's own ``100 Continue`` is not delayed.
 
 The server is real and so is every byte that is let through; only the failures are made here. With
 ``throttle`` (bytes per second, per connection) the bodies that pass go no faster than that: a slow network. Requests
@@ -36,6 +42,7 @@ Usage::
         proxy.rate = 1.0        # every request fails from now on
         proxy.stats()           # {"requests": ..., "passed": ..., "served": bytes, "reset": ..., ...}
         proxy.log               # [method, path, fault, status, arrival (time.monotonic())] per request
+        proxy.requests(since)   # (method, path, status) of the requests logged after the first ``since``
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ __all__ = ["FAULT_KINDS", "THROTTLE_KINDS", "FaultProxy", "fault_proxy"]
 FAULT_KINDS: tuple[str, ...] = ("reset", "stall", "500", "503", "cut")
 #: The answers of a store that pushes back: 503 (S3's SlowDown, Azure's ServerBusy) and 429.
 THROTTLE_KINDS: tuple[str, ...] = ("503", "429")
-_KNOWN_KINDS = (*FAULT_KINDS, "429")
+_KNOWN_KINDS = (*FAULT_KINDS, "429", "403")
 
 _MAX_HEAD = 256 << 10
 _CHUNK = 64 << 10
@@ -177,19 +184,22 @@ def _reset(sock: socket.socket) -> None:
 def _error_response(status: int, request_headers: dict[str, str], retry_after: float | None = None, *,
                     head: bool = False) -> bytes:
     """The proxy's own error answer; to a HEAD request, without its body (as servers answer it)."""
-    reason = {500: "Internal Server Error", 503: "Service Unavailable", 429: "Too Many Requests"}[status]
+    reason = {500: "Internal Server Error", 503: "Service Unavailable", 429: "Too Many Requests",
+              403: "Forbidden"}[status]
     s3_style = ("authorization" in request_headers and "aws4" in request_headers["authorization"].lower()) or any(
         name.startswith("x-amz-") for name in request_headers)
     azure_style = any(name.startswith("x-ms-") for name in request_headers)
     if s3_style or azure_style:
-        codes = ({500: "InternalError", 503: "SlowDown", 429: "SlowDown"} if s3_style else
-                 {500: "InternalError", 503: "ServerBusy", 429: "TooManyRequests"})
+        codes = ({500: "InternalError", 503: "SlowDown", 429: "SlowDown", 403: "AccessDenied"} if s3_style else
+                 {500: "InternalError", 503: "ServerBusy", 429: "TooManyRequests",
+                  403: "AuthorizationPermissionMismatch"})
         body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{codes[status]}</Code>'
                 f"<Message>injected by the fault proxy</Message><RequestId>fault</RequestId></Error>").encode()
         kind = "application/xml"
     else:
+        why = "forbidden" if status == 403 else "backendError"
         body = json.dumps({"error": {"code": status, "message": "injected by the fault proxy",
-                                     "errors": [{"reason": "backendError", "message": "injected"}]}}).encode()
+                                     "errors": [{"reason": why, "message": "injected"}]}}).encode()
         kind = "application/json"
     wait = "" if retry_after is None else f"Retry-After: {retry_after:g}\r\n"
     return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n{wait}"
@@ -206,7 +216,7 @@ class FaultProxy:
 
     def __init__(self, upstream_url: str, *, seed: int = 0, rate: float = 0.0,
                  kinds: Sequence[str] = FAULT_KINDS, stall_seconds: float = 10.0,
-                 throttle: float | None = None, retry_after: float | None = None) -> None:
+                 throttle: float | None = None, retry_after: float | None = None, delay: float = 0.0) -> None:
         unknown = set(kinds) - set(_KNOWN_KINDS)
         if unknown:
             raise ValueError(f"unknown fault kinds {sorted(unknown)}; choose from {_KNOWN_KINDS}")
@@ -218,6 +228,10 @@ class FaultProxy:
         self.throttle = throttle
         #: Picks requests (by method and path, without the query) to stall, whatever the rate; None: none.
         self.hold: Callable[[str, str], bool] | None = None
+        #: Names the fault of a request (by method and path) or None to let the rate decide; None: the rate alone.
+        self.choose: Callable[[str, str], str | None] | None = None
+        #: Seconds each request waits before it goes to the server, and each response before it goes back.
+        self.delay = delay
         #: Seconds sent as ``Retry-After`` with the proxy's own 429 and 503 answers (None: no header).
         self.retry_after = retry_after
         self._rng = random.Random(seed)
@@ -239,11 +253,17 @@ class FaultProxy:
         with self._lock:
             return dict(self._counts)
 
+    def requests(self, since: int = 0) -> list[tuple[str, str, int | None]]:
+        """(method, path without the query, status: None when the proxy failed it otherwise) of each request
+        logged, from the ``since``-th on (``len(proxy.log)`` taken before an operation: its requests)."""
+        return [(method, path, status) for method, path, _, status, _ in list(self.log)[since:]]
+
     def _decide(self, method: str, path: str) -> str | None:
         held = self.hold is not None and self.hold(method, path)
+        chosen = self.choose(method, path) if self.choose is not None else None
         with self._lock:
             self._counts["requests"] += 1
-            fault = "stall" if held else \
+            fault = "stall" if held else chosen if chosen is not None else \
                 self._rng.choice(self.kinds) if self.kinds and self._rng.random() < self.rate else None
             self._counts[fault or "passed"] += 1
             return fault
@@ -315,12 +335,14 @@ class FaultProxy:
                     _reset(client)
                     _reset(upstream)
                     return
-                if fault in ("stall", "500", "503", "429"):
+                if fault in ("stall", "500", "503", "429", "403"):
                     for _ in _body(reader, headers, to_eof=False):
                         pass  # the whole request is read (the client is done sending) ...
                     if fault == "stall":  # ... and never answered
                         self._hold(client)
                         return
+                    entry[3] = int(fault)
+                    self._wait(2 * self.delay)  # the way there and back
                     client.sendall(_error_response(int(fault), headers,
                                                    self.retry_after if fault in THROTTLE_KINDS else None,
                                                    head=method == "HEAD"))
@@ -329,6 +351,7 @@ class FaultProxy:
                     upstream = self._connect()
                     upstream_reader = _Reader(upstream)
                 assert upstream_reader is not None
+                self._wait(self.delay)
                 upstream.sendall(head)
                 for data in _body(reader, headers, to_eof=False):
                     self._pass(upstream, data)
@@ -355,6 +378,12 @@ class FaultProxy:
         for start in range(0, len(data), piece):
             sock.sendall(data[start:start + piece])
             time.sleep(min(piece, len(data) - start) / rate)
+
+    @staticmethod
+    def _wait(seconds: float) -> None:
+        """The added latency (a few milliseconds: a plain pause)."""
+        if seconds > 0:
+            time.sleep(seconds)
 
     def _connect(self) -> socket.socket:
         upstream = socket.create_connection(self._upstream, timeout=60)
@@ -390,6 +419,7 @@ class FaultProxy:
                 client.sendall(head)
                 continue
             break
+        self._wait(self.delay)
         no_body = method == "HEAD" or status in (204, 304)
         framed = "content-length" in headers or "transfer-encoding" in headers
         if cut:

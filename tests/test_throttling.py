@@ -117,7 +117,10 @@ def test_a_tenth_of_requests_throttled_every_save_commits_and_restores_its_bytes
     assert [r.step for r in records if r.operation == "save"] == list(payloads)
     in_records = sum(r.throttled for r in records)  # a restore's lease is let go after its record
     store_count = Location(url, options).throttles()  # every location of the store counts into one figure
-    assert 0 < in_records <= store_count
+    assert in_records <= store_count
+    # Under obstore only the answers to s3fs are seen (below), and its small saves and restores make none inside
+    # their records since issue 44 item 3 (no HEAD after the PUT): its records may count nothing.
+    assert in_records > 0 or kind == "s3-obstore"
     if kind in ("s3", "gcs"):  # botocore's and gcsfs's answers are watched: every throttling answer is counted
         assert store_count == injected
     else:  # obstore's and Azure's own retries are not seen: only what they give up on (and, under obstore, the

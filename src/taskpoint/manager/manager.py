@@ -29,7 +29,7 @@ from .._log import TransferStats
 from ..format.codecs import Codec, step_codec
 from ..format.index import normalize_paths
 from ..format.records import StepContent
-from ..payloads import Payload, payload_for
+from ..payloads import Payload
 from ..storage import LEFTOVER_GRACE_SECONDS, Location, RetryPolicy, normalize_uri
 from ._checks import check_grace, check_metadata, check_step
 from .agreement import AGREEMENT_FOLDER, Agreement
@@ -244,8 +244,9 @@ class CheckpointManager(StepQueries):
         """Save ``data`` as ``step``; return the URI of the step's folder.
 
         ``metadata`` is a dict of JSON values, given back exactly by :meth:`metadata`. Saving a step that
-        exists raises FileExistsError unless ``overwrite=True`` (two writers checking at the same moment
-        can both pass the check; the last to commit wins, with its own complete data). With
+        exists raises FileExistsError unless ``overwrite=True`` (blocking, on an object store with conditional
+        writes, when the manifest's create finds one; elsewhere two writers checking at the same moment can
+        both pass the check, and the last to commit wins, with its own complete data). With
         ``blocking=False`` (or ``async_save=True``) the call returns once the data is snapshotted, and handed
         to the save process where there is one (so that the step is committed even if this process is killed
         next; see docs/manager.md): the caller may change or delete it at once. At most one save is in
@@ -269,13 +270,10 @@ class CheckpointManager(StepQueries):
                                       progress=progress)
                 self._schedule.saved(step, began)
                 return uri
-            exists, replaced = self._steps.committed_objects(step)
-            if exists and not overwrite:
-                raise FileExistsError(f"step {step} already exists in {self.directory}; pass overwrite=True to "
-                                      "replace it, or save under a new step")
-            payload = payload_for(data)  # after the existence check: some kinds (PyTree) serialize here
-            job = functools.partial(self._write_step, step, record_metadata, attempt, replaced, clock=clock,
-                                    progress=tracker, overwrites=exists)
+            claim = self._writer.claim(step, data, overwrite=overwrite, background=background)
+            payload = claim.payload
+            job = functools.partial(self._write_step, step, record_metadata, attempt, claim.replaced, clock=clock,
+                                    progress=tracker, overwrites=claim.exists, exclusive=claim.exclusive)
             if not background:
                 job(payload)
             else:
@@ -297,9 +295,9 @@ class CheckpointManager(StepQueries):
 
     def _write_step(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: set[str] | None,
                     payload: Payload, saver: Handover | None = None, *, clock: _log.Clock,
-                    progress: _progress.Progress, overwrites: bool) -> None:
+                    progress: _progress.Progress, overwrites: bool, exclusive: bool = False) -> None:
         self.last_save = self._writer.write(step, metadata, attempt, replaced, payload, saver, clock=clock,
-                                            progress=progress, overwrites=overwrites)
+                                            progress=progress, overwrites=overwrites, exclusive=exclusive)
 
     # -- preemption: the notice, and the emergency save (emergency.py) --------------------------------------
     def reached_preemption(self, step: int | None = None) -> bool:

@@ -16,12 +16,15 @@ read once from the manifest for the others (and again when a listing shows the m
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from .. import _log
 from ..errors import CheckpointCorruptError, CheckpointError
+from ..storage import RetryPolicy
 from .in_use import InUse
 from .leases import alive, lease_body, renewing
 from .retention import KeepPolicy
@@ -167,12 +170,85 @@ class Guard:
                 self._good.discard(step)
 
 
-@contextmanager
-def restore_lease(steps: StepStore, step: int, grace: float) -> Iterator[None]:
-    """Hold a lease on ``step``'s folder while a restore reads it, so that other processes' retention keeps it.
-    Best effort: a store this process may only read (or any failure) restores without one."""
-    with _held(steps, step, f"restore-{uuid.uuid4().hex}.json", grace, "restore"):
-        yield
+#: The retries of a restore lease's writes (seconds of deadline): a store that cannot take one in this long
+#: leaves the restore without it, never the restore waiting on it.
+LEASE_DEADLINE = 30.0
+#: How long the end of a restore waits for its lease's removal (retried within :data:`LEASE_DEADLINE`) before
+#: it leaves the lease's thread to finish alone.
+LEASE_JOIN_SECONDS = LEASE_DEADLINE + 5.0
+#: How long the end of a restore waits for its lease's write to end, so that the lease is gone when the restore
+#: returns (a store answers in 5-30 ms); a write slower than this is the lease's thread's to finish and undo.
+LEASE_SETTLE_SECONDS = 2.0
+
+
+class RestoreLease:
+    """A lease on ``step``'s folder while a restore reads it, so that other processes' retention keeps the step.
+
+    Written on a thread of its own (:meth:`held`), off the restore's critical path: the manifest and payload
+    reads do not wait for it (a round trip each, 5-30 ms on a real store), and a store that is slow to take it
+    delays nothing. A sweep elsewhere may list the folder before the lease lands, as it may before a lease
+    written first; the restore then meets the step deleted under it, which it reports (every byte it returns is
+    verified against the manifest). Best effort: a store that refuses the lease (a reader without
+    write permission restores without one, and ``refused`` hears why)."""
+
+    def __init__(self, steps: StepStore, step: int, grace: float, refused: Callable[[Exception], None]) -> None:
+        """``refused`` hears why the lease could not be written: on the restore's thread when its block ends
+        after the write did, else on the lease's own."""
+        self._steps, self._step, self._grace, self._refused = steps, step, grace, refused
+        self._lease = steps.object(step, f"restore-{uuid.uuid4().hex}.json").with_retry(
+            RetryPolicy(deadline=LEASE_DEADLINE))
+        self._stop = threading.Event()
+        self._tried = threading.Event()  # the first write ended, landed or not
+        self.failure: Exception | None = None  # why the lease could not be written
+
+    def _write(self, action: str) -> None:
+        self._lease.write_small(lease_body(self._grace), action=f"{action} a restore lease at")
+
+    def _hold(self) -> None:
+        """Write the lease, renew it every quarter of the grace until told to stop, then remove it."""
+        try:
+            self._write("write")
+        except Exception as exc:
+            self.failure = exc
+            self._tried.set()
+            if self._stop.is_set():  # the restore is over and did not wait for this write
+                self._refused(exc)
+            return
+        self._tried.set()
+        try:
+            period = self._grace / 4 if self._grace > 0 else None
+            while not self._stop.wait(period):
+                best_effort(lambda: self._write("renew"))
+        finally:
+            best_effort(self._lease.remove)
+            # The lease may have made the folder of a step that does not exist (local disk); rmdir keeps a full one.
+            best_effort(self._steps.root.child(f"ckpt-{self._step}").remove_empty_folder)
+
+    @contextmanager
+    def held(self) -> Iterator[RestoreLease]:
+        """The lease, held on its thread while the block runs (on local disk, where a write costs no round
+        trip, written before it). At its end the thread removes it, waited for when its write ends within
+        :data:`LEASE_SETTLE_SECONDS` (the removal at most :data:`LEASE_JOIN_SECONDS`, then logged); a write
+        slower than that is left to its thread, which removes the lease once it lands."""
+        thread = threading.Thread(target=self._hold, name="taskpoint-restore-lease", daemon=True)
+        thread.start()
+        if self._steps.root.is_local and not self._tried.wait(LEASE_JOIN_SECONDS):
+            _log.logger.warning("the restore lease %s is still being written after %.0f s; restoring without "
+                                "waiting for it", _log.safe_uri(self._lease.uri), LEASE_JOIN_SECONDS)
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            if not self._tried.wait(LEASE_SETTLE_SECONDS):
+                _log.logger.debug("restore lease %s still being written after %.0f s; its thread removes it once "
+                                  "it lands", _log.safe_uri(self._lease.uri), LEASE_SETTLE_SECONDS)
+            else:
+                thread.join(LEASE_JOIN_SECONDS)
+                if thread.is_alive():
+                    _log.logger.warning("the restore lease %s is still being removed after %.0f s; left to its "
+                                        "thread", _log.safe_uri(self._lease.uri), LEASE_JOIN_SECONDS)
+                if self.failure is not None:
+                    self._refused(self.failure)
 
 
 @contextmanager

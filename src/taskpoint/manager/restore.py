@@ -12,13 +12,13 @@ from typing import TypeVar
 
 from .. import _log
 from .._progress import NO_PROGRESS, Progress
-from ..errors import CheckpointCorruptError, CheckpointError, add_note
+from ..errors import CheckpointCorruptError, CheckpointError, StorageAccessDenied, add_note
 from ..format.records import StepManifest
 from ..workspace import Workspace
 from .broadcast import Exchange, shared_reads
 from .in_use import InUse
 from .kinds import Gone, Parts, StepKind, StepKinds, in_place_folder, partial_kind
-from .protect import restore_lease
+from .protect import RestoreLease
 from .shards import naming_rank
 
 #: How often restore follows a step that another writer overwrites while it is being read.
@@ -44,6 +44,8 @@ class StepReader:
         self._in_use = in_use
         self._lock = threading.Lock()  # restores into the reader's own workspace
         self._workspace: Workspace | None = None
+        self._lease_denied = False  # a restore lease was refused for want of permission: warned once
+        self._lease_lock = threading.Lock()  # (the refusal may be heard on a lease's own thread)
 
     @property
     def directory(self) -> str:
@@ -136,10 +138,25 @@ class StepReader:
         if not self._in_use.start_restore(step):
             raise FileNotFoundError(f"step {step} in {self.directory} is being deleted")
         try:
-            with restore_lease(self._steps, step, self._grace):
+            with RestoreLease(self._steps, step, self._grace, self._lease_refused).held():
                 yield
         finally:
             self._in_use.end_restore(step)
+
+    def _lease_refused(self, failure: Exception) -> None:
+        """Warn, once per reader, that a store refused a restore lease for want of permission (other failures
+        leave a restore without its lease quietly, as a store that is briefly down would)."""
+        if not isinstance(failure, StorageAccessDenied):
+            _log.logger.debug("restored without a restore lease: %s", failure)
+            return
+        with self._lease_lock:
+            if self._lease_denied:
+                return
+            self._lease_denied = True
+        warnings.warn(f"taskpoint restores steps of {self.directory} without restore leases: it may not write there "
+                      f"({failure}). Other processes' retention may then delete a step while this process reads it "
+                      "(the read fails, it never returns other bytes); this warning is given once per manager.",
+                      RuntimeWarning, stacklevel=2)
 
     def _read_held(self, step: int, into: Path | None, progress: Progress, paths: Sequence[str] | None,
                    exchange: Exchange | None) -> Path:

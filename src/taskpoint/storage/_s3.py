@@ -321,3 +321,27 @@ def put_if(fs: Any, path: str, data: bytes, expected: str | None, *, timeout: fl
         fs.invalidate_cache(path)
     # Raised outside the handler: the client's 412 must not be its context, or the error map would read it.
     raise VersionConflict(f"{path} changed since it was read (expected version {expected})")
+
+
+def holds(fs: Any, path: str, *, timeout: float | None = None) -> tuple[bool, bool]:
+    """Whether ``path`` (``bucket/key``) is an object, and whether any object lies under ``path/``: its HEAD
+    and a listing of one key sent together, one round trip where s3fs's ``info`` makes them one after the other
+    for a name that holds no object (what a save's check of its destination asks the first time). Errors other
+    than the HEAD's "not found" are raised (a missing bucket's among them)."""
+    import asyncio
+
+    from fsspec.asyn import sync
+
+    bucket, _, key = path.partition("/")
+
+    async def both() -> list[Any]:
+        return list(await asyncio.gather(fs._call_s3("head_object", Bucket=bucket, Key=key),
+                                         fs._call_s3("list_objects_v2", Bucket=bucket, Prefix=f"{key}/", MaxKeys=1),
+                                         return_exceptions=True))
+
+    head, listing = sync(fs.loop, both, timeout=timeout)
+    if isinstance(head, BaseException) and not isinstance(head, FileNotFoundError):
+        raise head
+    if isinstance(listing, BaseException):
+        raise listing
+    return not isinstance(head, BaseException), bool(listing.get("KeyCount") or listing.get("Contents"))

@@ -157,10 +157,16 @@ _OBSTORE_STATUS = re.compile(r"status code: (\d{3})")
 _OBSTORE_CODE = re.compile(r"<Code>(\w+)</Code>")
 
 
+#: How object_store words a store's error answer in the text of the plain OSError obstore's writer raises for it
+#: (``The operation lacked the necessary privileges ...: Server returned non-2xx status code: 403 ...``).
+_OBSTORE_ANSWER = "Server returned non-2xx status code"
+
+
 def _from_obstore(exc: BaseException) -> bool:
-    """An obstore error: its own types, and the plain OSError its writer raises (``Generic S3 error: ...``)."""
+    """An obstore error: its own types, and the plain OSError its writer raises (``Generic S3 error: ...``, or
+    any text that quotes the store's answer)."""
     return type(exc).__module__ == "obstore.exceptions" or (
-        type(exc) is OSError and str(exc).startswith("Generic S3 error"))
+        type(exc) is OSError and (str(exc).startswith("Generic S3 error") or _OBSTORE_ANSWER in str(exc)))
 
 
 def _obstore_code_and_status(text: str) -> tuple[str | None, int | None]:

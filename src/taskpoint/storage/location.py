@@ -244,8 +244,14 @@ class Location:
         with self.backend.within(deadline).open_write(self.path, size_hint, hooks) as f:
             yield f
 
-    def write_small(self, data: bytes, *, action: str = "write") -> None:
-        """Write ``data`` atomically, with retries. For manifests, not payloads."""
+    def write_small(self, data: bytes, *, action: str = "write", create: bool = False) -> None:
+        """Write ``data`` atomically, with retries. For manifests, not payloads. ``create``: only where no object
+        is, where the store has conditional writes (:meth:`write_versioned` of no version: ``VersionConflict``
+        when there is one, also when a retry meets the first try's landed write); elsewhere a plain write."""
+        if create and self.conditional:
+            self.write_versioned(data, None, action=action)
+            return
+
         def write(deadline: Deadline) -> None:
             with self.open_write(deadline=deadline) as f:
                 f.write(data)

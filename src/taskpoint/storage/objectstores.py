@@ -17,6 +17,7 @@ from .backends import (
     PART_SIZE,
     SMALL_READ,
     Backend,
+    Kind,
     WholeObject,
     WriteHooks,
     folder_error,
@@ -296,6 +297,14 @@ class S3Backend(ObjectStoreBackend):
     def version_of(self, info: dict[str, Any]) -> str | None:
         etag = info.get("ETag")
         return etag if isinstance(etag, str) and etag else None
+
+    def kind(self, path: str) -> Kind:
+        """One round trip (:func:`_s3.holds`) for a key; a bucket as every store answers it."""
+        if not path.partition("/")[2]:
+            return super().kind(path)
+        self.fs.invalidate_cache(path)
+        is_object, has_children = _s3.holds(self.fs, path, **bounded(self.fs, self.deadline))
+        return Kind.OBJECT if is_object else Kind.FOLDER if has_children else Kind.NOTHING
 
     def writer(self, path: str, size_hint: int | None, hooks: WriteHooks) -> Any:
         """The multipart writer of one object: ``close(before_commit=...)`` makes it visible, ``abort()`` drops it."""

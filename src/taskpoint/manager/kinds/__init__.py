@@ -73,6 +73,11 @@ class SaveJob:
     payload: Payload | StepContent
     saver: Handover | None
     progress: Progress
+    #: Nobody checked that ``step`` is not committed yet: the kind's commit creates the manifest only where there
+    #: is none (a conditional create, one round trip instead of a read before the save and the write after it)
+    #: and raises :meth:`StepStore.taken <taskpoint.manager.steps.StepStore.taken>` where there is one. Only for
+    #: kinds that commit so (:func:`commits_exclusively`).
+    exclusive: bool = False
 
 
 @dataclass(frozen=True)
@@ -189,6 +194,12 @@ def in_place_folder(kind: StepKind, parts: Parts, step: int, manifest: StepManif
     if not hasattr(kind, "restore_in_place"):
         return None
     return cast(InPlaceKind, kind).restore_in_place(parts, step, manifest, progress)
+
+
+def commits_exclusively(kind: StepKind) -> bool:
+    """Whether ``kind`` honours :attr:`SaveJob.exclusive` (optional: a kind says so with ``exclusive = True``;
+    the manager reads the manifest before the save of any other kind)."""
+    return getattr(kind, "exclusive", False) is True
 
 
 def partial_kind(kind: StepKind) -> PartialKind:

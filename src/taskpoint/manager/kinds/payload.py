@@ -18,9 +18,10 @@ from ...format.index import normalize_path
 from ...format.records import ObjectRecord, StepManifest
 from ...partial import indexed, open_by_restoring, open_indexed, restore_indexed
 from ...payloads import Payload
+from ...storage import VersionConflict
 from ..background import store_payload
 from ..step_names import MANIFEST_NAME, PAYLOAD_NAME, name_in, stored_names
-from ..steps import StepObjects, StepStore
+from ..steps import StepObjects, StepStore, best_effort, save_clock
 from . import (
     GONE_HOW,
     Checked,
@@ -54,6 +55,7 @@ class PayloadKind:
 
     name = PayloadObject.kind
     helper = True
+    exclusive = True
 
     def decode(self, body: dict[str, Any]) -> PayloadObject:
         return PayloadObject(name_in(body, "payload", PAYLOAD_NAME, "a payload object"))
@@ -71,6 +73,7 @@ class PayloadKind:
                               save_id=save_id, created=time.time())
         manifest = StepManifest(step=step, record=record, attempt=job.attempt, metadata=job.metadata,
                                 content=PayloadObject(name))
+        began = save_clock()
         # The save process commits this manifest itself (size and digest filled in) if we die meanwhile.
         size, digest = store_payload(steps.object(step, name), payload, parts.codec, parts.level, job.saver,
                                      (location, manifest), job.progress)
@@ -80,8 +83,13 @@ class PayloadKind:
         # response, an interrupt after the PUT), and then the manifest names this payload. Deleting it would
         # leave a committed step naming nothing; if the manifest did not land, the payload is a leftover that
         # no manifest names, removed by a later save or gc() once older than the grace period.
-        steps.check_stored(step, {name: size})
-        location.write_small(manifest.to_bytes(), action="commit the checkpoint at")
+        steps.check_stored(step, {name: size}, written_since=began, grace=parts.grace)
+        try:
+            location.write_small(manifest.to_bytes(), action="commit the checkpoint at", create=job.exclusive)
+        except VersionConflict:  # a step was there: another save's, or this one's if a retry met its landed write
+            if not manifest.same_save(steps.manifest(step, tolerate_corrupt=True)):
+                best_effort(steps.object(step, name).remove)  # no manifest will name it
+                raise steps.taken(step) from None
         return Saved(committed=True, sent=size, names=frozenset({name}))
 
     def restore(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path, progress: Progress
