@@ -48,6 +48,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import IO, Any, Protocol
 
 from .._progress import NO_PROGRESS, Progress
@@ -56,6 +57,7 @@ from ..format.codecs import Codec
 from ..format.records import StepManifest
 from ..payloads import Payload
 from ..storage import Location
+from .staging import Segment
 
 _LENGTH = struct.Struct("<Q")
 #: What the child runs (not ``-m taskpoint.manager.saver``: the package imports this module, and runpy would
@@ -109,6 +111,25 @@ class OrphanPart(Protocol):
 #: What the child finishes for a dead parent: a single payload's manifest (its location, and the manifest with
 #: size and digest to fill in), or a part of a step of several ranks.
 Orphan = tuple[Location, StepManifest] | OrphanPart
+
+
+class StagedJob(Protocol):
+    """The save process's part of a staged save (a step kind's, e.g. ``taskpoint.torch``'s state dict): write
+    the step's objects from the segment and return their sizes and the manifest that commits them."""
+
+    def run(self, segment: Segment, progress: Progress) -> tuple[dict[str, int], StepManifest]: ...
+
+
+@dataclass(frozen=True)
+class StagedRequest:
+    """A staged save sent to the save process: the segment it takes over before it answers, the pickled
+    :class:`StagedJob` (unpickled only after that answer, as it may import torch), where the step's manifest
+    goes, and whether the parent listens to its progress."""
+
+    segment: str
+    job: bytes
+    manifest: tuple[str, Any, Any]
+    report: bool
 
 
 class SaveProcessTraceback(Exception):
@@ -177,6 +198,26 @@ class SaverProcess:
                                orphan, progress.active, folders))
         except Exception as exc:
             raise NotTransferable(f"this payload cannot be sent to the save process ({exc})") from exc
+        size, digest, payload.written_index = self._exchange(request, progress, taken)
+        return size, digest
+
+    def store_staged(self, manifest: Location, segment: str, job: StagedJob, progress: Progress = NO_PROGRESS, *,
+                     taken: Callable[[], None] | None = None) -> tuple[dict[str, int], StepManifest]:
+        """Hand the staged save ``job`` and its ``segment`` to the helper process, which takes the segment over
+        (before ``taken`` is called), runs the job, frees the segment, and answers the sizes of the objects it
+        stored and the manifest to write at ``manifest`` (which it writes itself if this process dies before
+        :meth:`done`). Errors as :meth:`store_payload`."""
+        try:
+            request = pickled(StagedRequest(segment, pickled(job), (manifest.uri, manifest.storage_options,
+                                                                   manifest.retry), progress.active))
+        except Exception as exc:
+            raise NotTransferable(f"this staged save cannot be sent to the save process ({exc})") from exc
+        sizes, written = self._exchange(request, progress, taken)
+        return sizes, written
+
+    def _exchange(self, request: bytes, progress: Progress, taken: Callable[[], None] | None) -> Any:
+        """Send ``request``, wait for the child to hold it (then call ``taken``), relay its progress, and return
+        its answer's value or raise its error."""
         with self._lock:
             stdin, stdout = self._process.stdin, self._process.stdout
             assert stdin is not None and stdout is not None
@@ -202,10 +243,9 @@ class SaverProcess:
                 raise SaverUnavailable(f"the save process (pid {self.pid}) died"
                                        + (f" with exit code {code}" if code is not None else "")) from exc
         for category, message in caught:
-            warnings.warn(message, category, stacklevel=2)
+            warnings.warn(message, category, stacklevel=3)
         if status == "ok":
-            size, digest, payload.written_index = value
-            return size, digest
+            return value
         error, remote_traceback = value
         where = f"raised in taskpoint's save process (pid {self.pid})"
         if error.__cause__ is None:  # never set: a cause does not survive pickling

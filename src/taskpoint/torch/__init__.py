@@ -24,7 +24,8 @@ except ImportError as exc:
 from . import _state_kind  # noqa: F401  (registers the torch.state_dict step kind of CheckpointManager)
 from ._kind import FileSetStep
 from ._reader import Reader
-from ._state import STATE_FILE, StateDict, load_state_dict, load_state_dict_sync
+from ._state import StateDict, load_state_dict, load_state_dict_sync
+from ._state_file import STATE_FILE
 from ._writer import Writer
 
 __all__ = ["STATE_FILE", "FileSetStep", "Reader", "StateDict", "Writer", "load_state_dict", "load_state_dict_sync"]

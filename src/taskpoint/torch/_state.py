@@ -22,16 +22,14 @@ import torch
 
 from ..errors import CheckpointCorruptError
 from ..manager import CheckpointManager
+from ..manager.staging import Segment
 from ..payloads import BytesPayload, Payload, register_payload
+from ._staged import Plan
+from ._state_file import STATE_FILE, STEP_KIND
 
 if TYPE_CHECKING:
     from ._pieces import PieceReader
 
-#: The step kind's name in manifests.
-STEP_KIND = "torch.state_dict"
-STATE_FILE = "state_dict.pt"
-"""The name of a state-dict step's one file: in the folder ``manager.restore(step)`` returns, and the path
-``manager.open(step, STATE_FILE)`` reads."""
 #: What a state dict may hold, besides nested dicts, lists and tuples: what ``torch.load(weights_only=True)``
 #: loads back.
 _LEAVES = (torch.Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
@@ -84,6 +82,24 @@ class StateDictPayload(BytesPayload):
     def __init__(self, state: StateDict) -> None:
         self._state: Mapping[str, Any] | None = state.state
         self._bytes: bytes | None = None
+        self._plan: Plan | None = None
+
+    def staging_size(self) -> int | None:
+        """The bytes a background save stages this state in (:mod:`._staged`), or None when it cannot be staged
+        (it is then snapshotted as its ``torch.save`` bytes)."""
+        if self._state is None:
+            return None
+        try:
+            self._plan = Plan(self._state)
+        except TypeError:
+            return None
+        return self._plan.size
+
+    def stage(self, segment: Segment) -> Payload:
+        """Copy the state into ``segment`` (after :meth:`staging_size`); what the save then writes."""
+        assert self._plan is not None
+        plan, self._plan = self._plan, None
+        return plan.copy_into(segment)
 
     @property
     def _view(self) -> memoryview:  # type: ignore[override]  # BytesPayload's bytes, serialized on first use
