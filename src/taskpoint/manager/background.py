@@ -20,7 +20,7 @@ from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointError, add_note
 from ..format.codecs import Codec
 from ..format.records import StepManifest
-from ..payloads import Payload
+from ..payloads import Payload, registered_payloads
 from ..storage import Location
 from ..transfer import write_payload
 from ..workspace import owned_folder, sweep_dead_folders
@@ -213,7 +213,10 @@ class Background:
 
     def _prestart(self) -> None:
         sweep_dead_segments()
-        self.helper_process()
+        process = self.helper_process()
+        modules = sorted({cls.staged_by for cls in registered_payloads() if cls.staged_by is not None})
+        if process is not None and modules:
+            process.warm(modules)
 
     def start(self, step: int, payload: Payload, job: Callable[..., None], kind: SavedBy) -> None:
         """Snapshot ``payload`` (or stage a :class:`~.staging.Stageable` one in shared memory for the save process

@@ -73,6 +73,9 @@ DONE = "done"
 #: The parent's last message, from a manager that closes: the child exits, leaving the snapshot folders (which
 #: a pipe closed without it, by the parent's death, makes the child remove).
 CLOSE = "close"
+#: The parent's message naming modules the child imports on a thread of its own, ahead of the requests that need
+#: them (``("warm", names)``).
+WARM = "warm"
 #: How often a child whose parent died refreshes the modification time of the snapshot folders it took over:
 #: far below the age (LEFTOVER_GRACE_SECONDS, 15 min) after which a sweep removes a dead process's folder.
 KEEP_FRESH_SECONDS = 60.0
@@ -256,6 +259,15 @@ class SaverProcess:
         else:
             add_note(error, f"{where}:\n{remote_traceback}")
         raise error
+
+    def warm(self, modules: list[str]) -> None:
+        """Have the child import ``modules`` in the background (the extras that write staged saves: torch takes
+        seconds to import), so that the first staged save's write does not wait for them."""
+        with self._lock:
+            stdin = self._process.stdin
+            assert stdin is not None
+            with contextlib.suppress(OSError):
+                write_message(stdin, pickled((WARM, modules)))
 
     def done(self) -> None:
         """Tell the child that the step of its last request (stored with a ``commit``) is committed, or that

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import os
 import pickle
 import shutil
@@ -28,6 +29,7 @@ from .saver import (
     KEEP_FRESH_SECONDS,
     NICENESS,
     TAKEN,
+    WARM,
     OrphanPart,
     StagedJob,
     StagedRequest,
@@ -208,6 +210,13 @@ def _serve_staged(request: StagedRequest, duty: _Duty, replies: IO[bytes]) -> No
         write_message(replies, pickled((status, value, [(w.category, str(w.message)) for w in caught])))
 
 
+def _import_quietly(modules: list[str]) -> None:
+    """Import ``modules`` ahead of the requests that need them; one that fails is imported (and fails) again there."""
+    for name in modules:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+
+
 def serve(parent: int) -> None:
     """The child's loop: answer write requests until the pipe closes."""
     duty = _Duty()
@@ -235,6 +244,10 @@ def serve(parent: int) -> None:
             return
         if message == DONE:
             duty.end()
+            continue
+        if isinstance(message, tuple) and message[0] == WARM:
+            threading.Thread(target=_import_quietly, args=(message[1],), name="taskpoint-saver-warm",
+                             daemon=True).start()
             continue
         if isinstance(message, StagedRequest):
             _serve_staged(message, duty, replies)

@@ -54,11 +54,11 @@ def segment_folder() -> Path:
 
 def process_start(pid: int) -> int:
     """When process ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat``); 0 where that is unknown
-    (no ``/proc``), and -1 when there is no such process."""
+    (no ``/proc``), and -1 when there is no such process, or only its zombie (killed, not reaped yet)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
             fields = stat.read().rsplit(b")", 1)[1].split()
-        return int(fields[19])  # field 22 of the file; the first two (pid, name) are cut above
+        return -1 if fields[0] == b"Z" else int(fields[19])  # state, starttime: fields 3 and 22 of the file
     except FileNotFoundError:
         return -1 if os.path.isdir("/proc") else 0
     except (OSError, IndexError, ValueError):

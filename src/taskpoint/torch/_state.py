@@ -77,6 +77,7 @@ class StateDictPayload(BytesPayload):
     its tensors as soon as the save call returns)."""
 
     kind = "torch.state_dict"
+    staged_by = "taskpoint.torch._staged"
     result_name = STATE_FILE  # what a load of a Checkpoint object holding one writes, as a step's restore does
 
     def __init__(self, state: StateDict) -> None:
