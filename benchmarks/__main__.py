@@ -12,6 +12,7 @@ Examples::
     python -m benchmarks --methods lightning                      # only Lightning's step time with the plug-in
     python -m benchmarks --methods subset --size 0.0625 --runs 1  # only issue 26's one file out of a step
     python -m benchmarks --methods tiers --size 0.0625 --runs 1   # only issue 24's local tier, 64 MiB
+    python -m benchmarks --methods async --async-sizes 64,256 --runs 5  # only issue 43's background saves
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from . import _agreement, _background, _dataset, _dcp, _dedup, _fast, _preemption, _report, _subset, _tiers
+from . import _agreement, _async, _background, _dataset, _dcp, _dedup, _fast, _preemption, _report, _subset, _tiers
 from ._operations import METHODS, PAYLOADS, STORES
 from ._runner import REPO_ROOT, Options, run_all
 
@@ -75,7 +76,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "15's deduplicated steps of CheckpointManager against today's, see benchmarks/_dedup.py; "
                    "subset: issue 26's one file out of a step against its full restore, see benchmarks/_subset.py; "
                    "fast: issue 26's manager steps against Orbax, torch.save and a raw copy, see benchmarks/_fast.py; "
-                   "tiers: issue 24's local tier against a raw local copy and S3 restores, see benchmarks/_tiers.py)")
+                   "tiers: issue 24's local tier against a raw local copy and S3 restores, see benchmarks/_tiers.py; "
+                   "async: issue 43's background saves against DCP, Orbax and a copy, see benchmarks/_async.py)")
+    p.add_argument("--async-sizes", type=lambda text: [int(t) for t in text.split(",")], default=None,
+                   help="async: the states' sizes in MiB, comma list (default: --size x 256)")
     p.add_argument("--codec", default="gzip", help="taskpoint's codec (default gzip, the targets' default)")
     p.add_argument("--level", type=int, default=None, help="taskpoint's compression level (default: its own)")
     p.add_argument("--data-dir", type=Path, default=BENCH_DIR / "data", help="where the data set is built")
@@ -129,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     # sections with data of their own
     separate = (_dcp.METHOD, _preemption.METHOD, _agreement.METHOD, _dedup.METHOD, _subset.METHOD, _fast.METHOD,
-                _tiers.METHOD, LIGHTNING)
+                _tiers.METHOD, _async.METHOD, LIGHTNING)
     main_table = any(m not in separate for m in args.methods)
     dataset = _dataset.prepare(args.data_dir, args.size) if main_table else None
     mib = {k: v / 2**20 for k, v in dataset.sizes.items()} if dataset else {}
@@ -164,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     subset_rows = _subset.run(args.size, opts, args.data_dir / "work-subset") if _subset.METHOD in args.methods else []
     fast_rows = _fast.run(args.size, opts, args.data_dir) if _fast.METHOD in args.methods else []
     tier_rows = _tiers.run(args.size, opts, args.data_dir / "work-tiers") if _tiers.METHOD in args.methods else []
+    async_rows = (_async.run(args.size, opts, args.data_dir, args.async_sizes) if _async.METHOD in args.methods
+                  else [])
     lightning = (subprocess.run([sys.executable, "-m", "benchmarks.lightning_step_time"], check=True,
                                 capture_output=True, text=True).stdout.strip() if LIGHTNING in args.methods else "")
     summaries = [r.summary() for r in results]
@@ -171,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     background = _report.add_background_ratios([r for r in summaries if r["method"] == _background.METHOD])
     goals = ((_report.targets(rows) if rows else []) + (_report.background_targets(background) if background else [])
              + _dcp.targets(dcp_rows) + _dedup.targets(dedup_rows) + _subset.targets(subset_rows)
-             + _fast.targets(fast_rows)
+             + _fast.targets(fast_rows) + _async.targets(async_rows)
              + (_tiers.targets(tier_rows) if tier_rows else []))
     directory = f" (directory {mib['directory']:.0f} MiB)" if mib else ""
     title = (f"taskpoint benchmark, size {args.size:g}{directory}, "
@@ -200,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         sections += [f"local tier (issue 24): CheckpointManager(local_dir=..., codec='none') on the dedup section's "
                      f"float32 files, remote tier on the {tier_rows[0]['store']} store; ratios are medians of per-run "
                      "ratios (benchmarks/_tiers.py)", "", _tiers.table(tier_rows), ""]
+    if async_rows:
+        sections += ["background saves against the tools users pick instead (issue 43): local disk, each method in "
+                     f"its own process, alternating order, medians of {args.runs} rounds; seconds; peak extra = PSS of "
+                     "the trainer and its save process (benchmarks/_async.py)", "", _async.table(async_rows), ""]
     if lightning:
         sections += ["Lightning: a training loop's step time with a .ckpt every few steps (benchmarks/"
                      "lightning_step_time.py)", "", lightning, ""]
@@ -246,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         "tmp+ is the peak of bytes in TMPDIR, the load workspace and the local store folder minus what remains",
     }
     _report.write_json(args.results_dir / f"{stem}.json", meta,
-                       rows + background + dcp_rows + dedup_rows + subset_rows + fast_rows, goals, text)
+                       rows + background + dcp_rows + dedup_rows + subset_rows + fast_rows + async_rows, goals, text)
     (args.results_dir / f"{stem}.txt").write_text(text + "\n")
     try:
         if rows:  # the plot shows MB/s of saves and loads; the background saves have no such bars

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 METHODS = ("taskpoint", "taskpoint-progress", "taskpoint-async", "baseline", "raw", "raw-fsync", "manager", "dcp",
-           "preemption", "agreement", "dedup", "subset", "tiers", "lightning", "fast")
+           "preemption", "agreement", "dedup", "subset", "tiers", "lightning", "fast", "async")
 PAYLOADS = ("directory", "file", "bytes", "small")
 #: Payloads held in memory (``bytes`` objects) rather than read from a path by the save.
 IN_MEMORY = ("bytes", "small")

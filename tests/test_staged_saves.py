@@ -157,6 +157,35 @@ def test_the_default_bound_is_half_the_available_memory():
     assert 0 < staging.default_staging_bytes() <= available * staging.DEFAULT_STAGING_SHARE
 
 
+def _pss(pid: int) -> int:
+    with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as rollup:
+        return next(int(line.split()[1]) * 1024 for line in rollup if line.startswith("Pss:"))
+
+
+#: Consecutive saves of the leak test in make test (the bench's async section runs 100), and the growth of the
+#: two processes' PSS allowed between the 5th and the last: far below one state per save (8 MiB each).
+LEAK_SAVES = 40
+LEAK_ALLOWANCE = 48 << 20
+
+
+def test_consecutive_staged_saves_leave_the_memory_of_both_processes_flat(tmp_path):
+    state = {"w": torch.zeros(2 << 20), "n": 0}  # 8 MiB
+    with CheckpointManager(tmp_path / "ckpts", async_save=True, keep=2) as m:
+        sizes = []
+        for step in range(1, LEAK_SAVES + 1):
+            state["w"].add_(1)
+            state["n"] = step
+            m.save(StateDict(state), step)
+            m.wait_until_finished()
+            if step in (5, LEAK_SAVES):
+                sizes.append(_pss(os.getpid()) + _pss(m._background.saver.pid))
+        assert sizes[1] - sizes[0] < LEAK_ALLOWANCE, f"PSS grew by {(sizes[1] - sizes[0]) >> 20} MiB"
+        assert _segments(os.getpid(), m._background.saver.pid) == []
+        assert m._background.budget.held == 0
+        loaded = load_state_dict_sync(m, mmap=True)
+        assert loaded["n"] == LEAK_SAVES and torch.equal(loaded["w"], torch.full((2 << 20,), float(LEAK_SAVES)))
+
+
 # -- segments left behind ---------------------------------------------------------------------------------------
 
 def test_segments_of_dead_owners_are_freed_and_those_of_live_ones_kept(tmp_path):

@@ -4,8 +4,8 @@
 folder as it is serialized, in pieces hashed on other threads (:mod:`._state_kind`), instead of serializing into
 bytes that are then copied and hashed again (issue 26: 2.2x the time of ``torch.save`` + fsync).
 :func:`load_state_dict_sync` hands ``torch.load`` a reader that checks each piece before ``torch.load`` sees it.
-A :class:`~taskpoint.Checkpoint` (or a manager's background save) stores the ``torch.save`` bytes as a raw
-payload.
+A manager's background save stages the tensors in shared memory for its save process, which writes the same step
+(:mod:`._staged`); a :class:`~taskpoint.Checkpoint` stores the ``torch.save`` bytes as a raw payload.
 """
 
 from __future__ import annotations
@@ -72,9 +72,10 @@ class StateDict:
 
 class StateDictPayload(BytesPayload):
     """A :class:`StateDict`. A manager's blocking save writes it through the ``torch.state_dict`` step kind
-    (``torch.save`` into the step, :meth:`save_into`); anything else stores its ``torch.save`` bytes, serialized
-    once, when first needed (at the latest when a background save snapshots it, so that the caller may change
-    its tensors as soon as the save call returns)."""
+    (``torch.save`` into the step, :meth:`save_into`), and a background save stages it (:meth:`stage`) for the save
+    process to write the same; anything else stores its ``torch.save`` bytes, serialized once, when first needed
+    (at the latest when a background save without a save process snapshots it, so that the caller may change its
+    tensors as soon as the save call returns)."""
 
     kind = "torch.state_dict"
     staged_by = "taskpoint.torch._staged"

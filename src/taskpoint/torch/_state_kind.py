@@ -54,9 +54,9 @@ def _check_path(path: str) -> None:
 
 
 class StateDictKind:
-    """State dicts in manager steps (see the module), saved by a blocking save in this process, where torch
-    lives. A background save's snapshot (``torch.save`` bytes made already) is not accepted: it travels as a raw
-    payload through the manager's save process (``helper``), which commits it even if this process dies first."""
+    """State dicts in manager steps (see the module): saved by a blocking save in this process, and from a background
+    save's segment by the manager's save process (``helper``), which commits it even if this process dies first. A
+    snapshot of ``torch.save`` bytes (a background save without a save process) is not accepted: it is a payload."""
 
     name = STEP_KIND
     helper = True
