@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from . import _report
 from ._runner import REPO_ROOT, Options, _environment
 
 METHOD = "async"
@@ -90,10 +91,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                        f"{r['blocked_later']:.3f}", f"{r['durable_first']:.3f}", f"{r['durable_later']:.3f}",
                        f"{r['peak_extra'] / 2**20:.0f}", f"{r['peak_extra'] / (r['mib'] << 20):.2f}",
                        f"{r['pss_start'] / 2**20:.0f}-{r['pss_end'] / 2**20:.0f}"] for r in rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths,
-                                                                                                strict=True)))
-                     for line in lines)
+    return _report.aligned(lines, 3)
 
 
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

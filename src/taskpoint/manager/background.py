@@ -259,18 +259,11 @@ class Background:
         kept = self._snapshots.kept
         handover = None if process is None else Handover(process, (scratch,) if kept is None else (scratch, kept))
 
-        def upload() -> None:
-            try:
-                job(snapshot, handover)
-            finally:
-                if handover is not None:
-                    handover.finish()
-                if not self._snapshots.keep(scratch):  # a directory's snapshot is kept for the next one
-                    shutil.rmtree(scratch, ignore_errors=True)
+        def tidy() -> None:
+            if not self._snapshots.keep(scratch):  # a directory's snapshot is kept for the next one
+                shutil.rmtree(scratch, ignore_errors=True)
 
-        self.slot.start(step, upload)
-        if handover is not None:
-            handover.wait()
+        self._hand_over(step, job, snapshot, handover, tidy)
 
     def _start_staged(self, step: int, payload: Stageable, size: int, job: Callable[..., None]) -> None:
         """Copy ``payload`` into a segment of ``size`` bytes within the budget (waiting for earlier segments to
@@ -291,16 +284,25 @@ class Background:
         except BaseException:
             self.budget.release(size)
             raise
-        handover = None if process is None else Handover(process, ())
+
+        def tidy() -> None:
+            segment.free()  # still this process's when no save process took it over; else a no-op
+            self.budget.release(size)
+
+        self._hand_over(step, job, staged, None if process is None else Handover(process, ()), tidy)
+
+    def _hand_over(self, step: int, job: Callable[..., None], snapshot: Payload, handover: Handover | None,
+                   tidy: Callable[[], None]) -> None:
+        """Run ``job(snapshot, handover)`` as the save in flight, then ``tidy()``; return once the save process
+        holds the save (at once without one)."""
 
         def upload() -> None:
             try:
-                job(staged, handover)
+                job(snapshot, handover)
             finally:
                 if handover is not None:
                     handover.finish()
-                segment.free()  # still this process's when no save process took it over; else a no-op
-                self.budget.release(size)
+                tidy()
 
         self.slot.start(step, upload)
         if handover is not None:
