@@ -266,7 +266,7 @@ class SaverProcess:
         with self._lock:
             stdin = self._process.stdin
             assert stdin is not None
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, ValueError):  # closed meanwhile (the manager closed, or it died)
                 write_message(stdin, pickled((WARM, modules)))
 
     def done(self) -> None:
