@@ -14,6 +14,7 @@ Examples::
     python -m benchmarks --methods tiers --size 0.0625 --runs 1   # only issue 24's local tier, 64 MiB
     python -m benchmarks --methods broadcast --size 0.25 --runs 3 # only issue 44's 4 ranks restoring 64 MiB
     python -m benchmarks --methods latency                        # only issue 44's small operations at 20 ms RTT
+    python -m benchmarks --methods async --async-sizes 64,256 --runs 5  # only issue 43's background saves
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 
 from . import (
     _agreement,
+    _async,
     _background,
     _broadcast,
     _dataset,
@@ -93,7 +95,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "tiers: issue 24's local tier against a raw local copy and S3 restores, see benchmarks/_tiers.py; "
                    "broadcast: issue 44's 4 ranks restoring one step read once, see benchmarks/_broadcast.py; "
                    "latency: issue 44's small saves and restores through a 10 ms proxy against their floor, see "
-                   "benchmarks/_latency.py)")
+                   "benchmarks/_latency.py; "
+                   "async: issue 43's background saves against DCP, Orbax and a copy, see benchmarks/_async.py)")
+    p.add_argument("--async-sizes", type=lambda text: [int(t) for t in text.split(",")], default=None,
+                   help="async: the states' sizes in MiB, comma list (default: --size x 256)")
     p.add_argument("--codec", default="gzip", help="taskpoint's codec (default gzip, the targets' default)")
     p.add_argument("--level", type=int, default=None, help="taskpoint's compression level (default: its own)")
     p.add_argument("--data-dir", type=Path, default=BENCH_DIR / "data", help="where the data set is built")
@@ -147,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     # sections with data of their own
     separate = (_dcp.METHOD, _preemption.METHOD, _agreement.METHOD, _dedup.METHOD, _subset.METHOD, _fast.METHOD,
-                _fast.FORMAT_METHOD, _tiers.METHOD, _broadcast.METHOD, _latency.METHOD, LIGHTNING)
+                _fast.FORMAT_METHOD, _tiers.METHOD, _broadcast.METHOD, _latency.METHOD, _async.METHOD, LIGHTNING)
     main_table = any(m not in separate for m in args.methods)
     dataset = _dataset.prepare(args.data_dir, args.size) if main_table else None
     mib = {k: v / 2**20 for k, v in dataset.sizes.items()} if dataset else {}
@@ -187,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     broadcast_rows = (_broadcast.run(args.size, opts, args.data_dir / "work-broadcast")
                       if _broadcast.METHOD in args.methods else [])
     latency_rows = _latency.run(args.runs) if _latency.METHOD in args.methods else []
+    async_rows = (_async.run(args.size, opts, args.data_dir, args.async_sizes) if _async.METHOD in args.methods
+                  else [])
     lightning = (subprocess.run([sys.executable, "-m", "benchmarks.lightning_step_time"], check=True,
                                 capture_output=True, text=True).stdout.strip() if LIGHTNING in args.methods else "")
     summaries = [r.summary() for r in results]
@@ -194,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     background = _report.add_background_ratios([r for r in summaries if r["method"] == _background.METHOD])
     goals = ((_report.targets(rows) if rows else []) + (_report.background_targets(background) if background else [])
              + _dcp.targets(dcp_rows) + _dedup.targets(dedup_rows) + _subset.targets(subset_rows)
-             + _fast.targets(fast_rows) + _fast.targets(format_rows)
+             + _fast.targets(fast_rows) + _fast.targets(format_rows) + _async.targets(async_rows)
              + (_tiers.targets(tier_rows) if tier_rows else []) + _broadcast.targets(broadcast_rows))
     directory = f" (directory {mib['directory']:.0f} MiB)" if mib else ""
     title = (f"taskpoint benchmark, size {args.size:g}{directory}, "
@@ -234,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
                      "", _broadcast.table(broadcast_rows), ""]
     if latency_rows:
         sections += [_latency.notes(), "", _latency.table(latency_rows), ""]
+    if async_rows:
+        sections += ["background saves against the tools users pick instead (issue 43): local disk, each method in "
+                     f"its own process, alternating order, medians of {args.runs} rounds; seconds; peak extra = PSS of "
+                     "the trainer and its save process (benchmarks/_async.py)", "", _async.table(async_rows), ""]
     if lightning:
         sections += ["Lightning: a training loop's step time with a .ckpt every few steps (benchmarks/"
                      "lightning_step_time.py)", "", lightning, ""]
@@ -282,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     _report.write_json(args.results_dir / f"{stem}.json", meta,
                        rows + background + dcp_rows + dedup_rows + subset_rows + fast_rows + format_rows
-                       + broadcast_rows + latency_rows, goals, text)
+                       + broadcast_rows + latency_rows + async_rows, goals, text)
     (args.results_dir / f"{stem}.txt").write_text(text + "\n")
     try:
         if rows:  # the plot shows MB/s of saves and loads; the background saves have no such bars

@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import _dataset
+from . import _dataset, _report
 from ._runner import REPO_ROOT, Options, _environment
 
 METHOD = "fast"
@@ -99,10 +99,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                        f"{r['logical_bytes'] / r['seconds'] / 1e6:.1f}", f"{r['time_ratio']:.2f}",
                        f"{r['paired_ratio']:.2f}", "{:.2f}-{:.2f}".format(*r["paired_range"]),
                        f"{r['cpu_s']:.2f}", f"{r['cpu_ratio']:.2f}"] for r in rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths,
-                                                                                                strict=True)))
-                     for line in lines)
+    return _report.aligned(lines, 3)
 
 
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -280,6 +280,14 @@ def background_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # -- files ---------------------------------------------------------------------------------------------
 
 
+def aligned(lines: list[list[str]], left: int) -> str:
+    """Rows of cells as text columns: the first ``left`` columns aligned left, the others right."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return "\n".join("  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths,
+                                                                                                strict=True)))
+                     for line in lines)
+
+
 def write_json(path: Path, meta: dict[str, Any], rows: list[dict[str, Any]], goals: list[dict[str, Any]],
                text: str) -> None:
     path.write_text(json.dumps({"meta": meta, "cases": rows, "targets": goals, "table": text}, indent=1))

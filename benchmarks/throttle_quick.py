@@ -1,11 +1,12 @@
 """Saves and restores through the fault proxy in front of moto's S3, fault-free and with a share of the requests
 answered ``503 SlowDown`` (issue 44 item 1: "at most 1.5x the fault-free run"), on s3fs and on obstore.
 
-Run: ``PYTHONPATH=src:tests python benchmarks/throttle_quick.py [--steps 30] [--rate 0.1] [--kib 64]``. Prints one
-row per client and rate: requests at the proxy, throttling answers injected and counted in the log records,
-seconds, and the ratio to the fault-free run of the same client. moto answers in well under a millisecond, so
-the ratio is that of the backoff pauses to almost nothing: an upper bound on what a store that answers in
-5-30 ms would show.
+Run: ``PYTHONPATH=src:tests python benchmarks/throttle_quick.py [--steps 30] [--rate 0.1] [--kib 64] [--delay-ms 10]
+[--rounds 3]``. Prints one row per client and rate: requests at the proxy, throttling answers injected and counted
+in the log records, the median seconds of ``--rounds`` rounds (the fault-free and the throttled run alternating
+which goes first), and the median of each round's ratio to the fault-free run of the same client. moto answers in
+well under a millisecond: with ``--delay-ms 0`` the ratio is that of the backoff pauses to almost nothing, an upper
+bound; the proxy's ``--delay-ms`` each way (10 by default) makes it a store in the same region (5-30 ms).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import statistics
 import time
 import uuid
 from typing import Any
@@ -36,13 +38,13 @@ class _Counted(logging.Handler):
             self.throttled += stats.throttled
 
 
-def _run(server: Any, client: str, rate: float, steps: int, size: int) -> dict[str, Any]:
+def _run(server: Any, client: str, rate: float, steps: int, size: int, delay: float) -> dict[str, Any]:
     counted = _Counted()
     logger = logging.getLogger("taskpoint")
     logger.addHandler(counted)
     logger.setLevel(logging.INFO)
     try:
-        with fault_proxy(server.endpoint, seed=44, rate=rate, kinds=("503",)) as proxy:
+        with fault_proxy(server.endpoint, seed=44, rate=rate, kinds=("503",), delay=delay) as proxy:
             options = {**server.storage_options, "endpoint_url": proxy.url, "s3_client": client}
             manager = taskpoint.CheckpointManager(f"s3://{server.bucket}/bench-{uuid.uuid4().hex}",
                                                   storage_options=options, keep=2)
@@ -65,15 +67,28 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rate", type=float, default=0.1)
     parser.add_argument("--kib", type=int, default=64)
+    parser.add_argument("--delay-ms", type=float, default=10.0, help="latency the proxy adds each way")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    delay = args.delay_ms / 1000
+    print(f"{args.steps} saves and restores of {args.kib} KiB, {args.delay_ms:g} ms added each way, median of "
+          f"{args.rounds} alternating rounds")
     print("| client | 503 rate | requests | 503 injected | counted in records | seconds | x fault-free |")
     print("|---|---|---|---|---|---|---|")
     with running_s3_server() as server:
         for client in ("s3fs", "obstore"):
-            base = _run(server, client, 0.0, args.steps, args.kib << 10)
-            for row in (base, _run(server, client, args.rate, args.steps, args.kib << 10)):
+            rounds: list[tuple[dict[str, Any], dict[str, Any]]] = []
+            for index in range(args.rounds):
+                rates = (0.0, args.rate) if index % 2 == 0 else (args.rate, 0.0)
+                runs = {rate: _run(server, client, rate, args.steps, args.kib << 10, delay) for rate in rates}
+                rounds.append((runs[0.0], runs[args.rate]))
+            for which in (0, 1):
+                rows = [pair[which] for pair in rounds]
+                row = rows[len(rows) // 2]
+                ratio = statistics.median(pair[which]["seconds"] / pair[0]["seconds"] for pair in rounds)
+                seconds = statistics.median(r["seconds"] for r in rows)
                 print(f"| {row['client']} | {row['rate']:.0%} | {row['requests']} | {row['injected']} | "
-                      f"{row['counted']} | {row['seconds']:.2f} | {row['seconds'] / base['seconds']:.2f} |")
+                      f"{row['counted']} | {seconds:.2f} | {ratio:.2f} |")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,9 @@ class Payload(ABC):
     #: The index of the archive the last :meth:`write` produced (:mod:`taskpoint.format.index`), recorded with
     #: the object so that partial restores read only what they need; None for raw kinds and unindexed codecs.
     written_index: ArchiveIndex | None = None
+    #: The module a save process imports to write a payload of this kind staged in shared memory (imported when
+    #: the process starts, so that the first staged save does not wait for it); None for kinds never staged.
+    staged_by: ClassVar[str | None] = None
 
     @classmethod
     @abstractmethod
@@ -223,6 +226,11 @@ def register_payload(cls: type[Payload]) -> type[Payload]:
         raise ValueError(f"a payload kind named {cls.kind!r} is already registered")
     _REGISTRY.insert(0, cls)
     return cls
+
+
+def registered_payloads() -> tuple[type[Payload], ...]:
+    """The payload kinds registered in this process, the last registered first."""
+    return tuple(_REGISTRY)
 
 
 def payload_for(data: Any) -> Payload:

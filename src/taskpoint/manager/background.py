@@ -14,16 +14,19 @@ import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from .._progress import NO_PROGRESS, Progress
-from ..errors import add_note, say_in_message
+from ..errors import CheckpointError, add_note, say_in_message
 from ..format.codecs import Codec
-from ..payloads import Payload
+from ..format.records import StepManifest
+from ..payloads import Payload, registered_payloads
 from ..storage import Location
 from ..transfer import write_payload
 from ..workspace import owned_folder, sweep_dead_folders
-from .saver import NotTransferable, Orphan, SaverProcess, SaverUnavailable, release_freed_memory
+from .saver import NotTransferable, Orphan, SaverProcess, SaverUnavailable, StagedJob, release_freed_memory
 from .snapshots import SnapshotCache, spool
+from .staging import Segment, Stageable, StagingBudget, sweep_dead_segments
 
 
 class BackgroundSave:
@@ -108,6 +111,15 @@ class Handover:
         self._held = commit is not None
         return stored
 
+    def store_staged(self, manifest: Location, segment: str, job: StagedJob, progress: Progress
+                     ) -> tuple[dict[str, int], StepManifest]:
+        try:
+            stored = self.process.store_staged(manifest, segment, job, progress, taken=self._taken.set)
+        finally:
+            self._taken.set()
+        self._held = True
+        return stored
+
     def wait(self) -> None:
         self._taken.wait()
 
@@ -140,28 +152,81 @@ def store_payload(location: Location, payload: Payload, codec: Codec, level: int
     return write_payload(location, payload, codec, level, progress=progress)
 
 
-class Background:
-    """The background machinery of one manager: snapshots, the one save in flight, and the save process."""
+def store_staged(manifest: Location, segment: str, job: StagedJob, saver: Handover | None,
+                 progress: Progress = NO_PROGRESS) -> tuple[dict[str, int], StepManifest]:
+    """Write a staged save's objects from its ``segment``: by ``saver``'s process, which takes the segment over
+    (and commits the step at ``manifest`` itself if this process dies before doing so), else from this thread;
+    the sizes of the objects stored and the manifest that commits them. A save process that dies in the middle
+    is never fatal: the segment, no longer in use, is taken back and written from here."""
+    if saver is not None:
+        try:
+            return saver.store_staged(manifest, segment, job, progress)
+        except SaverUnavailable as exc:
+            if not isinstance(exc, NotTransferable):
+                warnings.warn(f"{exc}; taskpoint writes {manifest.uri} from this process instead", RuntimeWarning,
+                              stacklevel=2)
+    found = Segment.find(segment)
+    if found is None:
+        raise CheckpointError(f"the staged state of {manifest.uri} is gone from {segment}: it was removed while the "
+                              "save was in flight; save the step again")
+    staged = Segment.adopt(found)
+    try:
+        return job.run(staged, progress)
+    finally:
+        staged.free()
 
-    def __init__(self, directory: str, snapshot_dir: str | None, use_process: bool) -> None:
+
+class SavedBy(Protocol):
+    """What the background machinery needs of the step kind that saves a payload."""
+
+    name: str
+    helper: bool
+
+
+class Background:
+    """The background machinery of one manager: snapshots, staging, the one save in flight, and the save
+    process (started at once, on a thread, with ``prestart``: else by the first background save)."""
+
+    def __init__(self, directory: str, snapshot_dir: str | None, use_process: bool, *,
+                 max_staging_bytes: int | None = None, prestart: bool = False) -> None:
         self._directory = directory
         self._snapshot_dir = snapshot_dir
         self.slot = BackgroundSave()
-        #: The save process: started by the first background save, None until then or when off.
+        #: The save process: None until started, or when off.
         self._saver: SaverProcess | None = None
         self._use_saver = use_process
         self._saver_lock = threading.Lock()
         #: The last snapshot of a directory, whose unchanged files the next one links instead of copying.
         self._snapshots = SnapshotCache()
+        #: The staging memory this manager's background saves may hold (``max_staging_bytes``).
+        self.budget = StagingBudget(max_staging_bytes)
+        if use_process and prestart:  # the first background save then finds the process ready
+            threading.Thread(target=self._prestart, name="taskpoint-saver-start", daemon=True).start()
 
-    def start(self, step: int, payload: Payload, job: Callable[..., None], *, helper: bool = True) -> None:
-        """Snapshot ``payload``, then run ``job(snapshot, handover)`` in the background, returning once the save
-        process holds the save (``handover`` is None without one, or with ``helper=False``: a job that never
-        uses it). A kind that cannot be snapshotted runs ``job(payload)`` here, with a warning.
+    def _prestart(self) -> None:
+        sweep_dead_segments()
+        process = self.helper_process()
+        modules = sorted({cls.staged_by for cls in registered_payloads() if cls.staged_by is not None})
+        if process is not None and modules:
+            process.warm(modules)
+
+    def start(self, step: int, payload: Payload, job: Callable[..., None], kind: SavedBy) -> None:
+        """Snapshot ``payload`` (or stage a :class:`~.staging.Stageable` one in shared memory for the save process
+        when its own ``kind``, the step kind that saves it, does), then run ``job(snapshot, handover)`` in the
+        background, returning once the save process holds the save (``handover`` is None without one, or when
+        ``kind.helper`` is False: a job that never uses it). A payload that cannot be snapshotted runs
+        ``job(payload)`` here, with a warning.
 
         Waiting for the save process to hold the save costs a pipe round trip (bytes are written into the
-        snapshot folder for it, files and directories travel as their snapshot's path), and on the first
-        save the start of the process; docs/manager.md has the figures."""
+        snapshot folder for it, files and directories travel as their snapshot's path, staged states as their
+        segment's name), and, on the first save without ``prestart``, the start of the process; docs/manager.md
+        has the figures."""
+        helper = kind.helper
+        if kind.name == payload.kind and helper and self._use_saver and isinstance(payload, Stageable):
+            size = payload.staging_size()
+            if size is not None:
+                self._start_staged(step, payload, size, job)
+                return
         scratch = owned_folder(SNAPSHOT_PREFIX, self._snapshot_dir)
         # Each snapshot is as large as the data it copied: those of killed processes must not pile up.
         sweep_dead_folders(scratch.parent, SNAPSHOT_PREFIX)
@@ -186,14 +251,50 @@ class Background:
         kept = self._snapshots.kept
         handover = None if process is None else Handover(process, (scratch,) if kept is None else (scratch, kept))
 
+        def tidy() -> None:
+            if not self._snapshots.keep(scratch):  # a directory's snapshot is kept for the next one
+                shutil.rmtree(scratch, ignore_errors=True)
+
+        self._hand_over(step, job, snapshot, handover, tidy)
+
+    def _start_staged(self, step: int, payload: Stageable, size: int, job: Callable[..., None]) -> None:
+        """Copy ``payload`` into a segment of ``size`` bytes within the budget (waiting for earlier segments to
+        be freed; a state larger than the budget is saved here, blocking), hand it to the save process, return
+        once that process took it over."""
+        if not self.budget.reserve(size, step):
+            job(payload)
+            return
+        try:
+            sweep_dead_segments()
+            segment = Segment.create(size)
+            try:
+                staged = payload.stage(segment)
+            except BaseException:
+                segment.free()
+                raise
+            process = self.helper_process()
+        except BaseException:
+            self.budget.release(size)
+            raise
+
+        def tidy() -> None:
+            segment.free()  # still this process's when no save process took it over; else a no-op
+            self.budget.release(size)
+
+        self._hand_over(step, job, staged, None if process is None else Handover(process, ()), tidy)
+
+    def _hand_over(self, step: int, job: Callable[..., None], snapshot: Payload, handover: Handover | None,
+                   tidy: Callable[[], None]) -> None:
+        """Run ``job(snapshot, handover)`` as the save in flight, then ``tidy()``; return once the save process
+        holds the save (at once without one)."""
+
         def upload() -> None:
             try:
                 job(snapshot, handover)
             finally:
                 if handover is not None:
                     handover.finish()
-                if not self._snapshots.keep(scratch):  # a directory's snapshot is kept for the next one
-                    shutil.rmtree(scratch, ignore_errors=True)
+                tidy()
 
         self.slot.start(step, upload)
         if handover is not None:

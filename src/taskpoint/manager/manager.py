@@ -84,9 +84,9 @@ class CheckpointManager(StepQueries):
             members that do not compress, such as weights, are stored: docs/performance.md), and the codec of
             each chunk of deduplicated steps (None: zstd).
         level: compression level for the codec; None picks a fast default.
-        async_save: when True, :meth:`save` returns once the data is snapshotted (and handed to the save
-            process, which then commits it even if this process dies) and uploads in the background
-            (``save(..., blocking=...)`` overrides it per call).
+        async_save: when True, :meth:`save` returns once the data is snapshotted or staged (and handed to the save
+            process, started with the manager, which then commits it even if this process dies) and uploads in the
+            background (``save(..., blocking=...)`` overrides it per call).
         retry: how storage failures are retried; see :class:`~taskpoint.RetryPolicy`.
         grace_seconds: age after which an object that no manifest names (left by a killed or superseded
             save) is removed by later saves and :meth:`gc`. It must exceed the time between a payload's
@@ -98,6 +98,8 @@ class CheckpointManager(StepQueries):
             helper process (True, the default) so they never hold this process's GIL; False writes it
             from a thread of this process. ``memory://`` and payloads that cannot be pickled always use
             a thread. Blocking saves always run in the caller's thread.
+        max_staging_bytes: the shared memory that background saves of torch state dicts (staged there for the save
+            process) may hold at once; None: half the memory available (a larger state is saved blocking).
         preemption: install the preemption handlers (from the main thread; ``SIGTERM`` by default) and react
             to notices: :meth:`reached_preemption`, and the emergency save of ``on_preemption``. False opts out.
         on_preemption: a function returning the state to save when a notice arrives: the next :meth:`save`
@@ -145,6 +147,7 @@ class CheckpointManager(StepQueries):
         local_dir: str | os.PathLike[str] | None = None,
         local_keep: int = 2,
         remote_every: int = 1,
+        max_staging_bytes: int | None = None,
     ) -> None:
         uri = normalize_uri(directory, "directory").strip()
         if not uri:
@@ -182,7 +185,8 @@ class CheckpointManager(StepQueries):
         #: The figures of the last save that committed (bytes, seconds blocked and in all, MB/s); None before.
         self.last_save: TransferStats | None = None
         self._closed = False
-        self._background = Background(uri, snapshots, bool(background_process) and root.backend.shared)
+        self._background = Background(uri, snapshots, bool(background_process) and root.backend.shared,
+                                      max_staging_bytes=max_staging_bytes, prestart=self._async_save)
         # The kinds a payload is saved as, the first that accepts it: several ranks, dedup=True, else one object.
         self._writer = StepWriter(self._parts, self._in_use, self._guard, KINDS, (SHARDED, CHUNKED, PAYLOAD))
         self._preemption = PreemptionPolicy(preemption, on_preemption, agreement)
@@ -195,8 +199,7 @@ class CheckpointManager(StepQueries):
     # -- properties and lifecycle --------------------------------------------------------------------------
 
     def __repr__(self) -> str:
-        policy = self._retention
-        best = "" if policy.best is None else f", keep_best={policy.best!r}"
+        policy, best = self._retention, "" if self._retention.best is None else f", keep_best={self._retention.best!r}"
         return f"CheckpointManager({self.directory!r}, keep={policy.keep}, keep_every={policy.keep_every}{best})"
 
     def __enter__(self) -> CheckpointManager:
@@ -247,12 +250,12 @@ class CheckpointManager(StepQueries):
         exists raises FileExistsError unless ``overwrite=True`` (blocking, on an object store with conditional
         writes, when the manifest's create finds one; elsewhere two writers checking at the same moment can
         both pass the check, and the last to commit wins, with its own complete data). With
-        ``blocking=False`` (or ``async_save=True``) the call returns once the data is snapshotted, and handed
-        to the save process where there is one (so that the step is committed even if this process is killed
-        next; see docs/manager.md): the caller may change or delete it at once. At most one save is in
-        flight; the next call waits for it, and an error it met is raised by the next call instead of doing
-        anything else. ``progress``: as for
-        :meth:`Checkpoint.save_sync <taskpoint.Checkpoint.save_sync>` (a background save shows no bar unless True).
+        ``blocking=False`` (or ``async_save=True``) the call returns once the data is snapshotted (a state dict:
+        staged), and handed to the save process where there is one (so that the step is committed even if this
+        process is killed next; see docs/manager.md): the caller may change or delete it at once. At most one
+        save is in flight; the next call waits for it, and an error it met is raised by the next call instead of
+        doing anything else. ``progress``: as for :meth:`Checkpoint.save_sync <taskpoint.Checkpoint.save_sync>`
+        (a background save shows no bar unless True).
         """
         clock, began = _log.Clock(self._throttles), self._schedule.now()
         step = check_step(step)
@@ -277,7 +280,7 @@ class CheckpointManager(StepQueries):
             if not background:
                 job(payload)
             else:
-                self._background.start(step, payload, job, helper=self._writer.kind_for(payload).helper)
+                self._background.start(step, payload, job, self._writer.kind_for(payload))
             self._schedule.saved(step, began)
         clock.release()  # a background save's record, at its commit, counts the caller's wait until here
         return self._steps.step_uri(step)

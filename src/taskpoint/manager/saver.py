@@ -48,6 +48,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import IO, Any, Protocol
 
 from .._progress import NO_PROGRESS, Progress
@@ -56,6 +57,7 @@ from ..format.codecs import Codec
 from ..format.records import StepManifest
 from ..payloads import Payload
 from ..storage import Location
+from .staging import Segment
 
 _LENGTH = struct.Struct("<Q")
 #: What the child runs (not ``-m taskpoint.manager.saver``: the package imports this module, and runpy would
@@ -71,6 +73,9 @@ DONE = "done"
 #: The parent's last message, from a manager that closes: the child exits, leaving the snapshot folders (which
 #: a pipe closed without it, by the parent's death, makes the child remove).
 CLOSE = "close"
+#: The parent's message naming modules the child imports on a thread of its own, ahead of the requests that need
+#: them (``("warm", names)``).
+WARM = "warm"
 #: How often a child whose parent died refreshes the modification time of the snapshot folders it took over:
 #: far below the age (LEFTOVER_GRACE_SECONDS, 15 min) after which a sweep removes a dead process's folder.
 KEEP_FRESH_SECONDS = 60.0
@@ -109,6 +114,25 @@ class OrphanPart(Protocol):
 #: What the child finishes for a dead parent: a single payload's manifest (its location, and the manifest with
 #: size and digest to fill in), or a part of a step of several ranks.
 Orphan = tuple[Location, StepManifest] | OrphanPart
+
+
+class StagedJob(Protocol):
+    """The save process's part of a staged save (a step kind's, e.g. ``taskpoint.torch``'s state dict): write
+    the step's objects from the segment and return their sizes and the manifest that commits them."""
+
+    def run(self, segment: Segment, progress: Progress) -> tuple[dict[str, int], StepManifest]: ...
+
+
+@dataclass(frozen=True)
+class StagedRequest:
+    """A staged save sent to the save process: the segment it takes over before it answers, the pickled
+    :class:`StagedJob` (unpickled only after that answer, as it may import torch), where the step's manifest
+    goes, and whether the parent listens to its progress."""
+
+    segment: str
+    job: bytes
+    manifest: tuple[str, Any, Any]
+    report: bool
 
 
 class SaveProcessTraceback(Exception):
@@ -177,6 +201,26 @@ class SaverProcess:
                                orphan, progress.active, folders))
         except Exception as exc:
             raise NotTransferable(f"this payload cannot be sent to the save process ({exc})") from exc
+        size, digest, payload.written_index = self._exchange(request, progress, taken)
+        return size, digest
+
+    def store_staged(self, manifest: Location, segment: str, job: StagedJob, progress: Progress = NO_PROGRESS, *,
+                     taken: Callable[[], None] | None = None) -> tuple[dict[str, int], StepManifest]:
+        """Hand the staged save ``job`` and its ``segment`` to the helper process, which takes the segment over
+        (before ``taken`` is called), runs the job, frees the segment, and answers the sizes of the objects it
+        stored and the manifest to write at ``manifest`` (which it writes itself if this process dies before
+        :meth:`done`). Errors as :meth:`store_payload`."""
+        try:
+            request = pickled(StagedRequest(segment, pickled(job), (manifest.uri, manifest.storage_options,
+                                                                   manifest.retry), progress.active))
+        except Exception as exc:
+            raise NotTransferable(f"this staged save cannot be sent to the save process ({exc})") from exc
+        sizes, written = self._exchange(request, progress, taken)
+        return sizes, written
+
+    def _exchange(self, request: bytes, progress: Progress, taken: Callable[[], None] | None) -> Any:
+        """Send ``request``, wait for the child to hold it (then call ``taken``), relay its progress, and return
+        its answer's value or raise its error."""
         with self._lock:
             stdin, stdout = self._process.stdin, self._process.stdout
             assert stdin is not None and stdout is not None
@@ -202,10 +246,9 @@ class SaverProcess:
                 raise SaverUnavailable(f"the save process (pid {self.pid}) died"
                                        + (f" with exit code {code}" if code is not None else "")) from exc
         for category, message in caught:
-            warnings.warn(message, category, stacklevel=2)
+            warnings.warn(message, category, stacklevel=3)
         if status == "ok":
-            size, digest, payload.written_index = value
-            return size, digest
+            return value
         error, remote_traceback = value
         where = f"raised in taskpoint's save process (pid {self.pid})"
         if error.__cause__ is None:  # never set: a cause does not survive pickling
@@ -216,6 +259,15 @@ class SaverProcess:
         else:
             add_note(error, f"{where}:\n{remote_traceback}")
         raise error
+
+    def warm(self, modules: list[str]) -> None:
+        """Have the child import ``modules`` in the background (the extras that write staged saves: torch takes
+        seconds to import), so that the first staged save's write does not wait for them."""
+        with self._lock:
+            stdin = self._process.stdin
+            assert stdin is not None
+            with contextlib.suppress(OSError, ValueError):  # closed meanwhile (the manager closed, or it died)
+                write_message(stdin, pickled((WARM, modules)))
 
     def done(self) -> None:
         """Tell the child that the step of its last request (stored with a ``commit``) is committed, or that

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import os
 import pickle
 import shutil
@@ -28,12 +29,20 @@ from .saver import (
     KEEP_FRESH_SECONDS,
     NICENESS,
     TAKEN,
+    WARM,
     OrphanPart,
+    StagedJob,
+    StagedRequest,
     pickled,
     read_message,
     release_freed_memory,
     write_message,
 )
+from .staging import Segment
+
+#: A manifest the child writes for a dead parent: its location, and the manifest (with size and digest to fill
+#: in) of a payload, or None for a staged save's, which the child's job made whole.
+_Commit = tuple[str, Any, Any, StepManifest | None]
 
 
 class _Duty:
@@ -44,22 +53,25 @@ class _Duty:
     def __init__(self) -> None:
         self.busy = threading.Event()
         self._lock = threading.Lock()
-        self._commit: tuple[str, Any, Any, StepManifest] | OrphanPart | None = None
-        self._stored: tuple[int, str] | None = None
+        self._commit: _Commit | OrphanPart | None = None
+        self._stored: tuple[int, str] | StepManifest | None = None
         self.folders: tuple[str, ...] = ()
+        self.segment: Segment | None = None
 
-    def take(self, commit: tuple[str, Any, Any, StepManifest] | OrphanPart | None, folders: tuple[str, ...]) -> None:
+    def take(self, commit: _Commit | OrphanPart | None, folders: tuple[str, ...], segment: Segment | None = None
+             ) -> None:
         with self._lock:
             self.busy.set()
-            self._commit, self._stored, self.folders = commit, None, folders
+            self._commit, self._stored, self.folders, self.segment = commit, None, folders, segment
 
-    def stored(self, size: int, digest: str) -> None:
-        """The payload is uploaded: the step is committed by the parent, or else by this child."""
+    def stored(self, stored: tuple[int, str] | StepManifest) -> None:
+        """The payload is uploaded (its size and digest), or a staged save's objects are (the manifest that
+        commits them): the step is committed by the parent, or else by this child."""
         with self._lock:
             if self._commit is None:
                 self.busy.clear()  # nothing to finish here: the request is over
             else:
-                self._stored = (size, digest)
+                self._stored = stored
 
     @property
     def uploaded(self) -> bool:
@@ -77,7 +89,7 @@ class _Duty:
         with self._lock:
             if self._commit is not None and self._stored is not None:
                 with contextlib.suppress(Exception):  # nobody is left to tell; the payload stays a leftover
-                    _commit_orphan(self._commit, *self._stored, deadline)
+                    _commit_orphan(self._commit, self._stored, deadline)
             self._commit = self._stored = None
             self.busy.clear()
 
@@ -88,9 +100,12 @@ class _Duty:
                 os.utime(folder, (now, now))
 
     def leave(self) -> None:
-        """Remove the snapshot folders of the dead parent that the last request named."""
+        """Remove the snapshot folders of the dead parent that the last request named, and the segment of a
+        staged save that is not written yet."""
         for folder in self.folders:
             shutil.rmtree(folder, ignore_errors=True)
+        if self.segment is not None:
+            self.segment.path.unlink(missing_ok=True)
 
 
 def _die_with_parent(parent: int, duty: _Duty) -> None:
@@ -130,16 +145,24 @@ def _portable_error(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
 
 
-def _commit_orphan(commit: tuple[str, Any, Any, StepManifest] | OrphanPart, size: int, digest: str,
+def _commit_orphan(commit: _Commit | OrphanPart, stored: tuple[int, str] | StepManifest,
                    deadline: float | None = None) -> None:
-    """Write the manifest of the step whose payload this child just uploaded for a parent that died; never
-    over a manifest already there (another writer committed the step first). A part of a step of several
-    ranks finishes itself by ``deadline`` (default: the grace period from now)."""
-    if not isinstance(commit, tuple):
-        commit.finish(size, digest, time.monotonic() + preemption.grace_seconds() if deadline is None else deadline)
-        return
-    uri, options, retry, pending = commit
-    manifest = dataclasses.replace(pending, record=dataclasses.replace(pending.record, size=size, sha256=digest))
+    """Write the manifest of the step whose payload (or staged objects) this child just stored for a parent
+    that died; never over a manifest already there (another writer committed the step first). A part of a step
+    of several ranks finishes itself by ``deadline`` (default: the grace period from now)."""
+    if isinstance(stored, StepManifest):
+        manifest = stored
+    else:
+        size, digest = stored
+        if not isinstance(commit, tuple):
+            commit.finish(size, digest,
+                          time.monotonic() + preemption.grace_seconds() if deadline is None else deadline)
+            return
+        assert commit[3] is not None
+        manifest = dataclasses.replace(commit[3], record=dataclasses.replace(commit[3].record, size=size,
+                                                                             sha256=digest))
+    assert isinstance(commit, tuple)
+    uri, options, retry, _ = commit
     location = Location(uri, options, retry)
     if location.exists():
         return
@@ -155,6 +178,43 @@ def _relayed(replies: IO[bytes]) -> Progress:
             write_message(replies, pickled(("progress", what, n)))
 
     return _progress.relay(send)
+
+
+def _serve_staged(request: StagedRequest, duty: _Duty, replies: IO[bytes]) -> None:
+    """Take a staged save's segment over, say so, then run its job, free the segment, and answer the job's
+    sizes and manifest (or its error)."""
+    value: Any
+    try:
+        segment = Segment.adopt(request.segment)
+    except (OSError, ValueError) as exc:  # gone (removed by hand), or not a segment: the parent saves itself
+        with contextlib.suppress(OSError):
+            write_message(replies, pickled(("error", (_portable_error(exc), traceback.format_exc()), [])))
+        return
+    duty.take((*request.manifest, None), (), segment)
+    with contextlib.suppress(OSError):  # a parent dead already: the step is done all the same
+        write_message(replies, pickled(TAKEN))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            job: StagedJob = pickle.loads(request.job)
+            with _relayed(replies) if request.report else NO_PROGRESS as progress:
+                sizes, manifest = job.run(segment, progress)
+            segment.free()
+            duty.stored(manifest)
+            status, value = "ok", (sizes, manifest)
+        except BaseException as exc:
+            segment.free()
+            duty.end()
+            status, value = "error", (_portable_error(exc), traceback.format_exc())
+    with contextlib.suppress(OSError):  # the parent died meanwhile: EOF or the watchdog commits
+        write_message(replies, pickled((status, value, [(w.category, str(w.message)) for w in caught])))
+
+
+def _import_quietly(modules: list[str]) -> None:
+    """Import ``modules`` ahead of the requests that need them; one that fails is imported (and fails) again there."""
+    for name in modules:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
 
 
 def serve(parent: int) -> None:
@@ -185,6 +245,15 @@ def serve(parent: int) -> None:
         if message == DONE:
             duty.end()
             continue
+        if isinstance(message, tuple) and message[0] == WARM:
+            threading.Thread(target=_import_quietly, args=(message[1],), name="taskpoint-saver-warm",
+                             daemon=True).start()
+            continue
+        if isinstance(message, StagedRequest):
+            _serve_staged(message, duty, replies)
+            message = None
+            release_freed_memory()
+            continue
         uri, options, retry, payload, codec, level, orphan, report, folders = message
         duty.take(orphan, folders)
         with contextlib.suppress(OSError):  # a parent dead already: the step is done all the same
@@ -196,7 +265,7 @@ def serve(parent: int) -> None:
                 with _relayed(replies) if report else NO_PROGRESS as progress:
                     value = write_payload(Location(uri, options, retry), payload, codec, level,
                                           progress=progress)
-                duty.stored(*value)
+                duty.stored(value)
                 value = (*value, payload.written_index)  # the archive's index goes into the parent's manifest
                 status = "ok"
             except BaseException as exc:

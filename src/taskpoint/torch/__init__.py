@@ -27,7 +27,8 @@ except ImportError as exc:
 from . import _state_kind  # noqa: F401  (registers the torch.state_dict step kind of CheckpointManager)
 from ._kind import FileSetStep
 from ._reader import Reader
-from ._state import STATE_FILE, StateDict, load_state_dict, load_state_dict_sync
+from ._state import StateDict, load_state_dict, load_state_dict_sync
+from ._state_file import STATE_FILE
 from ._train import TrainState
 from ._writer import Writer
 

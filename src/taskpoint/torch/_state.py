@@ -4,8 +4,8 @@
 folder as it is serialized, in pieces hashed on other threads (:mod:`._state_kind`), instead of serializing into
 bytes that are then copied and hashed again (issue 26: 2.2x the time of ``torch.save`` + fsync).
 :func:`load_state_dict_sync` hands ``torch.load`` a reader that checks each piece before ``torch.load`` sees it.
-A :class:`~taskpoint.Checkpoint` (or a manager's background save) stores the ``torch.save`` bytes as a raw
-payload.
+A manager's background save stages the tensors in shared memory for its save process, which writes the same step
+(:mod:`._staged`); a :class:`~taskpoint.Checkpoint` stores the ``torch.save`` bytes as a raw payload.
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ import torch
 from ..errors import CheckpointCorruptError, RestoreMismatch, RestoreReport
 from ..format.names import STATE_DICT_KIND as STEP_KIND
 from ..manager import CheckpointManager
+from ..manager.staging import Segment
 from ..payloads import BytesPayload, Payload, register_payload
 from ._match import Apply, Mismatches, module_plan
+from ._staged import Plan
+from ._state_file import STATE_FILE
 
 if TYPE_CHECKING:
     from ._pieces import PieceReader
 
-STATE_FILE = "state_dict.pt"
-"""The name of a state-dict step's one file: in the folder ``manager.restore(step)`` returns, and the path
-``manager.open(step, STATE_FILE)`` reads."""
 #: What a state dict may hold, besides nested dicts, lists and tuples: what ``torch.load(weights_only=True)``
 #: loads back.
 _LEAVES = (torch.Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
@@ -82,16 +82,36 @@ class SavedAsStateDict:
 
 class StateDictPayload(BytesPayload):
     """A :class:`StateDict`. A manager's blocking save writes it through the ``torch.state_dict`` step kind
-    (``torch.save`` into the step, :meth:`save_into`); anything else stores its ``torch.save`` bytes, serialized
-    once, when first needed (at the latest when a background save snapshots it, so that the caller may change
-    its tensors as soon as the save call returns)."""
+    (``torch.save`` into the step, :meth:`save_into`), and a background save stages it (:meth:`stage`) for the save
+    process to write the same; anything else stores its ``torch.save`` bytes, serialized once, when first needed
+    (at the latest when a background save without a save process snapshots it, so that the caller may change its
+    tensors as soon as the save call returns)."""
 
     kind = "torch.state_dict"
+    staged_by = "taskpoint.torch._staged"
     result_name = STATE_FILE  # what a load of a Checkpoint object holding one writes, as a step's restore does
 
     def __init__(self, state: StateDict) -> None:
         self._state: Mapping[str, Any] | None = state.state
         self._bytes: bytes | None = None
+        self._plan: Plan | None = None
+
+    def staging_size(self) -> int | None:
+        """The bytes a background save stages this state in (:mod:`._staged`), or None when it cannot be staged
+        (it is then snapshotted as its ``torch.save`` bytes)."""
+        if self._state is None:
+            return None
+        try:
+            self._plan = Plan(self._state)
+        except TypeError:
+            return None
+        return self._plan.size
+
+    def stage(self, segment: Segment) -> Payload:
+        """Copy the state into ``segment`` (after :meth:`staging_size`); what the save then writes."""
+        assert self._plan is not None
+        plan, self._plan = self._plan, None
+        return plan.copy_into(segment)
 
     @property
     def _view(self) -> memoryview:  # type: ignore[override]  # BytesPayload's bytes, serialized on first use

@@ -21,56 +21,32 @@ from __future__ import annotations
 import io
 import os
 import re
-import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, ClassVar, cast
+from typing import Any
 
 from .._progress import Progress
 from ..errors import CheckpointCorruptError
-from ..format.fileset import PIECE_HASH, piece_hash_field, pieces_digest, read_piece_hash
-from ..format.legacy import UNNAMED_PIECE_HASH
+from ..format.fileset import read_piece_hash
 from ..format.names import STATE_DICT_KIND as STEP_KIND
-from ..format.records import KIND_VERSION, ObjectRecord, StepManifest
+from ..format.records import StepManifest
+from ..manager.background import store_staged
 from ..manager.kinds import GONE_HOW, Checked, Described, Gone, Parts, Saved, SaveJob, content_of, register_step_kind
 from ..manager.step_names import MANIFEST_NAME as STEP_MANIFEST
 from ..manager.step_names import name_in, stored_names
 from ..manager.steps import StepObjects, StepStore, best_effort
 from ..payloads import DirectoryPayload
-from ..storage import WRITE_PIECE, Deadline
+from ..storage import WRITE_PIECE
 from ..workspace import Staging
-from ._pieces import PIECE_SIZE, PieceReader, PieceWriter
-from ._state import STATE_FILE, StateDictPayload
+from ._pieces import PieceReader
+from ._staged import StagedStateDict
+from ._state import StateDictPayload
+from ._state_file import STATE_FILE, StateDictFile, state_manifest, write_state
 
-#: The codec the step's record names: the file as ``torch.save`` wrote it.
-CODEC = "torch.save"
 _FILE = re.compile(r"state-[0-9a-f]{32}[.]pt")
 _OWNED = stored_names(_FILE.pattern)
 _HEX = re.compile(r"[0-9a-f]{64}")
-
-
-@dataclass(frozen=True)
-class StateDictFile:
-    """The content of a state-dict step: its file in the step's folder, and the digest (by ``piece_hash``) of
-    each of its pieces (``piece_size`` bytes each, the last shorter)."""
-
-    kind: ClassVar[str] = STEP_KIND
-    file: str
-    piece_size: int
-    pieces: tuple[str, ...]
-    piece_hash: str = UNNAMED_PIECE_HASH
-
-    @property
-    def manifest_version(self) -> int:
-        """The manifest's version: 5 for pieces hashed by anything but sha256, which a reader of version 4
-        would check as sha256 (:data:`~taskpoint.format.records.FORMAT_VERSION`)."""
-        return KIND_VERSION if self.piece_hash == UNNAMED_PIECE_HASH else KIND_VERSION + 1
-
-    def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "piece_size": self.piece_size, **piece_hash_field(self.piece_hash),
-                "pieces": list(self.pieces)}
 
 
 def _check_path(path: str) -> None:
@@ -79,9 +55,9 @@ def _check_path(path: str) -> None:
 
 
 class StateDictKind:
-    """State dicts in manager steps (see the module), saved by a blocking save in this process, where torch
-    lives. A background save's snapshot (``torch.save`` bytes made already) is not accepted: it travels as a raw
-    payload through the manager's save process (``helper``), which commits it even if this process dies first."""
+    """State dicts in manager steps (see the module): saved by a blocking save in this process, and from a background
+    save's segment by the manager's save process (``helper``), which commits it even if this process dies first. A
+    snapshot of ``torch.save`` bytes (a background save without a save process) is not accepted: it is a payload."""
 
     name = STEP_KIND
     helper = True
@@ -95,35 +71,31 @@ class StateDictKind:
         return StateDictFile(name, piece_size, pieces, piece_hash)
 
     def accepts(self, payload: object, parts: Parts) -> bool:
-        return isinstance(payload, StateDictPayload) and not payload.is_serialized
+        return isinstance(payload, StagedStateDict) or (isinstance(payload, StateDictPayload) and not \
+            payload.is_serialized)
 
     def save(self, parts: Parts, job: SaveJob) -> Saved:
         """``torch.save`` into the step's file through a :class:`PieceWriter` (fsynced on local disk), then the
-        commit: the manifest, written last, with the pieces' digests."""
+        commit: the manifest, written last, with the pieces' digests. A state staged by a background save is
+        written from its segment by the manager's save process (:mod:`._staged`), which commits it itself if this
+        process dies first."""
         payload, steps, step = job.payload, parts.steps, job.step
-        assert isinstance(payload, StateDictPayload)
         save_id = uuid.uuid4().hex
         name = f"state-{save_id}.pt"
         target = steps.object(step, name)
-
-        def write(deadline: Deadline) -> tuple[int, list[str]]:
-            job.progress.rewind()
-            with target.open_write(deadline=deadline) as sink:
-                writer = PieceWriter(sink, PIECE_SIZE, job.progress.update, piece_hash=PIECE_HASH)
-                try:
-                    payload.save_into(cast("IO[bytes]", writer))
-                    return writer.finish()
-                finally:
-                    writer.shutdown()
-
-        size, digests = target.run(write, action="save the state dict to", writing=True)
-        record = ObjectRecord(kind=StateDictPayload.kind, codec=CODEC, save_id=save_id, created=time.time(),
-                              size=size, sha256=pieces_digest(digests))
-        manifest = StepManifest(step=step, record=record, attempt=job.attempt, metadata=job.metadata,
-                                content=StateDictFile(name, PIECE_SIZE, tuple(digests), PIECE_HASH))
-        steps.check_stored(step, {name: size})
+        if isinstance(payload, StagedStateDict):
+            staged = payload.write_job((target.uri, target.storage_options, target.retry), name, save_id, step,
+                                       job.attempt, job.metadata)
+            sizes, manifest = store_staged(steps.object(step, STEP_MANIFEST), payload.segment, staged, job.saver,
+                                           job.progress)
+        else:
+            assert isinstance(payload, StateDictPayload)
+            size, digests = write_state(target, payload.save_into, job.progress)
+            sizes, manifest = {name: size}, state_manifest(step, job.attempt, job.metadata, save_id, name, size,
+                                                           digests)
+        steps.check_stored(step, sizes)
         steps.object(step, STEP_MANIFEST).write_small(manifest.to_bytes(), action="commit the checkpoint at")
-        return Saved(committed=True, sent=size, names=frozenset({name}))
+        return Saved(committed=True, sent=sum(sizes.values()), names=frozenset(sizes))
 
     # -- reading -------------------------------------------------------------------------------------------
 

@@ -1,0 +1,203 @@
+"""One method of the ``async`` section (issue 43) in a process of its own: ``python -m benchmarks._async_worker
+SPEC RESULT``.
+
+The process builds its state (float32 tensors of 64 MiB, or a JAX PyTree of such arrays), makes the method's
+saver, waits ``first_delay`` seconds (the training loop running a few seconds before the first save), then saves
+``saves`` times: ``blocked`` is the time until the save call returns, ``durable`` until the step is committed
+(fsynced where the method does). Between saves the state is changed in place (torch) as a loop would. A sampler
+thread reads the proportional set size (``/proc/<pid>/smaps_rollup``) of this process and of its children (the save
+process) every 10 ms; ``peak_extra`` is the highest sum during each save, less the sum before it (shared memory
+counts once, split between the processes that map it). ``start`` and ``end`` are that sum before the first and after
+the last save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+#: Bytes per tensor or array of the state.
+LEAF_BYTES = 64 << 20
+#: How often the memory sampler reads the processes' PSS.
+SAMPLE_SECONDS = 0.01
+
+
+def _pss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as rollup:
+            for line in rollup:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as children:
+                found += [int(child) for child in children.read().split()]
+    except OSError:
+        pass
+    return found
+
+
+def family_pss() -> int:
+    """The PSS of this process and of its children."""
+    me = os.getpid()
+    return _pss(me) + sum(_pss(child) for child in _children(me))
+
+
+class Sampler:
+    """The highest :func:`family_pss` since :meth:`reset`, read on a thread every :data:`SAMPLE_SECONDS`."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE_SECONDS):
+            self.peak = max(self.peak, family_pss())
+
+    def reset(self) -> int:
+        now = family_pss()
+        self.peak = now
+        return now
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def _fsync_tree(path: Path) -> None:
+    for folder, _, names in os.walk(path):
+        for name in names:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+
+#: A method's saver: ``saver(step)`` gives the step's ``(save, durable)``: the call timed as blocked, then the wait
+#: until it is committed.
+Saver = Callable[[int], tuple[Callable[[], Any], Callable[[], Any]]]
+
+
+def torch_methods(total: int, work: Path) -> tuple[Any, dict[str, Callable[[], Saver]]]:
+    import torch
+
+    state = {f"layer{i}": torch.randn(LEAF_BYTES // 4) for i in range(max(1, total // LEAF_BYTES))}
+
+    def copy() -> Saver:
+        held: dict[str, Any] = {}
+        return lambda step: (lambda: held.update(copy={k: v.clone() for k, v in state.items()}), held.clear)
+
+    def torch_fsync(step: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
+        def save() -> None:
+            path = work / f"torch-{step}.pt"
+            with open(path, "wb") as sink:
+                torch.save(state, sink)
+                sink.flush()
+                os.fsync(sink.fileno())
+        return save, lambda: None
+
+    def dcp() -> Saver:
+        import torch.distributed.checkpoint as dcp_module
+
+        def one(step: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
+            future: dict[str, Any] = {}
+
+            def durable() -> None:
+                future["f"].result()
+                _fsync_tree(work / f"dcp-{step}")  # DCP's writer syncs its files; this is a no-op then
+            return (lambda: future.update(f=dcp_module.async_save(state, checkpoint_id=str(work / f"dcp-{step}"))),
+                    durable)
+        return one
+
+    def taskpoint(blocking: bool) -> Saver:
+        from taskpoint import CheckpointManager
+        from taskpoint.torch import StateDict
+
+        manager = CheckpointManager(work / "steps", async_save=not blocking, preemption=False)
+
+        def one(step: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
+            return lambda: manager.save(StateDict(state), step), manager.wait_until_finished
+        return one
+
+    return state, {"copy": copy, "torch-fsync": lambda: torch_fsync, "dcp": dcp,
+                   "taskpoint": lambda: taskpoint(False), "taskpoint-blocking": lambda: taskpoint(True)}
+
+
+def jax_methods(total: int, work: Path) -> tuple[Any, dict[str, Callable[[], Saver]]]:
+    import jax
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    state = {f"layer{i}": jax.numpy.asarray(rng.standard_normal(LEAF_BYTES // 4, dtype=np.float32))
+             for i in range(max(1, total // LEAF_BYTES))}
+
+    def copy() -> Saver:
+        held: dict[str, Any] = {}
+
+        def save() -> None:
+            held["copy"] = jax.block_until_ready(jax.tree_util.tree_map(lambda x: x.copy(), state))
+        return lambda step: (save, held.clear)
+
+    def orbax() -> Saver:
+        import orbax.checkpoint as ocp
+
+        manager = ocp.CheckpointManager(work / "orbax", options=ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=True))
+        return lambda step: (lambda: manager.save(step, args=ocp.args.StandardSave(state)),
+                             manager.wait_until_finished)
+
+    def taskpoint(blocking: bool) -> Saver:
+        from taskpoint import CheckpointManager
+        from taskpoint.jax import PyTree
+
+        manager = CheckpointManager(work / "steps", async_save=not blocking, preemption=False)
+        return lambda step: (lambda: manager.save(PyTree(state), step), manager.wait_until_finished)
+
+    return state, {"copy": copy, "orbax": orbax, "taskpoint": lambda: taskpoint(False),
+                   "taskpoint-blocking": lambda: taskpoint(True)}
+
+
+def main(spec_path: str, result_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    work = Path(spec["work"])
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    build = torch_methods if spec["kind"] == "torch" else jax_methods
+    state, methods = build(int(spec["bytes"]), work)
+    sampler = Sampler()
+    start = family_pss()
+    saver = methods[spec["method"]]()  # made now: the manager starts its save process here
+    time.sleep(float(spec["first_delay"]))
+    rows = []
+    for step in range(1, int(spec["saves"]) + 1):
+        save, durable = saver(step)
+        before = sampler.reset()
+        t0 = time.perf_counter()
+        save()
+        blocked = time.perf_counter() - t0
+        durable()
+        rows.append({"blocked": blocked, "durable": time.perf_counter() - t0, "peak_extra": sampler.peak - before})
+        if spec["kind"] == "torch":
+            for tensor in state.values():
+                tensor.mul_(1.0001)  # the loop changes the state between saves
+    sampler.stop()
+    Path(result_path).write_text(json.dumps({"saves": rows, "start": start, "end": family_pss()}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

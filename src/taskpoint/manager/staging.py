@@ -1,0 +1,252 @@
+"""Staging in shared memory: where a background save copies its state once, for the save process to write.
+
+A background save of a state that lives in memory (a torch state dict) copies it once into a *segment*: one
+file in ``/dev/shm`` (tmpfs: its pages are memory, shared by every process that maps it), sized up front and
+reserved with ``posix_fallocate`` so that a full ``/dev/shm`` is a clean ``OSError`` before a byte is copied,
+never a ``SIGBUS`` in the middle. Only its name goes to the save process, which renames it to a name of its
+own (:meth:`Segment.adopt`): from then on the segment is the save process's, which writes the step from it and
+removes it. The trainer may change its tensors, exit or be killed as soon as ``save()`` returned.
+
+A segment's name says who owns it: ``taskpoint-stage-<host>-<pid>-<start>-<random>``, ``<start>`` the owner's
+start time (``/proc/<pid>/stat``), so that a pid reused by another process does not keep a dead owner's segment.
+:func:`sweep_dead_segments` removes those whose owner is gone (a save process killed in the middle of a write),
+never one whose owner runs: the way leftovers in storage are swept.
+
+:class:`StagingBudget` bounds the memory the segments of one manager hold (``max_staging_bytes``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+import secrets
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from .._log import logger
+from ..payloads import Payload
+from ..workspace import host_tag, process_alive
+
+#: Start of a segment's name: ``taskpoint-stage-<host>-<pid>-<start>-<random>``.
+SEGMENT_PREFIX = "taskpoint-stage-"
+#: Where segments are made: tmpfs, whose files are memory.
+SHARED_MEMORY = "/dev/shm"
+#: The share of the machine's available memory (and of the free space of the segments' folder) that the
+#: default ``max_staging_bytes`` allows: the other half stays for the training loop and the save process.
+DEFAULT_STAGING_SHARE = 0.5
+#: How often a save that waits for staging memory says so in the log while it waits.
+WAIT_LOG_SECONDS = 10.0
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_NAME = re.compile(re.escape(SEGMENT_PREFIX) + r"(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-(?P<start>\d+)-(?P<key>[0-9a-f]+)")
+
+
+def segment_folder() -> Path:
+    """``/dev/shm`` where it is a writable folder, else the temp folder (a disk: slower, never wrong)."""
+    if os.path.isdir(SHARED_MEMORY) and os.access(SHARED_MEMORY, os.W_OK | os.X_OK):
+        return Path(SHARED_MEMORY)
+    return Path(tempfile.gettempdir())
+
+
+def process_start(pid: int) -> int:
+    """When process ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat``); 0 where that is unknown
+    (no ``/proc``), and -1 when there is no such process, or only its zombie (killed, not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        return -1 if fields[0] == b"Z" else int(fields[19])  # state, starttime: fields 3 and 22 of the file
+    except FileNotFoundError:
+        return -1 if os.path.isdir("/proc") else 0
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _owner() -> str:
+    pid = os.getpid()
+    return f"{host_tag()}-{pid}-{max(process_start(pid), 0)}"
+
+
+class Segment:
+    """One staging segment (a file in :func:`segment_folder`) and the mapping of its bytes in this process."""
+
+    def __init__(self, path: Path, size: int) -> None:
+        self.path, self.size = path, size
+        self._map: mmap.mmap | None = None
+
+    @classmethod
+    def create(cls, size: int, folder: Path | None = None) -> Segment:
+        """A new segment of ``size`` bytes, owned by this process, its memory reserved (``OSError`` with
+        ``ENOSPC`` when the folder cannot hold it: nothing is left behind)."""
+        path = (folder or segment_folder()) / f"{SEGMENT_PREFIX}{_owner()}-{secrets.token_hex(8)}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            if size:
+                os.posix_fallocate(fd, 0, size)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        segment = cls(path, size)
+        # Its page tables filled in one call, not one fault per page while the state is copied in.
+        segment._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE) if size else None
+        os.close(fd)
+        return segment
+
+    @classmethod
+    def adopt(cls, path: str | os.PathLike[str]) -> Segment:
+        """Take the segment at ``path`` over: renamed to this process's own name (one atomic rename), so that no
+        sweep removes it while this process runs, and mapped. FileNotFoundError when it is gone."""
+        old = Path(path)
+        match = _NAME.fullmatch(old.name)
+        if match is None:
+            raise ValueError(f"{old} is not a staging segment")
+        new = old.with_name(f"{SEGMENT_PREFIX}{_owner()}-{match['key']}")
+        if new != old:
+            os.rename(old, new)
+        fd = os.open(new, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            segment = cls(new, size)
+            segment._map = mmap.mmap(fd, size) if size else None
+        finally:
+            os.close(fd)
+        return segment
+
+    @staticmethod
+    def find(path: str | os.PathLike[str]) -> Path | None:
+        """The segment that was at ``path`` (under any owner's name now), or None when it was removed."""
+        old = Path(path)
+        match = _NAME.fullmatch(old.name)
+        if match is None:
+            return None
+        return next(old.parent.glob(f"{SEGMENT_PREFIX}*-{match['key']}"), None)
+
+    @property
+    def buffer(self) -> memoryview:
+        """The segment's bytes, writable (empty for a segment of no bytes)."""
+        return memoryview(self._map) if self._map is not None else memoryview(bytearray())
+
+    def unmap(self) -> None:
+        """Drop this process's mapping (the segment stays; its pages are no longer counted here)."""
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # a view still exported: unmapped when it goes
+                self._map.close()
+            self._map = None
+
+    def free(self) -> None:
+        """Unmap and remove the segment: its memory goes back once no process maps it."""
+        self.unmap()
+        self.path.unlink(missing_ok=True)
+
+
+def sweep_dead_segments(folder: Path | None = None) -> list[Path]:
+    """Remove the segments of this host in ``folder`` whose owner is gone (no process with that pid, or one
+    started at another time); return them. A segment whose owner runs is never touched, whatever its age."""
+    folder = folder or segment_folder()
+    host, removed = host_tag(), []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return []
+    for entry in entries:
+        match = _NAME.fullmatch(entry.name)
+        if match is None or match["host"] != host:
+            continue
+        pid, start = int(match["pid"]), int(match["start"])
+        running = process_start(pid)
+        if running == start or (running == 0 and process_alive(pid)):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(entry.path)
+            removed.append(Path(entry.path))
+    if removed:
+        logger.info("removed %d staging segment(s) left by save processes that are gone: %s", len(removed),
+                    [path.name for path in removed])
+    return removed
+
+
+@runtime_checkable
+class Stageable(Protocol):
+    """A payload that a background save copies into a segment (:meth:`stage`) instead of a snapshot folder."""
+
+    def staging_size(self) -> int | None:
+        """The bytes its segment needs, known before anything is copied; None when this one cannot be staged."""
+        ...
+
+    def stage(self, segment: Segment) -> Payload:
+        """Copy the state into ``segment`` (of :meth:`staging_size` bytes); the payload the save then writes,
+        which reads the segment, never the caller's state."""
+        ...
+
+
+def default_staging_bytes(folder: Path | None = None) -> int:
+    """The default bound of a manager's staging: :data:`DEFAULT_STAGING_SHARE` of the memory the machine has
+    available (``MemAvailable``) when the manager is made, and no more than that share of the free space of the
+    segments' folder (tmpfs has a size of its own, half the RAM by default)."""
+    available = _available_memory()
+    try:
+        stat = os.statvfs(folder or segment_folder())
+        available = min(available, stat.f_bavail * stat.f_frsize)
+    except OSError:
+        pass
+    return int(available * DEFAULT_STAGING_SHARE)
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class StagingBudget:
+    """The staging bytes a manager's background saves hold, at most ``limit``: :meth:`reserve` waits until the
+    segments of earlier saves are freed, and refuses a state larger than the limit (which is then saved
+    blocking)."""
+
+    def __init__(self, limit: int | None) -> None:
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0):
+            raise ValueError(f"max_staging_bytes must be a positive int or None, not {limit!r}")
+        self.limit = default_staging_bytes() if limit is None else limit
+        self._held = 0
+        self._freed = threading.Condition()
+
+    @property
+    def held(self) -> int:
+        """The bytes reserved now."""
+        return self._held
+
+    def reserve(self, size: int, step: int) -> bool:
+        """Hold ``size`` bytes until :meth:`release`, waiting until they fit; False, holding nothing, when
+        ``size`` exceeds the limit. A wait is logged when it ends, with how long it took, and every
+        :data:`WAIT_LOG_SECONDS` while it lasts (it ends when an earlier save ends, which every save does)."""
+        if size > self.limit:
+            logger.info("step %d: its %d bytes exceed max_staging_bytes (%d); it is saved blocking", step, size,
+                        self.limit)
+            return False
+        began, waited = time.monotonic(), False
+        with self._freed:
+            while self._held + size > self.limit:
+                waited = True
+                if not self._freed.wait(WAIT_LOG_SECONDS):
+                    logger.info("step %d waits for %d staging bytes (%d of %d held) since %.1f s", step, size,
+                                self._held, self.limit, time.monotonic() - began)
+            self._held += size
+        if waited:
+            logger.info("step %d: staged after waiting %.3f s for earlier saves' segments to be freed", step,
+                        time.monotonic() - began)
+        return True
+
+    def release(self, size: int) -> None:
+        """Give back ``size`` bytes a :meth:`reserve` held."""
+        with self._freed:
+            self._held -= size
+            self._freed.notify_all()
