@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import ast
 import re
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -147,11 +149,30 @@ def specified_names(prefix: str) -> list[re.Pattern[str]]:
     return patterns
 
 
+def save_on_two_ranks(directory: str | Path, step: int, **options: Any) -> None:
+    """``step`` saved by two ranks (threads of this process, each its own manager), rank 0 committing."""
+    from taskpoint import CheckpointManager
+
+    errors: list[BaseException] = []
+
+    def rank(k: int) -> None:
+        try:
+            with CheckpointManager(directory, rank=k, world_size=2, commit_timeout=120, **options) as ranked:
+                ranked.save(f"rank {k}".encode(), step)
+        except BaseException as exc:  # reported below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(k,)) for k in (1, 0)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(180)
+    assert not errors and not any(thread.is_alive() for thread in threads), errors
+
+
 def test_every_object_a_manager_leaves_is_named_by_the_specification(tmp_path: Path) -> None:
     """Steps of the kinds the core writes (one payload, deduplicated, several ranks), an overwrite, a delete and
     a sweep that removes chunks (the epoch): every object left in the directory matches a path of the layout."""
-    import threading
-
     from taskpoint import CheckpointManager
 
     source = tmp_path / "source"
@@ -168,21 +189,7 @@ def test_every_object_a_manager_leaves_is_named_by_the_specification(tmp_path: P
         dedup.save(source, 4)
         dedup.delete(3)
         dedup.gc(0)
-    errors: list[BaseException] = []
-
-    def rank(k: int) -> None:
-        try:
-            with CheckpointManager(directory, rank=k, world_size=2, commit_timeout=120) as ranked:
-                ranked.save(f"rank {k}".encode(), 5)
-        except BaseException as exc:  # reported below, in the test's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=rank, args=(k,)) for k in (1, 0)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(180)
-    assert not errors and not any(thread.is_alive() for thread in threads)
+    save_on_two_ranks(directory, 5)
     patterns = specified_names("{dir}/")
     stored = [path.relative_to(directory).as_posix() for path in directory.rglob("*") if path.is_file()]
     assert {"ckpt-5/taskpoint.json", "leases/epoch"} <= set(stored)  # the run did reach every kind and the sweep

@@ -13,7 +13,6 @@ their attempt markers are the layout's other half: tests/test_format_doc.py chec
 from __future__ import annotations
 
 import collections
-import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import pytest
 
 from _fault_proxy import fault_proxy
 from taskpoint import CheckpointManager
-from test_format_doc import specified_names
+from test_format_doc import save_on_two_ranks, specified_names
 
 #: Requests that create or write an object (a multipart upload is a POST, its parts PUTs to the same name).
 WRITES = ("PUT", "POST")
@@ -34,26 +33,6 @@ def _written(log: collections.deque[list[Any]], bucket: str, prefix: str) -> set
     start = f"/{bucket}/{prefix}/"
     return {unquote(path)[len(start):] for method, path, *_ in log
             if method in WRITES and unquote(path).startswith(start)}
-
-
-def _ranks(directory: str, options: dict[str, Any]) -> None:
-    """Step 6 saved by two ranks (threads of this process, each its own manager), rank 0 committing."""
-    errors: list[BaseException] = []
-
-    def rank(k: int) -> None:
-        try:
-            with CheckpointManager(directory, storage_options=options, rank=k, world_size=2,
-                                   commit_timeout=120) as ranked:
-                ranked.save(f"rank {k}".encode(), 6)
-        except BaseException as exc:  # reported below, in the test's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=rank, args=(k,)) for k in (1, 0)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(180)
-    assert not errors and not any(thread.is_alive() for thread in threads), errors
 
 
 @pytest.mark.slow
@@ -85,7 +64,7 @@ def test_every_object_a_run_writes_is_named_by_the_specification(s3_server: Any,
             dedup.save(source, 7)
             dedup.delete(5)
             dedup.gc(0)
-        _ranks(directory, options)
+        save_on_two_ranks(directory, 6, storage_options=options)
         with CheckpointManager(directory, storage_options=options) as manager:
             dcp.save({"w": torch.zeros(4)}, storage_writer=tp_torch.Writer.for_step(manager, 8), no_dist=True)
         with CheckpointManager(directory, storage_options=options, local_dir=tmp_path / "local") as tiered:
