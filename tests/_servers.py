@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import importlib
 import json
 import os
 import shutil
@@ -810,6 +811,14 @@ SHARED_SERVER_STARTERS: dict[str, Callable[[], contextlib.AbstractContextManager
 }
 
 
+#: What the server threads import, imported once by the controlling thread before they start: a package imported
+#: for the first time by several threads at once can be seen half initialized by one of them (a fresh clone's CI
+#: run, with no bytecode cached, failed every server with "cannot import name 'HTTPAdapter' from partially
+#: initialized module 'requests.adapters'", and "Please install gcsfs" for the same reason).
+_IMPORTED_FIRST = ("requests.adapters", "botocore.auth", "botocore.awsrequest", "moto.moto_server.werkzeug_app",
+                   "werkzeug.serving", "s3fs", "gcsfs", "adlfs", "azure.storage.blob")
+
+
 class SharedServers:
     """Runs every server of :data:`SHARED_SERVER_STARTERS` once, for all the workers of one pytest-xdist run.
 
@@ -824,6 +833,9 @@ class SharedServers:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self._stop = threading.Event()
+        for module in _IMPORTED_FIRST:
+            with contextlib.suppress(ImportError):  # a missing extra is the starter's to report
+                importlib.import_module(module)
         self._threads = [threading.Thread(target=self._run, args=(name, start), name=f"shared-{name}", daemon=True)
                          for name, start in SHARED_SERVER_STARTERS.items()]
         for thread in self._threads:
