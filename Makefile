@@ -6,7 +6,9 @@
 #               a broken link or API reference fails)
 #   make bench  the speed benchmark of issues 3 and 5, and its sections: preemption (12), dcp (13), dedup (15),
 #               lightning (23), agreement (28), subset (26: one file out of a step), fast (26: steps against
-#               Orbax, torch.save and a raw copy), tiers (24: the local tier)
+#               Orbax, torch.save and a raw copy), tiers (24: the local tier), format (42: verification against a
+#               raw copy and DCP's reader), broadcast (44: ranks reading a step once), latency (44: requests through
+#               a 10 ms proxy against the store's client), async (43: background saves against DCP, Orbax and a copy)
 #               (BENCH_ARGS="--size 0.0625 --runs 1" for a quick run; "--methods dedup" for one section alone)
 #   make dist   build the sdist and the wheel into dist/ (python -m build); then install the wheel with its extras:
 #               pip install "dist/taskpoint-<version>-py3-none-any.whl[s3]"
