@@ -85,14 +85,15 @@ def test_a_parallel_ranged_read_from_a_stalled_store_ends_at_the_deadline(s3_ser
 
 
 #: The small request of step 2's background save that the proxy holds, per way of saving in the background: a
-#: deduplicated save (a thread of this process) reads the sweepers' epoch; the save process checks the payload it
-#: uploaded (a HEAD). Both come after ``save(blocking=False)`` has returned.
+#: deduplicated save (a thread of this process) reads the sweepers' epoch; a save through the save process writes
+#: the step's manifest (a PUT: the commit itself; the HEAD of the payload it held before is skipped now while the
+#: upload is younger than half the grace period). Both come after ``save(blocking=False)`` has returned.
 #: The retry deadline of the managers that meet a held request: short for a test, long enough for the requests
 #: that pass on a loaded machine (at load 14 on 2 cores, building a client's session alone took over 5 s).
 HELD_DEADLINE = 20.0
 HELD = {
     "dedup-epoch-get": ({"dedup": True}, "GET", "/leases/epoch"),
-    "save-process-head": ({}, "HEAD", "/ckpt-2/payload-"),
+    "save-commit-put": ({}, "PUT", "/ckpt-2/taskpoint.json"),
 }
 
 
