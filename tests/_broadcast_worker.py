@@ -93,7 +93,9 @@ def main() -> None:
             time.sleep(3 * phase["commit_timeout"])
             os._exit(0)
         outcome = run(phase, rank)
-        print(json.dumps({"event": "phase", "name": phase["name"], "rank": rank, **outcome}), flush=True)
+        # One write per line: the ranks share torchrun's stdout, unbuffered here (print writes the newline apart).
+        sys.stdout.write(json.dumps({"event": "phase", "name": phase["name"], "rank": rank, **outcome}) + "\n")
+        sys.stdout.flush()
         if "absent" in phase:  # the group is broken now: no collective, no teardown that could wait on it
             os._exit(0)
         dist.monitored_barrier(timeout=GROUP_TIMEOUT)

@@ -24,7 +24,10 @@ import taskpoint
 
 
 def say(**event: Any) -> None:
-    print(json.dumps(event), flush=True)
+    """One JSON line, in one write: the ranks share torchrun's stdout, and unbuffered (PYTHONUNBUFFERED) ``print``
+    writes the newline apart, so two ranks' lines could run together."""
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
 
 
 def shard(rank: int, step: int) -> bytes:
