@@ -1,10 +1,10 @@
 """The contract every step kind keeps, run over each registered kind on local disk, memory:// and S3.
 
 :func:`check_step_kind` is the contract, written once: a kind's ``store`` writes its objects and returns what it
-stored without committing anything; the manager's commit then makes the step exist, its folder holding the
-manifest and exactly the objects the kind named, at their sizes; the step reads back, verifies, describes itself,
-and survives a gc; once deleted, gc leaves nothing of it. A kind of another package runs the same function with a
-:class:`Sample` of its own (docs/manager.md, "Step kinds": how)::
+stored without committing anything; the manager's commit then makes the step exist, its folder holding the manifest
+and exactly the objects the kind named, at their sizes; the step reads back, verifies, describes itself, survives a
+gc, and no longer verifies once an object it names is gone; once deleted, gc leaves nothing of it. A kind of
+another package runs the same function with a :class:`Sample` of its own (docs/manager.md, "Step kinds": how)::
 
     from test_kind_contract import Sample, check_step_kind   # this file, copied beside the package's tests
 
@@ -101,6 +101,10 @@ def check_step_kind(url: str, sample: Sample, storage_options: Mapping[str, Any]
         described = manager.describe(1)
         assert (described.step, described.kind) == (1, sample.kind)
         sample.check(manager, 1)
+        if stored.objects:  # a named object gone: verify says so (the last named: a file of data, not a list)
+            fs.rm(f"{root.rstrip('/')}/ckpt-1/{list(stored.objects)[-1]}")
+            (damaged,) = manager.verify().steps
+            assert damaged.state != "healthy", f"kind {sample.kind!r} verified a step missing an object it named"
         manager.delete(1, force=True)  # the newest step that verifies is protected
         manager.gc()
         assert manager.steps() == []
