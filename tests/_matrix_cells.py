@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import fsspec
 
+from helpers import fs_options
 from taskpoint import CheckpointManager
 
 KINDS = ("payload", "dedup", "state_dict", "pytree", "dcp")
@@ -109,16 +110,16 @@ def run_stage(group: Group, stage: str, action: Callable[[], None]) -> None:
         raise StageFailed(stage, errors)
 
 
-def one_rank_at_a_time(group: Group, action: Callable[[], None]) -> Callable[[], None]:
+def one_rank_at_a_time(group: Group, action: Callable[[], object]) -> Callable[[], None]:
     """``action`` run by rank 0, then rank 1, ... (a barrier between them): ``delete`` and ``gc`` of a step
     every rank's tier holds, without two ranks removing the same objects at once."""
     def turns() -> None:
-        error: BaseException | None = None
+        error: Exception | None = None
         for turn in range(group.world):
             if turn == group.rank:
                 try:
                     action()
-                except BaseException as exc:
+                except Exception as exc:
                     error = exc
             group.barrier()
         if error is not None:
@@ -175,32 +176,30 @@ def save(kind: str, manager: CheckpointManager, rank: int, step: int, workspace:
     dcp.save(state, storage_writer=Writer.for_step(manager, step))
 
 
-def load(kind: str, manager: CheckpointManager, rank: int, step: int) -> Any:
-    """``step`` of ``kind`` as this rank reads it back through ``manager``, with the kind's own reader."""
+def load_newest(kind: str, manager: CheckpointManager, rank: int) -> Any:
+    """The newest step of ``kind`` as this rank reads it back through ``manager``, with the kind's own reader."""
     if kind == "payload":
-        return manager.restore(step).read_bytes()
+        return manager.restore().read_bytes()
     if kind == "dedup":
-        folder = manager.restore(step)
+        folder = manager.restore()
         return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
     if kind == "state_dict":
         from taskpoint.torch import load_state_dict_sync
 
-        state = load_state_dict_sync(manager, step)
-        assert state is not None and state["step"] == step, state
+        state = load_state_dict_sync(manager)
+        assert state is not None, f"no step in {manager.directory}"
         return state["w"].tolist()
     if kind == "pytree":
         from taskpoint.jax import load_pytree_sync
 
-        tree = load_pytree_sync(manager, step=step)
-        assert int(tree["step"]) == step, tree
-        return [float(x) for x in tree["w"]]
+        return [float(x) for x in load_pytree_sync(manager)["w"]]
     import torch
     import torch.distributed.checkpoint as dcp
 
     from taskpoint.torch import Reader
 
     state = {f"w{rank}": torch.zeros(16)}
-    dcp.load(state, storage_reader=Reader.for_step(manager, step))
+    dcp.load(state, storage_reader=Reader.for_step(manager))
     return state[f"w{rank}"].tolist()
 
 
@@ -225,7 +224,8 @@ class Where:
 def open_manager(cell: Cell, where: Where, group: Group, *, remote: str = "ckpts", node: str = "node"
                  ) -> CheckpointManager:
     """The cell's manager on this rank: ``remote`` names its directory, ``node`` its local folder."""
-    tier = {"local_dir": str(where.node(cell, group.rank, node)), "remote_every": 1} if cell.tier == "local" else {}
+    tier: dict[str, Any] = ({"local_dir": str(where.node(cell, group.rank, node)), "remote_every": 1}
+                            if cell.tier == "local" else {})
     return CheckpointManager(where.remote(cell, remote), storage_options=where.options, preemption=False,
                              dedup=cell.kind == "dedup", rank=group.rank, world_size=cell.ranks,
                              commit_timeout=COMMIT_TIMEOUT, grace_seconds=GRACE, **tier)
@@ -233,7 +233,7 @@ def open_manager(cell: Cell, where: Where, group: Group, *, remote: str = "ckpts
 
 def stored(url: str, options: dict[str, Any]) -> set[str]:
     """Every object under ``url``, by its path relative to it (fsspec's own listing, not taskpoint's)."""
-    fs, root = fsspec.core.url_to_fs(url, **{k: v for k, v in options.items() if k != "s3_client"})
+    fs, root = fsspec.core.url_to_fs(url, **fs_options(options))
     fs.invalidate_cache()
     if not fs.exists(root):
         return set()
@@ -267,21 +267,33 @@ def run_cell(cell: Cell, where: Where, group: Group) -> dict[str, Any]:
     """Run ``cell`` on every rank of ``group`` together; its outcome (the same on every rank)."""
     managers: list[CheckpointManager] = []
     try:
-        opened: list[CheckpointManager] = []
-        construct_error: str | None = None
-        try:
-            opened.append(open_manager(cell, where, group))
-        except ValueError as exc:
-            construct_error = str(exc)
-        refusals = group.gather(construct_error)
-        managers.extend(opened)
-        if any(refusals):
-            return {"cell": cell.id, "outcome": "refused", "errors": refusals}
         with _closing(managers):
+            refusals = _construct(cell, where, group, managers)
+            if refusals is not None:
+                return {"cell": cell.id, "outcome": "refused", "errors": refusals}
             _stages(cell, where, group, managers[0], managers)
     except StageFailed as failed:
         return {"cell": cell.id, "outcome": "failed", "stage": failed.stage, "errors": failed.errors}
     return {"cell": cell.id, "outcome": "works"}
+
+
+def _construct(cell: Cell, where: Where, group: Group, managers: list[CheckpointManager]) -> list[str] | None:
+    """Make the cell's manager on every rank (into ``managers``): each rank's ValueError message when every rank
+    refused, None when none did; StageFailed when a rank failed otherwise, or the ranks disagree."""
+    refusal = error = None
+    try:
+        managers.append(open_manager(cell, where, group))
+    except ValueError as exc:
+        refusal = str(exc)
+    except Exception as exc:
+        error = describe_error(exc)
+    answers = group.gather((refusal, error))
+    if all(refused is not None for refused, _ in answers):
+        return [refused for refused, _ in answers]
+    if any(refused is not None or failed is not None for refused, failed in answers):
+        raise StageFailed("construct", [failed or (refused and f"ValueError: {refused}")
+                                        for refused, failed in answers])
+    return None
 
 
 def _stages(cell: Cell, where: Where, group: Group, manager: CheckpointManager,
@@ -299,9 +311,9 @@ def _stages(cell: Cell, where: Where, group: Group, manager: CheckpointManager,
             tiers = {tier: manager.steps(tier=tier) for tier in ("local", "remote")}
             assert tiers == {"local": [1, 2], "remote": [1, 2]}, f"steps by tier after two saves: {tiers}"
 
-    def check(source: CheckpointManager) -> None:
-        got = load(kind, source, rank, 2)
-        assert got == expected(kind, rank, 2), f"step 2 read back as {str(got)[:200]}"
+    def check(source: CheckpointManager) -> None:  # the newest step is step 2, this rank's state of it
+        got = load_newest(kind, source, rank)
+        assert got == expected(kind, rank, 2), f"the newest step read back as {str(got)[:200]}"
 
     def from_local_tier() -> None:  # the local copies alone: a remote tier that never held the step
         alone = open_manager(cell, where, group, remote="empty-remote")
@@ -323,8 +335,10 @@ def _stages(cell: Cell, where: Where, group: Group, manager: CheckpointManager,
         remote = stored(where.remote(cell), where.options)
         extra = leftovers(manager, remote, 2) if rank == 0 else []
         if tiered:
-            local = {name for name in stored(str(where.node(cell, rank)), {})}
-            extra += [f"local: {name}" for name in sorted(local) if not name.startswith("ckpt-2/")]
+            node = where.node(cell, rank)
+            extra += [f"local: {name}" for name in sorted(stored(str(node), {})) if not name.startswith("ckpt-2/")]
+            with CheckpointManager(node, preemption=False, rank=0, world_size=1) as local:  # the tier as it lies
+                extra += [f"local: {name}" for summary in local.inventory() for name in summary.leftovers]
             assert manager.steps(tier="local") == [2], manager.steps(tier="local")
         assert manager.steps() == [2], manager.steps()
         assert not extra, f"left in storage besides step 2: {extra}"

@@ -23,8 +23,6 @@ import json
 import logging
 import os
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,9 +34,9 @@ import pytest
 from _matrix_cells import Alone, Cell, Where, cells, run_cell
 from _servers import StoreLocation
 from conftest import _remove_quietly
+from helpers import TORCHRUN, run_torchrun
 
 WORKER = Path(__file__).with_name("_matrix_worker.py")
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 DOCS = Path(__file__).parents[1] / "docs" / "manager.md"
 STORES = ("local", "s3")
 #: The bound of one 3-rank launch: three workers import torch and jax on two busy cores, then run ten cells.
@@ -204,17 +202,9 @@ def launch(where: Where) -> dict[str, dict[str, Any]]:
     """Every 3-rank cell in one ``torchrun --nproc-per-node 3`` job: each cell's outcome, by its id."""
     body = json.dumps({"base": where.base, "options": where.options, "local": str(where.local),
                        "cells": [cell.id for cell in cells(3)]})
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    job = subprocess.Popen([str(TORCHRUN), "--standalone", "--nproc-per-node=3", str(WORKER), body], env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = job.communicate(timeout=LAUNCH_WITHIN)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.communicate()
+    status, out, err = run_torchrun(WORKER, 3, body, LAUNCH_WITHIN)
     events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert job.returncode == 0 and events and events[-1] == {"event": "done"}, (events, err[-3000:])
+    assert status == 0 and events and events[-1] == {"event": "done"}, (events, err[-3000:])
     return {event["cell"]: event for event in events if "cell" in event}
 
 
