@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from _matrix_cells import GROUP_TIMEOUT, Where, cells, run_cell
+from _matrix_cells import GROUP_TIMEOUT, Where, cells, import_kinds, run_cell
 
 
 class Ranks:
@@ -44,6 +44,8 @@ def main() -> None:
     args = json.loads(sys.argv[1])
     dist.init_process_group("gloo", timeout=GROUP_TIMEOUT)
     group = Ranks()
+    import_kinds()
+    group.barrier()  # every rank has its extras imported before the first cell
     where = Where(args["base"], args["options"], Path(args["local"]))
     chosen = {cell.id: cell for cell in cells(group.world)}
     for name in args["cells"]:
