@@ -42,9 +42,9 @@ STORES = ("local", "s3")
 #: The bound of one 3-rank launch: three workers import torch and jax on two busy cores, then run ten cells.
 LAUNCH_WITHIN = 600.0
 LOG = logging.getLogger(__name__)
-#: Why the 3-rank launch on the S3 server runs in make reliability only: measured, the matrix took 100 s with it on
-#: this project's 2 shared cores (the launch 40 s of it), against the suite's budget of about 60 s for one file; the
-#: 3-rank cells run in make test on local disk, and every 1-rank cell on both stores.
+#: Why the 3-rank launch on the S3 server runs in make reliability only: on this project's 2 shared cores (load 12)
+#: the file took 110 s with it, 40 s of them that launch, against a budget of about 60 s for one file of make test;
+#: make test keeps the 3-rank cells on local disk (one launch, 23 s) and every 1-rank cell on both stores.
 S3_LAUNCH = "the 3-rank launch on the S3 server (40 s)"
 
 #: torch and jax are looked up, not imported, at collection: the cells import them when they run.
