@@ -250,3 +250,24 @@ def test_the_docs_list_every_combination_as_the_matrix_finds_it() -> None:
     for cell, expected in EXPECTED.items():
         if isinstance(expected, Refused):
             assert any(expected.why in line for line in section.splitlines() if line.startswith("| ")), cell
+
+
+def test_a_cell_with_an_object_left_in_storage_fails_at_the_listing(tmp_path: Path) -> None:
+    """The harness can fail a cell that works today: an object that is no step's (here one of another tool in step
+    1's folder, which neither delete nor gc may touch) is found by the listing after gc."""
+    cell, where = Cell("payload", 1, "none"), Where(str(tmp_path / "remote"), {}, tmp_path / "nodes")
+    stray = Path(where.remote(cell), "ckpt-1", "notes.txt")
+    stray.parent.mkdir(parents=True)
+    stray.write_text("not taskpoint's")
+    outcome = run_cell(cell, where, Alone())
+    assert outcome["outcome"] == "failed" and outcome["stage"] == "left in storage", outcome
+    assert "ckpt-1/notes.txt" in outcome["errors"][0], outcome
+
+
+def test_a_refusal_must_name_the_combination_and_a_reason() -> None:
+    cell = Cell("dedup", 3, "none")
+    assert names_combination_and_reason(cell, "dedup=True is not supported with world_size 3: a rank's chunks ...")
+    assert not names_combination_and_reason(cell, "dedup=True with world_size 3 is not implemented yet")
+    assert not names_combination_and_reason(cell, "world_size 3: not supported")  # the kind is not named
+    tiered = Cell("pytree", 1, "local")
+    assert not names_combination_and_reason(tiered, "a pytree payload: not promoted")  # the tier is not named
