@@ -40,7 +40,7 @@ from .commit import StepWriter
 from .dedup import Dedup
 from .emergency import PreemptionPolicy
 from .in_use import InUse
-from .kinds import KINDS, Parts
+from .kinds import KINDS, StepContext
 from .kinds.chunked import CHUNKED
 from .kinds.payload import PAYLOAD
 from .kinds.sharded import SHARDED
@@ -174,7 +174,7 @@ class CheckpointManager(StepQueries):
         self._dedup = Dedup(self._steps, chunks, self._grace)
         agreement = Agreement(self._plan.ranks, self._plan.commit_timeout, root.child(AGREEMENT_FOLDER),
                               lambda: save_round(running_attempt()), lambda: self.restored_step)
-        self._parts = Parts(self._steps, self._codec, level, self._grace, self._plan,
+        self._parts = StepContext(self._steps, self._codec, level, self._grace, self._plan,
                             Rebuilder(self._steps, chunks, self._dedup.workers), self._dedup if dedup else None,
                             agreement.while_committing)
         self._reader = StepReader(self._parts, self._in_use, KINDS)

@@ -20,7 +20,7 @@ from ..storage import RetryPolicy
 from ._checks import check_step
 from .background import Background
 from .inventory import StepSummary, inventory
-from .kinds import KINDS, Parts, partial_kind
+from .kinds import KINDS, StepContext, partial_kind
 from .protect import Guard
 from .restore import StepReader
 from .schedule import SaveSchedule
@@ -53,7 +53,7 @@ class StepQueries:
     """
 
     _steps: StepStore
-    _parts: Parts
+    _parts: StepContext
     _reader: StepReader
     restored_step: int | None
     _plan: RankPlan

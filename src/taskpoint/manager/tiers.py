@@ -31,7 +31,7 @@ from ..payloads import payload_for
 from ._checks import positive_or_none
 from .background import Background
 from .commit import StepWriter
-from .kinds import Parts
+from .kinds import StepContext
 from .kinds.payload import PAYLOAD
 from .promotion import Promoter
 from .promotion import PromotionCommit as PromotionCommit  # re-exported: tests name it here
@@ -84,7 +84,7 @@ class LocalTier:
     its own shard, and promotions commit the remote step as any multi-rank step (:mod:`.tier_ranks`).
     """
 
-    def __init__(self, local: LocalManager, remote_every: int, parts: Parts, writer: StepWriter,
+    def __init__(self, local: LocalManager, remote_every: int, parts: StepContext, writer: StepWriter,
                  background: Background, on_commit: Callable[[int, dict[str, Any]], None]) -> None:
         self.local = local
         self.remote_every = remote_every
@@ -97,7 +97,7 @@ class LocalTier:
 
     @classmethod
     def open(cls, make: Callable[..., LocalManager], local_dir: Any, local_keep: int, remote_every: int,
-             options: dict[str, Any], remote: tuple[Parts, StepWriter, Background, Callable[..., None]]
+             options: dict[str, Any], remote: tuple[StepContext, StepWriter, Background, Callable[..., None]]
              ) -> LocalTier:
         """Check the tier's arguments and open its local manager with ``options`` (the remote manager's)."""
         positive_or_none(local_keep, "local_keep")
