@@ -18,7 +18,7 @@ from ...format.index import normalize_path
 from ...format.records import ObjectRecord, StepManifest
 from ...partial import indexed, open_by_restoring, open_indexed, restore_indexed
 from ...payloads import Payload
-from ...storage import VersionConflict
+from ...storage.streams import VersionConflict
 from ..background import store_payload
 from ..step_names import MANIFEST_NAME, PAYLOAD_NAME, name_in, stored_names
 from ..steps import StepObjects, StepStore, best_effort, save_clock
