@@ -20,9 +20,8 @@ from .attempts import set_attempt_source
 from .inventory import StepSummary
 from .kinds import StepKind, register_step_kind
 from .manager import CheckpointManager
-from .options import BackgroundSaves, Shards, Tier
-from .retention import KeepBest, Retention
-from .schedule import Schedule
+from .options import BackgroundSaves, Retention, Schedule, Shards, Tier
+from .retention import KeepBest
 from .step_names import MANIFEST_NAME, STEP_FOLDER
 from .verify import StepDescription, StepVerification, Verification
 

@@ -8,7 +8,7 @@ import contextlib
 import io
 import os
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +21,8 @@ from ..storage.backends import LEFTOVER_GRACE_SECONDS
 from ._checks import check_directory, check_step
 from .assembly import assemble
 from .inventory import StepSummary
-from .options import BackgroundSaves, Options, Shards, Tier
+from .options import BackgroundSaves, Options, Retention, Schedule, Shards, Tier
 from .queries import _in_thread
-from .retention import Retention
-from .schedule import Schedule
 from .verify import StepDescription, Verification
 
 
@@ -199,8 +197,9 @@ class CheckpointManager:
         return self._queries.restore(step, into, paths=paths, fallback=fallback, broadcast=broadcast,
                                      progress=progress)
 
+    @contextlib.contextmanager
     def restore_in_place(self, step: int | None = None, *, broadcast: bool = False,
-                         progress: bool | Callback | None = None) -> contextlib.AbstractContextManager[Path]:
+                         progress: bool | Callback | None = None) -> Iterator[Path]:
         """:meth:`restore` for reading inside a ``with`` block, without a copy where the step's kind allows it
         (``taskpoint.jax``'s PyTree steps on local disk): a folder of the step's own, every file checked against
         its sha256 first, which the block must only read. The step stays held against retention and
@@ -208,7 +207,8 @@ class CheckpointManager:
         object store or a local tier, are restored into the manager's folder as :meth:`restore` does.
         ``progress``: as for :meth:`restore` (the bytes checked in place, or those restored). ``broadcast``: as for
         :meth:`restore`; the ranks' local copy is then read in place, and removed when the block exits."""
-        return self._queries.restore_in_place(step, broadcast=broadcast, progress=progress)
+        with self._queries.restore_in_place(step, broadcast=broadcast, progress=progress) as folder:
+            yield folder
 
     def open(self, step: int, path: str) -> io.BufferedReader:
         """A read-only binary file (``read``, ``readinto``, ``seek``, ``tell``) of the file ``path`` of ``step``,

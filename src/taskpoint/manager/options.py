@@ -22,6 +22,8 @@ from .schedule import Schedule
 from .shards import DEFAULT_COMMIT_TIMEOUT
 from .staging import check_staging_bytes
 
+__all__ = ["GROUPS", "BackgroundSaves", "Options", "Retention", "Schedule", "Shards", "Tier"]
+
 
 @dataclass(frozen=True)
 class BackgroundSaves:
@@ -106,9 +108,11 @@ class Tier:
             raise TypeError("remote_every must be an int >= 1, not None")
 
 
-#: Each option value by the constructor's keyword that takes it.
-GROUPS: dict[str, type[Any]] = {"retention": Retention, "schedule": Schedule, "background": BackgroundSaves,
-                                "shards": Shards, "tier": Tier}
+#: Each option value by the constructor's keyword that takes it, with its fields (the older keywords it holds).
+GROUPS: dict[str, tuple[type[Any], tuple[str, ...]]] = {
+    name: (kind, tuple(field.name for field in dataclasses.fields(kind))) for name, kind in (
+        ("retention", Retention), ("schedule", Schedule), ("background", BackgroundSaves), ("shards", Shards),
+        ("tier", Tier))}
 
 
 @dataclass(frozen=True)
@@ -128,12 +132,12 @@ class Options:
 
         A keyword that is no field is a TypeError, as for any function; so is an older keyword beside the option
         value that holds it, naming both (which one was meant cannot be told)."""
-        unknown = sorted(set(older) - {field.name for kind in GROUPS.values() for field in dataclasses.fields(kind)})
+        unknown = sorted(set(older).difference(*(names for _, names in GROUPS.values())))
         if unknown:
             raise TypeError(f"CheckpointManager() got an unexpected keyword argument {unknown[0]!r}")
         values: dict[str, Any] = {}
-        for name, kind in GROUPS.items():
-            fields = {field.name: older[field.name] for field in dataclasses.fields(kind) if field.name in older}
+        for name, (kind, names) in GROUPS.items():
+            fields = {field: older[field] for field in names if field in older}
             value = given[name]
             if value is not None and not isinstance(value, kind):
                 raise TypeError(f"{name} must be a taskpoint.{kind.__name__} or None, not {type(value).__name__}")
