@@ -27,11 +27,9 @@ from .. import _log
 from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointCorruptError
 from ..format.records import StepManifest
-from ..payloads import payload_for
 from .background import Background
 from .commit import StepWriter
 from .kinds import StepContext
-from .kinds.payload import PAYLOAD
 from .options import BackgroundSaves, Shards, Tier
 from .promotion import Promoter
 from .promotion import PromotionCommit as PromotionCommit  # re-exported: tests name it here
@@ -39,6 +37,7 @@ from .restore import StepReader, candidates
 from .retention import Retention
 from .steps import StepStore, best_effort
 from .tier_ranks import RankVote, own_shard
+from .verify import StepDescription
 
 
 class LocalManager(Protocol):
@@ -50,6 +49,7 @@ class LocalManager(Protocol):
     def directory(self) -> str: ...
     def steps(self, tier: str | None = None) -> list[int]: ...
     def open(self, step: int, path: str) -> io.BufferedReader: ...
+    def describe(self, step: int | None = None) -> StepDescription: ...
     def save(self, data: Any, step: int, *, metadata: dict[str, Any] | None = None, overwrite: bool = False,
              blocking: bool | None = None, progress: Any = None) -> str: ...
     def wait_until_finished(self) -> None: ...
@@ -59,12 +59,9 @@ class LocalManager(Protocol):
 
 
 #: What opens a tier's local manager: called with the local manager's arguments, it returns the manager, its step
-#: store and its reader.
-OpenLocal = Callable[..., tuple[LocalManager, StepStore, StepReader]]
+#: store, its reader and its writer.
+OpenLocal = Callable[..., tuple[LocalManager, StepStore, StepReader, StepWriter]]
 
-#: The payload kinds a tiered manager saves: those stored as one payload object, which a promotion copies whole
-#: (an extra's step kind, such as a PyTree's files or a torch state dict, is refused at save time).
-PROMOTED_KINDS = frozenset({"bytes", "file", "directory"})
 #: The names ``steps(tier=...)`` accepts (None: both tiers).
 TIERS = ("local", "remote")
 #: The share of the time left before a preemption notice's deadline that the emergency save gives the
@@ -105,18 +102,21 @@ class LocalTier:
              remote: tuple[StepContext, StepWriter, Background, Callable[..., None]]) -> LocalTier:
         """Open the local manager of ``tier`` with ``make``, with the remote manager's ``background`` snapshots
         and ``options`` (codec, level, retry, grace_seconds, dedup): one rank, no preemption handlers, and
-        ``local_keep`` steps kept."""
+        ``local_keep`` steps kept. With several ranks it saves each step as this rank's shard of the remote step
+        will be, one payload object, whatever the data (:meth:`.commit.StepWriter.save_as_shards`)."""
         if options.pop("dedup"):
             raise ValueError("dedup=True cannot be combined with local_dir: a deduplicated step is a set of chunks "
                              "shared with other steps, which a promotion cannot copy as one verified object; save "
                              "without dedup, or without local_dir")
-        local, steps, reader = make(tier.local_dir, retention=Retention(keep=tier.local_keep), preemption=False,
-                                    shards=Shards(rank=0, world_size=1), background=BackgroundSaves(
-                                        snapshot_dir=background.snapshot_dir,
-                                        background_process=background.background_process), **options)
+        local, steps, reader, writer = make(
+            tier.local_dir, retention=Retention(keep=tier.local_keep), preemption=False,
+            shards=Shards(rank=0, world_size=1), background=BackgroundSaves(
+                snapshot_dir=background.snapshot_dir, background_process=background.background_process), **options)
         if not steps.root.is_local:
             local.close()
             raise ValueError(f"local_dir must be a local path (the node's disk or RAM disk), not {tier.local_dir!r}")
+        if remote[0].plan.ranks.distributed:
+            writer.save_as_shards()
         return cls(local, steps, reader, tier.remote_every, *remote)
 
     # -- reads ---------------------------------------------------------------------------------------------
@@ -192,15 +192,14 @@ class LocalTier:
             return False
         if copy is None or committed is None:
             return False
-        expected = (own_shard(committed, self._ranks.rank) if self._ranks.distributed
-                    else committed.record if committed.kind == PAYLOAD.name else None)
+        expected = own_shard(committed, self._ranks.rank) if self._ranks.distributed else committed.record
         if expected is not None and (expected.size, expected.sha256) == (copy.record.size, copy.record.sha256):
             return True
         _log.logger.warning("the local copy of step %d in %s is not the committed step (the manifest in %s records "
                             "another %s): a save never promoted, whose step number was committed since by "
                             "another save; reading the remote copy, and removing the local one", step,
                             _log.safe_uri(self.local.directory), _log.safe_uri(self._steps.directory),
-                            "shard for this rank" if self._ranks.distributed else "payload")
+                            "shard for this rank" if self._ranks.distributed else "step")
         best_effort(functools.partial(self.local.delete, step, force=True))
         return False
 
@@ -224,11 +223,6 @@ class LocalTier:
         if not overwrite and self._steps.committed_objects(step)[0]:
             raise FileExistsError(f"step {step} already exists in {self._steps.directory}; pass overwrite=True to "
                                   "replace it, or save under a new step")
-        kind = payload_for(data).kind  # cheap: a payload is serialized only when it is stored
-        if kind not in PROMOTED_KINDS:
-            raise TypeError(f"a manager with local_dir saves bytes, files and directories; a {kind!r} payload (a "
-                            "step kind of a taskpoint extra) is not promoted by the local tier: save it with a "
-                            "manager without local_dir")
         uri = self.local.save(data, step, metadata=metadata, overwrite=overwrite or self._ranks.distributed,
                               blocking=not background, progress=progress)
         if step % self.remote_every == 0:
