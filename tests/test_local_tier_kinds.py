@@ -8,9 +8,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import fsspec
 import pytest
 
 from conftest import _location_fixture
+from helpers import fs_options
 from taskpoint import CheckpointCorruptError, CheckpointManager
 
 REMOTES = ["local", "s3"]
@@ -90,3 +92,47 @@ def test_a_damaged_local_state_dict_step_is_never_committed_remotely(remote, tmp
     with plain(remote) as other:
         assert other.verify().healthy
         assert other.gc(grace_seconds=0) == []  # the damaged copy was removed, nothing left behind
+
+
+def test_a_dcp_step_is_written_on_the_local_tier_promoted_and_read_from_either(remote, tmp_path):
+    """Writer.for_step of a tiered manager writes and commits the step on the local tier, which promotes it; a
+    replaced node (an empty local folder) reads the remote copy with Reader.for_step, and the node that saved it
+    reads its local copy (so a remote copy that lost its data files does not matter to it)."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    from taskpoint.torch import Reader, Writer
+
+    def load(manager: CheckpointManager) -> list[float]:
+        state = {"w": torch.zeros(64)}
+        dcp.load(state, storage_reader=Reader.for_step(manager, 5))
+        return state["w"].tolist()
+
+    with tiered(remote, tmp_path / "local") as manager:
+        dcp.save({"w": torch.arange(64.0)}, storage_writer=Writer.for_step(manager, 5))
+        manager.wait_until_finished()
+        assert manager.steps(tier="local") == [5] and manager.steps(tier="remote") == [5]
+        assert manager.describe(5).kind == "fileset"  # the file-set kind, on both tiers
+    with tiered(remote, tmp_path / "new-node") as fresh:
+        assert fresh.steps(tier="local") == [] and load(fresh) == list(range(64))
+        assert fresh.verify().healthy and fresh.gc(grace_seconds=0) == []
+    fs, root = fsspec.core.url_to_fs(f"{remote.url('ckpts')}/ckpt-5", **fs_options(remote.storage_options))
+    data = [path for path in fs.find(root) if path.endswith(".distcp")]
+    assert data, fs.find(root)
+    fs.rm(data)
+    with tiered(remote, tmp_path / "local") as manager:
+        assert load(manager) == list(range(64))
+
+
+def test_writer_for_step_refuses_a_tiered_manager_of_several_ranks_when_it_is_made(tmp_path):
+    """DCP's ranks write one step into one folder; each rank's local tier is on its own node: Writer.for_step
+    raises ValueError naming why, before DCP writes anything, and nothing is stored on either tier."""
+    pytest.importorskip("torch")
+    from taskpoint.torch import Writer
+
+    with CheckpointManager(tmp_path / "remote", local_dir=tmp_path / "local", rank=0, world_size=3,
+                           preemption=False) as manager:
+        with pytest.raises(ValueError, match=r"Writer\.for_step.*local_dir and world_size 3: its ranks write one"):
+            Writer.for_step(manager, 1)
+        assert manager.steps() == []
+    assert not any((tmp_path / "local").glob("ckpt-*")) and not any((tmp_path / "remote").glob("ckpt-*"))

@@ -9,7 +9,13 @@ names, :class:`~taskpoint.CheckpointManager` and :func:`~taskpoint.manager.check
 another package; ``tests/test_kind_contract.py`` holds the contract a kind keeps (docs/manager.md, "Step kinds").
 """
 
+from __future__ import annotations
+
+from typing import Protocol
+
 from ..format.records import ObjectRecord, StepContent, StepManifest
+from ..storage import Location
+from ._checks import check_step
 from .background import store_staged
 from .kinds import (
     GONE_HOW,
@@ -30,8 +36,30 @@ from .staging import Segment
 from .step_commit import Stored
 from .step_names import MANIFEST_NAME, name_in, stored_names
 from .steps import StepObjects, StepStore, best_effort, save_clock
+from .tiers import LocalTier
 
 __all__ = ["GONE_HOW", "MANIFEST_NAME", "Checked", "Described", "Gone", "InPlaceKind", "ObjectRecord", "PartialKind",
            "SaveJob", "Segment", "StepContent", "StepContext", "StepKind", "StepManifest", "StepObjects", "StepStore",
            "Stored", "best_effort", "content_of", "name_in", "read_object", "register_step_kind", "save_clock",
-           "store_staged", "stored_names", "stored_part"]
+           "step_folder", "store_staged", "stored_names", "stored_part"]
+
+
+class _Managed(Protocol):
+    """What :func:`step_folder` reads of a :class:`~taskpoint.CheckpointManager` (which this module sits beside
+    and cannot import): its step store and its local tier."""
+
+    _steps: StepStore
+    _tier: LocalTier | None
+
+
+def step_folder(manager: _Managed, step: int, *, reading: bool = False) -> Location:
+    """The folder of ``manager``'s ``step`` for a writer of another package (``taskpoint.torch``'s
+    ``Writer.for_step``), which stores the step's objects there and then calls ``manager.commit``: with a local
+    tier the step's folder on it (the commit there promotes the step as a save's is), else :meth:`step_uri
+    <taskpoint.CheckpointManager.step_uri>`. ``reading``: the folder its reader reads, the local copy when a
+    restore would read it (the committed step's), else the remote one. ValueError for a writer of several ranks
+    with a local tier (:meth:`.tiers.LocalTier.folder`)."""
+    step, tier = check_step(step), manager._tier
+    if tier is None:
+        return manager._steps.root.child(f"ckpt-{step}")
+    return tier.folder(step, reading=reading)

@@ -114,9 +114,9 @@ class Promoter:
         one object whose sha256 the record holds is committed by the save process if this process dies while it
         copies (:class:`PromotionCommit`); another step's promotion cut short is redone by the next one."""
         named, record = self._local.named(step, manifest), manifest.record
-        location = self._steps.object(step, MANIFEST_NAME)
+        location, sole = self._steps.object(step, MANIFEST_NAME), next(iter(named.files), None)
         orphan = (PromotionCommit(location.uri, location.storage_options, location.retry, manifest)
-                  if list(named.digests.items()) == [(next(iter(named.files)), record.sha256)] else None)
+                  if len(named.files) == 1 and named.digests.get(sole or "") == record.sha256 else None)
         sizes: dict[str, int] = {}
         try:
             for name, size in named.files.items():
@@ -139,7 +139,10 @@ class Promoter:
         process when there is one, which finishes ``orphan`` if this process dies first); its size and
         sha256, checked as it streams against the ``size`` and ``sha256`` the local manifest records (None: it
         records none). A copy that does not match is removed and CheckpointCorruptError raised."""
-        source = FilePayload(Path(self._local.object(step, name).path))
+        try:
+            source = FilePayload(Path(self._local.object(step, name).path))
+        except FileNotFoundError:
+            raise self._damaged(step, f"its {name} is missing") from None
         found, digest = store_payload(target, source, self._codec, None, handover, orphan, progress)
         if size not in (None, found) or sha256 not in (None, digest):
             best_effort(target.remove)

@@ -26,7 +26,8 @@ from typing import Any, Protocol
 from .. import _log
 from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointCorruptError
-from ..format.records import StepManifest
+from ..format.records import StepContent, StepManifest
+from ..storage import Location
 from .background import Background
 from .commit import StepWriter
 from .kinds import StepContext
@@ -49,6 +50,7 @@ class LocalManager(Protocol):
     def directory(self) -> str: ...
     def steps(self, tier: str | None = None) -> list[int]: ...
     def open(self, step: int, path: str) -> io.BufferedReader: ...
+    def commit(self, step: int, content: StepContent, *, metadata: dict[str, Any] | None = None) -> str: ...
     def describe(self, step: int | None = None) -> StepDescription: ...
     def save(self, data: Any, step: int, *, metadata: dict[str, Any] | None = None, overwrite: bool = False,
              blocking: bool | None = None, progress: Any = None) -> str: ...
@@ -214,6 +216,32 @@ class LocalTier:
 
     # -- writes --------------------------------------------------------------------------------------------
 
+    def folder(self, step: int, *, reading: bool) -> Location:
+        """The folder of ``step`` that another package's writer stores its objects in (``reading`` False: on the
+        local tier, which :meth:`commit` commits and promotes), or that its reader reads (``reading``: the local
+        copy when it may be read for the step, as a restore chooses it, else the remote one). ValueError for a
+        writer with several ranks: they write one step together, into one folder, and each rank's local tier is
+        on its own node."""
+        if reading:
+            on_remote = self._steps.manifest(step) is not None
+            local = step in self.local.steps() and self._serves(step, on_remote, agreed=not self._ranks.distributed)
+            return (self._local_steps if local else self._steps).root.child(f"ckpt-{step}")
+        if self._ranks.distributed:
+            raise ValueError(
+                f"a step written by another package's writer (a DCP checkpoint, Writer.for_step) cannot be saved with "
+                f"local_dir and world_size {self._ranks.world_size}: its ranks write one step together into one "
+                "folder, its coordinator's manifest naming every rank's files, while each rank's local tier is on "
+                "its own node and would hold only that rank's files; use a manager without local_dir for it")
+        return self._local_steps.root.child(f"ckpt-{step}")
+
+    def commit(self, step: int, content: StepContent, metadata: dict[str, Any] | None) -> str:
+        """Commit ``step``, whose objects another package's writer stored in its :meth:`folder`, to the local tier,
+        then start its promotion when it is due, as :meth:`save` does; the URI of the local step. Called under the
+        manager's lock, with no job in flight."""
+        uri = self.local.commit(step, content, metadata=metadata)
+        self._promote_if_due(step)
+        return uri
+
     def save(self, data: Any, step: int, metadata: dict[str, Any] | None, *, overwrite: bool, background: bool,
              progress: Any) -> str:
         """Commit ``step`` to the local tier (in the background when ``background``), then start its promotion
@@ -225,10 +253,14 @@ class LocalTier:
                                   "replace it, or save under a new step")
         uri = self.local.save(data, step, metadata=metadata, overwrite=overwrite or self._ranks.distributed,
                               blocking=not background, progress=progress)
+        self._promote_if_due(step)
+        return uri
+
+    def _promote_if_due(self, step: int) -> None:
+        """Start the promotion of the local ``step`` in the background when it is due (every ``remote_every``-th)."""
         if step % self.remote_every == 0:
             self._idle.clear()
             self._background.slot.start(step, functools.partial(self._promote_due, step))
-        return uri
 
     def settle(self) -> None:
         """Wait for the local tier's background save, raising its error."""

@@ -104,15 +104,18 @@ class StepWrites:
         record_metadata = check_metadata(metadata)
         with self._lock:
             self._queries.check_open()
+            if self._tier is not None:  # stored on the local tier (kind_api.step_folder), promoted from there
+                self._background.settle(wait=True)
+                return self._tier.commit(check_step(step), content, metadata)
             self.writer.write(check_step(step), record_metadata, running_attempt(), None, content,
-                               clock=_log.Clock(self._throttles))
+                              clock=_log.Clock(self._throttles))
         return self._steps.step_uri(step)
 
     def _write_step(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: set[str] | None,
                     payload: Payload, saver: Handover | None = None, *, clock: _log.Clock,
                     progress: _progress.Progress, overwrites: bool, exclusive: bool = False) -> None:
         self.last_save = self.writer.write(step, metadata, attempt, replaced, payload, saver, clock=clock,
-                                            progress=progress, overwrites=overwrites, exclusive=exclusive)
+                                           progress=progress, overwrites=overwrites, exclusive=exclusive)
 
     # -- preemption: the notice, and the emergency save (emergency.py) --------------------------------------
 
