@@ -15,6 +15,7 @@ another package runs the same function with a :class:`Sample` of its own (docs/m
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -36,6 +37,17 @@ jnp = LazyModule("jax.numpy")
 tpjax = LazyModule("taskpoint.jax")
 
 PLUGIN = Path(__file__).with_name("kinds_plugin")
+
+
+@pytest.fixture(autouse=True)
+def _plug_in_unloaded_after() -> Iterator[None]:
+    """The tests' plug-in kind registered here is gone again afterwards: another test in this worker process
+    (test_step_kinds) reads its steps as a process without the plug-in installed would."""
+    yield
+    from taskpoint.manager.kinds import KINDS
+
+    KINDS._kinds.pop("notes", None)
+    sys.modules.pop("notes_kind", None)
 
 
 @dataclass(frozen=True)
