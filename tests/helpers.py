@@ -24,7 +24,8 @@ import fsspec
 
 from taskpoint import RetryPolicy
 from taskpoint.ranks import RANK_VARIABLES
-from taskpoint.storage import NO_DEADLINE, Deadline
+from taskpoint.storage import Deadline
+from taskpoint.storage.deadline import NO_DEADLINE
 from taskpoint.workspace import process_alive
 
 T = TypeVar("T")

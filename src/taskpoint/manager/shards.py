@@ -72,10 +72,9 @@ class RankPlan:
     @classmethod
     def from_args(cls, rank: int | None, world_size: int | None, commit_timeout: Any, grace: float,
                   dedup: bool) -> RankPlan:
-        """Check the manager's rank arguments (defaults from the environment, :mod:`taskpoint.ranks`)."""
+        """The manager's ranks (defaults from the environment, :mod:`taskpoint.ranks`), checked against its other
+        options (``commit_timeout`` itself is checked by its :class:`~taskpoint.Shards`)."""
         ranks = resolve_ranks(rank, world_size)
-        if isinstance(commit_timeout, bool) or not isinstance(commit_timeout, (int, float)) or not commit_timeout > 0:
-            raise ValueError(f"commit_timeout must be a number of seconds > 0, got {commit_timeout!r}")
         if ranks.distributed and dedup:
             raise ValueError(
                 f"dedup=True is not supported with world_size {ranks.world_size}: a rank's chunks would be named "

@@ -17,7 +17,8 @@ from typing import Any
 
 from ..errors import SaveStalledError
 from ..format.records import ObjectRecord, StepContent, StepManifest
-from ..storage import Location, VersionConflict
+from ..storage import Location
+from ..storage.streams import VersionConflict
 from .step_names import MANIFEST_NAME
 from .steps import StepStore, best_effort, save_clock
 

@@ -23,7 +23,8 @@ from typing import Any, Protocol
 
 from ..errors import CheckpointCorruptError, StorageNotFound
 from ..format.records import StepContent, StepManifest
-from ..storage import Location, modified_time
+from ..storage import Location
+from ..storage.backends import modified_time
 from .in_use import InUse
 from .leases import alive, fresh
 from .step_names import COMMIT_LEASE, MANIFEST_NAME, PAYLOAD_NAME, RESTORE_LEASE, STEP_FOLDER, stored_names
