@@ -19,10 +19,9 @@ no rank sees another node's local tier, the ranks agree on what a tier holds in 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from ..format.records import ObjectRecord, StepManifest
-from .agreement import initialized_group
+from ..group import TorchGroup
 from .kinds.sharded import Shards
 from .shards import ShardOrphan
 
@@ -30,28 +29,23 @@ from .shards import ShardOrphan
 class RankVote:
     """The collectives of a multi-rank restore from the local tier, on the default process group."""
 
-    def __init__(self, dist: Any) -> None:
-        self._dist = dist
+    def __init__(self, group: TorchGroup) -> None:
+        self._group = group
 
     @classmethod
     def of_initialized(cls) -> RankVote | None:
-        """A vote on the default process group when there is one (:func:`~.agreement.initialized_group`)."""
-        dist = initialized_group()
-        return None if dist is None else cls(dist)
-
-    def _gather(self, value: Any) -> list[Any]:
-        found: list[Any] = [None] * self._dist.get_world_size()
-        self._dist.all_gather_object(found, value)
-        return found
+        """A vote on the default process group when there is one (:func:`~taskpoint.group.initialized_group`)."""
+        group = TorchGroup.of_initialized(None, "a restore from the local tier")
+        return None if group is None else cls(group)
 
     def common(self, steps: set[int]) -> set[int]:
         """The steps every rank holds (each rank passes its own)."""
-        held = self._gather(sorted(steps))
+        held = self._group.all_gather(sorted(steps), "the local steps of every rank")
         return set.intersection(*(set(each) for each in held))
 
     def all(self, ok: bool) -> bool:
         """Whether every rank passed True (also a barrier)."""
-        return all(self._gather(bool(ok)))
+        return all(self._group.all_gather(bool(ok), "whether every rank restored its shard"))
 
 
 def own_shard(manifest: StepManifest, rank: int) -> ObjectRecord | None:
