@@ -42,11 +42,10 @@ def main(args: dict[str, Any]) -> None:
         if rank == args.get("dies"):
             _say({"rank": rank, "event": "ending"})
             os._exit(0)
-        results["gather"] = group.gather(rank * 10, "second")
-        results["broadcast"] = group.broadcast(f"from rank {rank}", "third", src=ranks.world_size - 1)
-        group.barrier("fourth")
+        results["broadcast"] = group.broadcast(f"from rank {rank}", "second", src=ranks.world_size - 1)
+        group.barrier("third")
         if isinstance(group, TorchGroup):
-            results["start"] = group.start(rank + 1, "fifth")(None)
+            results["start"] = group.start(rank + 1, "fourth")(None)
         _say({"rank": rank, "results": results})
     except Exception as exc:  # reported to the test, which checks it
         _say({"rank": rank, "error": type(exc).__name__, "message": str(exc),

@@ -1,4 +1,4 @@
-"""taskpoint.group: the ranks' all-gather, gather to rank 0, broadcast and barrier, over storage records (ranks as
+"""taskpoint.group: the ranks' all-gather, broadcast and barrier, over storage records (ranks as
 real processes, or as groups of one process where the test plays the others) and over a gloo process group
 started by the real ``torchrun``; and a rank that dies: a clear error naming it, within the bound, never a hang.
 
@@ -70,7 +70,6 @@ def _storage_job(folder: Path, dies: int | None = None, timeout: float = LONG) -
 
 def _expected(rank: int, torch: bool = False) -> dict[str, Any]:
     results = {"all_gather": [{"rank": k, "twice": 2 * k} for k in range(WORLD)],
-               "gather": [10 * k for k in range(WORLD)] if rank == 0 else None,
                "broadcast": f"from rank {WORLD - 1}"}
     return {**results, "start": list(range(1, WORLD + 1))} if torch else results
 
@@ -87,9 +86,9 @@ def test_storage_a_rank_that_died_is_named_at_once(tmp_path: Path) -> None:
     assert results[2]["event"] == "ending"
     for rank in (0, 1):
         doc = results[rank]
-        assert doc["error"] == "RanksMissing" and doc["gone"] == [2], doc
+        assert doc["error"] == "RanksMissing" and doc["gone"] == [2] and doc["missing"] == [2], doc
+        assert f"rank {rank} of {WORLD}: waiting for rank 2's second" in doc["message"], doc
         assert "ranks [2] missing (the processes of ranks [2] are gone)" in doc["message"], doc
-    assert results[0]["missing"] == [2]  # rank 0 gathered; rank 1 went on to the broadcast, from rank 2
 
 
 def test_storage_a_silent_rank_is_named_at_the_bound(tmp_path: Path) -> None:
@@ -106,12 +105,12 @@ def test_storage_records_of_another_round_do_not_count(tmp_path: Path) -> None:
     StorageGroup(folder, Ranks(1, 2), "the launch before", LONG).publish("first", "old")
     rank0 = StorageGroup(folder, Ranks(0, 2), "this launch", timeout=0.5)
     with pytest.raises(RanksMissing):
-        rank0.gather("mine", "first")
+        rank0.broadcast(None, "first", src=1)
     (tmp_path / "first-1.json").write_text("not json")  # damaged: as good as absent
     with pytest.raises(RanksMissing):
-        rank0.gather("mine", "first")
+        rank0.broadcast(None, "first", src=1)
     StorageGroup(folder, Ranks(1, 2), "this launch", LONG).publish("first", "new")
-    assert rank0.gather("mine", "first") == ["mine", "new"]
+    assert rank0.broadcast(None, "first", src=1) == "new"
 
 
 def test_storage_record_format(tmp_path: Path) -> None:

@@ -1,30 +1,24 @@
-"""One way for the ranks of a job to agree: a group with all-gather, gather to rank 0, broadcast and barrier.
+"""One way for the ranks of a job to agree: a group's all-gather, broadcast and barrier (as DCP routes every
+collective through one small wrapper, ``_DistWrapper``), in two implementations:
 
-Two implementations, as DCP routes every collective through one small wrapper (``_DistWrapper``):
+- :class:`TorchGroup`, on the default ``torch.distributed`` process group when one is initialized
+  (torch is never imported here). Values are JSON, sent as bytes (the lengths, then
+  the bytes padded to the longest). A wait that ends is a TimeoutError naming this rank and what it waited
+  for, or a CheckpointError when the group failed sooner (a rank gone).
+- :class:`StorageGroup`, through records in a folder otherwise. Rank k's part of the collective ``name`` is
+  the group record ``{name}-{k}.json`` (:class:`Record`, docs/format.md): a record of another round (a
+  previous launch's), of another rank, or unreadable, is absent. A rank whose newest record names this host
+  and a process that no longer exists is gone; one on another host is known gone only by its silence.
 
-- :class:`TorchGroup`, over the default ``torch.distributed`` process group when one is initialized
-  (:func:`initialized_group`; torch is never imported here: a program that initialized a group has). Values are
-  JSON, sent as bytes: the lengths, then the bytes padded to the longest. Every collective waits at most the
-  group's timeout (None: the process group's own), and a wait that ends is a TimeoutError naming this rank and
-  what it waited for, or a CheckpointError when the group failed sooner (a rank gone).
-- :class:`StorageGroup`, over records in a folder when there is no process group. Rank k's part of the
-  collective ``name`` is the record ``{name}-{k}.json``, one JSON object (written atomic, not sealed)::
-
-      {"round": ..., "rank": k, "world_size": W, "host": ..., "pid": ..., "at": ..., "value": ...}
-
-  ``round`` tells this launch's records from those a previous launch left in the same folder: a record of
-  another round, of another rank, or unreadable, is absent. ``host`` and ``pid`` tell a rank gone: a rank whose
-  newest record names this host and a process that no longer exists (:meth:`StorageGroup.gone`); a rank on
-  another host is known gone only by its silence, at the timeout. Each collective of a group has its own name.
-
-Every wait of ranks on one another over storage is :func:`poll`: the one polling loop, from :data:`POLL_FIRST`
-growing to :data:`POLL_LONGEST` between listings, an INFO line every :data:`SAY_EVERY` seconds while it waits,
-and :class:`RanksMissing` at its bound or as soon as a rank it waits for is known gone.
+Every wait of ranks on one another through storage is :func:`poll`, the one polling loop: pauses growing from
+:data:`POLL_FIRST` to :data:`POLL_LONGEST`, an INFO line every :data:`SAY_EVERY` seconds, and
+:class:`RanksMissing` at its bound or as soon as a rank it waits for is known gone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import math
@@ -33,25 +27,25 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ._log import logger, safe_uri
 from .errors import CheckpointError
 from .ranks import Ranks
 from .storage import Location
+from .workspace import process_alive
 
 T = TypeVar("T")
 
-#: The first and the longest pause between two looks at what the ranks wrote (seconds).
+#: The first and the longest pause between two looks at what the other ranks wrote (seconds).
 POLL_FIRST, POLL_LONGEST = 0.05, 1.0
 #: How often a wait on other ranks says that it still waits (seconds).
 SAY_EVERY = 10.0
 
 
 class RanksMissing(TimeoutError):
-    """A wait on other ranks ended without them: ``missing`` never answered within ``waited`` seconds, or the
-    processes of ``gone`` (some of ``missing``) are known to have ended."""
+    """A wait on other ranks ended without them: ``missing`` did not answer within ``waited`` seconds, or the
+    processes of ``gone`` (some of them) ended."""
 
     def __init__(self, what: str, missing: list[int], gone: list[int], waited: float) -> None:
         why = f"the processes of ranks {gone} are gone" if gone else f"no answer within {waited:.1f} s"
@@ -62,17 +56,14 @@ class RanksMissing(TimeoutError):
 def poll(what: str, check: Callable[[], T | None], timeout: float | None, *,
          missing: Callable[[], list[int]] = list, gone: Callable[[], set[int]] | None = None,
          pauses: tuple[float, float] = (POLL_FIRST, POLL_LONGEST)) -> T:
-    """Call ``check`` until it returns something other than None, and return that: the one polling loop of rank
-    coordination. Pauses grow by half from the first of ``pauses`` to the second. :class:`RanksMissing` (naming
-    the ranks ``missing()`` still lists) once ``timeout`` seconds passed, or at once when one of them is
-    ``gone()``. ``timeout`` None is a watch, not a wait: it ends only when ``check`` says so."""
-    began = time.monotonic()
+    """What ``check`` returns once it is not None: the one polling loop of rank coordination, its pauses growing
+    by half within ``pauses``. :class:`RanksMissing` (naming the ranks ``missing()`` lists) once ``timeout``
+    seconds passed, or at once when one of them is ``gone()``. ``timeout`` None is a watch, not a wait: it ends
+    only when ``check`` says so."""
+    began = said = time.monotonic()
     deadline = math.inf if timeout is None else began + timeout
-    (pause, longest), said = pauses, began
-    while True:
-        found = check()
-        if found is not None:
-            return found
+    pause, longest = pauses
+    while (found := check()) is None:
         now = time.monotonic()
         lost = sorted(set(missing()) & gone()) if gone is not None else []
         if lost or now >= deadline:
@@ -83,11 +74,12 @@ def poll(what: str, check: Callable[[], T | None], timeout: float | None, *,
                         missing())
         time.sleep(min(pause, deadline - now))
         pause = min(pause * 1.5, longest)
+    return found
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Record:
-    """One rank's record of one collective over storage (see the module)."""
+    """Rank ``rank``'s part of one collective through storage: ``value``, in ``round`` (docs/format.md)."""
 
     round: str
     rank: int
@@ -98,36 +90,27 @@ class Record:
     value: Any
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"round": self.round, "rank": self.rank, "world_size": self.world_size, "host": self.host,
-                           "pid": self.pid, "at": self.at, "value": self.value}, sort_keys=True).encode()
+        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes | None) -> Record | None:
-        """The record ``data`` holds; None when it is absent, not JSON, or not a group's record."""
+        """The record ``data`` holds; None when it is absent, not JSON, or not a group record."""
         try:
-            doc = json.loads(data or b"")
-            return cls(str(doc["round"]), int(doc["rank"]), int(doc["world_size"]), str(doc["host"]),
-                       int(doc["pid"]), float(doc["at"]), doc["value"])
-        except (ValueError, TypeError, KeyError):
+            record = cls(**json.loads(data or b""))
+        except (ValueError, TypeError):
             return None
+        typed = isinstance(record.round, str) and all(isinstance(n, int) for n in (record.rank, record.pid))
+        return record if typed else None
 
     def alive(self) -> bool:
         """Whether the process that wrote it may still run: it is on another host, or it exists on this one."""
-        if self.host != socket.gethostname() or self.pid <= 0:
-            return True
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except OSError:  # it exists, as another user's process
-            return True
-        return True
+        return self.host != socket.gethostname() or self.pid <= 0 or process_alive(self.pid)
 
 
 class StorageGroup:
-    """The ranks' collectives through records in ``folder`` (see the module): each waits at most ``timeout``
-    seconds. ``round_`` is the same on every rank of this launch and new with every launch; ``accept`` tells, of
-    a record of this round, whether it counts (default: all do)."""
+    """The collectives of ``ranks`` through records in ``folder``, each waiting at most ``timeout`` seconds.
+    ``round_`` is the same on every rank of one launch and new with every launch; ``accept`` tells, of a record
+    of this round, whether it counts (default: all do)."""
 
     def __init__(self, folder: Location, ranks: Ranks, round_: str, timeout: float,
                  accept: Callable[[Record], bool] | None = None) -> None:
@@ -136,64 +119,52 @@ class StorageGroup:
         #: The newest record read of each rank (kept after the records are removed: :meth:`gone` reads it).
         self._peers: dict[int, Record] = {}
 
-    @property
-    def rank(self) -> int:
-        return self.ranks.rank
-
-    def _name(self, name: str, rank: int) -> str:
-        return f"{name}-{rank}.json"
-
     def publish(self, name: str, value: Any, round_: str | None = None) -> None:
         """Write this rank's record of collective ``name`` (of ``round_``, by default the group's)."""
-        record = Record(self.round if round_ is None else round_, self.rank, self.ranks.world_size,
+        record = Record(self.round if round_ is None else round_, self.ranks.rank, self.ranks.world_size,
                         socket.gethostname(), os.getpid(), time.time(), value)
-        self.folder.child(self._name(name, self.rank)).write_small(record.to_bytes(),
-                                                                   action=f"write this rank's {name} record at")
+        self.folder.child(f"{name}-{self.ranks.rank}.json").write_small(record.to_bytes(),
+                                                                         action=f"write the {name} record at")
 
     def read(self, name: str, rank: int) -> Record | None:
         """Rank ``rank``'s record of collective ``name``, of whatever round (None: none readable)."""
-        record = Record.from_bytes(self.folder.child(self._name(name, rank)).read_small())
+        record = Record.from_bytes(self.folder.child(f"{name}-{rank}.json").read_small())
         return record if record is not None and record.rank == rank else None
 
     def records(self, name: str) -> dict[int, Record]:
         """The records of collective ``name`` of this round, by rank, from one listing. Each is read again on
-        every call: a rewrite within one second (the resolution of some stores' times) leaves its time as it was."""
-        found: dict[int, Record] = {}
+        every call: a rewrite within a second (the resolution of some stores' times) may leave its time as was."""
         listed = set(self.folder.list_names())
-        for rank in range(self.ranks.world_size):
-            if self._name(name, rank) not in listed:
-                continue
-            record = self.read(name, rank)
-            if record is not None and record.round == self.round and (self._accept is None or self._accept(record)):
-                found[rank] = record
+        found = {rank: record for rank in range(self.ranks.world_size) if f"{name}-{rank}.json" in listed
+                 and (record := self.read(name, rank)) is not None and record.round == self.round
+                 and (self._accept is None or self._accept(record))}
         self._peers.update(found)
         return found
 
     def gone(self) -> set[int]:
         """The other ranks whose newest record read names this host and a process that no longer exists."""
-        return {rank for rank, record in self._peers.items() if rank != self.rank and not record.alive()}
+        return {rank for rank, record in self._peers.items() if rank != self.ranks.rank and not record.alive()}
 
-    def forget(self, name: str, ranks: Iterable[int] | None = None) -> None:
-        """Remove the records of collective ``name`` of ``ranks`` (default all; best effort: one left behind is
-        of an old round to every later reader)."""
-        for rank in range(self.ranks.world_size) if ranks is None else ranks:
+    def forget(self, name: str) -> None:
+        """Remove every rank's record of collective ``name`` (best effort: one left is of an old round to later
+        readers)."""
+        for rank in range(self.ranks.world_size):
             with contextlib.suppress(Exception):
-                self.folder.child(self._name(name, rank)).remove()
+                self.folder.child(f"{name}-{rank}.json").remove()
 
     def wait_for(self, name: str, ranks: Iterable[int], what: str, timeout: float | None = None) -> dict[int, Record]:
         """The records of collective ``name`` of ``ranks`` once all are there, waiting at most ``timeout`` (default
-        the group's): :func:`poll`, so :class:`RanksMissing` at the bound or once a rank waited for is gone."""
-        wanted = sorted(ranks)
-        held: dict[int, Record] = {}
+        the group's) through :func:`poll`."""
+        wanted, held = sorted(ranks), dict[int, Record]()
 
         def check() -> dict[int, Record] | None:
             held.clear()
             held.update((rank, record) for rank, record in self.records(name).items() if rank in wanted)
             return dict(held) if len(held) == len(wanted) else None
 
-        return poll(f"rank {self.rank} of {self.ranks.world_size}: {what} at {safe_uri(self.folder.uri)}", check,
-                     self.timeout if timeout is None else timeout,
-                     missing=lambda: [rank for rank in wanted if rank not in held], gone=self.gone)
+        return poll(f"rank {self.ranks.rank} of {self.ranks.world_size}: {what} at {safe_uri(self.folder.uri)}",
+                    check, self.timeout if timeout is None else timeout,
+                    missing=lambda: [rank for rank in wanted if rank not in held], gone=self.gone)
 
     def all_gather(self, value: Any, name: str) -> list[Any]:
         """Every rank's ``value``, by rank."""
@@ -201,17 +172,9 @@ class StorageGroup:
         found = self.wait_for(name, range(self.ranks.world_size), f"waiting for every rank's {name}")
         return [found[rank].value for rank in range(self.ranks.world_size)]
 
-    def gather(self, value: Any, name: str) -> list[Any] | None:
-        """On rank 0, every rank's ``value`` by rank; on the others None, at once (they do not wait)."""
-        if self.rank != 0:
-            self.publish(name, value)
-            return None
-        found = self.wait_for(name, range(1, self.ranks.world_size), f"waiting for the others' {name}")
-        return [value, *(found[rank].value for rank in range(1, self.ranks.world_size))]
-
     def broadcast(self, value: Any, name: str, src: int = 0) -> Any:
-        """Rank ``src``'s ``value`` on every rank."""
-        if self.rank == src:
+        """Rank ``src``'s ``value``, on every rank."""
+        if self.ranks.rank == src:
             self.publish(name, value)
             return value
         return self.wait_for(name, [src], f"waiting for rank {src}'s {name}")[src].value
@@ -221,16 +184,9 @@ class StorageGroup:
         self.all_gather(None, name)
 
 
-def initialized_group() -> Any | None:
-    """``torch.distributed`` when it is imported and its default process group initialized; else None (never
-    imports torch: a program that uses it has imported it)."""
-    dist = sys.modules.get("torch.distributed")
-    return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
-
-
 class TorchGroup:
-    """The ranks' collectives on the default ``torch.distributed`` process group (see the module), for ``purpose``
-    (named in the errors of its waits); each waits at most ``timeout`` seconds (None: the group's own timeout)."""
+    """The collectives on the default ``torch.distributed`` process group, for ``purpose`` (named in the errors
+    of its waits), each waiting at most ``timeout`` seconds (None: the process group's own timeout)."""
 
     def __init__(self, dist: Any, timeout: float | None, purpose: str) -> None:
         self._dist, self.torch = dist, sys.modules["torch"]
@@ -241,9 +197,11 @@ class TorchGroup:
 
     @classmethod
     def of_initialized(cls, timeout: float | None, purpose: str) -> TorchGroup | None:
-        """The group on the default process group when there is one (:func:`initialized_group`)."""
-        dist = initialized_group()
-        return None if dist is None else cls(dist, timeout, purpose)
+        """The group on the default process group when ``torch.distributed`` is imported and that group is
+        initialized; else None (never imports torch: a program that uses it has imported it)."""
+        dist = sys.modules.get("torch.distributed")
+        return cls(dist, timeout, purpose) if dist is not None and dist.is_available() and dist.is_initialized() \
+            else None
 
     def wait(self, work: Any, what: str, timeout: float | None = None) -> None:
         """Wait for the collective ``work`` at most ``timeout`` (default the group's): TimeoutError naming this
@@ -263,11 +221,10 @@ class TorchGroup:
         self.wait(self._dist.broadcast(tensor, src=src, async_op=True), what)
 
     def start(self, value: int, name: str) -> Callable[[float | None], list[int]]:
-        """Start an all-gather of one int without waiting for it; returns the function that waits for it (at
-        most the seconds it is given, None: the group's timeout) and gives every rank's value."""
-        torch = self.torch
-        mine = torch.tensor([value], dtype=torch.int64, device=self.device)
-        theirs = [torch.zeros_like(mine) for _ in range(self.world)]
+        """Start an all-gather of one int without waiting for it; the function it returns waits for it (at most
+        the seconds it is given, None: the group's timeout) and gives every rank's value."""
+        mine = self.torch.tensor([value], dtype=self.torch.int64, device=self.device)
+        theirs = [self.torch.zeros_like(mine) for _ in range(self.world)]
         work = self._dist.all_gather(theirs, mine, async_op=True)
 
         def result(timeout: float | None) -> list[int]:
@@ -275,28 +232,19 @@ class TorchGroup:
             return [int(each.item()) for each in theirs]
         return result
 
-    def _bytes(self, data: bytes, name: str) -> list[bytes]:
-        """``data`` of every rank, by rank: the lengths, then the bytes padded to the longest."""
-        torch = self.torch
+    def all_gather(self, value: Any, name: str) -> list[Any]:
+        """Every rank's ``value`` (JSON), by rank; ``name`` says what it is in the errors of the wait."""
+        torch, data = self.torch, json.dumps(value).encode()
         lengths = self.start(len(data), name)(None)
         mine = torch.zeros(max(lengths), dtype=torch.uint8)
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         mine = mine.to(self.device)
         theirs = [torch.empty_like(mine) for _ in range(self.world)]
         self.wait(self._dist.all_gather(theirs, mine, async_op=True), name)
-        return [bytes(each.cpu().numpy()[:size]) for each, size in zip(theirs, lengths, strict=True)]
-
-    def all_gather(self, value: Any, name: str) -> list[Any]:
-        """Every rank's ``value`` (JSON), by rank; ``name`` says what it is in the errors of the wait."""
-        return [json.loads(each) for each in self._bytes(json.dumps(value).encode(), name)]
-
-    def gather(self, value: Any, name: str) -> list[Any] | None:
-        """On rank 0, every rank's ``value`` by rank; None on the others (all of them wait: a collective)."""
-        found = self.all_gather(value, name)
-        return found if self.rank == 0 else None
+        return [json.loads(bytes(each.cpu().numpy()[:size])) for each, size in zip(theirs, lengths, strict=True)]
 
     def broadcast(self, value: Any, name: str, src: int = 0) -> Any:
-        """Rank ``src``'s ``value`` on every rank."""
+        """Rank ``src``'s ``value``, on every rank."""
         return self.all_gather(value if self.rank == src else None, name)[src]
 
     def barrier(self, name: str) -> None:
@@ -304,5 +252,5 @@ class TorchGroup:
         self.all_gather(None, name)
 
 
-#: Either group: what the protocols built on them call.
+#: The one way for ranks to agree: the protocols built on it call all_gather, broadcast and barrier.
 Group = TorchGroup | StorageGroup

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from .._log import safe_uri
 from ..errors import CheckpointCorruptError, CheckpointError, StepAbandonedError, say_in_message
 from ..format.records import ObjectRecord, Shard, ShardRecord, StepContent, StepManifest
 from ..group import RanksMissing, poll
@@ -176,11 +177,25 @@ class ShardWriter:
         stale: set[int] = set()
         failed: dict[int, str] = {}
 
-        def missing() -> list[int]:
+        def absent() -> list[int]:
             return [rank for rank in range(world) if rank not in found]
 
-        def abandon(gone: list[int]) -> StepAbandonedError:
-            failing = sorted(set(missing()) & set(failed))
+        def check() -> tuple[Shard, ...] | None:
+            gather(folder, step, world, round_, found, stale, failed)
+            if len(found) == world:
+                return tuple(found[rank] for rank in range(world))
+            if set(absent()) & set(failed):  # a rank noted that its save failed: its shard never comes
+                raise RanksMissing("a rank failed", absent(), [], 0.0)
+            return None
+
+        waiting = self._waiting
+        try:
+            return poll(f"rank 0: the shards of step {step} in {safe_uri(self._steps.directory)}", check,
+                        self._plan.commit_timeout, missing=absent,
+                        gone=None if waiting is None else lambda: waiting(step))
+        except RanksMissing as exc:
+            missing, gone = exc.missing, exc.gone
+            failing = sorted(set(missing) & set(failed))
             forget_records(folder, [rank for rank in found if rank] + sorted(stale))
             for rank in failing:
                 best_effort(folder.child(rank_failure_name(rank, round_)).remove)
@@ -190,33 +205,17 @@ class ShardWriter:
                         "with world_size=1)")
             if failing:
                 why = "; ".join(f"rank {rank} failed to save its shard ({failed[rank]})" for rank in failing)
-                waited = f"stopped waiting for the shards of ranks {missing()} of {world}: {why}{also}"
+                waited = f"stopped waiting for the shards of ranks {missing} of {world}: {why}{also}"
             elif gone:
-                waited = (f"stopped waiting for the shards of ranks {missing()} of {world}: the processes of ranks "
+                waited = (f"stopped waiting for the shards of ranks {missing} of {world}: the processes of ranks "
                           f"{gone} are gone{also}")
             else:
-                waited = f"waited {self._plan.commit_timeout:g} s for the shards of ranks {missing()} of {world}{also}"
-            return StepAbandonedError(
+                waited = (f"waited {self._plan.commit_timeout:g} s for the shards of ranks {missing} of "
+                          f"{world}{also}")
+            raise StepAbandonedError(
                 f"step {step} in {self._steps.directory} was abandoned: rank 0 {waited}, and committed "
                 "nothing. The previous steps are intact; gc() removes this step's shards once they are older "
-                "than the grace period.")
-
-        def check() -> tuple[Shard, ...] | None:
-            gather(folder, step, world, round_, found, stale, failed)
-            if len(found) == world:
-                return tuple(found[rank] for rank in range(world))
-            if set(missing()) & set(failed):
-                raise abandon([])
-            return None
-
-        waiting = self._waiting
-        try:
-            shards = poll(f"rank 0: the shards of step {step} in {self._steps.directory}", check,
-                          self._plan.commit_timeout, missing=missing,
-                          gone=None if waiting is None else lambda: waiting(step))
-        except RanksMissing as exc:
-            raise abandon(exc.gone) from None
-        return shards
+                "than the grace period.") from None
 
 
 @contextlib.contextmanager
@@ -255,7 +254,7 @@ def await_commit(steps: StepStore, rank: int, step: int, timeout: float, gone: C
     _log.info("taskpoint: rank %d waits (at most %.0f s) for rank 0 to commit step %d in %s", rank, timeout, step,
               steps.directory)
     try:
-        outcome = poll(f"rank {rank}: rank 0's commit of step {step} in {steps.directory}",
+        outcome = poll(f"rank {rank}: rank 0's commit of step {step} in {safe_uri(steps.directory)}",
                        lambda: None if record.exists() else "abandoned", timeout, missing=lambda: [0], gone=gone)
     except RanksMissing as exc:
         outcome = "rank 0 gone" if exc.gone else "timed out"
@@ -363,7 +362,7 @@ class ShardOrphan:
             return True if len(found) == world else None
 
         try:
-            poll(f"the save process of rank 0: the shards of step {self.step} in {self.folder}", check,
+            poll(f"the save process of rank 0: the shards of step {self.step} in {safe_uri(self.folder)}", check,
                  deadline - time.monotonic(), missing=lambda: [rank for rank in range(world) if rank not in found])
         except RanksMissing:
             return  # a shard never came: nothing is committed, and the shards are swept as leftovers

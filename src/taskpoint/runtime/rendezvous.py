@@ -28,6 +28,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 
+from .._log import safe_uri
 from ..group import RanksMissing, StorageGroup, poll
 from ..ranks import Ranks
 from ..storage import Location
@@ -63,7 +64,7 @@ def agree(folder: Location, ranks: Ranks, choose: Callable[[], int], timeout: fl
         return int(value["attempt"]) if isinstance(members, dict) and members.get(str(ranks.rank)) == nonce else None
 
     try:
-        return poll(f"rank {ranks.rank}: waiting for rank 0's attempt at {folder.uri}", claimed, timeout,
+        return poll(f"rank {ranks.rank}: waiting for rank 0's attempt at {safe_uri(folder.uri)}", claimed, timeout,
                     missing=lambda: [0])
     except RanksMissing as exc:
         raise _timed_out(f"rank {ranks.rank} waited for rank 0 to choose the attempt", group) from exc
