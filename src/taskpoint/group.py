@@ -1,10 +1,10 @@
 """One way for the ranks of a job to agree: a group's all-gather, broadcast and barrier (as DCP routes every
 collective through one small wrapper, ``_DistWrapper``), in two implementations:
 
-- :class:`TorchGroup`, on the default ``torch.distributed`` process group when one is initialized
-  (torch is never imported here). Values are JSON, sent as bytes (the lengths, then
-  the bytes padded to the longest). A wait that ends is a TimeoutError naming this rank and what it waited
-  for, or a CheckpointError when the group failed sooner (a rank gone).
+- :class:`TorchGroup`, on the default ``torch.distributed`` process group when one is initialized (torch is
+  never imported here). Values are JSON, sent as bytes (the lengths, then the bytes padded to the longest). A
+  wait that ends is a TimeoutError naming this rank and what it waited for, or a CheckpointError when the
+  group failed sooner (a rank gone).
 - :class:`StorageGroup`, through records in a folder otherwise. Rank k's part of the collective ``name`` is
   the group record ``{name}-{k}.json`` (:class:`Record`, docs/format.md): a record of another round (a
   previous launch's), of another rank, or unreadable, is absent. A rank whose newest record names this host
@@ -108,7 +108,8 @@ class Record:
 
 
 class StorageGroup:
-    """The collectives of ``ranks`` through records in ``folder``, each waiting at most ``timeout`` seconds.
+    """The collectives of ``ranks`` through records in ``folder``, each waiting at most ``timeout`` seconds, each
+    named by the caller (one name, one collective: a record is overwritten only by the next launch's).
     ``round_`` is the same on every rank of one launch and new with every launch; ``accept`` tells, of a record
     of this round, whether it counts (default: all do)."""
 
