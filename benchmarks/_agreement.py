@@ -5,7 +5,7 @@ a 4-rank job while no preemption notice is pending.
 product; with the process group, every step also all-reduces 1024 floats (the gradients' place in data-parallel
 training). The loop runs with ``should_save(step)`` asked every step of a ``CheckpointManager`` of 4 ranks (no
 save falls due: only the agreement runs) and without it, alternated ``runs`` times; the ratio is that of the
-medians of the slowest rank's loop. With the process group, the agreement starts one all-gather of one int per
+medians of the slowest rank's loop. With the process group, the agreement starts one all-reduce of one int per
 step and reads it at the next; without one, a thread of each rank lists the agreement folder on local disk
 every 0.5 s and a step reads a flag.
 """

@@ -45,7 +45,7 @@ def main(args: dict[str, Any]) -> None:
         results["broadcast"] = group.broadcast(f"from rank {rank}", "second", src=ranks.world_size - 1)
         group.barrier("third")
         if isinstance(group, TorchGroup):
-            results["start"] = group.start(rank + 1, "fourth")(None)
+            results["start_max"] = group.start_max(rank + 1, "fourth")(None)
         _say({"rank": rank, "results": results})
     except Exception as exc:  # reported to the test, which checks it
         _say({"rank": rank, "error": type(exc).__name__, "message": str(exc),

@@ -221,28 +221,32 @@ class TorchGroup:
         """Broadcast ``tensor`` (on :attr:`device`) from rank ``src`` into every rank's ``tensor``."""
         self.wait(self._dist.broadcast(tensor, src=src, async_op=True), what)
 
-    def start(self, value: int, name: str) -> Callable[[float | None], list[int]]:
-        """Start an all-gather of one int without waiting for it; the function it returns waits for it (at most
-        the seconds it is given, None: the group's timeout) and gives every rank's value."""
+    def start_max(self, value: int, name: str) -> Callable[[float | None], int]:
+        """Start an all-reduce of one int (the largest) without waiting for it; the function it returns waits for
+        it (at most the seconds it is given, None: the group's timeout) and gives the result. An all-reduce, not
+        an all-gather: a process that ends with a gloo all-gather in flight aborts (SIGABRT, torch 2.13), one
+        with an all-reduce in flight ends as it should."""
         mine = self.torch.tensor([value], dtype=self.torch.int64, device=self.device)
-        theirs = [self.torch.zeros_like(mine) for _ in range(self.world)]
-        work = self._dist.all_gather(theirs, mine, async_op=True)
+        work = self._dist.all_reduce(mine, op=self._dist.ReduceOp.MAX, async_op=True)
 
-        def result(timeout: float | None) -> list[int]:
+        def result(timeout: float | None) -> int:
             self.wait(work, name, timeout)
-            return [int(each.item()) for each in theirs]
+            return int(mine.item())
         return result
 
     def all_gather(self, value: Any, name: str) -> list[Any]:
         """Every rank's ``value`` (JSON), by rank; ``name`` says what it is in the errors of the wait."""
         torch, data = self.torch, json.dumps(value).encode()
-        lengths = self.start(len(data), name)(None)
-        mine = torch.zeros(max(lengths), dtype=torch.uint8)
+        length = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        lengths = [torch.zeros_like(length) for _ in range(self.world)]
+        self.wait(self._dist.all_gather(lengths, length, async_op=True), name)
+        sizes = [int(each.item()) for each in lengths]
+        mine = torch.zeros(max(sizes), dtype=torch.uint8)
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         mine = mine.to(self.device)
         theirs = [torch.empty_like(mine) for _ in range(self.world)]
         self.wait(self._dist.all_gather(theirs, mine, async_op=True), name)
-        return [json.loads(bytes(each.cpu().numpy()[:size])) for each, size in zip(theirs, lengths, strict=True)]
+        return [json.loads(bytes(each.cpu().numpy()[:size])) for each, size in zip(theirs, sizes, strict=True)]
 
     def broadcast(self, value: Any, name: str, src: int = 0) -> Any:
         """Rank ``src``'s ``value``, on every rank."""

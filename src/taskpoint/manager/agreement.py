@@ -6,10 +6,10 @@ give shards of different steps, which rank 0 never commits. So the answer of ``r
 ``should_save()`` and ``checkpoint_if_preempted()``) becomes True on every rank at one step:
 
 - **Through the process group**, when ``torch.distributed`` is initialized (:class:`~taskpoint.group.TorchGroup`):
-  each safe point starts an all-gather of this rank's notice (its signal number, or 0) without waiting for
-  it, and the next safe point reads the largest of the previous one, which has long finished by then: while no
-  notice is pending a safe point costs starting one small collective (``make bench``, "agreement"). Every rank
-  calls its safe points in the same order, so every rank reads the first non-zero result at the same call.
+  each safe point starts an all-reduce (MAX) of this rank's notice (its signal number, or 0) without waiting
+  for it, and the next safe point reads the result of the previous one, which has long finished by then: while
+  no notice is pending a safe point costs starting one small collective (``make bench``, "agreement"). Every
+  rank calls its safe points in the same order, so every rank reads the first non-zero result at the same call.
 - **Through storage** otherwise (:class:`~taskpoint.group.StorageGroup`): a rank that had a notice publishes
   the step it reached (its group record ``preemption-agreement/rank-k.json`` beside the steps); a thread of
   every rank lists that folder every :data:`POLL_SECONDS`, so ranks that were not signalled learn of it and
@@ -78,7 +78,7 @@ class Agreement:
         self._signal = 0
         self._torch: TorchGroup | None = None
         #: The vote in flight on the process group: waits for it at most the seconds given (None: the group's).
-        self._vote: Callable[[float | None], list[int]] | None = None
+        self._vote: Callable[[float | None], int] | None = None
         self._records: StorageGroup | None = None
         self._published: int | None = None
         self._watcher: threading.Thread | None = None
@@ -125,19 +125,19 @@ class Agreement:
 
     def _vote_on(self, group: TorchGroup, notice: preemption.Notice | None) -> int:
         """The largest signal any rank had at the previous call (0: none); then this call's vote is sent: one
-        all-gather in flight, read at the next call."""
+        all-reduce in flight, read at the next call."""
         if self._vote is not None:
             # With a notice this rank stops anyway: a rank that never answers must not hold it past the deadline.
             waited = None if notice is None else max(0.1, notice.remaining())
             try:
-                result = max(self._vote(waited))
+                result = self._vote(waited)
             except (TimeoutError, CheckpointError) as exc:
                 if notice is None:
                     raise
                 raise NoAgreement([], waited or 0.0) from exc
             if result:
                 return result
-        self._vote = group.start(notice.signal if notice is not None else 0, "the preemption agreement's votes")
+        self._vote = group.start_max(notice.signal if notice is not None else 0, "the preemption agreement's votes")
         return 0
 
     def _agree(self, signal: int, stop: int | None) -> None:
