@@ -1,12 +1,12 @@
 """The fast door into the suite (``make check``, ``pytest --fast``): the tests that start no server and no process.
 
 Every test that starts an object-store server, a subprocess (torchrun, ``python -c``, the CLI as a process, a save
-process, a pool of processes) or a framework lives in ``tests/e2e/``; ``--fast`` leaves that folder out and the
-remote-store params of the location fixtures (``store[s3]``, ``remote_store[gcs]``, ...) with it. What remains must
-keep to the rule, and :class:`ProcessGuard` makes sure it does: under ``--fast`` every way of starting a process in
-the test's own process refuses and is remembered, so that a test that swallows the refusal fails all the same
-(tests/conftest.py fails it, naming what it started). The servers are refused at their one door, the server
-fixtures (tests/conftest.py).
+process, a pool of processes) or a framework lives in ``tests/e2e/``, or is marked ``e2e`` in a module whose other
+tests start none; ``--fast`` leaves those out, and the runs on a server (``store[s3]``, a ``kind`` of ``"gcs"``).
+What remains must keep to the rule, and :class:`ProcessGuard` makes sure it does: under ``--fast`` every way of
+starting a process in the test's own process refuses and is remembered, so that a test that swallows the refusal
+fails all the same (tests/conftest.py fails it, naming what it started). The servers are refused at their one door,
+the server fixtures (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ __all__ = ["E2E", "RULE", "SYSTEM_PROBES", "ProcessForbidden", "ProcessGuard"]
 #: The folder of the tests that start servers, processes or frameworks (``make test`` runs them, ``make check`` not).
 E2E = Path(__file__).resolve().parent / "e2e"
 #: What every refusal says: the rule and where such a test belongs.
-RULE = ("make check (pytest --fast) runs only tests that start no server and no process; "
-        "a test that does belongs in tests/e2e/")
+RULE = ("make check (pytest --fast) runs only tests that start no server and no process; a test that does belongs "
+        "in tests/e2e/, or is marked e2e in a module whose other tests start none")
 
 
 #: Programs that libraries run to learn about the machine, allowed: ``platform`` runs ``uname -p`` (pytest's own

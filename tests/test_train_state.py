@@ -1,6 +1,6 @@
 """``TrainState``'s data position and generators in one process: after a restore the loader hands out the rest of
 the interrupted epoch, batch for batch, for each sampler it follows, and the generators draw what they would
-have drawn. (tests/test_resume_exact.py checks whole runs across real processes and signals.)"""
+have drawn. (tests/e2e/test_resume_exact.py checks whole runs across real processes and signals.)"""
 
 from __future__ import annotations
 

@@ -224,7 +224,7 @@ def test_segments_of_dead_owners_are_freed_and_those_of_live_ones_kept(tmp_path)
 
 _TRAINER = textwrap.dedent("""
     import json, sys, time
-    sys.path.insert(0, sys.argv[4])
+    sys.path[:0] = [sys.argv[4], sys.argv[4] + "/.."]  # this module, and the helpers it imports
     from test_staged_saves import _state
     from taskpoint import CheckpointManager
     from taskpoint.torch import StateDict
@@ -285,7 +285,7 @@ def test_a_trainer_killed_0_to_50_ms_after_a_staged_save_returned_loses_nothing_
 
 _HELD_TRAINER = textwrap.dedent("""
     import json, sys, time
-    sys.path.insert(0, sys.argv[3])
+    sys.path[:0] = [sys.argv[3], sys.argv[3] + "/.."]  # this module, and the helpers it imports
     from test_staged_saves import _state
     from taskpoint import CheckpointManager
     from taskpoint.torch import StateDict

@@ -29,7 +29,7 @@ from taskpoint import Checkpoint, RetryPolicy, StorageError, StorageUnavailable
 from taskpoint.storage import Kind, Location, _obstore, _s3, objectstores
 
 T = TypeVar("T")
-SRC = str(Path(__file__).resolve().parent.parent / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def _uploads(fs: Any, path: str) -> list[dict[str, Any]]:

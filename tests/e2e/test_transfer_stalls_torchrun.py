@@ -25,7 +25,7 @@ import pytest
 from _fault_proxy import fault_proxy
 from taskpoint import CheckpointManager
 
-WORKER = Path(__file__).with_name("_stalled_rank_worker.py")
+WORKER = Path(__file__).parents[1] / "_stalled_rank_worker.py"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 WORLD = 3
 #: The stalled rank's retry deadline and stall timeout, rank 0's commit timeout and every rank's grace (seconds):
