@@ -30,9 +30,10 @@ SeaweedFS is marked ``seaweed``: ``-m seaweed`` or ``-k seaweed`` selects them.
 fsspec's instance cache for the store's filesystem class is cleared before and after each test,
 and whatever the test left under its prefix is deleted at teardown.
 
-``--fast`` (``make check``) runs the tests that start no server and no process: it leaves out ``tests/e2e/`` and
-every run on a server (a param naming a remote kind or a server fixture), starts no shared server, and fails a test
-that asks for a server or starts a process (:mod:`_fast`).
+``--fast`` (``make check``) runs the tests that start no server and no process: it leaves out ``tests/e2e/``, the
+tests marked ``e2e`` (the few such tests of a module whose others start nothing) and every run on a server (a param
+naming a remote kind or a server fixture), starts no shared server, and fails a test that asks for a server or starts
+a process (:mod:`_fast`).
 """
 
 # This must stay first: gcsfs reads GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT when first imported, and the
@@ -185,7 +186,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Leave out the ``s3-obstore`` runs of the modules outside :data:`_OBSTORE_MODULES`, the ``s3-seaweed``
     runs that no test asked for (see :func:`_unasked_seaweed`) and the GCS and Azure runs of ``store`` outside
     :data:`_EVERY_STORE_MODULES`; mark the tests on SeaweedFS ``seaweed``; skip
-    the tests marked ``campaign`` unless :data:`CAMPAIGN`; under ``--fast``, leave out the runs on a server."""
+    the tests marked ``campaign`` unless :data:`CAMPAIGN`; under ``--fast``, leave out the runs on a server and the
+    tests marked ``e2e``."""
     fast = _fast(config)
     if not CAMPAIGN:
         for item in items:
@@ -199,7 +201,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         callspec = getattr(item, "callspec", None)
         on_obstore = callspec is not None and "s3-obstore" in callspec.params.values()
         return ((on_obstore and item.path.name not in _OBSTORE_MODULES) or _unasked_seaweed(item)
-                or _conformance_only(item) or (fast and _on_a_server(item)))
+                or _conformance_only(item) or (fast and (_on_a_server(item) or item.get_closest_marker("e2e"))))
 
     dropped = [item for item in items if elsewhere(item)]
     if dropped:
