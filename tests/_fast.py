@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = ["E2E", "RULE", "SYSTEM_PROBES", "ProcessForbidden", "ProcessGuard"]
+__all__ = ["E2E", "RULE", "SYSTEM_TOOLS", "ProcessForbidden", "ProcessGuard"]
 
 #: The folder of the tests that start servers, processes or frameworks (``make test`` runs them, ``make check`` not).
 E2E = Path(__file__).resolve().parent / "e2e"
@@ -28,9 +28,10 @@ RULE = ("make check (pytest --fast) runs only tests that start no server and no 
         "in tests/e2e/, or is marked e2e in a module whose other tests start none")
 
 
-#: Programs that libraries run to learn about the machine, allowed: ``platform`` runs ``uname -p`` (pytest's own
-#: session start asks), ``ctypes.util.find_library`` runs ``ldconfig -p`` and the compiler.
-SYSTEM_PROBES = frozenset({"uname", "ldconfig", "gcc", "cc", "ld"})
+#: Programs allowed to run, none of them a server or a worker: ``platform`` runs ``uname -p`` (pytest's own session
+#: start asks), ``ctypes.util.find_library`` runs ``ldconfig -p`` and the compiler, and the tests of a full or
+#: read-only disk mount a small tmpfs (``helpers.mounted_tmpfs``).
+SYSTEM_TOOLS = frozenset({"uname", "ldconfig", "gcc", "cc", "ld", "mount", "umount"})
 
 
 class ProcessForbidden(RuntimeError):
@@ -42,7 +43,7 @@ class ProcessGuard:
     ``fork_exec`` as :mod:`subprocess` holds it (under asyncio's subprocesses too) and as ``_posixsubprocess``
     does (multiprocessing's spawn and forkserver), ``os.posix_spawn(p)`` (which :mod:`subprocess` uses when it
     can), ``os.system``, and ``os.fork`` and ``os.forkpty`` (multiprocessing's fork, :mod:`pty`). Each refuses
-    with :class:`ProcessForbidden` and records what it was asked to start, but lets :data:`SYSTEM_PROBES` run;
+    with :class:`ProcessForbidden` and records what it was asked to start, but lets :data:`SYSTEM_TOOLS` run;
     :meth:`take` hands the records over (tests/conftest.py fails the test with them)."""
 
     def __init__(self) -> None:
@@ -72,7 +73,7 @@ class ProcessGuard:
         def refused(*args: Any, **kwargs: Any) -> Any:
             argv = args[argv_at] if argv_at is not None else ""
             program = argv if isinstance(argv, (str, bytes)) else (argv[0] if argv else "")
-            if program and Path(os.fsdecode(program).split()[0]).name in SYSTEM_PROBES:
+            if program and Path(os.fsdecode(program).split()[0]).name in SYSTEM_TOOLS:
                 return original(*args, **kwargs)
             what = f"{module.__name__}.{name}({argv!r})"
             with self._lock:
