@@ -446,6 +446,7 @@ def _sequences(examples: int):
 
 
 @pytest.mark.e2e("starts a save process")
+@pytest.mark.slow
 def test_random_sequences_keep_exactly_the_union_of_the_rules_and_never_a_protected_step():
     """Random save (metrics, NaN and missing among them; new steps and overwrites of older ones), restore,
     delete (forced or not) and reopen, under random keep / keep_every / keep_best: after every operation the

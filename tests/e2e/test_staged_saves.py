@@ -85,6 +85,7 @@ def _refuse_here(*args, **kwargs):
 # -- the step a background save writes --------------------------------------------------------------------------
 
 @LOCAL_AND_S3
+@pytest.mark.slow
 def test_a_background_state_dict_save_writes_the_step_a_blocking_one_writes_from_the_save_process(
         store, monkeypatch):
     """The save process writes the torch.state_dict step (BLAKE3 pieces), not a payload; the trainer's own writer
