@@ -52,7 +52,7 @@ import shutil
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import fsspec
@@ -165,11 +165,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     """Under ``--fast``, leave tests/e2e/ out: not even imported (its modules import the frameworks)."""
-    return True if _fast(config) and collection_path == E2E else None
+    return True if _fast(config) and collection_path.resolve() == E2E else None
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """Under ``--fast``, fail the setup, call or teardown of a test in which a process was started (refused), even if
     the test swallowed the refusal: its report names every process and says where such a test belongs."""
     report = yield
