@@ -8,7 +8,9 @@ It appends JSON lines to ``log``: ``step`` (the step, its loss as ``float.hex``,
 torch's generator state as the step began) from inside ``training_step``; ``saved`` once a ``last.ckpt`` is
 committed; ``done`` with the sha256 of the final parameters. Options: ``root``; ``log``; ``leave_out``
 (``"generators"`` or ``"position"``: a control whose resume drops that part of what ``ResumeExactly`` kept;
-``"all"``: Lightning alone, without ``ResumeExactly``).
+``"all"``: Lightning alone, without ``ResumeExactly``); ``terminate`` (``{"hook": ..., "step": ...}``: the process
+sends itself SIGTERM from that hook of a callback after ``SaveOnPreemption``'s, at that step, once: after
+``SaveOnPreemption`` checked for a notice there and before Lightning's own check).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import signal
 import sys
 import warnings
 from typing import Any
@@ -78,6 +82,25 @@ class LeavingOut(taskpoint.lightning.ResumeExactly):
         super().load_state_dict(state_dict)
 
 
+class TerminateAfterTheCheck(L.Callback):
+    """Sends this process SIGTERM from its ``hook`` (``on_train_batch_end`` or ``on_train_epoch_end``) at ``step``:
+    a signal that lands after ``SaveOnPreemption``'s hook of that step, as one does that lands in the
+    ``ModelCheckpoint`` save of the step (Lightning runs checkpoint callbacks last)."""
+
+    def __init__(self, hook: str, step: int) -> None:
+        self.hook, self.step = hook, step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self._terminate(trainer, "on_train_batch_end")
+
+    def on_train_epoch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self._terminate(trainer, "on_train_epoch_end")
+
+    def _terminate(self, trainer: L.Trainer, hook: str) -> None:
+        if hook == self.hook and trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main() -> None:
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -88,10 +111,11 @@ def main() -> None:
                                        batch_size=BATCH, shuffle=True)
     exactly = LeavingOut() if opts.get("leave_out") else taskpoint.lightning.ResumeExactly()
     callbacks = [exactly] if opts.get("leave_out") != "all" else []
+    terminate = [TerminateAfterTheCheck(**opts["terminate"])] if opts.get("terminate") else []
     trainer = L.Trainer(
         default_root_dir=opts["root"], max_epochs=EPOCHS, logger=False, accelerator="cpu", devices=1,
         deterministic=True, plugins=[Committed()], enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[*callbacks, taskpoint.lightning.SaveOnPreemption(),
+        callbacks=[*callbacks, taskpoint.lightning.SaveOnPreemption(), *terminate,
                    ModelCheckpoint(every_n_train_steps=SAVE_EVERY, save_last=True)])
     model = Regressor()
     trainer.fit(model, train_dataloaders=data, ckpt_path="last")

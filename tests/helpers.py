@@ -24,7 +24,8 @@ import fsspec
 
 from taskpoint import RetryPolicy
 from taskpoint.ranks import RANK_VARIABLES
-from taskpoint.storage import NO_DEADLINE, Deadline
+from taskpoint.storage import Deadline
+from taskpoint.storage.deadline import NO_DEADLINE
 from taskpoint.workspace import process_alive
 
 T = TypeVar("T")
@@ -319,6 +320,29 @@ def requires(*modules: str) -> Any:
 
     absent = [name for name in modules if missing(name)]
     return pytest.mark.skipif(bool(absent), reason=f"{', '.join(absent)} not installed")
+
+
+#: The real launcher, installed beside python with torch.
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+def run_torchrun(worker: Path, world: int, argument: str, within: float) -> tuple[int, str, str]:
+    """Run ``worker`` with one ``argument`` on ``world`` ranks under the real ``torchrun --standalone``, to its end:
+    its exit status, stdout and stderr. The ranks see this process's import path and use one OpenMP thread each. A
+    job not ended within ``within`` seconds (or whose test is interrupted) is SIGKILLed whole, torchrun's agent and
+    every rank (its own session), and fails the test with the tail of its stderr."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    job = subprocess.Popen([str(TORCHRUN), "--standalone", f"--nproc-per-node={world}", str(worker), argument],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = job.communicate(timeout=within)
+    except BaseException as exc:
+        os.killpg(job.pid, signal.SIGKILL)
+        _, err = job.communicate(timeout=30)
+        if isinstance(exc, subprocess.TimeoutExpired):
+            raise AssertionError(f"torchrun did not end within {within:g} s:\n{err[-4000:]}") from None
+        raise
+    return job.returncode, out, err
 
 
 class WorkerProcess:

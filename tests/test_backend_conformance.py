@@ -22,7 +22,9 @@ import pytest
 from _servers import StoreLocation
 from helpers import make_tree, read_object, snapshot, write_object
 from taskpoint import Checkpoint, CheckpointCorruptError, CheckpointManager
-from taskpoint.storage import Kind, Location, VersionConflict
+from taskpoint.storage import Location
+from taskpoint.storage.backends import Kind
+from taskpoint.storage.streams import VersionConflict
 
 MiB = 2**20
 

@@ -15,7 +15,8 @@ import pytest
 from helpers import make_tree, snapshot
 from taskpoint import Checkpoint, CheckpointCorruptError, CheckpointError, UnsafeArchiveError
 from taskpoint import folders as folders_module
-from taskpoint.storage import Kind, Location
+from taskpoint.storage import Location
+from taskpoint.storage.backends import Kind
 
 
 def _flytekit_tree(root: Path) -> Path:

@@ -1,4 +1,4 @@
-"""Local writes start their writeback early and keep their pages cached (taskpoint.storage._localio)."""
+"""Local writes start their writeback early and keep their pages cached (taskpoint.storage.localio)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from taskpoint.storage import _localio
+from taskpoint.storage import localio as _localio
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")

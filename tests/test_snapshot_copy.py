@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from taskpoint import CheckpointManager
-from taskpoint.storage import ParallelCopy
+from taskpoint.storage.localio import ParallelCopy
 
 
 def _tree(root, files=40):
@@ -68,7 +68,7 @@ def test_a_failed_snapshot_saves_nothing_and_leaves_no_scratch(tmp_path, monkeyp
 
     with CheckpointManager(tmp_path / "steps", snapshot_dir=scratch) as manager:
         # A mock: a disk that fills up exactly during the snapshot.
-        monkeypatch.setattr("taskpoint.storage._localio.copy_with_metadata", failing_copy)
+        monkeypatch.setattr("taskpoint.storage.localio.copy_with_metadata", failing_copy)
         with pytest.raises(OSError, match="No space left"):
             manager.save(source, 1, blocking=False)
         monkeypatch.undo()

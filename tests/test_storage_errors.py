@@ -31,8 +31,8 @@ from taskpoint import (
     StorageNotFound,
     StorageUnavailable,
 )
-from taskpoint.storage import Failure, Location, classify
-from taskpoint.storage.errormap import describe
+from taskpoint.storage import Location
+from taskpoint.storage.errormap import Failure, classify, describe
 
 T = TypeVar("T")
 

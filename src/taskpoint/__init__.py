@@ -30,11 +30,16 @@ from .errors import (
 from .inspection import checkpoints_in
 from .latest import latest_checkpoint
 from .manager import (
+    BackgroundSaves,
     CheckpointManager,
     KeepBest,
+    Retention,
+    Schedule,
+    Shards,
     StepDescription,
     StepSummary,
     StepVerification,
+    Tier,
     Verification,
     set_attempt_source,
 )
@@ -46,6 +51,7 @@ from .storage import RetryPolicy
 set_attempt_source(running_attempt)
 
 __all__ = [
+    "BackgroundSaves",
     "BaseCheckpoint",
     "Checkpoint",
     "CheckpointCorruptError",
@@ -55,8 +61,11 @@ __all__ = [
     "Preempted",
     "RestoreMismatch",
     "RestoreReport",
+    "Retention",
     "RetryPolicy",
     "SaveStalledError",
+    "Schedule",
+    "Shards",
     "StepAbandonedError",
     "StepDescription",
     "StepSummary",
@@ -67,6 +76,7 @@ __all__ = [
     "StorageNotFound",
     "StorageUnavailable",
     "TaskContext",
+    "Tier",
     "TransferStats",
     "UnsafeArchiveError",
     "Verification",

@@ -26,7 +26,8 @@ from .errors import CheckpointCorruptError, CheckpointError, UnsafeArchiveError
 from .format.archive import link_leaves
 from .payloads import DirectoryPayload
 from .signals import uninterrupted
-from .storage import WRITE_PIECE, Deadline, Kind, Location, copy_fd_in_kernel
+from .storage import WRITE_PIECE, Deadline, Location, copy_fd_in_kernel
+from .storage.backends import Kind
 from .workspace import Staging
 
 #: Objects downloaded at once from an object store.

@@ -18,7 +18,8 @@ from .errors import CheckpointCorruptError
 from .format.conformance import document_problem
 from .format.records import RECORD_SUFFIX
 from .record import listed, load_object, read_record
-from .storage import Deadline, Location, bounded, normalize_uri
+from .storage import Deadline, Location, normalize_uri
+from .storage.deadline import bounded
 from .transfer import hash_object
 
 

@@ -19,7 +19,8 @@ from .format.archive import skip_special, tree_file_bytes, write_tar
 from .format.codecs import BLOCK_SIZE, Codec
 from .format.extract import extract_tar
 from .format.index import ArchiveIndex
-from .storage import WRITE_PIECE, ParallelCopy, copy_with_metadata
+from .storage import WRITE_PIECE
+from .storage.localio import ParallelCopy, copy_with_metadata
 
 #: Name of the file that holds a bytes or file checkpoint after load (Flyte's convention).
 RAW_RESULT_NAME = "payload"

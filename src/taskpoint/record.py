@@ -21,7 +21,9 @@ from .folders import refuse_folder_destination
 from .format.codecs import Codec
 from .format.records import RECORD_SUFFIX, ObjectRecord, Record
 from .payloads import Payload, payload_class
-from .storage import NO_DEADLINE, Deadline, Location, RetryPolicy, VersionConflict
+from .storage import Deadline, Location, RetryPolicy
+from .storage.deadline import NO_DEADLINE
+from .storage.streams import VersionConflict
 from .transfer import guess_kind, read_payload, write_payload
 
 #: How often a load re-reads the record and follows it when the object it read is not listed (each time, a

@@ -24,7 +24,9 @@ from .format.codecs import BLOCK_SIZE, Codec, detect_codec, holds_tar
 from .format.space import check_room
 from .payloads import BytesPayload, DirectoryPayload, Payload
 from .signals import uninterrupted
-from .storage import WRITE_PIECE, Deadline, Location, WriteHooks, copy_fd_in_kernel, digest_by_reading, digest_of_fd
+from .storage import WRITE_PIECE, Deadline, Location, copy_fd_in_kernel, digest_by_reading
+from .storage.backends import WriteHooks
+from .storage.localio import digest_of_fd
 from .storage.streams import ConcurrentRangeReader, read_up_to
 from .workspace import Staging
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from .errors import CheckpointError
 from .signals import register_leftovers, uninterrupted
-from .storage import LEFTOVER_GRACE_SECONDS, normalize_uri
+from .storage import normalize_uri
+from .storage.backends import LEFTOVER_GRACE_SECONDS
 
 #: Prefix of the folders where a load is staged until it is verified; they live inside the workspace.
 STAGING_PREFIX = ".taskpoint-staging-"

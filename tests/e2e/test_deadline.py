@@ -15,7 +15,8 @@ import pytest
 from _fault_proxy import fault_proxy
 from helpers import CountingRetry, make_tree, snapshot
 from taskpoint import Checkpoint, CheckpointManager, RetryPolicy, StorageUnavailable
-from taskpoint.storage import NO_DEADLINE, Deadline, objectstores
+from taskpoint.storage import Deadline, objectstores
+from taskpoint.storage.deadline import NO_DEADLINE
 
 
 def test_a_call_hands_its_function_the_deadline_combined_with_an_outer_one():

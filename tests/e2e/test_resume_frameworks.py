@@ -37,11 +37,8 @@ class Framework(NamedTuple):
 
 
 FRAMEWORKS = [
-    # Known defect, open: a SIGTERM at some steps (step 20 with these draws, always; step 26 once in four fresh-clone
-    # runs) does not end the attempt with 143. Until it is fixed the Lightning case runs in make reliability only.
     pytest.param(Framework(TESTS / "_lightning_same_run.py", "root", (5, 15), (20, 33)), id="lightning",
-                 marks=[requires("lightning", "torch"), pytest.mark.campaign(
-                     "the Lightning same-run case (a known SIGTERM defect at some steps: see the comment above)")]),
+                 marks=requires("lightning", "torch")),
     pytest.param(Framework(TESTS / "_hf_same_run.py", "directory", (5, 10), (15, 22)), id="transformers",
                  marks=requires("transformers", "accelerate", "torch")),
 ]

@@ -19,7 +19,8 @@ import pytest
 
 from _servers import BUCKET, S3_KEY, S3_REGION, S3_SECRET, RunningServer, StoreLocation
 from taskpoint import Checkpoint
-from taskpoint.storage import Location, VersionConflict
+from taskpoint.storage import Location
+from taskpoint.storage.streams import VersionConflict
 
 #: Writers racing at once on one key (more than the two of a typical clash), on each of ``KEYS`` keys at once.
 #: SeaweedFS queues the losers of a clash on a lock it retries once a second: the keys race side by side so

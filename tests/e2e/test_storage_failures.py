@@ -26,7 +26,8 @@ import pytest
 from _faults import cuttable_proxy
 from helpers import CountingRetry, write_object
 from taskpoint import Checkpoint, RetryPolicy, StorageError, StorageUnavailable
-from taskpoint.storage import Kind, Location, _obstore, _s3, objectstores
+from taskpoint.storage import Location, _obstore, _s3, objectstores
+from taskpoint.storage.backends import Kind
 
 T = TypeVar("T")
 SRC = str(Path(__file__).resolve().parents[2] / "src")

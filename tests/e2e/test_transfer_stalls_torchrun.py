@@ -13,8 +13,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,10 +21,10 @@ from typing import Any
 import pytest
 
 from _fault_proxy import fault_proxy
+from helpers import TORCHRUN, run_torchrun
 from taskpoint import CheckpointManager
 
 WORKER = Path(__file__).parents[1] / "_stalled_rank_worker.py"
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 WORLD = 3
 #: The stalled rank's retry deadline and stall timeout, rank 0's commit timeout and every rank's grace (seconds):
 #: the commit timeout is far longer than the stalled rank's deadline, so rank 0 stops on the rank's note.
@@ -67,17 +65,9 @@ def test_one_ranks_part_stalled_forever_ends_every_rank_and_leaves_the_previous_
         args = {"directory": url, "options": options, "deadline": DEADLINE, "stall": STALL,
                 "commit_timeout": COMMIT_TIMEOUT, "grace": GRACE, "big_rank": 1, "big": 20 << 20,
                 "workspace": str(tmp_path / "data")}
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-        job = subprocess.Popen([str(TORCHRUN), "--standalone", f"--nproc-per-node={WORLD}", str(WORKER),
-                                json.dumps(args)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            out, err = job.communicate(timeout=JOB_WITHIN)
-        finally:
-            if job.poll() is None:
-                job.kill()
-                job.communicate()
+        status, out, err = run_torchrun(WORKER, WORLD, json.dumps(args), JOB_WITHIN)
         events = [json.loads(line[line.index("{"):]) for line in out.splitlines() if "{" in line]
-        assert job.returncode == 0, (events, err[-3000:])
+        assert status == 0, (events, err[-3000:])
     by_rank = {e["rank"]: e for e in events if e["event"] in ("saved", "error")}
     assert sorted(by_rank) == [0, 1, 2], events
     assert sorted(e["rank"] for e in events if e["event"] == "done") == [0, 1, 2], events  # nobody hung

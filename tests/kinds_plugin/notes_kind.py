@@ -12,9 +12,17 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from taskpoint.errors import CheckpointCorruptError
-from taskpoint.format.records import ObjectRecord, StepManifest
-from taskpoint.manager.kinds import Checked, Described, Gone, Saved, register_step_kind, stored_part
-from taskpoint.manager.steps import MANIFEST_NAME, StepObjects, stored_names
+from taskpoint.manager.kind_api import (
+    Checked,
+    Described,
+    Gone,
+    ObjectRecord,
+    StepObjects,
+    Stored,
+    register_step_kind,
+    stored_names,
+    stored_part,
+)
 
 NOTE = "note.txt"
 
@@ -37,33 +45,29 @@ class NotesKind:
             raise ValueError("a note is named note.txt")
         return Note(body["file"])
 
-    def accepts(self, payload, parts):
+    def accepts(self, payload, context):
         return False
 
-    def save(self, parts, job):
-        data = parts.steps.object(job.step, NOTE).read_small()
+    def store(self, context, job):
+        data = context.steps.object(job.step, NOTE).read_small()
         if data is None:
             raise FileNotFoundError("store note.txt before the commit")
         record = ObjectRecord(kind="notes", codec="raw", save_id=uuid.uuid4().hex, created=time.time(),
                               size=len(data), sha256=hashlib.sha256(data).hexdigest())
-        manifest = StepManifest(step=job.step, record=record, attempt=job.attempt, metadata=job.metadata,
-                                content=job.payload)
-        parts.steps.check_stored(job.step, {NOTE: len(data)})
-        parts.steps.object(job.step, MANIFEST_NAME).write_small(manifest.to_bytes())
-        return Saved(committed=True, sent=len(data), names=frozenset({NOTE}))
+        return Stored(job.payload, record, {NOTE: len(data)}, sent=len(data))
 
-    def restore(self, parts, step, manifest, workspace, progress):
-        data = parts.steps.object(step, NOTE).read_small()
+    def restore(self, context, step, manifest, workspace, progress):
+        data = context.steps.object(step, NOTE).read_small()
         if data is None:
             raise Gone(f"step {step} is committed but {NOTE} is missing")
         if hashlib.sha256(data).hexdigest() != manifest.record.sha256:
-            raise CheckpointCorruptError(f"step {step} in {parts.steps.directory}: {NOTE} is damaged")
+            raise CheckpointCorruptError(f"step {step} in {context.steps.directory}: {NOTE} is damaged")
         workspace.mkdir(parents=True, exist_ok=True)
         (workspace / NOTE).write_bytes(data)
         return Path(workspace / NOTE)
 
-    def verify(self, parts, step, manifest, progress):
-        size = stored_part(parts, step, NOTE, manifest.record.size, manifest.record.sha256, progress, "verify")
+    def verify(self, context, step, manifest, progress):
+        size = stored_part(context, step, NOTE, manifest.record.size, manifest.record.sha256, progress, "verify")
         return Checked(size, "the note matches its sha256")
 
     def objects(self, steps, step, manifest):
@@ -73,8 +77,8 @@ class NotesKind:
         steps.object(step, NOTE).remove()
         return {NOTE}
 
-    def describe(self, parts, step, manifest):
-        return Described(payload=NOTE, details={"lines": len((parts.steps.object(step, NOTE).read_small() or b"")
+    def describe(self, context, step, manifest):
+        return Described(payload=NOTE, details={"lines": len((context.steps.object(step, NOTE).read_small() or b"")
                                                              .splitlines())})
 
     def owns(self, name, committed):

@@ -25,7 +25,7 @@ import fsspec.utils
 from fsspec.callbacks import Callback
 
 from ..errors import CheckpointError, RestoreReport
-from ..manager import CheckpointManager, check_step
+from ..manager import BackgroundSaves, CheckpointManager, Retention, check_step
 from ._load import _from_manager
 from ._pytree import PyTree
 from ._read import read_tree
@@ -137,8 +137,9 @@ class Checkpointer:
             if current is not None and (isinstance(keep, _Unset) or current[1] == keep):
                 return current[0]
             wanted = None if isinstance(keep, _Unset) else keep
-            manager = CheckpointManager(directory, keep=wanted, storage_options=self._storage_options,
-                                        async_save=self._async_save)
+            manager = CheckpointManager(directory, retention=Retention(keep=wanted),
+                                        background=BackgroundSaves(async_save=self._async_save),
+                                        storage_options=self._storage_options)
             self._managers[key] = (manager, wanted)
         if current is not None:
             current[0].close()  # waits for its background save; a later save there goes through the new one

@@ -34,10 +34,22 @@ from .._progress import Progress
 from ..errors import CheckpointCorruptError
 from ..format.fileset import PIECE_HASH, PIECE_SIZE, FileEntry, FileSetManifest, PieceHasher, file_hasher, piece_spans
 from ..format.records import ObjectRecord, StepManifest
-from ..manager.kinds import GONE_HOW, Checked, Described, Gone, Parts, Saved, SaveJob, content_of, register_step_kind
-from ..manager.step_names import MANIFEST_NAME as STEP_MANIFEST
-from ..manager.step_names import name_in, stored_names
-from ..manager.steps import StepObjects, StepStore, best_effort
+from ..manager.kind_api import (
+    GONE_HOW,
+    Checked,
+    Described,
+    Gone,
+    SaveJob,
+    StepContext,
+    StepObjects,
+    StepStore,
+    Stored,
+    best_effort,
+    content_of,
+    name_in,
+    register_step_kind,
+    stored_names,
+)
 from ..payloads import DirectoryPayload
 from ..storage import WRITE_PIECE, Location, copy_fd_in_kernel, digest_by_reading
 from ..workspace import Staging
@@ -166,15 +178,15 @@ class PyTreeKind:
     def decode(self, body: dict[str, Any]) -> PyTreeFiles:
         return PyTreeFiles(name_in(body, "folder", _FOLDER, "a PyTree folder"))
 
-    def accepts(self, payload: object, parts: Parts) -> bool:
+    def accepts(self, payload: object, context: StepContext) -> bool:
         return isinstance(payload, PyTreePayload) and not payload.is_serialized
 
     # -- save ----------------------------------------------------------------------------------------------
 
-    def save(self, parts: Parts, job: SaveJob) -> Saved:
-        """Write the tree's files into the step's folder (Orbax itself, on local disk), hash them, write their
-        file-set manifest, then commit the step with its manifest (written last)."""
-        payload, steps, step = job.payload, parts.steps, job.step
+    def store(self, context: StepContext, job: SaveJob) -> Stored:
+        """Write the tree's files into the step's folder (Orbax itself, on local disk), hash them, and write their
+        file-set manifest, which the step's manifest names."""
+        payload, steps, step = job.payload, context.steps, job.step
         assert isinstance(payload, PyTreePayload)
         save_id = uuid.uuid4().hex
         content = PyTreeFiles(f"pytree-{save_id}")
@@ -208,12 +220,9 @@ class PyTreeKind:
         steps.object(step, content.manifest).write_small(data, action="store the list of files of")
         record = ObjectRecord(kind=PyTreePayload.kind, codec=FILES_CODEC, save_id=save_id, created=time.time(),
                               size=len(data), sha256=hashlib.sha256(data).hexdigest())
-        manifest = StepManifest(step=step, record=record, attempt=job.attempt, metadata=job.metadata, content=content)
-        steps.check_stored(step, {content.manifest: len(data),
-                                  **{f"{content.folder}/{rel}": entry.size for rel, entry in entries.items()}})
-        steps.object(step, STEP_MANIFEST).write_small(manifest.to_bytes(), action="commit the checkpoint at")
-        return Saved(committed=True, sent=sum(entry.size for entry in entries.values()) + len(data),
-                     names=frozenset({content.manifest}))
+        return Stored(content, record, {content.manifest: len(data),
+                                        **{f"{content.folder}/{rel}": entry.size for rel, entry in entries.items()}},
+                      sent=sum(entry.size for entry in entries.values()) + len(data))
 
     # -- reading -------------------------------------------------------------------------------------------
 
@@ -230,11 +239,11 @@ class PyTreeKind:
                                          f"{content.manifest} does not match the sha256 of its manifest")
         return FileSetManifest.from_bytes(data, location.uri).files
 
-    def restore(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path, progress: Progress
-                ) -> Path:
+    def restore(self, context: StepContext, step: int, manifest: StepManifest, workspace: Path,
+                progress: Progress) -> Path:
         """Copy the tree's files into ``workspace`` (replacing same-named entries), each checked against its
         digests before anything lands. :class:`Gone` when a file is missing."""
-        steps, content = parts.steps, content_of(manifest, PyTreeFiles)
+        steps, content = context.steps, content_of(manifest, PyTreeFiles)
         try:
             listed = self.files(steps, step, manifest)
         except FileNotFoundError:
@@ -250,12 +259,13 @@ class PyTreeKind:
                     del done
             return DirectoryPayload.publish(staging, workspace)
 
-    def restore_in_place(self, parts: Parts, step: int, manifest: StepManifest, progress: Progress) -> Path | None:
+    def restore_in_place(self, context: StepContext, step: int, manifest: StepManifest, progress: Progress
+                         ) -> Path | None:
         """The tree's folder in the step's own folder, for Orbax to read without a copy, once every file its list
         names has been read against its size and digests there (on :data:`WORKERS` threads, each through an open
         fd; the errors and messages of :meth:`restore`). None off local disk, and when the folder holds a file the
         list does not name: a restore's copy leaves such a file out, and so must what Orbax reads."""
-        steps, content = parts.steps, content_of(manifest, PyTreeFiles)
+        steps, content = context.steps, content_of(manifest, PyTreeFiles)
         tree = steps.object(step, content.folder)
         if not tree.is_local:
             return None
@@ -317,8 +327,8 @@ class PyTreeKind:
             f"{entry.hash_name} of its manifest{where} (recorded size {entry.size}). Restore an older step "
             "(fallback=True), or save it again.")
 
-    def verify(self, parts: Parts, step: int, manifest: StepManifest, progress: object) -> Checked:
-        steps, content = parts.steps, content_of(manifest, PyTreeFiles)
+    def verify(self, context: StepContext, step: int, manifest: StepManifest, progress: object) -> Checked:
+        steps, content = context.steps, content_of(manifest, PyTreeFiles)
         listed = self.files(steps, step, manifest)
         for rel, entry in sorted(listed.items()):
             name = f"{content.folder}/{rel}"
@@ -358,8 +368,8 @@ class PyTreeKind:
         best_effort(steps.object(step, content.manifest).remove)
         return {content.manifest}
 
-    def describe(self, parts: Parts, step: int, manifest: StepManifest) -> Described:
-        listed = self.files(parts.steps, step, manifest)
+    def describe(self, context: StepContext, step: int, manifest: StepManifest) -> Described:
+        listed = self.files(context.steps, step, manifest)
         return Described(payload=content_of(manifest, PyTreeFiles).manifest, details={
             "size": sum(entry.size for entry in listed.values()), "payload_size": manifest.record.size,
             "files": len(listed)})

@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from taskpoint import preemption
 
@@ -23,7 +24,12 @@ class SaveOnPreemption(Callback):
     checkpoint of that step through the trainer, wait for its commit, and exit with status 143.
 
     The handler is :func:`taskpoint.preemption.install`, put in place at ``setup``; Lightning's own SIGTERM
-    handler, installed after it, chains it (and would on its own end the fit at the epoch's end with status 0).
+    handler, installed after it as the fit starts, chains it. Lightning's handler marks the trainer
+    (``trainer.received_sigterm``), and its loops end the fit with a ``SIGTERMException`` (a ``SystemExit`` of
+    status 0) at their next check: after each batch's hooks, the epoch's, and a validation batch's. A SIGTERM that
+    lands after this callback's hook of the batch (in a ``ModelCheckpoint`` save that runs after it, say) reaches
+    Lightning's check first: :meth:`on_exception`, where Lightning hands its ``SIGTERMException`` to the callbacks,
+    saves the step there and sets the exception's status to 143.
     The checkpoint is ``last.ckpt`` in the folder of the trainer's ``ModelCheckpoint`` (its ``dirpath``, resolved
     by Lightning at setup), where ``trainer.fit(ckpt_path="last")`` finds it (with checkpointing disabled it goes
     to ``default_root_dir/checkpoints/last.ckpt``, which ``"last"`` does not search: pass that path);
@@ -74,10 +80,23 @@ class SaveOnPreemption(Callback):
         # A notice after the epoch's last batch end: Lightning would end the fit right after this hook, exit 0.
         self._stop_if_preempted(trainer)
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning's SIGTERMException, raised at its check after this callback's hook had passed: the step is
+        # trained and the loops' counters say so (Lightning resumes a checkpoint taken here as one taken at the
+        # batch's or the epoch's end). Lightning tears the fit down and re-raises it after this hook: with status
+        # 143 it ends the process as this callback's own SystemExit does.
+        if isinstance(exception, SIGTERMException) and trainer.state.fn == "fit" and self._save_if_preempted(trainer):
+            exception.code = self.exit_status
+
     def _stop_if_preempted(self, trainer: pl.Trainer) -> None:
+        if self._save_if_preempted(trainer):
+            raise SystemExit(self.exit_status)
+
+    def _save_if_preempted(self, trainer: pl.Trainer) -> bool:
+        """If a rank saw the notice: save, wait for the commit on every rank, log it, and say so."""
         noticed = preemption.notice() is not None
         if not trainer.strategy.reduce_boolean_decision(noticed, all=False):
-            return
+            return False
         path = self.target(trainer)
         notice = preemption.notice()
         with preemption.emergency():
@@ -86,7 +105,7 @@ class SaveOnPreemption(Callback):
             trainer.strategy.barrier("taskpoint.lightning.SaveOnPreemption")
         preemption.ending("taskpoint: preempted (%s): saved step %d to %s; exiting with status %d",
                           notice.name if notice else "another rank", trainer.global_step, path, self.exit_status)
-        raise SystemExit(self.exit_status)
+        return True
 
 
 def _wait_for_commit(trainer: pl.Trainer) -> None:

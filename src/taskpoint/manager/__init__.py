@@ -1,6 +1,7 @@
 """The manager layer: numbered steps in one directory, each committed by a manifest written last.
 
-Owns: :class:`CheckpointManager` (the orchestrator), the step layout (``step_names``) and sweeping of
+Owns: :class:`CheckpointManager` (a facade over its read and write sides, ``queries`` and ``writes``, made of its
+option values, ``options``, by ``assembly``), the step layout (``step_names``) and sweeping of
 leftovers (``steps``), retention as a policy (``retention``, with :class:`KeepBest`), the steps it never deletes
 (``protect``), when to save (``schedule``), verified restores (``restore``), background saves with snapshots
 (``background``) and the process they upload from (``saver``), steps saved by several ranks and rank 0's
@@ -19,9 +20,11 @@ from .attempts import set_attempt_source
 from .inventory import StepSummary
 from .kinds import StepKind, register_step_kind
 from .manager import CheckpointManager
+from .options import BackgroundSaves, Retention, Schedule, Shards, Tier
 from .retention import KeepBest
 from .step_names import MANIFEST_NAME, STEP_FOLDER
 from .verify import StepDescription, StepVerification, Verification
 
-__all__ = ["MANIFEST_NAME", "STEP_FOLDER", "CheckpointManager", "KeepBest", "StepDescription", "StepKind",
-           "StepSummary", "StepVerification", "Verification", "check_step", "register_step_kind", "set_attempt_source"]
+__all__ = ["MANIFEST_NAME", "STEP_FOLDER", "BackgroundSaves", "CheckpointManager", "KeepBest", "Retention", "Schedule",
+           "Shards", "StepDescription", "StepKind", "StepSummary", "StepVerification", "Tier", "Verification",
+           "check_step", "register_step_kind", "set_attempt_source"]

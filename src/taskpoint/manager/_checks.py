@@ -7,6 +7,8 @@ import math
 import operator
 from typing import Any
 
+from ..storage import normalize_uri
+
 
 def positive_or_none(value: int | None, name: str) -> int | None:
     if value is None:
@@ -65,3 +67,11 @@ def same_json(a: Any, b: Any) -> bool:
     if isinstance(a, list):
         return len(a) == len(b) and all(same_json(x, y) for x, y in zip(a, b, strict=True))
     return bool(a == b)
+
+
+def check_directory(directory: Any) -> str:
+    """The manager's directory as a URI: a path or URI, without a trailing slash (a bare ``scheme://`` kept)."""
+    uri = normalize_uri(directory, "directory").strip()
+    if not uri:
+        raise ValueError("directory must be a URI or path, got an empty string")
+    return uri if uri.endswith("://") else uri.rstrip("/") or "/"

@@ -41,7 +41,7 @@ from ..format.records import StepManifest
 from ..storage import Location
 from .agreement import initialized_group
 from .in_use import InUse
-from .kinds import Gone, Parts, StepKind
+from .kinds import Gone, StepContext, StepKind
 from .steps import StepStore
 
 #: Bytes of one ranged read and of one broadcast: a rank holds one such buffer for the exchange, and each
@@ -71,7 +71,7 @@ class Exchange:
         self._device = self._torch.device("cuda", self._torch.cuda.current_device()) \
             if dist.get_backend() == "nccl" else self._torch.device("cpu")
         self._folder: tempfile.TemporaryDirectory[str] | None = None
-        self._copies: dict[tuple[int, str], Parts] = {}  # by step and save id: a second read of it is local
+        self._copies: dict[tuple[int, str], StepContext] = {}  # by step and save id: a second read of it is local
 
     def close(self) -> None:
         """Remove the local copies of the steps read."""
@@ -81,7 +81,7 @@ class Exchange:
 
     # -- the step, read once among the ranks ---------------------------------------------------------------
 
-    def mirror(self, parts: Parts, kind: StepKind, step: int, manifest: StepManifest) -> Parts:
+    def mirror(self, parts: StepContext, kind: StepKind, step: int, manifest: StepManifest) -> StepContext:
         """``parts`` whose step store reads ``step`` from a local copy of the objects its kind restores, each
         read from the store by one rank and sent to the others (see the module); ``parts`` itself when the ranks
         share no object (each rank's own shard) or the step's are not all in its folder (a deduplicated step's
@@ -249,7 +249,7 @@ class _Copy(StepStore):
         return self._of.directory
 
 
-def _wanted(parts: Parts, kind: StepKind, step: int, manifest: StepManifest) -> dict[str, int] | None:
+def _wanted(parts: StepContext, kind: StepKind, step: int, manifest: StepManifest) -> dict[str, int] | None:
     """The objects of ``step``'s folder (name: size) this rank's restore of it reads: what the kind's ``reads``
     says (a sharded step: this rank's shard), else every object the step names; None when it names chunks of the
     chunk store too. A size the manifest lacks is asked of the store."""

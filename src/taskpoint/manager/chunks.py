@@ -36,7 +36,9 @@ from ..format.archive import walk_source
 from ..format.codecs import Codec, get_codec
 from ..format.records import TreeEntry
 from ..payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, FilePayload, Payload
-from ..storage import Deadline, Location, VersionConflict, modified_time
+from ..storage import Deadline, Location
+from ..storage.backends import modified_time
+from ..storage.streams import VersionConflict
 from .leases import alive, lease_body
 
 CHUNK_FOLDER = "chunks"

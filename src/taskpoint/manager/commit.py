@@ -1,4 +1,5 @@
-"""Writing one step: its kind stores it and writes the manifest that commits it; then retention and tidying.
+"""Writing one step: its kind stores it, the commit checks what it stored and writes the manifest
+(:mod:`.step_commit`); then retention and tidying.
 
 The writer knows no kind: a payload goes to the first of the manager's kinds that accepts it (several ranks:
 ``sharded``; ``dedup=True``: ``chunked``; else ``payload``), and the content of a step whose objects another
@@ -20,8 +21,10 @@ from ..format.records import StepContent
 from ..payloads import Payload, payload_for
 from .background import Handover
 from .in_use import InUse
-from .kinds import Parts, SaveJob, StepKind, StepKinds, commits_exclusively
+from .kinds import SaveJob, StepContext, StepKind, StepKinds, commits_exclusively, store
 from .protect import Guard, overwrite_lease
+from .shards import naming_rank
+from .step_commit import commit
 from .steps import best_effort
 
 
@@ -40,7 +43,7 @@ class Claim:
 class StepWriter:
     """Writes the steps of one manager, each through its kind, and applies retention after each commit."""
 
-    def __init__(self, parts: Parts, in_use: InUse, guard: Guard, kinds: StepKinds, savers: Sequence[StepKind]
+    def __init__(self, parts: StepContext, in_use: InUse, guard: Guard, kinds: StepKinds, savers: Sequence[StepKind]
                  ) -> None:
         self._parts, self._in_use, self._guard, self._kinds = parts, in_use, guard, kinds
         self._savers = tuple(savers)
@@ -77,28 +80,32 @@ class StepWriter:
     def write(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: set[str] | None,
               data: Payload | StepContent, saver: Handover | None = None, *, clock: _log.Clock,
               progress: Progress = NO_PROGRESS, overwrites: bool = False, exclusive: bool = False) -> TransferStats:
-        """Save ``data`` as ``step`` through its kind, which commits it with the manifest; then tidy up (the
-        objects of the ``replaced`` step its new manifest does not name, retention, leftovers). Returns the
-        save's figures (``CheckpointManager.last_save``). ``progress`` counts the upload; its callback is told
-        the last count once the step is committed. ``overwrites``: ``step`` is committed already, and other
-        processes keep it while this save is in flight (:func:`~.protect.overwrite_lease`; with several ranks,
-        rank 0's own commit lease does). ``exclusive``: see :attr:`SaveJob.exclusive`."""
+        """Save ``data`` as ``step``: its kind stores it, and the step is committed (by rank 0, with several
+        ranks); then tidy up (the objects of the ``replaced`` step its new manifest does not name, retention,
+        leftovers). Returns the save's figures (``CheckpointManager.last_save``). ``progress`` counts the
+        upload; its callback is told the last count once the step is committed. ``overwrites``: ``step`` is
+        committed already, and other processes keep it while this save is in flight
+        (:func:`~.protect.overwrite_lease`; with several ranks, rank 0's own commit lease does). ``exclusive``:
+        see :attr:`SaveJob.exclusive`."""
         self.last_step = step
         kind = self.kind_for(data)
-        held = (overwrite_lease(self._parts.steps, step, self._parts.grace)
-                if overwrites and not self._parts.plan.ranks.distributed else contextlib.nullcontext())
-        with progress, held:
-            saved = kind.save(self._parts, SaveJob(step, metadata, attempt, data, saver, progress,
-                                                       exclusive))
-        if saved.committed:
-            steps = self._parts.steps
+        steps, ranks = self._parts.steps, self._parts.plan.ranks
+        held = (overwrite_lease(steps, step, self._parts.grace)
+                if overwrites and not ranks.distributed else contextlib.nullcontext())
+        with progress, held, contextlib.ExitStack() as until_committed:
+            stored = store(kind, self._parts, SaveJob(step, metadata, attempt, data, saver, progress,
+                                                      until_committed, exclusive))
+            if stored.content is not None:
+                with naming_rank(ranks):
+                    commit(steps, step, stored, attempt, metadata, create=exclusive, grace=self._parts.grace)
+        if stored.content is not None:
             steps.committed(step)
             self._guard.committed(step, metadata)
             if replaced and not self._in_use.is_restoring(step):
-                for name in replaced - saved.names:
+                for name in replaced - stored.objects.keys():
                     best_effort(steps.object(step, name).remove)
             self.tidy()
-        return _log.transferred("save", self._parts.steps.step_uri(step), data.kind, saved.sent, clock, step)
+        return _log.transferred("save", steps.step_uri(step), data.kind, stored.sent, clock, step)
 
     def tidy(self) -> None:
         """After a commit: apply retention and remove old leftovers. Never fails the save that committed."""

@@ -9,7 +9,7 @@ from typing import Any
 from ..errors import CheckpointCorruptError
 from ..format.records import StepManifest
 from .chunks import CHUNK_FOLDER
-from .kinds import Parts, StepKinds
+from .kinds import StepContext, StepKinds
 from .step_names import MANIFEST_NAME, RESTORE_LEASE, STEP_FOLDER
 
 #: The fields of a kind's description that a summary carries, as counts.
@@ -38,7 +38,7 @@ class StepSummary:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
-def inventory(parts: Parts, kinds: StepKinds) -> list[StepSummary]:
+def inventory(parts: StepContext, kinds: StepKinds) -> list[StepSummary]:
     """Every ``ckpt-N`` folder of the directory, oldest first, from one recursive listing."""
     steps = parts.steps
     root = steps.root.path.rstrip("/")
@@ -57,7 +57,7 @@ def inventory(parts: Parts, kinds: StepKinds) -> list[StepSummary]:
     return [_summary(parts, kinds, step, folder, stored_chunks) for step, folder in sorted(sizes.items())]
 
 
-def _summary(parts: Parts, kinds: StepKinds, step: int, names: dict[str, int], stored_chunks: set[str]
+def _summary(parts: StepContext, kinds: StepKinds, step: int, names: dict[str, int], stored_chunks: set[str]
              ) -> StepSummary:
     steps = parts.steps
     leases = sorted(n for n in names if RESTORE_LEASE.fullmatch(n))
@@ -74,7 +74,7 @@ def _summary(parts: Parts, kinds: StepKinds, step: int, names: dict[str, int], s
     return _committed(parts, kinds, base, manifest, names, stored_chunks)
 
 
-def _committed(parts: Parts, kinds: StepKinds, base: StepSummary, manifest: StepManifest, names: dict[str, int],
+def _committed(parts: StepContext, kinds: StepKinds, base: StepSummary, manifest: StepManifest, names: dict[str, int],
                stored_chunks: set[str]) -> StepSummary:
     """A committed step's summary: what its manifest and its kind say, and whether every object it names is
     listed at its size (every chunk present)."""

@@ -1,205 +1,82 @@
-"""CheckpointManager: numbered steps in one directory, each committed by a manifest written last.
-
-The manager orchestrates; the parts live beside it: :mod:`.step_names` (the layout), :mod:`.steps` (manifests,
-listing, sweeping), :mod:`.retention` (which steps to keep), :mod:`.restore` (verified reads that follow
-concurrent writers), :mod:`.background` and :mod:`.saver` (background saves and their process), :mod:`.in_use`
-(steps being restored or deleted in this process), :mod:`.shards` (steps saved by several ranks, committed by
-rank 0).
-
-Every save writes its payload under a name of its own and the manifest names the payload it commits, so two
-writers of the same step never mix their data: the last manifest wins, and it names one writer's complete
-payload.
-"""
+"""CheckpointManager: numbered steps in one directory, each committed by a manifest written last. A facade: its
+option values make its parts (:mod:`.options`, :mod:`.assembly`), and the bodies of its methods are those of its
+write side (:mod:`.writes`: save, commit, delete, gc) and of its read side (:mod:`.queries`: reads, restores)."""
 
 from __future__ import annotations
 
-import datetime
-import functools
+import contextlib
+import io
 import os
-import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from fsspec.callbacks import Callback
 
-from .. import _log, _progress, preemption
 from .._log import TransferStats
-from ..format.codecs import Codec, step_codec
-from ..format.index import normalize_paths
 from ..format.records import StepContent
-from ..payloads import Payload
-from ..storage import LEFTOVER_GRACE_SECONDS, Location, RetryPolicy, normalize_uri
-from ._checks import check_grace, check_metadata, check_step
-from .agreement import AGREEMENT_FOLDER, Agreement
-from .attempts import running_attempt
-from .background import Background, Handover
-from .chunks import ChunkStore
-from .commit import StepWriter
-from .dedup import Dedup
-from .emergency import PreemptionPolicy
-from .in_use import InUse
-from .kinds import KINDS, Parts
-from .kinds.chunked import CHUNKED
-from .kinds.payload import PAYLOAD
-from .kinds.sharded import SHARDED
-from .protect import Guard
-from .queries import StepQueries, _in_thread
-from .rebuild import Rebuilder
-from .restore import StepReader, candidates
-from .retention import KeepBest, KeepPolicy
-from .schedule import SaveSchedule
-from .shards import DEFAULT_COMMIT_TIMEOUT, RankPlan, await_commit, save_round
-from .steps import StepStore
-from .tiers import LocalTier
+from ..storage import RetryPolicy
+from ..storage.backends import LEFTOVER_GRACE_SECONDS
+from ._checks import check_directory, check_step
+from .assembly import assemble
+from .inventory import StepSummary
+from .options import BackgroundSaves, Options, Retention, Schedule, Shards, Tier
+from .queries import _in_thread
+from .verify import StepDescription, Verification
 
 
-class CheckpointManager(StepQueries):
+class CheckpointManager:
     """Numbered checkpoints ("steps") in one directory, with commits, checksums, retention and metadata.
 
-    ``directory`` is any fsspec URL or local path. ``save`` accepts what :meth:`Checkpoint.save
-    <taskpoint.Checkpoint.save>` accepts (bytes-like data, or a path naming a file or directory). A step is
-    visible to :meth:`steps`, :meth:`latest_step` and :meth:`restore` only once its manifest is written,
-    after the payload; :meth:`restore` verifies the sha256 recorded there while it streams.
-
-    The blocking methods carry the plain names; each has an async twin named ``<name>_async`` (as
-    :meth:`Checkpoint.prev_exists_async <taskpoint.Checkpoint.prev_exists_async>`) that runs it in a worker
-    thread, and the manager is both a context manager and an async context manager.
+    ``directory`` is any fsspec URL or local path, created on first save. ``save`` takes what :meth:`Checkpoint.save
+    <taskpoint.Checkpoint.save>` takes (bytes-like data, or a path naming a file or directory). A step is seen by
+    :meth:`steps` and :meth:`restore` once its manifest is written, after the payload; :meth:`restore` verifies the
+    sha256 recorded there. Each blocking method has an async twin, ``<name>_async``, run in a worker thread; the
+    manager is a context manager and an async one. What to keep, when to save, how to save in the background, with
+    which ranks and through which local tier are option values: ``retention=``:class:`~taskpoint.Retention`,
+    ``schedule=``:class:`~taskpoint.Schedule`, ``background=``:class:`~taskpoint.BackgroundSaves`,
+    ``shards=``:class:`~taskpoint.Shards`, ``tier=``:class:`~taskpoint.Tier`. Their fields are keywords too
+    (``keep=3`` is ``retention=Retention(keep=3)``), but not beside the value that holds them (TypeError).
 
     Args:
-        directory: where the steps live; created on first save.
-        keep: keep the ``keep`` newest committed steps and delete older ones after each save; None (the
-            default) keeps everything.
-        keep_every: also keep every step divisible by ``keep_every`` (with ``keep`` or ``keep_best``).
-        keep_best: a :class:`~taskpoint.KeepBest`: also keep the ``k`` steps with the best value of a metric of
-            their metadata; without ``keep``, only those (as Lightning's ``save_top_k``). Retention never deletes
-            a protected step (the newest that verifies, the one this manager restored from, one being restored
-            or committed elsewhere): see docs/manager.md, "What to keep".
-        save_interval_steps: :meth:`should_save` is True on every step divisible by it.
-        save_interval: :meth:`should_save` is True on the first step at or after each interval (a
-            ``datetime.timedelta`` or seconds) since this manager's last save, measured on a monotonic clock.
         storage_options: passed to fsspec (credentials, endpoint_url, ...).
-        codec: ``"gzip"``, ``"zstd"`` or ``"none"``: the archive codec of directories (None: gzip, whose 4 MiB
-            members that do not compress, such as weights, are stored: docs/performance.md), and the codec of
-            each chunk of deduplicated steps (None: zstd).
+        codec: ``"gzip"``, ``"zstd"`` or ``"none"``: the archive codec of directories (None: gzip, its 4 MiB members
+            that do not compress, such as weights, stored: docs/performance.md) and of chunks (None: zstd).
         level: compression level for the codec; None picks a fast default.
-        async_save: when True, :meth:`save` returns once the data is snapshotted or staged (and handed to the save
-            process, started with the manager, which then commits it even if this process dies) and uploads in the
-            background (``save(..., blocking=...)`` overrides it per call).
         retry: how storage failures are retried; see :class:`~taskpoint.RetryPolicy`.
-        grace_seconds: age after which an object that no manifest names (left by a killed or superseded
-            save) is removed by later saves and :meth:`gc`. It must exceed the time between a payload's
-            upload and its manifest; 0 removes leftovers at once and is safe only with a single writer.
-        snapshot_dir: where background saves copy files and directories before uploading them (the
-            system temp folder by default). The copy needs as much space as the data; on the source's
-            filesystem it is fastest (in-kernel, or reflinked where the filesystem supports it).
-        background_process: background saves to local disk and object stores write the snapshot from a
-            helper process (True, the default) so they never hold this process's GIL; False writes it
-            from a thread of this process. ``memory://`` and payloads that cannot be pickled always use
-            a thread. Blocking saves always run in the caller's thread.
-        max_staging_bytes: the shared memory that background saves of torch state dicts (staged there for the save
-            process) may hold at once; None: half the memory available (a larger state is saved blocking).
-        preemption: install the preemption handlers (from the main thread; ``SIGTERM`` by default) and react
-            to notices: :meth:`reached_preemption`, and the emergency save of ``on_preemption``. False opts out.
-        on_preemption: a function returning the state to save when a notice arrives: the next :meth:`save`
-            (or :meth:`checkpoint_if_preempted`) finishes the save in flight, saves that state as the next step,
-            waits for its commit and raises :class:`~taskpoint.Preempted`. See docs/manager.md, "Preemption".
-        dedup: save bytes, files and directories as deduplicated steps: files cut into chunks, each stored
-            once in the directory's chunk store and uploaded only when the store lacks it; :meth:`gc` removes
-            the chunks no step names. Background saves then upload from a thread of this process.
-        rank: this process's rank among ``world_size`` ranks that save each step together, each its own shard
-            (default: from ``$TASKPOINT_RANK``, torchrun's ``RANK`` or Slurm's ``SLURM_PROCID``; else 0).
-        world_size: how many ranks save each step (default: from ``$TASKPOINT_WORLD_SIZE``, ``WORLD_SIZE`` or
-            ``SLURM_NTASKS``; else 1). Rank 0 commits a step once every rank's shard is stored (waiting up to
-            ``commit_timeout`` seconds, then raising :class:`~taskpoint.StepAbandonedError`); other ranks'
-            saves return once their shard is recorded. ``restore`` returns this rank's shard. See docs/manager.md.
-        local_dir: a local path (the node's NVMe or RAM disk) for a local tier: each step is committed there
-            first, and every ``remote_every``-th step is then promoted to ``directory`` in the background,
-            checked against its local manifest. ``local_keep``: how many local steps to keep. Reads see both
-            tiers (``steps(tier=...)``). With several ranks each rank's local tier holds its own shard, and every
-            rank calls ``restore`` together; see docs/manager.md, "A local tier".
+        grace_seconds: age after which an object that no manifest names (left by a killed or superseded save) is
+            removed by later saves and :meth:`gc`. It must exceed the time between a payload's upload and its
+            manifest; 0 removes leftovers at once and is safe only with a single writer.
+        dedup: save bytes, files and directories as deduplicated steps: files cut into chunks, each stored once in
+            the directory's chunk store and uploaded only when the store lacks it; :meth:`gc` removes the chunks
+            no step names. Background saves then upload from a thread of this process.
+        preemption: install the preemption handlers (from the main thread; ``SIGTERM`` by default) and react to
+            notices: :meth:`reached_preemption`, and the emergency save of ``on_preemption``. False opts out.
+        on_preemption: a function returning the state to save when a notice arrives: the next :meth:`save` (or
+            :meth:`checkpoint_if_preempted`) finishes the save in flight, saves that state as the next step, waits
+            for its commit and raises :class:`~taskpoint.Preempted`. See docs/manager.md, "Preemption".
     """
 
-    def __init__(
-        self,
-        directory: str | os.PathLike[str],
-        *,
-        keep: int | None = None,
-        keep_every: int | None = None,
-        keep_best: KeepBest | None = None,
-        save_interval_steps: int | None = None,
-        save_interval: float | datetime.timedelta | None = None,
-        storage_options: dict[str, Any] | None = None,
-        codec: str | None = None,
-        level: int | None = None,
-        async_save: bool = False,
-        retry: RetryPolicy | None = None,
-        grace_seconds: float = LEFTOVER_GRACE_SECONDS,
-        snapshot_dir: str | os.PathLike[str] | None = None,
-        background_process: bool = True,
-        preemption: bool = True,
-        on_preemption: Callable[[], Any] | None = None,
-        dedup: bool = False,
-        rank: int | None = None,
-        world_size: int | None = None,
-        commit_timeout: float = DEFAULT_COMMIT_TIMEOUT,
-        local_dir: str | os.PathLike[str] | None = None,
-        local_keep: int = 2,
-        remote_every: int = 1,
-        max_staging_bytes: int | None = None,
-    ) -> None:
-        uri = normalize_uri(directory, "directory").strip()
-        if not uri:
-            raise ValueError("directory must be a URI or path, got an empty string")
-        if not uri.endswith("://"):
-            uri = uri.rstrip("/") or "/"
-        if storage_options is not None and not isinstance(storage_options, dict):
-            raise TypeError(f"storage_options must be a dict, not {type(storage_options).__name__}")
-        self._retention = KeepPolicy(keep, keep_every, keep_best)
-        self._schedule = SaveSchedule(save_interval_steps, save_interval)
-        self._grace = check_grace(grace_seconds)
-        self._plan = RankPlan.from_args(rank, world_size, commit_timeout, self._grace, bool(dedup))
-        snapshots = None if snapshot_dir is None else os.fspath(normalize_uri(snapshot_dir, "snapshot_dir"))
-        if level is not None and (not isinstance(level, int) or isinstance(level, bool)):
-            raise TypeError(f"level must be an int or None, not {type(level).__name__}")
-        self._codec: Codec = step_codec(codec)
-        self._level = level
-        self._async_save = bool(async_save)
-        root = Location(uri, storage_options, retry)
-        self._throttles = root.throttles
-        self._in_use = InUse((str(root.fs.protocol), root.path))
-        self._steps = StepStore(root, self._in_use, KINDS)
-        chunks = ChunkStore(root, "zstd" if codec is None else codec, level)
-        self._dedup = Dedup(self._steps, chunks, self._grace)
-        agreement = Agreement(self._plan.ranks, self._plan.commit_timeout, root.child(AGREEMENT_FOLDER),
-                              lambda: save_round(running_attempt()), lambda: self.restored_step)
-        self._parts = Parts(self._steps, self._codec, level, self._grace, self._plan,
-                            Rebuilder(self._steps, chunks, self._dedup.workers), self._dedup if dedup else None,
-                            agreement.while_committing)
-        self._reader = StepReader(self._parts, self._in_use, KINDS)
-        self._guard = Guard(self._steps, self._in_use, self._retention, self._grace)
-        self._lock = threading.RLock()  # save, delete, gc, close and wait_until_finished, one at a time
-        #: The step the last successful :meth:`restore` returned (useful with ``fallback=True``).
-        self.restored_step: int | None = None
-        #: The figures of the last save that committed (bytes, seconds blocked and in all, MB/s); None before.
-        self.last_save: TransferStats | None = None
-        self._closed = False
-        self._background = Background(uri, snapshots, bool(background_process) and root.backend.shared,
-                                      max_staging_bytes=max_staging_bytes, prestart=self._async_save)
-        # The kinds a payload is saved as, the first that accepts it: several ranks, dedup=True, else one object.
-        self._writer = StepWriter(self._parts, self._in_use, self._guard, KINDS, (SHARDED, CHUNKED, PAYLOAD))
-        self._preemption = PreemptionPolicy(preemption, on_preemption, agreement)
-        self._tier = None if local_dir is None else LocalTier.open(type(self), local_dir, local_keep, remote_every, {
-            "codec": codec, "level": level, "retry": retry, "grace_seconds": grace_seconds, "dedup": dedup,
-            "snapshot_dir": snapshot_dir, "background_process": background_process,
-        }, (self._parts, self._writer, self._background, self._guard.committed))
-        weakref.finalize(self, self._background.slot.report_unclaimed, uri)
-
-    # -- properties and lifecycle --------------------------------------------------------------------------
+    def __init__(self, directory: str | os.PathLike[str], *, retention: Retention | None = None,
+                 schedule: Schedule | None = None, background: BackgroundSaves | None = None,
+                 shards: Shards | None = None, tier: Tier | None = None, storage_options: dict[str, Any] | None = None,
+                 codec: str | None = None, level: int | None = None, retry: RetryPolicy | None = None,
+                 grace_seconds: float = LEFTOVER_GRACE_SECONDS, dedup: bool = False, preemption: bool = True,
+                 on_preemption: Callable[[], Any] | None = None, **older: Any) -> None:
+        self._options = Options.gather({"retention": retention, "schedule": schedule, "background": background,
+                                        "shards": shards, "tier": tier}, older)
+        built = assemble(check_directory(directory), self._options, storage_options=storage_options, codec=codec,
+                         level=level, retry=retry, grace_seconds=grace_seconds, dedup=dedup, preemption=preemption,
+                         on_preemption=on_preemption,
+                         open_local=lambda at, **kw: (m := type(self)(at, **kw), m._steps, m._queries.reader))
+        self._steps, self._parts, self._dedup, self._tier = built.steps, built.parts, built.dedup, built.tier
+        self._background, self._queries, self._writes = built.background, built.queries, built.writes
+        weakref.finalize(self, self._background.slot.report_unclaimed, self._steps.directory)
 
     def __repr__(self) -> str:
-        policy, best = self._retention, "" if self._retention.best is None else f", keep_best={self._retention.best!r}"
+        policy = self._options.retention
+        best = "" if policy.keep_best is None else f", keep_best={policy.keep_best!r}"
         return f"CheckpointManager({self.directory!r}, keep={policy.keep}, keep_every={policy.keep_every}{best})"
 
     def __enter__(self) -> CheckpointManager:
@@ -214,33 +91,52 @@ class CheckpointManager(StepQueries):
     async def __aexit__(self, *exc: object) -> None:
         await self.close_async()
 
+    @property
+    def restored_step(self) -> int | None:
+        """The step the last successful :meth:`restore` returned (useful with ``fallback=True``)."""
+        return self._queries.restored_step
+
+    @property
+    def last_save(self) -> TransferStats | None:
+        """The figures of the last save that committed (bytes, seconds blocked and in all, MB/s); None before."""
+        return self._writes.last_save
+
+    @property
+    def directory(self) -> str:
+        """The URI of the directory that holds the steps."""
+        return self._steps.directory
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """The storage options the manager was given (passed to fsspec)."""
+        return self._steps.root.storage_options
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """How the manager retries storage failures."""
+        return self._steps.root.retry
+
+    @property
+    def rank(self) -> int:
+        """This manager's rank (0 with one rank)."""
+        return self._parts.plan.ranks.rank
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks save each step together (1 by default)."""
+        return self._parts.plan.ranks.world_size
+
     def close(self) -> None:
         """Wait for a background save, delete the restore workspace, and raise a background error if any.
 
         Safe to call twice. Paths returned by :meth:`restore` without ``into`` are gone afterwards.
         """
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._preemption.agreement.close()
-            try:
-                self._background.settle(wait=True)
-            finally:
-                self._reader.close()
-                self._background.close()
-                if self._tier is not None:
-                    self._tier.close()
+        self._writes.close()
 
     def wait_until_finished(self) -> None:
         """Block until the background save (if any) and the promotion in flight have committed; raise an error
         either met."""
-        with self._lock:
-            self._background.settle(wait=True)
-            if self._tier is not None:
-                self._tier.settle()
-
-    # -- save ----------------------------------------------------------------------------------------------
+        self._writes.wait_until_finished()
 
     def save(self, data: Any, step: int, *, metadata: dict[str, Any] | None = None, overwrite: bool = False,
              blocking: bool | None = None, progress: bool | Callback | None = None) -> str:
@@ -257,70 +153,31 @@ class CheckpointManager(StepQueries):
         doing anything else. ``progress``: as for :meth:`Checkpoint.save_sync <taskpoint.Checkpoint.save_sync>`
         (a background save shows no bar unless True).
         """
-        clock, began = _log.Clock(self._throttles), self._schedule.now()
-        step = check_step(step)
-        record_metadata = check_metadata(metadata)
-        attempt = running_attempt()
-        background = self._async_save if blocking is None else not blocking
-        tracker = _progress.resolve(progress, f"save step {step}", background=background)
-        self.checkpoint_if_preempted(step=step)  # a safe point: with on_preemption, a notice ends the attempt
-        with self._lock:
-            self._check_open()
-            if not (self._preemption.saving and self._tier is not None and self._tier.promoting):
-                self._background.settle(wait=True)  # (the emergency save does not wait past the grace's share)
-            if self._tier is not None and not self._preemption.saving:  # local, then promoted (an emergency: remote)
-                uri = self._tier.save(data, step, metadata, overwrite=overwrite, background=background,
-                                      progress=progress)
-                self._schedule.saved(step, began)
-                return uri
-            claim = self._writer.claim(step, data, overwrite=overwrite, background=background)
-            payload = claim.payload
-            job = functools.partial(self._write_step, step, record_metadata, attempt, claim.replaced, clock=clock,
-                                    progress=tracker, overwrites=claim.exists, exclusive=claim.exclusive)
-            if not background:
-                job(payload)
-            else:
-                self._background.start(step, payload, job, self._writer.kind_for(payload))
-            self._schedule.saved(step, began)
-        clock.release()  # a background save's record, at its commit, counts the caller's wait until here
-        return self._steps.step_uri(step)
+        return self._writes.save(data, step, metadata=metadata, overwrite=overwrite, blocking=blocking,
+                                 progress=progress)
 
     def commit(self, step: int, content: StepContent, *, metadata: dict[str, Any] | None = None) -> str:
         """Commit ``step`` whose objects another writer stored in :meth:`step_uri`'s folder, as ``content``
         describes them (a step kind's content, e.g. ``taskpoint.torch``'s file set): its kind checks that they
         are stored and writes the manifest; then retention applies. Returns the step's URI."""
-        record_metadata = check_metadata(metadata)
-        with self._lock:
-            self._check_open()
-            self._writer.write(check_step(step), record_metadata, running_attempt(), None, content,
-                               clock=_log.Clock(self._throttles))
-        return self._steps.step_uri(step)
+        return self._writes.commit(step, content, metadata=metadata)
 
-    def _write_step(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: set[str] | None,
-                    payload: Payload, saver: Handover | None = None, *, clock: _log.Clock,
-                    progress: _progress.Progress, overwrites: bool, exclusive: bool = False) -> None:
-        self.last_save = self._writer.write(step, metadata, attempt, replaced, payload, saver, clock=clock,
-                                            progress=progress, overwrites=overwrites, exclusive=exclusive)
+    def should_save(self, step: int) -> bool:
+        """Whether the loop should save ``step`` now: True on every ``save_interval_steps``-th step, on the first
+        step at or after each ``save_interval`` since this manager's last save (on a monotonic clock), and
+        whenever a preemption notice is pending; False for a step at or before the newest this manager saved or
+        restored. No storage request: ``if mgr.should_save(step): mgr.save(state, step)`` costs nothing per step.
+        """
+        return self._writes.should_save(step)
 
-    # -- preemption: the notice, and the emergency save (emergency.py) --------------------------------------
     def reached_preemption(self, step: int | None = None) -> bool:
         """True once a preemption notice arrived; with several ranks, on all at one ``step`` (docs/distributed.md)."""
-        return self._preemption.reached(step, self.latest_step)
+        return self._writes.reached_preemption(step)
 
     def checkpoint_if_preempted(self, state: Callable[[], Any] | None = None, *, step: int | None = None) -> None:
         """After a notice, the emergency save of ``state()`` (default ``on_preemption``; with several ranks at the
         agreed ``step``), then :class:`~taskpoint.Preempted`; without a notice, or either function, nothing."""
-        if self._preemption.due(state, step, self.latest_step):
-            tier, notice = self._tier, preemption.notice()
-            settle = self.wait_until_finished if tier is None or notice is None else functools.partial(
-                tier.settle_within, notice.deadline)
-            agreement = self._preemption.agreement
-            self._preemption.run(settle, lambda: self._plan.next_step(
-                self.latest_step(), self._writer.last_step), lambda data, at, meta: self.save(
-                data, at, metadata=meta, blocking=True), lambda at: await_commit(
-                self._steps, self._plan.ranks.rank, at, self._plan.commit_timeout, agreement.gone), state, step)
-
-    # -- restore -------------------------------------------------------------------------------------------
+        self._writes.checkpoint_if_preempted(state, step=step)
 
     def restore(self, step: int | None = None, into: str | os.PathLike[str] | None = None, *,
                 paths: Iterable[str] | None = None, fallback: bool = False, broadcast: bool = False,
@@ -337,25 +194,80 @@ class CheckpointManager(StepQueries):
         :attr:`restored_step` is the step the last restore returned. ``progress``: as for :meth:`Checkpoint.load_sync
         <taskpoint.Checkpoint.load_sync>`. ``broadcast=True`` (all ranks of a torch.distributed group at once): one
         read of the step among them, each rank verifying what it receives (docs/distributed.md, "One read")."""
-        selected = None if paths is None else normalize_paths(paths)
-        clock, tracker = _log.Clock(self._throttles), _progress.resolve(progress, "restore")
-        target = None if into is None else Path(normalize_uri(into, "into"))
-        self._ready()
-        step = None if step is None else check_step(step)
-        if self._tier is not None:  # the newest step that verifies on either tier, local copies first
-            restored, result = self._tier.restore(step, self._reader, target, fallback=fallback, progress=tracker,
-                                                  paths=selected, clock=clock)
-        else:
-            tried = candidates(self.steps() if step is None or fallback else (), step, fallback)
-            if not tried:
-                raise FileNotFoundError(f"there is no committed checkpoint in {self.directory}")
-            restored, result = self._reader.read_first(tried, target, fallback=fallback, requested=step is not None,
-                                                       clock=clock, progress=tracker, paths=selected,
-                                                       broadcast=broadcast)
-        self._restored(restored)
-        return result
+        return self._queries.restore(step, into, paths=paths, fallback=fallback, broadcast=broadcast,
+                                     progress=progress)
 
-    # -- delete and garbage collection ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def restore_in_place(self, step: int | None = None, *, broadcast: bool = False,
+                         progress: bool | Callback | None = None) -> Iterator[Path]:
+        """:meth:`restore` for reading inside a ``with`` block, without a copy where the step's kind allows it
+        (``taskpoint.jax``'s PyTree steps on local disk): a folder of the step's own, every file checked against
+        its sha256 first, which the block must only read. The step stays held against retention and
+        :meth:`delete` (here, and by a lease elsewhere) until the block exits. Other steps, and steps on an
+        object store or a local tier, are restored into the manager's folder as :meth:`restore` does.
+        ``progress``: as for :meth:`restore` (the bytes checked in place, or those restored). ``broadcast``: as for
+        :meth:`restore`; the ranks' local copy is then read in place, and removed when the block exits."""
+        with self._queries.restore_in_place(step, broadcast=broadcast, progress=progress) as folder:
+            yield folder
+
+    def open(self, step: int, path: str) -> io.BufferedReader:
+        """A read-only binary file (``read``, ``readinto``, ``seek``, ``tell``) of the file ``path`` of ``step``,
+        read on demand: only the compressed members or chunks that hold the bytes asked for are fetched, each
+        verified before its bytes are returned (``torch.load(manager.open(step, "model.pt"))``). A step saved
+        without an index restores that one file into a temporary folder first. KeyError when the step has no such
+        file; FileNotFoundError when there is no such step. Reads fail once the step is deleted. With a local
+        tier: the committed step of the remote tier, else a step the local tier alone holds, from there."""
+        return self._queries.open(step, path)
+
+    def steps(self, tier: str | None = None) -> list[int]:
+        """The committed steps, oldest first. A background save appears once it has committed. With a local
+        tier: the steps on either tier, or those of one (``tier="local"`` or ``"remote"``)."""
+        return self._queries.steps(tier)
+
+    def latest_step(self, tier: str | None = None) -> int | None:
+        """The newest committed step (on ``tier``, as for :meth:`steps`), or None when there is none."""
+        return self._queries.latest_step(tier)
+
+    def step_uri(self, step: int) -> str:
+        """The URI of ``step``'s folder (whether or not it exists)."""
+        return self._steps.step_uri(check_step(step))
+
+    def list_checkpoints(self) -> dict[int, str]:
+        """Each committed step with the URI of its folder, oldest first: Datarax's name for it."""
+        return {step: self._steps.step_uri(step) for step in self.steps()}
+
+    def metadata(self, step: int | None = None) -> dict[str, Any]:
+        """The metadata saved with ``step`` (the newest when None), read without downloading the payload."""
+        return self._queries.metadata(step)
+
+    def best_step(self) -> int | None:
+        """The committed step with the best value of ``keep_best``'s metric (ties: the newer), or None when
+        there is no ``keep_best`` or no committed step has a finite value. Reads each manifest once."""
+        return self._queries.best_step()
+
+    def protected_steps(self) -> dict[int, str]:
+        """The committed steps that retention never deletes (nor :meth:`delete` without ``force``), each with
+        the rule that protects it."""
+        return self._queries.protected_steps()
+
+    def verify(self, step: int | None = None, *, progress: object = None) -> Verification:
+        """Read every byte of ``step`` (every committed step when None) against the checksums of its manifest,
+        keeping nothing; ``progress`` as for :meth:`restore`. With ``step``: its :class:`~taskpoint.StepVerification`
+        is healthy, or CheckpointCorruptError says what is damaged, FileNotFoundError that it does not exist, and
+        CheckpointError that another writer overwrote or deleted it meanwhile. Without: each step's result, damage
+        and changes included; FileNotFoundError when there is no committed step."""
+        return self._queries.verify(step, progress)
+
+    def describe(self, step: int | None = None) -> StepDescription:
+        """What ``step``'s manifest (the newest step's when None) says: its kind, commit record, attempt,
+        metadata and the kind's own details; no payload is read. FileNotFoundError when it does not exist."""
+        return self._queries.describe(step)
+
+    def inventory(self) -> list[StepSummary]:
+        """Every ``ckpt-N`` folder, oldest first, with its state judged from one listing and the manifests
+        (``taskpoint ls``): listed sizes are compared and chunks looked up, no byte of the data is read (that is
+        :meth:`verify`'s)."""
+        return self._queries.inventory()
 
     def delete(self, step: int, *, force: bool = False) -> None:
         """Delete a committed step: its manifest first (so it stops existing at once), then its payload.
@@ -364,15 +276,7 @@ class CheckpointManager(StepQueries):
         commits a newer one, a step another process is restoring or committing) raises CheckpointError naming
         the rule, unless ``force=True``. A step being restored in this process is never deleted. With a local
         tier the step goes from both tiers (the remote copy first, under these rules)."""
-        step = check_step(step)
-        with self._lock:
-            self._check_open()
-            self._background.settle(wait=True)
-            remote = self._tier is None or step in self.steps(tier="remote")
-            if remote:
-                self._guard.delete(step, force=force)
-            if self._tier is not None and not self._tier.delete(step, force=force) and not remote:
-                raise FileNotFoundError(f"step {step} exists on neither tier of {self.directory}")
+        self._writes.delete(step, force=force)
 
     def gc(self, grace_seconds: float | None = None, *, dry_run: bool = False) -> list[str]:
         """Remove leftovers of interrupted or superseded saves older than the grace period, and chunks that no
@@ -383,18 +287,12 @@ class CheckpointManager(StepQueries):
         killed in the middle of an upload). ``grace_seconds`` overrides the manager's for this call; with
         ``dry_run`` nothing is removed, and the URIs that would be are returned.
         """
-        grace = self._grace if grace_seconds is None else check_grace(grace_seconds)
-        with self._lock:
-            self._check_open()
-            self._background.settle(wait=True)
-            folders = self._steps.scan()
-            return (self._steps.sweep(folders, grace, dry_run=dry_run)
-                    + self._steps.sweep_uploads(grace, dry_run=dry_run)
-                    + self._dedup.sweep_chunks(grace, dry_run=dry_run)
-                    + (self._tier.local.gc(grace, dry_run=dry_run) if self._tier is not None else []))
+        return self._writes.gc(grace_seconds, dry_run=dry_run)
 
     # -- async twins ---------------------------------------------------------------------------------------
 
-    save_async, restore_async, commit_async = _in_thread(save), _in_thread(restore), _in_thread(commit)
-    delete_async, gc_async = _in_thread(delete), _in_thread(gc)
-    wait_until_finished_async, close_async = _in_thread(wait_until_finished), _in_thread(close)
+    save_async, commit_async, describe_async = _in_thread(save), _in_thread(commit), _in_thread(describe)
+    steps_async, delete_async, inventory_async = _in_thread(steps), _in_thread(delete), _in_thread(inventory)
+    list_checkpoints_async, close_async, gc_async = _in_thread(list_checkpoints), _in_thread(close), _in_thread(gc)
+    restore_async, latest_step_async, verify_async = _in_thread(restore), _in_thread(latest_step), _in_thread(verify)
+    metadata_async, wait_until_finished_async = _in_thread(metadata), _in_thread(wait_until_finished)

@@ -25,11 +25,12 @@ from ..payloads import FilePayload, Payload
 from ..storage import Location, RetryPolicy
 from .background import Background, Handover, store_payload
 from .commit import StepWriter
-from .kinds import Parts
+from .kinds import StepContext
 from .kinds.payload import PAYLOAD, PayloadObject
 from .kinds.sharded import Shards
 from .protect import overwrite_lease
-from .shards import ShardOrphan, ShardWriter
+from .shards import ShardOrphan, ShardWriter, naming_rank
+from .step_commit import Stored, commit, write_manifest
 from .step_names import MANIFEST_NAME
 from .steps import StepStore, best_effort
 from .tier_ranks import RecordedKind, VerifiedShard
@@ -48,10 +49,9 @@ class PromotionCommit:
 
     def finish(self, size: int, digest: str, deadline: float) -> None:
         record = self.manifest.record
-        location = Location(self.uri, self.storage_options, self.retry)
-        if (size, digest) != (record.size, record.sha256) or location.exists():
-            return
-        location.write_small(self.manifest.to_bytes(), action="promote, for a trainer that died, the checkpoint at")
+        if (size, digest) == (record.size, record.sha256):
+            write_manifest(Location(self.uri, self.storage_options, self.retry), self.manifest, create=True,
+                           action="promote, for a trainer that died, the checkpoint at")
 
 
 class Promoter:
@@ -62,7 +62,7 @@ class Promoter:
     save process. ``on_commit`` is told of each step committed remotely.
     """
 
-    def __init__(self, local: StepStore, parts: Parts, writer: StepWriter, background: Background,
+    def __init__(self, local: StepStore, parts: StepContext, writer: StepWriter, background: Background,
                  on_commit: Callable[[int, dict[str, Any]], None]) -> None:
         self._local = local
         self._parts, self._steps, self._writer, self._background = parts, parts.steps, writer, background
@@ -91,20 +91,20 @@ class Promoter:
                 size = self._promote_shard(step, manifest, source, handover, progress)
             _log.transferred("promote", self._steps.step_uri(step), record.kind, size, clock, step)
             return
-        target, commit = self._steps.object(step, content.name), self._steps.object(step, MANIFEST_NAME)
-        orphan = PromotionCommit(commit.uri, commit.storage_options, commit.retry, manifest)
+        target, location = self._steps.object(step, content.name), self._steps.object(step, MANIFEST_NAME)
+        orphan = PromotionCommit(location.uri, location.storage_options, location.retry, manifest)
         # Overwriting a remote step: other processes keep it while the promotion is in flight (its rule).
         held = overwrite_lease(self._steps, step, self._parts.grace) if exists else contextlib.nullcontext()
         with held, self._handed_over() as handover:
             clock = _log.Clock()
-            stored = self._store_checked(target, source, record, handover, orphan, progress, f"step {step}")
-            self._steps.check_stored(step, {content.name: stored[0]})
-            commit.write_small(manifest.to_bytes(), action="promote the checkpoint to")
+            size, _ = self._store_checked(target, source, record, handover, orphan, progress, f"step {step}")
+            commit(self._steps, step, Stored(content, record, {content.name: size}), manifest.attempt,
+                   manifest.metadata)
         for name in (replaced or set()) - {content.name}:
             best_effort(self._steps.object(step, name).remove)
         self._steps.committed(step)
         self._on_commit(step, manifest.metadata)
-        _log.transferred("promote", self._steps.step_uri(step), record.kind, stored[0], clock, step)
+        _log.transferred("promote", self._steps.step_uri(step), record.kind, size, clock, step)
         self._writer.tidy()
 
     @contextlib.contextmanager
@@ -144,10 +144,14 @@ class Promoter:
                                        f"rank {self._ranks.rank}'s shard of step {step}")
 
         writer = ShardWriter(self._steps, self._parts.plan, self._parts.grace, self._parts.waiting)
-        size, _ = writer.write(step, manifest.metadata, manifest.attempt, cast(Payload, RecordedKind(record.kind)),
-                               record.codec, Shards, store)
-        if writer.commits:
+        with contextlib.ExitStack() as until_committed:
+            stored = writer.write(step, manifest.metadata, manifest.attempt, cast(Payload, RecordedKind(record.kind)),
+                                  record.codec, Shards, store, until_committed)
+            if stored.content is not None:
+                with naming_rank(self._ranks):
+                    commit(self._steps, step, stored, manifest.attempt, manifest.metadata)
+        if stored.content is not None:
             self._steps.committed(step)
             self._on_commit(step, manifest.metadata)
             self._writer.tidy()
-        return size
+        return stored.sent

@@ -27,7 +27,7 @@ from ..errors import CheckpointCorruptError, CheckpointError
 from ..storage import RetryPolicy
 from .in_use import InUse
 from .leases import alive, lease_body, renewing
-from .retention import KeepPolicy
+from .retention import Retention
 from .step_names import COMMIT_LEASE, MANIFEST_NAME, RESTORE_LEASE, commit_lease_name
 from .steps import Folder, StepStore, best_effort
 
@@ -40,7 +40,7 @@ ELSEWHERE = "another process is restoring or committing it (a fresh lease in its
 class Guard:
     """The retention of one manager: its policy's choice less the protected steps, and the metric cache."""
 
-    def __init__(self, steps: StepStore, in_use: InUse, policy: KeepPolicy, grace: float) -> None:
+    def __init__(self, steps: StepStore, in_use: InUse, policy: Retention, grace: float) -> None:
         self._steps, self._in_use, self.policy, self._grace = steps, in_use, policy, grace
         self._metrics: dict[int, tuple[float | None, float | None]] = {}  # step -> (manifest mtime, value)
         self._good: set[int] = set()  # steps whose manifest this manager wrote or read intact
@@ -51,7 +51,7 @@ class Guard:
 
     def committed(self, step: int, metadata: dict[str, object]) -> None:
         """This manager committed ``step`` with ``metadata``."""
-        best = self.policy.best
+        best = self.policy.keep_best
         self._metrics[step] = (None, best.value(metadata) if best is not None else None)
         self._good.add(step)
         if self.restored is not None and step > self.restored:
@@ -143,7 +143,7 @@ class Guard:
 
     def metric(self, step: int) -> float | None:
         """``keep_best``'s value for ``step`` (None: none, or the manifest cannot be read)."""
-        best = self.policy.best
+        best = self.policy.keep_best
         if best is None:
             return None
         if step not in self._metrics:

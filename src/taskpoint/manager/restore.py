@@ -17,7 +17,7 @@ from ..format.records import StepManifest
 from ..workspace import Workspace
 from .broadcast import Exchange, shared_reads
 from .in_use import InUse
-from .kinds import Gone, Parts, StepKind, StepKinds, in_place_folder, partial_kind
+from .kinds import Gone, StepContext, StepKind, StepKinds, in_place_folder, partial_kind
 from .protect import RestoreLease
 from .shards import naming_rank
 
@@ -37,7 +37,7 @@ def candidates(committed: Iterable[int], step: int | None, fallback: bool) -> li
 class StepReader:
     """Reads steps of one directory into a folder of the caller's, or into a workspace of its own."""
 
-    def __init__(self, parts: Parts, in_use: InUse, kinds: StepKinds) -> None:
+    def __init__(self, parts: StepContext, in_use: InUse, kinds: StepKinds) -> None:
         self._parts, self._kinds = parts, kinds
         self._steps = parts.steps
         self._grace = parts.grace  # of the lease a restore holds on its step (other processes' retention keeps it)
@@ -177,14 +177,14 @@ class StepReader:
                    exchange: Exchange | None) -> Path:
         """Restore the save the manifest commits into ``workspace`` through its kind, following concurrent
         overwrites."""
-        def restore(kind: StepKind, manifest: StepManifest, parts: Parts) -> Path:
+        def restore(kind: StepKind, manifest: StepManifest, parts: StepContext) -> Path:
             if paths is None:
                 return kind.restore(parts, step, manifest, workspace, progress)
             return partial_kind(kind).restore_paths(parts, step, manifest, workspace, paths, progress)
 
         return self._follow(step, progress, restore, exchange)
 
-    def _follow(self, step: int, progress: Progress, read: Callable[[StepKind, StepManifest, Parts], T],
+    def _follow(self, step: int, progress: Progress, read: Callable[[StepKind, StepManifest, StepContext], T],
                 exchange: Exchange | None) -> T:
         """``read`` the save the manifest of ``step`` commits through its kind (with ``exchange``, from the local
         copy the ranks made of it); when an object it names is gone, follow the manifest if another writer

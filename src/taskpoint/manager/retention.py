@@ -23,9 +23,8 @@ class KeepBest:
     (``save(..., metadata={"val_loss": 0.31})``): the lowest with ``mode="min"``, the highest with ``"max"``.
 
     A step whose metadata lacks the metric, or holds a value that is not a finite number (NaN, a string, a
-    bool), is never among the best. Of steps with equal values the newer is better. Passed to
-    :class:`~taskpoint.CheckpointManager` as ``keep_best=``; retention then keeps these ``k`` steps as well as
-    what ``keep`` and ``keep_every`` keep.
+    bool), is never among the best. Of steps with equal values the newer is better. Passed as :class:`Retention`'s
+    ``keep_best=``; retention then keeps these ``k`` steps as well as what ``keep`` and ``keep_every`` keep.
     """
 
     metric: str
@@ -57,39 +56,46 @@ class KeepBest:
 
 
 @dataclass(frozen=True)
-class KeepPolicy:
-    """Keep the ``keep`` newest committed steps, every step divisible by ``keep_every``, and the ``best``.
+class Retention:
+    """Which committed steps a manager keeps after each save: ``CheckpointManager(path, retention=Retention(...))``.
 
-    With neither ``keep`` nor ``best`` everything is kept (``keep_every`` then changes nothing). With ``best``
-    and no ``keep``, only the best steps and the multiples of ``keep_every`` are kept (as Lightning's
-    ``save_top_k``), besides the protected steps the manager never deletes.
+    Args:
+        keep: keep the ``keep`` newest committed steps and delete older ones after each save; None (the default)
+            keeps everything.
+        keep_every: also keep every step divisible by ``keep_every`` (with ``keep`` or ``keep_best``).
+        keep_best: a :class:`~taskpoint.KeepBest`: also keep the ``k`` steps with the best value of a metric of
+            their metadata; without ``keep``, only those (as Lightning's ``save_top_k``).
+
+    With neither ``keep`` nor ``keep_best`` everything is kept (``keep_every`` then changes nothing). Retention
+    never deletes a protected step (the newest that verifies, the one the manager restored from, one being
+    restored or committed elsewhere): see docs/manager.md, "What to keep".
     """
 
     keep: int | None = None
     keep_every: int | None = None
-    best: KeepBest | None = None
+    keep_best: KeepBest | None = None
 
     def __post_init__(self) -> None:
         positive_or_none(self.keep, "keep")
         positive_or_none(self.keep_every, "keep_every")
-        if self.best is not None and not isinstance(self.best, KeepBest):
-            raise TypeError(f"keep_best must be a taskpoint.KeepBest or None, not {type(self.best).__name__}")
+        if self.keep_best is not None and not isinstance(self.keep_best, KeepBest):
+            raise TypeError(f"keep_best must be a taskpoint.KeepBest or None, not {type(self.keep_best).__name__}")
 
     @property
     def deletes(self) -> bool:
         """Whether this policy ever lets a step go."""
-        return self.keep is not None or self.best is not None
+        return self.keep is not None or self.keep_best is not None
 
     def to_delete(self, committed: Iterable[int], metric: Callable[[int], float | None] | None = None) -> list[int]:
         """The steps among ``committed`` that this policy lets go, oldest first. ``metric(step)`` gives a step's
-        value for ``best`` (asked only when there is a ``best``; None: no value)."""
+        value for ``keep_best`` (asked only when there is one; None: no value)."""
         if not self.deletes:
             return []
         steps = sorted(committed)
         kept = set(steps[-self.keep:]) if self.keep is not None else set()
         if self.keep_every is not None:
             kept.update(step for step in steps if step % self.keep_every == 0)
-        if self.best is not None:
+        if self.keep_best is not None:
             lookup = metric or (lambda step: None)
-            kept.update(self.best.best({step: lookup(step) for step in steps}))
+            kept.update(self.keep_best.best({step: lookup(step) for step in steps}))
         return [step for step in steps if step not in kept]

@@ -39,6 +39,7 @@ from .saver import (
     write_message,
 )
 from .staging import Segment
+from .step_commit import write_manifest
 
 #: A manifest the child writes for a dead parent: its location, and the manifest (with size and digest to fill
 #: in) of a payload, or None for a staged save's, which the child's job made whole.
@@ -163,10 +164,8 @@ def _commit_orphan(commit: _Commit | OrphanPart, stored: tuple[int, str] | StepM
                                                                              sha256=digest))
     assert isinstance(commit, tuple)
     uri, options, retry, _ = commit
-    location = Location(uri, options, retry)
-    if location.exists():
-        return
-    location.write_small(manifest.to_bytes(), action="commit, for a trainer that died, the checkpoint at")
+    write_manifest(Location(uri, options, retry), manifest, create=True,
+                   action="commit, for a trainer that died, the checkpoint at")
 
 
 def _relayed(replies: IO[bytes]) -> Progress:

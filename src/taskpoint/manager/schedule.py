@@ -13,6 +13,7 @@ import datetime
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ._checks import positive_or_none
 
@@ -33,14 +34,38 @@ def check_interval(interval: float | datetime.timedelta | None) -> float | None:
     return seconds
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """When :meth:`~taskpoint.CheckpointManager.should_save` says to save: ``CheckpointManager(path,
+    schedule=Schedule(...))``; with neither rule, only at a preemption notice.
+
+    Args:
+        save_interval_steps: True on every step divisible by it.
+        save_interval: True on the first step at or after each interval (a ``datetime.timedelta`` or seconds)
+            since the manager's last save, measured on a monotonic clock.
+    """
+
+    save_interval_steps: int | None = None
+    save_interval: float | datetime.timedelta | None = None
+
+    def __post_init__(self) -> None:
+        positive_or_none(self.save_interval_steps, "save_interval_steps")
+        check_interval(self.save_interval)
+
+    @property
+    def seconds(self) -> float | None:
+        """``save_interval`` in seconds (None: no time rule)."""
+        return check_interval(self.save_interval)
+
+
 class SaveSchedule:
     """The save decisions of one manager: ``every_steps`` (None: no step rule) and ``interval`` seconds (None:
-    no time rule) on ``clock`` (``time.monotonic``; tests inject their own)."""
+    no time rule, both checked by :class:`Schedule`) on ``clock`` (``time.monotonic``; tests inject their own)."""
 
     def __init__(self, every_steps: int | None, interval: float | datetime.timedelta | None,
                  clock: Callable[[], float] | None = None) -> None:
-        self.every_steps = positive_or_none(every_steps, "save_interval_steps")
-        self.interval = check_interval(interval)
+        rules = Schedule(every_steps, interval)
+        self.every_steps, self.interval = rules.save_interval_steps, rules.seconds
         self._clock = clock or time.monotonic
         self._last = self._clock()  # the time of the last save, or of the schedule's creation
         self._newest: int | None = None  # the newest step saved or restored here

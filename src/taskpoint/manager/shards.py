@@ -7,7 +7,8 @@ The commit, on storage only (no process group):
    payload's name, size and sha256, the world size, and the *round*) and return.
 3. Rank 0, once its own shard is stored, lists ``ckpt-N/`` (from every 0.05 s, backing off to 1 s) and reads
    each rank record that appeared or changed, until it holds one of the current round from every rank. Then it
-   writes the manifest (version 3) naming every shard with its sha256: the commit; and removes the records.
+   commits the step (:mod:`.step_commit`): the manifest (version 3) naming every shard with its sha256; and
+   removes the records.
 4. If ``commit_timeout`` seconds pass first (or, after a preemption notice, a missing rank is known gone:
    :meth:`.agreement.Agreement.gone`), rank 0 removes the records it found and raises
    :class:`~taskpoint.StepAbandonedError` naming the ranks missing. No manifest was written, so the step never
@@ -36,11 +37,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError, StepAbandonedError, say_in_message
-from ..format.records import ObjectRecord, Shard, ShardRecord, StepContent, StepManifest
+from ..format.records import ObjectRecord, Shard, ShardRecord, StepContent
 from ..payloads import Payload
 from ..ranks import Ranks, incarnation_from_environment, resolve_ranks
 from ..storage import Location, RetryPolicy
 from .leases import lease_body, renewing
+from .step_commit import Stored, write_manifest
 from .step_names import (
     MANIFEST_NAME,
     RANK_FAILURE,
@@ -70,10 +72,9 @@ class RankPlan:
     @classmethod
     def from_args(cls, rank: int | None, world_size: int | None, commit_timeout: Any, grace: float,
                   dedup: bool) -> RankPlan:
-        """Check the manager's rank arguments (defaults from the environment, :mod:`taskpoint.ranks`)."""
+        """The manager's ranks (defaults from the environment, :mod:`taskpoint.ranks`), checked against its other
+        options (``commit_timeout`` itself is checked by its :class:`~taskpoint.Shards`)."""
         ranks = resolve_ranks(rank, world_size)
-        if isinstance(commit_timeout, bool) or not isinstance(commit_timeout, (int, float)) or not commit_timeout > 0:
-            raise ValueError(f"commit_timeout must be a number of seconds > 0, got {commit_timeout!r}")
         if ranks.distributed and dedup:
             raise ValueError(
                 f"dedup=True is not supported with world_size {ranks.world_size}: a rank's chunks would be named "
@@ -110,24 +111,22 @@ class ShardWriter:
         #: The failure notes this rank wrote (:func:`tell_rank_zero`), removed if it saves the step again.
         self._failed: set[str] = set()
 
-    @property
-    def commits(self) -> bool:
-        """Whether this rank commits the steps (rank 0), and so applies retention and sweeps leftovers."""
-        return self._plan.ranks.rank == 0
-
     def write(self, step: int, metadata: dict[str, Any], attempt: int | None, payload: Payload, codec: str,
               content: Callable[[tuple[Shard, ...]], StepContent],
-              store: Callable[[Location, ShardOrphan], tuple[int, str]]) -> tuple[int, set[str]]:
-        """Store the shard with ``store`` under a fresh name, then record it (ranks > 0) or commit the step
-        (rank 0) with a manifest holding ``content(shards)``. ``store`` hands the :class:`ShardOrphan` to the
-        save process, which finishes this rank's part if this process dies first. Returns the shard's size and
-        the payloads the manifest names (rank 0; others: their own)."""
+              store: Callable[[Location, ShardOrphan], tuple[int, str]],
+              until_committed: contextlib.ExitStack[bool | None]) -> Stored:
+        """Store the shard with ``store`` under a fresh name, then record it (ranks > 0) or gather every rank's
+        (rank 0). ``store`` hands the :class:`ShardOrphan` to the save process, which finishes this rank's part
+        if this process dies first. Returns what this rank commits, with the shard's size sent: on rank 0, every
+        shard, with ``content(shards)`` (rank 0 holds its lease on the folder, on ``until_committed``, until the
+        commit is over, and removes the records after it); on others, nothing (``content`` None)."""
         with naming_rank(self._plan.ranks):
-            return self._write(step, metadata, attempt, payload, codec, content, store)
+            return self._write(step, metadata, attempt, payload, codec, content, store, until_committed)
 
     def _write(self, step: int, metadata: dict[str, Any], attempt: int | None, payload: Payload, codec: str,
                content: Callable[[tuple[Shard, ...]], StepContent],
-               store: Callable[[Location, ShardOrphan], tuple[int, str]]) -> tuple[int, set[str]]:
+               store: Callable[[Location, ShardOrphan], tuple[int, str]],
+               until_committed: contextlib.ExitStack[bool | None]) -> Stored:
         ranks = self._plan.ranks
         save_id = uuid.uuid4().hex
         name = f"payload-{save_id}"
@@ -147,28 +146,22 @@ class ShardWriter:
                 tell_rank_zero(failure, exc)
                 self._failed.add(failure.uri)
                 raise
-            return size, {name}
+            return Stored(None, objects={name: size}, sent=size)
         # Rank 0 holds a lease on the folder from before its own shard until the commit: no sweep removes the
-        # shards it is gathering, however long the others take (a sweep with a shorter grace included).
+        # shards it is gathering, however long the others take (a sweep with a shorter grace included). A shard
+        # stored long before this lease (a rank far ahead of rank 0) may have been swept: the commit checks each.
         lease = self._steps.object(step, commit_lease_name(save_id))
 
         def renew() -> None:
             lease.write_small(lease_body(self._grace), action="write a lease at")
 
         renew()
-        try:
-            with renewing(renew, self._grace, "taskpoint-commit-lease"):
-                size, digest = store(self._steps.object(step, name), orphan)
-                shards = self._gather(folder, step, orphan.round, orphan.shard(size, digest))
-                # A shard stored long before this lease (a rank far ahead of rank 0) may have been swept.
-                self._steps.check_stored(step, {s.payload: s.record.size or 0 for s in shards})
-                # As for one payload: a failed commit leaves the shards in place (the manifest may have landed).
-                self._steps.object(step, MANIFEST_NAME).write_small(orphan.manifest(shards).to_bytes(),
-                                                                    action="commit the checkpoint at")
-        finally:
-            best_effort(lease.remove)
-        forget_records(folder, range(1, len(shards)))
-        return size, {shard.payload for shard in shards}
+        until_committed.callback(best_effort, lease.remove)
+        until_committed.enter_context(renewing(renew, self._grace, "taskpoint-commit-lease"))
+        size, digest = store(self._steps.object(step, name), orphan)
+        shards = self._gather(folder, step, orphan.round, orphan.shard(size, digest))
+        until_committed.push(lambda failed, *_: None if failed else forget_records(folder, range(1, len(shards))))
+        return dataclasses.replace(orphan.stored(shards), sent=size)
 
     def _gather(self, folder: Location, step: int, round_: str, own: Shard) -> tuple[Shard, ...]:
         """Every rank's shard of this round, rank 0's first; StepAbandonedError after the timeout."""
@@ -337,12 +330,11 @@ class ShardOrphan:
     def shard(self, size: int, digest: str) -> Shard:
         return Shard(self.ranks.rank, self.name, dataclasses.replace(self.record, size=size, sha256=digest))
 
-    def manifest(self, shards: tuple[Shard, ...]) -> StepManifest:
-        """The manifest that commits ``shards``."""
+    def stored(self, shards: tuple[Shard, ...]) -> Stored:
+        """What commits ``shards``: rank 0's record of the step, and every shard's payload."""
         commit = ObjectRecord(kind="shards", codec="shards", save_id=uuid.uuid4().hex, created=time.time(),
                               size=sum(s.record.size or 0 for s in shards))
-        return StepManifest(step=self.step, record=commit, attempt=self.attempt, metadata=self.metadata,
-                            content=self.content(shards))
+        return Stored(self.content(shards), commit, {s.payload: s.record.size or 0 for s in shards})
 
     def record_shard(self, folder: Location, size: int, digest: str) -> None:
         """Write this rank's record of its stored shard (a rank > 0)."""
@@ -365,10 +357,9 @@ class ShardOrphan:
                 return  # a shard never came: nothing is committed, and the shards are swept as leftovers
             time.sleep(POLL_FIRST * 2)
         shards = tuple(found[rank] for rank in range(self.ranks.world_size))
-        manifest = folder.child(MANIFEST_NAME)
-        if not manifest.exists():
-            manifest.write_small(self.manifest(shards).to_bytes(),
-                                 action="commit, for a trainer that died, the checkpoint at")
+        manifest = self.stored(shards).manifest(self.step, self.attempt, self.metadata)
+        write_manifest(folder.child(MANIFEST_NAME), manifest, create=True,
+                       action="commit, for a trainer that died, the checkpoint at")
         forget_records(folder, range(1, self.ranks.world_size))
 
 def _rank_of(name: str, world: int) -> int | None:

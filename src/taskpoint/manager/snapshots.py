@@ -33,7 +33,7 @@ from typing import Any
 from .._log import logger
 from ..format.codecs import get_codec
 from ..payloads import BytesPayload, DirectoryPayload, FilePayload, Payload, special_entries
-from ..storage import ParallelCopy
+from ..storage.localio import ParallelCopy
 
 #: A file modified less than this before a snapshot began is copied again by the next one.
 RACY_SECONDS = 2.0

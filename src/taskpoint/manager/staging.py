@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from .._log import logger
 from ..payloads import Payload
@@ -207,15 +207,21 @@ def _available_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def check_staging_bytes(limit: Any) -> int | None:
+    """``max_staging_bytes`` when it is a positive int or None; ValueError otherwise."""
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0):
+        raise ValueError(f"max_staging_bytes must be a positive int or None, not {limit!r}")
+    return limit
+
+
 class StagingBudget:
     """The staging bytes a manager's background saves hold, at most ``limit``: :meth:`reserve` waits until the
     segments of earlier saves are freed, and refuses a state larger than the limit (which is then saved
     blocking)."""
 
     def __init__(self, limit: int | None) -> None:
-        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0):
-            raise ValueError(f"max_staging_bytes must be a positive int or None, not {limit!r}")
-        self.limit = default_staging_bytes() if limit is None else limit
+        checked = check_staging_bytes(limit)
+        self.limit = default_staging_bytes() if checked is None else checked
         self._held = 0
         self._freed = threading.Condition()
 

@@ -8,7 +8,7 @@ What a step's manifest names, how it is deleted and which leftovers are whose is
 A step exists when, and only when, its manifest does. Objects in a step folder that no manifest names are
 leftovers of interrupted or superseded saves; they are removed once older than a grace period, so that a
 save still in progress elsewhere is never disturbed. A save that was stalled for longer than that finds what it
-stored gone when it checks, just before its commit (:meth:`StepStore.check_stored`), and commits nothing; a
+stored gone when it checks, just before its commit (:func:`.step_commit.check_stored`), and commits nothing; a
 sweep reads the manifest of an uncommitted folder again just before removing from it, so a save that commits
 meanwhile keeps its payload.
 """
@@ -21,9 +21,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..errors import CheckpointCorruptError, SaveStalledError, StorageNotFound
+from ..errors import CheckpointCorruptError, StorageNotFound
 from ..format.records import StepContent, StepManifest
-from ..storage import Location, modified_time
+from ..storage import Location
+from ..storage.backends import modified_time
 from .in_use import InUse
 from .leases import alive, fresh
 from .step_names import COMMIT_LEASE, MANIFEST_NAME, PAYLOAD_NAME, RESTORE_LEASE, STEP_FOLDER, stored_names
@@ -177,30 +178,6 @@ class StepStore:
     def ours(self, name: str, committed: bool) -> bool:
         """Whether ``name`` in a step folder is an object taskpoint or a loaded step kind writes there."""
         return bool(_OURS.fullmatch(name)) or any(kind.owns(name, committed) for kind in self.kinds.loaded())
-
-    def check_stored(self, step: int, sizes: dict[str, int], *, written_since: float | None = None,
-                     grace: float = 0.0) -> None:
-        """Just before a commit: every object it will name is stored, at its size. Raises SaveStalledError
-        otherwise: a sweep took the object for a dead save's leftover, older than its grace period, so this save
-        was stalled for longer than that (or another process sweeps with a shorter ``grace_seconds``).
-
-        ``written_since``: the :func:`save_clock` reading taken before the objects' writes began, whose answers
-        proved them stored at their sizes. Less than half of ``grace`` (the saving manager's) later, no sweep of
-        that grace can have taken them for a dead save's yet (their stored times are no older than that reading;
-        the other half covers clocks that disagree), so the check, a HEAD per object, is skipped: a small save
-        commits one round trip sooner. A sweep with a shorter grace can remove them in the one round trip before
-        the commit, as it can between this check and the commit."""
-        if written_since is not None and save_clock() - written_since < grace / 2:
-            return
-        for name, size in sizes.items():
-            found = self.object(step, name).size()
-            if found != size:
-                state = "is gone" if found is None else f"holds {found} bytes instead of {size}"
-                raise SaveStalledError(
-                    f"step {step} was not committed to {self.directory}: {self.object(step, name).uri} {state}. A "
-                    "sweep (gc(), or the tidy-up of another save) took it for the leftover of a dead save: this "
-                    "save was stalled (paused, frozen or starved) for longer than the grace period, or another "
-                    "process sweeps with a shorter grace_seconds. The previous steps are intact; save again.")
 
     # -- listing -------------------------------------------------------------------------------------------
 

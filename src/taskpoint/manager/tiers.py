@@ -28,24 +28,23 @@ from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointCorruptError
 from ..format.records import StepManifest
 from ..payloads import payload_for
-from ._checks import positive_or_none
 from .background import Background
 from .commit import StepWriter
-from .kinds import Parts
+from .kinds import StepContext
 from .kinds.payload import PAYLOAD
+from .options import BackgroundSaves, Shards, Tier
 from .promotion import Promoter
 from .promotion import PromotionCommit as PromotionCommit  # re-exported: tests name it here
 from .restore import StepReader, candidates
+from .retention import Retention
 from .steps import StepStore, best_effort
 from .tier_ranks import RankVote, own_shard
 
 
 class LocalManager(Protocol):
-    """What the tier uses of its local manager (a :class:`~taskpoint.CheckpointManager` on ``local_dir``; this
-    module sits below the manager's, so it names the manager by what it does)."""
-
-    _steps: StepStore
-    _reader: StepReader
+    """What the tier uses of its local manager's methods (a :class:`~taskpoint.CheckpointManager` on
+    ``local_dir``; this module sits below the manager's, so it names the manager by what it does). The local
+    manager's step store and reader come beside it, from the function that opens it (:meth:`LocalTier.open`)."""
 
     @property
     def directory(self) -> str: ...
@@ -57,6 +56,11 @@ class LocalManager(Protocol):
     def delete(self, step: int, *, force: bool = False) -> None: ...
     def close(self) -> None: ...
     def gc(self, grace_seconds: float | None = None, *, dry_run: bool = False) -> list[str]: ...
+
+
+#: What opens a tier's local manager: called with the local manager's arguments, it returns the manager, its step
+#: store and its reader.
+OpenLocal = Callable[..., tuple[LocalManager, StepStore, StepReader]]
 
 #: The payload kinds a tiered manager saves: those stored as one payload object, which a promotion copies whole
 #: (an extra's step kind, such as a PyTree's files or a torch state dict, is refused at save time).
@@ -84,34 +88,36 @@ class LocalTier:
     its own shard, and promotions commit the remote step as any multi-rank step (:mod:`.tier_ranks`).
     """
 
-    def __init__(self, local: LocalManager, remote_every: int, parts: Parts, writer: StepWriter,
-                 background: Background, on_commit: Callable[[int, dict[str, Any]], None]) -> None:
-        self.local = local
+    def __init__(self, local: LocalManager, local_steps: StepStore, local_reader: StepReader, remote_every: int,
+                 parts: StepContext, writer: StepWriter, background: Background,
+                 on_commit: Callable[[int, dict[str, Any]], None]) -> None:
+        self.local, self._local_steps, self._local_reader = local, local_steps, local_reader
         self.remote_every = remote_every
         self._steps, self._background = parts.steps, background
         self._ranks = parts.plan.ranks
-        self._promoter = Promoter(local._steps, parts, writer, background, on_commit)
+        self._promoter = Promoter(local_steps, parts, writer, background, on_commit)
         self._idle = threading.Event()  # no promotion in flight
         self._idle.set()
         self._cut = False  # the emergency save stopped waiting: promote no further step in this attempt
 
     @classmethod
-    def open(cls, make: Callable[..., LocalManager], local_dir: Any, local_keep: int, remote_every: int,
-             options: dict[str, Any], remote: tuple[Parts, StepWriter, Background, Callable[..., None]]
-             ) -> LocalTier:
-        """Check the tier's arguments and open its local manager with ``options`` (the remote manager's)."""
-        positive_or_none(local_keep, "local_keep")
-        if positive_or_none(remote_every, "remote_every") is None:
-            raise TypeError("remote_every must be an int >= 1, not None")
+    def open(cls, make: OpenLocal, tier: Tier, background: BackgroundSaves, options: dict[str, Any],
+             remote: tuple[StepContext, StepWriter, Background, Callable[..., None]]) -> LocalTier:
+        """Open the local manager of ``tier`` with ``make``, with the remote manager's ``background`` snapshots
+        and ``options`` (codec, level, retry, grace_seconds, dedup): one rank, no preemption handlers, and
+        ``local_keep`` steps kept."""
         if options.pop("dedup"):
             raise ValueError("dedup=True cannot be combined with local_dir: a deduplicated step is a set of chunks "
                              "shared with other steps, which a promotion cannot copy as one verified object; save "
                              "without dedup, or without local_dir")
-        local = make(local_dir, keep=local_keep, preemption=False, rank=0, world_size=1, **options)
-        if not local._steps.root.is_local:
+        local, steps, reader = make(tier.local_dir, retention=Retention(keep=tier.local_keep), preemption=False,
+                                    shards=Shards(rank=0, world_size=1), background=BackgroundSaves(
+                                        snapshot_dir=background.snapshot_dir,
+                                        background_process=background.background_process), **options)
+        if not steps.root.is_local:
             local.close()
-            raise ValueError(f"local_dir must be a local path (the node's disk or RAM disk), not {local_dir!r}")
-        return cls(local, remote_every, *remote)
+            raise ValueError(f"local_dir must be a local path (the node's disk or RAM disk), not {tier.local_dir!r}")
+        return cls(local, steps, reader, tier.remote_every, *remote)
 
     # -- reads ---------------------------------------------------------------------------------------------
 
@@ -124,7 +130,7 @@ class LocalTier:
 
     def manifest(self, step: int) -> StepManifest | None:
         """The local manifest of ``step`` (None when the local tier lacks it)."""
-        return self.local._steps.manifest(step)
+        return self._local_steps.manifest(step)
 
     def restore(self, step: int | None, reader: StepReader, into: Path | None, *, fallback: bool,
                 progress: Progress = NO_PROGRESS, paths: Sequence[str] | None = None,
@@ -152,7 +158,7 @@ class LocalTier:
         with progress:
             for number in tried:
                 serves = number in local and self._serves(number, number in remote, number in agreed)
-                sources = [(self.local._reader, self.local.directory)] if serves else []
+                sources = [(self._local_reader, self.local.directory)] if serves else []
                 sources += [(reader, self._steps.directory)] if number in remote else []
                 result, error = _read_first(number, sources, into, progress, paths, fallback, clock)
                 first_error = first_error or error

@@ -11,7 +11,7 @@ from typing import Any
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..format.conformance import document_problem
 from ..format.records import StepManifest
-from .kinds import Parts, StepKind, StepKinds
+from .kinds import StepContext, StepKind, StepKinds
 from .step_names import MANIFEST_NAME
 
 HEALTHY, DAMAGED, CHANGED = "healthy", "damaged", "changed"
@@ -103,7 +103,7 @@ class StepChanged(CheckpointError):
                          "again")
 
 
-def verify_step(parts: Parts, kinds: StepKinds, step: int, progress: object, *, listed: bool = False,
+def verify_step(parts: StepContext, kinds: StepKinds, step: int, progress: object, *, listed: bool = False,
                 manifest: StepManifest | None = None) -> StepVerification:
     """Verify ``step`` (the save ``manifest`` commits, when given; else its manifest now). Damage is
     CheckpointCorruptError only when the manifest, read again, still commits that save; otherwise
@@ -131,7 +131,7 @@ def verify_step(parts: Parts, kinds: StepKinds, step: int, progress: object, *, 
     return StepVerification(step, HEALTHY, checked.detail, manifest.kind, checked.size, manifest.checked)
 
 
-def format_problem(parts: Parts, kind: StepKind, step: int, manifest: StepManifest) -> str | None:
+def format_problem(parts: StepContext, kind: StepKind, step: int, manifest: StepManifest) -> str | None:
     """The first document of ``step`` (its manifest, the file-set manifests it names) with a field that does not
     follow the specification (:func:`~taskpoint.format.conformance.format_problems`), named with the field; None
     when every one does (the JSON objects at the top of its folder), checked before the bytes they describe."""
@@ -144,7 +144,7 @@ def format_problem(parts: Parts, kind: StepKind, step: int, manifest: StepManife
     return None
 
 
-def verify_steps(parts: Parts, kinds: StepKinds, listed: list[int], progress: object) -> Verification:
+def verify_steps(parts: StepContext, kinds: StepKinds, listed: list[int], progress: object) -> Verification:
     """Verify each of the steps a listing found, recording damage and changes per step."""
     results = []
     for step in listed:
@@ -157,7 +157,7 @@ def verify_steps(parts: Parts, kinds: StepKinds, listed: list[int], progress: ob
     return Verification(parts.steps.directory, tuple(results))
 
 
-def describe_step(parts: Parts, kinds: StepKinds, step: int) -> StepDescription:
+def describe_step(parts: StepContext, kinds: StepKinds, step: int) -> StepDescription:
     """The description of ``step``; FileNotFoundError when it does not exist."""
     steps = parts.steps
     manifest = steps.manifest(step)

@@ -1,5 +1,5 @@
 """Local disk's backend: durable atomic writes by a temp file in the same folder, fsync, rename and fsync of the
-folder; reads, ranged reads and listings straight from the files (see :mod:`._localio` for kernel copies)."""
+folder; reads, ranged reads and listings straight from the files (see :mod:`.localio` for kernel copies)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import uuid
 from collections.abc import Iterator
 from typing import IO, Any
 
-from ._localio import LOCAL_READ_BUFFER, EarlyWriteback, folder_lock, fsync_dir, local_version, read_range
 from .backends import LEFTOVER_GRACE_SECONDS, NO_HOOKS, Backend, Kind, WriteHooks, _is_absent
 from .errormap import swept_while_written
+from .localio import LOCAL_READ_BUFFER, EarlyWriteback, folder_lock, fsync_dir, local_version, read_range
 from .streams import VersionConflict
 
 #: How often a local write makes its folder again when a sweep removed it, empty, before the file was created.

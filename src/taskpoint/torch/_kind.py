@@ -21,10 +21,19 @@ from .._progress import Progress
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..format.fileset import FileEntry, FileSetManifest
 from ..format.records import FILESET_CODEC, ObjectRecord, StepManifest
-from ..manager.kinds import Checked, Described, Parts, Saved, SaveJob, register_step_kind, stored_part
-from ..manager.step_names import MANIFEST_NAME as STEP_MANIFEST
-from ..manager.step_names import stored_names
-from ..manager.steps import StepObjects, StepStore, best_effort
+from ..manager.kind_api import (
+    Checked,
+    Described,
+    SaveJob,
+    StepContext,
+    StepObjects,
+    StepStore,
+    Stored,
+    best_effort,
+    register_step_kind,
+    stored_names,
+    stored_part,
+)
 from ._layout import DATA_FILE, MANIFEST_NAME, METADATA_NAME
 
 #: What a save of such a step writes before its commit: swept from a step folder that no manifest commits.
@@ -75,12 +84,12 @@ class DcpKind:
             raise ValueError(f"a file-set step's manifest is named {MANIFEST_NAME!r}, not {name!r}")
         return FileSetStep(name)
 
-    def accepts(self, payload: object, parts: Parts) -> bool:
+    def accepts(self, payload: object, context: StepContext) -> bool:
         return False  # saved by taskpoint.torch.Writer.for_step, never from a payload
 
-    def save(self, parts: Parts, job: SaveJob) -> Saved:
-        """Commit the files the writer stored: the manifest names their manifest by size and sha256."""
-        content, steps, step = job.payload, parts.steps, job.step
+    def store(self, context: StepContext, job: SaveJob) -> Stored:
+        """What the writer stored: the manifest names their manifest by size and sha256."""
+        content, steps, step = job.payload, context.steps, job.step
         assert isinstance(content, FileSetStep)
         location = steps.object(step, content.name)
         data = location.read_small()
@@ -89,24 +98,21 @@ class DcpKind:
         files = FileSetManifest.from_bytes(data, location.uri).files
         record = ObjectRecord(kind=FILESET_CODEC, codec=FILESET_CODEC, save_id=uuid.uuid4().hex, created=time.time(),
                               size=len(data), sha256=hashlib.sha256(data).hexdigest())
-        manifest = StepManifest(step=step, record=record, attempt=job.attempt, metadata=job.metadata, content=content)
-        steps.check_stored(step, {content.name: len(data), **{each: entry.size for each, entry in files.items()}})
-        steps.object(step, STEP_MANIFEST).write_small(manifest.to_bytes(), action="commit the checkpoint at")
-        return Saved(committed=True, sent=0, names=frozenset({content.name, *files}))
+        return Stored(content, record, {content.name: len(data), **{each: entry.size for each, entry in files.items()}})
 
-    def restore(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path, progress: Progress
-                ) -> Path:
+    def restore(self, context: StepContext, step: int, manifest: StepManifest, workspace: Path,
+                progress: Progress) -> Path:
         raise CheckpointError(
-            f"step {step} in {parts.steps.directory} is a PyTorch Distributed Checkpoint: load it with "
+            f"step {step} in {context.steps.directory} is a PyTorch Distributed Checkpoint: load it with "
             f"dcp.load(state, storage_reader=taskpoint.torch.Reader.for_step(manager, {step}))")
 
-    def verify(self, parts: Parts, step: int, manifest: StepManifest, progress: object) -> Checked:
+    def verify(self, context: StepContext, step: int, manifest: StepManifest, progress: object) -> Checked:
         name = _name(manifest)
-        files = _files(parts.steps, step, name)
+        files = _files(context.steps, step, name)
         checks = [(name, manifest.record.size, manifest.record.sha256, "sha256"),
                   *((each, entry.size, entry.sha256, entry.digest) for each, entry in sorted(files.items()))]
         for each, size, digest, by in checks:
-            stored_part(parts, step, each, size, digest, progress, f"verify step {step}: {each}", by)
+            stored_part(context, step, each, size, digest, progress, f"verify step {step}: {each}", by)
         # The data the step holds, as ls shows it: its files, not the manifest of them.
         hashes = " and ".join(sorted({entry.hash_name for entry in files.values()}))
         return Checked(sum(entry.size for entry in files.values()), f"{len(files)} files, {hashes} match its manifest")
@@ -130,9 +136,9 @@ class DcpKind:
         best_effort(steps.object(step, name).remove)
         return {name, *files}
 
-    def describe(self, parts: Parts, step: int, manifest: StepManifest) -> Described:
+    def describe(self, context: StepContext, step: int, manifest: StepManifest) -> Described:
         # Its payload is the manifest of the files that hold its data: the size is theirs.
-        files = _files(parts.steps, step, _name(manifest))
+        files = _files(context.steps, step, _name(manifest))
         return Described(payload=_name(manifest), details={
             "size": sum(entry.size for entry in files.values()), "payload_size": manifest.record.size,
             "files": len(files)})

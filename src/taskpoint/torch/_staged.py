@@ -23,7 +23,7 @@ import torch
 
 from .._progress import Progress
 from ..format.records import StepManifest
-from ..manager.staging import Segment
+from ..manager.kind_api import Segment
 from ..payloads import BytesPayload
 from ..storage import Location
 from ._state_file import state_manifest, write_state

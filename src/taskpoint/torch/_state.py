@@ -23,7 +23,7 @@ import torch
 from ..errors import CheckpointCorruptError, RestoreMismatch, RestoreReport
 from ..format.names import STATE_DICT_KIND as STEP_KIND
 from ..manager import CheckpointManager
-from ..manager.staging import Segment
+from ..manager.kind_api import Segment
 from ..payloads import BytesPayload, Payload, register_payload
 from ._match import Apply, Mismatches, module_plan
 from ._staged import Plan

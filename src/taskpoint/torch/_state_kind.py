@@ -31,11 +31,24 @@ from ..errors import CheckpointCorruptError
 from ..format.fileset import read_piece_hash
 from ..format.names import STATE_DICT_KIND as STEP_KIND
 from ..format.records import StepManifest
-from ..manager.background import store_staged
-from ..manager.kinds import GONE_HOW, Checked, Described, Gone, Parts, Saved, SaveJob, content_of, register_step_kind
-from ..manager.step_names import MANIFEST_NAME as STEP_MANIFEST
-from ..manager.step_names import name_in, stored_names
-from ..manager.steps import StepObjects, StepStore, best_effort
+from ..manager.kind_api import (
+    GONE_HOW,
+    MANIFEST_NAME,
+    Checked,
+    Described,
+    Gone,
+    SaveJob,
+    StepContext,
+    StepObjects,
+    StepStore,
+    Stored,
+    best_effort,
+    content_of,
+    name_in,
+    register_step_kind,
+    store_staged,
+    stored_names,
+)
 from ..payloads import DirectoryPayload
 from ..storage import WRITE_PIECE
 from ..workspace import Staging
@@ -70,37 +83,34 @@ class StateDictKind:
             raise ValueError("its piece digests are malformed")
         return StateDictFile(name, piece_size, pieces, piece_hash)
 
-    def accepts(self, payload: object, parts: Parts) -> bool:
+    def accepts(self, payload: object, context: StepContext) -> bool:
         return isinstance(payload, StagedStateDict) or (isinstance(payload, StateDictPayload) and not \
             payload.is_serialized)
 
-    def save(self, parts: Parts, job: SaveJob) -> Saved:
-        """``torch.save`` into the step's file through a :class:`PieceWriter` (fsynced on local disk), then the
-        commit: the manifest, written last, with the pieces' digests. A state staged by a background save is
-        written from its segment by the manager's save process (:mod:`._staged`), which commits it itself if this
-        process dies first."""
-        payload, steps, step = job.payload, parts.steps, job.step
+    def store(self, context: StepContext, job: SaveJob) -> Stored:
+        """``torch.save`` into the step's file through a :class:`PieceWriter` (fsynced on local disk), for a commit
+        whose manifest holds the pieces' digests. A state staged by a background save is written from its segment
+        by the manager's save process (:mod:`._staged`), which commits it itself if this process dies first."""
+        payload, steps, step = job.payload, context.steps, job.step
         save_id = uuid.uuid4().hex
         name = f"state-{save_id}.pt"
         target = steps.object(step, name)
         if isinstance(payload, StagedStateDict):
             staged = payload.write_job((target.uri, target.storage_options, target.retry), name, save_id, step,
                                        job.attempt, job.metadata)
-            sizes, manifest = store_staged(steps.object(step, STEP_MANIFEST), payload.segment, staged, job.saver,
+            sizes, manifest = store_staged(steps.object(step, MANIFEST_NAME), payload.segment, staged, job.saver,
                                            job.progress)
         else:
             assert isinstance(payload, StateDictPayload)
             size, digests = write_state(target, payload.save_into, job.progress)
             sizes, manifest = {name: size}, state_manifest(step, job.attempt, job.metadata, save_id, name, size,
                                                            digests)
-        steps.check_stored(step, sizes)
-        steps.object(step, STEP_MANIFEST).write_small(manifest.to_bytes(), action="commit the checkpoint at")
-        return Saved(committed=True, sent=sum(sizes.values()), names=frozenset(sizes))
+        return Stored(manifest.content, manifest.record, sizes, sent=sum(sizes.values()))
 
     # -- reading -------------------------------------------------------------------------------------------
 
-    def _reader(self, parts: Parts, step: int, manifest: StepManifest) -> PieceReader:
-        steps, content = parts.steps, content_of(manifest, StateDictFile)
+    def _reader(self, context: StepContext, step: int, manifest: StepManifest) -> PieceReader:
+        steps, content = context.steps, content_of(manifest, StateDictFile)
         source = steps.object(step, content.file)
         size = manifest.record.size
         if size is None or -(-size // content.piece_size) != len(content.pieces) - (size == 0):
@@ -131,12 +141,12 @@ class StateDictKind:
         return PieceReader(size, list(content.pieces), content.piece_size, damaged,
                            piece_hash=content.piece_hash, fetch=fetch)
 
-    def restore(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path, progress: Progress
-                ) -> Path:
+    def restore(self, context: StepContext, step: int, manifest: StepManifest, workspace: Path,
+                progress: Progress) -> Path:
         """The file as ``<workspace>/state_dict.pt``, each piece checked before it is written; the workspace."""
         progress.set_total(manifest.record.size or 0)
         workspace.mkdir(parents=True, exist_ok=True)
-        with Staging(workspace) as staging, self._reader(parts, step, manifest) as reader, \
+        with Staging(workspace) as staging, self._reader(context, step, manifest) as reader, \
                 open(staging / STATE_FILE, "xb") as out:
             buffer = bytearray(WRITE_PIECE)
             while count := reader.readinto(buffer):
@@ -145,24 +155,24 @@ class StateDictKind:
             out.close()
             return DirectoryPayload.publish(staging, workspace)
 
-    def restore_paths(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path,
+    def restore_paths(self, context: StepContext, step: int, manifest: StepManifest, workspace: Path,
                       paths: Sequence[str], progress: Progress) -> Path:
         for path in paths:
             _check_path(path)
-        return self.restore(parts, step, manifest, workspace, progress)
+        return self.restore(context, step, manifest, workspace, progress)
 
-    def open_file(self, parts: Parts, step: int, manifest: StepManifest, path: str) -> io.BufferedReader:
+    def open_file(self, context: StepContext, step: int, manifest: StepManifest, path: str) -> io.BufferedReader:
         """The state dict's file, its pieces fetched ahead and each checked before it is read
         (``torch.load(manager.open(step, "state_dict.pt"))``)."""
         _check_path(path.strip("/"))
         if path.strip("/") != STATE_FILE:
             raise IsADirectoryError(f"{path!r} is the step's folder, not a file; open {STATE_FILE!r}")
-        return io.BufferedReader(self._reader(parts, step, manifest), WRITE_PIECE)
+        return io.BufferedReader(self._reader(context, step, manifest), WRITE_PIECE)
 
-    def verify(self, parts: Parts, step: int, manifest: StepManifest, progress: object) -> Checked:
+    def verify(self, context: StepContext, step: int, manifest: StepManifest, progress: object) -> Checked:
         content = content_of(manifest, StateDictFile)
         try:
-            with self._reader(parts, step, manifest) as reader:
+            with self._reader(context, step, manifest) as reader:
                 size = reader.verify_all()
         except Gone:
             raise FileNotFoundError(f"its file {content.file} is missing") from None
@@ -183,7 +193,7 @@ class StateDictKind:
         best_effort(steps.object(step, name).remove)
         return {name}
 
-    def describe(self, parts: Parts, step: int, manifest: StepManifest) -> Described:
+    def describe(self, context: StepContext, step: int, manifest: StepManifest) -> Described:
         content = content_of(manifest, StateDictFile)
         return Described(payload=content.file, details={"pieces": len(content.pieces),
                                                         "piece_size": content.piece_size,

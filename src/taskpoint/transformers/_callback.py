@@ -15,7 +15,7 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from taskpoint import CheckpointManager, Preempted, preemption
+from taskpoint import CheckpointManager, Preempted, Retention, preemption
 
 #: The Trainer's name for its checkpoint folders (``transformers.trainer_utils.PREFIX_CHECKPOINT_DIR``).
 FOLDER_PREFIX = "checkpoint-"
@@ -69,7 +69,7 @@ class CheckpointCallback(TrainerCallback):
     def _open(self, args: TrainingArguments) -> CheckpointManager | None:
         if self.manager is None and args.process_index == 0:
             keep = self.keep if self.keep is not None else args.save_total_limit
-            self.manager = CheckpointManager(self.directory, keep=keep, dedup=self.dedup,
+            self.manager = CheckpointManager(self.directory, retention=Retention(keep=keep), dedup=self.dedup,
                                              storage_options=self.storage_options)
         return self.manager
 

@@ -2,12 +2,14 @@
 
 A step's manifest stores its kind's name and that kind's own content (:class:`~taskpoint.format.records.
 StepManifest`); the manager's commit, restore, retention and gc look the kind up here and call it, and know no
-kind themselves. The kinds of the core are :mod:`.payload` (one payload object), :mod:`.chunked` (a
-deduplicated tree in the chunk store) and :mod:`.sharded` (one payload per rank); ``taskpoint.torch``
-registers its own (a DCP file set). Another package adds a kind by registering an object that follows
-:class:`StepKind` with :func:`register_step_kind` when its module is imported, and by naming that module in
-the entry-point group :data:`ENTRY_POINT_GROUP`, so that a process reading such a step imports it (as payload
-kinds are found, :mod:`taskpoint.payloads`)::
+kind themselves. A kind stores the objects of a step and returns what it stored (:class:`Stored`); the manager
+checks them and writes the manifest, last (:mod:`..step_commit`): a kind never writes one. Everything a kind
+needs from the manager is in one module, :mod:`taskpoint.manager.kind_api`. The kinds of the core are
+:mod:`.payload` (one payload object), :mod:`.chunked` (a deduplicated tree in the chunk store) and
+:mod:`.sharded` (one payload per rank); ``taskpoint.torch`` registers its own (a DCP file set). Another package
+adds a kind by registering an object that follows :class:`StepKind` with :func:`register_step_kind` when its
+module is imported, and by naming that module in the entry-point group :data:`ENTRY_POINT_GROUP`, so that a
+process reading such a step imports it (as payload kinds are found, :mod:`taskpoint.payloads`)::
 
     [project.entry-points."taskpoint.step_kinds"]
     notes = "my_package.kind"
@@ -15,6 +17,7 @@ kinds are found, :mod:`taskpoint.payloads`)::
 
 from __future__ import annotations
 
+import contextlib
 import io
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -33,6 +36,7 @@ from ..background import Handover
 from ..dedup import Dedup
 from ..rebuild import Rebuilder
 from ..shards import RankPlan
+from ..step_commit import Stored
 from ..steps import StepObjects, StepStore
 
 #: What removes an object a committed step names. taskpoint's own retention and sweeps never do: a save that a
@@ -45,8 +49,9 @@ ENTRY_POINT_GROUP = "taskpoint.step_kinds"
 
 
 @dataclass(frozen=True)
-class Parts:
-    """The manager's parts a step kind works with, passed down to every call."""
+class StepContext:
+    """What the manager hands a step kind on every call: its step store (the objects of each step's folder), the
+    payloads' codec and level, the grace period of leftovers, the ranks, and the chunk store's reads and saves."""
 
     steps: StepStore
     codec: Codec
@@ -64,7 +69,7 @@ class Parts:
 
 @dataclass(frozen=True)
 class SaveJob:
-    """One save of ``payload`` as ``step``: what the kind stores and commits."""
+    """One save of ``payload`` as ``step``: what the kind stores, for the manager to commit."""
 
     step: int
     metadata: dict[str, Any]
@@ -73,22 +78,12 @@ class SaveJob:
     payload: Payload | StepContent
     saver: Handover | None
     progress: Progress
-    #: Nobody checked that ``step`` is not committed yet: the kind's commit creates the manifest only where there
-    #: is none (a conditional create, one round trip instead of a read before the save and the write after it)
-    #: and raises :meth:`StepStore.taken <taskpoint.manager.steps.StepStore.taken>` where there is one. Only for
-    #: kinds that commit so (:func:`commits_exclusively`).
+    #: What the kind holds from its store until the commit is over, entered on this stack (a deduplicated save's
+    #: lease on the chunk store; rank 0's lease on the folder of a step of several ranks).
+    until_committed: contextlib.ExitStack[bool | None]
+    #: Nobody checked that ``step`` is not committed yet: the commit creates the manifest only where there is
+    #: none (:func:`~taskpoint.manager.step_commit.commit`). Only for kinds that say so (:func:`commits_exclusively`).
     exclusive: bool = False
-
-
-@dataclass(frozen=True)
-class Saved:
-    """What a kind's save did: whether this process committed the step (a rank > 0 only records its shard),
-    and the bytes that crossed the wire."""
-
-    committed: bool
-    sent: int
-    #: The objects of the step's folder its manifest names (an overwritten step's others then go).
-    names: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -121,22 +116,23 @@ class StepKind(Protocol):
         malformed: the manifest is then reported damaged."""
         ...
 
-    def accepts(self, payload: Payload, parts: Parts) -> bool:
+    def accepts(self, payload: Payload, context: StepContext) -> bool:
         """Whether :meth:`CheckpointManager.save <taskpoint.CheckpointManager.save>` saves ``payload`` as this
         kind (asked in the order kinds were given to the manager)."""
         ...
 
-    def save(self, parts: Parts, job: SaveJob) -> Saved:
-        """Store the payload and commit the step with its manifest (written last)."""
+    def store(self, context: StepContext, job: SaveJob) -> Stored:
+        """Store the payload's objects in the step's folder and say what was stored: the manager then checks
+        them and commits the step with its manifest, written last (a kind never writes one)."""
         ...
 
-    def restore(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path, progress: Progress
-                ) -> Path:
+    def restore(self, context: StepContext, step: int, manifest: StepManifest, workspace: Path,
+                progress: Progress) -> Path:
         """Restore the step into ``workspace``, every byte verified; what a load returns. :class:`Gone` when
         an object it names is missing (the caller tells an overwrite from damage)."""
         ...
 
-    def verify(self, parts: Parts, step: int, manifest: StepManifest, progress: object) -> Checked:
+    def verify(self, context: StepContext, step: int, manifest: StepManifest, progress: object) -> Checked:
         """Read every byte the step holds against its checksum, keeping nothing (``progress``: the caller's
         ``progress=`` value). CheckpointCorruptError when damaged; FileNotFoundError when an object is missing."""
         ...
@@ -149,7 +145,7 @@ class StepKind(Protocol):
         """Remove what the step holds besides its manifest (removed already); the names it removed."""
         ...
 
-    def describe(self, parts: Parts, step: int, manifest: StepManifest) -> Described:
+    def describe(self, context: StepContext, step: int, manifest: StepManifest) -> Described:
         """The kind's part of the step's description (``taskpoint show``), read without the payload."""
         ...
 
@@ -164,13 +160,13 @@ class PartialKind(Protocol):
     for ``restore(paths=...)`` and ``open()``). ``paths`` are normalized relative paths
     (:func:`~taskpoint.format.index.normalize_paths`); each read is verified before its bytes are used."""
 
-    def restore_paths(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path,
+    def restore_paths(self, context: StepContext, step: int, manifest: StepManifest, workspace: Path,
                       paths: Sequence[str], progress: Progress) -> Path:
         """Restore only ``paths`` of the step (folders with what lies below them) into ``workspace``; KeyError
         naming a path the step lacks; :class:`Gone` as :meth:`StepKind.restore`."""
         ...
 
-    def open_file(self, parts: Parts, step: int, manifest: StepManifest, path: str) -> io.BufferedReader:
+    def open_file(self, context: StepContext, step: int, manifest: StepManifest, path: str) -> io.BufferedReader:
         """A read-only binary file of the step's file ``path``, read on demand; KeyError when there is none."""
         ...
 
@@ -180,26 +176,38 @@ class InPlaceKind(Protocol):
     restored as :meth:`StepKind.restore` does). Only the manager's own reads use it, while they hold the step
     against retention and deletion; committed objects are never rewritten, so what was verified stays so."""
 
-    def restore_in_place(self, parts: Parts, step: int, manifest: StepManifest, progress: Progress) -> Path | None:
+    def restore_in_place(self, context: StepContext, step: int, manifest: StepManifest, progress: Progress
+                         ) -> Path | None:
         """The folder inside the step's own folder that holds what :meth:`StepKind.restore` would return, every
         byte verified there first (the same errors, :class:`Gone` included); None when the step cannot be read
         where it lies (not on local disk, say): the caller then restores a copy."""
         ...
 
 
-def in_place_folder(kind: StepKind, parts: Parts, step: int, manifest: StepManifest, progress: Progress
+def in_place_folder(kind: StepKind, context: StepContext, step: int, manifest: StepManifest, progress: Progress
                     ) -> Path | None:
     """The step's folder verified where it lies by ``kind`` (an :class:`InPlaceKind`), or None when ``kind``
     cannot read steps in place or this one not."""
     if not hasattr(kind, "restore_in_place"):
         return None
-    return cast(InPlaceKind, kind).restore_in_place(parts, step, manifest, progress)
+    return cast(InPlaceKind, kind).restore_in_place(context, step, manifest, progress)
 
 
 def commits_exclusively(kind: StepKind) -> bool:
-    """Whether ``kind`` honours :attr:`SaveJob.exclusive` (optional: a kind says so with ``exclusive = True``;
-    the manager reads the manifest before the save of any other kind)."""
+    """Whether the commit of ``kind``'s steps may be create-only (:attr:`SaveJob.exclusive`; optional: a kind
+    says so with ``exclusive = True``; the manager reads the manifest before the save of any other kind)."""
     return getattr(kind, "exclusive", False) is True
+
+
+def store(kind: StepKind, context: StepContext, job: SaveJob) -> Stored:
+    """What ``kind`` stored of ``job`` (:meth:`StepKind.store`). CheckpointError for a kind written for taskpoints
+    whose kinds committed their steps themselves (a ``save`` method and no ``store``): it reads, it cannot save."""
+    if not hasattr(kind, "store"):
+        raise CheckpointError(
+            f"step kind {kind.name!r} cannot save with this taskpoint: it commits its steps itself (save()), and step "
+            "kinds now store their objects and return what they stored (store()), which the manager commits. Its "
+            "steps still load; upgrade the package that provides it")
+    return kind.store(context, job)
 
 
 def partial_kind(kind: StepKind) -> PartialKind:
@@ -283,14 +291,14 @@ def content_of(manifest: StepManifest, content_class: type[C]) -> C:
     return content
 
 
-def stored_part(parts: Parts, step: int, name: str, size: int | None, sha256: str | None, progress: object,
+def stored_part(context: StepContext, step: int, name: str, size: int | None, sha256: str | None, progress: object,
                 label: str, digest: str = "sha256") -> int:
     """Hash the object ``name`` of ``step``'s folder and compare it with the ``size`` and ``sha256`` its
     manifest records (the hexdigest of ``digest``, a :data:`~taskpoint.digests.DIGESTS` name: a file-set's file
     listed by pieces names its piece hash); its size. CheckpointCorruptError when it differs, FileNotFoundError
     when it is missing."""
 
-    steps = parts.steps
+    steps = context.steps
     with _progress.resolve(progress, label) as tracker:
         try:
             found, hexdigest = hash_object(steps.object(step, name), digest, size, tracker)
@@ -304,12 +312,12 @@ def stored_part(parts: Parts, step: int, name: str, size: int | None, sha256: st
     return found
 
 
-def read_object(parts: Parts, step: int, name: str, record: ObjectRecord, workspace: Path, progress: Progress,
+def read_object(context: StepContext, step: int, name: str, record: ObjectRecord, workspace: Path, progress: Progress,
                 only: Sequence[str] | None = None) -> Path:
     """Restore the payload object ``name`` of ``step``'s folder into ``workspace``, checked against ``record``
     (kind, size, sha256) while it streams; ``only``: just these paths of a directory (the rest is streamed,
     verified and skipped). :class:`Gone` when the object is missing."""
-    steps = parts.steps
+    steps = context.steps
     src = steps.object(step, name)
 
     def verify(kind: str, size: int, digest: str) -> None:

@@ -6,6 +6,7 @@ the chunks no manifest names. Its manifest keeps the layout of format version 2.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import time
 import uuid
@@ -23,9 +24,9 @@ from ...format.subset import PieceFile, open_pieces
 from ...payloads import Payload
 from ..dedup import deduplicable
 from ..rebuild import MissingChunk
-from ..step_names import MANIFEST_NAME
+from ..step_commit import Stored
 from ..steps import StepObjects, StepStore
-from . import GONE_HOW, Checked, Described, Gone, Parts, Saved, SaveJob, register_step_kind
+from . import GONE_HOW, Checked, Described, Gone, SaveJob, StepContext, register_step_kind
 
 
 @dataclass(frozen=True)
@@ -62,72 +63,68 @@ class ChunkedKind:
             raise ValueError("the chunk size is not positive")
         return ChunkedStep(tree)
 
-    def accepts(self, payload: Payload | object, parts: Parts) -> bool:
-        return parts.dedup is not None and isinstance(payload, Payload) and deduplicable(payload)
+    def accepts(self, payload: Payload | object, context: StepContext) -> bool:
+        return context.dedup is not None and isinstance(payload, Payload) and deduplicable(payload)
 
-    def save(self, parts: Parts, job: SaveJob) -> Saved:
-        dedup, payload, step = parts.dedup, job.payload, job.step
+    def store(self, context: StepContext, job: SaveJob) -> Stored:
+        dedup, payload = context.dedup, job.payload
         assert dedup is not None and isinstance(payload, Payload)
         record = ObjectRecord(kind=payload.kind, codec="chunked", save_id=uuid.uuid4().hex, created=time.time())
-        location = parts.steps.object(step, MANIFEST_NAME)
-        with dedup.lease():  # its chunks: named by the lease until the commit
-            size, digest, tree = dedup.store(payload, job.progress)
-            sent = dedup.last.uploaded_bytes if dedup.last else size  # what crossed the wire
-            manifest = StepManifest(step=step, record=dataclasses.replace(record, size=size, sha256=digest),
-                                    attempt=job.attempt, metadata=job.metadata, content=ChunkedStep(tree))
-            dedup.commit(tree, lambda: location.write_small(manifest.to_bytes(), action="commit the checkpoint at"),
-                         location.remove)
-        return Saved(committed=True, sent=sent)
+        job.until_committed.enter_context(dedup.lease())  # its chunks: named by the lease until the commit
+        size, digest, tree = dedup.store(payload, job.progress)
+        record = dataclasses.replace(record, size=size, sha256=digest)
+        return Stored(ChunkedStep(tree), record, sent=dedup.last.uploaded_bytes if dedup.last else size,
+                      guard=functools.partial(dedup.commit, tree))
 
-    def restore(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path, progress: Progress
-                ) -> Path:
+    def restore(self, context: StepContext, step: int, manifest: StepManifest, workspace: Path,
+                progress: Progress) -> Path:
         try:
-            return parts.rebuilder.restore(step, _tree(manifest), manifest.record.kind, workspace, progress)
+            return context.rebuilder.restore(step, _tree(manifest), manifest.record.kind, workspace, progress)
         except MissingChunk as missing:
-            raise Gone(f"step {step} in {parts.steps.directory} is damaged: {missing} (removed after the "
+            raise Gone(f"step {step} in {context.steps.directory} is damaged: {missing} (removed after the "
                        f"commit{GONE_HOW}). Restore an older step (fallback=True), or save it again.") from None
 
-    def restore_paths(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path,
+    def restore_paths(self, context: StepContext, step: int, manifest: StepManifest, workspace: Path,
                       paths: Sequence[str], progress: Progress) -> Path:
         """Only the chunks of the files ``paths`` name, each verified by its sha256."""
         tree = _tree(manifest)
         chosen = {e.path for e in tree.entries if covered(e.path, paths) is not None}
         missing = [p for p in paths if not any(covered(c, [p]) for c in chosen)]
         if missing:
-            raise KeyError(f"not in step {step} of {parts.steps.directory}: {', '.join(map(repr, missing))}")
+            raise KeyError(f"not in step {step} of {context.steps.directory}: {', '.join(map(repr, missing))}")
         above = {"/".join(c.split("/")[:i]) for c in chosen for i in range(1, c.count("/") + 1)}
         subset = ChunkedTree(tree.chunk_size, tuple(e for e in tree.entries
                                                      if e.path in chosen or (e.type == "dir" and e.path in above)))
-        return self.restore(parts, step, dataclasses.replace(manifest, content=ChunkedStep(subset)), workspace,
+        return self.restore(context, step, dataclasses.replace(manifest, content=ChunkedStep(subset)), workspace,
                             progress)
 
-    def open_file(self, parts: Parts, step: int, manifest: StepManifest, path: str) -> io.BufferedReader:
+    def open_file(self, context: StepContext, step: int, manifest: StepManifest, path: str) -> io.BufferedReader:
         name = normalize_path(path)
         tree = _tree(manifest)
         entry = next((e for e in tree.entries if e.path == name), None)
         if entry is None:
-            raise KeyError(f"not in step {step} of {parts.steps.directory}: {path!r}")
+            raise KeyError(f"not in step {step} of {context.steps.directory}: {path!r}")
         if entry.type != "file":
             raise IsADirectoryError(f"{path!r} is a folder of step {step}, not a file") if entry.type == "dir" \
                 else ValueError(f"{path!r} is a symlink in step {step}; open the file it points to")
-        size, chunks = tree.chunk_size, parts.rebuilder.chunks
+        size, chunks = tree.chunk_size, context.rebuilder.chunks
 
         def fetch(i: int) -> bytes:
             try:
                 return chunks.get(entry.chunks[i], min(size, entry.size - i * size))
             except FileNotFoundError:
-                raise CheckpointCorruptError(f"step {step} in {parts.steps.directory} is damaged: file {name!r} "
+                raise CheckpointCorruptError(f"step {step} in {context.steps.directory} is damaged: file {name!r} "
                                              f"needs chunk {chunks.uri(entry.chunks[i])}, which is missing") from None
 
         raw = PieceFile([i * size for i in range(len(entry.chunks))], fetch, 0, entry.size,
-                        f"{parts.steps.step_uri(step)}:{name}")
+                        f"{context.steps.step_uri(step)}:{name}")
         return open_pieces(raw)
 
-    def verify(self, parts: Parts, step: int, manifest: StepManifest, progress: object) -> Checked:
+    def verify(self, context: StepContext, step: int, manifest: StepManifest, progress: object) -> Checked:
         tree = _tree(manifest)
         try:
             with _progress.resolve(progress, f"verify step {step}") as tracker:
-                total = parts.rebuilder.verify(step, tree, tracker)
+                total = context.rebuilder.verify(step, tree, tracker)
         except MissingChunk as missing:
             raise FileNotFoundError(str(missing)) from None
         return Checked(total, f"deduplicated: {tree.count('file')} files in {tree.chunk_count()} chunks, each "
@@ -143,7 +140,7 @@ class ChunkedKind:
     def delete(self, steps: StepStore, step: int, manifest: StepManifest) -> set[str]:
         return set()  # its chunks go with the sweep of the chunk store, once no manifest names them
 
-    def describe(self, parts: Parts, step: int, manifest: StepManifest) -> Described:
+    def describe(self, context: StepContext, step: int, manifest: StepManifest) -> Described:
         tree = _tree(manifest)
         return Described(payload="", details={
             "files": tree.count("file"), "folders": tree.count("dir"), "links": tree.count("link"),

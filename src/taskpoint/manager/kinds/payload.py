@@ -18,18 +18,17 @@ from ...format.index import normalize_path
 from ...format.records import ObjectRecord, StepManifest
 from ...partial import indexed, open_by_restoring, open_indexed, restore_indexed
 from ...payloads import Payload
-from ...storage import VersionConflict
 from ..background import store_payload
+from ..step_commit import Stored
 from ..step_names import MANIFEST_NAME, PAYLOAD_NAME, name_in, stored_names
-from ..steps import StepObjects, StepStore, best_effort, save_clock
+from ..steps import StepObjects, StepStore, save_clock
 from . import (
     GONE_HOW,
     Checked,
     Described,
     Gone,
-    Parts,
-    Saved,
     SaveJob,
+    StepContext,
     content_of,
     read_object,
     register_step_kind,
@@ -60,66 +59,55 @@ class PayloadKind:
     def decode(self, body: dict[str, Any]) -> PayloadObject:
         return PayloadObject(name_in(body, "payload", PAYLOAD_NAME, "a payload object"))
 
-    def accepts(self, payload: Payload | object, parts: Parts) -> bool:
+    def accepts(self, payload: Payload | object, context: StepContext) -> bool:
         return isinstance(payload, Payload)
 
-    def save(self, parts: Parts, job: SaveJob) -> Saved:
-        payload, steps, step = job.payload, parts.steps, job.step
+    def store(self, context: StepContext, job: SaveJob) -> Stored:
+        payload, steps, step = job.payload, context.steps, job.step
         assert isinstance(payload, Payload)
         save_id = uuid.uuid4().hex
         name = f"payload-{save_id}"
-        location = steps.object(step, MANIFEST_NAME)
-        record = ObjectRecord(kind=payload.kind, codec=parts.codec.name if payload.archived else "raw",
+        record = ObjectRecord(kind=payload.kind, codec=context.codec.name if payload.archived else "raw",
                               save_id=save_id, created=time.time())
         manifest = StepManifest(step=step, record=record, attempt=job.attempt, metadata=job.metadata,
                                 content=PayloadObject(name))
         began = save_clock()
         # The save process commits this manifest itself (size and digest filled in) if we die meanwhile.
-        size, digest = store_payload(steps.object(step, name), payload, parts.codec, parts.level, job.saver,
-                                     (location, manifest), job.progress)
-        manifest = dataclasses.replace(manifest, record=dataclasses.replace(
-            record, size=size, sha256=digest, index=payload.written_index if payload.archived else None))
-        # A failed commit leaves the payload in place: the write may have landed although it raised (a lost
-        # response, an interrupt after the PUT), and then the manifest names this payload. Deleting it would
-        # leave a committed step naming nothing; if the manifest did not land, the payload is a leftover that
-        # no manifest names, removed by a later save or gc() once older than the grace period.
-        steps.check_stored(step, {name: size}, written_since=began, grace=parts.grace)
-        try:
-            location.write_small(manifest.to_bytes(), action="commit the checkpoint at", create=job.exclusive)
-        except VersionConflict:  # a step was there: another save's, or this one's if a retry met its landed write
-            if not manifest.same_save(steps.manifest(step, tolerate_corrupt=True)):
-                best_effort(steps.object(step, name).remove)  # no manifest will name it
-                raise steps.taken(step) from None
-        return Saved(committed=True, sent=size, names=frozenset({name}))
+        size, digest = store_payload(steps.object(step, name), payload, context.codec, context.level, job.saver,
+                                     (steps.object(step, MANIFEST_NAME), manifest), job.progress)
+        record = dataclasses.replace(record, size=size, sha256=digest,
+                                     index=payload.written_index if payload.archived else None)
+        return Stored(PayloadObject(name), record, {name: size}, sent=size, began=began)
 
-    def restore(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path, progress: Progress
-                ) -> Path:
-        return read_object(parts, step, content_of(manifest, PayloadObject).name, manifest.record, workspace, progress)
+    def restore(self, context: StepContext, step: int, manifest: StepManifest, workspace: Path,
+                progress: Progress) -> Path:
+        name = content_of(manifest, PayloadObject).name
+        return read_object(context, step, name, manifest.record, workspace, progress)
 
-    def restore_paths(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path,
+    def restore_paths(self, context: StepContext, step: int, manifest: StepManifest, workspace: Path,
                       paths: Sequence[str], progress: Progress) -> Path:
         """With the archive's index, ranged reads of the members that hold ``paths``; without, the whole object
         streamed and verified against its sha256, keeping those entries."""
         name, record = content_of(manifest, PayloadObject).name, manifest.record
         if not indexed(record.index, record.codec):
-            return read_object(parts, step, name, record, workspace, progress, only=paths)
+            return read_object(context, step, name, record, workspace, progress, only=paths)
         assert record.index is not None
         try:
-            return restore_indexed(parts.steps.object(step, name), record.index, paths, workspace, progress=progress)
+            return restore_indexed(context.steps.object(step, name), record.index, paths, workspace, progress=progress)
         except FileNotFoundError:
-            raise _gone(parts, step, name) from None
+            raise _gone(context, step, name) from None
 
-    def open_file(self, parts: Parts, step: int, manifest: StepManifest, path: str) -> io.BufferedReader:
+    def open_file(self, context: StepContext, step: int, manifest: StepManifest, path: str) -> io.BufferedReader:
         name, record = content_of(manifest, PayloadObject).name, manifest.record
         if not indexed(record.index, record.codec):
             return open_by_restoring(lambda folder: self.restore_paths(
-                parts, step, manifest, folder, [normalize_path(path)], NO_PROGRESS), normalize_path(path))
+                context, step, manifest, folder, [normalize_path(path)], NO_PROGRESS), normalize_path(path))
         assert record.index is not None
-        return open_indexed(parts.steps.object(step, name), record.index, path)
+        return open_indexed(context.steps.object(step, name), record.index, path)
 
-    def verify(self, parts: Parts, step: int, manifest: StepManifest, progress: object) -> Checked:
+    def verify(self, context: StepContext, step: int, manifest: StepManifest, progress: object) -> Checked:
         name, record = content_of(manifest, PayloadObject).name, manifest.record
-        size = stored_part(parts, step, name, record.size, record.sha256, progress, f"verify step {step}")
+        size = stored_part(context, step, name, record.size, record.sha256, progress, f"verify step {step}")
         return Checked(size, "sha256 matches its manifest")
 
     def objects(self, steps: StepStore, step: int, manifest: StepManifest) -> StepObjects:
@@ -130,15 +118,15 @@ class PayloadKind:
         steps.object(step, name).remove()
         return {name}
 
-    def describe(self, parts: Parts, step: int, manifest: StepManifest) -> Described:
+    def describe(self, context: StepContext, step: int, manifest: StepManifest) -> Described:
         return Described(payload=content_of(manifest, PayloadObject).name, details={})
 
     def owns(self, name: str, committed: bool) -> bool:
         return bool(_OWNED.fullmatch(name))
 
 
-def _gone(parts: Parts, step: int, name: str) -> Gone:
-    return Gone(f"step {step} in {parts.steps.directory} is committed but its payload {name} is missing: it was "
+def _gone(context: StepContext, step: int, name: str) -> Gone:
+    return Gone(f"step {step} in {context.steps.directory} is committed but its payload {name} is missing: it was "
                 f"removed after the commit{GONE_HOW}. Restore an older step (fallback=True), or delete this one.")
 
 

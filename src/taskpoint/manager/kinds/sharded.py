@@ -14,9 +14,10 @@ from ...format.records import Shard, StepManifest
 from ...payloads import Payload
 from ..background import store_payload
 from ..shards import ShardWriter
+from ..step_commit import Stored
 from ..step_names import PAYLOAD_NAME, RANK_FAILURE, RANK_RECORD, stored_names
 from ..steps import StepObjects, StepStore
-from . import Checked, Described, Parts, Saved, SaveJob, read_object, register_step_kind, stored_part
+from . import Checked, Described, SaveJob, StepContext, read_object, register_step_kind, stored_part
 
 _OWNED = stored_names(rf"{PAYLOAD_NAME.pattern}|{RANK_RECORD.pattern}|{RANK_FAILURE.pattern}")
 
@@ -52,43 +53,43 @@ class ShardedKind:
             raise ValueError("a shard names something other than a payload object")
         return Shards(shards)
 
-    def accepts(self, payload: Payload | object, parts: Parts) -> bool:
-        return parts.plan.ranks.distributed and isinstance(payload, Payload)
+    def accepts(self, payload: Payload | object, context: StepContext) -> bool:
+        return context.plan.ranks.distributed and isinstance(payload, Payload)
 
-    def save(self, parts: Parts, job: SaveJob) -> Saved:
+    def store(self, context: StepContext, job: SaveJob) -> Stored:
         payload = job.payload
         assert isinstance(payload, Payload)
-        writer = ShardWriter(parts.steps, parts.plan, parts.grace, parts.waiting)
-        codec = parts.codec.name if payload.archived else "raw"
+        writer = ShardWriter(context.steps, context.plan, context.grace, context.waiting)
+        codec = context.codec.name if payload.archived else "raw"
         # The save process finishes this rank's part (its record; on rank 0, the commit) if we die meanwhile.
-        size, names = writer.write(job.step, job.metadata, job.attempt, payload, codec, Shards,
-                                   lambda location, orphan: store_payload(location, payload, parts.codec, parts.level,
-                                                                          job.saver, orphan, progress=job.progress))
-        return Saved(committed=writer.commits, sent=size, names=frozenset(names))
+        return writer.write(job.step, job.metadata, job.attempt, payload, codec, Shards,
+                            lambda location, orphan: store_payload(location, payload, context.codec, context.level,
+                                                                   job.saver, orphan, progress=job.progress),
+                            job.until_committed)
 
-    def _own(self, parts: Parts, step: int, manifest: StepManifest) -> Shard:
+    def _own(self, context: StepContext, step: int, manifest: StepManifest) -> Shard:
         """This rank's shard; CheckpointError when the step was saved by another number of ranks."""
-        shards, ranks = _shards(manifest), parts.plan.ranks
+        shards, ranks = _shards(manifest), context.plan.ranks
         if len(shards) != ranks.world_size:
             raise CheckpointError(
-                f"step {step} in {parts.steps.directory} was saved by {len(shards)} ranks and holds one shard per "
+                f"step {step} in {context.steps.directory} was saved by {len(shards)} ranks and holds one shard per "
                 f"rank; this manager is rank {ranks.rank} of {ranks.world_size}. Restore it with {len(shards)} ranks "
                 "(for another number of ranks, save through taskpoint.torch, whose checkpoints reshard).")
         return shards[ranks.rank]
 
-    def restore(self, parts: Parts, step: int, manifest: StepManifest, workspace: Path, progress: Progress
-                ) -> Path:
-        shard = self._own(parts, step, manifest)
-        return read_object(parts, step, shard.payload, shard.record, workspace, progress)
+    def restore(self, context: StepContext, step: int, manifest: StepManifest, workspace: Path,
+                progress: Progress) -> Path:
+        shard = self._own(context, step, manifest)
+        return read_object(context, step, shard.payload, shard.record, workspace, progress)
 
-    def reads(self, parts: Parts, step: int, manifest: StepManifest) -> StepObjects:
+    def reads(self, context: StepContext, step: int, manifest: StepManifest) -> StepObjects:
         """What this rank's restore reads: its own shard (a broadcast restore shares no object of such a step)."""
-        shard = self._own(parts, step, manifest)
+        shard = self._own(context, step, manifest)
         return StepObjects(files={shard.payload: shard.record.size})
 
-    def verify(self, parts: Parts, step: int, manifest: StepManifest, progress: object) -> Checked:
+    def verify(self, context: StepContext, step: int, manifest: StepManifest, progress: object) -> Checked:
         shards = _shards(manifest)
-        size = sum(stored_part(parts, step, shard.payload, shard.record.size, shard.record.sha256, progress,
+        size = sum(stored_part(context, step, shard.payload, shard.record.size, shard.record.sha256, progress,
                                f"verify step {step}: {shard.payload}") for shard in shards)
         return Checked(size, f"{len(shards)} shards, sha256 matches its manifest")
 
@@ -101,7 +102,7 @@ class ShardedKind:
             steps.object(step, name).remove()
         return names
 
-    def describe(self, parts: Parts, step: int, manifest: StepManifest) -> Described:
+    def describe(self, context: StepContext, step: int, manifest: StepManifest) -> Described:
         return Described(payload="", details={"shards": [
             {"rank": s.rank, "payload": s.payload, "size": s.record.size, "sha256": s.record.sha256}
             for s in _shards(manifest)]})
