@@ -78,7 +78,7 @@ def test_a_parallel_ranged_read_from_a_stalled_store_ends_at_the_deadline(s3_ser
         took = time.monotonic() - started
         assert proxy.stats()["stall"] >= 1  # the ranges really were sent, and never answered
     assert retry.runs.count("load the checkpoint from") == 1
-    # fsspec cancelled the range at the deadline, and the error names it (tests/test_transfer_stalls.py)
+    # fsspec cancelled the range at the deadline, and the error names it (tests/e2e/test_transfer_stalls.py)
     assert re.search(r"TransferStalled: .*bytes \d+-\d+ of s3://\S+/ckpt made no progress", str(info.value))
     # Generous: the stalls last 240 s, and botocore's read timeout (lowered to the deadline) with its retries
     # kept the old code here for over a minute.

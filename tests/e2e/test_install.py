@@ -3,7 +3,7 @@ saves and loads there, through the library and the installed ``taskpoint`` scrip
 
 The build is ``make dist``'s (``python -m build``: the sdist, then the wheel from the sdist) of this checkout's
 files; the fresh venvs see nothing of this checkout (no PYTHONPATH) and pip fetches the extras' clients from
-the index. The heavy extras (jax, torch) are not installed here: tests/test_jax.py and tests/test_torch_dcp.py
+the index. The heavy extras (jax, torch) are not installed here: tests/test_jax.py and tests/e2e/test_torch_dcp.py
 run them from the test venv.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 #: Each store's extra and the server fixture it saves to.
 EXTRAS = {"s3": "s3_server", "gcs": "gcs_server", "azure": "azure_server"}
 

@@ -30,7 +30,7 @@ from taskpoint.storage import Location, _obstore, _s3, objectstores
 from taskpoint.storage.backends import Kind
 
 T = TypeVar("T")
-SRC = str(Path(__file__).resolve().parent.parent / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def _uploads(fs: Any, path: str) -> list[dict[str, Any]]:

@@ -34,7 +34,7 @@ fsspec_dcp = LazyModule("torch.distributed.checkpoint._fsspec_filesystem")
 tp_torch = LazyModule("taskpoint.torch")
 worker = LazyModule("_dcp_worker")
 
-WORKER = Path(__file__).with_name("_dcp_worker.py")
+WORKER = Path(__file__).parents[1] / "_dcp_worker.py"
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"), requires("torch")]
 
 

@@ -16,9 +16,9 @@ import pytest
 from helpers import make_tree
 from taskpoint import Checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FLYTE_PYTHON = Path(os.environ.get("TASKPOINT_FLYTE_PYTHON", ROOT / ".venv-flyte" / "bin" / "python"))
-SCRIPT = Path(__file__).with_name("compat") / "flyte_side.py"
+SCRIPT = Path(__file__).parents[1] / "compat" / "flyte_side.py"
 
 if not FLYTE_PYTHON.exists():
     pytest.skip(f"no flyte venv at {FLYTE_PYTHON}; `make test` creates it", allow_module_level=True)

@@ -22,7 +22,7 @@ from helpers import requires
 
 pytestmark = [pytest.mark.slow, requires("lightning", "torch")]
 
-WORKER = Path(__file__).resolve().parent / "_lightning_same_run.py"
+WORKER = Path(__file__).resolve().parents[1] / "_lightning_same_run.py"
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # make test passes the venv's python relative to the checkout (.venv-flyte/bin/python); the tasks run elsewhere.
 FLYTE_PYTHON = ROOT / os.environ.get("TASKPOINT_FLYTE_PYTHON", ".venv-flyte/bin/python")
-SCRIPT = Path(__file__).with_name("compat") / "flyte_bridge_side.py"
+SCRIPT = Path(__file__).parents[1] / "compat" / "flyte_bridge_side.py"
 
 if not FLYTE_PYTHON.exists():
     pytest.skip(f"no flyte venv at {FLYTE_PYTHON}; `make test` creates it", allow_module_level=True)

@@ -70,7 +70,7 @@ def test_rank_killed_in_the_middle_of_its_upload_abandons_the_step(s3_store: Any
     StepAbandonedError after commit_timeout, step 2 never appears, step 1 restores on every rank, and gc() past
     the grace period removes the abandoned shards and aborts the upload (but not before the grace). The ranks
     upload from the trainer itself (no save process): a save process would finish the shard of a trainer that
-    died, and its record with it (tests/test_preempt_ranks.py), so the upload would not stay cut."""
+    died, and its record with it (tests/e2e/test_preempt_ranks.py), so the upload would not stay cut."""
     go = tmp_path / "go"
     big = 160 << 20
     args = {"directory": s3_store.url("ckpts"), "options": s3_store.storage_options, "commit_timeout": 6,

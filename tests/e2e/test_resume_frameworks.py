@@ -26,7 +26,7 @@ from helpers import requires
 
 pytestmark = pytest.mark.slow
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 class Framework(NamedTuple):

@@ -7,7 +7,7 @@ object and the part or byte range, and the previous step stays the resume point.
 No test here asserts how long anything took: the deadline and the stall timeout are short so that the tests end
 soon, and what is asserted is what happened (the requests the proxy held and saw again, the error's words, the
 steps that exist and what they restore). The three ranks of a job stalled on one part are in
-tests/test_transfer_stalls_torchrun.py.
+tests/e2e/test_transfer_stalls_torchrun.py.
 """
 
 from __future__ import annotations

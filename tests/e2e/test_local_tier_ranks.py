@@ -29,7 +29,7 @@ from conftest import _location_fixture
 from helpers import process_gone
 from taskpoint import CheckpointManager
 
-WORKER = Path(__file__).with_name("_local_tier_ranks_worker.py")
+WORKER = Path(__file__).parents[1] / "_local_tier_ranks_worker.py"
 WORLD = 2
 pytestmark = pytest.mark.slow  # several processes per test: scheduled first
 RANK_REMOTES = ["local", "s3"]

@@ -123,6 +123,7 @@ def test_a_stale_local_copy_is_never_restored_the_committed_step_is(remote, tmp_
         assert far.verify().healthy and far.restore(3).read_bytes() == state("B", 3)
 
 
+@pytest.mark.slow
 def test_verify_ls_and_show_with_local_dir_report_a_local_copy_that_is_not_the_committed_step(remote, tmp_path):
     node_a = tmp_path / "node-a"
     node_a_killed_before_promoting_step_3(remote, node_a)

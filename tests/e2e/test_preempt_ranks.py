@@ -1,7 +1,7 @@
 """Preemption of a 4-rank job: every rank stops at one agreed step, the emergency step commits whole, and a
 relaunch resumes from it bit-identical; background saves of 4 ranks outlive their SIGKILLed trainers.
 
-Real processes with torchrun's variables (as tests/test_torch_dcp.py starts them), real SIGTERMs and SIGKILLs,
+Real processes with torchrun's variables (as tests/e2e/test_torch_dcp.py starts them), real SIGTERMs and SIGKILLs,
 local disk and the S3 server; with a gloo process group (the agreement through it) and without one (through
 storage). Step times are skewed per rank by a schedule drawn from a fixed seed (one rank 3x slower); the
 moment of the signal is drawn from it too. Nothing here depends on timing to pass: every wait polls.
@@ -28,7 +28,7 @@ import pytest
 import taskpoint
 from helpers import ORPHAN_EXIT_SLACK, process_gone
 
-WORKER = Path(__file__).with_name("_preempt_ranks_worker.py")
+WORKER = Path(__file__).parents[1] / "_preempt_ranks_worker.py"
 WORLD = 4
 pytestmark = pytest.mark.slow  # several processes per trial: scheduled first
 STORES = pytest.mark.parametrize("store", ["local", "s3"], indirect=True)

@@ -36,8 +36,8 @@ from _servers import StoreLocation
 from conftest import _remove_quietly
 from helpers import TORCHRUN, run_torchrun
 
-WORKER = Path(__file__).with_name("_matrix_worker.py")
-DOCS = Path(__file__).parents[1] / "docs" / "manager.md"
+WORKER = Path(__file__).parents[1] / "_matrix_worker.py"
+DOCS = Path(__file__).parents[2] / "docs" / "manager.md"
 STORES = ("local", "s3")
 #: The bound of one 3-rank launch: three workers import torch and jax on two busy cores, then run ten cells.
 LAUNCH_WITHIN = 600.0

@@ -34,7 +34,7 @@ torch = LazyModule("torch")
 tp_torch = LazyModule("taskpoint.torch")
 tp_jax = LazyModule("taskpoint.jax")
 worker = LazyModule("_broadcast_worker")
-WORKER = Path(__file__).with_name("_broadcast_worker.py")
+WORKER = Path(__file__).parents[1] / "_broadcast_worker.py"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 WORLD = 4
 #: Bytes of the payload step: three 16 MiB blocks of the exchange (the last short), read by three ranks.

@@ -27,7 +27,7 @@ from taskpoint import CheckpointManager, SaveStalledError
 from taskpoint.manager.leases import MTIME_RESOLUTION
 from taskpoint.storage import Location
 
-WORKER = Path(__file__).with_name("_stall_worker.py")
+WORKER = Path(__file__).parents[1] / "_stall_worker.py"
 #: The grace of the stalled saves and of the sweeps that judge them (seconds).
 GRACE = 2.0
 LOCAL_S3 = pytest.mark.parametrize("store", ["local", "s3"], indirect=True)

@@ -133,6 +133,7 @@ def kill_campaign(remote, tmp_path: Path, trials: int, seed: int) -> dict[str, i
 
 
 @pytest.mark.parametrize("remote", ["s3"], indirect=True)
+@pytest.mark.slow
 def test_sigkill_at_random_moments_never_lists_a_step_that_does_not_restore(remote, tmp_path):
     outcomes = kill_campaign(remote, tmp_path, KILL_TRIALS, seed=24)
     assert sum(outcomes.values()) == KILL_TRIALS

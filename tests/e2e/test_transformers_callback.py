@@ -35,7 +35,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: never a d
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "hf_train_resume.py"
 MAX_STEPS, SAVE_STEPS = 10, 2
 TIMEOUT = 120

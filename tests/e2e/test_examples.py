@@ -12,7 +12,7 @@ from pathlib import Path
 
 from helpers import wait_until
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _run(script: str, *args: str, cwd: Path, env: dict[str, str] | None = None) -> str:

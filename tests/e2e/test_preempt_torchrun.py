@@ -2,7 +2,7 @@
 agreed step, the step commits whole, every rank exits 143, and the relaunch (or the agent's own restart with
 ``--max-restarts 1``) resumes from it.
 
-What tests/test_preempt_ranks.py cannot show, since it starts the ranks itself: torchrun's elastic agent
+What tests/e2e/test_preempt_ranks.py cannot show, since it starts the ranks itself: torchrun's elastic agent
 watches its workers, and when one exits it sends SIGTERM to the others and SIGKILL 30 s later (and, with
 restarts left, starts them all again). Before the fix a rank > 0 exited right after storing its shard, and
 the agent's SIGTERM then ended the ranks still on their way to the step: no emergency step, in every trial.
@@ -31,7 +31,7 @@ import pytest
 
 import taskpoint
 
-WORKER = Path(__file__).with_name("_preempt_ranks_worker.py")
+WORKER = Path(__file__).parents[1] / "_preempt_ranks_worker.py"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 WORLD = 4
 #: Bounds of the waits below (seconds): generous, since 4 workers import torch on 2 busy cores.

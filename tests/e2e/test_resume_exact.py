@@ -20,7 +20,7 @@ from helpers import WorkerProcess, requires
 
 pytestmark = [pytest.mark.slow, requires("torch", "numpy")]
 
-WORKER = Path(__file__).with_name("_resume_worker.py")
+WORKER = Path(__file__).parents[1] / "_resume_worker.py"
 STEPS = 24  # 3 epochs of 48 samples in batches of 6
 EPOCH_STEPS = 8
 

@@ -29,7 +29,7 @@ from helpers import ORPHAN_EXIT_SLACK, process_gone, wait_until
 from taskpoint import preemption
 from taskpoint.runtime.layout import STEPS_FOLDER
 
-TRAINER = Path(__file__).with_name("_preempt_trainer.py")
+TRAINER = Path(__file__).parents[1] / "_preempt_trainer.py"
 SIZE = 16 * 1024 * 1024
 
 

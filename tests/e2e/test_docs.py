@@ -30,7 +30,7 @@ import click
 import fsspec
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 DOC_BUCKET = "my-bucket"
 MAX_NOT_RUN = 6  # such blocks should stay rare: raise this only with a reason in the block's marker

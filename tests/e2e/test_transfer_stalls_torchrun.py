@@ -24,7 +24,7 @@ from _fault_proxy import fault_proxy
 from helpers import TORCHRUN, run_torchrun
 from taskpoint import CheckpointManager
 
-WORKER = Path(__file__).with_name("_stalled_rank_worker.py")
+WORKER = Path(__file__).parents[1] / "_stalled_rank_worker.py"
 WORLD = 3
 #: The stalled rank's retry deadline and stall timeout, rank 0's commit timeout and every rank's grace (seconds):
 #: the commit timeout is far longer than the stalled rank's deadline, so rank 0 stops on the rank's note.

@@ -24,7 +24,7 @@ from helpers import requires
 
 pytestmark = [pytest.mark.slow, requires("torch")]
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TIMEOUT = 180
 
 TORCH_EXAMPLE = "pytorch_task_checkpoint.py"

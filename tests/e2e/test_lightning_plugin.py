@@ -36,7 +36,7 @@ torch = LazyModule("torch")
 tl = LazyModule("taskpoint.lightning")
 models = LazyModule("_lightning_models")
 
-TRIALS = Path(__file__).resolve().parent / "_lightning_trials.py"
+TRIALS = Path(__file__).resolve().parents[1] / "_lightning_trials.py"
 RECORD = ".taskpoint.json"
 SIGKILL_TRIALS = 10
 

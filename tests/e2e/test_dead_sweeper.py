@@ -21,7 +21,7 @@ import pytest
 from helpers import WorkerProcess
 from taskpoint import CheckpointManager
 
-WORKER = Path(__file__).with_name("_sweep_worker.py")
+WORKER = Path(__file__).parents[1] / "_sweep_worker.py"
 #: Local disk and SeaweedFS (conditional writes) in make test; moto as well in make reliability.
 LOCAL_S3_SEAWEED = pytest.mark.parametrize("store", [
     "local", pytest.param("s3", marks=pytest.mark.campaign("the dead sweeper on moto too (make test: local, Seaweed)")),
