@@ -24,7 +24,7 @@ from taskpoint.group import RanksMissing, Record, StorageGroup, poll
 from taskpoint.ranks import Ranks
 from taskpoint.storage import Location
 
-WORKER = Path(__file__).with_name("_group_worker.py")
+WORKER = Path(__file__).parents[1] / "_group_worker.py"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 WORLD = 3
 #: The bound on one job of worker processes (seconds): torch imports on 2 busy cores included.
