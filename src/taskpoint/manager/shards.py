@@ -58,9 +58,6 @@ from .steps import StepStore, best_effort
 
 _log = logging.getLogger("taskpoint")
 
-#: How long rank 0 waits, by default, for every rank's shard of a step before abandoning it (seconds).
-DEFAULT_COMMIT_TIMEOUT = 600.0
-
 
 @dataclass(frozen=True)
 class RankPlan:
