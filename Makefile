@@ -1,5 +1,8 @@
 # taskpoint: two commands on a fresh machine.
 #   make demo   set up .venv with the core only (no extras), then run the quick-start example on the local default root
+#   make check  the fast door: set up .venv (no servers), then run every test that starts no server and no process
+#               (tests/ but tests/e2e/, on local disk and memory:// only: pytest --fast) in under two minutes; a test
+#               of it that asks for a server or starts a process fails, naming it
 #   make test   set up .venv and the object-store servers, check the import layers, then run the whole suite
 #   make reliability  the reliability campaign of issue 11 (RELIABILITY_ARGS="--quick" for the bounded run)
 #   make docs   set up .venv with the docs extra only, build the documentation site into site/ (mkdocs --strict:
@@ -28,7 +31,7 @@ NPM_DIR := tests/servers
 NPM_STAMP := $(NPM_DIR)/node_modules/.installed
 NPM_LOG := $(NPM_DIR)/install.log
 NPM_FAILED := $(NPM_DIR)/install.failed
-# The real flyte package, for the format-compatibility tests and the Flyte bridge (tests/test_flyte_bridge.py, tasks
+# The real flyte package, for the format-compatibility tests and the Flyte bridge (tests/e2e/test_flyte_bridge.py, tasks
 # that use taskpoint inside flyte); its pins clash with ours, so it has its own venv, with taskpoint installed there
 # too (editable, after flyte, so that flyte's pins win; taskpoint's own needs are loose enough to fit them).
 FLYTE_VENV := .venv-flyte
@@ -39,13 +42,15 @@ ROOT ?=
 BENCH_ARGS ?=
 RELIABILITY_ARGS ?=
 TEST_WORKERS ?= 3
+# The fast tests keep a core busy each (no server or process to wait on): one worker per core.
+CHECK_WORKERS ?= 2
 BENCH_STAMP := $(VENV)/.installed-bench
 # The site needs only the docs extra (mkdocs and the API reference read the source, importing no extra).
 DOCS_STAMP := $(VENV)/.installed-docs
 # make dist needs only the build frontend (it builds in an isolated environment of its own).
 DIST_STAMP := $(VENV)/.installed-build
 
-.PHONY: demo test dist docs bench reliability lint typecheck clean venv servers
+.PHONY: demo check test dist docs bench reliability lint typecheck clean venv servers
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -100,7 +105,7 @@ docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 PYTHONPATH=$(CURDIR)/src $(VENV)/bin/mkdocs build --strict
 
 # The environments install side by side (pip and npm wait mostly on the disk and the package index): a minute
-# less from a fresh clone than one after the other. The site is built (strictly) by tests/test_docs.py, not a
+# less from a fresh clone than one after the other. The site is built (strictly) by tests/e2e/test_docs.py, not a
 # second time here.
 # The suite runs on TEST_WORKERS pytest-xdist workers: most tests wait on servers, subprocesses and signals, so
 # three workers keep two cores busy; one set of object-store servers serves them all (tests/conftest.py).
@@ -114,6 +119,9 @@ test:
 	$(VENV)/bin/lint-imports --no-cache
 	TASKPOINT_NPM_INSTALL_LOG=$(NPM_LOG) TASKPOINT_FLYTE_PYTHON=$(FLYTE_VENV)/bin/python \
 		$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=25
+
+check: $(STAMP)
+	$(PY) -m pytest --fast -n $(CHECK_WORKERS) --durations=10
 
 reliability: $(STAMP) $(NPM_STAMP)
 	$(PY) -m tests.reliability $(RELIABILITY_ARGS)

@@ -1,4 +1,4 @@
-"""One rank of a gloo job for tests/test_broadcast_restore.py and ``benchmarks --methods broadcast``, started by the
+"""One rank of a gloo job for tests/e2e/test_broadcast_restore.py and ``benchmarks --methods broadcast``, started by the
 real ``torchrun``: ``python tests/_broadcast_worker.py PHASES_JSON``.
 
 Each rank joins one gloo process group (its collectives bounded by :data:`GROUP_TIMEOUT`), then runs the phases

@@ -1,4 +1,4 @@
-"""One rank of a gloo job on CPU for tests/test_torch_dcp.py: ``python tests/_dcp_worker.py ACTIONS_JSON``.
+"""One rank of a gloo job on CPU for tests/e2e/test_torch_dcp.py: ``python tests/_dcp_worker.py ACTIONS_JSON``.
 
 The launcher sets torchrun's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). The model's
 parameters are DTensors over a 1-D CPU mesh of every rank (weights sharded on dim 0, one bias replicated), built

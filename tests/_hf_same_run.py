@@ -1,4 +1,4 @@
-"""One attempt of a Hugging Face Trainer run for tests/test_resume_frameworks.py:
+"""One attempt of a Hugging Face Trainer run for tests/e2e/test_resume_frameworks.py:
 ``python _hf_same_run.py '<json>'``.
 
 A tiny GPT-2 built from a config (dropout 0.1 in its embeddings, attention and residuals; nothing from the hub),

@@ -1,4 +1,4 @@
-"""One attempt of a Lightning fit for tests/test_resume_frameworks.py:
+"""One attempt of a Lightning fit for tests/e2e/test_resume_frameworks.py:
 ``python _lightning_same_run.py '<json>'``.
 
 A small regressor with dropout, a shuffled ``DataLoader`` (``RandomSampler``, no generator of its own), three

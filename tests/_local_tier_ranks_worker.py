@@ -1,4 +1,4 @@
-"""One rank of a 2-rank job with a local tier, run as a real process by tests/test_local_tier_ranks.py.
+"""One rank of a 2-rank job with a local tier, run as a real process by tests/e2e/test_local_tier_ranks.py.
 
 The rank comes from torchrun's variables; the argument is one JSON object: ``remote`` and ``options`` (the
 remote tier), ``local`` (this job's local folders, one per rank: ``<local>/rank-<k>``, as each node has its

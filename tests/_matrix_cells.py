@@ -1,5 +1,5 @@
 """One cell of issue 41's matrix (kind x ranks x tier), run through the public API only, for
-tests/test_manager_matrix.py (one rank, in the test's process) and tests/_matrix_worker.py (3 ranks under torchrun).
+tests/e2e/test_manager_matrix.py (one rank, in the test's process) and tests/_matrix_worker.py (3 ranks under torchrun).
 
 A cell saves steps 1 and 2 of its kind, restores the newest, and with a local tier also restores it from each tier
 alone (from the local copies, with a remote tier that never held the step; and from the remote tier, on a node whose

@@ -1,4 +1,4 @@
-"""One rank of the 3-rank job of tests/test_manager_matrix.py, started by the real ``torchrun`` (gloo, CPU).
+"""One rank of the 3-rank job of tests/e2e/test_manager_matrix.py, started by the real ``torchrun`` (gloo, CPU).
 
 The argument is one JSON object: ``base`` and ``options`` (the remote store: each cell a folder of ``base``),
 ``local`` (the node folders: each rank its own in it, as each node has its own disk) and ``cells`` (their ids,

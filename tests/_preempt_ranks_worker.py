@@ -1,4 +1,4 @@
-"""One rank of a 4-rank training job that a preemption stops, run as a real process by tests/test_preempt_ranks.py.
+"""One rank of a 4-rank training job that a preemption stops, run as a real process by tests/e2e/test_preempt_ranks.py.
 
 The rank comes from torchrun's variables; the argument is one JSON object. Prints one JSON line per event on
 stdout (``{"event": ...}``), flushed, so that the test can follow it.

@@ -1,4 +1,4 @@
-"""One rank of a multi-rank job, run as a real process by tests/test_manager_ranks.py and test_ranks_runtime.py.
+"""One rank of a multi-rank job, run as a real process by tests/e2e/test_manager_ranks.py and test_ranks_runtime.py.
 
 The rank comes from the environment (``RANK``/``WORLD_SIZE`` as torchrun sets them); arguments are one JSON
 object. Prints one JSON line per event on stdout (``{"event": ...}``), flushed, so the test can follow it.

@@ -1,4 +1,4 @@
-"""A plain PyTorch training loop that saves a ``TrainState`` every step, for tests/test_resume_exact.py.
+"""A plain PyTorch training loop that saves a ``TrainState`` every step, for tests/e2e/test_resume_exact.py.
 
 CPU, deterministic algorithms, one thread; a small model with dropout, a shuffled ``DataLoader`` over a dataset
 whose items draw noise from Python's ``random`` and NumPy's global generator, and label noise from a

@@ -1,4 +1,4 @@
-"""A saver that stops itself with a real SIGSTOP at a chosen moment of a save, for tests/test_stalls.py.
+"""A saver that stops itself with a real SIGSTOP at a chosen moment of a save, for tests/e2e/test_stalls.py.
 
 One JSON argument: ``directory``, ``options``, ``grace``, ``dedup``, ``files`` and ``size`` (the payload: that
 many pseudo-random files of that many bytes), ``seed``, ``step``, ``at``, the moment, and ``stop_after`` for

@@ -1,4 +1,4 @@
-"""One rank of a 3-rank gloo job started by the real ``torchrun``, for tests/test_transfer_stalls_torchrun.py.
+"""One rank of a 3-rank gloo job started by the real ``torchrun``, for tests/e2e/test_transfer_stalls_torchrun.py.
 
 The argument is one JSON object: ``directory``, ``options`` (through the test's fault proxy), ``deadline`` and
 ``stall`` (the retry policy), ``commit_timeout`` and ``grace``, ``big_rank`` (the rank whose shard of step 2 is a

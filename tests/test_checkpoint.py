@@ -300,6 +300,7 @@ def test_given_workspace_is_used_kept_and_not_shared(tmp_path):
     Checkpoint(tmp_path / "e", workspace=ws).close()  # free again after close
 
 
+@pytest.mark.e2e("starts a python process")
 def test_workspace_is_removed_at_interpreter_exit(tmp_path):
     code = (
         "import taskpoint, sys\n"
@@ -312,6 +313,7 @@ def test_workspace_is_removed_at_interpreter_exit(tmp_path):
     assert not path.exists()
 
 
+@pytest.mark.e2e("starts a python process")
 def test_import_does_not_load_cloud_sdks_or_jax():
     code = (
         "import sys, taskpoint\n"

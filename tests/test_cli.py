@@ -211,6 +211,7 @@ def test_exit_codes_damaged_not_found_and_errors(capsys, where, tmp_path):
         assert code == 1 and err.startswith("taskpoint") and err.count("\n") == 1, (args, err)
 
 
+@pytest.mark.e2e("starts the S3 server")
 def test_storage_errors_exit_1_in_one_line_and_a_traceback_only_with_debug(capsys, s3_server):
     location = s3_server.new_location()
     dead = {**location.storage_options, "endpoint_url": "http://127.0.0.1:9",
@@ -233,6 +234,7 @@ def test_help_of_every_command_has_an_example(capsys):
         assert f"taskpoint {name} " in out.split("Example", 1)[1], name
 
 
+@pytest.mark.e2e("runs the CLI as a process")
 def test_console_entry_points_version_and_import_without_click():
     env = {k: v for k, v in os.environ.items() if not k.startswith("TASKPOINT_")}
     for module in ("taskpoint", "taskpoint.cli"):
@@ -244,6 +246,7 @@ def test_console_entry_points_version_and_import_without_click():
     assert out.stdout.strip() == "False", out.stderr
 
 
+@pytest.mark.e2e("starts the S3 server")
 def test_a_secret_storage_option_is_never_printed(capsys, s3_server, tmp_path, monkeypatch):
     """moto takes any key: the secret is in use while every command runs, succeeds and fails."""
     location = s3_server.new_location()
@@ -284,6 +287,7 @@ def test_a_secret_storage_option_is_never_printed(capsys, s3_server, tmp_path, m
     logger.setLevel(logging.NOTSET)
 
 
+@pytest.mark.e2e("starts the S3 server")
 def test_storage_options_from_the_environment_and_from_fsspec_config(capsys, s3_server, tmp_path, monkeypatch):
     location = s3_server.new_location()
     uri = location.url("ckpt")
@@ -320,6 +324,7 @@ def test_pull_into_a_folder_is_the_api_load(capsys, tmp_path):
     assert Path(out.split(" -> ")[1].split(" (")[0]) == tmp_path / "dest" / "payload"
 
 
+@pytest.mark.e2e("runs the CLI as a process")
 def test_run_keeps_its_flags_and_usage_exit_code(capsys, tmp_path):
     """Its behaviour is tested in test_runtime.py (as ``python -m taskpoint.cli run``); here, parsing."""
     for args in (["run", "--bogus", "--", "true"], ["run", "--attempt", "x", "--", "true"], ["run", "--"],
@@ -650,6 +655,7 @@ def test_verify_of_a_directory_whose_step_retention_deleted_after_the_listing_ex
     assert "step 2: healthy" in out and "step 3: healthy" in out
 
 
+@pytest.mark.e2e("runs the CLI as a process")
 def test_sigterm_ends_a_pull_or_push_at_once_cleaning_up_and_keeping_the_previous_step(tmp_path):
     """A real SIGTERM to a real `taskpoint` process in the middle of a transfer: exit 143 at once (not when the
     transfer ends), a pull leaves no staging folder and nothing in DEST, a push commits nothing and the
@@ -738,6 +744,7 @@ def _oldest_step(url: str, options: dict) -> int:
 
 
 @pytest.mark.parametrize("dedup", [False, True], ids=["payload", "dedup"])
+@pytest.mark.e2e("starts a python process")
 def test_verify_beside_a_writer_whose_retention_deletes_steps_exits_0_or_1(capsys, where, tmp_path, dedup):
     """A real writer process saves with keep=2 in a loop while verify runs again and again (the directory,
     and --step of the oldest step): never "does not exist" for a listed step, never damage, never a traceback."""
@@ -1025,6 +1032,7 @@ def test_a_sigterm_the_moment_a_pull_reaches_each_step_of_its_staging_leaves_not
     assert bool(entries) == (moment != "making-staging")  # once verified and moving in, all of it lands
 
 
+@pytest.mark.e2e("starts a python process")
 def test_sigterm_at_many_moments_of_pull_and_push_on_a_loaded_machine_leaves_nothing_half_done(tmp_path):
     """Real SIGTERMs at moments spread over whole pulls and pushes (from the first milliseconds to past the end),
     the moment DEST's staging folder is made, during the publish and while the payload is written, with both

@@ -164,6 +164,7 @@ def test_a_url_with_one_slash_gets_the_fix_first_and_alone(capsys):
 
 
 @requires("lightning", "torch")
+@pytest.mark.e2e("trains with Lightning")
 def test_ls_and_verify_take_the_folder_the_lightning_plugin_writes(capsys, where):  # noqa: F811
     """The ``.ckpt`` files of taskpoint.lightning.CheckpointIO in one folder: ls lists each, verify checks each
     (exit 2 naming the damaged one), as they do for one ``.ckpt``."""

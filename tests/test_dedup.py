@@ -419,6 +419,8 @@ def _expected(step: int, tmp: Path) -> Path:
 @pytest.mark.parametrize("trials", [5, pytest.param(20, id="20", marks=pytest.mark.campaign(
     "issue 15's 20 kills per store (make test: 5)"))])
 @pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
+@pytest.mark.e2e("starts a python process")
+@pytest.mark.slow
 def test_sigkill_at_random_moments_loses_no_committed_step(store, tmp_path, trials):
     """A deduplicated save killed at a random moment (reading, uploading chunks, committing) leaves every
     committed step restorable; after a final gc nothing unreferenced remains, and no lease."""

@@ -120,6 +120,7 @@ def test_snapshot_all_reads_every_file(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
+@pytest.mark.e2e("starts a save process")
 def test_background_saves_do_not_read_the_files_their_snapshot_linked(store, tmp_path):
     """A snapshot's unchanged files are hard links into the snapshot before (a new change time, the same
     inode): the save takes their chunk lists; the file the caller rewrote is read."""

@@ -78,6 +78,7 @@ def test_the_environment_sets_the_sizes_and_a_bad_value_is_refused_by_name(monke
     lane.shutdown(wait=True)  # nothing is left running
 
 
+@pytest.mark.e2e("forks a child")
 def test_a_forked_child_runs_tasks_on_pools_of_its_own():
     """The parent's pool threads do not exist in a forked child (a save process forked from a trainer): the
     child's first task starts new ones instead of waiting forever for the dead ones."""

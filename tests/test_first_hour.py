@@ -75,6 +75,7 @@ def test_a_malformed_url_is_refused_everywhere_and_nothing_is_written_locally(ur
 
 
 @pytest.mark.parametrize(("uri", "fixed"), _MALFORMED[:1], ids=["s3:/"])
+@pytest.mark.e2e("starts a python process")
 def test_taskpoint_root_that_is_a_malformed_url_is_refused_naming_the_variable(uri, fixed, tmp_path):
     """The issue's row: TASKPOINT_ROOT=s3:/ckpts/typo wrote its checkpoints to ./s3:/ckpts/typo/."""
     script = ("import taskpoint\n"
@@ -91,6 +92,7 @@ def test_taskpoint_root_that_is_a_malformed_url_is_refused_naming_the_variable(u
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.e2e("runs the CLI as a process")
 def test_taskpoint_run_refuses_a_malformed_root_before_running_the_command(tmp_path):
     command = ["--", sys.executable, "-c", "open('ran', 'w')"]
     out = _cli("run", "--root", "s3:/ckpts/typo", "--run-name", "job7", *command, cwd=tmp_path)
@@ -105,6 +107,7 @@ def test_taskpoint_run_refuses_a_malformed_root_before_running_the_command(tmp_p
 
 
 @pytest.mark.parametrize(("uri", "fixed"), _MALFORMED, ids=[u for u, _ in _MALFORMED])
+@pytest.mark.e2e("runs the CLI as a process")
 def test_the_cli_refuses_a_malformed_url(uri, fixed, tmp_path):
     for args in (["ls", uri], ["push", str(tmp_path / "f"), uri]):
         (tmp_path / "f").write_bytes(b"state")
@@ -163,6 +166,7 @@ def test_an_option_is_valid_when_either_store_of_a_checkpoint_takes_it(s3_store,
         Checkpoint(str(tmp_path / "next"), s3_store.url("ckpt"), storage_options={"endpoint": "x"})
 
 
+@pytest.mark.e2e("runs the CLI as a process")
 def test_the_cli_refuses_an_option_the_store_does_not_take(tmp_path):
     out = _cli("ls", "memory://first-hour/ckpt", "-o", "endpoint=http://127.0.0.1:9000", cwd=tmp_path)
     assert out.returncode == 1
@@ -210,6 +214,7 @@ def test_a_damaged_bytes_checkpoint_raises_the_public_class_and_says_what_to_do(
     assert "Save a new checkpoint, or load an older one" in message
 
 
+@pytest.mark.e2e("runs the CLI as a process")
 def test_the_cli_says_what_to_do_with_a_truncated_checkpoint(tmp_path):
     store = StoreLocation("local", str(tmp_path / "store"), {})
     url = _damaged(store, lambda data: data[:20000])
@@ -328,6 +333,7 @@ def test_verify_takes_only_its_documented_values(tmp_path):
         Checkpoint(str(tmp_path / "c"), verify="on")
 
 
+@pytest.mark.e2e("runs the CLI as a process")
 def test_the_cli_says_a_checkpoint_without_a_record_cannot_be_verified(tmp_path):
     url = _without_record(StoreLocation("local", str(tmp_path / "store"), {}))
     out = _cli("ls", url, cwd=tmp_path)
@@ -341,6 +347,7 @@ def test_the_cli_says_a_checkpoint_without_a_record_cannot_be_verified(tmp_path)
     assert url in out.stderr and "could not be verified" in out.stderr
 
 
+@pytest.mark.e2e("runs the CLI as a process")
 def test_the_cli_describes_a_refused_connection_as_refused(tmp_path):
     endpoint = closed_port_url()
     out = _cli("ls", "s3://taskpoint-tests/ckpt", "-o", f"endpoint_url={endpoint}",

@@ -1,5 +1,5 @@
 """``taskpoint.ctx()`` inside a Flyte 2 task, with a stand-in for the ``flyte`` module (the real one runs in
-tests/test_flyte_bridge.py): what the context takes from ``flyte.ctx()``, when it is not Flyte's, and how long
+tests/e2e/test_flyte_bridge.py): what the context takes from ``flyte.ctx()``, when it is not Flyte's, and how long
 its workspace lives."""
 
 from __future__ import annotations

@@ -610,6 +610,7 @@ def _load_in_subprocess(tmp_path: Path, src: Path, workspace: Path) -> dict[str,
     return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
+@pytest.mark.e2e("starts a python process")
 def test_three_lying_members_of_256_mib_each_keep_memory_bounded(arena, tmp_path):
     """The report's second bomb, scaled down: members that inflate far beyond their trailer; before, each
     was inflated whole (peak RSS = members in flight x their size)."""
@@ -621,6 +622,7 @@ def test_three_lying_members_of_256_mib_each_keep_memory_bounded(arena, tmp_path
     assert os.listdir(arena.ws) == []
 
 
+@pytest.mark.e2e("starts a python process")
 def test_100000_tiny_entries_load_with_bounded_memory(arena, tmp_path):
     """Memory per entry is a few small records (folder modes, links), never the data. The workspace is a tmpfs:
     creating 100,000 files on this machine's ext4 takes over a minute under load, and is not what is measured."""
@@ -661,6 +663,7 @@ _FSIZE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.e2e("starts a python process")
 def test_a_file_size_limit_while_extracting_is_storage_full_and_not_retried(arena, tmp_path):
     """EFBIG (RLIMIT_FSIZE) is a local failure: StorageFull at once, not four attempts and "check the network"."""
     src = _stored(arena, labelled(tar([(entry("big.bin"), bytes(3 << 20))])), "labelled")

@@ -145,6 +145,7 @@ def test_load_pytree_of_a_checkpoint_that_holds_no_pytree_says_so(tmp_path):
         tpjax.load_pytree_sync(cp)
 
 
+@pytest.mark.e2e("starts a save process")
 def test_the_caller_may_change_its_arrays_once_save_returns(tmp_path):
     weights = np.zeros(1000)
     with CheckpointManager(tmp_path / "steps", async_save=True) as m:
@@ -265,6 +266,7 @@ def test_unsupported_leaves_are_refused_with_their_path(tmp_path):
     assert not (tmp_path / "a").exists()
 
 
+@pytest.mark.e2e("starts a python process")
 def test_import_taskpoint_never_imports_jax_and_a_pytree_step_loads_without_importing_the_extra(tmp_path):
     with CheckpointManager(tmp_path / "steps") as m:
         m.save(tpjax.PyTree({"w": jnp.arange(3.0)}), 1)
@@ -279,6 +281,7 @@ def test_import_taskpoint_never_imports_jax_and_a_pytree_step_loads_without_impo
     assert out.stdout.strip() == "['orbax', 'taskpoint-pytree.json']"
 
 
+@pytest.mark.e2e("starts a python process")
 def test_without_jax_importing_the_extra_or_loading_a_pytree_says_which_extra_to_install(tmp_path):
     with CheckpointManager(tmp_path / "steps") as m:
         m.save(tpjax.PyTree({"w": jnp.arange(3.0)}), 1)
@@ -408,6 +411,7 @@ def test_save_without_step_writes_directory_checkpoint_and_restore_prefers_steps
         assert h.restore(tmp_path) == {"v": "step 1"}
 
 
+@pytest.mark.e2e("starts a save process")
 def test_async_checkpointing_snapshots_at_save_and_wait_until_finished_commits(tmp_path):
     weights = np.zeros(10_000)
     with tpjax.OrbaxCheckpointHandler(async_checkpointing=True) as h:
@@ -443,6 +447,7 @@ _KILLED_SAVE = """
 
 
 @pytest.mark.slow
+@pytest.mark.e2e("starts a python process")
 def test_save_killed_midway_leaves_the_previous_step_restorable_and_its_leftovers_are_removed(tmp_path):
     directory, scratch = tmp_path / "ckpts", tmp_path / "tmp"
     scratch.mkdir()
@@ -463,6 +468,7 @@ def test_save_killed_midway_leaves_the_previous_step_restorable_and_its_leftover
 
 
 @pytest.mark.slow
+@pytest.mark.e2e("runs an example as a process")
 def test_jax_training_example_resumes_after_a_forced_failure_and_ends_as_an_uninterrupted_run(tmp_path):
     def run(*args: str) -> str:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TASKPOINT_")}

@@ -165,6 +165,7 @@ def test_gc_removes_the_tree_of_a_save_that_died_once_older_than_the_grace_perio
         assert m.gc(grace_seconds=0) == [] and m.verify(1).steps[0].state == "healthy"
 
 
+@pytest.mark.e2e("starts a save process")
 def test_a_background_save_goes_as_an_archive_through_the_save_process_and_both_kinds_restore(tmp_path):
     weights = np.arange(6.0)
     with CheckpointManager(tmp_path / "steps", async_save=True) as m:

@@ -15,6 +15,8 @@ another package runs the same function with a :class:`Sample` of its own (docs/m
 from __future__ import annotations
 
 import contextlib
+import importlib
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -27,7 +29,7 @@ import pytest
 from helpers import LazyModule, requires
 from taskpoint import CheckpointManager
 from taskpoint.manager.kind_api import MANIFEST_NAME, Stored
-from taskpoint.manager.kinds import step_kind
+from taskpoint.manager.kinds import KINDS, step_kind
 
 torch = LazyModule("torch")
 tpt = LazyModule("taskpoint.torch")
@@ -36,6 +38,18 @@ jnp = LazyModule("jax.numpy")
 tpjax = LazyModule("taskpoint.jax")
 
 PLUGIN = Path(__file__).with_name("kinds_plugin")
+
+
+@pytest.fixture
+def plugin(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The tests' ``notes`` plug-in, importable and registered for this test only: a test that runs after it in
+    the same process sees one without it (test_step_kinds checks what such a process does)."""
+    monkeypatch.syspath_prepend(str(PLUGIN))
+    try:
+        yield importlib.import_module("notes_kind")
+    finally:
+        KINDS._kinds.pop("notes", None)
+        sys.modules.pop("notes_kind", None)
 
 
 @dataclass(frozen=True)
@@ -54,13 +68,15 @@ class Sample:
 @contextlib.contextmanager
 def _watching_store(name: str, manifest_exists: Callable[[int], bool]) -> Iterator[list[Stored]]:
     """The registered kind ``name`` with its ``store`` watched: each :class:`Stored` it returns is kept, once
-    checked that no manifest of the step exists yet (the commit is the manager's, never the kind's)."""
+    checked that no manifest of the step exists yet where this process commits it (the commit is the manager's,
+    never the kind's; a rank > 0's store returns while rank 0 may be committing)."""
     kind = step_kind(name)
     store, seen = kind.store, []  # type: ignore[attr-defined]
 
     def watched(context: Any, job: Any) -> Stored:
         stored = store(context, job)
-        assert not manifest_exists(job.step), f"kind {name!r} wrote the manifest of step {job.step} itself"
+        assert stored.content is None or not manifest_exists(job.step), \
+            f"kind {name!r} wrote the manifest of step {job.step} itself"
         seen.append(stored)
         return stored
 
@@ -202,9 +218,7 @@ SAMPLES = [
 
 @pytest.mark.parametrize("store", ["local", "memory", "s3"], indirect=True)
 @pytest.mark.parametrize("sample", SAMPLES)
-def test_every_registered_kind_keeps_the_contract(sample: Sample, store: Any, monkeypatch: pytest.MonkeyPatch
-                                                  ) -> None:
-    monkeypatch.syspath_prepend(str(PLUGIN))
+def test_every_registered_kind_keeps_the_contract(sample: Sample, store: Any, plugin: Any) -> None:
     if sample.kind in ("torch.state_dict", "fileset"):
         pass  # registers its kinds
     elif sample.kind == "jax.pytree":
@@ -224,19 +238,16 @@ class _CommitsItself:
         return getattr(self._kind, name)
 
 
-def test_a_kind_that_commits_itself_is_refused_with_what_to_do_and_its_steps_still_load(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_kind_that_commits_itself_is_refused_with_what_to_do_and_its_steps_still_load(tmp_path: Path,
+                                                                                         plugin: Any) -> None:
     """A kind with a ``save`` that writes the manifest itself and no ``store``: saving says what changed and
     commits nothing; what it saved before still reads."""
     from taskpoint import CheckpointError
     from taskpoint.manager.kinds import register_step_kind
 
-    monkeypatch.syspath_prepend(str(PLUGIN))
-    import notes_kind
-
     with CheckpointManager(tmp_path / "steps", preemption=False) as manager:
         _save_notes(manager, 1)
-        register_step_kind(_CommitsItself(notes_kind.NOTES))  # type: ignore[arg-type]
+        register_step_kind(_CommitsItself(plugin.NOTES))  # type: ignore[arg-type]
         try:
             with pytest.raises(CheckpointError, match=r"step kind 'notes' cannot save with this taskpoint: it "
                                                       r"commits its steps itself \(save\(\)\).*store\(\)"):
@@ -245,7 +256,7 @@ def test_a_kind_that_commits_itself_is_refused_with_what_to_do_and_its_steps_sti
             _restores_note(manager, 1)
             assert manager.verify(1).steps[0].state == "healthy"
         finally:
-            register_step_kind(notes_kind.NOTES)
+            register_step_kind(plugin.NOTES)
 
 
 def _save_notes_leaving(name: str) -> Callable[[CheckpointManager, int], None]:
@@ -262,9 +273,7 @@ def _save_notes_leaving(name: str) -> Callable[[CheckpointManager, int], None]:
 
 @pytest.mark.parametrize(("left", "failure"), [("stray.bin", r"holds \['stray.bin'\] that kind 'notes' did not name"),
                                                (MANIFEST_NAME, "wrote the manifest of step 1 itself")])
-def test_the_contract_fails_a_step_that_breaks_it(left: str, failure: str, tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_contract_fails_a_step_that_breaks_it(left: str, failure: str, tmp_path: Path, plugin: Any) -> None:
     """An object in the step's folder that the kind did not name, or a manifest there before the commit."""
-    monkeypatch.syspath_prepend(str(PLUGIN))
     with pytest.raises(AssertionError, match=failure):
         check_step_kind(str(tmp_path / "steps"), Sample("notes", _save_notes_leaving(left), _restores_note))

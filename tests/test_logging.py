@@ -112,6 +112,7 @@ def test_manager_blocking_save_sets_last_save_and_logs_it(tmp_path, captured):
         assert (load.operation, load.step, load.bytes, load.kind) == ("load", 3, 50_000, "bytes")
 
 
+@pytest.mark.e2e("starts a save process")
 def test_background_save_logs_when_it_commits_with_the_time_the_caller_was_blocked(store, tmp_path, captured):
     tree = tmp_path / "tree"
     tree.mkdir()
@@ -168,6 +169,7 @@ def test_uris_are_logged_without_user_information_or_query():
     assert safe_uri("/local/path") == "/local/path"
 
 
+@pytest.mark.e2e("starts the S3 server")
 def test_no_record_holds_a_storage_option_or_credential(s3_server, tmp_path, captured):
     """Saves, loads, a background save, a restore and failed retries, all with a recognisable secret."""
     location = s3_server.new_location()

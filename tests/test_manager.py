@@ -173,6 +173,7 @@ def test_metadata_is_read_without_downloading_the_payload(store):
             m.restore(1)
 
 
+@pytest.mark.e2e("starts a save process")
 def test_metadata_round_trips_exactly_as_passed(store):
     metadata = {"loss": 0.123456789012345, "steps": [1, 2, [3, {"deep": None}]], "ok": True, "n": -7,
                 "text": "ünïcödé ✓", "empty": {}, "zero": 0.0}
@@ -264,6 +265,7 @@ def test_closed_manager_refuses_calls_and_close_twice_is_fine(tmp_path):
             call()
 
 
+@pytest.mark.e2e("starts a save process")
 def test_attempt_of_the_running_task_is_recorded(tmp_path):
     token = _set_context(TaskContext(run_name="r", action_name="a", attempt=3, max_attempts=5))
     try:
@@ -277,6 +279,7 @@ def test_attempt_of_the_running_task_is_recorded(tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.e2e("starts a save process")
 def test_async_twins_run_the_same_calls(tmp_path, backend):
     tree = make_tree(tmp_path / "tree")
 
@@ -375,6 +378,7 @@ def test_default_keeps_every_step(tmp_path):
 
 
 @LOCAL_AND_S3
+@pytest.mark.e2e("starts a save process")
 def test_retention_counts_neither_an_in_flight_save_nor_another_writers_uncommitted_step(store, monkeypatch):
     uploads = Gate(monkeypatch, "write_payload")
     other_writer = store.url("ckpts", "ckpt-50", leftover_name())
@@ -453,6 +457,7 @@ def test_background_save_keeps_the_data_as_it_was_when_save_returned(store, monk
     assert list(scratch.glob("taskpoint-snapshot-*")) == []  # snapshots are removed once uploaded
 
 
+@pytest.mark.e2e("starts a save process")
 def test_async_save_option_makes_saves_background_and_exit_waits(tmp_path, monkeypatch):
     uploads = Gate(monkeypatch, "write_payload")
     uploads.hold(1)
@@ -467,6 +472,7 @@ def test_async_save_option_makes_saves_background_and_exit_waits(tmp_path, monke
         assert m.steps() == [1, 2]
 
 
+@pytest.mark.e2e("starts a save process")
 def test_next_save_waits_for_the_one_in_flight(tmp_path, monkeypatch):
     uploads = Gate(monkeypatch, "write_payload")
     first_committed_when_second_started: list[bool] = []
@@ -549,6 +555,7 @@ def test_background_error_that_no_call_collected_is_reported_at_exit(s3_store):
     assert "does not exist" in done.stderr
 
 
+@pytest.mark.e2e("starts a save process")
 def test_background_error_is_raised_by_the_next_query(tmp_path):
     tree = make_tree(tmp_path / "tree")
     os.symlink("../outside.txt", tree / "escape")  # refused by the archive writer, in the background
@@ -612,6 +619,7 @@ _SAME_STEP_WRITER = textwrap.dedent(
 
 
 @pytest.mark.parametrize("store", ["local", "s3", "s3-seaweed"], indirect=True)
+@pytest.mark.e2e("starts a python process")
 def test_two_processes_saving_the_same_step_never_mix_their_data(store, tmp_path):
     trees = [make_tree(tmp_path / f"writer{i}", big=400_000 + i) for i in range(2)]
     (trees[0] / "only-in-a.txt").write_text("a")
@@ -656,6 +664,7 @@ def _check_restores(m: CheckpointManager, step: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("store", "kills"), [("local", 5), ("s3", 3)], indirect=["store"])
+@pytest.mark.e2e("starts a python process")
 def test_sigkill_during_saves_leaves_latest_step_committed_and_verified(store, tmp_path, kills):
     rng = random.Random(5)
     url = store.url("ckpts")

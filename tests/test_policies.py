@@ -242,6 +242,7 @@ def test_the_step_a_manager_restored_from_stays_until_it_commits_a_newer_one(tmp
         assert mgr.steps() == [4]
 
 
+@pytest.mark.e2e("starts a python process")
 def test_retention_keeps_a_step_another_process_is_restoring(tmp_path):
     """A real process restores step 1 and is held mid-restore (after its lease is written, before it reads; the
     hold is the test's, patched into the child): the lease in the step's folder keeps the step from this
@@ -295,6 +296,7 @@ def local_or_s3(request: pytest.FixtureRequest):
 
 
 @pytest.mark.parametrize("writer_kind", ["plain", "tiered"])
+@pytest.mark.e2e("starts a python process")
 def test_retention_and_delete_keep_a_step_another_process_is_overwriting(local_or_s3, tmp_path, writer_kind):
     """A real process overwrites step 1 and is held with its save in flight (before it stores the new payload;
     with a local tier, before its promotion copies it; the hold is the test's, patched into the child): its lease
@@ -443,6 +445,8 @@ def _sequences(examples: int):
         given(policy=POLICIES, ops=OPS)(_run_sequence))
 
 
+@pytest.mark.e2e("starts a save process")
+@pytest.mark.slow
 def test_random_sequences_keep_exactly_the_union_of_the_rules_and_never_a_protected_step():
     """Random save (metrics, NaN and missing among them; new steps and overwrites of older ones), restore,
     delete (forced or not) and reopen, under random keep / keep_every / keep_best: after every operation the
@@ -463,6 +467,7 @@ def _taskpoint(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "taskpoint", *args], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.e2e("runs the CLI as a process")
 def test_ls_marks_the_protected_steps_and_the_best_and_rm_needs_force_for_a_protected_one(tmp_path):
     root = tmp_path / "ckpts"
     with manager(root) as mgr:

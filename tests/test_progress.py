@@ -114,6 +114,7 @@ def test_save_and_load_report_exact_totals(store, data_of, tmp_path, kind):
 @LOCAL_AND_S3
 @pytest.mark.parametrize("dedup", [False, True], ids=["payload", "dedup"])
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "background"])
+@pytest.mark.e2e("starts a save process")
 def test_manager_save_and_restore_report_exact_totals(store, tmp_path, dedup, blocking):
     source_bytes = _tree(tmp_path / "tree")
     with CheckpointManager(store.url("steps"), storage_options=store.storage_options, dedup=dedup) as manager:
@@ -129,6 +130,7 @@ def test_manager_save_and_restore_report_exact_totals(store, tmp_path, dedup, bl
     assert (tmp_path / "out" / "weights.bin").read_bytes() == (tmp_path / "tree" / "weights.bin").read_bytes()
 
 
+@pytest.mark.e2e("starts a save process")
 def test_a_background_save_from_the_save_process_relays_its_progress(tmp_path):
     source_bytes = _tree(tmp_path / "tree")
     with CheckpointManager(tmp_path / "steps") as manager:
@@ -273,6 +275,7 @@ def test_a_slow_save_is_counted_as_its_source_is_read(tmp_path):
     assert max(counted.counts) <= BLOCK_SIZE and len(counted.counts) >= 96  # a MiB at most at a time
 
 
+@pytest.mark.e2e("starts the S3 server")
 def test_a_slow_load_is_counted_as_each_object_arrives(tmp_path, s3_server):
     # A folder checkpoint (flytekit's layout: one object per file) read through a throttled network: the count
     # moves as each object arrives (from an object store, each request's bytes count when it completes).
@@ -296,6 +299,7 @@ def test_a_slow_load_is_counted_as_each_object_arrives(tmp_path, s3_server):
 
 
 @pytest.mark.parametrize("client", ["s3fs", "obstore"])
+@pytest.mark.e2e("starts the S3 server")
 def test_a_large_object_read_through_a_slow_network_is_counted_as_its_ranges_arrive(tmp_path, s3_server, client):
     # Above 16 MiB an object comes down as 8 MiB ranges, several at once; each is counted as it streams in.
     from taskpoint.record import load_object
@@ -420,6 +424,7 @@ def test_a_bar_appears_on_a_terminal_only_once_a_transfer_has_lasted_auto_delay(
         os.close(controller)
 
 
+@pytest.mark.e2e("starts the S3 server")
 def test_push_shows_a_bar_on_a_terminal_when_the_transfer_is_slow(tmp_path, slow_s3):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "weights.bin").write_bytes(os.urandom(8 << 20))  # ~4 s at 2 MiB/s
@@ -433,6 +438,7 @@ def test_push_shows_a_bar_on_a_terminal_when_the_transfer_is_slow(tmp_path, slow
     assert any("100%" in line and "8.00M" in line for line in bar), bar
 
 
+@pytest.mark.e2e("starts the S3 server")
 def test_no_bar_when_stderr_is_not_a_terminal(tmp_path, slow_s3):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "weights.bin").write_bytes(os.urandom(8 << 20))
@@ -444,6 +450,7 @@ def test_no_bar_when_stderr_is_not_a_terminal(tmp_path, slow_s3):
     assert "pushed" in done.stdout and "\r" not in done.stdout
 
 
+@pytest.mark.e2e("runs the CLI as a process")
 def test_a_quick_transfer_on_a_terminal_shows_no_bar(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "weights.bin").write_bytes(os.urandom(1 << 20))
@@ -453,6 +460,7 @@ def test_a_quick_transfer_on_a_terminal_shows_no_bar(tmp_path):
     assert "pushed" in out and "\r" not in out and "%" not in out
 
 
+@pytest.mark.e2e("starts a python process")
 def test_progress_forces_a_bar_and_without_tqdm_it_is_one_line(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "weights.bin").write_bytes(os.urandom(1 << 20))
@@ -468,6 +476,7 @@ def test_progress_forces_a_bar_and_without_tqdm_it_is_one_line(tmp_path):
     assert pulled.returncode == 0 and pulled.stderr == "", pulled.stderr
 
 
+@pytest.mark.e2e("runs the CLI as a process")
 def test_verify_takes_progress_too(tmp_path):
     with Checkpoint(tmp_path / "ckpt") as cp:
         cp.save_sync(os.urandom(1 << 20))

@@ -127,6 +127,7 @@ def _launch(mode: str, args: dict[str, Any], world: int, env: dict[str, str]) ->
             proc.kill()
 
 
+@pytest.mark.e2e("starts rank processes")
 def test_ranks_started_at_once_agree_on_the_attempt(tmp_path: Path) -> None:
     """Three launches of 3 ranks each, every rank started at the same moment, in root mode: all ranks of a
     launch get the same attempt, the next free one; TASKPOINT_ATTEMPT is taken as given, without a rendezvous."""
@@ -142,6 +143,7 @@ def test_ranks_started_at_once_agree_on_the_attempt(tmp_path: Path) -> None:
     assert markers == ["1", "2", "7"]
 
 
+@pytest.mark.e2e("starts rank processes")
 def test_killed_two_rank_task_resumes_every_rank_from_the_same_step(tmp_path: Path) -> None:
     """A 2-rank @taskpoint.task job saves steps 1-3 (a shard per rank, and ctx().checkpoint), then both ranks
     are SIGKILLed. Relaunched, both ranks agree on attempt 2, resume from step 3, each from its own shard and

@@ -242,6 +242,7 @@ _KILLABLE = textwrap.dedent(
 )
 
 
+@pytest.mark.e2e("starts a python process")
 def test_rerun_after_sigkill_continues_numbering_and_resumes(tmp_path):
     env = {**os.environ, "TASKPOINT_ROOT": str(tmp_path), "TASKPOINT_RUN_NAME": "killed-run"}
     first = subprocess.run([sys.executable, "-c", _KILLABLE, "20"], env={**env, "KILL_AT": "7"},
@@ -295,6 +296,7 @@ def _taskpoint_run(args: list[str], env: dict[str, str] | None = None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.e2e("runs the CLI as a process")
 def test_taskpoint_run_passes_flyte_style_locations(tmp_path):
     first = _taskpoint_run(["--checkpoint-path", str(tmp_path / "1" / "ckpt")])
     assert first["src"] is None and first["prev"] is None
@@ -303,6 +305,7 @@ def test_taskpoint_run_passes_flyte_style_locations(tmp_path):
     assert second["prev"] == "saved by attempt 1"
 
 
+@pytest.mark.e2e("runs the CLI as a process")
 def test_root_mode_takes_attempts_from_storage_and_restart_counters(tmp_path):
     args = ["--root", str(tmp_path), "--run-name", "job7", "--action-name", "train"]
     a1 = _taskpoint_run(args)
@@ -316,6 +319,7 @@ def test_root_mode_takes_attempts_from_storage_and_restart_counters(tmp_path):
     assert _taskpoint_run(args, env={"SLURM_RESTART_COUNT": "9"})["attempt"] == 10
 
 
+@pytest.mark.e2e("starts a python process")
 def test_environment_variables_work_without_taskpoint_run(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TASKPOINT_")}
     env.update(TASKPOINT_ROOT=str(tmp_path), TASKPOINT_RUN_NAME="plain", TASKPOINT_ACTION_NAME="step",
@@ -334,6 +338,7 @@ def test_root_and_run_name_alone_do_not_make_a_context(monkeypatch, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.e2e("runs the CLI as a process")
 def test_taskpoint_run_without_locations_or_command_is_a_usage_error(tmp_path):
     for args in (["run", "--", "true"], ["run", "--checkpoint-path", str(tmp_path)], ["run", "--prev-checkpoint", "x",
                                                                                        "--", "true"]):
@@ -342,6 +347,7 @@ def test_taskpoint_run_without_locations_or_command_is_a_usage_error(tmp_path):
         assert out.returncode == 2 and "taskpoint run" in out.stderr
 
 
+@pytest.mark.e2e("starts the S3 server")
 def test_orchestrator_prev_uri_pointing_at_current_attempt_is_repaired(s3_server, tmp_path):
     location = s3_server.new_location()
     base = location.url("myrun", "train")

@@ -57,6 +57,7 @@ def test_a_file_whose_size_changes_during_the_copy_is_an_error_not_a_short_copy(
         copier.finish()
 
 
+@pytest.mark.e2e("starts a save process")
 def test_a_failed_snapshot_saves_nothing_and_leaves_no_scratch(tmp_path, monkeypatch):
     source = _tree(tmp_path / "src")
     scratch = tmp_path / "scratch"

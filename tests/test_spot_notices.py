@@ -144,6 +144,7 @@ def test_wrong_arguments_are_refused():
         preemption.NoticePoller("aws", interval=0)
 
 
+@pytest.mark.e2e("starts a python process")
 def test_a_manager_loop_saves_its_emergency_step_when_the_cloud_announces_a_stop(cloud, tmp_path: Path):
     """``TASKPOINT_SPOT_NOTICE=aws``: a manager created in the main thread polls the notice; the loop's next save
     is the emergency save, which commits and ends the process as a SIGTERM would."""

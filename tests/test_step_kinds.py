@@ -54,6 +54,7 @@ def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
                           env={**os.environ, "PYTHONPATH": paths, **env}, check=False)
 
 
+@pytest.mark.e2e("starts a python process")
 def test_a_third_party_kind_found_through_its_entry_point_works_end_to_end(tmp_path):
     url = str(tmp_path / "steps")
     writer = _run(f"""
@@ -98,6 +99,7 @@ def test_a_third_party_kind_found_through_its_entry_point_works_end_to_end(tmp_p
     assert cli.returncode == 2 and "step 2: DAMAGED" in cli.stdout, (cli.stdout, cli.stderr)
 
 
+@pytest.mark.e2e("starts a python process")
 def test_without_the_plug_in_installed_its_steps_are_damaged_by_name_and_nothing_is_removed(tmp_path):
     url = str(tmp_path / "steps")
     writer = _run(f"""

@@ -71,6 +71,7 @@ def test_missing_s3_credentials_are_access_denied_naming_the_default_chain(s3_st
         cp.load_sync()  # never "no checkpoint"
 
 
+@pytest.mark.e2e("starts azurite")
 def test_a_rejected_azure_key_is_access_denied_and_the_key_is_never_shown(azure_server):
     good = azure_server.storage_options["connection_string"]
     wrong_key = base64.b64encode(b"not-the-key-of-this-account" * 2).decode()
@@ -82,6 +83,7 @@ def test_a_rejected_azure_key_is_access_denied_and_the_key_is_never_shown(azure_
     assert wrong_key not in str(info.value) and wrong_key[:20] not in str(info.value)
 
 
+@pytest.mark.e2e("starts the GCS emulator")
 def test_missing_google_default_credentials_are_access_denied(gcs_server, monkeypatch, tmp_path):
     monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
     monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "no-gcloud"))
@@ -91,6 +93,7 @@ def test_missing_google_default_credentials_are_access_denied(gcs_server, monkey
         Checkpoint("gs://taskpoint-tests/denied/ckpt", storage_options=options).save_sync(b"x")
 
 
+@pytest.mark.e2e("starts the GCS emulator")
 def test_a_service_account_key_that_does_not_parse_is_access_denied(gcs_server, tmp_path):
     """gcsfs ends a key file whose private key does not parse in KeyError: 'refresh_token' (the campaign's
     secrets scenario found it escaping raw): it is StorageAccessDenied, naming no part of the key."""
@@ -127,6 +130,7 @@ def test_saving_to_a_missing_bucket_is_storage_not_found(request, kind):
     assert len(retry.runs) == len(set(retry.runs)), retry.runs  # each operation ran once: no retries
 
 
+@pytest.mark.e2e("starts the S3 server")
 def test_loading_from_and_listing_a_missing_bucket_is_storage_not_found(s3_server):
     missing = f"s3://no-such-bucket-{os.getpid()}"
     cp = Checkpoint(f"{missing}/x", f"{missing}/run/ckpt", storage_options=s3_server.storage_options)

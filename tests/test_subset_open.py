@@ -117,6 +117,7 @@ def _stored_bytes(index: ArchiveIndex, name: str) -> int:
     return sum(s.stored_length for s in index.spans(entry.data, entry.data + entry.size))
 
 
+@pytest.mark.e2e("starts the S3 server")
 def test_reading_one_file_fetches_at_most_its_members_and_the_index(s3_server, tmp_path):
     src = make_tree(tmp_path / "src", big=BULK)
     (src / "second.bin").write_bytes(os.urandom(9_000_000))  # after bulk.bin: in members of its own, mostly

@@ -250,6 +250,7 @@ def test_gc_removes_the_file_of_a_save_that_died_once_older_than_the_grace_perio
         assert m.gc(grace_seconds=0) == [] and m.verify(1).steps[0].state == "healthy"
 
 
+@pytest.mark.e2e("starts a save process")
 def test_a_background_save_snapshots_the_tensors_and_loads_back_the_same(tmp_path):
     weights = torch.arange(6.0)
     with CheckpointManager(tmp_path / "steps", async_save=True) as m:

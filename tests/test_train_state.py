@@ -1,6 +1,6 @@
 """``TrainState``'s data position and generators in one process: after a restore the loader hands out the rest of
 the interrupted epoch, batch for batch, for each sampler it follows, and the generators draw what they would
-have drawn. (tests/test_resume_exact.py checks whole runs across real processes and signals.)"""
+have drawn. (tests/e2e/test_resume_exact.py checks whole runs across real processes and signals.)"""
 
 from __future__ import annotations
 
@@ -68,6 +68,7 @@ def test_after_a_restore_the_loader_and_generators_go_on_as_the_interrupted_run(
     assert again == seen[stop:]
 
 
+@pytest.mark.e2e("starts a save process")
 def test_a_background_save_keeps_the_state_of_when_it_was_called(tmp_path):
     model = torch.nn.Linear(2, 1)
     progress = {"step": 1}

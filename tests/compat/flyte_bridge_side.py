@@ -6,7 +6,7 @@ saw (Flyte's own log lines go to stdout too)
 
 Each scenario's task saves in its first attempt and raises; Flyte retries it locally (copying the checkpoint
 object to the retry's source) and the second attempt loads. What the attempts saw is collected in-process
-(local Flyte runs tasks in this process) and printed for tests/test_flyte_bridge.py to assert.
+(local Flyte runs tasks in this process) and printed for tests/e2e/test_flyte_bridge.py to assert.
 """
 
 from __future__ import annotations

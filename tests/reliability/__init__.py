@@ -21,7 +21,7 @@ FULL_COUNTS = {
     "manifest_damage": {"local": 1000, "s3": 100},
     "kill_after_return": {"local": 20, "s3": 20},
 }
-#: The bounded campaign (``--quick``, and tests/test_reliability.py in ``make test``).
+#: The bounded campaign (``--quick``, and tests/e2e/test_reliability.py in ``make test``).
 QUICK_COUNTS = {
     "sigkill": {"local": 2, "s3": 1, "gcs": 1, "azure": 1},
     "fault_cycles": {"s3": 10, "gcs": 10},

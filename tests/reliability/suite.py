@@ -37,7 +37,7 @@ def pytest_row(result: Result, targets: list[str], scratch: Path, **env: str) ->
 #: Rows of their own: promises against time (issue 21), each a module of the suite run whole, its campaign-size
 #: tests included (``TASKPOINT_CAMPAIGN=1``); the ``campaign`` row leaves these modules out.
 TIME_ROWS = {
-    "stalls": ("Stalls (SIGSTOP past the grace), mixed graces, late ranks", ["tests/test_stalls.py"]),
+    "stalls": ("Stalls (SIGSTOP past the grace), mixed graces, late ranks", ["tests/e2e/test_stalls.py"]),
 }
 
 #: Modules whose campaign-size tests another row runs at the same counts (the ``manifests`` row).

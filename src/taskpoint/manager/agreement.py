@@ -5,19 +5,20 @@ point, and ranks are rarely at the same step. Saving the emergency state where e
 give shards of different steps, which rank 0 never commits. So the answer of ``reached_preemption()`` (and of
 ``should_save()`` and ``checkpoint_if_preempted()``) becomes True on every rank at one step:
 
-- **Through the process group**, when ``torch.distributed`` is initialized: each safe point starts an
-  all-reduce (MAX) of this rank's notice (its signal number, or 0) without waiting for it, and the next safe
-  point reads the result of the previous one, which has long finished by then: while no notice is pending a
-  safe point costs starting one small collective (``make bench``, "agreement"). Every rank calls its safe
-  points in the same order, so every rank reads the first non-zero result at the same call.
-- **Through storage** otherwise: a rank that had a notice publishes the step it reached
-  (``preemption-agreement/rank-k.json`` beside the steps); a thread of every rank lists that folder every
-  :data:`POLL_SECONDS`, so ranks that were not signalled learn of it and publish theirs at their next safe
-  point (rank 0 also while it waits for the shards of a step: the rank that had the notice may be waiting for
-  it). At its safe point after the one it published, a rank waits until every rank has published; the stop
-  step is the largest published, plus one, so no rank has passed it. The wait lasts at most
-  ``commit_timeout`` (and never past the notice's deadline): a rank that never answers does not hold the
-  others, who then end without an emergency step (:class:`NoAgreement`).
+- **Through the process group**, when ``torch.distributed`` is initialized (:class:`~taskpoint.group.TorchGroup`):
+  each safe point starts an all-reduce (MAX) of this rank's notice (its signal number, or 0) without waiting
+  for it, and the next safe point reads the result of the previous one, which has long finished by then: while
+  no notice is pending a safe point costs starting one small collective (``make bench``, "agreement"). Every
+  rank calls its safe points in the same order, so every rank reads the first non-zero result at the same call.
+- **Through storage** otherwise (:class:`~taskpoint.group.StorageGroup`): a rank that had a notice publishes
+  the step it reached (its group record ``preemption-agreement/rank-k.json`` beside the steps); a thread of
+  every rank lists that folder every :data:`POLL_SECONDS`, so ranks that were not signalled learn of it and
+  publish theirs at their next safe point (rank 0 also while it waits for the shards of a step: the rank that
+  had the notice may be waiting for it). At its safe point after the one it published, a rank waits until
+  every rank has published; the stop step is the largest published, plus one, so no rank has passed it. The
+  wait lasts at most ``commit_timeout`` (and never past the notice's deadline), and ends sooner when a rank it
+  waits for is known gone: a rank that never answers does not hold the others, who then end without an
+  emergency step (:class:`NoAgreement`).
 
 Under a launcher that tears the job down when one process exits (torchrun's elastic agent signals every
 other rank, and SIGKILLs them 30 s later; with ``--max-restarts`` it then restarts them all), a rank that ended
@@ -37,28 +38,22 @@ committed, or once the agreement failed.
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import json
-import os
-import socket
-import sys
 import threading
-import time
 from collections.abc import Callable
-from typing import Any
 
 from .. import preemption
+from ..errors import CheckpointError
+from ..group import RanksMissing, Record, StorageGroup, TorchGroup, poll
 from ..ranks import Ranks
 from ..storage import Location
 
 #: The folder, beside the steps, where ranks publish the step they reached after a notice.
 AGREEMENT_FOLDER = "preemption-agreement"
+#: The collective, among the group's records (``rank-{k}.json``), of the step each rank reached.
+RECORD = "rank"
 #: How often each rank lists that folder for a notice another rank received (seconds): the longest a rank
 #: that was not signalled trains on before it learns of it, on top of its step time.
 POLL_SECONDS = 0.5
-#: The pause between two listings of a rank that waits for the others' steps (seconds).
-WAIT_POLL_SECONDS = 0.05
 
 
 class NoAgreement(RuntimeError):
@@ -81,15 +76,16 @@ class Agreement:
         self.stop: int | None = None
         self._agreed = False
         self._signal = 0
-        self._group: _GroupVote | None = None
+        self._torch: TorchGroup | None = None
+        #: The vote in flight on the process group: waits for it at most the seconds given (None: the group's).
+        self._vote: Callable[[float | None], int] | None = None
+        self._records: StorageGroup | None = None
         self._published: int | None = None
         self._watcher: threading.Thread | None = None
         self._heard = threading.Event()
         self._heard_signal = 0
         self._stop_watching = threading.Event()
         self._publishing = threading.Lock()
-        #: The newest record read of each rank (kept after rank 0 removes them: :meth:`gone` reads it).
-        self._peers: dict[int, dict[str, Any]] = {}
 
     @property
     def distributed(self) -> bool:
@@ -116,16 +112,33 @@ class Agreement:
             return step is None or self.stop is None or step >= self.stop
         self._calls += 1
         position = self._calls if step is None else step
-        if self._group is None and self._watcher is None:
-            self._group = _GroupVote.of_initialized()
-            if self._group is None and self._folder is not None:
+        if self._torch is None and self._watcher is None:
+            self._torch = TorchGroup.of_initialized(None, "the preemption agreement")
+            if self._torch is None and self._folder is not None:
                 self._watch()
-        if self._group is not None:
-            vote = self._group.vote(notice.signal if notice is not None else 0, notice)
+        if self._torch is not None:
+            vote = self._vote_on(self._torch, notice)
             if vote:
                 self._agree(vote, None)
             return self._agreed
         return self._storage(position, notice)
+
+    def _vote_on(self, group: TorchGroup, notice: preemption.Notice | None) -> int:
+        """The largest signal any rank had at the previous call (0: none); then this call's vote is sent: one
+        all-reduce in flight, read at the next call."""
+        if self._vote is not None:
+            # With a notice this rank stops anyway: a rank that never answers must not hold it past the deadline.
+            waited = None if notice is None else max(0.1, notice.remaining())
+            try:
+                result = self._vote(waited)
+            except (TimeoutError, CheckpointError) as exc:
+                if notice is None:
+                    raise
+                raise NoAgreement([], waited or 0.0) from exc
+            if result:
+                return result
+        self._vote = group.start_max(notice.signal if notice is not None else 0, "the preemption agreement's votes")
+        return 0
 
     def _agree(self, signal: int, stop: int | None) -> None:
         self._agreed, self._signal, self.stop = True, signal, stop
@@ -151,16 +164,28 @@ class Agreement:
         assert self.stop is not None
         return position >= self.stop
 
-    def _record(self, rank: int) -> Location:
-        assert self._folder is not None
-        return self._folder.child(f"rank-{rank}.json")
+    def _group(self) -> StorageGroup:
+        """The records of this round's agreement; a record not after the step this manager restored is of a
+        launch before this one, which this one resumed past."""
+        if self._records is None:
+            assert self._folder is not None
+            self._records = StorageGroup(self._folder, self._ranks, self._round(), self._timeout,
+                                         accept=self._after_floor)
+        return self._records
+
+    def _after_floor(self, record: Record) -> bool:
+        floor = self._floor()
+        try:
+            return floor is None or int(record.value["step"]) > floor
+        except (TypeError, KeyError, ValueError):
+            return False
 
     def while_committing(self, step: int) -> set[int]:
         """Rank 0 waits for the shards of ``step``: a rank that had a notice may be waiting for rank 0's step,
         and would never store its shard. So rank 0 publishes ``step`` now when it heard of a notice (it will not
         pass the step after it before the agreement either). Returns the ranks known gone (:meth:`gone`): their
         shards will never come."""
-        if self._folder is None or self._group is not None or self._published is not None or self._agreed:
+        if self._folder is None or self._torch is not None or self._published is not None or self._agreed:
             return self.gone()
         notice = preemption.notice()
         if notice is not None or self._heard.is_set():
@@ -170,131 +195,50 @@ class Agreement:
     def gone(self) -> set[int]:
         """The ranks whose newest record names this host and a process that no longer exists (a rank on another
         host is never reported: only its silence tells)."""
-        host = socket.gethostname()
-        return {rank for rank, doc in self._peers.items()
-                if rank != self._ranks.rank and doc.get("host") == host and not _alive(doc.get("pid"))}
+        return set() if self._records is None else self._records.gone()
 
     def _publish(self, position: int, signal: int) -> None:
         with self._publishing:
             if self._published is None:
-                self._write(position, signal)
-
-    def _write(self, position: int, signal: int) -> None:
-        body = {"rank": self._ranks.rank, "step": position, "round": self._round(), "signal": signal,
-                "at": time.time(), "host": socket.gethostname(), "pid": os.getpid()}
-        self._record(self._ranks.rank).write_small(json.dumps(body).encode(), action="publish the stopping step at")
-        self._published = position
-
-    def _read(self) -> dict[int, dict[str, Any]]:
-        """The records of this round, by rank."""
-        assert self._folder is not None
-        found: dict[int, dict[str, Any]] = {}
-        round_, floor = self._round(), self._floor()
-        for name in self._folder.list_names():
-            if not (name.startswith("rank-") and name.endswith(".json")):
-                continue
-            data = self._folder.child(name).read_small()
-            with contextlib.suppress(ValueError, TypeError, KeyError):
-                doc = json.loads(data or b"")
-                if doc["round"] != round_ or not 0 <= int(doc["rank"]) < self._ranks.world_size:
-                    continue
-                if floor is not None and int(doc["step"]) <= floor:
-                    continue  # a launch before this one published it: this one resumed past it
-                found[int(doc["rank"])] = doc
-        self._peers.update(found)
-        return found
+                self._group().publish(RECORD, {"step": position, "signal": signal})
+                self._published = position
 
     def _wait_for_all(self, notice: preemption.Notice) -> dict[int, int]:
-        began = time.monotonic()
-        deadline = began + max(0.0, min(self._timeout, notice.remaining()))
-        while True:
-            found = self._read()
-            if len(found) == self._ranks.world_size:
-                return {rank: int(doc["step"]) for rank, doc in found.items()}
-            if time.monotonic() >= deadline:
-                missing = [rank for rank in range(self._ranks.world_size) if rank not in found]
-                raise NoAgreement(missing, time.monotonic() - began)
-            time.sleep(WAIT_POLL_SECONDS)
+        group = self._group()
+        try:
+            found = group.wait_for(RECORD, range(self._ranks.world_size), "the preemption agreement",
+                                   max(0.0, min(self._timeout, notice.remaining())))
+        except RanksMissing as exc:
+            raise NoAgreement(exc.missing, exc.waited) from exc
+        return {rank: int(record.value["step"]) for rank, record in found.items()}
 
     def _watch(self) -> None:
         """Start the thread that learns of a notice another rank published."""
+        group = self._group()
+
+        def heard() -> int | None:
+            if self._stop_watching.is_set():
+                return 0
+            try:
+                found = group.records(RECORD)
+            except Exception:  # an unreachable store: asked again at the next interval
+                return None
+            others = [record for rank, record in found.items() if rank != self._ranks.rank]
+            return int(others[0].value.get("signal") or 15) if others else None
 
         def run() -> None:
-            while not self._stop_watching.wait(POLL_SECONDS):
-                try:
-                    found = self._read()
-                except Exception:  # an unreachable store: asked again at the next interval
-                    continue
-                others = [doc for rank, doc in found.items() if rank != self._ranks.rank]
-                if others:
-                    self._heard_signal = int(others[0].get("signal") or 15)
-                    self._heard.set()
-                    return
+            signal = poll("the preemption agreement's watch", heard, None, pauses=(POLL_SECONDS, POLL_SECONDS))
+            if signal:
+                self._heard_signal = signal
+                self._heard.set()
 
         self._watcher = threading.Thread(target=run, name="taskpoint-preemption-agreement", daemon=True)
         self._watcher.start()
 
     def forget(self) -> None:
         """After the emergency step committed (rank 0): remove every rank's record of this round."""
-        if self._folder is None or self._group is not None:
-            return
-        for rank in range(self._ranks.world_size):
-            with contextlib.suppress(Exception):
-                self._record(rank).remove()
+        if self._folder is not None and self._torch is None:
+            self._group().forget(RECORD)
 
     def close(self) -> None:
         self._stop_watching.set()
-
-
-def _alive(pid: object) -> bool:
-    """Whether process ``pid`` of this host exists (True when unknown: a record without a pid)."""
-    if not isinstance(pid, int) or pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # it exists, as another user's process
-        return True
-    return True
-
-
-def initialized_group() -> Any | None:
-    """``torch.distributed`` when it is imported and its default process group initialized; else None (never
-    imports torch: a program that uses it has imported it)."""
-    dist = sys.modules.get("torch.distributed")
-    return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
-
-
-class _GroupVote:
-    """The agreement through ``torch.distributed``: one all-reduce (MAX) in flight, read at the next call."""
-
-    def __init__(self, dist: Any, torch: Any) -> None:
-        self._dist, self._torch = dist, torch
-        self._work: Any = None
-        self._tensor: Any = None
-
-    @classmethod
-    def of_initialized(cls) -> _GroupVote | None:
-        """A vote on the default process group when there is one (:func:`initialized_group`)."""
-        dist = initialized_group()
-        return None if dist is None else cls(dist, sys.modules["torch"])
-
-    def vote(self, signal: int, notice: preemption.Notice | None) -> int:
-        """The largest signal any rank had at the previous call (0: none); then this call's vote is sent."""
-        result = 0
-        if self._work is not None:
-            if notice is None:
-                self._work.wait()
-            else:  # this rank stops anyway: a rank that never answers must not hold it past the deadline
-                waited = max(0.1, notice.remaining())
-                try:
-                    self._work.wait(timeout=datetime.timedelta(seconds=waited))
-                except RuntimeError as exc:
-                    raise NoAgreement([], waited) from exc
-            result = int(self._tensor.item())
-            if result:
-                return result
-        self._tensor = self._torch.tensor([signal], dtype=self._torch.int32)
-        self._work = self._dist.all_reduce(self._tensor, op=self._dist.ReduceOp.MAX, async_op=True)
-        return 0

@@ -39,14 +39,14 @@ from .writes import StepWrites
 
 @dataclass(frozen=True)
 class Assembly:
-    """What a manager keeps of its parts: those its own methods use, and its two sides."""
+    """What a manager keeps of its parts: those its methods use, those its tests look into (the deduplicated
+    saves, the local tier, the background saves), and its two sides."""
 
     steps: StepStore
     parts: StepContext
     dedup: Dedup
     background: Background
     tier: LocalTier | None
-    schedule: SaveSchedule
     queries: StepQueries
     writes: StepWrites
 
@@ -87,4 +87,4 @@ def assemble(uri: str, options: Options, *, storage_options: dict[str, Any] | No
     writes = StepWrites(parts, writer, reader, guard, schedule, background, tier,
                         PreemptionPolicy(preemption, on_preemption, agreement), chunked, queries,
                         bool(saves.async_save), root.throttles)
-    return Assembly(steps, parts, chunked, background, tier, schedule, queries, writes)
+    return Assembly(steps, parts, chunked, background, tier, queries, writes)

@@ -22,10 +22,7 @@ a 256 MiB step from moto read 1.00 copy of it in 0.78x the time of each rank rea
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -38,8 +35,8 @@ from .. import _log
 from ..errors import CheckpointCorruptError, CheckpointError, add_note
 from ..executors import IO
 from ..format.records import StepManifest
+from ..group import TorchGroup
 from ..storage import Location
-from .agreement import initialized_group
 from .in_use import InUse
 from .kinds import Gone, StepContext, StepKind
 from .steps import StepStore
@@ -64,12 +61,9 @@ class _Block:
 class Exchange:
     """The default process group of ``torch.distributed``, for the reads of one restore (:func:`shared_reads`)."""
 
-    def __init__(self, dist: Any, timeout: float) -> None:
-        self._dist, self._torch = dist, sys.modules["torch"]
-        self.rank, self.world = int(dist.get_rank()), int(dist.get_world_size())
-        self._timeout = timeout
-        self._device = self._torch.device("cuda", self._torch.cuda.current_device()) \
-            if dist.get_backend() == "nccl" else self._torch.device("cpu")
+    def __init__(self, group: TorchGroup) -> None:
+        self._group, self._torch, self._device = group, group.torch, group.device
+        self.rank, self.world = group.rank, group.world
         self._folder: tempfile.TemporaryDirectory[str] | None = None
         self._copies: dict[tuple[int, str], StepContext] = {}  # by step and save id: a second read of it is local
 
@@ -93,8 +87,7 @@ class Exchange:
         began, steps = time.monotonic(), parts.steps
         wanted = _wanted(parts, kind, step, manifest)
         mine: list[Any] | None = None if wanted is None else [steps.directory, step, manifest.record.save_id, wanted]
-        shared = _common([json.loads(each) for each in self._gather(json.dumps(mine).encode(),
-                                                                    f"the objects of step {step}")])
+        shared = _common(self._group.all_gather(mine, f"the objects of step {step}"))
         if wanted is None or not shared:  # the same answer on every rank: no collective follows
             return parts
         blocks = _deal(shared, wanted, self.world) + _deal(sorted(set(wanted) - set(shared)), wanted, 1, self.rank)
@@ -143,8 +136,7 @@ class Exchange:
                     failure = failure or {"name": block.name, "start": block.start, "length": block.length,
                                           "missing": isinstance(exc, FileNotFoundError), "error": str(exc),
                                           "damaged": isinstance(exc, CheckpointCorruptError)}
-        reports = [json.loads(each) for each in self._gather(json.dumps(failure).encode(),
-                                                              f"whether every rank read its share of step {step}")]
+        reports = self._group.all_gather(failure, f"whether every rank read its share of step {step}")
         for rank, report in enumerate(reports):
             if report is None:
                 continue
@@ -179,8 +171,8 @@ class Exchange:
                     os.preadv(fd, [memoryview(view)[:length]], block.start)
                     if wire is not host:
                         wire[:length].copy_(host[:length])
-                self._wait(self._dist.broadcast(wire[:length], src=block.owner, async_op=True),
-                           f"bytes {block.start}-{block.start + length - 1} of {block.name} from rank {block.owner}")
+                what = f"bytes {block.start}-{block.start + length - 1} of {block.name} from rank {block.owner}"
+                self._group.send(wire[:length], block.owner, what)
                 if block.owner != self.rank:
                     if wire is not host:
                         host[:length].copy_(wire[:length])
@@ -189,48 +181,19 @@ class Exchange:
             for fd in files.values():
                 os.close(fd)
 
-    # -- collectives ---------------------------------------------------------------------------------------
-
-    def _gather(self, data: bytes, what: str) -> list[bytes]:
-        """``data`` of every rank, by rank: the lengths, then the bytes padded to the longest."""
-        torch = self._torch
-        length = torch.tensor([len(data)], dtype=torch.int64, device=self._device)
-        lengths = [torch.zeros_like(length) for _ in range(self.world)]
-        self._wait(self._dist.all_gather(lengths, length, async_op=True), what)
-        longest = max(int(each.item()) for each in lengths)
-        mine = torch.zeros(longest, dtype=torch.uint8)
-        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        mine = mine.to(self._device)
-        theirs = [torch.empty_like(mine) for _ in range(self.world)]
-        self._wait(self._dist.all_gather(theirs, mine, async_op=True), what)
-        return [bytes(each.cpu().numpy()[:int(size.item())]) for each, size in zip(theirs, lengths, strict=True)]
-
-    def _wait(self, work: Any, what: str) -> None:
-        """Wait for a collective at most the timeout: TimeoutError naming this rank and ``what`` after it, and
-        CheckpointError when the group fails sooner (a rank gone)."""
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=self._timeout))
-        except RuntimeError as exc:
-            timed_out = "timed out" in str(exc).lower()
-            raise (TimeoutError if timed_out else CheckpointError)(
-                f"rank {self.rank} of {self.world} gave up waiting for {what} in a broadcast restore "
-                f"({'after ' + format(self._timeout, 'g') + ' s' if timed_out else 'the process group failed'}: "
-                f"{exc}); every rank must call it for the same step together") from exc
-
-
 @contextmanager
 def shared_reads(broadcast: bool, timeout: float) -> Iterator[Exchange | None]:
     """An :class:`Exchange` (each collective waiting at most ``timeout`` seconds) for the block when ``broadcast``
     and a process group of more than one rank is initialized; else None (each rank reads for itself), with an
     INFO line saying why when ``broadcast`` was asked for. The copies it made are removed when the block exits."""
-    dist = initialized_group() if broadcast else None
-    if broadcast and (dist is None or dist.get_world_size() < 2):
+    group = TorchGroup.of_initialized(timeout, "a broadcast restore") if broadcast else None
+    if broadcast and (group is None or group.world < 2):
         _log.logger.info("restore(broadcast=True) without a torch.distributed process group of several ranks: "
                          "this rank reads the step itself")
-    if dist is None or dist.get_world_size() < 2:
+    if group is None or group.world < 2:
         yield None
         return
-    exchange = Exchange(dist, timeout)
+    exchange = Exchange(group)
     try:
         yield exchange
     finally:

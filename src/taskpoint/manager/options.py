@@ -19,10 +19,13 @@ from ..storage.location import normalize_uri
 from ._checks import positive_or_none
 from .retention import Retention
 from .schedule import Schedule
-from .shards import DEFAULT_COMMIT_TIMEOUT
 from .staging import check_staging_bytes
 
 __all__ = ["GROUPS", "BackgroundSaves", "Options", "Retention", "Schedule", "Shards", "Tier"]
+
+
+#: How long rank 0 waits, by default, for every rank's shard of a step before abandoning it (seconds).
+DEFAULT_COMMIT_TIMEOUT = 600.0
 
 
 @dataclass(frozen=True)

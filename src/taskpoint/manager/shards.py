@@ -5,7 +5,7 @@ The commit, on storage only (no process group):
 1. Rank k stores its data as a payload of a fresh name in ``ckpt-N/``, as a single-rank save does, hashing it.
 2. Ranks 1 .. W-1 then write ``ckpt-N/rank-k.json`` (a :class:`~taskpoint.format.records.ShardRecord`: the
    payload's name, size and sha256, the world size, and the *round*) and return.
-3. Rank 0, once its own shard is stored, lists ``ckpt-N/`` (from every 0.05 s, backing off to 1 s) and reads
+3. Rank 0, once its own shard is stored, lists ``ckpt-N/`` (:func:`taskpoint.group.poll`) and reads
    each rank record that appeared or changed, until it holds one of the current round from every rank. Then it
    commits the step (:mod:`.step_commit`): the manifest (version 3) naming every shard with its sha256; and
    removes the records.
@@ -36,8 +36,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from .._log import safe_uri
 from ..errors import CheckpointCorruptError, CheckpointError, StepAbandonedError, say_in_message
 from ..format.records import ObjectRecord, Shard, ShardRecord, StepContent
+from ..group import RanksMissing, poll
 from ..payloads import Payload
 from ..ranks import Ranks, incarnation_from_environment, resolve_ranks
 from ..storage import Location, RetryPolicy
@@ -55,11 +57,6 @@ from .step_names import (
 from .steps import StepStore, best_effort
 
 _log = logging.getLogger("taskpoint")
-
-#: How long rank 0 waits, by default, for every rank's shard of a step before abandoning it (seconds).
-DEFAULT_COMMIT_TIMEOUT = 600.0
-#: Rank 0's first and longest pause between two listings of a step folder it waits on (seconds).
-POLL_FIRST, POLL_LONGEST = 0.05, 1.0
 
 
 @dataclass(frozen=True)
@@ -169,39 +166,46 @@ class ShardWriter:
         found: dict[int, Shard] = {0: own}
         stale: set[int] = set()
         failed: dict[int, str] = {}
-        deadline = time.monotonic() + self._plan.commit_timeout
-        pause = POLL_FIRST
-        while True:
+
+        def absent() -> list[int]:
+            return [rank for rank in range(world) if rank not in found]
+
+        def check() -> tuple[Shard, ...] | None:
             gather(folder, step, world, round_, found, stale, failed)
             if len(found) == world:
                 return tuple(found[rank] for rank in range(world))
-            missing = [rank for rank in range(world) if rank not in found]
-            gone = sorted(set(missing) & self._waiting(step)) if self._waiting is not None else []
+            if set(absent()) & set(failed):  # a rank noted that its save failed: its shard never comes
+                raise RanksMissing("a rank failed", absent(), [], 0.0)
+            return None
+
+        waiting = self._waiting
+        try:
+            return poll(f"rank 0: the shards of step {step} in {safe_uri(self._steps.directory)}", check,
+                        self._plan.commit_timeout, missing=absent,
+                        gone=None if waiting is None else lambda: waiting(step))
+        except RanksMissing as exc:
+            missing, gone = exc.missing, exc.gone
             failing = sorted(set(missing) & set(failed))
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or gone or failing:
-                forget_records(folder, [rank for rank in found if rank] + sorted(stale))
-                for rank in failing:
-                    best_effort(folder.child(rank_failure_name(rank, round_)).remove)
-                also = f" (ranks {sorted(stale)} left records of another launch)" if stale else ""
-                if len(found) == 1 and not stale and not failing:
-                    also = (" (no other rank stored a shard: if only rank 0 saves in this job, create its manager "
-                            "with world_size=1)")
-                if failing:
-                    why = "; ".join(f"rank {rank} failed to save its shard ({failed[rank]})" for rank in failing)
-                    waited = f"stopped waiting for the shards of ranks {missing} of {world}: {why}{also}"
-                elif gone:
-                    waited = (f"stopped waiting for the shards of ranks {missing} of {world}: the processes of ranks "
-                              f"{gone} are gone{also}")
-                else:
-                    waited = (f"waited {self._plan.commit_timeout:g} s for the shards of ranks {missing} of "
-                              f"{world}{also}")
-                raise StepAbandonedError(
-                    f"step {step} in {self._steps.directory} was abandoned: rank 0 {waited}, and committed "
-                    "nothing. The previous steps are intact; gc() removes this step's shards once they are older "
-                    "than the grace period.")
-            time.sleep(min(pause, remaining))
-            pause = min(pause * 1.5, POLL_LONGEST)
+            forget_records(folder, [rank for rank in found if rank] + sorted(stale))
+            for rank in failing:
+                best_effort(folder.child(rank_failure_name(rank, round_)).remove)
+            also = f" (ranks {sorted(stale)} left records of another launch)" if stale else ""
+            if len(found) == 1 and not stale and not failing:
+                also = (" (no other rank stored a shard: if only rank 0 saves in this job, create its manager "
+                        "with world_size=1)")
+            if failing:
+                why = "; ".join(f"rank {rank} failed to save its shard ({failed[rank]})" for rank in failing)
+                waited = f"stopped waiting for the shards of ranks {missing} of {world}: {why}{also}"
+            elif gone:
+                waited = (f"stopped waiting for the shards of ranks {missing} of {world}: the processes of ranks "
+                          f"{gone} are gone{also}")
+            else:
+                waited = (f"waited {self._plan.commit_timeout:g} s for the shards of ranks {missing} of "
+                          f"{world}{also}")
+            raise StepAbandonedError(
+                f"step {step} in {self._steps.directory} was abandoned: rank 0 {waited}, and committed "
+                "nothing. The previous steps are intact; gc() removes this step's shards once they are older "
+                "than the grace period.") from None
 
 
 @contextlib.contextmanager
@@ -239,20 +243,11 @@ def await_commit(steps: StepStore, rank: int, step: int, timeout: float, gone: C
     began = time.monotonic()
     _log.info("taskpoint: rank %d waits (at most %.0f s) for rank 0 to commit step %d in %s", rank, timeout, step,
               steps.directory)
-    pause = POLL_FIRST
-    while True:
-        waited = time.monotonic() - began
-        if not record.exists():
-            outcome = "abandoned"
-        elif 0 in gone():
-            outcome = "rank 0 gone"
-        elif waited >= timeout:
-            outcome = "timed out"
-        else:
-            time.sleep(min(pause, timeout - waited))
-            pause = min(pause * 1.5, POLL_LONGEST)
-            continue
-        break
+    try:
+        outcome = poll(f"rank {rank}: rank 0's commit of step {step} in {safe_uri(steps.directory)}",
+                       lambda: None if record.exists() else "abandoned", timeout, missing=lambda: [0], gone=gone)
+    except RanksMissing as exc:
+        outcome = "rank 0 gone" if exc.gone else "timed out"
     # Committed whatever ended the wait: a rank 0 may die after its commit, before it removed the records.
     manifest = steps.manifest(step, tolerate_corrupt=True)
     if manifest is not None and any(s.rank == rank for s in getattr(manifest.content, "shards", ())):
@@ -348,14 +343,18 @@ class ShardOrphan:
         if self.ranks.rank != 0:
             self.record_shard(folder, size, digest)
             return
+        world = self.ranks.world_size
         found, stale = {0: self.shard(size, digest)}, set[int]()
-        while True:
-            gather(folder, self.step, self.ranks.world_size, self.round, found, stale)
-            if len(found) == self.ranks.world_size:
-                break
-            if time.monotonic() >= deadline:
-                return  # a shard never came: nothing is committed, and the shards are swept as leftovers
-            time.sleep(POLL_FIRST * 2)
+
+        def check() -> bool | None:
+            gather(folder, self.step, world, self.round, found, stale)
+            return True if len(found) == world else None
+
+        try:
+            poll(f"the save process of rank 0: the shards of step {self.step} in {safe_uri(self.folder)}", check,
+                 deadline - time.monotonic(), missing=lambda: [rank for rank in range(world) if rank not in found])
+        except RanksMissing:
+            return  # a shard never came: nothing is committed, and the shards are swept as leftovers
         shards = tuple(found[rank] for rank in range(self.ranks.world_size))
         manifest = self.stored(shards).manifest(self.step, self.attempt, self.metadata)
         write_manifest(folder.child(MANIFEST_NAME), manifest, create=True,

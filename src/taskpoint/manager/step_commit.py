@@ -48,12 +48,12 @@ class Stored:
 
 
 def commit(steps: StepStore, step: int, stored: Stored, attempt: int | None, metadata: dict[str, Any], *,
-           create: bool = False, grace: float = 0.0) -> StepManifest:
+           create: bool = False, grace: float = 0.0) -> None:
     """Commit ``step`` with what was ``stored``: check its objects (:func:`check_stored`, ``grace`` the saving
     manager's), then write the manifest. ``create``: only where there is no manifest (a conditional create: one
     round trip instead of a read before the save and the write after it); one there that commits the same save (a
     retry that met its own landed write) is this commit, another's raises :meth:`StepStore.taken` and removes
-    the stored objects, which no manifest will name. Returns the manifest written."""
+    the stored objects, which no manifest will name."""
     manifest = stored.manifest(step, attempt, metadata)
     check_stored(steps, step, stored.objects, written_since=stored.began, grace=grace)
     location = steps.object(step, MANIFEST_NAME)
@@ -69,7 +69,6 @@ def commit(steps: StepStore, step: int, stored: Stored, attempt: int | None, met
         write()
     else:
         stored.guard(write, location.remove)
-    return manifest
 
 
 def write_manifest(location: Location, manifest: StepManifest, *, create: bool = False,

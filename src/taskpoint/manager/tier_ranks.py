@@ -10,48 +10,30 @@ no rank sees another node's local tier, the ranks agree on what a tier holds in 
   its rank, and from the remote copy otherwise (with a WARNING when the local copy fails verification, or is
   not the committed step's shard: then it is removed).
 - **A step on the local tiers alone** is restored only through an initialized ``torch.distributed`` process
-  group: the ranks gather which local steps each holds (:class:`RankVote`), try the newest step every rank holds
-  (locally or remotely; a step on the remote tier too is read locally only as above), and all move to the next
-  older step unless every rank read its shard. Without a process group, restores choose among the remote steps
-  only (local copies still serve the reads).
+  group (:class:`~taskpoint.group.TorchGroup`): the ranks gather which local steps each holds, try the newest
+  step every rank holds (locally or remotely; a step on the remote tier too is read locally only as above), and
+  all move to the next older step unless every rank read its shard. Without a process group, restores choose
+  among the remote steps only (local copies still serve the reads).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from ..format.records import ObjectRecord, StepManifest
-from .agreement import initialized_group
+from ..group import TorchGroup
 from .kinds.sharded import Shards
 from .shards import ShardOrphan
 
 
-class RankVote:
-    """The collectives of a multi-rank restore from the local tier, on the default process group."""
+def common_steps(group: TorchGroup, steps: set[int]) -> set[int]:
+    """The steps every rank holds (each rank passes its own)."""
+    return set.intersection(*(set(each) for each in group.all_gather(sorted(steps), "the local steps of every rank")))
 
-    def __init__(self, dist: Any) -> None:
-        self._dist = dist
 
-    @classmethod
-    def of_initialized(cls) -> RankVote | None:
-        """A vote on the default process group when there is one (:func:`~.agreement.initialized_group`)."""
-        dist = initialized_group()
-        return None if dist is None else cls(dist)
-
-    def _gather(self, value: Any) -> list[Any]:
-        found: list[Any] = [None] * self._dist.get_world_size()
-        self._dist.all_gather_object(found, value)
-        return found
-
-    def common(self, steps: set[int]) -> set[int]:
-        """The steps every rank holds (each rank passes its own)."""
-        held = self._gather(sorted(steps))
-        return set.intersection(*(set(each) for each in held))
-
-    def all(self, ok: bool) -> bool:
-        """Whether every rank passed True (also a barrier)."""
-        return all(self._gather(bool(ok)))
+def everyone(group: TorchGroup, ok: bool) -> bool:
+    """Whether every rank passed True (also a barrier)."""
+    return all(group.all_gather(bool(ok), "whether every rank restored its shard"))
 
 
 def own_shard(manifest: StepManifest, rank: int) -> ObjectRecord | None:

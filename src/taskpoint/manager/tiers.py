@@ -27,6 +27,7 @@ from .. import _log
 from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointCorruptError
 from ..format.records import StepContent, StepManifest
+from ..group import TorchGroup
 from ..storage import Location
 from .background import Background
 from .commit import StepWriter
@@ -37,7 +38,7 @@ from .promotion import PromotionCommit as PromotionCommit  # re-exported: tests 
 from .restore import StepReader, candidates
 from .retention import Retention
 from .steps import StepStore, best_effort
-from .tier_ranks import RankVote, own_shard
+from .tier_ranks import common_steps, everyone, own_shard
 from .verify import StepDescription
 
 
@@ -149,8 +150,8 @@ class LocalTier:
         the local steps newer than the one restored, which the job saves again."""
         remote = {step for step, folder in self._steps.scan().items() if folder.committed}
         local = set(self.local.steps())
-        vote = RankVote.of_initialized() if self._ranks.distributed else None
-        agreed = (vote.common(local) if vote is not None else set()) if self._ranks.distributed else local
+        vote = TorchGroup.of_initialized(None, "a restore from the local tier") if self._ranks.distributed else None
+        agreed = (common_steps(vote, local) if vote is not None else set()) if self._ranks.distributed else local
         if step is not None and step not in agreed | remote:
             raise FileNotFoundError(f"step {step} exists on neither tier ({self.local.directory}, "
                                     f"{self._steps.directory})")
@@ -164,7 +165,7 @@ class LocalTier:
                 sources += [(reader, self._steps.directory)] if number in remote else []
                 result, error = _read_first(number, sources, into, progress, paths, fallback, clock)
                 first_error = first_error or error
-                if vote is not None and not vote.all(result is not None):
+                if vote is not None and not everyone(vote, result is not None):
                     first_error = first_error or CheckpointCorruptError(
                         f"step {number}: another rank could not restore its shard from either tier")
                     continue
@@ -205,14 +206,14 @@ class LocalTier:
         best_effort(functools.partial(self.local.delete, step, force=True))
         return False
 
-    def _drop_newer(self, step: int, vote: RankVote) -> None:
+    def _drop_newer(self, step: int, vote: TorchGroup) -> None:
         """After every rank resumed from ``step``: delete this rank's local steps newer than it (not every rank
         could restore them), then wait for every rank to have done so, before any rank saves those steps again
         (a rank's old copy would otherwise pass for a shard of the new save)."""
         for number in self.local.steps():
             if number > step:
                 self.local.delete(number, force=True)
-        vote.all(True)
+        everyone(vote, True)
 
     # -- writes --------------------------------------------------------------------------------------------
 

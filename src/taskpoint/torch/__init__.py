@@ -32,4 +32,4 @@ from ._state_file import STATE_FILE
 from ._train import TrainState
 from ._writer import Writer
 
-__all__ = ["STATE_FILE", "FileSetStep", "Reader", "StateDict", "TrainState", "Writer", "load_state_dict", "load_state_dict_sync"]  # noqa: E501  (one line: tests/test_docs.py reads it)
+__all__ = ["STATE_FILE", "FileSetStep", "Reader", "StateDict", "TrainState", "Writer", "load_state_dict", "load_state_dict_sync"]  # noqa: E501  (one line: tests/e2e/test_docs.py reads it)

@@ -4,7 +4,7 @@ A model's and an optimizer's state dicts are not enough for a resumed run to con
 dropout masks come from torch's generator, the data order from the sampler's, augmentations from Python's and
 NumPy's. ``TrainState`` saves those too, and the position of the data loader inside its epoch
 (:mod:`._data`), so that the run killed at step k and resumed gives the same losses and parameters, bit for bit,
-as the run never interrupted (tests/test_resume_exact.py).
+as the run never interrupted (tests/e2e/test_resume_exact.py).
 """
 
 from __future__ import annotations
