@@ -332,21 +332,6 @@ def test_the_save_process_commits_a_dead_trainers_promotion_only_when_the_copy_m
         assert other.metadata(4) == {}  # the manifest there was kept
 
 
-def test_a_step_kind_of_an_extra_is_refused_at_save_time_and_nothing_is_saved(tmp_path):
-    """A torch state dict (the torch.state_dict step kind) cannot be promoted as one payload object: a tiered
-    manager refuses it when save() is called, before anything is written on either tier, and saves bytes after."""
-    torch = pytest.importorskip("torch")
-    from taskpoint.torch import StateDict
-
-    with CheckpointManager(tmp_path / "remote", local_dir=tmp_path / "local", preemption=False) as manager:
-        with pytest.raises(TypeError, match=r"torch\.state_dict.*not promoted by the local tier"):
-            manager.save(StateDict({"w": torch.zeros(4)}), 1)
-        assert manager.steps() == []
-        manager.save(b"state", 1)
-        manager.wait_until_finished()
-        assert manager.steps(tier="local") == [1] and manager.steps(tier="remote") == [1]
-
-
 def test_restore_in_place_with_a_local_tier_restores_as_restore_does(tmp_path):
     with CheckpointManager(tmp_path / "remote", local_dir=tmp_path / "local") as m:
         m.save(data(1), 1)

@@ -77,26 +77,21 @@ _DEDUP_RANKS = Refused("a rank's chunks would be named by no manifest between it
                        "gc() could remove them")
 _DEDUP_TIER = Refused("a deduplicated step is a set of chunks shared with other steps, which a promotion cannot copy "
                       "as one verified object")
-_EXTRA_TIER = ("refused late: save() raises TypeError ('a manager with local_dir saves bytes, files and directories; "
-               "a {payload!r} payload ... is not promoted by the local tier'), not ValueError at construction")
-_PROMOTED = "manager/tiers.py: LocalTier.save (PROMOTED_KINDS)"
-_STATE_DICT_TIER = Gap(_EXTRA_TIER.format(payload="torch.state_dict"), _PROMOTED)
-_PYTREE_TIER = Gap(_EXTRA_TIER.format(payload="pytree"), _PROMOTED)
-_DCP_TIER = Gap("fails at save: Writer.for_step stores and commits the step in the remote directory only, so the local "
-                "tier never holds it (steps(tier='local') == []) and no restore reads a local copy",
-                "torch/_writer.py: _StepWriter (manager.step_uri); manager/manager.py: CheckpointManager.commit")
+_DCP_RANKS_TIER = Gap("refused late: Writer.for_step raises ValueError (its ranks write one step together into one "
+                      "folder, and each rank's local tier is on its own node), not the manager's constructor, which "
+                      "cannot know that a DCP writer will save through it", "manager/tiers.py: LocalTier.folder")
 #: What each cell (``<kind>-<ranks>rank-<tier>``) does today, the same on every store.
 EXPECTED: dict[str, Works | Refused | Gap] = {
     "payload-1rank-none": WORKS, "payload-1rank-local": WORKS,
     "payload-3rank-none": WORKS, "payload-3rank-local": WORKS,
     "dedup-1rank-none": WORKS, "dedup-1rank-local": _DEDUP_TIER,
     "dedup-3rank-none": _DEDUP_RANKS, "dedup-3rank-local": _DEDUP_RANKS,
-    "state_dict-1rank-none": WORKS, "state_dict-1rank-local": _STATE_DICT_TIER,
-    "state_dict-3rank-none": WORKS, "state_dict-3rank-local": _STATE_DICT_TIER,
-    "pytree-1rank-none": WORKS, "pytree-1rank-local": _PYTREE_TIER,
-    "pytree-3rank-none": WORKS, "pytree-3rank-local": _PYTREE_TIER,
-    "dcp-1rank-none": WORKS, "dcp-1rank-local": _DCP_TIER,
-    "dcp-3rank-none": WORKS, "dcp-3rank-local": _DCP_TIER,
+    "state_dict-1rank-none": WORKS, "state_dict-1rank-local": WORKS,
+    "state_dict-3rank-none": WORKS, "state_dict-3rank-local": WORKS,
+    "pytree-1rank-none": WORKS, "pytree-1rank-local": WORKS,
+    "pytree-3rank-none": WORKS, "pytree-3rank-local": WORKS,
+    "dcp-1rank-none": WORKS, "dcp-1rank-local": WORKS,
+    "dcp-3rank-none": WORKS, "dcp-3rank-local": _DCP_RANKS_TIER,
 }
 #: How a refusal names each axis of its cell: the kind, and the ranks or the tier that it cannot be combined with.
 KIND_WORDS = {"payload": ("payload", "bytes", "file", "director"), "dedup": ("dedup",),

@@ -47,16 +47,24 @@ class StepWriter:
                  ) -> None:
         self._parts, self._in_use, self._guard, self._kinds = parts, in_use, guard, kinds
         self._savers = tuple(savers)
+        #: Only the manager's own kinds save payloads, never another package's (:meth:`save_as_shards`).
+        self._own_kinds_only = False
         #: The last step this writer saved (its shard, with several ranks), committed or not.
         self.last_step: int | None = None
+
+    def save_as_shards(self) -> None:
+        """Save every payload as the ``sharded`` kind holds each rank's shard, one payload object (its last
+        kind), and never as another package's kind: the local manager of a tier of several ranks, whose steps are
+        promoted as the shards of remote steps (:mod:`.tier_ranks`)."""
+        self._own_kinds_only = True
 
     def kind_for(self, data: Payload | StepContent) -> StepKind:
         """The kind that saves ``data``: the first of the manager's kinds that accepts a payload, where the last
         (one payload object, which takes any) comes after the kinds other packages registered (``taskpoint.jax``'s
-        PyTree files); the kind a content names."""
+        PyTree files), unless it saves shards (:meth:`save_as_shards`); the kind a content names."""
         if isinstance(data, Payload):
             *first, last = self._savers
-            others = (kind for kind in self._kinds.loaded() if kind not in self._savers)
+            others = [kind for kind in self._kinds.loaded() if kind not in self._savers and not self._own_kinds_only]
             return next(kind for kind in (*first, *others, last) if kind.accepts(data, self._parts))
         return self._kinds.kind(data.kind, self._parts.steps.directory)
 

@@ -1,12 +1,14 @@
 """Promotion: one local step copied to the remote tier, checked, and committed there (:mod:`.tiers` decides
 which steps, and when).
 
-The local payload object is copied byte for byte under its own name (from the save process when there is one),
-its size and sha256 are checked against the local manifest, and only then is the local manifest written
-remotely, which commits the step there as any step. A copy that does not match is removed and never committed,
-so a torn local step is never promoted. When the trainer dies while the save process copies, the process
-commits the copy itself (:class:`PromotionCommit`), under the same check. With several ranks each rank
-promotes its own shard and rank 0 commits the remote step as any multi-rank step (:mod:`.tier_ranks`).
+A step of any kind is promoted alike, knowing no kind: the objects its local manifest names (the kind's
+``objects()``) are copied byte for byte under their own names (from the save process when there is one), each
+checked against the size and sha256 the manifest records (a kind that records no sha256 of an object has its
+copy read back by its own verify), and only then is the remote step committed with the local manifest's content
+(:func:`.step_commit.commit`). A copy that does not match is removed and never committed, so a torn local step is
+never promoted. When the trainer dies while the save process copies a step of one object, the process commits
+the copy itself (:class:`PromotionCommit`), under the same check. With several ranks each rank promotes its own
+shard (a payload object) and rank 0 commits the remote step as any multi-rank step (:mod:`.tier_ranks`).
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ from typing import Any, cast
 from .. import _log
 from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointCorruptError, CheckpointError
-from ..format.records import ObjectRecord, StepManifest
+from ..format.records import StepManifest
 from ..payloads import FilePayload, Payload
 from ..storage import Location, RetryPolicy
 from .background import Background, Handover, store_payload
 from .commit import StepWriter
-from .kinds import StepContext
+from .kinds import StepContext, step_kind
 from .kinds.payload import PAYLOAD, PayloadObject
 from .kinds.sharded import Shards
 from .protect import overwrite_lease
@@ -75,37 +77,81 @@ class Promoter:
         manifest = self._local.manifest(step)
         if manifest is None:
             return  # deleted meanwhile
-        if manifest.kind != PAYLOAD.name:
-            raise CheckpointError(f"step {step} in {self._local.directory} is a {manifest.kind!r} step, which "
-                                  "the local tier does not promote")
-        content, record = manifest.content, manifest.record
-        assert isinstance(content, PayloadObject)
+        record = manifest.record
         exists, replaced = self._steps.committed_objects(step)
         current = self._steps.manifest(step, tolerate_corrupt=True) if exists else None
         if current is not None and (current.record.save_id == record.save_id or self._ranks.distributed):
             return  # promoted already (several ranks: every rank sees the same commit, and skips it alike)
-        source = Path(self._local.object(step, content.name).path)
         if self._ranks.distributed:
+            if manifest.kind != PAYLOAD.name:
+                raise CheckpointError(f"step {step} in {self._local.directory} is a {manifest.kind!r} step, which "
+                                      "a local tier of several ranks does not promote")
             with self._handed_over() as handover:
                 clock = _log.Clock()
-                size = self._promote_shard(step, manifest, source, handover, progress)
+                size = self._promote_shard(step, manifest, handover, progress)
             _log.transferred("promote", self._steps.step_uri(step), record.kind, size, clock, step)
             return
-        target, location = self._steps.object(step, content.name), self._steps.object(step, MANIFEST_NAME)
-        orphan = PromotionCommit(location.uri, location.storage_options, location.retry, manifest)
         # Overwriting a remote step: other processes keep it while the promotion is in flight (its rule).
         held = overwrite_lease(self._steps, step, self._parts.grace) if exists else contextlib.nullcontext()
         with held, self._handed_over() as handover:
             clock = _log.Clock()
-            size, _ = self._store_checked(target, source, record, handover, orphan, progress, f"step {step}")
-            commit(self._steps, step, Stored(content, record, {content.name: size}), manifest.attempt,
-                   manifest.metadata)
-        for name in (replaced or set()) - {content.name}:
+            sizes = self._copy_checked(step, manifest, handover, progress)
+            commit(self._steps, step, Stored(manifest.content, record, sizes), manifest.attempt, manifest.metadata)
+        for name in (replaced or set()) - sizes.keys():
             best_effort(self._steps.object(step, name).remove)
         self._steps.committed(step)
         self._on_commit(step, manifest.metadata)
-        _log.transferred("promote", self._steps.step_uri(step), record.kind, size, clock, step)
+        _log.transferred("promote", self._steps.step_uri(step), record.kind, sum(sizes.values()), clock, step)
         self._writer.tidy()
+
+    def _copy_checked(self, step: int, manifest: StepManifest, handover: Handover | None, progress: Progress
+                      ) -> dict[str, int]:
+        """Copy every object of its folder that the local manifest of ``step`` names (its kind's
+        :meth:`~.kinds.StepKind.objects`), whatever its kind, to the remote step's folder (:meth:`_copy`); when
+        the manifest records no sha256 of some object, the copies are then read back whole by the kind's own
+        verify against the manifest. The sizes stored. A copy that does not match is removed with the others,
+        and CheckpointCorruptError raised: the local step is damaged, and is never committed remotely. A step of
+        one object whose sha256 the record holds is committed by the save process if this process dies while it
+        copies (:class:`PromotionCommit`); another step's promotion cut short is redone by the next one."""
+        named, record = self._local.named(step, manifest), manifest.record
+        location, sole = self._steps.object(step, MANIFEST_NAME), next(iter(named.files), None)
+        orphan = (PromotionCommit(location.uri, location.storage_options, location.retry, manifest)
+                  if len(named.files) == 1 and named.digests.get(sole or "") == record.sha256 else None)
+        sizes: dict[str, int] = {}
+        try:
+            for name, size in named.files.items():
+                sizes[name] = self._copy(step, name, self._steps.object(step, name), size, named.digests.get(name),
+                                         handover, orphan, progress)[0]
+            if not named.digests.keys() >= named.files.keys():
+                try:
+                    step_kind(manifest.kind, self._local.step_uri(step)).verify(self._parts, step, manifest, False)
+                except (CheckpointCorruptError, FileNotFoundError) as exc:
+                    raise self._damaged(step, str(exc)) from exc
+        except CheckpointCorruptError:
+            for name in sizes:
+                best_effort(self._steps.object(step, name).remove)
+            raise
+        return sizes
+
+    def _copy(self, step: int, name: str, target: Location, size: int | None, sha256: str | None,
+              handover: Handover | None, orphan: Any, progress: Progress) -> tuple[int, str]:
+        """Copy the local object ``name`` of ``step`` to ``target``, in the remote step's folder (from the save
+        process when there is one, which finishes ``orphan`` if this process dies first); its size and
+        sha256, checked as it streams against the ``size`` and ``sha256`` the local manifest records (None: it
+        records none). A copy that does not match is removed and CheckpointCorruptError raised."""
+        try:
+            source = FilePayload(Path(self._local.object(step, name).path))
+        except FileNotFoundError:
+            raise self._damaged(step, f"its {name} is missing") from None
+        found, digest = store_payload(target, source, self._codec, None, handover, orphan, progress)
+        if size not in (None, found) or sha256 not in (None, digest):
+            best_effort(target.remove)
+            raise self._damaged(step, f"read {found} bytes of {name}, expected {size}")
+        return found, digest
+
+    def _damaged(self, step: int, why: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"step {step} in {self._local.directory} does not match its manifest ({why}): "
+                                      f"it is damaged and was not promoted to {self._steps.directory}")
 
     @contextlib.contextmanager
     def _handed_over(self) -> Iterator[Handover | None]:
@@ -119,29 +165,16 @@ class Promoter:
             if handover is not None:
                 handover.finish()
 
-    def _store_checked(self, target: Location, source: Path, record: ObjectRecord, handover: Handover | None,
-                       orphan: Any, progress: Progress, what: str) -> tuple[int, str]:
-        """Copy the local payload ``source`` to ``target`` and check the copy against the local manifest's
-        ``record``: one that does not match is removed and CheckpointCorruptError raised naming ``what``."""
-        stored = store_payload(target, FilePayload(source), self._codec, None, handover, orphan, progress)
-        if stored != (record.size, record.sha256):
-            best_effort(target.remove)
-            raise CheckpointCorruptError(
-                f"{what} in {self._local.directory} does not match its manifest (read {stored[0]} bytes, expected "
-                f"{record.size}): it is damaged and was not promoted to {self._steps.directory}")
-        return stored
-
-    def _promote_shard(self, step: int, manifest: StepManifest, source: Path, handover: Handover | None,
-                       progress: Progress) -> int:
+    def _promote_shard(self, step: int, manifest: StepManifest, handover: Handover | None, progress: Progress
+                       ) -> int:
         """Copy this rank's local shard of ``step`` to the remote tier, check it against its local manifest, and
         record it there (rank 0: commit the step once every rank's shard is recorded, then apply retention).
         A copy that does not match is removed and CheckpointCorruptError raised; the size stored."""
-        record = manifest.record
+        record, name = manifest.record, cast(PayloadObject, manifest.content).name
 
         def store(target: Location, orphan: ShardOrphan) -> tuple[int, str]:
             checked = VerifiedShard(orphan, record.size or 0, record.sha256 or "")
-            return self._store_checked(target, source, record, handover, checked, progress,
-                                       f"rank {self._ranks.rank}'s shard of step {step}")
+            return self._copy(step, name, target, record.size, record.sha256, handover, checked, progress)
 
         writer = ShardWriter(self._steps, self._parts.plan, self._parts.grace, self._parts.waiting)
         with contextlib.ExitStack() as until_committed:

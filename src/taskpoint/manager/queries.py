@@ -188,7 +188,10 @@ class StepQueries:
             step = self.newest()
         else:
             self.ready()
-        return describe_step(self._parts, KINDS, check_step(step))
+        step = check_step(step)
+        if self._tier is not None and self._steps.manifest(step) is None and step in self._tier.local.steps():
+            return self._tier.local.describe(step)  # a step on the local tier alone, as open() reads it
+        return describe_step(self._parts, KINDS, step)
 
     def inventory(self) -> list[StepSummary]:
         self.ready()

@@ -44,6 +44,9 @@ class StepObjects:
 
     files: dict[str, int | None] = field(default_factory=dict)
     chunks: dict[str, str] = field(default_factory=dict)
+    #: The sha256 of each object of its folder whose sha256 the manifest records (a promotion checks its copy
+    #: against it as it streams; the step's other objects it reads back through the kind's verify).
+    digests: dict[str, str] = field(default_factory=dict)
     #: What the step calls the objects of its folder (``taskpoint ls`` names a missing one so).
     noun: str = "payload"
 

@@ -26,13 +26,12 @@ from typing import Any, Protocol
 from .. import _log
 from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointCorruptError
-from ..format.records import StepManifest
+from ..format.records import StepContent, StepManifest
 from ..group import TorchGroup
-from ..payloads import payload_for
+from ..storage import Location
 from .background import Background
 from .commit import StepWriter
 from .kinds import StepContext
-from .kinds.payload import PAYLOAD
 from .options import BackgroundSaves, Shards, Tier
 from .promotion import Promoter
 from .promotion import PromotionCommit as PromotionCommit  # re-exported: tests name it here
@@ -40,6 +39,7 @@ from .restore import StepReader, candidates
 from .retention import Retention
 from .steps import StepStore, best_effort
 from .tier_ranks import common_steps, everyone, own_shard
+from .verify import StepDescription
 
 
 class LocalManager(Protocol):
@@ -51,6 +51,8 @@ class LocalManager(Protocol):
     def directory(self) -> str: ...
     def steps(self, tier: str | None = None) -> list[int]: ...
     def open(self, step: int, path: str) -> io.BufferedReader: ...
+    def commit(self, step: int, content: StepContent, *, metadata: dict[str, Any] | None = None) -> str: ...
+    def describe(self, step: int | None = None) -> StepDescription: ...
     def save(self, data: Any, step: int, *, metadata: dict[str, Any] | None = None, overwrite: bool = False,
              blocking: bool | None = None, progress: Any = None) -> str: ...
     def wait_until_finished(self) -> None: ...
@@ -60,12 +62,9 @@ class LocalManager(Protocol):
 
 
 #: What opens a tier's local manager: called with the local manager's arguments, it returns the manager, its step
-#: store and its reader.
-OpenLocal = Callable[..., tuple[LocalManager, StepStore, StepReader]]
+#: store, its reader and its writer.
+OpenLocal = Callable[..., tuple[LocalManager, StepStore, StepReader, StepWriter]]
 
-#: The payload kinds a tiered manager saves: those stored as one payload object, which a promotion copies whole
-#: (an extra's step kind, such as a PyTree's files or a torch state dict, is refused at save time).
-PROMOTED_KINDS = frozenset({"bytes", "file", "directory"})
 #: The names ``steps(tier=...)`` accepts (None: both tiers).
 TIERS = ("local", "remote")
 #: The share of the time left before a preemption notice's deadline that the emergency save gives the
@@ -106,18 +105,21 @@ class LocalTier:
              remote: tuple[StepContext, StepWriter, Background, Callable[..., None]]) -> LocalTier:
         """Open the local manager of ``tier`` with ``make``, with the remote manager's ``background`` snapshots
         and ``options`` (codec, level, retry, grace_seconds, dedup): one rank, no preemption handlers, and
-        ``local_keep`` steps kept."""
+        ``local_keep`` steps kept. With several ranks it saves each step as this rank's shard of the remote step
+        will be, one payload object, whatever the data (:meth:`.commit.StepWriter.save_as_shards`)."""
         if options.pop("dedup"):
             raise ValueError("dedup=True cannot be combined with local_dir: a deduplicated step is a set of chunks "
                              "shared with other steps, which a promotion cannot copy as one verified object; save "
                              "without dedup, or without local_dir")
-        local, steps, reader = make(tier.local_dir, retention=Retention(keep=tier.local_keep), preemption=False,
-                                    shards=Shards(rank=0, world_size=1), background=BackgroundSaves(
-                                        snapshot_dir=background.snapshot_dir,
-                                        background_process=background.background_process), **options)
+        local, steps, reader, writer = make(
+            tier.local_dir, retention=Retention(keep=tier.local_keep), preemption=False,
+            shards=Shards(rank=0, world_size=1), background=BackgroundSaves(
+                snapshot_dir=background.snapshot_dir, background_process=background.background_process), **options)
         if not steps.root.is_local:
             local.close()
             raise ValueError(f"local_dir must be a local path (the node's disk or RAM disk), not {tier.local_dir!r}")
+        if remote[0].plan.ranks.distributed:
+            writer.save_as_shards()
         return cls(local, steps, reader, tier.remote_every, *remote)
 
     # -- reads ---------------------------------------------------------------------------------------------
@@ -193,15 +195,14 @@ class LocalTier:
             return False
         if copy is None or committed is None:
             return False
-        expected = (own_shard(committed, self._ranks.rank) if self._ranks.distributed
-                    else committed.record if committed.kind == PAYLOAD.name else None)
+        expected = own_shard(committed, self._ranks.rank) if self._ranks.distributed else committed.record
         if expected is not None and (expected.size, expected.sha256) == (copy.record.size, copy.record.sha256):
             return True
         _log.logger.warning("the local copy of step %d in %s is not the committed step (the manifest in %s records "
                             "another %s): a save never promoted, whose step number was committed since by "
                             "another save; reading the remote copy, and removing the local one", step,
                             _log.safe_uri(self.local.directory), _log.safe_uri(self._steps.directory),
-                            "shard for this rank" if self._ranks.distributed else "payload")
+                            "shard for this rank" if self._ranks.distributed else "step")
         best_effort(functools.partial(self.local.delete, step, force=True))
         return False
 
@@ -216,6 +217,32 @@ class LocalTier:
 
     # -- writes --------------------------------------------------------------------------------------------
 
+    def folder(self, step: int, *, reading: bool) -> Location:
+        """The folder of ``step`` that another package's writer stores its objects in (``reading`` False: on the
+        local tier, which :meth:`commit` commits and promotes), or that its reader reads (``reading``: the local
+        copy when it may be read for the step, as a restore chooses it, else the remote one). ValueError for a
+        writer with several ranks: they write one step together, into one folder, and each rank's local tier is
+        on its own node."""
+        if reading:
+            on_remote = self._steps.manifest(step) is not None
+            local = step in self.local.steps() and self._serves(step, on_remote, agreed=not self._ranks.distributed)
+            return (self._local_steps if local else self._steps).root.child(f"ckpt-{step}")
+        if self._ranks.distributed:
+            raise ValueError(
+                f"a step written by another package's writer (a DCP checkpoint, Writer.for_step) cannot be saved with "
+                f"local_dir and world_size {self._ranks.world_size}: its ranks write one step together into one "
+                "folder, its coordinator's manifest naming every rank's files, while each rank's local tier is on "
+                "its own node and would hold only that rank's files; use a manager without local_dir for it")
+        return self._local_steps.root.child(f"ckpt-{step}")
+
+    def commit(self, step: int, content: StepContent, metadata: dict[str, Any] | None) -> str:
+        """Commit ``step``, whose objects another package's writer stored in its :meth:`folder`, to the local tier,
+        then start its promotion when it is due, as :meth:`save` does; the URI of the local step. Called under the
+        manager's lock, with no job in flight."""
+        uri = self.local.commit(step, content, metadata=metadata)
+        self._promote_if_due(step)
+        return uri
+
     def save(self, data: Any, step: int, metadata: dict[str, Any] | None, *, overwrite: bool, background: bool,
              progress: Any) -> str:
         """Commit ``step`` to the local tier (in the background when ``background``), then start its promotion
@@ -225,17 +252,16 @@ class LocalTier:
         if not overwrite and self._steps.committed_objects(step)[0]:
             raise FileExistsError(f"step {step} already exists in {self._steps.directory}; pass overwrite=True to "
                                   "replace it, or save under a new step")
-        kind = payload_for(data).kind  # cheap: a payload is serialized only when it is stored
-        if kind not in PROMOTED_KINDS:
-            raise TypeError(f"a manager with local_dir saves bytes, files and directories; a {kind!r} payload (a "
-                            "step kind of a taskpoint extra) is not promoted by the local tier: save it with a "
-                            "manager without local_dir")
         uri = self.local.save(data, step, metadata=metadata, overwrite=overwrite or self._ranks.distributed,
                               blocking=not background, progress=progress)
+        self._promote_if_due(step)
+        return uri
+
+    def _promote_if_due(self, step: int) -> None:
+        """Start the promotion of the local ``step`` in the background when it is due (every ``remote_every``-th)."""
         if step % self.remote_every == 0:
             self._idle.clear()
             self._background.slot.start(step, functools.partial(self._promote_due, step))
-        return uri
 
     def settle(self) -> None:
         """Wait for the local tier's background save, raising its error."""

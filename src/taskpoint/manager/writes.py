@@ -38,7 +38,10 @@ class StepWrites:
                  background: Background, tier: LocalTier | None, preemption: PreemptionPolicy, dedup: Dedup,
                  queries: StepQueries, async_save: bool, throttles: Callable[[], int]) -> None:
         self._parts, self._steps, self._plan, self._grace = parts, parts.steps, parts.plan, parts.grace
-        self._writer, self._reader, self._guard, self._schedule = writer, reader, guard, schedule
+        self._reader, self._guard, self._schedule = reader, guard, schedule
+        #: Writes the steps, each through its kind (a local tier of several ranks tells its local manager's to
+        #: save each step as a shard, :meth:`.commit.StepWriter.save_as_shards`).
+        self.writer = writer
         self._background, self._tier, self._preemption, self._dedup = background, tier, preemption, dedup
         self._queries, self._async_save, self._throttles = queries, async_save, throttles
         self._lock = threading.RLock()  # save, delete, gc, close and wait_until_finished, one at a time
@@ -85,14 +88,14 @@ class StepWrites:
                                       progress=progress)
                 self._schedule.saved(step, began)
                 return uri
-            claim = self._writer.claim(step, data, overwrite=overwrite, background=background)
+            claim = self.writer.claim(step, data, overwrite=overwrite, background=background)
             payload = claim.payload
             job = functools.partial(self._write_step, step, record_metadata, attempt, claim.replaced, clock=clock,
                                     progress=tracker, overwrites=claim.exists, exclusive=claim.exclusive)
             if not background:
                 job(payload)
             else:
-                self._background.start(step, payload, job, self._writer.kind_for(payload))
+                self._background.start(step, payload, job, self.writer.kind_for(payload))
             self._schedule.saved(step, began)
         clock.release()  # a background save's record, at its commit, counts the caller's wait until here
         return self._steps.step_uri(step)
@@ -101,15 +104,18 @@ class StepWrites:
         record_metadata = check_metadata(metadata)
         with self._lock:
             self._queries.check_open()
-            self._writer.write(check_step(step), record_metadata, running_attempt(), None, content,
-                               clock=_log.Clock(self._throttles))
+            if self._tier is not None:  # stored on the local tier (kind_api.step_folder), promoted from there
+                self._background.settle(wait=True)
+                return self._tier.commit(check_step(step), content, metadata)
+            self.writer.write(check_step(step), record_metadata, running_attempt(), None, content,
+                              clock=_log.Clock(self._throttles))
         return self._steps.step_uri(step)
 
     def _write_step(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: set[str] | None,
                     payload: Payload, saver: Handover | None = None, *, clock: _log.Clock,
                     progress: _progress.Progress, overwrites: bool, exclusive: bool = False) -> None:
-        self.last_save = self._writer.write(step, metadata, attempt, replaced, payload, saver, clock=clock,
-                                            progress=progress, overwrites=overwrites, exclusive=exclusive)
+        self.last_save = self.writer.write(step, metadata, attempt, replaced, payload, saver, clock=clock,
+                                           progress=progress, overwrites=overwrites, exclusive=exclusive)
 
     # -- preemption: the notice, and the emergency save (emergency.py) --------------------------------------
 
@@ -127,7 +133,7 @@ class StepWrites:
                 tier.settle_within, notice.deadline)
             agreement = self._preemption.agreement
             self._preemption.run(settle, lambda: self._plan.next_step(
-                self._queries.latest_step(), self._writer.last_step), lambda data, at, meta: self.save(
+                self._queries.latest_step(), self.writer.last_step), lambda data, at, meta: self.save(
                 data, at, metadata=meta, overwrite=False, blocking=True, progress=None), lambda at: await_commit(
                 self._steps, self._plan.ranks.rank, at, self._plan.commit_timeout, agreement.gone), state, step)
 

@@ -28,6 +28,7 @@ from torch.futures import Future
 from ..errors import CheckpointCorruptError, StorageNotFound
 from ..format.fileset import FileEntry, FileSetManifest, entry_of
 from ..manager import CheckpointManager
+from ..manager.kind_api import step_folder
 from ..storage import Deadline, Location, RetryPolicy
 from ._layout import (
     DEFAULT_THREADS,
@@ -78,11 +79,13 @@ class Reader(Rooted, StorageReader):
     @classmethod
     def for_step(cls, manager: CheckpointManager, step: int | None = None, *, threads: int = DEFAULT_THREADS) -> Reader:
         """A reader of ``step`` of ``manager`` (the newest when None) saved with ``Writer.for_step``: a step the
-        manager lists is committed, and its files are verified as any Reader verifies them."""
+        manager lists is committed, and its files are verified as any Reader verifies them. With a local tier it
+        reads the local copy when a restore would (the committed step's), else the remote one."""
         chosen = manager.latest_step() if step is None else step
         if chosen is None:
             raise FileNotFoundError(f"there is no committed step in {manager.directory}")
-        return cls(manager.step_uri(chosen), manager.storage_options, threads=threads, retry=manager.retry)
+        folder = step_folder(manager, chosen, reading=True)
+        return cls(folder.uri, folder.storage_options, threads=threads, retry=folder.retry)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The checkpoint's metadata, verified against the manifest. Never raises (see the module): a failure

@@ -28,6 +28,7 @@ from torch.futures import Future
 
 from ..format.fileset import PIECE_HASH, FileEntry, FileSetManifest, PieceHasher, entry_of
 from ..manager import CheckpointManager
+from ..manager.kind_api import step_folder
 from ..storage import Deadline, Location, RetryPolicy
 from ..transfer import HashingWriter
 from ._kind import FileSetStep
@@ -185,8 +186,10 @@ class Writer(Rooted, StorageWriter):
         """A writer that saves ``step`` of ``manager``: DCP's files go into the step's folder, and once
         ``.metadata`` is written the manager commits the step (its manifest names taskpoint's manifest of the
         files by sha256), so ``steps()``, ``latest_step()``, retention, ``delete()`` and ``gc()`` cover DCP
-        checkpoints too. Every rank passes its own ``Writer.for_step(its_manager, step)``; only DCP's
-        coordinator commits. ``metadata``: the step's JSON metadata, as ``manager.save`` takes it."""
+        checkpoints too. With a local tier (``local_dir``) the step goes there and is promoted as a save's is;
+        ValueError, here, when such a manager has several ranks (each rank's local tier is on its own node).
+        Every rank passes its own ``Writer.for_step(its_manager, step)``; only DCP's coordinator commits.
+        ``metadata``: the step's JSON metadata, as ``manager.save`` takes it."""
         return _StepWriter(manager, step, metadata, overwrite=overwrite, threads=threads)
 
     @classmethod
@@ -240,8 +243,9 @@ class _StepWriter(Writer):
 
     def __init__(self, manager: CheckpointManager, step: int, metadata: dict[str, Any] | None, *, overwrite: bool,
                  threads: int) -> None:
-        super().__init__(manager.step_uri(step), manager.storage_options, overwrite=overwrite, threads=threads,
-                         retry=manager.retry)
+        folder = step_folder(manager, step)  # with a local tier, on it: the commit there promotes the step
+        super().__init__(folder.uri, folder.storage_options, overwrite=overwrite, threads=threads,
+                         retry=folder.retry)
         self._manager, self._step, self._metadata = manager, step, metadata
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:

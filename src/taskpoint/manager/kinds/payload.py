@@ -111,7 +111,8 @@ class PayloadKind:
         return Checked(size, "sha256 matches its manifest")
 
     def objects(self, steps: StepStore, step: int, manifest: StepManifest) -> StepObjects:
-        return StepObjects(files={content_of(manifest, PayloadObject).name: manifest.record.size})
+        name, record = content_of(manifest, PayloadObject).name, manifest.record
+        return StepObjects(files={name: record.size}, digests={} if record.sha256 is None else {name: record.sha256})
 
     def delete(self, steps: StepStore, step: int, manifest: StepManifest) -> set[str]:
         name = content_of(manifest, PayloadObject).name

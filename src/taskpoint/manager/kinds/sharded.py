@@ -94,7 +94,9 @@ class ShardedKind:
         return Checked(size, f"{len(shards)} shards, sha256 matches its manifest")
 
     def objects(self, steps: StepStore, step: int, manifest: StepManifest) -> StepObjects:
-        return StepObjects(files={shard.payload: shard.record.size for shard in _shards(manifest)})
+        shards = _shards(manifest)
+        return StepObjects(files={shard.payload: shard.record.size for shard in shards},
+                           digests={shard.payload: shard.record.sha256 for shard in shards if shard.record.sha256})
 
     def delete(self, steps: StepStore, step: int, manifest: StepManifest) -> set[str]:
         names = {shard.payload for shard in _shards(manifest)}
