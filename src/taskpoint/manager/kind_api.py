@@ -57,5 +57,5 @@ def step_folder(manager: CheckpointManager, step: int, *, reading: bool = False)
     with a local tier (:meth:`.tiers.LocalTier.folder`)."""
     step, tier = check_step(step), manager._tier
     if tier is None:
-        return manager._steps.root.child(f"ckpt-{step}")
+        return manager._steps.folder(step)
     return tier.folder(step, reading=reading)

@@ -222,7 +222,7 @@ class RestoreLease:
         finally:
             best_effort(self._lease.remove)
             # The lease may have made the folder of a step that does not exist (local disk); rmdir keeps a full one.
-            best_effort(self._steps.root.child(f"ckpt-{self._step}").remove_empty_folder)
+            best_effort(self._steps.folder(self._step).remove_empty_folder)
 
     @contextmanager
     def held(self) -> Iterator[RestoreLease]:
@@ -276,4 +276,4 @@ def _held(steps: StepStore, step: int, name: str, grace: float, what: str) -> It
     finally:
         best_effort(lease.remove)
         # The lease may have made the folder of a step that does not exist (local disk); rmdir keeps a full one.
-        best_effort(steps.root.child(f"ckpt-{step}").remove_empty_folder)
+        best_effort(steps.folder(step).remove_empty_folder)

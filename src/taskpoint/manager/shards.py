@@ -128,7 +128,7 @@ class ShardWriter:
         save_id = uuid.uuid4().hex
         name = f"payload-{save_id}"
         record = ObjectRecord(kind=payload.kind, codec=codec, save_id=save_id, created=time.time())
-        folder = self._steps.root.child(f"ckpt-{step}")
+        folder = self._steps.folder(step)
         orphan = ShardOrphan(folder.uri, folder.storage_options, folder.retry, step, ranks, save_round(attempt),
                              name, record, metadata, attempt, content)
         if ranks.rank != 0:

@@ -128,6 +128,10 @@ class StepStore:
     def step_uri(self, step: int) -> str:
         return f"{self.directory}/ckpt-{step}"
 
+    def folder(self, step: int) -> Location:
+        """The folder of ``step``, which holds its manifest and what its kind stored."""
+        return self.root.child(f"ckpt-{step}")
+
     def object(self, step: int, name: str) -> Location:
         return self.root.child(f"ckpt-{step}/{name}")
 
@@ -188,7 +192,7 @@ class StepStore:
         """Every ``ckpt-N`` folder (or only ``step``'s) with its objects, from one recursive listing of the keys
         that start with ``ckpt-`` (not the chunk store of deduplicated steps beside them)."""
         root = self.root.path.rstrip("/")
-        found = self.root.list_tree("ckpt-") if step is None else self.root.child(f"ckpt-{step}").list_tree()
+        found = self.root.list_tree("ckpt-") if step is None else self.folder(step).list_tree()
         folders: dict[int, Folder] = {}
         for path, info in found.items():
             parts = path[len(root) + 1:].split("/") if path.startswith(root + "/") else []
@@ -266,7 +270,7 @@ class StepStore:
         self.sweep_folder(step, folder, grace, {MANIFEST_NAME, *removed})
         # The folder of a step just deleted goes too when empty (also when retention worked from the steps it
         # knew, without a listing of the folder's objects).
-        self.root.child(f"ckpt-{step}").remove_empty_folder()
+        self.folder(step).remove_empty_folder()
 
     def sweep(self, folders: dict[int, Folder], grace: float, *, dry_run: bool = False) -> list[str]:
         """Remove the leftovers in ``folders`` older than ``grace``; return their URIs (``dry_run``: only
@@ -316,7 +320,7 @@ class StepStore:
         # folder listed empty goes only once it is itself older than the grace: until then it may be a save's,
         # made just before its first object (a killed save leaves it so).
         if folder.objects or (folder.mtime is not None and not fresh(folder.mtime, now, grace)):
-            self.root.child(f"ckpt-{step}").remove_empty_folder()
+            self.folder(step).remove_empty_folder()
         return removed
 
     def sweep_uploads(self, grace: float, *, dry_run: bool = False) -> list[str]:

@@ -226,14 +226,14 @@ class LocalTier:
         if reading:
             on_remote = self._steps.manifest(step) is not None
             local = step in self.local.steps() and self._serves(step, on_remote, agreed=not self._ranks.distributed)
-            return (self._local_steps if local else self._steps).root.child(f"ckpt-{step}")
+            return (self._local_steps if local else self._steps).folder(step)
         if self._ranks.distributed:
             raise ValueError(
                 f"a step written by another package's writer (a DCP checkpoint, Writer.for_step) cannot be saved with "
                 f"local_dir and world_size {self._ranks.world_size}: its ranks write one step together into one "
                 "folder, its coordinator's manifest naming every rank's files, while each rank's local tier is on "
                 "its own node and would hold only that rank's files; use a manager without local_dir for it")
-        return self._local_steps.root.child(f"ckpt-{step}")
+        return self._local_steps.folder(step)
 
     def commit(self, step: int, content: StepContent, metadata: dict[str, Any] | None) -> str:
         """Commit ``step``, whose objects another package's writer stored in its :meth:`folder`, to the local tier,
