@@ -21,6 +21,7 @@ import time
 import uuid
 from typing import Any
 
+from . import _report
 from ._s3server import REPO_ROOT, load_test_servers
 
 METHOD = "throttle"
@@ -110,16 +111,19 @@ def notes(delay: float = DELAY, steps: int = STEPS, kib: int = KIB) -> str:
             "the proxy (benchmarks/_throttle.py)")
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}"
+#: The table's columns: heading, and the cell of a row.
+_COLUMNS: tuple[tuple[str, Any], ...] = (
+    ("client", lambda r: r["client"]), ("503 rate", lambda r: f"{r['rate']:.0%}"),
+    ("requests", lambda r: str(r["requests"])), ("503 injected", lambda r: str(r["injected"])),
+    ("counted in records", lambda r: str(r["counted"])), ("seconds", lambda r: f"{r['seconds']:.2f}"),
+    ("x fault-free", lambda r: f"{r['ratio']:.2f}"),
+    ("retry ms", lambda r: "-" if r["retry_ms"] is None else f"{r['retry_ms']:.0f}"),
+)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| client | 503 rate | requests | 503 injected | counted in records | seconds | x fault-free | retry ms |",
-             "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['client']} | {r['rate']:.0%} | {r['requests']} | {r['injected']} | {r['counted']} | "
-              f"{r['seconds']:.2f} | {r['ratio']:.2f} | {_ms(r['retry_ms'])} |" for r in rows]
-    return "\n".join(lines)
+    """The rows as text columns, client and rate on the left."""
+    return _report.aligned([[name for name, _ in _COLUMNS]] + [[cell(r) for _, cell in _COLUMNS] for r in rows], 2)
 
 
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
