@@ -34,7 +34,7 @@ from .kinds import (
     register_step_kind,
     stored_part,
 )
-from .kinds.files import FilesKind, store_folder, store_listing, stored_files
+from .kinds.files import FilesKind, file_gone, store_folder, store_listing, stored_files
 from .staging import Segment
 from .step_commit import Stored
 from .step_names import MANIFEST_NAME, name_in, stored_names
@@ -45,9 +45,9 @@ if TYPE_CHECKING:
 
 __all__ = ["GONE_HOW", "MANIFEST_NAME", "Checked", "Described", "FilesKind", "Gone", "InPlaceKind", "ObjectRecord",
            "PartialKind", "SaveJob", "Segment", "StepContent", "StepContext", "StepKind", "StepManifest", "StepObjects",
-           "StepStore", "Stored", "best_effort", "content_of", "name_in", "read_object", "register_step_kind",
-           "save_clock", "step_folder", "store_folder", "store_listing", "store_staged", "stored_files",
-           "stored_names", "stored_part"]
+           "StepStore", "Stored", "best_effort", "content_of", "file_gone", "name_in", "read_object",
+           "register_step_kind", "save_clock", "step_folder", "store_folder", "store_listing", "store_staged",
+           "stored_files", "stored_names", "stored_part"]
 
 
 def step_folder(manager: CheckpointManager, step: int, *, reading: bool = False) -> Location:

@@ -1,18 +1,14 @@
-"""The ``files`` core of step kinds: a step that is a set of files in its folder, each listed with its size and
-digests (the sha256 of a small file, the BLAKE3 of each 16 MiB piece of a larger one) by a file-set manifest
-(:class:`~taskpoint.format.fileset.FileSetManifest`) that the step's manifest names by size and sha256.
+"""The core's kind of files: a step that is a set of files, each listed with its size and digests (the sha256 of
+a file, or the BLAKE3 of each 16 MiB piece of one larger than a piece) by a file-set manifest
+(:class:`~taskpoint.format.fileset.FileSetManifest`), which the step's manifest names by size and sha256.
 
-The extras' file-set kinds are this one kind under the names their steps have always had: ``jax.pytree`` (the
-folder Orbax writes, :mod:`taskpoint.jax._kind`) and ``fileset`` (DCP's files, :mod:`taskpoint.torch._kind`).
-Each keeps only how its objects become files and back (Orbax writes a folder; a DCP writer stores its files and
-their list itself), and subclasses :class:`FilesKind`, which stores, restores (a verified copy, or in place),
-verifies, lists, describes and deletes the files once for both. Why the old names and manifests stay: a step
-written by this kind is byte for byte what the kinds wrote before, so every taskpoint that read one still does
-(docs/format.md, "One kind of file sets, under the names already written").
-
-Every file is read against its digests before its bytes are used: hashed on :data:`WORKERS` threads, piece by
-piece (one large file is most of a tree), through one open fd per file on local disk, where a copy is then made
-by the kernel from that same fd; elsewhere streamed through a :class:`~taskpoint.format.fileset.PieceHasher`.
+The extras' ``jax.pytree`` (the folder Orbax writes) and ``fileset`` (DCP's files) subclass :class:`FilesKind`
+under the names their steps have always had, and keep only how their objects become files and back; it stores,
+restores (a verified copy, or in place), verifies, lists, describes and deletes the files once for both. Their
+steps are written byte for byte as before, so every taskpoint that read them still does (docs/format.md, "One
+kind of file sets, under the names already written"). Every file is read against its digests before its bytes
+are used: on local disk through one open fd per file, hashed by pieces on :data:`WORKERS` threads (one large file
+is most of a tree), then copied by the kernel from that fd; elsewhere streamed through a ``PieceHasher``.
 """
 
 from __future__ import annotations
@@ -223,11 +219,6 @@ def store_listing(context: StepContext, job: SaveJob, content: FilesContent, fil
     return stored_files(content, data, files, kind, codec, save_id, sent)
 
 
-def _hashes(listed: dict[str, FileEntry]) -> str:
-    """The hashes a list's entries are checked by, for messages ("sha256", "blake3 and sha256")."""
-    return " and ".join(sorted({entry.hash_name for entry in listed.values()}))
-
-
 class FilesKind:
     """A step kind of files (see the module). A subclass says how its objects become files (``store``, with
     :func:`store_folder` and :func:`store_listing`, or :func:`stored_files` for files another writer stored),
@@ -283,17 +274,17 @@ class FilesKind:
         """Every file read against its digests: on local disk by pieces on :data:`WORKERS` threads, elsewhere
         streamed, as many files at once."""
         steps, content = context.steps, _content(manifest)
-        listed = self.files(steps, step, manifest)
-        folder = _folder(steps, step, content)
+        listed, folder = self.files(steps, step, manifest), _folder(steps, step, content)
+        size = sum(entry.size for entry in listed.values())
         with _progress.resolve(progress, f"verify step {step}") as tracker:
-            tracker.set_total(sum(entry.size for entry in listed.values()))
+            tracker.set_total(size)
             if folder.is_local:
                 _check_local(steps, step, content, Path(folder.path), listed, tracker.update)
             else:
                 _on_threads(lambda rel: _fetch(steps, step, stored_name(content, rel), listed[rel], None, tracker),
                             listed)
-        return Checked(sum(entry.size for entry in listed.values()),
-                       f"{len(listed)} files, {_hashes(listed)} match its manifest")
+        hashes = " and ".join(sorted({entry.hash_name for entry in listed.values()}))
+        return Checked(size, f"{len(listed)} files, {hashes} match its manifest")
 
     def objects(self, steps: StepStore, step: int, manifest: StepManifest) -> StepObjects:
         content, listed = _content(manifest), self.files(steps, step, manifest)
@@ -332,9 +323,13 @@ def _restoring(steps: StepStore, step: int) -> Iterator[None]:
     try:
         yield
     except _Missing as exc:
-        raise Gone(f"step {step} in {steps.directory} is committed but its file {exc.name} is missing: it was removed "
-                   f"after the commit{GONE_HOW}. Restore an older step (fallback=True), or delete this one."
-                   ) from None
+        raise file_gone(steps, step, exc.name) from None
+
+
+def file_gone(steps: StepStore, step: int, name: str) -> Gone:
+    """The error of a restore of ``step`` whose file ``name`` is missing."""
+    return Gone(f"step {step} in {steps.directory} is committed but its file {name} is missing: it was removed "
+                f"after the commit{GONE_HOW}. Restore an older step (fallback=True), or delete this one.")
 
 
 def _check_local(steps: StepStore, step: int, content: FilesContent, root: Path, listed: dict[str, FileEntry],
