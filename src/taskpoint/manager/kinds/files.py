@@ -155,10 +155,9 @@ def _upload(path: Path, target: Location) -> FileEntry:
     return hasher.entry()
 
 
-def _local_files(root: Path) -> dict[str, int]:
-    """The regular files below ``root`` by relative ``/``-separated path, with their sizes."""
-    return {Path(folder, name).relative_to(root).as_posix(): Path(folder, name).stat().st_size
-            for folder, _, names in os.walk(root) for name in names}
+def _local_files(root: Path) -> list[str]:
+    """The files below ``root`` by relative ``/``-separated path."""
+    return [Path(folder, name).relative_to(root).as_posix() for folder, _, names in os.walk(root) for name in names]
 
 
 def _sync_folders(root: Path) -> None:
@@ -181,7 +180,7 @@ def store_folder(context: StepContext, job: SaveJob, folder: str, source: Folder
         source.write_into(root)
     else:
         root = source.serialized()
-    sizes = _local_files(root)
+    sizes = {rel: (root / rel).stat().st_size for rel in _local_files(root)}
     job.progress.set_total(sum(sizes.values()))
     if tree.is_local:
         entries = hash_local(root, _plan(sizes), sync=True, on_read=job.progress.update)
@@ -264,7 +263,7 @@ class FilesKind:
         root = Path(folder.path)
         with _restoring(steps, step):
             listed = self.files(steps, step, manifest)
-            if _local_files(root).keys() - listed.keys():
+            if set(_local_files(root)) - listed.keys():
                 return None
             progress.set_total(sum(entry.size for entry in listed.values()))
             _check_local(steps, step, content, root, listed, progress.update)
