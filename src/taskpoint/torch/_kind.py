@@ -54,7 +54,7 @@ class FileSetStep:
 class DcpKind(FilesKind):
     """DCP checkpoints in manager steps (see the module); committed by :meth:`CheckpointManager.commit
     <taskpoint.CheckpointManager.commit>` once the writer stored every file. Never read in place either: the
-    step's folder holds the step's manifest and the list of files besides them."""
+    step's folder holds the step's manifest and the list of files beside them."""
 
     name = FILESET_CODEC
     helper = False
