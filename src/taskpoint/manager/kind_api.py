@@ -34,6 +34,7 @@ from .kinds import (
     register_step_kind,
     stored_part,
 )
+from .kinds.files import FilesKind, file_gone, store_folder, store_listing, stored_files
 from .staging import Segment
 from .step_commit import Stored
 from .step_names import MANIFEST_NAME, name_in, stored_names
@@ -42,10 +43,11 @@ from .steps import StepObjects, StepStore, best_effort, save_clock
 if TYPE_CHECKING:
     from .manager import CheckpointManager
 
-__all__ = ["GONE_HOW", "MANIFEST_NAME", "Checked", "Described", "Gone", "InPlaceKind", "ObjectRecord", "PartialKind",
-           "SaveJob", "Segment", "StepContent", "StepContext", "StepKind", "StepManifest", "StepObjects", "StepStore",
-           "Stored", "best_effort", "content_of", "name_in", "read_object", "register_step_kind", "save_clock",
-           "step_folder", "store_staged", "stored_names", "stored_part"]
+__all__ = ["GONE_HOW", "MANIFEST_NAME", "Checked", "Described", "FilesKind", "Gone", "InPlaceKind", "ObjectRecord",
+           "PartialKind", "SaveJob", "Segment", "StepContent", "StepContext", "StepKind", "StepManifest", "StepObjects",
+           "StepStore", "Stored", "best_effort", "content_of", "file_gone", "name_in", "read_object",
+           "register_step_kind", "save_clock", "step_folder", "store_folder", "store_listing", "store_staged",
+           "stored_files", "stored_names", "stored_part"]
 
 
 def step_folder(manager: CheckpointManager, step: int, *, reading: bool = False) -> Location:
