@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..format.records import ObjectRecord, StepManifest
 from ..group import TorchGroup
-from .kinds.sharded import Shards
 from .shards import ShardOrphan
 
 
@@ -34,20 +32,6 @@ def common_steps(group: TorchGroup, steps: set[int]) -> set[int]:
 def everyone(group: TorchGroup, ok: bool) -> bool:
     """Whether every rank passed True (also a barrier)."""
     return all(group.all_gather(bool(ok), "whether every rank restored its shard"))
-
-
-def own_shard(manifest: StepManifest, rank: int) -> ObjectRecord | None:
-    """The record a remote multi-rank manifest holds of ``rank``'s shard (None: no such shard)."""
-    if not isinstance(manifest.content, Shards) or rank >= len(manifest.content.shards):
-        return None
-    return manifest.content.shards[rank].record
-
-
-@dataclasses.dataclass(frozen=True)
-class RecordedKind:
-    """What the shard writer reads of a payload it records (its kind): the kind of the local step promoted."""
-
-    kind: str
 
 
 @dataclasses.dataclass(frozen=True)
