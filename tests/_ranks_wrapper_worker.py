@@ -1,9 +1,9 @@
 """One rank of tests/e2e/test_ranks_wrapper.py's job, started by the real ``torchrun`` (gloo, CPU).
 
 The argument is one JSON object: ``directory`` (the manager's, on local disk). Every rank saves step 1 (rank 1
-bytes, the others a state dict) and step 2 (a state dict each) through one ``CheckpointManager`` of the job's
-ranks, then reads both back with the kinds' own readers; each rank prints one JSON line saying what it read
-back, then ``{"event": "done", "rank": k}``.
+bytes, the others a state dict), step 2 (a state dict each) and step 3 (a state dict each, in the background)
+through one ``CheckpointManager`` of the job's ranks, then reads them back with the kinds' own readers; each
+rank prints one JSON line saying what it read back, then ``{"event": "done", "rank": k}``.
 """
 
 from __future__ import annotations
@@ -53,10 +53,11 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     with CheckpointManager(args["directory"], shards=Shards(rank=rank, world_size=world, commit_timeout=120),
                            grace_seconds=240, preemption=False) as manager:
-        for step in (1, 2):
-            manager.save(saved(rank, step), step)
+        for step in (1, 2, 3):
+            manager.save(saved(rank, step), step, blocking=step < 3)
+        manager.wait_until_finished()
         dist.barrier()  # every rank's saves returned: rank 0's commits are done
-        say(rank=rank, steps=manager.steps(), read=[read_back(manager, rank, step) for step in (1, 2)])
+        say(rank=rank, steps=manager.steps(), read=[read_back(manager, rank, step) for step in (1, 2, 3)])
         dist.barrier()
     dist.destroy_process_group()
     say(event="done", rank=rank)

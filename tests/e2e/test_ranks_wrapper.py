@@ -36,7 +36,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert status == 0, err[-3000:]
     assert sorted(e["rank"] for e in events if e.get("event") == "done") == list(range(WORLD)), (events, err[-3000:])
     reads = sorted((e["rank"], e["steps"], e["read"]) for e in events if "read" in e)
-    assert reads == [(rank, [1, 2], [True, True]) for rank in range(WORLD)], reads
+    assert reads == [(rank, [1, 2, 3], [True] * 3) for rank in range(WORLD)], reads
     return directory
 
 
@@ -57,6 +57,14 @@ def test_each_rank_stores_its_part_in_the_kind_one_rank_would_choose(saved: Path
     assert sorted(p.name for p in (saved / "ckpt-1").iterdir()) == sorted(
         ["taskpoint.json", payload, one["content"]["shards"][0]["content"]["file"],
          one["content"]["shards"][2]["content"]["file"]])
+
+
+def test_a_background_save_of_several_ranks_is_one_payload_per_rank_as_with_one_rank(saved: Path) -> None:
+    """A background save snapshots a state dict into its ``torch.save`` bytes, a payload, as with one rank: each
+    rank's part is then one payload object, and the step keeps the ``sharded`` layout (version 3)."""
+    three = manifest(saved, 3)
+    assert (three["version"], "step_kind" in three) == (3, False)
+    assert [shard["kind"] for shard in three["shards"]] == ["torch.state_dict"] * WORLD
 
 
 def test_a_step_of_parts_verifies_and_describes_every_ranks_part(saved: Path) -> None:

@@ -43,36 +43,10 @@ from .steps import StepObjects, StepStore, best_effort, save_clock
 if TYPE_CHECKING:
     from .manager import CheckpointManager
 
-__all__ = [
-    "GONE_HOW",
-    "MANIFEST_NAME",
-    "Checked",
-    "Described",
-    "Gone",
-    "InPlaceKind",
-    "ObjectRecord",
-    "PartialKind",
-    "SaveJob",
-    "Segment",
-    "StepContent",
-    "StepContext",
-    "StepKind",
-    "StepManifest",
-    "StepObjects",
-    "StepStore",
-    "Stored",
-    "best_effort",
-    "content_of",
-    "name_in",
-    "part_kind",
-    "read_object",
-    "register_step_kind",
-    "save_clock",
-    "step_folder",
-    "store_staged",
-    "stored_names",
-    "stored_part",
-]
+__all__ = ["GONE_HOW", "MANIFEST_NAME", "Checked", "Described", "Gone", "InPlaceKind", "ObjectRecord", "PartialKind",
+           "SaveJob", "Segment", "StepContent", "StepContext", "StepKind", "StepManifest", "StepObjects", "StepStore",
+           "Stored", "best_effort", "content_of", "name_in", "part_kind", "read_object", "register_step_kind",
+           "save_clock", "step_folder", "store_staged", "stored_names", "stored_part"]
 
 
 def step_folder(manager: CheckpointManager, step: int, *, reading: bool = False) -> Location:

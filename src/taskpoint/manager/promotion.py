@@ -18,7 +18,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from .. import _log
 from .._progress import NO_PROGRESS, Progress
@@ -29,14 +29,12 @@ from ..storage import Location, RetryPolicy
 from .background import Background, Handover, store_payload
 from .commit import StepWriter
 from .kinds import StepContext, step_kind
-from .kinds.payload import PAYLOAD, PayloadObject
-from .kinds.sharded import commit_parts, content_of_shards, rank_part
+from .kinds.sharded import commit_parts, rank_part
 from .protect import overwrite_lease
 from .shards import ShardWriter, naming_rank
 from .step_commit import Stored, commit, write_manifest
 from .step_names import MANIFEST_NAME
 from .steps import StepStore, best_effort
-from .tier_ranks import VerifiedShard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +82,8 @@ class Promoter:
         if current is not None and (current.record.save_id == record.save_id or self._ranks.distributed):
             return  # promoted already (several ranks: every rank sees the same commit, and skips it alike)
         if self._ranks.distributed:
-            with self._handed_over() as handover:
-                clock = _log.Clock()
-                size = self._promote_shard(step, manifest, handover, progress)
+            clock = _log.Clock()
+            size = self._promote_shard(step, manifest, progress)
             _log.transferred("promote", self._steps.step_uri(step), record.kind, size, clock, step)
             return
         # Overwriting a remote step: other processes keep it while the promotion is in flight (its rule).
@@ -163,38 +160,21 @@ class Promoter:
             if handover is not None:
                 handover.finish()
 
-    def _promote_shard(self, step: int, manifest: StepManifest, handover: Handover | None, progress: Progress
-                       ) -> int:
-        """Copy this rank's local ``step`` (its part of the remote step) to the remote tier, check it against its
-        local manifest, and record it there (rank 0: commit the step once every rank's part is recorded, then
-        apply retention). A copy that does not match is removed and CheckpointCorruptError raised; the size
-        stored. A payload object is copied as a shard, from the save process when there is one, which records it
-        (rank 0: commits) if this process dies first; a step of another kind as any promotion copies it."""
-        record, steps = manifest.record, self._steps
+    def _promote_shard(self, step: int, manifest: StepManifest, progress: Progress) -> int:
+        """Copy this rank's local ``step`` (its part of the remote step, of any kind) to the remote tier as any
+        promotion copies a step (:meth:`_copy_checked`, in this process: the save process would commit it as a
+        step of its own), and record it there (rank 0: commit the step once every rank's part is recorded, then
+        apply retention); the size stored. A promotion cut short is redone by the next one."""
+        steps = self._steps
+
+        def part() -> tuple[Shard, int]:
+            sizes = self._copy_checked(step, manifest, None, progress)
+            return rank_part(self._ranks.rank, manifest), sum(sizes.values())
+
         writer = ShardWriter(steps, self._parts.plan, self._parts.grace, self._parts.waiting)
-        if manifest.kind != PAYLOAD.name:
-            def part() -> tuple[Shard, int]:
-                sizes = self._copy_checked(step, manifest, None, progress)
-                return rank_part(self._ranks.rank, manifest), sum(sizes.values())
-
-            return self._commit_shards(step, manifest, writer, part, functools.partial(commit_parts, steps, step))
-        orphan = writer.orphan(step, manifest.metadata, manifest.attempt, record.kind, record.codec, content_of_shards)
-        name = cast(PayloadObject, manifest.content).name
-
-        def shard() -> tuple[Shard, int]:
-            checked = VerifiedShard(orphan, record.size or 0, record.sha256 or "")
-            size, digest = self._copy(step, name, steps.object(step, orphan.name), record.size, record.sha256,
-                                      handover, checked, progress)
-            return orphan.shard(size, digest), size
-
-        return self._commit_shards(step, manifest, writer, shard, orphan.stored)
-
-    def _commit_shards(self, step: int, manifest: StepManifest, writer: ShardWriter,
-                       store: Callable[[], tuple[Shard, int]], commits: Callable[[tuple[Shard, ...]], Stored]) -> int:
-        """Store this rank's part with ``store`` through ``writer``; on rank 0, commit ``commits`` of every rank's."""
-        writer = ShardWriter(self._steps, self._parts.plan, self._parts.grace, self._parts.waiting)
         with contextlib.ExitStack() as until_committed:
-            stored = writer.write(step, manifest.attempt, store, commits, until_committed)
+            stored = writer.write(step, manifest.attempt, part, functools.partial(commit_parts, steps, step),
+                                  until_committed)
             if stored.content is not None:
                 with naming_rank(self._ranks):
                     commit(self._steps, step, stored, manifest.attempt, manifest.metadata)

@@ -65,8 +65,12 @@ def content_of_shards(shards: tuple[Shard, ...]) -> Shards | RankParts:
                 if shard.step_kind == PAYLOAD.name else "" for shard in shards]
     if all(payloads):
         return Shards(tuple(Shard(s.rank, name, s.record) for s, name in zip(shards, payloads, strict=True)))
-    parts = tuple(shard if shard.step_kind is not None else dataclasses.replace(
-        shard, payload="", step_kind=PAYLOAD.name, content=PayloadObject(shard.payload).to_json()) for shard in shards)
+    return _decoded(tuple(shard if shard.step_kind is not None else dataclasses.replace(
+        shard, payload="", step_kind=PAYLOAD.name, content=PayloadObject(shard.payload).to_json()) for shard in shards))
+
+
+def _decoded(parts: tuple[Shard, ...]) -> RankParts:
+    """The ``ranks`` content of ``parts``, each part's content decoded by its kind."""
     return RankParts(parts, tuple(kind_named(str(part.step_kind)).decode(part.content or {}) for part in parts))
 
 
@@ -110,9 +114,10 @@ class RanksKind:
 
     def __init__(self, name: str, inner: StepKind | None = None) -> None:
         self.name, self._inner = name, inner
-        #: A payload's save may upload from the save process, which finishes the shard if this process dies;
-        #: another kind's part is stored here (the save process would commit it as a step of its own).
-        self.helper = inner is PAYLOAD
+        #: As the kind a rank chose: a background save's snapshot (a state dict's bytes, a PyTree's folder) is a
+        #: payload, uploaded as a shard by the save process, which finishes it if this process dies. A part of
+        #: another kind is always stored in this process: the save process would commit it as a step of its own.
+        self.helper = inner is not None and inner.helper
 
     def around(self, inner: StepKind) -> RanksKind:
         """What saves ``inner``'s data with several ranks: each rank stores its part through ``inner``."""
@@ -127,9 +132,9 @@ class RanksKind:
                                                 for s in shards):
                 raise ValueError("a shard names something other than a payload object")
             return Shards(shards)
-        if any(shard.step_kind is None for shard in shards):
-            raise ValueError("a rank's part names no step kind")
-        return content_of_shards(shards)
+        if any(shard.step_kind in (None, SHARDED.name, RANKS.name) for shard in shards):
+            raise ValueError("a rank's part names no step kind, or a step of several ranks")
+        return _decoded(shards)
 
     def accepts(self, payload: Payload | object, context: StepContext) -> bool:
         return False  # chosen by the manager's writer around the kind a rank chose (:meth:`around`)
