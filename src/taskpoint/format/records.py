@@ -257,7 +257,7 @@ class StepManifest:
 
     @property
     def kind(self) -> str:
-        """The step kind (``payload``, ``chunked``, ``sharded``, or a plug-in's)."""
+        """The step kind (``payload``, ``chunked``, ``sharded``, ``ranks``, or a plug-in's)."""
         return self.content.kind
 
     def to_bytes(self) -> bytes:

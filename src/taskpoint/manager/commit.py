@@ -49,7 +49,7 @@ class StepWriter:
         self._savers = tuple(savers)
         #: With several ranks, what saves a rank's part through the kind it chose (:meth:`.kinds.sharded.RanksKind.
         #: around`); None with one.
-        self._ranks = ranks
+        self._around_ranks = ranks
         #: The last step this writer saved (its shard, with several ranks), committed or not.
         self.last_step: int | None = None
 
@@ -62,7 +62,7 @@ class StepWriter:
             *first, last = self._savers
             others = [kind for kind in self._kinds.loaded() if kind not in self._savers]
             kind = next(kind for kind in (*first, *others, last) if kind.accepts(data, self._parts))
-            return kind if self._ranks is None else self._ranks(kind)
+            return kind if self._around_ranks is None else self._around_ranks(kind)
         return self._kinds.kind(data.kind, self._parts.steps.directory)
 
     def claim(self, step: int, data: object, *, overwrite: bool, background: bool) -> Claim:
