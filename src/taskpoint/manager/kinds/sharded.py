@@ -219,9 +219,9 @@ class RanksKind:
         shards = []
         for (kind, part), shard in zip(_parts(manifest), getattr(manifest.content, "shards", ()), strict=True):
             described = kind.describe(context, step, part)
-            named = {} if shard.step_kind is None else {"step_kind": shard.step_kind, **described.details}
-            shards.append({"rank": shard.rank, "payload": described.payload, "size": shard.record.size,
-                           "sha256": shard.record.sha256, **named})
+            named = {} if shard.step_kind is None else {**described.details, "step_kind": shard.step_kind}
+            shards.append({**named, "rank": shard.rank, "payload": described.payload, "size": shard.record.size,
+                           "sha256": shard.record.sha256})
         return Described(payload="", details={"shards": shards})
 
     def owns(self, name: str, committed: bool) -> bool:
