@@ -257,7 +257,7 @@ class StepManifest:
 
     @property
     def kind(self) -> str:
-        """The step kind (``payload``, ``chunked``, ``sharded``, or a plug-in's)."""
+        """The step kind (``payload``, ``chunked``, ``sharded``, ``ranks``, or a plug-in's)."""
         return self.content.kind
 
     def to_bytes(self) -> bytes:
@@ -307,21 +307,28 @@ def _kind_and_body(doc: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 @dataclass(frozen=True)
 class Shard:
-    """One rank's part of a step: the payload object it stored, and that object's record (size, sha256)."""
+    """One rank's part of a step: the payload object it stored, and that object's record (size, sha256); or, a
+    part of another step kind (``step_kind``), that kind's content (its JSON fields) and record."""
 
     rank: int
     payload: str
     record: ObjectRecord
+    #: The step kind of a part that is not one payload object, and its content as that kind's manifest holds it.
+    step_kind: str | None = None
+    content: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "payload": self.payload, **self.record.to_json()}
+        part = {} if self.step_kind is None else {STEP_KIND: self.step_kind, CONTENT: self.content}
+        return {"rank": self.rank, "payload": self.payload, **self.record.to_json(), **part}
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> Shard:
-        record = _record(doc)
-        if record is None or record.size is None or record.sha256 is None:
+        record, kind, content = _record(doc), doc.get(STEP_KIND), doc.get(CONTENT)
+        if record is None or record.size is None or (record.sha256 is None and kind is None):
             raise ValueError("a shard has no size or sha256")
-        return cls(rank=int(doc["rank"]), payload=str(doc["payload"]), record=record)
+        if kind is not None and not (isinstance(kind, str) and isinstance(content, dict)):
+            raise ValueError("a part names no step kind and content")
+        return cls(rank=int(doc["rank"]), payload=str(doc["payload"]), record=record, step_kind=kind, content=content)
 
 
 @dataclass(frozen=True)
