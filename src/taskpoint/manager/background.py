@@ -220,7 +220,8 @@ class Background:
 
         Handing the save over costs a write into a pipe (bytes are written into the snapshot folder for it, files
         and directories travel as their snapshot's path, staged states as their segment's name), and, on the first
-        save without ``prestart``, the start of the process; docs/manager.md has the figures."""
+        save without ``prestart``, the spawn of the process (not its start, which is not waited for);
+        docs/manager.md has the figures."""
         helper = kind.helper
         if kind.name == payload.kind and helper and self._use_saver and isinstance(payload, Stageable):
             size = payload.staging_size()
@@ -308,16 +309,21 @@ class Background:
         """The save process, started on first use; None when off or unavailable."""
         with self._saver_lock:
             if self._saver is not None and not self._saver.alive():
-                self._saver.close()
-                self._saver = None  # it died (killed, out of memory): start a new one
+                saver, self._saver = self._saver, None  # it died (killed, out of memory): start a new one
+                saver.close()
+                if saver.failed_to_start():
+                    self._unavailable(f"it exited with code {saver.exit_code} before it was ready")
             if self._saver is None and self._use_saver:
                 try:
                     self._saver = SaverProcess()
                 except SaverUnavailable as exc:
-                    self._use_saver = False
-                    warnings.warn(f"taskpoint could not start its save process ({exc}); background saves of "
-                                  f"{self._directory} run in a thread of this process", RuntimeWarning, stacklevel=2)
+                    self._unavailable(str(exc))
             return self._saver
+
+    def _unavailable(self, why: str) -> None:
+        self._use_saver = False
+        warnings.warn(f"taskpoint could not start its save process ({why}); background saves of {self._directory} "
+                      "run in a thread of this process", RuntimeWarning, stacklevel=3)
 
     def close(self) -> None:
         """Stop the save process (after the request it may be serving); later saves use no process."""

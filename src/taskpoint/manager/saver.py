@@ -163,7 +163,12 @@ class NotTransferable(SaverUnavailable):
 
 
 class SaverProcess:
-    """The caller's end of one helper process. One request at a time (the manager has one save in flight)."""
+    """The caller's end of one helper process. One request at a time (the manager has one save in flight).
+
+    Made without waiting for the child to start (a Python start and taskpoint's import, about 0.5 CPU-s): its
+    pipe takes requests at once, and its ``ready`` is read on the save's thread before its first answer, so that
+    the first background save of a manager that did not start its process ahead blocks for a spawn, not for a
+    Python start."""
 
     def __init__(self) -> None:
         env = dict(os.environ)
@@ -181,14 +186,8 @@ class SaverProcess:
         except OSError as exc:
             raise SaverUnavailable(f"could not start {sys.executable}: {exc}") from exc
         self._lock = threading.Lock()
-        try:
-            hello = read_message(self._process.stdout)  # type: ignore[arg-type]
-        except Exception as exc:
-            self.close()
-            raise SaverUnavailable(f"the save process did not start: {exc}") from exc
-        if hello != "ready":
-            self.close()
-            raise SaverUnavailable(f"the save process answered {hello!r} instead of 'ready'")
+        #: Whether the child said it is ready (read before its first answer).
+        self.started = False
         #: Who owns a segment named for this process (:func:`~.staging.owner_tag`): a staged save's segment is
         #: made under it, so that it is the save process's from the start.
         self.owner = owner_tag(self.pid)
@@ -196,6 +195,17 @@ class SaverProcess:
     @property
     def pid(self) -> int:
         return self._process.pid
+
+    @property
+    def exit_code(self) -> int | None:
+        """The child's exit code once it exited (negative: the signal that killed it), else None."""
+        return self._process.poll()
+
+    def failed_to_start(self) -> bool:
+        """Whether the child exited with an error before it said it is ready (a Python that cannot import this
+        taskpoint): another one would fail alike."""
+        code = self.exit_code
+        return not self.started and code is not None and code > 0
 
     def store_payload(self, location: Location, payload: Payload, codec: Codec, level: int | None,
                       commit: Orphan | None = None,
@@ -249,6 +259,12 @@ class SaverProcess:
                 write_message(stdin, request)
                 if taken is not None:
                     taken()
+                if not self.started:
+                    hello = read_message(stdout)
+                    if hello != "ready":
+                        raise SaverUnavailable(f"the save process (pid {self.pid}) answered {hello!r} instead of "
+                                               "'ready'")
+                    self.started = True
                 answer = read_message(stdout)
                 if answer != TAKEN:
                     raise SaverUnavailable(f"the save process (pid {self.pid}) answered {answer!r} instead of "
@@ -263,7 +279,7 @@ class SaverProcess:
                     answer = read_message(stdout)
                 status, value, caught = answer
             except (OSError, EOFError, pickle.UnpicklingError) as exc:
-                code = self._process.poll()
+                code = self.exit_code
                 raise SaverUnavailable(f"the save process (pid {self.pid}) died"
                                        + (f" with exit code {code}" if code is not None else "")) from exc
         for category, message in caught:
@@ -300,7 +316,7 @@ class SaverProcess:
                 write_message(stdin, pickled(DONE))
 
     def alive(self) -> bool:
-        return self._process.poll() is None
+        return self.exit_code is None
 
     def close(self) -> None:
         """Close the pipe; the child exits after any request in progress. Killed if it hangs."""

@@ -144,10 +144,9 @@ def _die_with_parent(parent: int, duty: _Duty) -> None:
         deadline = time.monotonic() + preemption.grace_seconds()
         refreshed = -KEEP_FRESH_SECONDS
         while duty.pending() and time.monotonic() < deadline:
-            if duty.uploaded:
+            if duty.uploaded:  # and then the requests still in the pipe (a ``done`` unread may precede one)
                 duty.commit_for_dead_parent(deadline)
-                break
-            if time.monotonic() - refreshed >= KEEP_FRESH_SECONDS:
+            elif time.monotonic() - refreshed >= KEEP_FRESH_SECONDS:
                 duty.keep_fresh()
                 refreshed = time.monotonic()
             time.sleep(0.02)
