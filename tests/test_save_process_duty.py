@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from taskpoint import workspace
 from taskpoint.manager import staging
 from taskpoint.manager.saver import pickled, write_message
 from taskpoint.manager.saver_child import _Duty
@@ -32,8 +33,8 @@ def test_a_request_unread_in_the_pipe_or_being_handled_is_pending_work():
 
 
 def test_leaving_frees_the_segments_named_for_this_process_and_no_others(tmp_path):
-    mine = staging.owner_tag(os.getpid())
-    other = f"{mine.split('-')[0]}-{os.getppid()}-{staging.process_start(os.getppid())}"
+    mine = workspace.owner_tag(os.getpid())
+    other = f"{mine.split('-')[0]}-{os.getppid()}-{workspace.process_start(os.getppid())}"
     ours = [staging.Segment.create(4096, mine, tmp_path) for _ in range(2)]
     theirs = staging.Segment.create(4096, other, tmp_path)
     for segment in (*ours, theirs):

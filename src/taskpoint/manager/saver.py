@@ -60,7 +60,8 @@ from ..format.codecs import Codec
 from ..format.records import StepManifest
 from ..payloads import Payload
 from ..storage import Location
-from .staging import Segment, owner_tag
+from ..workspace import owner_tag
+from .staging import Segment
 
 _LENGTH = struct.Struct("<Q")
 #: What the child runs (not ``-m taskpoint.manager.saver``: the package imports this module, and runpy would

@@ -27,6 +27,7 @@ from .._progress import NO_PROGRESS, Progress
 from ..format.records import StepManifest
 from ..storage import Location
 from ..transfer import write_payload
+from ..workspace import owner_tag
 from .saver import (
     CLOSE,
     DONE,
@@ -42,7 +43,7 @@ from .saver import (
     release_freed_memory,
     write_message,
 )
-from .staging import Segment, free_owned_segments, owner_tag
+from .staging import Segment, free_owned_segments
 from .step_commit import write_manifest
 
 #: A manifest the child writes for a dead parent: its location, and the manifest (with size and digest to fill

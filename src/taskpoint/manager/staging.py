@@ -31,7 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from .._log import logger
 from ..payloads import Payload
-from ..workspace import host_tag, process_alive
+from ..workspace import owner_tag, sweep_dead
 
 #: Start of a segment's name: ``taskpoint-stage-<host>-<pid>-<start>-<random>``.
 SEGMENT_PREFIX = "taskpoint-stage-"
@@ -51,24 +51,6 @@ def segment_folder() -> Path:
     if os.path.isdir(SHARED_MEMORY) and os.access(SHARED_MEMORY, os.W_OK | os.X_OK):
         return Path(SHARED_MEMORY)
     return Path(tempfile.gettempdir())
-
-
-def process_start(pid: int) -> int:
-    """When process ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat``); 0 where that is unknown
-    (no ``/proc``), and -1 when there is no such process, or only its zombie (killed, not reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rsplit(b")", 1)[1].split()
-        return -1 if fields[0] == b"Z" else int(fields[19])  # state, starttime: fields 3 and 22 of the file
-    except FileNotFoundError:
-        return -1 if os.path.isdir("/proc") else 0
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
-def owner_tag(pid: int) -> str:
-    """``<host>-<pid>-<start>``: the part of a segment's name that says which process owns it."""
-    return f"{host_tag()}-{pid}-{max(process_start(pid), 0)}"
 
 
 class Segment:
@@ -149,24 +131,9 @@ class Segment:
 
 def sweep_dead_segments(folder: Path | None = None) -> list[Path]:
     """Remove the segments of this host in ``folder`` whose owner is gone (no process with that pid, or one
-    started at another time); return them. A segment whose owner runs is never touched, whatever its age."""
-    folder = folder or segment_folder()
-    host, removed = host_tag(), []
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return []
-    for entry in entries:
-        match = _NAME.fullmatch(entry.name)
-        if match is None or match["host"] != host:
-            continue
-        pid, start = int(match["pid"]), int(match["start"])
-        running = process_start(pid)
-        if running == start or (running == 0 and process_alive(pid)):
-            continue
-        with contextlib.suppress(OSError):
-            os.unlink(entry.path)
-            removed.append(Path(entry.path))
+    started at another time: :func:`~taskpoint.workspace.sweep_dead`); return them. A segment whose owner runs is
+    never touched, whatever its age."""
+    removed = sweep_dead(folder or segment_folder(), SEGMENT_PREFIX, os.unlink)
     if removed:
         logger.info("removed %d staging segment(s) left by save processes that are gone: %s", len(removed),
                     [path.name for path in removed])
