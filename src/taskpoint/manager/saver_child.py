@@ -247,7 +247,8 @@ def serve(parent: int) -> None:
     # some library cannot corrupt the protocol.
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
-    write_message(replies, pickled("ready"))
+    with contextlib.suppress(OSError):  # a parent dead already (it does not wait for this): its requests are served
+        write_message(replies, pickled("ready"))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal is for the parent to handle
     with contextlib.suppress(ValueError):  # and so are preemption notices: the child ends with its parent
         for sig in preemption.configured_signals():
