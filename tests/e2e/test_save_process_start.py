@@ -1,14 +1,19 @@
 """A manager's save process is not waited for as it starts (issue 43): the first background save of a manager that
 did not start it ahead blocks for a spawn, not for a Python start; a save process that exits with an error before it
-is ready is not started again."""
+is ready is not started again; and one whose trainer died before it started still serves the request in its pipe."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import warnings
 
 import pytest
 
+from helpers import ORPHAN_EXIT_SLACK, process_gone
 from taskpoint import CheckpointManager
 from taskpoint.manager import saver as _saver
 
@@ -69,3 +74,43 @@ def test_a_save_process_that_exits_before_it_is_ready_is_not_started_again(tmp_p
             m.save(b"z", 3, blocking=False)
             m.wait_until_finished()
         assert [m.restore(step).read_bytes() for step in (1, 2, 3)] == [b"x", b"y", b"z"]
+
+
+_TRAINER = textwrap.dedent("""
+    import sys
+    from taskpoint import CheckpointManager
+    from taskpoint.manager import saver
+
+    real = saver.subprocess.Popen
+
+    def popen(args, **kwargs):  # the save process starts only once the test creates sys.argv[2]
+        if args[1:3] == ["-c", saver._CHILD]:
+            args = [args[0], "-c", sys.argv[3], args[3], sys.argv[2]]
+        return real(args, **kwargs)
+
+    saver.subprocess.Popen = popen
+    m = CheckpointManager(sys.argv[1], preemption=False)
+    m.save(b"first", 1, blocking=False)
+    print(m._background.saver.pid, flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_a_trainer_killed_before_its_save_process_started_loses_nothing(tmp_path):
+    """The first background save returned with its save process not started yet; the trainer is SIGKILLed; the
+    save process then starts with its parent gone, and still serves the request in its pipe."""
+    flag, uri = tmp_path / "start", str(tmp_path / "ckpts")
+    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, uri, str(flag), _HELD_CHILD], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        helper = int(trainer.stdout.readline() or "0")
+        assert helper, "the trainer did not return from its save"
+        trainer.kill()
+        assert trainer.wait(TIMEOUT) == -signal.SIGKILL
+    finally:
+        trainer.kill()
+        trainer.wait(TIMEOUT)
+    flag.touch()
+    assert process_gone(helper, TIMEOUT + ORPHAN_EXIT_SLACK), "the save process outlived its grace"
+    with CheckpointManager(uri) as m:
+        assert m.steps() == [1] and m.restore(1).read_bytes() == b"first"
