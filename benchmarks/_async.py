@@ -8,7 +8,9 @@ the first save is made as a training loop's would be, then saves :data:`SAVES` t
 
 Methods, torch: ``copy`` (``{k: v.clone()}``, the floor of any save that lets the loop change its tensors),
 ``torch-fsync`` (``torch.save`` into a file + fsync, blocking), ``dcp`` (``torch.distributed.checkpoint.async_save``,
-one process), ``taskpoint`` (``save(StateDict(sd), step, blocking=False)``) and ``taskpoint-blocking``. JAX: ``copy``
+one process), ``taskpoint`` (``save(StateDict(sd), step)`` on an ``async_save=True`` manager, which starts its save
+process when it is made), ``taskpoint-on-demand`` (``save(..., blocking=False)`` on a manager that starts it at its
+first background save) and ``taskpoint-blocking``. JAX: ``copy``
 (``x.copy()`` of each array), ``orbax`` (Orbax's ``CheckpointManager`` with async checkpointing), ``taskpoint``
 (``save(PyTree(tree), blocking=False)``) and ``taskpoint-blocking``.
 
@@ -31,7 +33,7 @@ from . import _report
 from ._runner import REPO_ROOT, Options, _environment
 
 METHOD = "async"
-METHODS = {"torch": ("copy", "torch-fsync", "dcp", "taskpoint", "taskpoint-blocking"),
+METHODS = {"torch": ("copy", "torch-fsync", "dcp", "taskpoint", "taskpoint-on-demand", "taskpoint-blocking"),
            "jax": ("copy", "orbax", "taskpoint", "taskpoint-blocking")}
 #: Saves per process: the first, then the later ones.
 SAVES = 4

@@ -124,18 +124,21 @@ def torch_methods(total: int, work: Path) -> tuple[Any, dict[str, Callable[[], S
                     durable)
         return one
 
-    def taskpoint(blocking: bool) -> Saver:
+    def taskpoint(blocking: bool, ahead: bool = True) -> Saver:
         from taskpoint import CheckpointManager
         from taskpoint.torch import StateDict
 
-        manager = CheckpointManager(work / "steps", async_save=not blocking, preemption=False)
+        # ahead: async_save=True, whose manager starts its save process when it is made; else save(blocking=False)
+        # on a manager that starts it at its first background save
+        manager = CheckpointManager(work / "steps", async_save=not blocking and ahead, preemption=False)
 
         def one(step: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
-            return lambda: manager.save(StateDict(state), step), manager.wait_until_finished
+            return lambda: manager.save(StateDict(state), step, blocking=blocking), manager.wait_until_finished
         return one
 
     return state, {"copy": copy, "torch-fsync": lambda: torch_fsync, "dcp": dcp,
-                   "taskpoint": lambda: taskpoint(False), "taskpoint-blocking": lambda: taskpoint(True)}
+                   "taskpoint": lambda: taskpoint(False), "taskpoint-blocking": lambda: taskpoint(True),
+                   "taskpoint-on-demand": lambda: taskpoint(False, ahead=False)}
 
 
 def jax_methods(total: int, work: Path) -> tuple[Any, dict[str, Callable[[], Saver]]]:

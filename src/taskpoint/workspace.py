@@ -1,8 +1,9 @@
 """The local folder where loads land: a private temp folder, or one the caller chose, never shared.
 
-Also the one place that knows how taskpoint names the temp folders a process owns
-(``<prefix><host>-<pid>-<random>``) and how to remove those that killed processes left behind
-(:func:`sweep_dead_folders`): private workspaces here, background-save snapshots in the manager.
+Also the one place that knows how taskpoint names what a process owns on this host (``<prefix><host>-<pid>-<random>``,
+or with an :func:`owner_tag`, ``<prefix><host>-<pid>-<start>-<random>``) and how to remove what killed processes
+left behind (:func:`sweep_dead`): temp folders (:func:`sweep_dead_folders`: private workspaces here,
+background-save snapshots in the manager) and staging segments (:func:`taskpoint.manager.staging.sweep_dead_segments`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import tempfile
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 from .errors import CheckpointError
@@ -88,38 +90,23 @@ def host_tag() -> str:
     return f"{zlib.crc32(socket.gethostname().encode()):08x}"
 
 
-def owned_folder(prefix: str, parent: str | os.PathLike[str] | None = None) -> Path:
-    """A new private folder ``<prefix><host>-<pid>-<random>`` in ``parent`` (the temp folder by default),
-    named so that :func:`sweep_dead_folders` can tell whether its process is gone."""
-    return Path(tempfile.mkdtemp(prefix=f"{prefix}{host_tag()}-{os.getpid()}-", dir=parent))
-
-
-def sweep_dead_folders(folder: str | os.PathLike[str], prefix: str,
-                       grace: float = LEFTOVER_GRACE_SECONDS) -> list[Path]:
-    """Remove the folders named by :func:`owned_folder` with ``prefix`` in ``folder`` that killed processes of
-    this host left; return them. Only folders whose process is gone and that are older than ``grace``
-    seconds: a pid namespace that shares the folder but not our view of its processes keeps its live ones.
-    Best effort: what cannot be listed or removed stays."""
-    pattern = re.compile(re.escape(prefix) + r"(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[^/]+")
-    host, me, cutoff = host_tag(), os.getpid(), time.time() - grace
+def process_start(pid: int) -> int:
+    """When process ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat``); 0 where that is unknown
+    (no ``/proc``), and -1 when there is no such process, or only its zombie (killed, not reaped yet)."""
     try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return []
-    removed: list[Path] = []
-    for entry in entries:
-        match = pattern.fullmatch(entry.name)
-        if match is None or match["host"] != host or int(match["pid"]) == me:
-            continue
-        try:
-            if (not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_mtime > cutoff
-                    or process_alive(int(match["pid"]))):
-                continue
-        except OSError:
-            continue
-        shutil.rmtree(entry.path, ignore_errors=True)
-        removed.append(Path(entry.path))
-    return removed
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        return -1 if fields[0] == b"Z" else int(fields[19])  # state, starttime: fields 3 and 22 of the file
+    except FileNotFoundError:
+        return -1 if os.path.isdir("/proc") else 0
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def owner_tag(pid: int) -> str:
+    """``<host>-<pid>-<start>``: the part of a name that says which process owns it; the start time tells a dead
+    owner from another process that reuses its pid."""
+    return f"{host_tag()}-{pid}-{max(process_start(pid), 0)}"
 
 
 def process_alive(pid: int) -> bool:
@@ -131,6 +118,61 @@ def process_alive(pid: int) -> bool:
     except PermissionError:
         return True  # someone else's process
     return True
+
+
+def owner_gone(pid: int, start: int | None) -> bool:
+    """Whether the process that named something is gone: no process ``pid`` runs, or one started at another time
+    than ``start`` (None: a name without it)."""
+    running = process_start(pid) if start is not None else 0
+    return not (running == start or (running == 0 and process_alive(pid)))
+
+
+def sweep_dead(folder: str | os.PathLike[str], prefix: str, remove: Callable[[str], None],
+               keep: Callable[[os.DirEntry[str]], bool] | None = None) -> list[Path]:
+    """Remove with ``remove`` the entries of ``folder`` named ``<prefix><owner tag>-<random>`` (or
+    ``<prefix><host>-<pid>-<random>``, without the owner's start) by processes of this host that are gone
+    (:func:`owner_gone`), unless ``keep`` keeps them; return those removed. An entry whose owner runs is never
+    touched. Best effort: what cannot be listed or removed (``remove`` raised OSError) stays."""
+    pattern = re.compile(re.escape(prefix) + r"(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-(?:(?P<start>\d+)-)?[^/]+")
+    host = host_tag()
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return []
+    removed: list[Path] = []
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match is None or match["host"] != host:
+            continue
+        try:
+            if not owner_gone(int(match["pid"]), None if match["start"] is None else int(match["start"])) or (
+                    keep is not None and keep(entry)):
+                continue
+            remove(entry.path)
+        except OSError:
+            continue
+        removed.append(Path(entry.path))
+    return removed
+
+
+def owned_folder(prefix: str, parent: str | os.PathLike[str] | None = None) -> Path:
+    """A new private folder ``<prefix><host>-<pid>-<random>`` in ``parent`` (the temp folder by default), named so
+    that :func:`sweep_dead_folders` can tell whether its process is gone (a documented name, without the start
+    time an :func:`owner_tag` adds: the sweep's grace covers a reused pid)."""
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{host_tag()}-{os.getpid()}-", dir=parent))
+
+
+def sweep_dead_folders(folder: str | os.PathLike[str], prefix: str,
+                       grace: float = LEFTOVER_GRACE_SECONDS) -> list[Path]:
+    """Remove the folders named by :func:`owned_folder` with ``prefix`` in ``folder`` that killed processes of
+    this host left; return them. Only folders whose process is gone and that are older than ``grace``
+    seconds: a pid namespace that shares the folder but not our view of its processes keeps its live ones."""
+    cutoff = time.time() - grace
+
+    def young(entry: os.DirEntry[str]) -> bool:
+        return not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_mtime > cutoff
+
+    return sweep_dead(folder, prefix, lambda path: shutil.rmtree(path, ignore_errors=True), young)
 
 
 class Workspace:

@@ -21,7 +21,7 @@ import pytest
 
 from _fault_proxy import fault_proxy
 from helpers import ORPHAN_EXIT_SLACK, pid_alive, process_gone, wait_until
-from taskpoint import CheckpointManager
+from taskpoint import CheckpointManager, workspace
 from taskpoint.manager import staging
 from taskpoint.workspace import host_tag
 
@@ -200,7 +200,7 @@ def test_segments_of_dead_owners_are_freed_and_those_of_live_ones_kept(tmp_path)
     finished.wait(TIMEOUT)  # a pid with no process behind it any more
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     key = uuid.uuid4().hex[:8]
-    start = staging.process_start(sleeper.pid)
+    start = workspace.process_start(sleeper.pid)
     paths = {
         "dead": f"{host_tag()}-{finished.pid}-0-{key}01",
         "alive": f"{host_tag()}-{sleeper.pid}-{start}-{key}02",

@@ -2,8 +2,9 @@
 
 A background save copies the caller's data into a snapshot folder (so the caller may change it at once),
 then uploads it on a thread of its own, from the manager's save process when there is one (see
-:mod:`.saver`). With a save process, ``save()`` returns only once that process holds the save (the
-:class:`Handover`): a trainer killed after the return loses nothing the process can finish. Its error is
+:mod:`.saver`). With a save process, ``save()`` returns only once the save's request is in that process's pipe
+(the :class:`Handover`), which it reads whole even if the trainer dies: a trainer killed after the return loses
+nothing the process can finish. Its error is
 kept until the next call of the manager, or reported at exit: never lost.
 """
 
@@ -86,7 +87,7 @@ SNAPSHOT_PREFIX = "taskpoint-snapshot-"
 
 class Handover:
     """One background save's way to the save process: the request is sent from the save's thread while
-    ``save()`` waits in :meth:`wait` until the process holds it (or it is clear that it never will: the
+    ``save()`` waits in :meth:`wait` until it is in the process's pipe (or it is clear that it never will be: the
     payload does not pickle, the process died, the save failed before its upload), so that the process can
     finish and commit the step if this process dies after ``save()`` returned.
 
@@ -217,10 +218,10 @@ class Background:
         ``kind.helper`` is False: a job that never uses it). A payload that cannot be snapshotted runs
         ``job(payload)`` here, with a warning.
 
-        Waiting for the save process to hold the save costs a pipe round trip (bytes are written into the
-        snapshot folder for it, files and directories travel as their snapshot's path, staged states as their
-        segment's name), and, on the first save without ``prestart``, the start of the process; docs/manager.md
-        has the figures."""
+        Handing the save over costs a write into a pipe (bytes are written into the snapshot folder for it, files
+        and directories travel as their snapshot's path, staged states as their segment's name), and, on the first
+        save without ``prestart``, the spawn of the process (not its start, which is not waited for);
+        docs/manager.md has the figures."""
         helper = kind.helper
         if kind.name == payload.kind and helper and self._use_saver and isinstance(payload, Stageable):
             size = payload.staging_size()
@@ -259,34 +260,34 @@ class Background:
 
     def _start_staged(self, step: int, payload: Stageable, size: int, job: Callable[..., None]) -> None:
         """Copy ``payload`` into a segment of ``size`` bytes within the budget (waiting for earlier segments to
-        be freed; a state larger than the budget is saved here, blocking), hand it to the save process, return
-        once that process took it over."""
+        be freed; a state larger than the budget is saved here, blocking), named for the save process (so that it
+        is that process's from the start), and hand it over; return once the request is in the process's pipe."""
         if not self.budget.reserve(size, step):
             job(payload)
             return
         try:
             sweep_dead_segments()
-            segment = Segment.create(size)
+            process = self.helper_process()
+            segment = Segment.create(size, None if process is None else process.owner)
             try:
                 staged = payload.stage(segment)
             except BaseException:
                 segment.free()
                 raise
-            process = self.helper_process()
         except BaseException:
             self.budget.release(size)
             raise
 
         def tidy() -> None:
-            segment.free()  # still this process's when no save process took it over; else a no-op
+            segment.free()  # a no-op once the save process (or this one's fallback) wrote and freed it
             self.budget.release(size)
 
         self._hand_over(step, job, staged, None if process is None else Handover(process, ()), tidy)
 
     def _hand_over(self, step: int, job: Callable[..., None], snapshot: Payload, handover: Handover | None,
                    tidy: Callable[[], None]) -> None:
-        """Run ``job(snapshot, handover)`` as the save in flight, then ``tidy()``; return once the save process
-        holds the save (at once without one)."""
+        """Run ``job(snapshot, handover)`` as the save in flight, then ``tidy()``; return once the save's request
+        is in the save process's pipe (at once without one)."""
 
         def upload() -> None:
             try:
@@ -308,16 +309,21 @@ class Background:
         """The save process, started on first use; None when off or unavailable."""
         with self._saver_lock:
             if self._saver is not None and not self._saver.alive():
-                self._saver.close()
-                self._saver = None  # it died (killed, out of memory): start a new one
+                saver, self._saver = self._saver, None  # it died (killed, out of memory): start a new one
+                saver.close()
+                if saver.failed_to_start():
+                    self._unavailable(f"it exited with code {saver.exit_code} before it was ready")
             if self._saver is None and self._use_saver:
                 try:
                     self._saver = SaverProcess()
                 except SaverUnavailable as exc:
-                    self._use_saver = False
-                    warnings.warn(f"taskpoint could not start its save process ({exc}); background saves of "
-                                  f"{self._directory} run in a thread of this process", RuntimeWarning, stacklevel=2)
+                    self._unavailable(str(exc))
             return self._saver
+
+    def _unavailable(self, why: str) -> None:
+        self._use_saver = False
+        warnings.warn(f"taskpoint could not start its save process ({why}); background saves of {self._directory} "
+                      "run in a thread of this process", RuntimeWarning, stacklevel=3)
 
     def close(self) -> None:
         """Stop the save process (after the request it may be serving); later saves use no process."""

@@ -14,10 +14,13 @@ pipe of length-prefixed pickles. Only the payload's bytes travel this way: while
 commits (writes the manifest) and applies retention in its own process, where it knows which steps are being
 restored. The child runs at a lower CPU priority, and exits when the pipe closes.
 
-A background save is *handed over* before ``save()`` returns: the helper acknowledges each request (one
-reply on the pipe) as soon as it holds it, so that it holds everything it needs to finish and commit the step
-(the payload, or the path of its snapshot on local disk; the destination; the codec; the manifest to write)
-the moment the trainer may die. The ack costs a pipe round trip, not an upload (measured in docs/manager.md).
+A background save is *handed over* before ``save()`` returns: its request is in the pipe, which holds
+everything the helper needs to finish and commit the step (the payload, or the path of its snapshot on local
+disk, or the name of its staging segment; the destination; the codec; the manifest to write) the moment the
+trainer may die. ``save()`` does not wait for the helper to read it: a request in the pipe outlives the trainer,
+and the helper reads every request the pipe holds before it exits (its watchdog waits while bytes are unread,
+:func:`~.saver_child.serve`). The helper still acknowledges each request (``taken``) as it reads it, for the
+save's thread, which then relays its progress and answer.
 
 When the parent dies (SIGKILL, the OOM killer) after the handover, the child outlives it: it finishes the
 upload and commits the step itself, with the manifest the parent sent along with the request (completed with
@@ -57,6 +60,7 @@ from ..format.codecs import Codec
 from ..format.records import StepManifest
 from ..payloads import Payload
 from ..storage import Location
+from ..workspace import owner_tag
 from .staging import Segment
 
 _LENGTH = struct.Struct("<Q")
@@ -65,7 +69,7 @@ _LENGTH = struct.Struct("<Q")
 _CHILD = "import sys; from taskpoint.manager.saver_child import serve; serve(int(sys.argv[1]))"
 #: How much lower the child's CPU priority is than its parent's (``nice``): a training loop keeps its core.
 NICENESS = 10
-#: The child's reply once it holds a request (before it uploads anything).
+#: The child's reply once it has read a request (before it uploads anything).
 TAKEN = "taken"
 #: The parent's message once it has committed (or failed to commit) the step of the last request: the child's
 #: duty for that step ends.
@@ -92,12 +96,24 @@ def write_message(stream: IO[bytes], data: bytes) -> None:
     stream.flush()
 
 
+def _read_exactly(stream: IO[bytes], n: int) -> bytes:
+    """``n`` bytes, fewer only at the end of the stream (an unbuffered pipe's read may return a part)."""
+    parts = []
+    while n:
+        part = stream.read(n)
+        if not part:
+            break
+        parts.append(part)
+        n -= len(part)
+    return b"".join(parts)
+
+
 def read_message(stream: IO[bytes]) -> Any:
-    head = stream.read(_LENGTH.size)
+    head = _read_exactly(stream, _LENGTH.size)
     if len(head) < _LENGTH.size:
         raise EOFError("the pipe closed")
     (length,) = _LENGTH.unpack(head)
-    data = stream.read(length)
+    data = _read_exactly(stream, length)
     if len(data) < length:
         raise EOFError("the pipe closed in the middle of a message")
     return pickle.loads(data)
@@ -148,7 +164,12 @@ class NotTransferable(SaverUnavailable):
 
 
 class SaverProcess:
-    """The caller's end of one helper process. One request at a time (the manager has one save in flight)."""
+    """The caller's end of one helper process. One request at a time (the manager has one save in flight).
+
+    Made without waiting for the child to start (a Python start and taskpoint's import, about 0.5 CPU-s): its
+    pipe takes requests at once, and its ``ready`` is read on the save's thread before its first answer, so that
+    the first background save of a manager that did not start its process ahead blocks for a spawn, not for a
+    Python start."""
 
     def __init__(self) -> None:
         env = dict(os.environ)
@@ -166,18 +187,26 @@ class SaverProcess:
         except OSError as exc:
             raise SaverUnavailable(f"could not start {sys.executable}: {exc}") from exc
         self._lock = threading.Lock()
-        try:
-            hello = read_message(self._process.stdout)  # type: ignore[arg-type]
-        except Exception as exc:
-            self.close()
-            raise SaverUnavailable(f"the save process did not start: {exc}") from exc
-        if hello != "ready":
-            self.close()
-            raise SaverUnavailable(f"the save process answered {hello!r} instead of 'ready'")
+        #: Whether the child said it is ready (read before its first answer).
+        self.started = False
+        #: Who owns a segment named for this process (:func:`~.staging.owner_tag`): a staged save's segment is
+        #: made under it, so that it is the save process's from the start.
+        self.owner = owner_tag(self.pid)
 
     @property
     def pid(self) -> int:
         return self._process.pid
+
+    @property
+    def exit_code(self) -> int | None:
+        """The child's exit code once it exited (negative: the signal that killed it), else None."""
+        return self._process.poll()
+
+    def failed_to_start(self) -> bool:
+        """Whether the child exited with an error before it said it is ready (a Python that cannot import this
+        taskpoint): another one would fail alike."""
+        code = self.exit_code
+        return not self.started and code is not None and code > 0
 
     def store_payload(self, location: Location, payload: Payload, codec: Codec, level: int | None,
                       commit: Orphan | None = None,
@@ -188,8 +217,9 @@ class SaverProcess:
         ``commit`` is the manifest's location and the manifest (its size and digest still to fill in) that the
         child writes itself if this process dies before it has called :meth:`done` (see the module's
         docstring); ``folders`` are the snapshot folders the child removes then. ``taken`` is called once the
-        child holds the request, before it uploads. The child reports its progress as
-        ``("progress", "size" | "update", n)`` messages before its answer; they go to ``progress``.
+        request is in the pipe (the child reads it even if this process dies then), before the child uploads.
+        The child reports its progress as ``("progress", "size" | "update", n)`` messages before its answer; they
+        go to ``progress``.
 
         Raises what the child raised (with its traceback as a note), or SaverUnavailable when the request
         cannot be sent (the payload does not pickle) or the child died; nothing was committed then.
@@ -206,8 +236,9 @@ class SaverProcess:
 
     def store_staged(self, manifest: Location, segment: str, job: StagedJob, progress: Progress = NO_PROGRESS, *,
                      taken: Callable[[], None] | None = None) -> tuple[dict[str, int], StepManifest]:
-        """Hand the staged save ``job`` and its ``segment`` to the helper process, which takes the segment over
-        (before ``taken`` is called), runs the job, frees the segment, and answers the sizes of the objects it
+        """Hand the staged save ``job`` and its ``segment`` (named for the helper process: :attr:`owner`) to the
+        helper process (``taken`` is called once the request is in the pipe), which maps the segment, runs the
+        job, frees the segment, and answers the sizes of the objects it
         stored and the manifest to write at ``manifest`` (which it writes itself if this process dies before
         :meth:`done`). Errors as :meth:`store_payload`."""
         try:
@@ -219,19 +250,26 @@ class SaverProcess:
         return sizes, written
 
     def _exchange(self, request: bytes, progress: Progress, taken: Callable[[], None] | None) -> Any:
-        """Send ``request``, wait for the child to hold it (then call ``taken``), relay its progress, and return
-        its answer's value or raise its error."""
+        """Send ``request`` (then call ``taken``: the request is in the pipe, which the child reads whole even if
+        this process dies now), wait for the child's acknowledgement, relay its progress, and return its answer's
+        value or raise its error."""
         with self._lock:
             stdin, stdout = self._process.stdin, self._process.stdout
             assert stdin is not None and stdout is not None
             try:
                 write_message(stdin, request)
+                if taken is not None:
+                    taken()
+                if not self.started:
+                    hello = read_message(stdout)
+                    if hello != "ready":
+                        raise SaverUnavailable(f"the save process (pid {self.pid}) answered {hello!r} instead of "
+                                               "'ready'")
+                    self.started = True
                 answer = read_message(stdout)
                 if answer != TAKEN:
                     raise SaverUnavailable(f"the save process (pid {self.pid}) answered {answer!r} instead of "
                                            f"{TAKEN!r}")
-                if taken is not None:
-                    taken()
                 answer = read_message(stdout)
                 while answer[0] == "progress":
                     _, what, n = answer
@@ -242,7 +280,7 @@ class SaverProcess:
                     answer = read_message(stdout)
                 status, value, caught = answer
             except (OSError, EOFError, pickle.UnpicklingError) as exc:
-                code = self._process.poll()
+                code = self.exit_code
                 raise SaverUnavailable(f"the save process (pid {self.pid}) died"
                                        + (f" with exit code {code}" if code is not None else "")) from exc
         for category, message in caught:
@@ -279,7 +317,7 @@ class SaverProcess:
                 write_message(stdin, pickled(DONE))
 
     def alive(self) -> bool:
-        return self._process.poll() is None
+        return self.exit_code is None
 
     def close(self) -> None:
         """Close the pipe; the child exits after any request in progress. Killed if it hangs."""

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import importlib
+import io
 import os
 import pickle
+import select
 import shutil
 import signal
-import sys
+import struct
+import termios
 import threading
 import time
 import traceback
@@ -23,6 +27,7 @@ from .._progress import NO_PROGRESS, Progress
 from ..format.records import StepManifest
 from ..storage import Location
 from ..transfer import write_payload
+from ..workspace import owner_tag
 from .saver import (
     CLOSE,
     DONE,
@@ -38,7 +43,7 @@ from .saver import (
     release_freed_memory,
     write_message,
 )
-from .staging import Segment
+from .staging import Segment, free_owned_segments
 from .step_commit import write_manifest
 
 #: A manifest the child writes for a dead parent: its location, and the manifest (with size and digest to fill
@@ -47,23 +52,24 @@ _Commit = tuple[str, Any, Any, StepManifest | None]
 
 
 class _Duty:
-    """What the child owes its parent: the request it serves (``busy`` until the parent said ``done``, or the
-    child committed the step for it), the manifest to write if the parent dies first, and the snapshot folders
-    to remove then. The main loop and the watchdog share it; :meth:`commit_for_dead_parent` runs once."""
+    """What the child owes its parent: the message it reads or handles (``handling``), the request it serves
+    (``busy`` until the parent said ``done``, or the child committed the step for it), the manifest to write if
+    the parent dies first, and the snapshot folders to remove then. The main loop and the watchdog share it;
+    :meth:`commit_for_dead_parent` runs once."""
 
-    def __init__(self) -> None:
+    def __init__(self, requests: int) -> None:
+        self._requests = requests
+        self.handling = threading.Event()
         self.busy = threading.Event()
         self._lock = threading.Lock()
         self._commit: _Commit | OrphanPart | None = None
         self._stored: tuple[int, str] | StepManifest | None = None
         self.folders: tuple[str, ...] = ()
-        self.segment: Segment | None = None
 
-    def take(self, commit: _Commit | OrphanPart | None, folders: tuple[str, ...], segment: Segment | None = None
-             ) -> None:
+    def take(self, commit: _Commit | OrphanPart | None, folders: tuple[str, ...]) -> None:
         with self._lock:
             self.busy.set()
-            self._commit, self._stored, self.folders, self.segment = commit, None, folders, segment
+            self._commit, self._stored, self.folders = commit, None, folders
 
     def stored(self, stored: tuple[int, str] | StepManifest) -> None:
         """The payload is uploaded (its size and digest), or a staged save's objects are (the manifest that
@@ -77,6 +83,13 @@ class _Duty:
     @property
     def uploaded(self) -> bool:
         return self._stored is not None
+
+    def pending(self) -> bool:
+        """Whether the child has work its parent gave it: bytes unread in the pipe (a request sent just before
+        the parent died, which ``save()`` returned after), a message being read or handled, or a request whose
+        step is not committed yet. Unread bytes are looked at first: the main loop marks a message ``handling``
+        before it reads any of it, so that no moment shows neither."""
+        return _unread(self._requests) > 0 or self.handling.is_set() or self.busy.is_set()
 
     def end(self) -> None:
         """The request is over (the parent committed its step, or it failed)."""
@@ -101,18 +114,26 @@ class _Duty:
                 os.utime(folder, (now, now))
 
     def leave(self) -> None:
-        """Remove the snapshot folders of the dead parent that the last request named, and the segment of a
-        staged save that is not written yet."""
+        """Remove the snapshot folders of the dead parent that the last request named, and the segments named for
+        this process: that of a staged save not written yet, and one staged for a request never sent."""
         for folder in self.folders:
             shutil.rmtree(folder, ignore_errors=True)
-        if self.segment is not None:
-            self.segment.path.unlink(missing_ok=True)
+        free_owned_segments(owner_tag(os.getpid()))
+
+
+def _unread(fd: int) -> int:
+    """The bytes waiting in pipe ``fd`` (0 where that cannot be asked)."""
+    try:
+        count: int = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+        return count
+    except OSError:
+        return 0
 
 
 def _die_with_parent(parent: int, duty: _Duty) -> None:
-    """End this process when its parent dies: at once when idle, else once the request in progress ends (the
-    child commits the step itself) or the grace period has passed, whichever comes first; the snapshot folders
-    of the last request are removed first.
+    """End this process when its parent dies: at once when idle, else once the requests the parent sent are
+    served (the child commits their step itself) or the grace period has passed, whichever comes first; the
+    snapshot folders of the last request and the segments named for this process are removed first.
 
     Polls the parent pid (re-parenting changes it) rather than using Linux's PR_SET_PDEATHSIG, which fires
     when the *thread* that started the child ends: here, the background save thread, after every save.
@@ -123,11 +144,10 @@ def _die_with_parent(parent: int, duty: _Duty) -> None:
             time.sleep(0.2)
         deadline = time.monotonic() + preemption.grace_seconds()
         refreshed = -KEEP_FRESH_SECONDS
-        while duty.busy.is_set() and time.monotonic() < deadline:
-            if duty.uploaded:
+        while duty.pending() and time.monotonic() < deadline:
+            if duty.uploaded:  # and then the requests still in the pipe (a ``done`` unread may precede one)
                 duty.commit_for_dead_parent(deadline)
-                break
-            if time.monotonic() - refreshed >= KEEP_FRESH_SECONDS:
+            elif time.monotonic() - refreshed >= KEEP_FRESH_SECONDS:
                 duty.keep_fresh()
                 refreshed = time.monotonic()
             time.sleep(0.02)
@@ -189,7 +209,7 @@ def _serve_staged(request: StagedRequest, duty: _Duty, replies: IO[bytes]) -> No
         with contextlib.suppress(OSError):
             write_message(replies, pickled(("error", (_portable_error(exc), traceback.format_exc()), [])))
         return
-    duty.take((*request.manifest, None), (), segment)
+    duty.take((*request.manifest, None), ())
     with contextlib.suppress(OSError):  # a parent dead already: the step is done all the same
         write_message(replies, pickled(TAKEN))
     with warnings.catch_warnings(record=True) as caught:
@@ -218,7 +238,8 @@ def _import_quietly(modules: list[str]) -> None:
 
 def serve(parent: int) -> None:
     """The child's loop: answer write requests until the pipe closes."""
-    duty = _Duty()
+    requests = io.FileIO(0, "rb", closefd=False)  # unbuffered: what is not read stays in the pipe, for pending()
+    duty = _Duty(requests.fileno())
     _die_with_parent(parent, duty)
     with contextlib.suppress(OSError, AttributeError):
         os.nice(NICENESS)
@@ -226,51 +247,61 @@ def serve(parent: int) -> None:
     # some library cannot corrupt the protocol.
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
-    requests = sys.stdin.buffer
-    write_message(replies, pickled("ready"))
+    with contextlib.suppress(OSError):  # a parent dead already (it does not wait for this): its requests are served
+        write_message(replies, pickled("ready"))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal is for the parent to handle
     with contextlib.suppress(ValueError):  # and so are preemption notices: the child ends with its parent
         for sig in preemption.configured_signals():
             signal.signal(sig, signal.SIG_IGN)
     while True:
+        select.select([requests], [], [])  # until a message, or the end of the pipe, is there to read
+        duty.handling.set()  # before a byte is read: pending() sees the message in the pipe or being handled
         try:
-            message = read_message(requests)
-        except EOFError:  # the parent died (a closing manager says CLOSE first)
-            duty.commit_for_dead_parent(time.monotonic() + preemption.grace_seconds())
-            duty.leave()
-            return
-        if message == CLOSE:
-            return
-        if message == DONE:
-            duty.end()
-            continue
-        if isinstance(message, tuple) and message[0] == WARM:
-            threading.Thread(target=_import_quietly, args=(message[1],), name="taskpoint-saver-warm",
-                             daemon=True).start()
-            continue
-        if isinstance(message, StagedRequest):
-            _serve_staged(message, duty, replies)
-            message = None
-            release_freed_memory()
-            continue
-        uri, options, retry, payload, codec, level, orphan, report, folders = message
-        duty.take(orphan, folders)
-        with contextlib.suppress(OSError):  # a parent dead already: the step is done all the same
-            write_message(replies, pickled(TAKEN))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            value: Any
             try:
-                with _relayed(replies) if report else NO_PROGRESS as progress:
-                    value = write_payload(Location(uri, options, retry), payload, codec, level,
-                                          progress=progress)
-                duty.stored(value)
-                value = (*value, payload.written_index)  # the archive's index goes into the parent's manifest
-                status = "ok"
-            except BaseException as exc:
-                duty.end()
-                status, value = "error", (_portable_error(exc), traceback.format_exc())
-        with contextlib.suppress(OSError):  # the parent died meanwhile: EOF or the watchdog commits
-            write_message(replies, pickled((status, value, [(w.category, str(w.message)) for w in caught])))
-        message = payload = value = None  # the payload (bytes can be large) is not kept until the next request
+                message = read_message(requests)
+            except EOFError:  # the parent died (a closing manager says CLOSE first)
+                duty.commit_for_dead_parent(time.monotonic() + preemption.grace_seconds())
+                duty.leave()
+                return
+            if message == CLOSE:
+                return
+            _handle(message, duty, replies)
+        finally:
+            duty.handling.clear()
         release_freed_memory()
+
+
+def _handle(message: Any, duty: _Duty, replies: IO[bytes]) -> None:
+    """One message of the parent's: ``done``, modules to import ahead, or a request to serve."""
+    if message == DONE:
+        duty.end()
+    elif isinstance(message, tuple) and message[0] == WARM:
+        threading.Thread(target=_import_quietly, args=(message[1],), name="taskpoint-saver-warm",
+                         daemon=True).start()
+    elif isinstance(message, StagedRequest):
+        _serve_staged(message, duty, replies)
+    else:
+        _serve_payload(message, duty, replies)
+
+
+def _serve_payload(request: tuple[Any, ...], duty: _Duty, replies: IO[bytes]) -> None:
+    """Say that the payload's request is read, write the payload, and answer its size, digest and index (or its
+    error)."""
+    uri, options, retry, payload, codec, level, orphan, report, folders = request
+    duty.take(orphan, folders)
+    with contextlib.suppress(OSError):  # a parent dead already: the step is done all the same
+        write_message(replies, pickled(TAKEN))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value: Any
+        try:
+            with _relayed(replies) if report else NO_PROGRESS as progress:
+                value = write_payload(Location(uri, options, retry), payload, codec, level, progress=progress)
+            duty.stored(value)
+            value = (*value, payload.written_index)  # the archive's index goes into the parent's manifest
+            status = "ok"
+        except BaseException as exc:
+            duty.end()
+            status, value = "error", (_portable_error(exc), traceback.format_exc())
+    with contextlib.suppress(OSError):  # the parent died meanwhile: EOF or the watchdog commits
+        write_message(replies, pickled((status, value, [(w.category, str(w.message)) for w in caught])))

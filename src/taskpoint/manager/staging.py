@@ -3,9 +3,10 @@
 A background save of a state that lives in memory (a torch state dict) copies it once into a *segment*: one
 file in ``/dev/shm`` (tmpfs: its pages are memory, shared by every process that maps it), sized up front and
 reserved with ``posix_fallocate`` so that a full ``/dev/shm`` is a clean ``OSError`` before a byte is copied,
-never a ``SIGBUS`` in the middle. Only its name goes to the save process, which renames it to a name of its
-own (:meth:`Segment.adopt`): from then on the segment is the save process's, which writes the step from it and
-removes it. The trainer may change its tensors, exit or be killed as soon as ``save()`` returned.
+never a ``SIGBUS`` in the middle. The segment is named for the save process from the start (:func:`owner_tag` of
+its pid), so that its ownership needs no round trip: only its name goes to the save process, which writes the
+step from it and removes it. The trainer may change its tensors, exit or be killed as soon as ``save()``
+returned, which it does once the request is in the pipe (see :mod:`.saver`).
 
 A segment's name says who owns it: ``taskpoint-stage-<host>-<pid>-<start>-<random>``, ``<start>`` the owner's
 start time (``/proc/<pid>/stat``), so that a pid reused by another process does not keep a dead owner's segment.
@@ -30,7 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from .._log import logger
 from ..payloads import Payload
-from ..workspace import host_tag, process_alive
+from ..workspace import owner_tag, sweep_dead
 
 #: Start of a segment's name: ``taskpoint-stage-<host>-<pid>-<start>-<random>``.
 SEGMENT_PREFIX = "taskpoint-stage-"
@@ -52,24 +53,6 @@ def segment_folder() -> Path:
     return Path(tempfile.gettempdir())
 
 
-def process_start(pid: int) -> int:
-    """When process ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat``); 0 where that is unknown
-    (no ``/proc``), and -1 when there is no such process, or only its zombie (killed, not reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rsplit(b")", 1)[1].split()
-        return -1 if fields[0] == b"Z" else int(fields[19])  # state, starttime: fields 3 and 22 of the file
-    except FileNotFoundError:
-        return -1 if os.path.isdir("/proc") else 0
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
-def _owner() -> str:
-    pid = os.getpid()
-    return f"{host_tag()}-{pid}-{max(process_start(pid), 0)}"
-
-
 class Segment:
     """One staging segment (a file in :func:`segment_folder`) and the mapping of its bytes in this process."""
 
@@ -78,10 +61,12 @@ class Segment:
         self._map: mmap.mmap | None = None
 
     @classmethod
-    def create(cls, size: int, folder: Path | None = None) -> Segment:
-        """A new segment of ``size`` bytes, owned by this process, its memory reserved (``OSError`` with
-        ``ENOSPC`` when the folder cannot hold it: nothing is left behind)."""
-        path = (folder or segment_folder()) / f"{SEGMENT_PREFIX}{_owner()}-{secrets.token_hex(8)}"
+    def create(cls, size: int, owner: str | None = None, folder: Path | None = None) -> Segment:
+        """A new segment of ``size`` bytes, owned by the process ``owner`` names (an :func:`owner_tag`; this
+        process by default), its memory reserved (``OSError`` with ``ENOSPC`` when the folder cannot hold it:
+        nothing is left behind)."""
+        owner = owner or owner_tag(os.getpid())
+        path = (folder or segment_folder()) / f"{SEGMENT_PREFIX}{owner}-{secrets.token_hex(8)}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             if size:
@@ -98,13 +83,14 @@ class Segment:
 
     @classmethod
     def adopt(cls, path: str | os.PathLike[str]) -> Segment:
-        """Take the segment at ``path`` over: renamed to this process's own name (one atomic rename), so that no
-        sweep removes it while this process runs, and mapped. FileNotFoundError when it is gone."""
+        """Take the segment at ``path`` over: renamed to this process's own name (one atomic rename; none when it
+        is named for this process already), so that no sweep removes it while this process runs, and mapped.
+        FileNotFoundError when it is gone."""
         old = Path(path)
         match = _NAME.fullmatch(old.name)
         if match is None:
             raise ValueError(f"{old} is not a staging segment")
-        new = old.with_name(f"{SEGMENT_PREFIX}{_owner()}-{match['key']}")
+        new = old.with_name(f"{SEGMENT_PREFIX}{owner_tag(os.getpid())}-{match['key']}")
         if new != old:
             os.rename(old, new)
         fd = os.open(new, os.O_RDWR | os.O_CLOEXEC)
@@ -145,27 +131,23 @@ class Segment:
 
 def sweep_dead_segments(folder: Path | None = None) -> list[Path]:
     """Remove the segments of this host in ``folder`` whose owner is gone (no process with that pid, or one
-    started at another time); return them. A segment whose owner runs is never touched, whatever its age."""
-    folder = folder or segment_folder()
-    host, removed = host_tag(), []
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return []
-    for entry in entries:
-        match = _NAME.fullmatch(entry.name)
-        if match is None or match["host"] != host:
-            continue
-        pid, start = int(match["pid"]), int(match["start"])
-        running = process_start(pid)
-        if running == start or (running == 0 and process_alive(pid)):
-            continue
-        with contextlib.suppress(OSError):
-            os.unlink(entry.path)
-            removed.append(Path(entry.path))
+    started at another time: :func:`~taskpoint.workspace.sweep_dead`); return them. A segment whose owner runs is
+    never touched, whatever its age."""
+    removed = sweep_dead(folder or segment_folder(), SEGMENT_PREFIX, os.unlink)
     if removed:
         logger.info("removed %d staging segment(s) left by save processes that are gone: %s", len(removed),
                     [path.name for path in removed])
+    return removed
+
+
+def free_owned_segments(owner: str, folder: Path | None = None) -> list[Path]:
+    """Remove the segments named for ``owner`` (an :func:`owner_tag`); return them. A save process whose trainer
+    died calls it as it leaves, for a segment staged for it whose request the trainer did not live to send."""
+    removed = []
+    for path in (folder or segment_folder()).glob(f"{SEGMENT_PREFIX}{owner}-*"):
+        with contextlib.suppress(OSError):
+            path.unlink()
+            removed.append(path)
     return removed
 
 
