@@ -38,7 +38,7 @@ from typing import Any
 
 from .._log import safe_uri
 from ..errors import CheckpointCorruptError, CheckpointError, StepAbandonedError, say_in_message
-from ..format.records import ObjectRecord, Shard, ShardRecord, StepContent
+from ..format.records import PAYLOAD_HASH, ObjectRecord, Shard, ShardRecord, StepContent
 from ..group import RanksMissing, poll
 from ..payloads import Payload
 from ..ranks import Ranks, incarnation_from_environment, resolve_ranks
@@ -111,26 +111,27 @@ class ShardWriter:
     def write(self, step: int, metadata: dict[str, Any], attempt: int | None, payload: Payload, codec: str,
               content: Callable[[tuple[Shard, ...]], StepContent],
               store: Callable[[Location, ShardOrphan], tuple[int, str]],
-              until_committed: contextlib.ExitStack[bool | None]) -> Stored:
+              until_committed: contextlib.ExitStack[bool | None], hash_name: str = PAYLOAD_HASH) -> Stored:
         """Store the shard with ``store`` under a fresh name, then record it (ranks > 0) or gather every rank's
         (rank 0). ``store`` hands the :class:`ShardOrphan` to the save process, which finishes this rank's part
         if this process dies first. Returns what this rank commits, with the shard's size sent: on rank 0, every
         shard, with ``content(shards)`` (rank 0 holds its lease on the folder, on ``until_committed``, until the
-        commit is over, and removes the records after it); on others, nothing (``content`` None)."""
+        commit is over, and removes the records after it); on others, nothing (``content`` None). ``store``
+        answers the shard's size and its digest by ``hash_name``."""
         with naming_rank(self._plan.ranks):
-            return self._write(step, metadata, attempt, payload, codec, content, store, until_committed)
+            return self._write(step, metadata, attempt, payload, codec, content, store, until_committed, hash_name)
 
     def _write(self, step: int, metadata: dict[str, Any], attempt: int | None, payload: Payload, codec: str,
                content: Callable[[tuple[Shard, ...]], StepContent],
                store: Callable[[Location, ShardOrphan], tuple[int, str]],
-               until_committed: contextlib.ExitStack[bool | None]) -> Stored:
+               until_committed: contextlib.ExitStack[bool | None], hash_name: str) -> Stored:
         ranks = self._plan.ranks
         save_id = uuid.uuid4().hex
         name = f"payload-{save_id}"
         record = ObjectRecord(kind=payload.kind, codec=codec, save_id=save_id, created=time.time())
         folder = self._steps.folder(step)
         orphan = ShardOrphan(folder.uri, folder.storage_options, folder.retry, step, ranks, save_round(attempt),
-                             name, record, metadata, attempt, content)
+                             name, record, metadata, attempt, content, hash_name)
         if ranks.rank != 0:
             failure = folder.child(rank_failure_name(ranks.rank, orphan.round))
             if failure.uri in self._failed:  # this rank's earlier save of the step failed: rank 0 must not read it
@@ -321,9 +322,11 @@ class ShardOrphan:
     attempt: int | None
     #: The step kind's content naming the shards (a class of the sharded kind: pickled by reference).
     content: Callable[[tuple[Shard, ...]], StepContent]
+    #: The hash the shard's digest is by (BLAKE3; a promoted shard of an older step: sha256).
+    hash_name: str = PAYLOAD_HASH
 
     def shard(self, size: int, digest: str) -> Shard:
-        return Shard(self.ranks.rank, self.name, dataclasses.replace(self.record, size=size, sha256=digest))
+        return Shard(self.ranks.rank, self.name, self.record.with_digest(size, self.hash_name, digest))
 
     def stored(self, shards: tuple[Shard, ...]) -> Stored:
         """What commits ``shards``: rank 0's record of the step, and every shard's payload."""

@@ -53,13 +53,13 @@ class RecordedKind:
 @dataclasses.dataclass(frozen=True)
 class VerifiedShard:
     """A promoted shard's part for the save process when the trainer died while it copied the shard: finish it
-    (record it; on rank 0, commit the step once every shard is there) only when the copy's size and sha256 are
-    the local manifest's, so a torn local shard is never recorded."""
+    (record it; on rank 0, commit the step once every shard is there) only when the copy's size and digest are
+    the local manifest's (``digest``: its hash and hex), so a torn local shard is never recorded."""
 
     shard: ShardOrphan
     size: int
-    sha256: str
+    digest: tuple[str, str] | None
 
     def finish(self, size: int, digest: str, deadline: float) -> None:
-        if (size, digest) == (self.size, self.sha256):
+        if (size, (self.shard.hash_name, digest)) == (self.size, self.digest):
             self.shard.finish(size, digest, deadline)

@@ -10,14 +10,14 @@ from typing import Any, ClassVar
 
 from ..._progress import Progress
 from ...errors import CheckpointError
-from ...format.records import Shard, StepManifest
+from ...format.records import BLAKE3_VERSION, KIND_VERSION, Shard, StepManifest
 from ...payloads import Payload
 from ..background import store_payload
 from ..shards import ShardWriter
 from ..step_commit import Stored
 from ..step_names import PAYLOAD_NAME, RANK_FAILURE, RANK_RECORD, stored_names
 from ..steps import StepObjects, StepStore
-from . import Checked, Described, SaveJob, StepContext, read_object, register_step_kind, stored_part
+from . import Checked, Described, SaveJob, StepContext, read_object, register_step_kind, stored_object
 
 _OWNED = stored_names(rf"{PAYLOAD_NAME.pattern}|{RANK_RECORD.pattern}|{RANK_FAILURE.pattern}")
 
@@ -31,6 +31,12 @@ class Shards:
 
     def to_json(self) -> dict[str, Any]:
         return {"payload": "", "shards": [shard.to_json() for shard in self.shards]}
+
+    @property
+    def manifest_version(self) -> int:
+        """The manifest's version: :data:`BLAKE3_VERSION` when a shard is recorded by BLAKE3 (else the kind keeps
+        version 3's layout)."""
+        return BLAKE3_VERSION if any(shard.record.blake3 is not None for shard in self.shards) else KIND_VERSION
 
 
 def _shards(manifest: StepManifest) -> tuple[Shard, ...]:
@@ -89,14 +95,14 @@ class ShardedKind:
 
     def verify(self, context: StepContext, step: int, manifest: StepManifest, progress: object) -> Checked:
         shards = _shards(manifest)
-        size = sum(stored_part(context, step, shard.payload, shard.record.size, shard.record.sha256, progress,
-                               f"verify step {step}: {shard.payload}") for shard in shards)
-        return Checked(size, f"{len(shards)} shards, sha256 matches its manifest")
+        size = sum(stored_object(context, step, shard.payload, shard.record, progress,
+                                 f"verify step {step}: {shard.payload}") for shard in shards)
+        return Checked(size, f"{len(shards)} shards, {shards[0].record.hash_name} matches its manifest")
 
     def objects(self, steps: StepStore, step: int, manifest: StepManifest) -> StepObjects:
         shards = _shards(manifest)
         return StepObjects(files={shard.payload: shard.record.size for shard in shards},
-                           digests={shard.payload: shard.record.sha256 for shard in shards if shard.record.sha256})
+                           digests={shard.payload: shard.record.digest for shard in shards if shard.record.digest})
 
     def delete(self, steps: StepStore, step: int, manifest: StepManifest) -> set[str]:
         names = {shard.payload for shard in _shards(manifest)}
@@ -106,7 +112,8 @@ class ShardedKind:
 
     def describe(self, context: StepContext, step: int, manifest: StepManifest) -> Described:
         return Described(payload="", details={"shards": [
-            {"rank": s.rank, "payload": s.payload, "size": s.record.size, "sha256": s.record.sha256}
+            {"rank": s.rank, "payload": s.payload, "size": s.record.size, "sha256": s.record.sha256,
+             **({} if s.record.blake3 is None else {"blake3": s.record.blake3})}
             for s in _shards(manifest)]})
 
     def owns(self, name: str, committed: bool) -> bool:
