@@ -11,7 +11,7 @@ import blake3
 import pytest
 
 from taskpoint import CheckpointCorruptError, CheckpointManager, NewerFormatError
-from taskpoint.format.records import BLAKE3_VERSION, STEP_FORMAT, FORMAT_VERSION, StepManifest
+from taskpoint.format.records import BLAKE3_VERSION, FORMAT_VERSION, STEP_FORMAT, StepManifest
 from taskpoint.format.sealing import parse
 
 CORPUS = Path(__file__).resolve().parent / "corpus"
