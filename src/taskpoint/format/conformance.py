@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from .documents import ATTEMPT_FORMAT, EPOCH_FORMAT, GROUP_FORMAT, LEASE_FORMAT
 from .names import CHECKPOINT_FORMAT, FILESET_FORMAT, STEP_FORMAT
 
 #: Checks one field's value; what it expected when it does not hold.
@@ -63,6 +64,15 @@ _FILESET: Fields = {"format": (STR, True), "version": (INT, True), "kind": (STR,
                     "files": (OBJECT, True), "check": (SHA256, True)}
 _FILE: Fields = {"size": (INT, True), "sha256": (SHA256, True), "piece_size": (INT, False),
                  "piece_hash": (STR, False), "pieces": (LIST, False)}
+ANY: Rule = (lambda v: True), "any JSON"
+#: The small documents (:mod:`.documents`): not sealed, each of version 1.
+_SMALL: dict[str, Fields] = {
+    LEASE_FORMAT: {"written": (NUMBER, True), "grace": (NUMBER, True), "beat": (NUMBER, False)},
+    EPOCH_FORMAT: {"epoch": (SAVE_ID, True)},
+    GROUP_FORMAT: {"round": (STR, True), "rank": (INT, True), "world_size": (INT, True), "host": (STR, True),
+                   "pid": (INT, True), "at": (NUMBER, True), "value": (ANY, True)},
+    ATTEMPT_FORMAT: {"attempt": (INT, True), "started": (NUMBER, True), "pid": (INT, True), "host": (STR, True),
+                     "world_size": (INT, False)}}
 
 
 def _fields(doc: Any, fields: Fields, where: str) -> str | None:
@@ -122,8 +132,12 @@ def document_problem(name: str, data: bytes | None) -> str | None:
 
 
 def format_problems(doc: dict[str, Any]) -> str | None:
-    """The first field of the sealed document ``doc`` (parsed JSON, read already by its reader) that does not
-    follow the specification, or None. A document without a check is an older form: left to its reader."""
+    """The first field of the sealed (or small) document ``doc`` (parsed JSON, read already by its reader) that
+    does not follow the specification, or None. A sealed document without a check is an older form: left to its
+    reader."""
+    small = _SMALL.get(str(doc.get("format")))
+    if small is not None:
+        return _fields(doc, {"format": (STR, True), "version": (_of(int), True), **small}, "")
     check = _CHECKS.get(str(doc.get("format")))
     version = doc.get("version")
     if check is None or "check" not in doc or not isinstance(version, int):
