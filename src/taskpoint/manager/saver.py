@@ -54,7 +54,7 @@ from typing import IO, Any, Protocol
 from .._progress import NO_PROGRESS, Progress
 from ..errors import add_note
 from ..format.codecs import Codec
-from ..format.records import StepManifest
+from ..format.records import PAYLOAD_HASH, StepManifest
 from ..payloads import Payload
 from ..storage import Location
 from .staging import Segment
@@ -177,7 +177,7 @@ class SaverProcess:
 
     def store_payload(self, location: Location, payload: Payload, codec: Codec, level: int | None,
                       commit: OrphanPart | None = None,
-                      progress: Progress = NO_PROGRESS, *, digest: str, folders: tuple[str, ...] = (),
+                      progress: Progress = NO_PROGRESS, *, digest: str = PAYLOAD_HASH, folders: tuple[str, ...] = (),
                       taken: Callable[[], None] | None = None) -> tuple[int, str]:
         """What :func:`taskpoint.transfer.write_payload` does (hashing by ``digest``), done by the helper process.
 
