@@ -58,11 +58,12 @@ def test_four_rank_processes_commit_each_step_once_and_each_restores_its_shard(s
                 assert mgr.restore(step).read_bytes() == shard(rank, step, size)
             assert mgr.metadata(3) == {"by": 0}  # the committer's metadata
     doc = json.loads(read_object(place.url("ckpts", "ckpt-3", "taskpoint.json"), place.storage_options))
-    assert doc["version"] == 3 and [s["rank"] for s in doc["shards"]] == [0, 1, 2, 3]
-    assert len({s["payload"] for s in doc["shards"]}) == 4 and all(len(s["sha256"]) == 64 for s in doc["shards"])
+    shards = doc["content"]["shards"]
+    assert doc["version"] == 6 and [s["rank"] for s in shards] == [0, 1, 2, 3]
+    assert len({s["payload"] for s in shards}) == 4 and all(len(s["blake3"]) == 64 for s in shards)
     with manager(place, 0, 4) as mgr:  # the records were removed after each commit; nothing else is left
         folder = mgr._steps.scan(3)[3]
-        assert sorted(folder.objects) == sorted([*(s["payload"] for s in doc["shards"]), "taskpoint.json"])
+        assert sorted(folder.objects) == sorted([*(s["payload"] for s in shards), "taskpoint.json"])
 
 
 def test_rank_killed_in_the_middle_of_its_upload_abandons_the_step(s3_store: Any, tmp_path: Path) -> None:
@@ -224,12 +225,12 @@ def test_command_line_lists_and_verifies_every_shard(tmp_path: Path, capsys: pyt
     assert [s["rank"] for s in json.loads(capsys.readouterr().out)["shards"]] == [0, 1]
     assert main(["verify", place]) == 0 and "step 1: healthy (1.6 KiB, 2 shards" in capsys.readouterr().out
     manifest = json.loads((tmp_path / "ckpts" / "ckpt-1" / "taskpoint.json").read_text())
-    damaged = tmp_path / "ckpts" / "ckpt-1" / manifest["shards"][1]["payload"]
+    damaged = tmp_path / "ckpts" / "ckpt-1" / manifest["content"]["shards"][1]["payload"]
     data = bytearray(damaged.read_bytes())
     data[10] ^= 1
     damaged.write_bytes(bytes(data))
     assert main(["verify", place]) != 0
-    assert manifest["shards"][1]["payload"] in capsys.readouterr().out
+    assert manifest["content"]["shards"][1]["payload"] in capsys.readouterr().out
     with pytest.raises(taskpoint.CheckpointCorruptError, match="step 1"):
         rank1.restore(1)
     with CheckpointManager(place, rank=0, world_size=2, preemption=False) as rank0:
