@@ -96,8 +96,10 @@ def test_the_version_table_lists_every_version_the_code_reads_and_no_other() -> 
 def test_every_version_the_code_writes_is_in_the_version_table() -> None:
     written = {(records.FORMAT, records.RECORD_VERSION), (records.FORMAT, records.RECORD_VERSION_UNINDEXED),
                (records.STEP_FORMAT, records.FORMAT_VERSION), (records.STEP_FORMAT, records.KIND_VERSION),
+               (records.STEP_FORMAT, records.BLAKE3_VERSION), (records.SHARD_FORMAT, records.SHARD_VERSION),
                (fileset.FILESET_FORMAT, fileset.FILESET_VERSION),
-               *((records.STEP_FORMAT, version) for version in records.LEGACY_VERSIONS.values())}
+               *((records.STEP_FORMAT, version) for version in records.LEGACY_VERSIONS.values()),
+               *documents.VERSIONS.items()}
     assert written - documented_versions() == set()
 
 
@@ -106,6 +108,7 @@ def test_the_probe_finds_the_newest_version_of_each_reader() -> None:
     newest = {fmt: newest_read(fmt, digest, reader) for fmt, digest, reader in SEALED}
     assert newest[records.FORMAT] == records.RECORD_VERSION
     assert newest[records.STEP_FORMAT] == records.FORMAT_VERSION
+    assert newest[records.SHARD_FORMAT] == records.SHARD_VERSION
     assert newest[fileset.FILESET_FORMAT] == fileset.FILESET_VERSION
 
 
