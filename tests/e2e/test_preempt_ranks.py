@@ -119,7 +119,7 @@ def preempt_trials(store: Any, trials: int, seed: int, *, group: bool, one_rank:
         with taskpoint.CheckpointManager(directory, storage_options=store.storage_options, preemption=False) as mgr:
             assert mgr.latest_step() == emergency
             manifest = json.loads(mgr._steps.object(emergency, "taskpoint.json").read_small() or b"{}")
-            assert [s["rank"] for s in manifest["shards"]] == list(range(WORLD))
+            assert [s["rank"] for s in manifest["content"]["shards"]] == list(range(WORLD))
         # The relaunch resumes every rank from its own shard of the emergency step, bit-identical.
         again = finish(start({"mode": "resume", "directory": directory, "options": store.storage_options}))
         for rank, (status, events, err) in enumerate(again):
