@@ -14,6 +14,7 @@ Examples::
     python -m benchmarks --methods tiers --size 0.0625 --runs 1   # only issue 24's local tier, 64 MiB
     python -m benchmarks --methods broadcast --size 0.25 --runs 3 # only issue 44's 4 ranks restoring 64 MiB
     python -m benchmarks --methods latency                        # only issue 44's small operations at 20 ms RTT
+    python -m benchmarks --methods throttle                       # only issue 44's saves with 10% 503 SlowDown
     python -m benchmarks --methods async --async-sizes 64,256 --runs 5  # only issue 43's background saves
 """
 
@@ -43,6 +44,7 @@ from . import (
     _preemption,
     _report,
     _subset,
+    _throttle,
     _tiers,
 )
 from ._operations import METHODS, PAYLOADS, STORES
@@ -95,7 +97,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "tiers: issue 24's local tier against a raw local copy and S3 restores, see benchmarks/_tiers.py; "
                    "broadcast: issue 44's 4 ranks restoring one step read once, see benchmarks/_broadcast.py; "
                    "latency: issue 44's small saves and restores through a 10 ms proxy against their floor, see "
-                   "benchmarks/_latency.py; "
+                   "benchmarks/_latency.py; throttle: issue 44's saves and restores with a tenth of the requests "
+                   "answered 503 SlowDown against fault-free ones, see benchmarks/_throttle.py; "
                    "async: issue 43's background saves against DCP, Orbax and a copy, see benchmarks/_async.py)")
     p.add_argument("--async-sizes", type=lambda text: [int(t) for t in text.split(",")], default=None,
                    help="async: the states' sizes in MiB, comma list (default: --size x 256)")
@@ -152,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     # sections with data of their own
     separate = (_dcp.METHOD, _preemption.METHOD, _agreement.METHOD, _dedup.METHOD, _subset.METHOD, _fast.METHOD,
-                _fast.FORMAT_METHOD, _tiers.METHOD, _broadcast.METHOD, _latency.METHOD, _async.METHOD, LIGHTNING)
+                _fast.FORMAT_METHOD, _tiers.METHOD, _broadcast.METHOD, _latency.METHOD, _throttle.METHOD, _async.METHOD,
+                LIGHTNING)
     main_table = any(m not in separate for m in args.methods)
     dataset = _dataset.prepare(args.data_dir, args.size) if main_table else None
     mib = {k: v / 2**20 for k, v in dataset.sizes.items()} if dataset else {}
@@ -192,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     broadcast_rows = (_broadcast.run(args.size, opts, args.data_dir / "work-broadcast")
                       if _broadcast.METHOD in args.methods else [])
     latency_rows = _latency.run(args.runs) if _latency.METHOD in args.methods else []
+    throttle_rows = (_throttle.run(max(args.runs, _throttle.ROUNDS)) if _throttle.METHOD in args.methods else [])
     async_rows = (_async.run(args.size, opts, args.data_dir, args.async_sizes) if _async.METHOD in args.methods
                   else [])
     lightning = (subprocess.run([sys.executable, "-m", "benchmarks.lightning_step_time"], check=True,
@@ -202,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     goals = ((_report.targets(rows) if rows else []) + (_report.background_targets(background) if background else [])
              + _dcp.targets(dcp_rows) + _dedup.targets(dedup_rows) + _subset.targets(subset_rows)
              + _fast.targets(fast_rows) + _fast.targets(format_rows) + _async.targets(async_rows)
-             + (_tiers.targets(tier_rows) if tier_rows else []) + _broadcast.targets(broadcast_rows))
+             + (_tiers.targets(tier_rows) if tier_rows else []) + _broadcast.targets(broadcast_rows)
+             + _throttle.targets(throttle_rows))
     directory = f" (directory {mib['directory']:.0f} MiB)" if mib else ""
     title = (f"taskpoint benchmark, size {args.size:g}{directory}, "
              f"median of {args.runs} (baseline {opts.baseline_runs}), codec {args.codec}, {os.cpu_count()} cores"
@@ -241,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
                      "", _broadcast.table(broadcast_rows), ""]
     if latency_rows:
         sections += [_latency.notes(), "", _latency.table(latency_rows), ""]
+    if throttle_rows:
+        sections += [_throttle.notes(), "", _throttle.table(throttle_rows), ""]
     if async_rows:
         sections += ["background saves against the tools users pick instead (issue 43): local disk, each method in "
                      f"its own process, alternating order, medians of {args.runs} rounds; seconds; peak extra = PSS of "
@@ -293,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     _report.write_json(args.results_dir / f"{stem}.json", meta,
                        rows + background + dcp_rows + dedup_rows + subset_rows + fast_rows + format_rows
-                       + broadcast_rows + latency_rows + async_rows, goals, text)
+                       + broadcast_rows + latency_rows + throttle_rows + async_rows, goals, text)
     (args.results_dir / f"{stem}.txt").write_text(text + "\n")
     try:
         if rows:  # the plot shows MB/s of saves and loads; the background saves have no such bars

@@ -2,7 +2,8 @@
 real ``torchrun``: ``python tests/_broadcast_worker.py PHASES_JSON``.
 
 Each rank joins one gloo process group (its collectives bounded by :data:`GROUP_TIMEOUT`), then runs the phases
-of PHASES_JSON in order, each a dict: ``name``, ``directory`` and ``options`` (the manager's), ``call``
+of PHASES_JSON in order, each a dict: ``name``, ``directory`` (or a list of them: each rank's) and ``options``
+(the manager's), ``call``
 (``restore``: ``manager.restore(broadcast=...)`` of the newest step, its ``payload`` file hashed; ``in_place``:
 the same through ``manager.restore_in_place(broadcast=...)``; ``pytree``: ``taskpoint.jax.load_pytree_sync(manager,
 broadcast=...)``, its arrays hashed by :func:`arrays_digest`;
@@ -55,7 +56,8 @@ def run(phase: dict[str, Any], rank: int) -> dict[str, Any]:
     import taskpoint.torch
 
     try:
-        with taskpoint.CheckpointManager(phase["directory"], storage_options=phase["options"], preemption=False,
+        directory = phase["directory"][rank] if isinstance(phase["directory"], list) else phase["directory"]
+        with taskpoint.CheckpointManager(directory, storage_options=phase["options"], preemption=False,
                                          commit_timeout=phase.get("commit_timeout", 600)) as manager:
             began = time.monotonic()
             if phase["call"] == "restore":

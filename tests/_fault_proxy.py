@@ -43,6 +43,7 @@ Usage::
         proxy.stats()           # {"requests": ..., "passed": ..., "served": bytes, "reset": ..., ...}
         proxy.log               # [method, path, fault, status, arrival (time.monotonic())] per request
         proxy.requests(since)   # (method, path, status) of the requests logged after the first ``since``
+        proxy.retried("503")    # (method, path, seconds until it was sent again) of each request failed with 503
 """
 
 from __future__ import annotations
@@ -216,7 +217,8 @@ class FaultProxy:
 
     def __init__(self, upstream_url: str, *, seed: int = 0, rate: float = 0.0,
                  kinds: Sequence[str] = FAULT_KINDS, stall_seconds: float = 10.0,
-                 throttle: float | None = None, retry_after: float | None = None, delay: float = 0.0) -> None:
+                 throttle: float | None = None, retry_after: float | None = None, delay: float = 0.0,
+                 log_size: int = 400) -> None:
         unknown = set(kinds) - set(_KNOWN_KINDS)
         if unknown:
             raise ValueError(f"unknown fault kinds {sorted(unknown)}; choose from {_KNOWN_KINDS}")
@@ -238,9 +240,9 @@ class FaultProxy:
         self._lock = threading.Lock()
         #: ``served``: the bytes of the response bodies passed whole to the clients (what a store bills as read).
         self._counts: dict[str, int] = dict.fromkeys(("requests", "passed", "served", *_KNOWN_KINDS), 0)
-        #: The last requests: (method, path without query, fault or None, status or None, arrival on the
-        #: monotonic clock), for diagnosis and for tests that check when a retry came.
-        self.log: collections.deque[list[Any]] = collections.deque(maxlen=400)
+        #: The last ``log_size`` requests: (method, path without query, fault or None, status or None, arrival on
+        #: the monotonic clock), for diagnosis and for tests and benchmarks that check when a retry came.
+        self.log: collections.deque[list[Any]] = collections.deque(maxlen=log_size)
         self._open: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
         self._accepting = AcceptLoop(self._connected, "fault-proxy-accept")
@@ -257,6 +259,19 @@ class FaultProxy:
         """(method, path without the query, status: None when the proxy failed it otherwise) of each request
         logged, from the ``since``-th on (``len(proxy.log)`` taken before an operation: its requests)."""
         return [(method, path, status) for method, path, _, status, _ in list(self.log)[since:]]
+
+    def retried(self, fault: str) -> list[tuple[str, str, float]]:
+        """(method, path, seconds from its arrival to the next request of the same method and path) of each logged
+        request the proxy failed with ``fault`` (a kind, such as ``"503"``) and that was sent again."""
+        log = list(self.log)
+        found = []
+        for index, (method, path, kind, _status, arrived) in enumerate(log):
+            if kind != fault:
+                continue
+            again = next((entry for entry in log[index + 1:] if entry[:2] == [method, path]), None)
+            if again is not None:
+                found.append((method, path, again[4] - arrived))
+        return found
 
     def _decide(self, method: str, path: str) -> str | None:
         held = self.hold is not None and self.hold(method, path)

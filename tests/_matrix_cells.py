@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import importlib
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,8 @@ COMMIT_TIMEOUT, GRACE = 120.0, 240.0
 GROUP_TIMEOUT = datetime.timedelta(seconds=300)
 #: Objects of a directory that belong to no step: the fence that every sweep of a chunk store rewrites.
 BOOKKEEPING = frozenset({"leases/epoch"})
+#: The step kind one rank's step of these kinds is: with several ranks, the kind each rank's part is stored as.
+OWN_KINDS = {"state_dict": "torch.state_dict", "pytree": "jax.pytree"}
 
 
 @dataclass(frozen=True)
@@ -248,6 +251,17 @@ def stored(url: str, options: dict[str, Any]) -> set[str]:
     return {path[len(root.rstrip("/")) + 1:] for path in fs.find(root)}
 
 
+def remote_parts(url: str, options: dict[str, Any], step: int) -> list[str | None]:
+    """The step kind of each rank's part of ``step`` as the remote manifest records it (read with fsspec, not
+    taskpoint): a ``ranks`` step names each; any other step, none."""
+    fs, root = fsspec.core.url_to_fs(url, **fs_options(options))
+    fs.invalidate_cache()
+    doc = json.loads(fs.cat_file(f"{root.rstrip('/')}/ckpt-{step}/taskpoint.json"))
+    if doc.get("step_kind") != "ranks":
+        return [None]
+    return [shard.get("step_kind") for shard in doc["content"]["shards"]]
+
+
 def leftovers(manager: CheckpointManager, objects: set[str], step: int) -> list[str]:
     """The ``objects`` of a directory that are not ``step``'s: anything outside its folder but the chunk store
     and the directory's bookkeeping; chunks beyond the ones its manifest names (by count: a description lists
@@ -318,6 +332,8 @@ def _stages(cell: Cell, where: Where, group: Group, manager: CheckpointManager,
         if tiered:
             tiers = {tier: manager.steps(tier=tier) for tier in ("local", "remote")}
             assert tiers == {"local": [1, 2], "remote": [1, 2]}, f"steps by tier after two saves: {tiers}"
+        if cell.ranks > 1 and kind in OWN_KINDS:
+            assert remote_parts(where.remote(cell), where.options, 2) == [OWN_KINDS[kind]] * cell.ranks
 
     def check(source: CheckpointManager) -> None:  # the newest step is step 2, this rank's state of it
         got = load_newest(kind, source, rank)

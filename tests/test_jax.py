@@ -431,7 +431,7 @@ def test_async_checkpointing_snapshots_at_save_and_wait_until_finished_commits(t
 _KILLED_SAVE = """
     import os, signal, sys
     import numpy as np
-    import taskpoint.jax._kind as pytree_kind
+    import taskpoint.manager.kinds.files as files_kind
     from taskpoint.jax import OrbaxCheckpointHandler
 
     directory = sys.argv[1]
@@ -441,7 +441,7 @@ _KILLED_SAVE = """
     def dies_midway(root, plan, **kw):  # Orbax has written the tree into the step's folder; nothing is committed
         os.kill(os.getpid(), signal.SIGKILL)
 
-    pytree_kind._hash_local = dies_midway
+    files_kind.hash_local = dies_midway
     OrbaxCheckpointHandler().save(directory, {"w": np.arange(40_000.0), "step": 2}, step=2)
 """
 

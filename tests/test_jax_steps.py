@@ -343,7 +343,7 @@ def test_a_flipped_byte_in_a_piece_is_damage_that_names_the_piece(tmp_path, how)
 def test_a_large_file_listed_whole_by_an_older_taskpoint_still_restores_and_verifies(tmp_path, monkeypatch):
     directory = tmp_path / "steps"
     with monkeypatch.context() as patch:  # what a taskpoint before pieces wrote: one sha256 for every file
-        patch.setattr("taskpoint.jax._kind.PIECE_SIZE", 1 << 40)
+        patch.setattr("taskpoint.manager.kinds.files.PIECE_SIZE", 1 << 40)
         with CheckpointManager(directory) as m:
             m.save(tpjax.PyTree(large_tree(1)), 1)
     listing = listing_of(directory, 1)
@@ -390,7 +390,7 @@ def test_a_step_whose_pieces_an_older_taskpoint_hashed_by_sha256_restores_verifi
         tmp_path, monkeypatch):
     directory = tmp_path / "steps"
     with monkeypatch.context() as patch:  # what taskpoint wrote before BLAKE3: version 2, sha256 pieces
-        patch.setattr("taskpoint.jax._kind.PIECE_HASH", "sha256")
+        patch.setattr("taskpoint.manager.kinds.files.PIECE_HASH", "sha256")
         with CheckpointManager(directory) as m:
             m.save(tpjax.PyTree(large_tree(1)), 1)
     listing = listing_of(directory, 1)

@@ -67,14 +67,15 @@ class Sample:
 
 @contextlib.contextmanager
 def _watching_store(name: str, manifest_exists: Callable[[int], bool]) -> Iterator[list[Stored]]:
-    """The registered kind ``name`` with its ``store`` watched: each :class:`Stored` it returns is kept, once
-    checked that no manifest of the step exists yet where this process commits it (the commit is the manager's,
-    never the kind's; a rank > 0's store returns while rank 0 may be committing)."""
-    kind = step_kind(name)
+    """The registered kind ``name`` with its ``store`` watched, on its class (a manager of several ranks saves
+    through an instance of its own, the ranks' wrapper around the kind a rank chose): each :class:`Stored` it
+    returns is kept, once checked that no manifest of the step exists yet where this process commits it (the
+    commit is the manager's, never the kind's; a rank > 0's store returns while rank 0 may be committing)."""
+    kind = type(step_kind(name))
     store, seen = kind.store, []  # type: ignore[attr-defined]
 
-    def watched(context: Any, job: Any) -> Stored:
-        stored = store(context, job)
+    def watched(self: Any, context: Any, job: Any) -> Stored:
+        stored = store(self, context, job)
         assert stored.content is None or not manifest_exists(job.step), \
             f"kind {name!r} wrote the manifest of step {job.step} itself"
         seen.append(stored)
@@ -84,7 +85,7 @@ def _watching_store(name: str, manifest_exists: Callable[[int], bool]) -> Iterat
     try:
         yield seen
     finally:
-        del kind.store  # type: ignore[attr-defined]
+        kind.store = store  # type: ignore[attr-defined]
 
 
 def check_step_kind(url: str, sample: Sample, storage_options: Mapping[str, Any] | None = None) -> None:
@@ -141,26 +142,30 @@ def _restores_bytes(manager: CheckpointManager, step: int) -> None:
     assert manager.restore(step).read_bytes() == DATA
 
 
-def _save_two_shards(manager: CheckpointManager, step: int) -> None:
-    """Rank 1's shard from a second manager on a thread, rank 0's from ``manager``."""
-    rank1 = CheckpointManager(manager.directory, rank=1, world_size=2, storage_options=manager.storage_options,
-                              preemption=False)
-    failed: list[BaseException] = []
+def _saving_two_ranks(data: Callable[[int], Any]) -> Callable[[CheckpointManager, int], None]:
+    """What saves a step of two ranks: rank 1's ``data(1)`` from a second manager on a thread, rank 0's
+    ``data(0)`` from the manager it is given."""
+    def save_both(manager: CheckpointManager, step: int) -> None:
+        rank1 = CheckpointManager(manager.directory, rank=1, world_size=2, storage_options=manager.storage_options,
+                                  preemption=False)
+        failed: list[BaseException] = []
 
-    def save() -> None:
+        def save() -> None:
+            try:
+                rank1.save(data(1), step)
+            except BaseException as exc:
+                failed.append(exc)
+
+        saver = threading.Thread(target=save)
+        saver.start()
         try:
-            rank1.save(b"rank one", step)
-        except BaseException as exc:
-            failed.append(exc)
+            manager.save(data(0), step)
+        finally:
+            saver.join(120)
+            rank1.close()
+        assert not saver.is_alive() and not failed, failed
 
-    saver = threading.Thread(target=save)
-    saver.start()
-    try:
-        manager.save(DATA, step)
-    finally:
-        saver.join(120)
-        rank1.close()
-    assert not saver.is_alive() and not failed, failed
+    return save_both
 
 
 def _save_notes(manager: CheckpointManager, step: int) -> None:
@@ -175,8 +180,12 @@ def _restores_note(manager: CheckpointManager, step: int) -> None:
     assert manager.restore(step).read_bytes() == DATA
 
 
+def _state_dict(rank: int) -> Any:
+    return tpt.StateDict({"w": torch.arange(300, dtype=torch.float32) + rank})
+
+
 def _save_state_dict(manager: CheckpointManager, step: int) -> None:
-    manager.save(tpt.StateDict({"w": torch.arange(300, dtype=torch.float32)}), step)
+    manager.save(_state_dict(0), step)
 
 
 def _restores_state_dict(manager: CheckpointManager, step: int) -> None:
@@ -203,11 +212,15 @@ def _restores_pytree(manager: CheckpointManager, step: int) -> None:
     assert tree["step"] == step and list(tree["w"]) == list(jnp.arange(300.0))
 
 
+#: The options of rank 0 of a step of two ranks.
+TWO_RANKS = {"rank": 0, "world_size": 2, "commit_timeout": 60, "grace_seconds": 120}
 SAMPLES = [
     pytest.param(Sample("payload", _save_bytes, _restores_bytes), id="payload"),
     pytest.param(Sample("chunked", _save_bytes, _restores_bytes, {"dedup": True}), id="chunked"),
-    pytest.param(Sample("sharded", _save_two_shards, _restores_bytes,
-                        {"rank": 0, "world_size": 2, "commit_timeout": 60, "grace_seconds": 120}), id="sharded"),
+    pytest.param(Sample("sharded", _saving_two_ranks(lambda rank: b"rank one" if rank else DATA), _restores_bytes,
+                        TWO_RANKS), id="sharded"),
+    pytest.param(Sample("ranks", _saving_two_ranks(_state_dict), _restores_state_dict, TWO_RANKS),
+                 id="ranks (a state dict per rank)", marks=requires("torch")),
     pytest.param(Sample("notes", _save_notes, _restores_note), id="notes (a third-party kind)"),
     pytest.param(Sample("torch.state_dict", _save_state_dict, _restores_state_dict), id="torch.state_dict",
                  marks=requires("torch")),

@@ -4,11 +4,14 @@ missing path raises KeyError naming it, and archives without an index (Flyte's, 
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import os
 import subprocess
+import sys
 import tarfile
+import threading
 from pathlib import Path
 
 import anyio
@@ -137,12 +140,39 @@ def test_a_bytes_step_has_no_paths_and_a_bad_path_is_refused(tmp_path):
             mgr.restore(1, paths="model/")
 
 
-def test_a_step_kind_without_partial_reads_is_refused_with_a_clear_error():
-    from taskpoint.manager.kinds import partial_kind, step_kind
+def test_a_step_kind_without_partial_reads_is_refused_with_a_clear_error(monkeypatch):
+    """The tests' ``notes`` plug-in reads no part of a step (a ``sharded`` step did not either, before a step of
+    several ranks handed each rank's part to its kind: see the test below)."""
+    from taskpoint.manager.kinds import KINDS, partial_kind, step_kind
 
-    with pytest.raises(CheckpointError, match="kind 'sharded' cannot be read in part"):
-        partial_kind(step_kind("sharded"))
+    monkeypatch.syspath_prepend(str(Path(__file__).with_name("kinds_plugin")))
+    try:
+        importlib.import_module("notes_kind")
+        with pytest.raises(CheckpointError, match="kind 'notes' cannot be read in part"):
+            partial_kind(step_kind("notes"))
+    finally:
+        KINDS._kinds.pop("notes", None)
+        sys.modules.pop("notes_kind", None)
     assert partial_kind(step_kind("chunked")) is step_kind("chunked")
+
+
+def test_a_step_of_several_ranks_reads_this_ranks_directory_in_part(tmp_path):
+    """Each rank's part of a ``sharded`` step is read as its kind reads a step of one rank: a directory through
+    its archive's index (rank 1 saves from a thread, as a second process would)."""
+    trees = [make_tree(tmp_path / f"src-{rank}") for rank in range(2)]
+    (trees[1] / "state.json").write_text('{"step": 8}')
+    options = {"world_size": 2, "commit_timeout": 60, "grace_seconds": 120, "preemption": False}
+    with CheckpointManager(tmp_path / "ckpts", rank=0, **options) as zero, \
+            CheckpointManager(tmp_path / "ckpts", rank=1, **options) as one:
+        other = threading.Thread(target=one.save, args=(trees[1], 1))
+        other.start()
+        zero.save(trees[0], 1)
+        other.join(120)
+        assert not other.is_alive() and zero.describe(1).kind == "sharded"
+        for rank, manager in enumerate((zero, one)):
+            part = manager.restore(1, into=tmp_path / f"part-{rank}", paths=["state.json"])
+            assert sorted(p.name for p in part.iterdir()) == ["state.json"]
+            assert (part / "state.json").read_text() == (trees[rank] / "state.json").read_text()
 
 
 def test_a_subset_restore_counts_the_members_it_reads_as_its_progress(tmp_path):

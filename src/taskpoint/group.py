@@ -219,9 +219,18 @@ class TorchGroup:
                 f"({'after ' + format(limit, 'g') + ' s' if timed_out and limit else 'the process group failed'}: "
                 f"{exc}); every rank must call it for the same step together") from exc
 
-    def send(self, tensor: Any, src: int, what: str) -> None:
-        """Broadcast ``tensor`` (on :attr:`device`) from rank ``src`` into every rank's ``tensor``."""
-        self.wait(self._dist.broadcast(tensor, src=src, async_op=True), what)
+    def send(self, tensor: Any, src: int, what: str, within: Any = None) -> None:
+        """Broadcast ``tensor`` (on :attr:`device`) from rank ``src`` into every rank's ``tensor``: the ranks of
+        ``within`` (a group of :meth:`subgroup`; None: every rank)."""
+        self.wait(self._dist.broadcast(tensor, src=src, group=within, async_op=True), what)
+
+    def subgroup(self, ranks: list[int]) -> Any:
+        """A process group of ``ranks`` (sorted) for :meth:`send`; None when they are every rank (the default
+        group). Every rank makes each subgroup, in the same order, also those it is not in (torch's rule)."""
+        if len(ranks) == self.world:
+            return None
+        limit = None if self._timeout is None else datetime.timedelta(seconds=self._timeout)
+        return self._dist.new_group(ranks, timeout=limit)
 
     def start_max(self, value: int, name: str) -> Callable[[float | None], int]:
         """Start an all-reduce of one int (the largest) without waiting for it; the function it returns waits for

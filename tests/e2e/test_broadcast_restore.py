@@ -14,71 +14,29 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
-from typing import Any
 
 import fsspec
 import numpy as np
 import pytest
 
 import taskpoint
-from _fault_proxy import FaultProxy, fault_proxy
+from _broadcast_job import TORCHRUN, WORLD, digests, phase, torchrun
+from _fault_proxy import fault_proxy
 from helpers import LazyModule, requires
 
 torch = LazyModule("torch")
 tp_torch = LazyModule("taskpoint.torch")
 tp_jax = LazyModule("taskpoint.jax")
 worker = LazyModule("_broadcast_worker")
-WORKER = Path(__file__).parents[1] / "_broadcast_worker.py"
-TORCHRUN = Path(sys.executable).with_name("torchrun")
-WORLD = 4
 #: Bytes of the payload step: three 16 MiB blocks of the exchange (the last short), read by three ranks.
 SIZE = (32 << 20) + 12345
 #: Whether the job also loads a PyTree step (taskpoint.jax's extra installed).
 JAX = not requires("jax", "orbax.checkpoint").args[0]
 #: The PyTree step's tree: 4 MiB of float32 in one array, and a small one.
 TREE = {"w": np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024), "b": np.arange(7, dtype=np.int32)}
-#: The bound on one torchrun job (4 workers import torch on 2 busy cores, then restore a few tens of MiB).
-JOB_WITHIN = 300.0
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not TORCHRUN.exists(), reason="no torchrun beside python"),
               requires("torch")]
-
-
-def torchrun(phases: list[dict[str, Any]], ranks: dict[str, int] | None = None
-             ) -> dict[str, dict[int, dict[str, Any]]]:
-    """Run the worker's ``phases`` on 4 ranks; each phase's outcome by rank, from every rank unless ``ranks`` names
-    how many report it (the job killed, and the test failed, after :data:`JOB_WITHIN` seconds)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen([str(TORCHRUN), "--standalone", f"--nproc-per-node={WORLD}", str(WORKER),
-                             json.dumps(phases)], env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=JOB_WITHIN)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate(timeout=30)
-        raise AssertionError(f"torchrun did not end within {JOB_WITHIN} s:\n{err[-4000:]}") from None
-    assert proc.returncode == 0, f"torchrun ended with {proc.returncode}:\n{err[-4000:]}"
-    outcomes: dict[str, dict[int, dict[str, Any]]] = {}
-    for line in out.splitlines():
-        if line.startswith("{"):
-            event = json.loads(line)
-            outcomes.setdefault(event["name"], {})[event["rank"]] = event
-    assert all(len(got) == (ranks or {}).get(name, WORLD) for name, got in outcomes.items()), (outcomes, err[-4000:])
-    return outcomes
-
-
-def phase(name: str, proxy: FaultProxy | None, server: Any, directory: str, call: str, broadcast: bool
-          ) -> dict[str, Any]:
-    options = server.storage_options
-    if proxy is not None:
-        options["endpoint_url"] = proxy.url
-    return {"name": name, "directory": directory, "options": options, "call": call, "broadcast": broadcast}
 
 
 @pytest.fixture(scope="module")
@@ -126,11 +84,6 @@ def job(s3_server):
              "state_size": state_size, "payload": payload, "tree": worker.arrays_digest(TREE),
              "tree_size": int(fs.du(f"{base}/tree/ckpt-1".removeprefix("s3://"))) if JAX else 0}
     return saved, outcomes, served
-
-
-def digests(outcome: dict[int, dict[str, Any]]) -> dict[int, Any]:
-    """Each rank's sha256 (or its whole report, when it has none)."""
-    return {rank: got.get("sha256", got) for rank, got in outcome.items()}
 
 
 def test_four_ranks_read_a_step_once_with_broadcast_and_each_whole_without(job):

@@ -182,19 +182,11 @@ def test_a_retry_after_is_waited_out_before_the_request_is_sent_again(request, k
         manager = CheckpointManager(_url(server, kind), storage_options=_options(server, kind, proxy.url))
         for step in range(6):
             manager.save(f"step {step}".encode(), step)
-        log = list(proxy.log)
+        retried = proxy.retried(status)
         injected = proxy.stats()[status]
-    retried = 0
-    for index, (method, path, fault, _status, arrived) in enumerate(log):
-        if fault != status:
-            continue
-        again = next((entry for entry in log[index + 1:] if entry[:2] == [method, path]), None)
-        if again is None:
-            continue
-        retried += 1
-        assert again[4] - arrived >= asked, f"{method} {path} was sent again {again[4] - arrived:.3f} s after a " \
-                                            f"503 that asked for {asked} s"
-    assert retried > 0, "no throttled request was retried: the test tested nothing"
+    for method, path, after in retried:
+        assert after >= asked, f"{method} {path} was sent again {after:.3f} s after a 503 that asked for {asked} s"
+    assert retried, "no throttled request was retried: the test tested nothing"
     assert 0 < sum(r.throttled for r in records) <= injected
 
 

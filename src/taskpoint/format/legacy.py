@@ -7,7 +7,10 @@ rules of the taskpoint that wrote it, then hands it on in the form today's reade
 :func:`~.sealing.parse` consults the table for every sealed document after its check and before its reader: a
 document without a check is read only through an entry of this table (everything written now carries one).
 The field sets below are those the writers of the time wrote, frozen here, not derived from today's classes.
-``docs/format.md`` lists the same forms in its version table ("no; read").
+``docs/format.md`` lists the same forms in its version table ("no; read"). The core's one kind of file sets
+(:mod:`taskpoint.manager.kinds.files`) added no entry: it writes the kind names and versions written before it
+(``jax.pytree``, ``fileset``), so that older taskpoints read its steps (docs/format.md, "One kind of file sets,
+under the names already written").
 """
 
 from __future__ import annotations

@@ -12,16 +12,11 @@ The versioned manager (:mod:`taskpoint.manager`) keeps a :class:`StepManifest` i
 written once, after the payload: the step's commit. It records payload objects by BLAKE3 (:data:`PAYLOAD_HASH`).
 
 Every document here guards itself: :func:`sealed` writes it with a ``check``, the digest of the rest of it
-(canonical JSON), and :func:`~.sealing.parse` refuses one that fails it as damaged, so a flipped byte anywhere is
-CheckpointCorruptError, never a wrong name, size, mode or metadata value. Manifests (a step's, a rank's record,
-a file set's, :mod:`.fileset`) use sha256: a step's manifest lists every chunk of a tree and can reach
-megabytes, and it is the one file that vouches for every other byte. The record beside a checkpoint keeps
-CRC32 (its format 2 shipped with it): it is a few kB, and at that size CRC32 detects every error of up to
-three bits and every burst of up to 32 (any flipped or replaced byte); with a field it does not know also
-counted as damage. Step manifests and rank records written before they carried a check still read (:mod:`.legacy`),
-marked unchecked (:attr:`StepManifest.checked`); such a document with a field an older taskpoint never wrote is
-damage (a ``check`` whose name a flip changed). Older taskpoints read checked manifests as before: they
-ignore a field they do not know.
+(canonical JSON), and :func:`~.sealing.parse` refuses one that fails it as damaged. Manifests (a step's, a rank's
+record, a file set's, :mod:`.fileset`) use sha256: a step's manifest can reach megabytes and vouches for every other
+byte. The record beside a checkpoint keeps CRC32 (a few kB: every burst of up to 32 bits is caught), a field it does
+not know counted as damage. Step manifests and rank records written before they carried a check still read
+(:mod:`.legacy`), marked unchecked (:attr:`StepManifest.checked`).
 """
 
 from __future__ import annotations
@@ -282,7 +277,7 @@ class StepManifest:
 
     @property
     def kind(self) -> str:
-        """The step kind (``payload``, ``chunked``, ``sharded``, or a plug-in's)."""
+        """The step kind (``payload``, ``chunked``, ``sharded``, ``ranks``, or a plug-in's)."""
         return self.content.kind
 
     def to_bytes(self) -> bytes:
@@ -333,21 +328,27 @@ def _kind_and_body(doc: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 @dataclass(frozen=True)
 class Shard:
-    """One rank's part of a step: the payload object it stored, and that object's record (size, sha256)."""
+    """One rank's part of a step: the payload object it stored and its record; or a part of another step kind."""
 
     rank: int
     payload: str
     record: ObjectRecord
+    #: The step kind of a part that is not one payload object, and its content as that kind's manifest holds it.
+    step_kind: str | None = None
+    content: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "payload": self.payload, **self.record.to_json()}
+        part = {} if self.step_kind is None else {STEP_KIND: self.step_kind, CONTENT: self.content}
+        return {"rank": self.rank, "payload": self.payload, **self.record.to_json(), **part}
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> Shard:
-        record = _record(doc)
-        if record is None or record.size is None or record.digest is None:
+        record, kind, content = _record(doc), doc.get(STEP_KIND), doc.get(CONTENT)
+        if record is None or record.size is None or (record.digest is None and kind is None):
             raise ValueError("a shard has no size or digest (sha256 or BLAKE3)")
-        return cls(rank=int(doc["rank"]), payload=str(doc["payload"]), record=record)
+        if kind is not None and not (isinstance(kind, str) and isinstance(content, dict)):
+            raise ValueError("a part names no step kind and content")
+        return cls(rank=int(doc["rank"]), payload=str(doc["payload"]), record=record, step_kind=kind, content=content)
 
 
 @dataclass(frozen=True)
@@ -382,8 +383,7 @@ SHARD_VERSION = 2
 
 #: The fields of a checkpoint's record (versions 2 and 3); any other is damage.
 _RECORD_KEYS = frozenset({"format", "version", "objects", "confirmed", "sweep", CHECK})
-#: The fields of an entry written only when set; those of an entry of a checkpoint's record (CRC32, never BLAKE3).
-_OPTIONAL = frozenset({"index", "blake3"})
+_OPTIONAL = frozenset({"index", "blake3"})  # written only when set; a checkpoint's record never holds BLAKE3:
 _ENTRY_KEYS = frozenset(f.name for f in fields(ObjectRecord)) - {"blake3"}
 #: The fields every step's manifest has; in versions 1 to 3 the others are its kind's content.
 _HEADER_KEYS = frozenset({"format", "version", "step", "attempt", "metadata", CHECK,

@@ -78,8 +78,10 @@ def assemble(uri: str, options: Options, *, storage_options: dict[str, Any] | No
     background = Background(uri, None if saves.snapshot_dir is None else os.fspath(saves.snapshot_dir),
                             bool(saves.background_process) and root.backend.shared,
                             max_staging_bytes=saves.max_staging_bytes, prestart=bool(saves.async_save))
-    # The kinds a payload is saved as, the first that accepts it: several ranks, dedup=True, else one object.
-    writer = StepWriter(parts, in_use, guard, KINDS, (SHARDED, CHUNKED, PAYLOAD))
+    # The kinds a payload is saved as, the first that accepts it (dedup=True, a plug-in's, else one object); with
+    # several ranks, each rank stores its part through it and rank 0 commits the step.
+    writer = StepWriter(parts, in_use, guard, KINDS, (CHUNKED, PAYLOAD),
+                        SHARDED.around if plan.ranks.distributed else None)
     tier = None if options.tier is None else LocalTier.open(open_local, options.tier, saves, {
         "codec": codec, "level": level, "retry": retry, "grace_seconds": grace_seconds, "dedup": dedup,
     }, (parts, writer, background, guard.committed))

@@ -7,7 +7,16 @@ into a local copy of the step's folder; then every range is broadcast from the r
 (gloo here, NCCL on GPUs), in order, through one buffer of :data:`BLOCK` bytes. The step's kind then restores
 from that copy as it would from the store, checking every byte against the manifest's digests (its sha256, its
 pieces' or files' digests): a byte flipped on the store fails every rank with CheckpointCorruptError naming the
-object. An object only some ranks need (each rank's own shard of a sharded step) is read by each of them alone.
+object.
+
+The ranks that need the same bytes are those that restore the same object: the same name and size in the same
+step (and save) of the same directory. For a step of one payload, a chunked step's pieces, a DCP file set or a
+PyTree that is every rank restoring that step; for a sharded step, no two ranks (each reads its own shard, read
+by it alone); and where ranks restore different steps or directories (each pipeline stage its own manager, its
+data-parallel replicas restoring the stage's step) each set of ranks that reads the same objects shares them:
+its ranks split the reads and the bytes are broadcast within a process group of those ranks alone, so that no
+rank receives the bytes of objects it does not restore. Deduplicated steps (chunks of the chunk store) are read
+by each rank itself.
 
 Every collective waits at most the manager's ``commit_timeout``, and the wait ends in a TimeoutError naming this
 rank and what it waited for (a CheckpointError when the group fails sooner, a rank gone); a rank that cannot read
@@ -22,6 +31,7 @@ a 256 MiB step from moto read 1.00 copy of it in 0.78x the time of each rank rea
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
@@ -66,6 +76,7 @@ class Exchange:
         self.rank, self.world = group.rank, group.world
         self._folder: tempfile.TemporaryDirectory[str] | None = None
         self._copies: dict[tuple[int, str], StepContext] = {}  # by step and save id: a second read of it is local
+        self._subgroups: dict[tuple[int, ...], Any] = {}  # by their ranks: made once, by every rank in one order
 
     def close(self) -> None:
         """Remove the local copies of the steps read."""
@@ -77,9 +88,10 @@ class Exchange:
 
     def mirror(self, parts: StepContext, kind: StepKind, step: int, manifest: StepManifest) -> StepContext:
         """``parts`` whose step store reads ``step`` from a local copy of the objects its kind restores, each
-        read from the store by one rank and sent to the others (see the module); ``parts`` itself when the ranks
-        share no object (each rank's own shard) or the step's are not all in its folder (a deduplicated step's
-        chunks): each rank then reads for itself. Every rank calls this together, once per step it restores.
+        read from the store by one of the ranks that restore it and sent to the others of them (see the module);
+        ``parts`` itself when no ranks share an object (each rank's own shard) or the step's are not all in its
+        folder (a deduplicated step's chunks): each rank then reads for itself. Every rank calls this together,
+        once per step it restores.
         :class:`Gone` when an object is missing."""
         key = (step, manifest.record.save_id)
         if key in self._copies:
@@ -87,26 +99,43 @@ class Exchange:
         began, steps = time.monotonic(), parts.steps
         wanted = _wanted(parts, kind, step, manifest)
         mine: list[Any] | None = None if wanted is None else [steps.directory, step, manifest.record.save_id, wanted]
-        shared = _common(self._group.all_gather(mine, f"the objects of step {step}"))
-        if wanted is None or not shared:  # the same answer on every rank: no collective follows
+        sharing = _sharing(self._group.all_gather(mine, f"the objects of step {step}"))
+        if not sharing:  # the same answer on every rank: no collective follows
             return parts
-        blocks = _deal(shared, wanted, self.world) + _deal(sorted(set(wanted) - set(shared)), wanted, 1, self.rank)
+        groups = [(ranks, names, self._subgroup(ranks)) for ranks, names in sharing]
+        sizes = wanted or {}  # a rank that reads chunks too is in no group, and takes part in the collectives only
+        shared = {name for ranks, names, _ in groups if self.rank in ranks for name in names}
+        blocks = [block for ranks, names, _ in groups if self.rank in ranks for block in _deal(names, sizes, ranks)]
+        blocks += _deal(sorted(set(sizes) - shared), sizes, [self.rank])
         if self._folder is None:
             self._folder = tempfile.TemporaryDirectory(prefix="taskpoint-broadcast-")
         copy = _Copy(Path(self._folder.name, str(len(self._copies))), steps)
-        for name, size in wanted.items():
+        for name, size in sizes.items():
             path = Path(copy.object(step, name).path)
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "wb") as out:
                 out.truncate(size)
         read = self._read_share(steps, copy, step, [b for b in blocks if b.owner == self.rank])
-        self._send_all(copy, step, [b for b in blocks if b.name in shared])
-        _log.logger.info("restore of step %d in %s: %d bytes of %d objects read once among %d ranks, %d bytes by "
-                         "rank %d and the rest received over the process group, in %.2f s", step, steps.directory,
-                         sum(wanted[name] for name in shared), len(shared), self.world, read, self.rank,
-                         time.monotonic() - began)
+        for ranks, names, within in groups:  # in the same order on every rank
+            if self.rank in ranks:
+                self._send_all(copy, step, [b for b in blocks if b.name in names], within)
+        if wanted is None:
+            return parts
+        _log.logger.info("restore of step %d in %s: %d bytes of %d objects read once among the %d ranks that read "
+                         "them, %d bytes by rank %d and the rest received over the process group, in %.2f s", step,
+                         steps.directory, sum(wanted[name] for name in shared), len(shared),
+                         len({rank for ranks, _, _ in groups if self.rank in ranks for rank in ranks}), read,
+                         self.rank, time.monotonic() - began)
         self._copies[key] = replace(parts, steps=copy)
         return self._copies[key]
+
+    def _subgroup(self, ranks: list[int]) -> Any:
+        """The process group of ``ranks`` (:meth:`TorchGroup.subgroup`), made at its first use: every rank comes
+        here for the same groups in the same order (they follow from one all-gather)."""
+        key = tuple(ranks)
+        if key not in self._subgroups:
+            self._subgroups[key] = self._group.subgroup(ranks)
+        return self._subgroups[key]
 
     def _read_share(self, steps: StepStore, copy: StepStore, step: int, blocks: list[_Block]) -> int:
         """Read this rank's ``blocks`` of ``step`` from the store into the copy (:data:`READERS` at once), then
@@ -152,8 +181,9 @@ class Exchange:
             raise (CheckpointCorruptError if report["damaged"] else CheckpointError)(f"{where}: {report['error']}")
         return sum(block.length for block in blocks)
 
-    def _send_all(self, copy: StepStore, step: int, blocks: list[_Block]) -> None:
-        """Broadcast each of ``blocks`` from the rank that read it to the others, in order, through one buffer."""
+    def _send_all(self, copy: StepStore, step: int, blocks: list[_Block], within: Any) -> None:
+        """Broadcast each of ``blocks`` from the rank that read it to the others of ``within`` (a subgroup, None:
+        every rank), in order, through one buffer."""
         if not blocks:
             return
         torch = self._torch
@@ -172,7 +202,7 @@ class Exchange:
                     if wire is not host:
                         wire[:length].copy_(host[:length])
                 what = f"bytes {block.start}-{block.start + length - 1} of {block.name} from rank {block.owner}"
-                self._group.send(wire[:length], block.owner, what)
+                self._group.send(wire[:length], block.owner, what, within)
                 if block.owner != self.rank:
                     if wire is not host:
                         host[:length].copy_(wire[:length])
@@ -229,25 +259,31 @@ def _wanted(parts: StepContext, kind: StepKind, step: int, manifest: StepManifes
     return sizes
 
 
-def _common(everyone: list[Any]) -> list[str]:
-    """The objects every rank reads of the same step (by name, with the same size), from what each said it reads
-    (``[directory, step, save id, {name: size}]``, or None): the same answer on every rank."""
-    first = everyone[0]
-    if any(theirs is None or theirs[:3] != first[:3] for theirs in everyone):
-        return []
-    return sorted(name for name, size in first[3].items() if all(theirs[3].get(name) == size for theirs in everyone))
+def _sharing(everyone: list[Any]) -> list[tuple[list[int], list[str]]]:
+    """The objects read by more than one rank, from what each rank said it reads (``[directory, step, save id,
+    {name: size}]``, or None): ``(ranks, names)`` for each set of ranks that read the same objects (the same step
+    of the same directory, by name, with the same size), in one order. The same answer on every rank."""
+    readers: dict[str, list[int]] = {}
+    for rank, theirs in enumerate(everyone):
+        if theirs is not None:
+            for name, size in theirs[3].items():
+                readers.setdefault(json.dumps([*theirs[:3], name, size]), []).append(rank)
+    together: dict[tuple[int, ...], list[str]] = {}
+    for key, ranks in sorted(readers.items()):
+        if len(ranks) > 1:
+            together.setdefault(tuple(ranks), []).append(json.loads(key)[3])
+    return [(list(ranks), names) for ranks, names in sorted(together.items())]
 
 
-def _deal(names: list[str], sizes: dict[str, int], ranks: int, first: int = 0) -> list[_Block]:
-    """The :data:`BLOCK` ranges of ``names`` in order, each dealt to the one of ``ranks`` ranks (from ``first``)
-    that has the fewest bytes so far, the lowest first: a step of many small files is shared by bytes, not by
-    count. One rank: ``first`` reads them all."""
+def _deal(names: list[str], sizes: dict[str, int], owners: list[int]) -> list[_Block]:
+    """The :data:`BLOCK` ranges of ``names`` in order, each dealt to the one of ``owners`` (ranks) that has the
+    fewest bytes so far, the first such: a step of many small files is shared by bytes, not by count."""
     blocks: list[_Block] = []
-    load = [0] * ranks
+    load = [0] * len(owners)
     for name in names:
         for start in range(0, sizes[name], BLOCK):
             length = min(BLOCK, sizes[name] - start)
             least = load.index(min(load))
             load[least] += length
-            blocks.append(_Block(name, start, length, first + least))
+            blocks.append(_Block(name, start, length, owners[least]))
     return blocks

@@ -1,16 +1,16 @@
 """Writing one step: its kind stores it, the commit checks what it stored and writes the manifest
 (:mod:`.step_commit`); then retention and tidying.
 
-The writer knows no kind: a payload goes to the first of the manager's kinds that accepts it (several ranks:
-``sharded``; ``dedup=True``: ``chunked``; else ``payload``), and the content of a step whose objects another
-writer stored (``taskpoint.torch``) to the kind it names.
+The writer knows no kind: a payload goes to the first of the manager's kinds that accepts it (``dedup=True``:
+``chunked``; a plug-in's; else ``payload``), with several ranks through the ranks' wrapper around it, and the
+content of a step whose objects another writer stored (``taskpoint.torch``) to the kind it names.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,29 +43,26 @@ class Claim:
 class StepWriter:
     """Writes the steps of one manager, each through its kind, and applies retention after each commit."""
 
-    def __init__(self, parts: StepContext, in_use: InUse, guard: Guard, kinds: StepKinds, savers: Sequence[StepKind]
-                 ) -> None:
+    def __init__(self, parts: StepContext, in_use: InUse, guard: Guard, kinds: StepKinds, savers: Sequence[StepKind],
+                 ranks: Callable[[StepKind], StepKind] | None = None) -> None:
         self._parts, self._in_use, self._guard, self._kinds = parts, in_use, guard, kinds
         self._savers = tuple(savers)
-        #: Only the manager's own kinds save payloads, never another package's (:meth:`save_as_shards`).
-        self._own_kinds_only = False
+        #: With several ranks, what saves a rank's part through the kind it chose (:meth:`.kinds.sharded.RanksKind.
+        #: around`); None with one.
+        self._around_ranks = ranks
         #: The last step this writer saved (its shard, with several ranks), committed or not.
         self.last_step: int | None = None
-
-    def save_as_shards(self) -> None:
-        """Save every payload as the ``sharded`` kind holds each rank's shard, one payload object (its last
-        kind), and never as another package's kind: the local manager of a tier of several ranks, whose steps are
-        promoted as the shards of remote steps (:mod:`.tier_ranks`)."""
-        self._own_kinds_only = True
 
     def kind_for(self, data: Payload | StepContent) -> StepKind:
         """The kind that saves ``data``: the first of the manager's kinds that accepts a payload, where the last
         (one payload object, which takes any) comes after the kinds other packages registered (``taskpoint.jax``'s
-        PyTree files), unless it saves shards (:meth:`save_as_shards`); the kind a content names."""
+        PyTree files), with several ranks wrapped so that each rank stores its part through it; the kind a content
+        names."""
         if isinstance(data, Payload):
             *first, last = self._savers
-            others = [kind for kind in self._kinds.loaded() if kind not in self._savers and not self._own_kinds_only]
-            return next(kind for kind in (*first, *others, last) if kind.accepts(data, self._parts))
+            others = [kind for kind in self._kinds.loaded() if kind not in self._savers]
+            kind = next(kind for kind in (*first, *others, last) if kind.accepts(data, self._parts))
+            return kind if self._around_ranks is None else self._around_ranks(kind)
         return self._kinds.kind(data.kind, self._parts.steps.directory)
 
     def claim(self, step: int, data: object, *, overwrite: bool, background: bool) -> Claim:

@@ -34,6 +34,8 @@ from .kinds import (
     register_step_kind,
     stored_part,
 )
+from .kinds.files import FilesKind, file_gone, store_folder, store_listing, stored_files
+from .kinds.sharded import RANKS
 from .staging import Segment
 from .step_commit import Stored
 from .step_names import MANIFEST_NAME, name_in, stored_names
@@ -42,10 +44,11 @@ from .steps import StepObjects, StepStore, best_effort, save_clock
 if TYPE_CHECKING:
     from .manager import CheckpointManager
 
-__all__ = ["GONE_HOW", "MANIFEST_NAME", "Checked", "Described", "Gone", "InPlaceKind", "ObjectRecord", "PartialKind",
-           "SaveJob", "Segment", "StepContent", "StepContext", "StepKind", "StepManifest", "StepObjects", "StepStore",
-           "Stored", "best_effort", "content_of", "name_in", "read_object", "register_step_kind", "save_clock",
-           "step_folder", "store_staged", "stored_names", "stored_part"]
+__all__ = ["GONE_HOW", "MANIFEST_NAME", "Checked", "Described", "FilesKind", "Gone", "InPlaceKind", "ObjectRecord",
+           "PartialKind", "SaveJob", "Segment", "StepContent", "StepContext", "StepKind", "StepManifest", "StepObjects",
+           "StepStore", "Stored", "best_effort", "content_of", "file_gone", "name_in", "part_kind", "read_object",
+           "register_step_kind", "save_clock", "step_folder", "store_folder", "store_listing", "store_staged",
+           "stored_files", "stored_names", "stored_part"]
 
 
 def step_folder(manager: CheckpointManager, step: int, *, reading: bool = False) -> Location:
@@ -59,3 +62,13 @@ def step_folder(manager: CheckpointManager, step: int, *, reading: bool = False)
     if tier is None:
         return manager._steps.folder(step)
     return tier.folder(step, reading=reading)
+
+
+def part_kind(manager: CheckpointManager, step: int) -> str:
+    """The kind of step that holds this rank's data of ``manager``'s ``step``, what a reader of another package
+    (``taskpoint.torch``'s state dicts) loads it as: the step's own kind, or in a step of several ranks whose
+    parts are of other kinds than a payload object (:mod:`.kinds.sharded`), this rank's part's."""
+    described = manager.describe(step)
+    if described.kind != RANKS.name:
+        return described.kind
+    return str(described.details["shards"][manager.rank]["step_kind"])

@@ -69,8 +69,7 @@ class CheckpointManager:
         built = assemble(check_directory(directory), self._options, storage_options=storage_options, codec=codec,
                          level=level, retry=retry, grace_seconds=grace_seconds, dedup=dedup, preemption=preemption,
                          on_preemption=on_preemption,
-                         open_local=lambda at, **kw: (m := type(self)(at, **kw), m._steps, m._queries.reader,
-                                                             m._writes.writer))
+                         open_local=lambda at, **kw: (m := type(self)(at, **kw), m._steps, m._queries.reader))
         self._steps, self._parts, self._dedup, self._tier = built.steps, built.parts, built.dedup, built.tier
         self._background, self._queries, self._writes = built.background, built.queries, built.writes
         weakref.finalize(self, self._background.slot.report_unclaimed, self._steps.directory)

@@ -1,40 +1,40 @@
 """Promotion: one local step copied to the remote tier, checked, and committed there (:mod:`.tiers` decides
 which steps, and when).
 
-A step of any kind is promoted alike, knowing no kind: the objects its local manifest names (the kind's ``objects()``)
-are copied byte for byte under their own names (from the save process when there is one), each checked against the size
-and digest (BLAKE3, or an older step's sha256) the manifest records (a kind that records no digest of an object has its
-copy read back by its own verify), and only then is the remote step committed with the local manifest's content
-(:func:`.step_commit.commit`). A copy that does not match is removed and never committed, so a torn local step is never
-promoted. When the trainer dies while the save process copies a step of one object, the process commits the copy itself
-(:class:`~.step_commit.OrphanCommit`), under the same check. With several ranks each rank promotes its own shard (a
-payload object) and rank 0 commits the remote step as any multi-rank step (:mod:`.tier_ranks`).
+A step of any kind is promoted alike, knowing no kind: the objects its local manifest names (the kind's
+``objects()``) are copied byte for byte under their own names (from the save process when there is one), each
+checked against the size and digest (BLAKE3, or an older step's sha256) the manifest records (a kind that records
+no digest of an object has its copy read back by its own verify), and only then is the remote step committed with
+the local manifest's content (:func:`.step_commit.commit`). A copy that does not match is removed and never
+committed, so a torn local step is never promoted. When the trainer dies while the save process copies a step of
+one object, the process commits the copy itself (:class:`~.step_commit.OrphanCommit`), under the same check. With
+several ranks each rank promotes its own part (its local step, of any kind) and rank 0 commits the remote step as
+any multi-rank step (:mod:`.tier_ranks`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from .. import _log
 from .._progress import NO_PROGRESS, Progress
-from ..errors import CheckpointCorruptError, CheckpointError
-from ..format.records import PAYLOAD_HASH, StepManifest
-from ..payloads import FilePayload, Payload
+from ..errors import CheckpointCorruptError
+from ..format.records import PAYLOAD_HASH, Shard, StepManifest
+from ..payloads import FilePayload
 from ..storage import Location
 from .background import Background, Handover, store_payload
 from .commit import StepWriter
 from .kinds import StepContext, step_kind
-from .kinds.payload import PAYLOAD, PayloadObject
-from .kinds.sharded import Shards
+from .kinds.sharded import commit_parts, rank_part
 from .protect import overwrite_lease
-from .shards import ShardOrphan, ShardWriter, naming_rank
+from .shards import ShardWriter, naming_rank
 from .step_commit import OrphanCommit, Stored, commit
 from .step_names import MANIFEST_NAME
 from .steps import StepStore, best_effort
-from .tier_ranks import RecordedKind, VerifiedShard
 
 
 class Promoter:
@@ -64,12 +64,8 @@ class Promoter:
         if current is not None and (current.record.save_id == record.save_id or self._ranks.distributed):
             return  # promoted already (several ranks: every rank sees the same commit, and skips it alike)
         if self._ranks.distributed:
-            if manifest.kind != PAYLOAD.name:
-                raise CheckpointError(f"step {step} in {self._local.directory} is a {manifest.kind!r} step, which "
-                                      "a local tier of several ranks does not promote")
-            with self._handed_over() as handover:
-                clock = _log.Clock()
-                size = self._promote_shard(step, manifest, handover, progress)
+            clock = _log.Clock()
+            size = self._promote_shard(step, manifest, progress)
             _log.transferred("promote", self._steps.step_uri(step), record.kind, size, clock, step)
             return
         # Overwriting a remote step: other processes keep it while the promotion is in flight (its rule).
@@ -96,8 +92,8 @@ class Promoter:
         copies (:class:`~.step_commit.OrphanCommit`); another step's promotion cut short is redone by the next
         one."""
         named, record = self._local.named(step, manifest), manifest.record
-        sole = next(iter(named.files), None)
-        orphan = (OrphanCommit.at(self._steps.object(step, MANIFEST_NAME), manifest, fill=False)
+        location, sole = self._steps.object(step, MANIFEST_NAME), next(iter(named.files), None)
+        orphan = (OrphanCommit.at(location, manifest, fill=False)
                   if len(named.files) == 1 and named.digests.get(sole or "") == record.digest else None)
         sizes: dict[str, int] = {}
         try:
@@ -149,21 +145,21 @@ class Promoter:
             if handover is not None:
                 handover.finish()
 
-    def _promote_shard(self, step: int, manifest: StepManifest, handover: Handover | None, progress: Progress
-                       ) -> int:
-        """Copy this rank's local shard of ``step`` to the remote tier, check it against its local manifest, and
-        record it there (rank 0: commit the step once every rank's shard is recorded, then apply retention).
-        A copy that does not match is removed and CheckpointCorruptError raised; the size stored."""
-        record, name = manifest.record, cast(PayloadObject, manifest.content).name
+    def _promote_shard(self, step: int, manifest: StepManifest, progress: Progress) -> int:
+        """Copy this rank's local ``step`` (its part of the remote step, of any kind) to the remote tier as any
+        promotion copies a step (:meth:`_copy_checked`, in this process: the save process would commit it as a
+        step of its own), and record it there (rank 0: commit the step once every rank's part is recorded, then
+        apply retention); the size stored. A promotion cut short is redone by the next one."""
+        steps = self._steps
 
-        def store(target: Location, orphan: ShardOrphan) -> tuple[int, str]:
-            checked = VerifiedShard(orphan, record.size or 0, record.digest)
-            return self._copy(step, name, target, record.size, record.digest, handover, checked, progress)
+        def part() -> tuple[Shard, int]:
+            sizes = self._copy_checked(step, manifest, None, progress)
+            return rank_part(self._ranks.rank, manifest), sum(sizes.values())
 
-        writer = ShardWriter(self._steps, self._parts.plan, self._parts.grace, self._parts.waiting)
+        writer = ShardWriter(steps, self._parts.plan, self._parts.grace, self._parts.waiting)
         with contextlib.ExitStack() as until_committed:
-            stored = writer.write(step, manifest.metadata, manifest.attempt, cast(Payload, RecordedKind(record.kind)),
-                                  record.codec, Shards, store, until_committed, record.hash_name)
+            stored = writer.write(step, manifest.attempt, part, functools.partial(commit_parts, steps, step),
+                                  until_committed)
             if stored.content is not None:
                 with naming_rank(self._ranks):
                     commit(self._steps, step, stored, manifest.attempt, manifest.metadata)

@@ -40,7 +40,6 @@ from .._log import safe_uri
 from ..errors import CheckpointCorruptError, CheckpointError, StepAbandonedError, say_in_message
 from ..format.records import PAYLOAD_HASH, ObjectRecord, Shard, ShardRecord, StepContent
 from ..group import RanksMissing, poll
-from ..payloads import Payload
 from ..ranks import Ranks, incarnation_from_environment, resolve_ranks
 from ..storage import Location, RetryPolicy
 from .leases import lease_body, renewing
@@ -108,47 +107,48 @@ class ShardWriter:
         #: The failure notes this rank wrote (:func:`tell_rank_zero`), removed if it saves the step again.
         self._failed: set[str] = set()
 
-    def write(self, step: int, metadata: dict[str, Any], attempt: int | None, payload: Payload, codec: str,
-              content: Callable[[tuple[Shard, ...]], StepContent],
-              store: Callable[[Location, ShardOrphan], tuple[int, str]],
-              until_committed: contextlib.ExitStack[bool | None], hash_name: str = PAYLOAD_HASH) -> Stored:
-        """Store the shard with ``store`` under a fresh name, then record it (ranks > 0) or gather every rank's
-        (rank 0). ``store`` hands the :class:`ShardOrphan` to the save process, which finishes this rank's part
-        if this process dies first. Returns what this rank commits, with the shard's size sent: on rank 0, every
-        shard, with ``content(shards)`` (rank 0 holds its lease on the folder, on ``until_committed``, until the
-        commit is over, and removes the records after it); on others, nothing (``content`` None). ``store``
-        answers the shard's size and its digest by ``hash_name``."""
-        with naming_rank(self._plan.ranks):
-            return self._write(step, metadata, attempt, payload, codec, content, store, until_committed, hash_name)
-
-    def _write(self, step: int, metadata: dict[str, Any], attempt: int | None, payload: Payload, codec: str,
-               content: Callable[[tuple[Shard, ...]], StepContent],
-               store: Callable[[Location, ShardOrphan], tuple[int, str]],
-               until_committed: contextlib.ExitStack[bool | None], hash_name: str) -> Stored:
-        ranks = self._plan.ranks
+    def orphan(self, step: int, metadata: dict[str, Any], attempt: int | None, kind: str, codec: str,
+               content: Callable[[tuple[Shard, ...]], StepContent]) -> ShardOrphan:
+        """This rank's shard of ``step`` as one payload object of a fresh name (``kind``, ``codec``), with what the
+        save process needs to finish this rank's part if this process dies first (``content``: of the shards)."""
         save_id = uuid.uuid4().hex
-        name = f"payload-{save_id}"
-        record = ObjectRecord(kind=payload.kind, codec=codec, save_id=save_id, created=time.time())
+        record = ObjectRecord(kind=kind, codec=codec, save_id=save_id, created=time.time())
         folder = self._steps.folder(step)
-        orphan = ShardOrphan(folder.uri, folder.storage_options, folder.retry, step, ranks, save_round(attempt),
-                             name, record, metadata, attempt, content, hash_name)
+        return ShardOrphan(folder.uri, folder.storage_options, folder.retry, step, self._plan.ranks,
+                           save_round(attempt), f"payload-{save_id}", record, metadata, attempt, content)
+
+    def write(self, step: int, attempt: int | None, store: Callable[[], tuple[Shard, int]],
+              commits: Callable[[tuple[Shard, ...]], Stored], until_committed: contextlib.ExitStack[bool | None]
+              ) -> Stored:
+        """Store this rank's shard with ``store`` (the shard and the bytes sent), then record it (ranks > 0) or
+        gather every rank's (rank 0). Returns what this rank commits, with the bytes sent: on rank 0,
+        ``commits(shards)`` of every rank's shard (rank 0 holds its lease on the folder, on ``until_committed``,
+        until the commit is over, and removes the records after it); on others, nothing (``content`` None)."""
+        with naming_rank(self._plan.ranks):
+            return self._write(step, save_round(attempt), store, commits, until_committed)
+
+    def _write(self, step: int, round_: str, store: Callable[[], tuple[Shard, int]],
+               commits: Callable[[tuple[Shard, ...]], Stored], until_committed: contextlib.ExitStack[bool | None]
+               ) -> Stored:
+        ranks = self._plan.ranks
+        folder = self._steps.folder(step)
         if ranks.rank != 0:
-            failure = folder.child(rank_failure_name(ranks.rank, orphan.round))
+            failure = folder.child(rank_failure_name(ranks.rank, round_))
             if failure.uri in self._failed:  # this rank's earlier save of the step failed: rank 0 must not read it
                 best_effort(failure.remove)
                 self._failed.discard(failure.uri)
             try:
-                size, digest = store(self._steps.object(step, name), orphan)
-                orphan.record_shard(folder, size, digest)
+                shard, sent = store()
+                record_shard(folder, ShardRecord(step, ranks.world_size, round_, shard))
             except CheckpointError as exc:
                 tell_rank_zero(failure, exc)
                 self._failed.add(failure.uri)
                 raise
-            return Stored(None, objects={name: size}, sent=size)
+            return Stored(None, sent=sent)
         # Rank 0 holds a lease on the folder from before its own shard until the commit: no sweep removes the
         # shards it is gathering, however long the others take (a sweep with a shorter grace included). A shard
         # stored long before this lease (a rank far ahead of rank 0) may have been swept: the commit checks each.
-        lease = self._steps.object(step, commit_lease_name(save_id))
+        lease = self._steps.object(step, commit_lease_name(uuid.uuid4().hex))
 
         def renew() -> None:
             lease.write_small(lease_body(self._grace), action="write a lease at")
@@ -156,10 +156,10 @@ class ShardWriter:
         renew()
         until_committed.callback(best_effort, lease.remove)
         until_committed.enter_context(renewing(renew, self._grace, "taskpoint-commit-lease"))
-        size, digest = store(self._steps.object(step, name), orphan)
-        shards = self._gather(folder, step, orphan.round, orphan.shard(size, digest))
+        own, sent = store()
+        shards = self._gather(folder, step, round_, own)
         until_committed.push(lambda failed, *_: None if failed else forget_records(folder, range(1, len(shards))))
-        return dataclasses.replace(orphan.stored(shards), sent=size)
+        return dataclasses.replace(commits(shards), sent=sent)
 
     def _gather(self, folder: Location, step: int, round_: str, own: Shard) -> tuple[Shard, ...]:
         """Every rank's shard of this round, rank 0's first; StepAbandonedError after the timeout."""
@@ -297,6 +297,17 @@ def _read_record(location: Location) -> ShardRecord | None:
         return None
 
 
+def shards_record(shards: tuple[Shard, ...]) -> ObjectRecord:
+    """Rank 0's record of a step of several ranks, in its manifest: the size of every rank's part."""
+    return ObjectRecord(kind="shards", codec="shards", save_id=uuid.uuid4().hex, created=time.time(),
+                        size=sum(s.record.size or 0 for s in shards))
+
+
+def record_shard(folder: Location, record: ShardRecord) -> None:
+    """Write a rank's record of its stored shard (a rank > 0), which rank 0 gathers."""
+    folder.child(shard_record_name(record.shard.rank)).write_small(record.to_bytes(), action="record the shard at")
+
+
 def forget_records(folder: Location, ranks: Iterable[int]) -> None:
     """Remove these ranks' records of the step (best effort: what stays is swept after the grace period)."""
     for rank in ranks:
@@ -320,31 +331,22 @@ class ShardOrphan:
     record: ObjectRecord
     metadata: dict[str, Any]
     attempt: int | None
-    #: The step kind's content naming the shards (a class of the sharded kind: pickled by reference).
+    #: The step kind's content naming the shards (a function of the sharded kind: pickled by reference).
     content: Callable[[tuple[Shard, ...]], StepContent]
-    #: The hash the shard's digest is by (BLAKE3; a promoted shard of an older step: sha256).
-    hash_name: str = PAYLOAD_HASH
 
     def shard(self, size: int, digest: str) -> Shard:
-        return Shard(self.ranks.rank, self.name, self.record.with_digest(size, self.hash_name, digest))
+        return Shard(self.ranks.rank, self.name, self.record.with_digest(size, PAYLOAD_HASH, digest))
 
     def stored(self, shards: tuple[Shard, ...]) -> Stored:
-        """What commits ``shards``: rank 0's record of the step, and every shard's payload."""
-        commit = ObjectRecord(kind="shards", codec="shards", save_id=uuid.uuid4().hex, created=time.time(),
-                              size=sum(s.record.size or 0 for s in shards))
-        return Stored(self.content(shards), commit, {s.payload: s.record.size or 0 for s in shards})
-
-    def record_shard(self, folder: Location, size: int, digest: str) -> None:
-        """Write this rank's record of its stored shard (a rank > 0)."""
-        record = ShardRecord(self.step, self.ranks.world_size, self.round, self.shard(size, digest))
-        folder.child(shard_record_name(self.ranks.rank)).write_small(record.to_bytes(), action="record the shard at")
+        """What commits ``shards``, each one payload object: rank 0's record of the step, and every payload."""
+        return Stored(self.content(shards), shards_record(shards), {s.payload: s.record.size or 0 for s in shards})
 
     def finish(self, size: int, digest: str, deadline: float) -> None:
         """In the save process, for a trainer that died once the shard was stored: record it, or (rank 0)
         commit the step once every rank's record is there, until ``deadline`` (``time.monotonic()``)."""
         folder = Location(self.folder, self.storage_options, self.retry)
         if self.ranks.rank != 0:
-            self.record_shard(folder, size, digest)
+            record_shard(folder, ShardRecord(self.step, self.ranks.world_size, self.round, self.shard(size, digest)))
             return
         world = self.ranks.world_size
         found, stale = {0: self.shard(size, digest)}, set[int]()

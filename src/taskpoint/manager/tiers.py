@@ -32,12 +32,13 @@ from ..storage import Location
 from .background import Background
 from .commit import StepWriter
 from .kinds import StepContext
+from .kinds.sharded import own_record
 from .options import BackgroundSaves, Shards, Tier
 from .promotion import Promoter
 from .restore import StepReader, candidates
 from .retention import Retention
 from .steps import StepStore, best_effort
-from .tier_ranks import common_steps, everyone, own_shard
+from .tier_ranks import common_steps, everyone
 from .verify import StepDescription
 
 
@@ -62,7 +63,7 @@ class LocalManager(Protocol):
 
 #: What opens a tier's local manager: called with the local manager's arguments, it returns the manager, its step
 #: store, its reader and its writer.
-OpenLocal = Callable[..., tuple[LocalManager, StepStore, StepReader, StepWriter]]
+OpenLocal = Callable[..., tuple[LocalManager, StepStore, StepReader]]
 
 #: The names ``steps(tier=...)`` accepts (None: both tiers).
 TIERS = ("local", "remote")
@@ -104,21 +105,18 @@ class LocalTier:
              remote: tuple[StepContext, StepWriter, Background, Callable[..., None]]) -> LocalTier:
         """Open the local manager of ``tier`` with ``make``, with the remote manager's ``background`` snapshots
         and ``options`` (codec, level, retry, grace_seconds, dedup): one rank, no preemption handlers, and
-        ``local_keep`` steps kept. With several ranks it saves each step as this rank's shard of the remote step
-        will be, one payload object, whatever the data (:meth:`.commit.StepWriter.save_as_shards`)."""
+        ``local_keep`` steps kept. With several ranks, each rank's local step is its part of the remote step."""
         if options.pop("dedup"):
             raise ValueError("dedup=True cannot be combined with local_dir: a deduplicated step is a set of chunks "
                              "shared with other steps, which a promotion cannot copy as one verified object; save "
                              "without dedup, or without local_dir")
-        local, steps, reader, writer = make(
+        local, steps, reader = make(
             tier.local_dir, retention=Retention(keep=tier.local_keep), preemption=False,
             shards=Shards(rank=0, world_size=1), background=BackgroundSaves(
                 snapshot_dir=background.snapshot_dir, background_process=background.background_process), **options)
         if not steps.root.is_local:
             local.close()
             raise ValueError(f"local_dir must be a local path (the node's disk or RAM disk), not {tier.local_dir!r}")
-        if remote[0].plan.ranks.distributed:
-            writer.save_as_shards()
         return cls(local, steps, reader, tier.remote_every, *remote)
 
     # -- reads ---------------------------------------------------------------------------------------------
@@ -194,7 +192,7 @@ class LocalTier:
             return False
         if copy is None or committed is None:
             return False
-        expected = own_shard(committed, self._ranks.rank) if self._ranks.distributed else committed.record
+        expected = own_record(committed, self._ranks.rank) if self._ranks.distributed else committed.record
         if expected is not None and (expected.size, expected.digest) == (copy.record.size, copy.record.digest):
             return True
         _log.logger.warning("the local copy of step %d in %s is not the committed step (the manifest in %s records "

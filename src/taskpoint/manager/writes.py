@@ -39,8 +39,7 @@ class StepWrites:
                  queries: StepQueries, async_save: bool, throttles: Callable[[], int]) -> None:
         self._parts, self._steps, self._plan, self._grace = parts, parts.steps, parts.plan, parts.grace
         self._reader, self._guard, self._schedule = reader, guard, schedule
-        #: Writes the steps, each through its kind (a local tier of several ranks tells its local manager's to
-        #: save each step as a shard, :meth:`.commit.StepWriter.save_as_shards`).
+        #: Writes the steps, each through its kind.
         self.writer = writer
         self._background, self._tier, self._preemption, self._dedup = background, tier, preemption, dedup
         self._queries, self._async_save, self._throttles = queries, async_save, throttles

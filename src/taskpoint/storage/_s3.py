@@ -13,7 +13,7 @@ from ..executors import IO
 from ..signals import uninterrupted
 from .deadline import NO_DEADLINE, Deadline, bounded
 from .errormap import chain, code_and_status, swept_while_written
-from .stalls import STALL_TIMEOUT, watched
+from .stalls import STALL_TIMEOUT, MeteredBody, until_stalled, watched
 from .streams import ConcurrentRangeReader, ObjectChanged, VersionConflict
 
 #: Size of the parts of taskpoint's own S3 multipart uploads (S3 allows 10,000 parts: 80 GB at this size;
@@ -100,15 +100,23 @@ class S3MultipartWriter(io.RawIOBase):
         self._unsettled.append(future)
 
     def _upload_part(self, number: int, data: bytes, start: int) -> dict[str, Any]:
-        def send(attempt: Deadline) -> dict[str, Any]:
-            return self._fs.call_s3("upload_part", Bucket=self._bucket, Key=self._key,  # type: ignore[no-any-return]
-                                    UploadId=self._upload_id, PartNumber=number, Body=data,
-                                    **bounded(self._fs, attempt))
-
         what = f"part {number} (bytes {start}-{start + len(data) - 1}) of s3://{self._bucket}/{self._key}"
         with self._not_aborted():
-            answer = watched(send, what=what, size=len(data), deadline=self._deadline, stall=self._stall)
+            answer = self._metered("upload_part", data, what, UploadId=self._upload_id, PartNumber=number)
         return {"PartNumber": number, "ETag": answer["ETag"]}
+
+    def _metered(self, method: str, data: bytes, what: str, **kwargs: Any) -> dict[str, Any]:
+        """One request of ``method`` sending ``data`` to this writer's key, abandoned and sent again whenever its
+        body made no progress for the stall timeout (:func:`~.stalls.until_stalled`), until the deadline."""
+        from fsspec.asyn import sync
+
+        def send(attempt: Deadline) -> dict[str, Any]:
+            body = MeteredBody(data)
+            return sync(self._fs.loop, until_stalled,  # type: ignore[no-any-return]
+                        lambda: self._fs._call_s3(method, Bucket=self._bucket, Key=self._key, Body=body, **kwargs),
+                        body, self._stall, **bounded(self._fs, attempt))
+
+        return watched(send, what=what, size=len(data), deadline=self._deadline, stall=self._stall, metered=True)
 
     @contextlib.contextmanager
     def _not_aborted(self) -> Iterator[None]:
@@ -143,10 +151,7 @@ class S3MultipartWriter(io.RawIOBase):
                 if before_commit is not None:
                     before_commit(self._deadline)
                 body = bytes(self._buf)
-                watched(lambda attempt: self._fs.call_s3("put_object", Bucket=self._bucket, Key=self._key, Body=body,
-                                                         **bounded(self._fs, attempt)),
-                        what=f"the PUT of s3://{self._bucket}/{self._key} ({len(body)} bytes)", size=len(body),
-                        deadline=self._deadline, stall=self._stall)
+                self._metered("put_object", body, f"the PUT of s3://{self._bucket}/{self._key} ({len(body)} bytes)")
             else:
                 if self._buf:
                     self._send(bytes(self._buf))

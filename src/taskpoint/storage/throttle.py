@@ -4,9 +4,10 @@ per store, and met with backoff that honours ``Retry-After`` and with fewer requ
 A throttling answer is HTTP 429, or 503 (S3's ``SlowDown``, GCS's and Azure's "server busy"), or an error code
 that names it (:data:`THROTTLE_CODES`). Each store (one endpoint) has one :class:`Pushback`, shared by every
 location and thread of the process: the count of throttling answers (a save's log record reports how many came
-while it ran), the last ``Retry-After`` the store asked for, and a cap on the requests one transfer keeps in
-flight there, lowered by half at each throttling answer and raised by one per window of answers that passed
-(AIMD, as TCP does).
+while it ran), the share of its recent answers that throttled (which scales the pauses before retries: short
+where a request in ten throttles, botocore's own where all do), the last ``Retry-After`` the store asked for, and
+a cap on the requests one transfer keeps in flight there, lowered by half at each throttling answer and raised by
+one per window of answers that passed (AIMD, as TCP does).
 
 Where the backoff sits: one budget, the retry deadline of :class:`~taskpoint.storage.RetryPolicy`.
 
@@ -14,8 +15,9 @@ Where the backoff sits: one budget, the retry deadline of :class:`~taskpoint.sto
   of a multipart upload, one ranged GET): botocore (s3fs), gcsfs and obstore retry 429 and 503 themselves,
   Azure's storage client 503 only (15 s before its first retry, by default). taskpoint watches the answers of
   botocore (a ``needs-retry`` handler: each answer counted, the pause before a retry drawn with full jitter
-  and never shorter than its ``Retry-After``) and of gcsfs (an aiohttp trace: each answer counted, its
-  ``Retry-After`` kept for the policy; gcsfs's own pauses do not read it). Azure's and obstore's retries are
+  from the store's throttled share, :meth:`Pushback.pause`, and never shorter than its ``Retry-After``) and of
+  gcsfs (an aiohttp trace: each answer counted, its ``Retry-After`` kept for the policy; gcsfs's own pauses do not
+  read it). Azure's and obstore's retries are
   invisible, and neither reads ``Retry-After``: what they give up on is counted by the policy.
 - Per operation, the retry policy retries what the client gave up on, the pause drawn with full jitter
   (between 0 and the exponential delay) and never shorter than the store's last ``Retry-After``; attempts
@@ -51,6 +53,17 @@ THROTTLE_STATUSES = frozenset({429, 503})
 MAX_IN_FLIGHT = RANGES_IN_FLIGHT
 #: The longest ``Retry-After`` taken as given (seconds): a larger one is this (the deadline cuts it anyway).
 MAX_RETRY_AFTER = 300.0
+#: The answers over which a store's throttled share (:attr:`Pushback.share`) is averaged.
+SHARE_WINDOW = 16
+#: The first pause before a retry of a throttling answer (seconds, doubling at each attempt, drawn with full
+#: jitter) when every recent answer of the store throttled: botocore's own. It is scaled by the square of the
+#: share of the store's recent answers that throttled (:meth:`Pushback.pause`): a store that throttles a request
+#: in ten (a hot prefix, a burst) is asked again after a pause of about 17 ms on average, little beside the round
+#: trip of its answer; one that throttles every request gets botocore's pauses, and fewer requests in flight
+#: (:meth:`Pushback.cap`). Through the fault proxy on moto, 10 ms each way (``benchmarks/_throttle.py``: 30 saves
+#: and restores of 64 KiB, 10% answered 503), a throttled request is sent again 46-61 ms after it came (20 ms of
+#: it its answer's round trip); 73-85 ms with the first pause drawn from 0-100 ms whatever the share.
+THROTTLE_MAX_DELAY = 1.0
 
 
 def is_throttle(code: str | None, status: int | None) -> bool:
@@ -107,8 +120,9 @@ def full_jitter(delay: float, floor: float | None = None) -> float:
 
 
 class Pushback:
-    """What one store said about its load: throttling answers counted, the last ``Retry-After``, and the cap on
-    one transfer's requests in flight (AIMD). Thread-safe; one per store and process (:func:`pushback_for`)."""
+    """What one store said about its load: throttling answers counted, the share of its recent answers that
+    throttled, the last ``Retry-After``, and the cap on one transfer's requests in flight (AIMD). Thread-safe;
+    one per store and process (:func:`pushback_for`)."""
 
     def __init__(self, store: str) -> None:
         self.store = store
@@ -116,6 +130,7 @@ class Pushback:
         self._throttled = 0
         self._limit = float(MAX_IN_FLIGHT)
         self._retry_until = 0.0
+        self._share = 0.0
 
     @property
     def throttled(self) -> int:
@@ -126,6 +141,7 @@ class Pushback:
         """One throttling answer (``wait``: its ``Retry-After``): counted, the cap on requests in flight halved."""
         with self._lock:
             self._throttled += 1
+            self._share += (1.0 - self._share) / SHARE_WINDOW
             self._limit = max(1.0, self._limit / 2)
             if wait is not None:
                 self._retry_until = max(self._retry_until, time.monotonic() + wait)
@@ -133,11 +149,24 @@ class Pushback:
     def answered(self) -> None:
         """One answer that was no throttling: the cap grows by one per cap's worth of them."""
         with self._lock:
+            self._share -= self._share / SHARE_WINDOW
             self._limit = min(float(MAX_IN_FLIGHT), self._limit + 1.0 / self._limit)
 
     def cap(self, width: int) -> int:
         """How many of ``width`` requests one transfer may have in flight now (at least 1)."""
         return max(1, min(width, int(self._limit)))
+
+    @property
+    def share(self) -> float:
+        """The share of this store's recent answers that throttled (0 to 1): their mean over about
+        :data:`SHARE_WINDOW` answers, each weighing less the older it is."""
+        return self._share
+
+    def pause(self, attempt: int, wait: float | None = None) -> float:
+        """Seconds to pause before sending again a request whose ``attempt``-th try was throttled: full jitter
+        from :data:`THROTTLE_MAX_DELAY` times the square of :attr:`share`, doubling with each attempt, never
+        shorter than ``wait`` (its ``Retry-After``)."""
+        return full_jitter(THROTTLE_MAX_DELAY * self._share ** 2 * 2 ** (attempt - 1), wait)
 
     def wait_asked(self) -> float | None:
         """Seconds left of the last ``Retry-After`` this store gave; None when none is pending."""
@@ -171,13 +200,6 @@ def pushback_for(key: str) -> Pushback:
 #: botocore's attempts of one request in its default (legacy) mode, where the client's configuration and
 #: ``AWS_MAX_ATTEMPTS`` say nothing else.
 BOTOCORE_ATTEMPTS = 5
-#: The first pause before a retry of a throttling answer (seconds), doubling at each attempt, drawn with full
-#: jitter (mean: half of it). botocore's own first pause is up to 1 s: through the fault proxy on moto
-#: (benchmarks/throttle_quick.py, 30 saves and restores of 64 KiB), 10% of requests answered 503 made the run
-#: 2.15x the fault-free time with botocore's pauses, 1.78x with these. Shorter than AWS's SDKs choose, and
-#: still safe: the store's pushback also lowers the requests in flight (:meth:`Pushback.cap`), a
-#: ``Retry-After`` is always honoured, and the pauses double with each attempt.
-THROTTLE_BASE_DELAY = 0.1
 
 
 def botocore_attempts(fs: Any) -> int:
@@ -194,9 +216,9 @@ def botocore_attempts(fs: Any) -> int:
 
 def watch_s3fs(fs: Any, pushback: Pushback) -> None:
     """Count each answer of ``fs``'s botocore client into ``pushback``, and pause before each retry of a
-    throttling answer with full jitter from :data:`THROTTLE_BASE_DELAY`, never shorter than its ``Retry-After``,
-    within the client's attempts (:func:`botocore_attempts`). Registered on the session the clients are made
-    from (and on a client already made), once per filesystem (fsspec caches them)."""
+    throttling answer as long as the store's pushback says (:meth:`Pushback.pause`), never shorter than its
+    ``Retry-After``, within the client's attempts (:func:`botocore_attempts`). Registered on the session the
+    clients are made from (and on a client already made), once per filesystem (fsspec caches them)."""
     if getattr(fs, "_taskpoint_pushback", None) is pushback:
         return
     attempts_allowed = botocore_attempts(fs)
@@ -213,7 +235,7 @@ def watch_s3fs(fs: Any, pushback: Pushback) -> None:
         pushback.throttle(wait)
         if attempts >= attempts_allowed:
             return None  # botocore's limit of attempts: it gives up, and s3fs or the retry policy go on
-        return full_jitter(THROTTLE_BASE_DELAY * 2 ** (attempts - 1), wait)
+        return pushback.pause(attempts, wait)
 
     if fs.session is None:
         import aiobotocore.session

@@ -23,7 +23,7 @@ import torch
 from ..errors import CheckpointCorruptError, RestoreMismatch, RestoreReport
 from ..format.names import STATE_DICT_KIND as STEP_KIND
 from ..manager import CheckpointManager
-from ..manager.kind_api import Segment
+from ..manager.kind_api import Segment, part_kind
 from ..payloads import BytesPayload, Payload, register_payload
 from ._match import Apply, Mismatches, module_plan
 from ._staged import Plan
@@ -270,7 +270,7 @@ def restore_into(manager: CheckpointManager, step: int | None, strict: bool, pla
 
 def _load_step(manager: CheckpointManager, step: int, map_location: Any, mmap: bool, broadcast: bool
                ) -> dict[str, Any]:
-    if manager.describe(step).kind != STEP_KIND:  # saved another way: its payload, restored and verified whole
+    if part_kind(manager, step) != STEP_KIND:  # saved another way: its payload, restored and verified whole
         return _load_file(manager.restore(step, broadcast=broadcast), map_location, mmap)
     if broadcast or (mmap and fsspec.utils.get_protocol(manager.directory) not in ("file", "local")):
         return _load_file(manager.restore(step, broadcast=broadcast) / STATE_FILE, map_location, mmap)  # verified

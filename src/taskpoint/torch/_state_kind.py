@@ -32,7 +32,6 @@ from ..format.fileset import read_piece_hash
 from ..format.names import STATE_DICT_KIND as STEP_KIND
 from ..format.records import StepManifest
 from ..manager.kind_api import (
-    GONE_HOW,
     MANIFEST_NAME,
     Checked,
     Described,
@@ -44,6 +43,7 @@ from ..manager.kind_api import (
     Stored,
     best_effort,
     content_of,
+    file_gone,
     name_in,
     register_step_kind,
     store_staged,
@@ -128,7 +128,7 @@ class StateDictKind:
             try:
                 fd = os.open(source.path, os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:
-                raise self._gone(steps, step, content.file) from None
+                raise file_gone(steps, step, content.file) from None
             return PieceReader(size, list(content.pieces), content.piece_size, damaged,
                                piece_hash=content.piece_hash, fd=fd, name=source.path)
 
@@ -136,7 +136,7 @@ class StateDictKind:
             try:
                 return source.read_range(start, length)
             except FileNotFoundError:
-                raise self._gone(steps, step, content.file) from None
+                raise file_gone(steps, step, content.file) from None
 
         return PieceReader(size, list(content.pieces), content.piece_size, damaged,
                            piece_hash=content.piece_hash, fetch=fetch)
@@ -177,11 +177,6 @@ class StateDictKind:
         except Gone:
             raise FileNotFoundError(f"its file {content.file} is missing") from None
         return Checked(size, f"{len(content.pieces)} pieces, {content.piece_hash} matches its manifest")
-
-    @staticmethod
-    def _gone(steps: StepStore, step: int, name: str) -> Gone:
-        return Gone(f"step {step} in {steps.directory} is committed but its file {name} is missing: it was removed "
-                    f"after the commit{GONE_HOW}. Restore an older step (fallback=True), or delete this one.")
 
     # -- listing and deleting ------------------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ kind themselves. A kind stores the objects of a step and returns what it stored 
 checks them and writes the manifest, last (:mod:`..step_commit`): a kind never writes one. Everything a kind
 needs from the manager is in one module, :mod:`taskpoint.manager.kind_api`. The kinds of the core are
 :mod:`.payload` (one payload object), :mod:`.chunked` (a deduplicated tree in the chunk store) and
-:mod:`.sharded` (one payload per rank); ``taskpoint.torch`` registers its own (a DCP file set). Another package
+:mod:`.sharded` (ranks around any kind); :mod:`.files` is the kind of file sets that the extras' ``jax.pytree``
+(Orbax's files) and ``fileset`` (DCP's) are, registered by ``taskpoint.jax`` and ``taskpoint.torch``. Another package
 adds a kind by registering an object that follows :class:`StepKind` with :func:`register_step_kind` when its
 module is imported, and by naming that module in the entry-point group :data:`ENTRY_POINT_GROUP`, so that a
 process reading such a step imports it (as payload kinds are found, :mod:`taskpoint.payloads`)::
