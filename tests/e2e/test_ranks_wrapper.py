@@ -61,10 +61,10 @@ def test_each_rank_stores_its_part_in_the_kind_one_rank_would_choose(saved: Path
 
 def test_a_background_save_of_several_ranks_is_one_payload_per_rank_as_with_one_rank(saved: Path) -> None:
     """A background save snapshots a state dict into its ``torch.save`` bytes, a payload, as with one rank: each
-    rank's part is then one payload object, and the step keeps the ``sharded`` layout (version 3)."""
+    rank's part is then one payload object, and the step is of the ``sharded`` kind (version 6: by BLAKE3)."""
     three = manifest(saved, 3)
-    assert (three["version"], "step_kind" in three) == (3, False)
-    assert [shard["kind"] for shard in three["shards"]] == ["torch.state_dict"] * WORLD
+    assert (three["version"], three["step_kind"]) == (6, "sharded")
+    assert [shard["kind"] for shard in three["content"]["shards"]] == ["torch.state_dict"] * WORLD
 
 
 def test_a_step_of_parts_verifies_and_describes_every_ranks_part(saved: Path) -> None:
