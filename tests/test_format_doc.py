@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from taskpoint.errors import CheckpointCorruptError
-from taskpoint.format import fileset, records
+from taskpoint.format import documents, fileset, records
 from taskpoint.format.sealing import CRC32, SHA256, sealed
 from taskpoint.manager import agreement, chunks, step_names
 from taskpoint.runtime import layout
@@ -76,10 +76,12 @@ def documented_versions(spec: Path = SPEC) -> set[tuple[str, int]]:
 
 
 def code_versions() -> set[tuple[str, int]]:
-    """Every (format, version) this taskpoint reads: versions 1 to the newest of each sealed document, and the
-    one version of the JAX sidecar (its reader refuses any other)."""
+    """Every (format, version) this taskpoint reads: versions 1 to the newest of each sealed document and of each
+    small document (:mod:`taskpoint.format.documents`), and the one version of the JAX sidecar (its reader refuses
+    any other)."""
     found = {(fmt, version) for fmt, digest, reader in SEALED
              for version in range(1, newest_read(fmt, digest, reader) + 1)}
+    found |= {(fmt, version) for fmt, newest in documents.VERSIONS.items() for version in range(1, newest + 1)}
     sidecar = module_constant("jax/_pytree", "SIDECAR_NAME")
     found.add((str(sidecar), int(str(module_constant("jax/_pytree", "FORMAT_VERSION")))))
     return found
@@ -94,8 +96,10 @@ def test_the_version_table_lists_every_version_the_code_reads_and_no_other() -> 
 def test_every_version_the_code_writes_is_in_the_version_table() -> None:
     written = {(records.FORMAT, records.RECORD_VERSION), (records.FORMAT, records.RECORD_VERSION_UNINDEXED),
                (records.STEP_FORMAT, records.FORMAT_VERSION), (records.STEP_FORMAT, records.KIND_VERSION),
+               (records.STEP_FORMAT, records.BLAKE3_VERSION), (records.SHARD_FORMAT, records.SHARD_VERSION),
                (fileset.FILESET_FORMAT, fileset.FILESET_VERSION),
-               *((records.STEP_FORMAT, version) for version in records.LEGACY_VERSIONS.values())}
+               *((records.STEP_FORMAT, version) for version in records.LEGACY_VERSIONS.values()),
+               *documents.VERSIONS.items()}
     assert written - documented_versions() == set()
 
 
@@ -104,6 +108,7 @@ def test_the_probe_finds_the_newest_version_of_each_reader() -> None:
     newest = {fmt: newest_read(fmt, digest, reader) for fmt, digest, reader in SEALED}
     assert newest[records.FORMAT] == records.RECORD_VERSION
     assert newest[records.STEP_FORMAT] == records.FORMAT_VERSION
+    assert newest[records.SHARD_FORMAT] == records.SHARD_VERSION
     assert newest[fileset.FILESET_FORMAT] == fileset.FILESET_VERSION
 
 

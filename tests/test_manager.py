@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable
 
 import anyio
+import blake3
 import fsspec
 import pytest
 
@@ -47,7 +48,7 @@ def folder_objects(store, step: int) -> list[str]:
 
 def payload_name(store, step: int) -> str:
     manifest = json.loads(read_object(store.url("ckpts", f"ckpt-{step}", "taskpoint.json"), store.storage_options))
-    return manifest["payload"]
+    return manifest["content"]["payload"]
 
 
 def put_object(store, url: str, data: bytes) -> None:
@@ -154,11 +155,13 @@ def test_each_step_holds_its_payload_and_a_manifest_that_commits_it(store, tmp_p
     names = folder_objects(store, 5)
     assert len(names) == 2 and "taskpoint.json" in names
     manifest = json.loads(read_object(store.url("ckpts", "ckpt-5", "taskpoint.json"), store.storage_options))
-    payload = read_object(store.url("ckpts", "ckpt-5", manifest["payload"]), store.storage_options)
-    assert manifest["payload"] in names and manifest["payload"].startswith("payload-")
-    assert manifest["format"] == "taskpoint.step" and manifest["version"] == 1 and manifest["step"] == 5
+    name = manifest["content"]["payload"]
+    payload = read_object(store.url("ckpts", "ckpt-5", name), store.storage_options)
+    assert name in names and name.startswith("payload-") and manifest["step_kind"] == "payload"
+    assert manifest["format"] == "taskpoint.step" and manifest["version"] == 6 and manifest["step"] == 5
     assert (manifest["kind"], manifest["codec"]) == ("directory", "gzip")
-    assert manifest["size"] == len(payload) and manifest["sha256"] == hashlib.sha256(payload).hexdigest()
+    assert manifest["size"] == len(payload) and manifest["blake3"] == blake3.blake3(payload).hexdigest()
+    assert manifest["sha256"] is None
     assert manifest["attempt"] is None and manifest["metadata"] == {"note": "x"}
     assert abs(manifest["created"] - time.time()) < 3600
 

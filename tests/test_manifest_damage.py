@@ -5,6 +5,7 @@ Real stores: local disk, and the S3 server for gc."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -17,8 +18,9 @@ from _servers import StoreLocation
 from helpers import object_exists, read_object, snapshot, write_object
 from reliability import QUICK_COUNTS, manifests
 from reliability._common import Servers, list_objects, table
-from taskpoint import CheckpointCorruptError, CheckpointManager, StepAbandonedError
+from taskpoint import CheckpointCorruptError, CheckpointManager, NewerFormatError, StepAbandonedError
 from taskpoint.cli import main
+from taskpoint.format.records import BLAKE3_VERSION
 
 pytestmark = pytest.mark.timeout(600)
 MANIFEST = "taskpoint.json"
@@ -172,7 +174,7 @@ def test_gc_keeps_the_payload_a_damaged_manifest_names(place: Any, tmp_path: Pat
 
 
 def test_a_damaged_rank_record_is_never_committed(tmp_path: Path) -> None:
-    """Rank 1's record of its shard with one digit of its sha256 changed: rank 0 does not commit a step naming it;
+    """Rank 1's record of its shard with one digit of its BLAKE3 changed: rank 0 does not commit a step naming it;
     the step is abandoned after the commit timeout, and the previous step stays the newest."""
     place = _local(tmp_path)
     options = {"world_size": 2, "grace_seconds": 5.0, "commit_timeout": 0.5}
@@ -180,7 +182,7 @@ def test_a_damaged_rank_record_is_never_committed(tmp_path: Path) -> None:
         rank1.save(b"rank 1's shard", 1)
     record = place.url("steps", "ckpt-1", "rank-1.json")
     text = read_object(record, place.storage_options).decode()
-    digest = json.loads(text)["shard"]["sha256"]
+    digest = json.loads(text)["shard"]["blake3"]
     write_object(record, place.storage_options, text.replace(digest, digest[::-1]).encode())
     with manager(place, rank=0, **options) as rank0:
         with pytest.raises(StepAbandonedError, match="ranks \\[1\\]"):
@@ -192,9 +194,15 @@ def test_a_damaged_rank_record_is_never_committed(tmp_path: Path) -> None:
 
 
 def without_check(place: Any, step: int) -> None:
-    """Rewrite ``step``'s manifest as a taskpoint before manifest checks wrote it: the same JSON, no check."""
+    """Rewrite ``step``'s manifest as a taskpoint before manifest checks wrote it: the same JSON, no check; a payload
+    step (version 6 now) in the layout of then, version 1, its payload recorded by sha256."""
     doc = json.loads(read_object(manifest_url(place, step), place.storage_options))
     del doc["check"]
+    if doc["version"] == BLAKE3_VERSION:
+        content = doc.pop("content")
+        payload = read_object(place.url("steps", f"ckpt-{step}", content["payload"]), place.storage_options)
+        del doc["step_kind"], doc["blake3"]
+        doc.update(content, version=1, sha256=hashlib.sha256(payload).hexdigest())
     write_object(manifest_url(place, step), place.storage_options,
                  json.dumps(doc, sort_keys=True, allow_nan=False).encode())
 
@@ -223,11 +231,19 @@ def test_a_manifest_from_before_checks_still_restores_and_reads_as_unchecked(
 
 def test_a_manifest_whose_check_lost_its_name_is_damage_not_an_unchecked_one(tmp_path: Path) -> None:
     """A bit flipped in the name ``check`` leaves a manifest without its check and with a field no older taskpoint
-    writes: damage, not a manifest from before checks (which would then be believed unchecked)."""
+    writes: damage, not a manifest from before checks (which would then be believed unchecked). A deduplicated
+    step keeps the layout of a version written before checks; a payload step's version (6) never had a form
+    without its check."""
     place = _local(tmp_path)
-    saved_steps(place, tmp_path)
+    saved_steps(place, tmp_path, dedup=True)
     edit_manifest(place, 2, '"check"', '"check"'.replace("e", "a", 1))
-    with manager(place) as mgr, pytest.raises(CheckpointCorruptError, match="no check and fields"):
+    with manager(place, dedup=True) as mgr, pytest.raises(CheckpointCorruptError, match="no check and fields"):
+        mgr.metadata(2)
+    (tmp_path / "plain").mkdir()
+    plain = _local(tmp_path / "plain")
+    saved_steps(plain, tmp_path / "plain")
+    edit_manifest(plain, 2, '"check"', '"check"'.replace("e", "a", 1))
+    with manager(plain) as mgr, pytest.raises(CheckpointCorruptError, match="carries no check"):
         mgr.metadata(2)
 
 
@@ -248,6 +264,6 @@ def test_a_checked_manifest_may_carry_fields_of_a_newer_taskpoint(tmp_path: Path
 def test_damage_to_the_version_says_upgrade_or_damaged(tmp_path: Path) -> None:
     place = _local(tmp_path)
     saved_steps(place, tmp_path)
-    edit_manifest(place, 2, '"version": 1', '"version": 9')
-    with manager(place) as mgr, pytest.raises(CheckpointCorruptError, match=r"upgrade taskpoint.*or it is damaged"):
+    edit_manifest(place, 2, f'"version": {BLAKE3_VERSION}', '"version": 9')
+    with manager(place) as mgr, pytest.raises(NewerFormatError, match=r"upgrade taskpoint.*or it is damaged"):
         mgr.restore(2)

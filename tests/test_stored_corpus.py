@@ -18,7 +18,8 @@ import pytest
 
 from taskpoint import Checkpoint, CheckpointManager
 from taskpoint.cli import main
-from taskpoint.errors import CheckpointCorruptError
+from taskpoint.digests import DIGESTS
+from taskpoint.errors import CheckpointCorruptError, NewerFormatError
 from taskpoint.format.records import RECORD_SUFFIX, ShardRecord
 from taskpoint.format.sealing import CHECK, CRC32, SHA256, check_of
 
@@ -140,10 +141,11 @@ def test_a_flipped_byte_of_the_data_is_damage(sample: str, tmp_path: Path) -> No
     damaged[len(damaged) // 2] ^= 0x01
     data.write_bytes(bytes(damaged))
     if what == "shard_record":
-        record = ShardRecord.from_bytes((root / "steps/ckpt-1/rank-1.json").read_bytes(), "rank-1.json")
-        import hashlib
-
-        assert hashlib.sha256(data.read_bytes()).hexdigest() != record.shard.record.sha256
+        record = ShardRecord.from_bytes((root / "steps/ckpt-1/rank-1.json").read_bytes(), "rank-1.json").shard.record
+        assert record.digest is not None
+        hasher = DIGESTS[record.hash_name]()
+        hasher.update(data.read_bytes())
+        assert (record.hash_name, hasher.hexdigest()) != record.digest
         return
     assert _verify(root) == DAMAGED
 
@@ -178,6 +180,7 @@ def _refused(root: Path, document: Path, *, damaged: bool) -> None:
         _read_document(root, document)
     said = " ".join(str(caught.value).split())
     assert (UPGRADE not in said) if damaged else (UPGRADE in said), said
+    assert isinstance(caught.value, NewerFormatError) is not damaged, type(caught.value)
 
 
 def _read_document(root: Path, document: Path) -> None:

@@ -121,7 +121,7 @@ def test_manager_damage_inside_the_subset_raises_and_outside_does_not(tmp_path, 
             (tmp_path / "m" / "chunks" / key[:2] / key).write_bytes(b"not the chunk")
         else:
             index = ArchiveIndex.from_json(manifest["index"])
-            _flip_in_member(tmp_path / "m" / "ckpt-1" / manifest["payload"], index, 0)
+            _flip_in_member(tmp_path / "m" / "ckpt-1" / manifest["content"]["payload"], index, 0)
         part = mgr.restore(1, into=tmp_path / "part", paths=SUBSET)
         assert snapshot(part) == _selected(snapshot(src), SUBSET)
         with pytest.raises(CheckpointCorruptError, match=r"step 1|member 0"):

@@ -15,6 +15,7 @@ from .checkpoint import BaseCheckpoint, Checkpoint
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
+    NewerFormatError,
     Preempted,
     RestoreMismatch,
     RestoreReport,
@@ -58,6 +59,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "KeepBest",
+    "NewerFormatError",
     "Preempted",
     "RestoreMismatch",
     "RestoreReport",

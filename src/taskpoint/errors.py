@@ -7,6 +7,7 @@ from dataclasses import dataclass
 __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
+    "NewerFormatError",
     "Preempted",
     "RestoreMismatch",
     "RestoreReport",
@@ -27,6 +28,12 @@ class CheckpointError(Exception):
 
 class CheckpointCorruptError(CheckpointError):
     """A checkpoint exists but its bytes are not what was saved: truncated, bit-flipped, or not an archive."""
+
+
+class NewerFormatError(CheckpointCorruptError):
+    """A stored document is of a format version newer than this taskpoint reads: not damage, upgrade taskpoint to
+    read it. A CheckpointCorruptError (as it was before it had a class of its own), so that every ``except
+    CheckpointCorruptError`` still catches it; catch this class first to tell the two apart."""
 
 
 class UnsafeArchiveError(CheckpointCorruptError):

@@ -30,7 +30,8 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from ._log import logger, safe_uri
-from .errors import CheckpointError
+from .errors import CheckpointError, NewerFormatError
+from .format.documents import GROUP_FORMAT, read_small_document, small_document
 from .ranks import Ranks
 from .storage import Location
 from .workspace import process_alive
@@ -90,14 +91,15 @@ class Record:
     value: Any
 
     def to_bytes(self) -> bytes:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        return small_document(GROUP_FORMAT, dataclasses.asdict(self), sort_keys=True)
 
     @classmethod
     def from_bytes(cls, data: bytes | None) -> Record | None:
-        """The record ``data`` holds; None when it is absent, not JSON, or not a group record."""
+        """The record ``data`` holds; None when it is absent, not JSON, not a group record (of a version this
+        taskpoint reads: one of a newer taskpoint is another launch's, as one of another round is)."""
         try:
-            record = cls(**json.loads(data or b""))
-        except (ValueError, TypeError):
+            record = cls(**read_small_document(data, GROUP_FORMAT))
+        except (ValueError, TypeError, NewerFormatError):
             return None
         typed = isinstance(record.round, str) and all(isinstance(n, int) for n in (record.rank, record.pid))
         return record if typed else None

@@ -344,8 +344,9 @@ def hash_object(loc: Location, digest: str, size_hint: int | None, progress: Pro
                 fd = raw.fileno()
                 size = os.fstat(fd).st_size
                 progress.set_total(size)
-                hasher = DIGESTS[digest]()
-                hashed = digest_by_reading(fd, size, hasher, progress.update if progress.active else None)
+                hasher = streaming_hash(digest)  # sha256 and BLAKE3 beside the reads, on a thread of their own
+                hashed = digest_by_reading(fd, size, hasher, progress.update if progress.active else None,
+                                           keep=True)
                 seen.append((hashed, str(hasher.hexdigest())))
 
         loc.run(local, action="verify")

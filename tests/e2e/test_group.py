@@ -114,11 +114,12 @@ def test_storage_records_of_another_round_do_not_count(tmp_path: Path) -> None:
 
 
 def test_storage_record_format(tmp_path: Path) -> None:
-    """One record format (docs/format.md): a JSON object with the round, the rank, the world size, the host, the
-    pid, the time and the value."""
+    """One record format (docs/format.md): a JSON object with its format and version, the round, the rank, the world
+    size, the host, the pid, the time and the value."""
     StorageGroup(Location(str(tmp_path)), Ranks(1, 3), "r", LONG).publish("vote", {"step": 4})
     doc = json.loads((tmp_path / "vote-1.json").read_bytes())
-    assert set(doc) == {"round", "rank", "world_size", "host", "pid", "at", "value"}
+    assert set(doc) == {"format", "version", "round", "rank", "world_size", "host", "pid", "at", "value"}
+    assert (doc["format"], doc["version"]) == ("taskpoint.group", 1)
     assert (doc["round"], doc["rank"], doc["world_size"], doc["pid"], doc["value"]) == ("r", 1, 3, os.getpid(),
                                                                                         {"step": 4})
     assert Record.from_bytes((tmp_path / "vote-1.json").read_bytes()) is not None

@@ -21,7 +21,7 @@ from helpers import make_tree, object_exists, snapshot
 from taskpoint import CheckpointCorruptError, CheckpointError, CheckpointManager, preemption
 from taskpoint.cli import main
 from taskpoint.manager import MANIFEST_NAME
-from taskpoint.manager.tiers import PromotionCommit
+from taskpoint.manager.step_commit import OrphanCommit
 from taskpoint.storage import Location
 
 TIER_REMOTES = ["local", "memory", "s3"]
@@ -309,8 +309,9 @@ def test_ls_verify_and_show_with_local_dir_say_which_tier_holds_each_step(capsys
 
 
 def test_the_save_process_commits_a_dead_trainers_promotion_only_when_the_copy_matches(remote, tmp_path):
-    """What the save process does for a trainer that died during a promotion (PromotionCommit.finish): the local
-    manifest is written remotely for a copy of its size and sha256, never for another, never over a manifest."""
+    """What the save process does for a trainer that died during a promotion (OrphanCommit.finish of a copy): the
+    local manifest is written remotely for a copy of its size and digest, never for another, never over a
+    manifest."""
     local_dir = tmp_path / "local"
     with CheckpointManager(local_dir) as local:
         local.save(data(4), 4)
@@ -318,16 +319,18 @@ def test_the_save_process_commits_a_dead_trainers_promotion_only_when_the_copy_m
     assert manifest is not None
     (payload,) = (local_dir / "ckpt-4").glob("payload-*")
     target = f"{remote.url('ckpts')}/ckpt-4/{MANIFEST_NAME}"
-    commit = PromotionCommit(target, remote.storage_options, None, manifest)
+    commit = OrphanCommit(target, remote.storage_options, None, manifest, fill=False)
+    assert manifest.record.digest is not None
+    digest = manifest.record.digest[1]
     Location(f"{remote.url('ckpts')}/ckpt-4/{payload.name}", remote.storage_options).write_small(payload.read_bytes())
     commit.finish(manifest.record.size, "0" * 64, time.monotonic() + 5)  # a torn copy: not committed
     assert not object_exists(target, remote.storage_options)
-    commit.finish(manifest.record.size, manifest.record.sha256, time.monotonic() + 5)
+    commit.finish(manifest.record.size, digest, time.monotonic() + 5)
     with plain(remote) as other:
         assert other.steps() == [4] and other.restore(4).read_bytes() == data(4)
     other_manifest = dataclasses.replace(manifest, metadata={"other": True})
-    PromotionCommit(target, remote.storage_options, None, other_manifest).finish(
-        manifest.record.size, manifest.record.sha256, time.monotonic() + 5)
+    OrphanCommit(target, remote.storage_options, None, other_manifest, fill=False).finish(
+        manifest.record.size, digest, time.monotonic() + 5)
     with plain(remote) as other:
         assert other.metadata(4) == {}  # the manifest there was kept
 

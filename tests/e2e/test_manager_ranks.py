@@ -58,11 +58,12 @@ def test_four_rank_processes_commit_each_step_once_and_each_restores_its_shard(s
                 assert mgr.restore(step).read_bytes() == shard(rank, step, size)
             assert mgr.metadata(3) == {"by": 0}  # the committer's metadata
     doc = json.loads(read_object(place.url("ckpts", "ckpt-3", "taskpoint.json"), place.storage_options))
-    assert doc["version"] == 3 and [s["rank"] for s in doc["shards"]] == [0, 1, 2, 3]
-    assert len({s["payload"] for s in doc["shards"]}) == 4 and all(len(s["sha256"]) == 64 for s in doc["shards"])
+    shards = doc["content"]["shards"]
+    assert doc["version"] == 6 and [s["rank"] for s in shards] == [0, 1, 2, 3]
+    assert len({s["payload"] for s in shards}) == 4 and all(len(s["blake3"]) == 64 for s in shards)
     with manager(place, 0, 4) as mgr:  # the records were removed after each commit; nothing else is left
         folder = mgr._steps.scan(3)[3]
-        assert sorted(folder.objects) == sorted([*(s["payload"] for s in doc["shards"]), "taskpoint.json"])
+        assert sorted(folder.objects) == sorted([*(s["payload"] for s in shards), "taskpoint.json"])
 
 
 def test_rank_killed_in_the_middle_of_its_upload_abandons_the_step(s3_store: Any, tmp_path: Path) -> None:
@@ -150,13 +151,15 @@ def test_stale_record_of_another_launch_is_never_committed(tmp_path: Path, monke
 
 
 def test_single_rank_manifests_are_unchanged_and_sharded_steps_need_as_many_ranks(tmp_path: Path) -> None:
-    """world_size 1 writes the version-1 manifest as before; a step of 2 ranks restores only on 2 ranks (a clear
-    error on another number), and a single-payload step restores the same payload on every rank."""
+    """world_size 1 writes a payload step's manifest (version 6, the payload recorded by BLAKE3), not shards; a step
+    of 2 ranks restores only on 2 ranks (a clear error on another number), and a single-payload step restores the
+    same payload on every rank."""
     place = str(tmp_path / "ckpts")
     with CheckpointManager(place, preemption=False) as single:
         single.save(b"one", 1)
         assert single.rank == 0 and single.world_size == 1
-    assert json.loads((tmp_path / "ckpts" / "ckpt-1" / "taskpoint.json").read_text())["version"] == 1
+    single_doc = json.loads((tmp_path / "ckpts" / "ckpt-1" / "taskpoint.json").read_text())
+    assert (single_doc["version"], single_doc["step_kind"]) == (6, "payload")
     rank1 = CheckpointManager(place, rank=1, world_size=2, preemption=False)
     saver = threading.Thread(target=rank1.save, args=(b"two-1", 2))
     saver.start()
@@ -224,12 +227,12 @@ def test_command_line_lists_and_verifies_every_shard(tmp_path: Path, capsys: pyt
     assert [s["rank"] for s in json.loads(capsys.readouterr().out)["shards"]] == [0, 1]
     assert main(["verify", place]) == 0 and "step 1: healthy (1.6 KiB, 2 shards" in capsys.readouterr().out
     manifest = json.loads((tmp_path / "ckpts" / "ckpt-1" / "taskpoint.json").read_text())
-    damaged = tmp_path / "ckpts" / "ckpt-1" / manifest["shards"][1]["payload"]
+    damaged = tmp_path / "ckpts" / "ckpt-1" / manifest["content"]["shards"][1]["payload"]
     data = bytearray(damaged.read_bytes())
     data[10] ^= 1
     damaged.write_bytes(bytes(data))
     assert main(["verify", place]) != 0
-    assert manifest["shards"][1]["payload"] in capsys.readouterr().out
+    assert manifest["content"]["shards"][1]["payload"] in capsys.readouterr().out
     with pytest.raises(taskpoint.CheckpointCorruptError, match="step 1"):
         rank1.restore(1)
     with CheckpointManager(place, rank=0, world_size=2, preemption=False) as rank0:

@@ -23,6 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import blake3
 import pytest
 
 import taskpoint
@@ -118,7 +119,7 @@ def preempt_trials(store: Any, trials: int, seed: int, *, group: bool, one_rank:
         with taskpoint.CheckpointManager(directory, storage_options=store.storage_options, preemption=False) as mgr:
             assert mgr.latest_step() == emergency
             manifest = json.loads(mgr._steps.object(emergency, "taskpoint.json").read_small() or b"{}")
-            assert [s["rank"] for s in manifest["shards"]] == list(range(WORLD))
+            assert [s["rank"] for s in manifest["content"]["shards"]] == list(range(WORLD))
         # The relaunch resumes every rank from its own shard of the emergency step, bit-identical.
         again = finish(start({"mode": "resume", "directory": directory, "options": store.storage_options}))
         for rank, (status, events, err) in enumerate(again):
@@ -262,15 +263,15 @@ def test_rank_zeros_save_process_never_commits_a_step_with_a_shard_missing(tmp_p
     record = directory / "ckpt-3" / shard_record_name(1)
     kept = record.read_bytes()
     record.unlink()  # rank 1 died before its record
-    orphan.finish(len(own), hashlib.sha256(own).hexdigest(), time.monotonic() + 0.3)
+    orphan.finish(len(own), blake3.blake3(own).hexdigest(), time.monotonic() + 0.3)
     with taskpoint.CheckpointManager(directory, world_size=1, preemption=False) as reader:
         assert reader.steps() == []  # never listed with a shard missing
     record.write_bytes(kept)
-    orphan.finish(len(own), hashlib.sha256(own).hexdigest(), time.monotonic() + 60)
+    orphan.finish(len(own), blake3.blake3(own).hexdigest(), time.monotonic() + 60)
     for rank, shard in ((0, own), (1, b"rank 1's shard")):
         with taskpoint.CheckpointManager(directory, rank=rank, world_size=2, preemption=False) as mgr:
             assert mgr.steps() == [3]
-            assert mgr.restore(3).read_bytes() == shard  # verified against the manifest's sha256
+            assert mgr.restore(3).read_bytes() == shard  # verified against the manifest's BLAKE3
             assert mgr.metadata(3) == {"by": 0}
 
 

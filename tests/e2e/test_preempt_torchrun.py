@@ -132,7 +132,7 @@ def trial(store: Any, rng: random.Random, *, group: bool, one_rank: bool, restar
     with taskpoint.CheckpointManager(directory, storage_options=store.storage_options, preemption=False) as mgr:
         assert mgr.latest_step() == emergency
         manifest = json.loads(mgr._steps.object(emergency, "taskpoint.json").read_small() or b"{}")
-        assert [s["rank"] for s in manifest["shards"]] == list(range(WORLD))
+        assert [s["rank"] for s in manifest["content"]["shards"]] == list(range(WORLD))
     if restarts:  # the agent started the workers again: they resumed from the emergency step, and ended
         assert status == 0, job.stderr()
         resumed = [e for e in job.events if e["event"] == "resumed" and e["restart"] == 1]

@@ -526,6 +526,7 @@ def test_an_orphaned_helper_never_writes_over_a_manifest_already_there(tmp_path:
     import dataclasses
 
     from taskpoint.manager import saver_child as saver
+    from taskpoint.manager.step_commit import OrphanCommit
     from taskpoint.manager.steps import MANIFEST_NAME
 
     with taskpoint.CheckpointManager(tmp_path / "m", preemption=False) as mgr:
@@ -535,7 +536,7 @@ def test_an_orphaned_helper_never_writes_over_a_manifest_already_there(tmp_path:
         pending = mgr._steps.manifest(1)
         assert pending is not None
         other = dataclasses.replace(pending, content=dataclasses.replace(pending.content, name="payload-other"))
-        saver._commit_orphan((str(first), {}, None, other), (5, "0" * 64))
+        saver._commit_orphan(OrphanCommit(str(first), {}, None, other, fill=True), (5, "0" * 64))
         assert first.read_bytes() == before  # not replaced
         assert mgr.restore(1).read_bytes() == b"the first writer"
         # Step 2: nobody committed it; the helper does, naming the payload it uploaded.
@@ -545,9 +546,9 @@ def test_an_orphaned_helper_never_writes_over_a_manifest_already_there(tmp_path:
         assert committed is not None
         manifest2.unlink()
         assert mgr.steps() == [1]
-        blank = dataclasses.replace(committed.record, size=None, sha256=None)
-        saver._commit_orphan((str(manifest2), {}, None, dataclasses.replace(committed, record=blank)),
-                             (committed.record.size or 0, committed.record.sha256 or ""))
+        blank = dataclasses.replace(committed.record, size=None, blake3=None)
+        orphan = OrphanCommit(str(manifest2), {}, None, dataclasses.replace(committed, record=blank), fill=True)
+        saver._commit_orphan(orphan, (committed.record.size or 0, committed.record.blake3 or ""))
         assert mgr.steps() == [1, 2]
         assert mgr.restore(2).read_bytes() == b"uploaded by the helper"
 

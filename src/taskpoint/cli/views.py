@@ -190,8 +190,9 @@ def _step_view(described: StepDescription) -> dict[str, Any]:
     return {"type": "step", "uri": described.uri, "step": described.step, "payload": described.payload,
             "attempt": described.attempt, "kind": described.payload_kind, "codec": described.codec,
             "save_id": described.save_id, "created": described.created, "size": described.size,
-            "sha256": described.sha256, "crc32": described.crc32, "checked": described.checked,
-            "metadata": described.metadata, **described.details}
+            "sha256": described.sha256, **({} if described.blake3 is None else {"blake3": described.blake3}),
+            "crc32": described.crc32, "checked": described.checked, "metadata": described.metadata,
+            **described.details}
 
 
 def _tier_step_view(remote: Location, local: Location, step: int | None) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from .documents import ATTEMPT_FORMAT, EPOCH_FORMAT, GROUP_FORMAT, LEASE_FORMAT
 from .names import CHECKPOINT_FORMAT, FILESET_FORMAT, STEP_FORMAT
 
 #: Checks one field's value; what it expected when it does not hold.
@@ -47,13 +48,13 @@ Fields = dict[str, tuple[Rule, bool]]
 _STEP_HEADER: Fields = {
     "format": (STR, True), "version": (INT, True), "step": (INT, True), "kind": (STR, True), "codec": (STR, True),
     "save_id": (SAVE_ID, True), "created": (NUMBER, True), "size": (_or_null(INT), True),
-    "sha256": (_or_null(SHA256), True), "crc32": (NULL, True), "index": (OBJECT, False),
+    "sha256": (_or_null(SHA256), True), "crc32": (NULL, True), "blake3": (SHA256, False), "index": (OBJECT, False),
     "attempt": (_or_null(INT), True), "metadata": (OBJECT, True), "check": (SHA256, True)}
-#: A step manifest's own fields by version (1 to 3: the kind's fields at the top; 4 and 5: named, with content).
+#: A step manifest's own fields by version (1 to 3: the kind's fields at the top; 4 to 6: named, with content).
 _STEP_CONTENT: dict[int, Fields] = {
     1: {"payload": (STR, True)}, 2: {"payload": (STR, True), "tree": (OBJECT, True)},
     3: {"payload": (STR, True), "shards": (LIST, True)},
-    4: {"step_kind": (STR, True), "content": (OBJECT, True)}, 5: {"step_kind": (STR, True), "content": (OBJECT, True)}}
+    **{version: {"step_kind": (STR, True), "content": (OBJECT, True)} for version in (4, 5, 6)}}
 _ENTRY: Fields = {"kind": (STR, True), "codec": (STR, True), "save_id": (SAVE_ID, True), "created": (NUMBER, True),
                   "size": (INT, True), "crc32": (CRC32, True), "sha256": (NULL, True), "index": (OBJECT, False)}
 _RECORD: Fields = {"format": (STR, True), "version": (INT, True), "objects": (LIST, True),
@@ -63,6 +64,15 @@ _FILESET: Fields = {"format": (STR, True), "version": (INT, True), "kind": (STR,
                     "files": (OBJECT, True), "check": (SHA256, True)}
 _FILE: Fields = {"size": (INT, True), "sha256": (SHA256, True), "piece_size": (INT, False),
                  "piece_hash": (STR, False), "pieces": (LIST, False)}
+ANY: Rule = (lambda v: True), "any JSON"
+#: The small documents (:mod:`.documents`): not sealed, each of version 1.
+_SMALL: dict[str, Fields] = {
+    LEASE_FORMAT: {"written": (NUMBER, True), "grace": (NUMBER, True), "beat": (NUMBER, False)},
+    EPOCH_FORMAT: {"epoch": (SAVE_ID, True)},
+    GROUP_FORMAT: {"round": (STR, True), "rank": (INT, True), "world_size": (INT, True), "host": (STR, True),
+                   "pid": (INT, True), "at": (NUMBER, True), "value": (ANY, True)},
+    ATTEMPT_FORMAT: {"attempt": (INT, True), "started": (NUMBER, True), "pid": (INT, True), "host": (STR, True),
+                     "world_size": (INT, False)}}
 
 
 def _fields(doc: Any, fields: Fields, where: str) -> str | None:
@@ -122,8 +132,12 @@ def document_problem(name: str, data: bytes | None) -> str | None:
 
 
 def format_problems(doc: dict[str, Any]) -> str | None:
-    """The first field of the sealed document ``doc`` (parsed JSON, read already by its reader) that does not
-    follow the specification, or None. A document without a check is an older form: left to its reader."""
+    """The first field of the sealed (or small) document ``doc`` (parsed JSON, read already by its reader) that
+    does not follow the specification, or None. A sealed document without a check is an older form: left to its
+    reader."""
+    small = _SMALL.get(str(doc.get("format")))
+    if small is not None:
+        return _fields(doc, {"format": (STR, True), "version": (_of(int), True), **small}, "")
     check = _CHECKS.get(str(doc.get("format")))
     version = doc.get("version")
     if check is None or "check" not in doc or not isinstance(version, int):

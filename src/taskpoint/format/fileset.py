@@ -33,8 +33,8 @@ from .names import DCP_FILESET_KIND, FILESET_FORMAT
 from .sealing import parse, sealed
 
 #: Newest version of the file-set manifest this taskpoint reads; it writes 4 for a DCP set with a file listed by
-#: pieces (:data:`PIECES_READ_SINCE`), 3 for another set with a file listed by BLAKE3 pieces, 2 for one listed by
-#: sha256 pieces (never written now), and 1 for whole files only, which every taskpoint reads.
+#: pieces (:data:`PIECES_READ_SINCE`), 3 for another set with a file listed by pieces (each naming its hash), and 1
+#: for whole files only, which every taskpoint reads. Version 2 (sha256 pieces, their hash unnamed) is only read.
 FILESET_VERSION = 4
 #: The first version whose readers of a set of this ``kind`` check a file listed by pieces: before version 4,
 #: taskpoint's DCP reader checked every file whole by sha256.
@@ -118,7 +118,7 @@ class FileEntry:
         if not self.pieces:
             return {"size": self.size, "sha256": self.sha256}
         return {"size": self.size, "sha256": self.sha256, "piece_size": PIECE_SIZE,
-                **piece_hash_field(self.piece_hash), "pieces": list(self.pieces)}
+                "piece_hash": self.piece_hash, "pieces": list(self.pieces)}
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> FileEntry:
@@ -190,9 +190,7 @@ class FileSetManifest:
 
     def to_bytes(self) -> bytes:
         hashes = {e.piece_hash for e in self.files.values() if e.pieces}
-        version = 1 if not hashes else 2 if hashes == {UNNAMED_PIECE_HASH} else 3
-        if hashes:
-            version = max(version, PIECES_READ_SINCE.get(self.kind, version))
+        version = 1 if not hashes else max(3, PIECES_READ_SINCE.get(self.kind, 3))
         doc: dict[str, Any] = {
             "format": FILESET_FORMAT, "version": version, "kind": self.kind, "save_id": self.save_id,
             "created": self.created, "attempt": self.attempt, "metadata": self.metadata,

@@ -10,7 +10,7 @@ import zlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, NewerFormatError
 from .legacy import older_reader
 
 #: The field of a document that holds the digest of the rest of it.
@@ -35,8 +35,9 @@ def check_of(doc: dict[str, Any], digest: str) -> str:
 def parse(data: bytes, fmt: str, uri: str, build: Callable[[dict[str, Any], bool], T], newest: int,
            what_to_do: str, digest: str = SHA256) -> T:
     """``build`` applied to the ``fmt`` document in ``data`` and whether it carried its check; anything
-    unreadable, and a check that fails, is CheckpointCorruptError. A document of a form taskpoint no longer writes
-    reaches ``build`` through its older reader (:mod:`.legacy`), in the form written now; one without a check
+    unreadable, and a check that fails, is CheckpointCorruptError; a version above ``newest`` is
+    :class:`~taskpoint.errors.NewerFormatError` (a CheckpointCorruptError too). A document of a form taskpoint no longer
+    writes reaches ``build`` through its older reader (:mod:`.legacy`), in the form written now; one without a check
     only so (every form written now carries one)."""
     try:
         doc = json.loads(data)
@@ -45,7 +46,7 @@ def parse(data: bytes, fmt: str, uri: str, build: Callable[[dict[str, Any], bool
         checked = CHECK in doc
         intact = not checked or doc[CHECK] == check_of(doc, digest)
         if int(doc.get("version", 0)) > newest:
-            raise CheckpointCorruptError(
+            raise NewerFormatError(
                 f"the checkpoint record {uri} has format version {doc['version']}, newer than this "
                 f"taskpoint understands ({newest}); upgrade taskpoint to load it"
                 f"{'' if intact else ' (or it is damaged: it fails its check)'}.")

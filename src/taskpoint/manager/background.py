@@ -20,12 +20,12 @@ from typing import Protocol
 from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointError, add_note, say_in_message
 from ..format.codecs import Codec
-from ..format.records import StepManifest
+from ..format.records import PAYLOAD_HASH, StepManifest
 from ..payloads import Payload, registered_payloads
 from ..storage import Location
 from ..transfer import write_payload
 from ..workspace import owned_folder, sweep_dead_folders
-from .saver import NotTransferable, Orphan, SaverProcess, SaverUnavailable, StagedJob, release_freed_memory
+from .saver import NotTransferable, OrphanPart, SaverProcess, SaverUnavailable, StagedJob, release_freed_memory
 from .snapshots import SnapshotCache, spool
 from .staging import Segment, Stageable, StagingBudget, sweep_dead_segments
 
@@ -103,9 +103,9 @@ class Handover:
         self._held = False  # the process stored the payload, and would commit it were this process to die
 
     def store_payload(self, location: Location, payload: Payload, codec: Codec, level: int | None,
-                      commit: Orphan | None, progress: Progress) -> tuple[int, str]:
+                      commit: OrphanPart | None, progress: Progress, digest: str) -> tuple[int, str]:
         try:
-            stored = self.process.store_payload(location, payload, codec, level, commit, progress,
+            stored = self.process.store_payload(location, payload, codec, level, commit, progress, digest=digest,
                                                 folders=self._folders, taken=self._taken.set)
         finally:
             self._taken.set()
@@ -134,9 +134,10 @@ class Handover:
 
 def store_payload(location: Location, payload: Payload, codec: Codec, level: int | None,
                   saver: Handover | None = None,
-                  commit: Orphan | None = None,
-                  progress: Progress = NO_PROGRESS) -> tuple[int, str]:
-    """Write a step's payload to ``location``: from ``saver``'s process when given and it can reach the
+                  commit: OrphanPart | None = None,
+                  progress: Progress = NO_PROGRESS, digest: str = PAYLOAD_HASH) -> tuple[int, str]:
+    """Write a step's payload to ``location``, its size and ``digest`` (hex; BLAKE3 unless a copy of an older
+    step's object is checked by its sha256): from ``saver``'s process when given and it can reach the
     location (the manager starts one only for a directory other processes can reach), else from this thread.
     A save process that dies or cannot take the payload is never fatal: the payload (under its unique name)
     is written again from here; a killed process's partial object has no manifest and is swept like any
@@ -144,13 +145,13 @@ def store_payload(location: Location, payload: Payload, codec: Codec, level: int
     before doing so."""
     if saver is not None:
         try:
-            return saver.store_payload(location, payload, codec, level, commit, progress)
+            return saver.store_payload(location, payload, codec, level, commit, progress, digest)
         except NotTransferable:
             pass
         except SaverUnavailable as exc:
             warnings.warn(f"{exc}; taskpoint writes {location.uri} from this process instead", RuntimeWarning,
                           stacklevel=2)
-    return write_payload(location, payload, codec, level, progress=progress)
+    return write_payload(location, payload, codec, level, digest, progress=progress)
 
 
 def store_staged(manifest: Location, segment: str, job: StagedJob, saver: Handover | None,

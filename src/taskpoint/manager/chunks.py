@@ -34,6 +34,7 @@ from pathlib import Path
 from ..errors import CheckpointCorruptError
 from ..format.archive import walk_source
 from ..format.codecs import Codec, get_codec
+from ..format.documents import EPOCH_FORMAT, small_document
 from ..format.records import TreeEntry
 from ..payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, FilePayload, Payload
 from ..storage import Deadline, Location
@@ -167,8 +168,7 @@ class ChunkStore:
         return self.root.child(f"{LEASE_FOLDER}/{EPOCH_NAME}").read_small()
 
     def bump_epoch(self) -> None:
-        self.root.child(f"{LEASE_FOLDER}/{EPOCH_NAME}").write_small(uuid.uuid4().hex.encode(),
-                                                                    action="write the chunk epoch at")
+        self.root.child(f"{LEASE_FOLDER}/{EPOCH_NAME}").write_small(new_epoch(), action="write the chunk epoch at")
 
     def fence_epoch(self) -> None:
         """Rewrite the epoch as a fence against a sweep taken for dead (which stops removing once it sees the
@@ -177,7 +177,14 @@ class ChunkStore:
         epoch = self.root.child(f"{LEASE_FOLDER}/{EPOCH_NAME}")
         _, version = epoch.read_versioned()
         with contextlib.suppress(VersionConflict):
-            epoch.write_versioned(uuid.uuid4().hex.encode(), version, action="write the chunk epoch at")
+            epoch.write_versioned(new_epoch(), version, action="write the chunk epoch at")
+
+
+def new_epoch() -> bytes:
+    """A fresh chunk epoch: a :data:`~taskpoint.format.documents.EPOCH_FORMAT` document naming a new ``uuid4``. Its
+    readers compare it whole with the one they read before (an older taskpoint's 32 hex digits of ASCII too), so
+    it is never parsed: any change is a new epoch."""
+    return small_document(EPOCH_FORMAT, {"epoch": uuid.uuid4().hex}, sort_keys=True)
 
 
 def source_tree(payload: Payload) -> tuple[list[TreeEntry], dict[str, Path], memoryview | None]:

@@ -18,11 +18,13 @@ time, needs no agreement between clocks.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+
+from ..errors import NewerFormatError
+from ..format.documents import LEASE_FORMAT, read_small_document, small_document
 
 #: How much earlier than its write a modification time listed in whole seconds may be: S3 lists ``LastModified``
 #: so (AWS, moto and SeaweedFS alike), and a lease written at 10.9 s is listed as written at 10 s.
@@ -50,19 +52,20 @@ def fresh(mtime: float | None, now: float, grace: float) -> bool:
 
 def lease_body(grace: float, beat: float | None = None) -> bytes:
     """The body of a lease written now by a writer of ``grace`` (renewed every ``beat`` seconds, when it has a
-    heartbeat). Every renewal's body differs from the last: it records the time of writing."""
+    heartbeat), a :data:`~taskpoint.format.documents.LEASE_FORMAT` document. Every renewal's body differs from the
+    last: it records the time of writing."""
     body: dict[str, float] = {"written": time.time(), "grace": grace}
     if beat is not None:
         body["beat"] = beat
-    return json.dumps(body).encode()
+    return small_document(LEASE_FORMAT, body)
 
 
 def _recorded(data: bytes | None, field: str) -> float | None:
     """A finite number >= 0 that a lease's body records under ``field``; None when it records none (written by
-    an older taskpoint) or cannot be read."""
+    an older taskpoint), cannot be read, or is of a newer version."""
     try:
-        value = json.loads(data)[field] if data else None
-    except (ValueError, TypeError, KeyError):
+        value = read_small_document(data, LEASE_FORMAT)[field] if data else None
+    except (ValueError, TypeError, KeyError, NewerFormatError):
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         return None

@@ -3,18 +3,18 @@ which steps, and when).
 
 A step of any kind is promoted alike, knowing no kind: the objects its local manifest names (the kind's
 ``objects()``) are copied byte for byte under their own names (from the save process when there is one), each
-checked against the size and sha256 the manifest records (a kind that records no sha256 of an object has its
-copy read back by its own verify), and only then is the remote step committed with the local manifest's content
-(:func:`.step_commit.commit`). A copy that does not match is removed and never committed, so a torn local step is
-never promoted. When the trainer dies while the save process copies a step of one object, the process commits
-the copy itself (:class:`PromotionCommit`), under the same check. With several ranks each rank promotes its own
-part (its local step, of any kind) and rank 0 commits the remote step as any multi-rank step (:mod:`.tier_ranks`).
+checked against the size and digest (BLAKE3, or an older step's sha256) the manifest records (a kind that records
+no digest of an object has its copy read back by its own verify), and only then is the remote step committed with
+the local manifest's content (:func:`.step_commit.commit`). A copy that does not match is removed and never
+committed, so a torn local step is never promoted. When the trainer dies while the save process copies a step of
+one object, the process commits the copy itself (:class:`~.step_commit.OrphanCommit`), under the same check. With
+several ranks each rank promotes its own part (its local step, of any kind) and rank 0 commits the remote step as
+any multi-rank step (:mod:`.tier_ranks`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,36 +23,18 @@ from typing import Any
 from .. import _log
 from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointCorruptError
-from ..format.records import Shard, StepManifest
+from ..format.records import PAYLOAD_HASH, Shard, StepManifest
 from ..payloads import FilePayload
-from ..storage import Location, RetryPolicy
+from ..storage import Location
 from .background import Background, Handover, store_payload
 from .commit import StepWriter
 from .kinds import StepContext, step_kind
 from .kinds.sharded import commit_parts, rank_part
 from .protect import overwrite_lease
 from .shards import ShardWriter, naming_rank
-from .step_commit import Stored, commit, write_manifest
+from .step_commit import OrphanCommit, Stored, commit
 from .step_names import MANIFEST_NAME
 from .steps import StepStore, best_effort
-
-
-@dataclasses.dataclass(frozen=True)
-class PromotionCommit:
-    """What the save process commits for a trainer that died while it copied a step to the remote tier: the
-    local manifest, written remotely only when the copy's size and sha256 are the ones it records (a torn local
-    step is never committed), and never over a manifest already there."""
-
-    uri: str
-    storage_options: dict[str, Any]
-    retry: RetryPolicy
-    manifest: StepManifest
-
-    def finish(self, size: int, digest: str, deadline: float) -> None:
-        record = self.manifest.record
-        if (size, digest) == (record.size, record.sha256):
-            write_manifest(Location(self.uri, self.storage_options, self.retry), self.manifest, create=True,
-                           action="promote, for a trainer that died, the checkpoint at")
 
 
 class Promoter:
@@ -103,15 +85,16 @@ class Promoter:
                       ) -> dict[str, int]:
         """Copy every object of its folder that the local manifest of ``step`` names (its kind's
         :meth:`~.kinds.StepKind.objects`), whatever its kind, to the remote step's folder (:meth:`_copy`); when
-        the manifest records no sha256 of some object, the copies are then read back whole by the kind's own
+        the manifest records no digest of some object, the copies are then read back whole by the kind's own
         verify against the manifest. The sizes stored. A copy that does not match is removed with the others,
         and CheckpointCorruptError raised: the local step is damaged, and is never committed remotely. A step of
-        one object whose sha256 the record holds is committed by the save process if this process dies while it
-        copies (:class:`PromotionCommit`); another step's promotion cut short is redone by the next one."""
+        one object whose digest the record holds is committed by the save process if this process dies while it
+        copies (:class:`~.step_commit.OrphanCommit`); another step's promotion cut short is redone by the next
+        one."""
         named, record = self._local.named(step, manifest), manifest.record
         location, sole = self._steps.object(step, MANIFEST_NAME), next(iter(named.files), None)
-        orphan = (PromotionCommit(location.uri, location.storage_options, location.retry, manifest)
-                  if len(named.files) == 1 and named.digests.get(sole or "") == record.sha256 else None)
+        orphan = (OrphanCommit.at(location, manifest, fill=False)
+                  if len(named.files) == 1 and named.digests.get(sole or "") == record.digest else None)
         sizes: dict[str, int] = {}
         try:
             for name, size in named.files.items():
@@ -128,21 +111,23 @@ class Promoter:
             raise
         return sizes
 
-    def _copy(self, step: int, name: str, target: Location, size: int | None, sha256: str | None,
+    def _copy(self, step: int, name: str, target: Location, size: int | None, digest: tuple[str, str] | None,
               handover: Handover | None, orphan: Any, progress: Progress) -> tuple[int, str]:
         """Copy the local object ``name`` of ``step`` to ``target``, in the remote step's folder (from the save
-        process when there is one, which finishes ``orphan`` if this process dies first); its size and
-        sha256, checked as it streams against the ``size`` and ``sha256`` the local manifest records (None: it
-        records none). A copy that does not match is removed and CheckpointCorruptError raised."""
+        process when there is one, which finishes ``orphan`` if this process dies first); its size and digest
+        (hex), checked as it streams against the ``size`` and ``digest`` (hash, hex) the local manifest records
+        (None: it records none; the copy is then hashed by BLAKE3). A copy that does not match is removed and
+        CheckpointCorruptError raised."""
         try:
             source = FilePayload(Path(self._local.object(step, name).path))
         except FileNotFoundError:
             raise self._damaged(step, f"its {name} is missing") from None
-        found, digest = store_payload(target, source, self._codec, None, handover, orphan, progress)
-        if size not in (None, found) or sha256 not in (None, digest):
+        hash_name = PAYLOAD_HASH if digest is None else digest[0]
+        found, hexdigest = store_payload(target, source, self._codec, None, handover, orphan, progress, hash_name)
+        if size not in (None, found) or digest not in (None, (hash_name, hexdigest)):
             best_effort(target.remove)
             raise self._damaged(step, f"read {found} bytes of {name}, expected {size}")
-        return found, digest
+        return found, hexdigest
 
     def _damaged(self, step: int, why: str) -> CheckpointCorruptError:
         return CheckpointCorruptError(f"step {step} in {self._local.directory} does not match its manifest ({why}): "

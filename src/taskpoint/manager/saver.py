@@ -57,7 +57,7 @@ from typing import IO, Any, Protocol
 from .._progress import NO_PROGRESS, Progress
 from ..errors import add_note
 from ..format.codecs import Codec
-from ..format.records import StepManifest
+from ..format.records import PAYLOAD_HASH, StepManifest
 from ..payloads import Payload
 from ..storage import Location
 from ..workspace import owner_tag
@@ -120,16 +120,12 @@ def read_message(stream: IO[bytes]) -> Any:
 
 
 class OrphanPart(Protocol):
-    """A part of a step that the child finishes for a parent that died once the payload was stored (a shard's
-    record, or rank 0's commit of a step of several ranks: :class:`~taskpoint.manager.shards.ShardOrphan`),
-    by ``deadline`` (``time.monotonic()``)."""
+    """What the child finishes for a parent that died once the payload was stored, given the payload's size and
+    digest, by ``deadline`` (``time.monotonic()``): the manifest of a step of one payload object
+    (:class:`~taskpoint.manager.step_commit.OrphanCommit`), a shard's record, or rank 0's commit of a step of
+    several ranks (:class:`~taskpoint.manager.shards.ShardOrphan`)."""
 
     def finish(self, size: int, digest: str, deadline: float) -> None: ...
-
-
-#: What the child finishes for a dead parent: a single payload's manifest (its location, and the manifest with
-#: size and digest to fill in), or a part of a step of several ranks.
-Orphan = tuple[Location, StepManifest] | OrphanPart
 
 
 class StagedJob(Protocol):
@@ -209,26 +205,23 @@ class SaverProcess:
         return not self.started and code is not None and code > 0
 
     def store_payload(self, location: Location, payload: Payload, codec: Codec, level: int | None,
-                      commit: Orphan | None = None,
-                      progress: Progress = NO_PROGRESS, *, folders: tuple[str, ...] = (),
+                      commit: OrphanPart | None = None,
+                      progress: Progress = NO_PROGRESS, *, digest: str = PAYLOAD_HASH, folders: tuple[str, ...] = (),
                       taken: Callable[[], None] | None = None) -> tuple[int, str]:
-        """What :func:`taskpoint.transfer.write_payload` does, done by the helper process.
+        """What :func:`taskpoint.transfer.write_payload` does (hashing by ``digest``), done by the helper process.
 
-        ``commit`` is the manifest's location and the manifest (its size and digest still to fill in) that the
-        child writes itself if this process dies before it has called :meth:`done` (see the module's
-        docstring); ``folders`` are the snapshot folders the child removes then. ``taken`` is called once the
-        request is in the pipe (the child reads it even if this process dies then), before the child uploads.
-        The child reports its progress as ``("progress", "size" | "update", n)`` messages before its answer; they
-        go to ``progress``.
+        ``commit`` is what the child finishes itself (the step's manifest, with the size and digest it computed)
+        if this process dies before it has called :meth:`done` (see the module's docstring); ``folders`` are the
+        snapshot folders the child removes then. ``taken`` is called once the request is in the pipe (the child
+        reads it even if this process dies then), before the child uploads. The child reports its progress as
+        ``("progress", "size" | "update", n)`` messages before its answer; they go to ``progress``.
 
         Raises what the child raised (with its traceback as a note), or SaverUnavailable when the request
         cannot be sent (the payload does not pickle) or the child died; nothing was committed then.
         """
         try:
-            orphan = commit if commit is None or not isinstance(commit, tuple) else (
-                commit[0].uri, commit[0].storage_options, commit[0].retry, commit[1])
-            request = pickled((location.uri, location.storage_options, location.retry, payload, codec, level,
-                               orphan, progress.active, folders))
+            request = pickled((location.uri, location.storage_options, location.retry, payload, codec, level, digest,
+                               commit, progress.active, folders))
         except Exception as exc:
             raise NotTransferable(f"this payload cannot be sent to the save process ({exc})") from exc
         size, digest, payload.written_index = self._exchange(request, progress, taken)

@@ -5,7 +5,6 @@ payload, and, when the parent dies after the handover, finishes the upload and c
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import importlib
 import io
@@ -46,9 +45,9 @@ from .saver import (
 from .staging import Segment, free_owned_segments
 from .step_commit import write_manifest
 
-#: A manifest the child writes for a dead parent: its location, and the manifest (with size and digest to fill
-#: in) of a payload, or None for a staged save's, which the child's job made whole.
-_Commit = tuple[str, Any, Any, StepManifest | None]
+#: Where the child writes a staged save's manifest (which the save's job made whole) for a dead parent: the
+#: location's URI, storage options and retry policy.
+_Commit = tuple[str, Any, Any]
 
 
 class _Duty:
@@ -169,23 +168,17 @@ def _portable_error(exc: BaseException) -> BaseException:
 def _commit_orphan(commit: _Commit | OrphanPart, stored: tuple[int, str] | StepManifest,
                    deadline: float | None = None) -> None:
     """Write the manifest of the step whose payload (or staged objects) this child just stored for a parent
-    that died; never over a manifest already there (another writer committed the step first). A part of a step
-    of several ranks finishes itself by ``deadline`` (default: the grace period from now)."""
+    that died; never over a manifest already there (another writer committed the step first). A payload's
+    ``commit`` finishes itself (a part of a step of several ranks by ``deadline``, default: the grace period from
+    now)."""
     if isinstance(stored, StepManifest):
-        manifest = stored
-    else:
-        size, digest = stored
-        if not isinstance(commit, tuple):
-            commit.finish(size, digest,
-                          time.monotonic() + preemption.grace_seconds() if deadline is None else deadline)
-            return
-        assert commit[3] is not None
-        manifest = dataclasses.replace(commit[3], record=dataclasses.replace(commit[3].record, size=size,
-                                                                             sha256=digest))
-    assert isinstance(commit, tuple)
-    uri, options, retry, _ = commit
-    write_manifest(Location(uri, options, retry), manifest, create=True,
-                   action="commit, for a trainer that died, the checkpoint at")
+        assert isinstance(commit, tuple)
+        write_manifest(Location(*commit), stored, create=True,
+                       action="commit, for a trainer that died, the checkpoint at")
+        return
+    assert not isinstance(commit, tuple)
+    size, digest = stored
+    commit.finish(size, digest, time.monotonic() + preemption.grace_seconds() if deadline is None else deadline)
 
 
 def _relayed(replies: IO[bytes]) -> Progress:
@@ -209,7 +202,7 @@ def _serve_staged(request: StagedRequest, duty: _Duty, replies: IO[bytes]) -> No
         with contextlib.suppress(OSError):
             write_message(replies, pickled(("error", (_portable_error(exc), traceback.format_exc()), [])))
         return
-    duty.take((*request.manifest, None), ())
+    duty.take(request.manifest, ())
     with contextlib.suppress(OSError):  # a parent dead already: the step is done all the same
         write_message(replies, pickled(TAKEN))
     with warnings.catch_warnings(record=True) as caught:
@@ -287,7 +280,7 @@ def _handle(message: Any, duty: _Duty, replies: IO[bytes]) -> None:
 def _serve_payload(request: tuple[Any, ...], duty: _Duty, replies: IO[bytes]) -> None:
     """Say that the payload's request is read, write the payload, and answer its size, digest and index (or its
     error)."""
-    uri, options, retry, payload, codec, level, orphan, report, folders = request
+    uri, options, retry, payload, codec, level, digest, orphan, report, folders = request
     duty.take(orphan, folders)
     with contextlib.suppress(OSError):  # a parent dead already: the step is done all the same
         write_message(replies, pickled(TAKEN))
@@ -296,7 +289,7 @@ def _serve_payload(request: tuple[Any, ...], duty: _Duty, replies: IO[bytes]) ->
         value: Any
         try:
             with _relayed(replies) if report else NO_PROGRESS as progress:
-                value = write_payload(Location(uri, options, retry), payload, codec, level, progress=progress)
+                value = write_payload(Location(uri, options, retry), payload, codec, level, digest, progress=progress)
             duty.stored(value)
             value = (*value, payload.written_index)  # the archive's index goes into the parent's manifest
             status = "ok"

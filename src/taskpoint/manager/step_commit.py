@@ -12,12 +12,12 @@ by a later save or gc() once older than the grace period.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import SaveStalledError
-from ..format.records import ObjectRecord, StepContent, StepManifest
-from ..storage import Location
+from ..format.records import PAYLOAD_HASH, ObjectRecord, StepContent, StepManifest
+from ..storage import Location, RetryPolicy
 from ..storage.streams import VersionConflict
 from .step_names import MANIFEST_NAME
 from .steps import StepStore, best_effort, save_clock
@@ -107,3 +107,41 @@ def check_stored(steps: StepStore, step: int, sizes: Mapping[str, int], *, writt
                 "sweep (gc(), or the tidy-up of another save) took it for the leftover of a dead save: this "
                 "save was stalled (paused, frozen or starved) for longer than the grace period, or another "
                 "process sweeps with a shorter grace_seconds. The previous steps are intact; save again.")
+
+
+@dataclass(frozen=True)
+class OrphanCommit:
+    """What the save process commits for a trainer that died after handing it the one payload object of a step
+    (pickled to it with the request): ``manifest`` at ``uri``, written create-only, never over a manifest already
+    there. A save (``fill``) fills in the record's size and digest from what the process stored; a promotion's copy
+    is committed only when its size and digest are the ones the record holds, so that a torn local step is never
+    committed."""
+
+    uri: str
+    storage_options: dict[str, Any]
+    retry: RetryPolicy
+    manifest: StepManifest
+    fill: bool
+
+    @classmethod
+    def at(cls, location: Location, manifest: StepManifest, *, fill: bool) -> OrphanCommit:
+        return cls(location.uri, location.storage_options, location.retry, manifest, fill)
+
+    @property
+    def hash_name(self) -> str:
+        """The hash the object is stored by: :data:`PAYLOAD_HASH` for a save, the record's for a copy."""
+        return PAYLOAD_HASH if self.fill else self.manifest.record.hash_name
+
+    def finish(self, size: int, digest: str, deadline: float) -> None:
+        """Commit the step whose object the process stored at ``size`` bytes with ``digest`` (by
+        :attr:`hash_name`); one small write, within the storage retry's own bounds (``deadline`` is for the parts
+        of a step of several ranks, which wait for the others)."""
+        record = self.manifest.record
+        if self.fill:
+            manifest = replace(self.manifest, record=record.with_digest(size, self.hash_name, digest))
+        elif (size, (self.hash_name, digest)) == (record.size, record.digest):
+            manifest = self.manifest
+        else:
+            return
+        write_manifest(Location(self.uri, self.storage_options, self.retry), manifest, create=True,
+                       action=f"{'commit' if self.fill else 'promote'}, for a trainer that died, the checkpoint at")

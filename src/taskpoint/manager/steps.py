@@ -44,9 +44,10 @@ class StepObjects:
 
     files: dict[str, int | None] = field(default_factory=dict)
     chunks: dict[str, str] = field(default_factory=dict)
-    #: The sha256 of each object of its folder whose sha256 the manifest records (a promotion checks its copy
-    #: against it as it streams; the step's other objects it reads back through the kind's verify).
-    digests: dict[str, str] = field(default_factory=dict)
+    #: The digest of each object of its folder whose digest the manifest records, as (its hash: ``blake3`` or
+    #: ``sha256``, hex) (a promotion checks its copy against it as it streams; the step's other objects it reads
+    #: back through the kind's verify).
+    digests: dict[str, tuple[str, str]] = field(default_factory=dict)
     #: What the step calls the objects of its folder (``taskpoint ls`` names a missing one so).
     noun: str = "payload"
 
@@ -153,7 +154,7 @@ class StepStore:
         except CheckpointCorruptError as exc:
             if tolerate_corrupt:
                 return None
-            raise CheckpointCorruptError(f"step {step} in {self.directory}: {exc}") from exc
+            raise type(exc)(f"step {step} in {self.directory}: {exc}") from exc  # newer stays NewerFormatError
         return manifest
 
     def missing(self, step: int, also: Iterable[int] = ()) -> FileNotFoundError:

@@ -35,7 +35,6 @@ from .kinds import StepContext
 from .kinds.sharded import own_record
 from .options import BackgroundSaves, Shards, Tier
 from .promotion import Promoter
-from .promotion import PromotionCommit as PromotionCommit  # re-exported: tests name it here
 from .restore import StepReader, candidates
 from .retention import Retention
 from .steps import StepStore, best_effort
@@ -180,7 +179,7 @@ class LocalTier:
         """Whether this rank's local copy of ``step`` may be read for it. A step on the local tier alone: when
         every rank holds it (``agreed``; always with one rank), as the tier's point is. A step on the remote
         tier too: only when the local copy is the committed step's (this rank's shard of it, with several
-        ranks), by the size and sha256 the remote manifest records: the remote manifest is the truth. A local
+        ranks), by the size and digest the remote manifest records: the remote manifest is the truth. A local
         copy that is not (a save never promoted, whose step number another node committed since) is removed,
         with a WARNING; one whose remote manifest cannot be read is left alone, unread (the remote read then
         says why the step does not restore)."""
@@ -194,7 +193,7 @@ class LocalTier:
         if copy is None or committed is None:
             return False
         expected = own_record(committed, self._ranks.rank) if self._ranks.distributed else committed.record
-        if expected is not None and (expected.size, expected.sha256) == (copy.record.size, copy.record.sha256):
+        if expected is not None and (expected.size, expected.digest) == (copy.record.size, copy.record.digest):
             return True
         _log.logger.warning("the local copy of step %d in %s is not the committed step (the manifest in %s records "
                             "another %s): a save never promoted, whose step number was committed since by "

@@ -59,9 +59,10 @@ class Verification:
 @dataclass(frozen=True)
 class StepDescription:
     """What a step's manifest says, read without its payload: its step kind; the object holding its payload
-    (empty when none); the commit record (``payload_kind``, ``codec``, ``save_id``, ``created``, ``size``,
-    ``sha256``, ``crc32``); the task attempt and the user's metadata; and the kind's own ``details`` (shards,
-    files, chunks; a ``size`` there is the data the step holds, where it differs from the record's)."""
+    (empty when none); the commit record (``payload_kind``, ``codec``, ``save_id``, ``created``, ``size``, ``sha256``,
+    ``crc32``, and ``blake3``: a payload's digest since manifest version 6); the task attempt and the user's metadata;
+    and the kind's own ``details`` (shards, files, chunks; a ``size`` there is the data the step holds, where it differs
+    from the record's)."""
 
     step: int
     uri: str
@@ -78,18 +79,20 @@ class StepDescription:
     checked: bool
     metadata: dict[str, Any]
     details: dict[str, Any] = field(default_factory=dict)
+    blake3: str | None = None
 
     def not_a_copy_of(self, committed: StepDescription) -> str | None:
         """Why this step (a local tier's copy) is not the step ``committed`` describes (the remote tier's, whose
-        manifest is the truth), or None when it is: when its size and sha256 are the ones ``committed`` records
+        manifest is the truth), or None when it is: when its size and digest are the ones ``committed`` records
         (for a multi-rank step, some rank's shard: a tool that does not know which rank wrote a local_dir accepts
         any; a tiered restore asks for its own rank's)."""
         shards = committed.details.get("shards")
-        recorded = ({(shard["size"], shard["sha256"]) for shard in shards} if shards
-                    else {(committed.size, committed.sha256)})
-        if (self.size, self.sha256) in recorded:
+        recorded = ({(shard["size"], shard["sha256"], shard.get("blake3")) for shard in shards} if shards
+                    else {(committed.size, committed.sha256, committed.blake3)})
+        if (self.size, self.sha256, self.blake3) in recorded:
             return None
-        return (f"not the committed step: its sha256 {self.sha256} is not the one {committed.uri} records for "
+        digest = f"BLAKE3 {self.blake3}" if self.blake3 is not None else f"sha256 {self.sha256}"
+        return (f"not the committed step: its {digest} is not the one {committed.uri} records for "
                 f"{'any shard' if shards else 'its payload'} (a save never promoted, whose step number another "
                 "save committed since); a restore with this local_dir reads the remote copy and removes this one")
 
@@ -169,4 +172,4 @@ def describe_step(parts: StepContext, kinds: StepKinds, step: int) -> StepDescri
                            payload=described.payload, attempt=manifest.attempt, payload_kind=record.kind,
                            codec=record.codec, save_id=record.save_id, created=record.created, size=record.size,
                            sha256=record.sha256, crc32=record.crc32, checked=manifest.checked,
-                           metadata=manifest.metadata, details=described.details)
+                           metadata=manifest.metadata, details=described.details, blake3=record.blake3)

@@ -11,7 +11,6 @@ attempt number and the others agree on it through storage (:mod:`.rendezvous`).
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -19,6 +18,8 @@ from typing import Any
 
 from .. import _log
 from ..checkpoint import Checkpoint
+from ..errors import NewerFormatError
+from ..format.documents import ATTEMPT_FORMAT, read_small_document, small_document
 from ..ranks import Ranks
 from ..storage import Location
 from ..storage.uris import check_uri
@@ -56,7 +57,8 @@ class ActionStore:
         return sorted(n for n in found if n >= 1)
 
     def begin(self, attempt: int) -> None:
-        """Write the attempt's marker (with several ranks, rank 0 writes it, with the world size)."""
+        """Write the attempt's marker (with several ranks, rank 0 writes it, with the world size), a
+        :data:`~taskpoint.format.documents.ATTEMPT_FORMAT` document."""
         marker: dict[str, Any] = {"attempt": attempt, "started": time.time(), "pid": os.getpid(),
                                   "host": socket.gethostname()}
         if self.ranks.distributed:
@@ -64,7 +66,7 @@ class ActionStore:
                 return
             marker["world_size"] = self.ranks.world_size
         self._folder.child(f"{attempt}/{ATTEMPT_MARKER}").write_small(
-            json.dumps(marker).encode(), action="start the attempt at")
+            small_document(ATTEMPT_FORMAT, marker), action="start the attempt at")
 
     def claim(self, attempt: int | None = None) -> int:
         """Start the attempt all ranks of this launch run, and return it: ``attempt`` when given, else the next
@@ -101,8 +103,8 @@ class ActionStore:
         world = self.ranks.world_size
         data = self._folder.child(f"{attempt}/{ATTEMPT_MARKER}").read_small()
         try:
-            ran_with = int(json.loads(data).get("world_size", 1)) if data is not None else 1
-        except (ValueError, TypeError, AttributeError):
+            ran_with = int(read_small_document(data, ATTEMPT_FORMAT).get("world_size", 1)) if data is not None else 1
+        except (ValueError, TypeError, NewerFormatError):  # unreadable, or a newer taskpoint's: not resumed from
             return False
         saved = set(self._folder.child(f"{attempt}/{CHECKPOINT_NAME}").list_names())
         complete = all(f"rank-{rank}" in saved for rank in range(ran_with))

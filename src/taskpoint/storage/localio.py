@@ -92,14 +92,15 @@ def copy_file_in_kernel(source: str | os.PathLike[str], dest_fd: int) -> int:
 
 
 def digest_by_reading(fd: int, size: int, hasher: Any, on_read: Callable[[int], None] | None = None, *,
-                      start: int = 0) -> int:
+                      start: int = 0, keep: bool = False) -> int:
     """Feed up to ``size`` bytes of an open file, from ``start``, to ``hasher`` with positional reads into one
     small buffer (it stays in the CPU's cache); return how many there were (``on_read(n)`` is told of each piece).
-    For files others could truncate meanwhile: a memory map would crash the process with SIGBUS, a read just
-    comes up short."""
+    ``keep``: each piece a bytes object of its own, which the hasher may keep without a copy (a hash on a thread
+    of its own, :class:`~taskpoint.digests.HashBehind`). For files others could truncate meanwhile: a memory map
+    would crash the process with SIGBUS, a read just comes up short."""
     piece = 1 << 20
     done = 0
-    if not hasattr(os, "preadv"):  # e.g. macOS before 11: a new bytes object per piece
+    if keep or not hasattr(os, "preadv"):  # e.g. macOS before 11: a new bytes object per piece
         while done < size and (chunk := os.pread(fd, min(piece, size - done), start + done)):
             hasher.update(chunk)
             done += len(chunk)

@@ -313,18 +313,26 @@ def stored_part(context: StepContext, step: int, name: str, size: int | None, sh
     return found
 
 
+def stored_object(context: StepContext, step: int, name: str, record: ObjectRecord, progress: object, label: str
+                  ) -> int:
+    """:func:`stored_part` of the payload object ``name``, against the size and digest (BLAKE3, or sha256 in
+    older steps) its ``record`` holds."""
+    hash_name, hexdigest = record.digest or (record.hash_name, None)
+    return stored_part(context, step, name, record.size, hexdigest, progress, label, hash_name)
+
+
 def read_object(context: StepContext, step: int, name: str, record: ObjectRecord, workspace: Path, progress: Progress,
                 only: Sequence[str] | None = None) -> Path:
     """Restore the payload object ``name`` of ``step``'s folder into ``workspace``, checked against ``record``
-    (kind, size, sha256) while it streams; ``only``: just these paths of a directory (the rest is streamed,
-    verified and skipped). :class:`Gone` when the object is missing."""
+    (kind, size, BLAKE3 or an older step's sha256) while it streams; ``only``: just these paths of a directory (the
+    rest is streamed, verified and skipped). :class:`Gone` when the object is missing."""
     steps = context.steps
     src = steps.object(step, name)
 
     def verify(kind: str, size: int, digest: str) -> None:
-        if (kind, size, digest) != (record.kind, record.size, record.sha256):
+        if (kind, size, (record.hash_name, digest)) != (record.kind, record.size, record.digest):
             raise CheckpointCorruptError(
-                f"step {step} in {steps.directory} does not match the sha256 recorded when it was saved "
+                f"step {step} in {steps.directory} does not match the {record.hash_name} recorded when it was saved "
                 f"(read {size} bytes of {name}, expected {record.size}); it is damaged. Restore an older step "
                 "(fallback=True), or save it again.")
 
@@ -332,7 +340,7 @@ def read_object(context: StepContext, step: int, name: str, record: ObjectRecord
                 f"after the commit{GONE_HOW}. Restore an older step (fallback=True), or delete this one.")
     try:
         result = read_payload(src, workspace, lambda head, size: payload_class(record.kind, src.uri), verify,
-                              size_hint=record.size, progress=progress, only=only)
+                              record.hash_name, size_hint=record.size, progress=progress, only=only)
     except FileNotFoundError:  # deleted under a streaming read (object stores)
         raise gone from None
     except CheckpointCorruptError as exc:

@@ -1,6 +1,7 @@
 """The ``payload`` step kind: one payload object in the step's folder, stored as a Checkpoint stores it (raw,
-or a tar archive), committed by a manifest naming it with its sha256. The kind of every step saved without
-``dedup`` by one rank. Its manifest keeps the layout of format version 1, which every taskpoint reads."""
+or a tar archive), committed by a manifest naming it with its BLAKE3, computed beside the write. The kind of every
+step saved without ``dedup`` by one rank. Its manifest is version 6 (version 4's layout): steps saved before
+BLAKE3 keep version 1's, with a sha256, and are read and verified by it as they were."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from ...format.records import ObjectRecord, StepManifest
 from ...partial import indexed, open_by_restoring, open_indexed, restore_indexed
 from ...payloads import Payload
 from ..background import store_payload
-from ..step_commit import Stored
+from ..step_commit import OrphanCommit, Stored
 from ..step_names import MANIFEST_NAME, PAYLOAD_NAME, name_in, stored_names
 from ..steps import StepObjects, StepStore, save_clock
 from . import (
@@ -32,7 +33,7 @@ from . import (
     content_of,
     read_object,
     register_step_kind,
-    stored_part,
+    stored_object,
 )
 
 _OWNED = stored_names(PAYLOAD_NAME.pattern)
@@ -73,10 +74,12 @@ class PayloadKind:
                                 content=PayloadObject(name))
         began = save_clock()
         # The save process commits this manifest itself (size and digest filled in) if we die meanwhile.
+        orphan = OrphanCommit.at(steps.object(step, MANIFEST_NAME), manifest, fill=True)
         size, digest = store_payload(steps.object(step, name), payload, context.codec, context.level, job.saver,
-                                     (steps.object(step, MANIFEST_NAME), manifest), job.progress)
-        record = dataclasses.replace(record, size=size, sha256=digest,
-                                     index=payload.written_index if payload.archived else None)
+                                     orphan, job.progress, orphan.hash_name)
+        record = record.with_digest(size, orphan.hash_name, digest)
+        if payload.archived:
+            record = dataclasses.replace(record, index=payload.written_index)
         return Stored(PayloadObject(name), record, {name: size}, sent=size, began=began)
 
     def restore(self, context: StepContext, step: int, manifest: StepManifest, workspace: Path,
@@ -87,7 +90,7 @@ class PayloadKind:
     def restore_paths(self, context: StepContext, step: int, manifest: StepManifest, workspace: Path,
                       paths: Sequence[str], progress: Progress) -> Path:
         """With the archive's index, ranged reads of the members that hold ``paths``; without, the whole object
-        streamed and verified against its sha256, keeping those entries."""
+        streamed and verified against its digest, keeping those entries."""
         name, record = content_of(manifest, PayloadObject).name, manifest.record
         if not indexed(record.index, record.codec):
             return read_object(context, step, name, record, workspace, progress, only=paths)
@@ -107,12 +110,12 @@ class PayloadKind:
 
     def verify(self, context: StepContext, step: int, manifest: StepManifest, progress: object) -> Checked:
         name, record = content_of(manifest, PayloadObject).name, manifest.record
-        size = stored_part(context, step, name, record.size, record.sha256, progress, f"verify step {step}")
-        return Checked(size, "sha256 matches its manifest")
+        size = stored_object(context, step, name, record, progress, f"verify step {step}")
+        return Checked(size, f"{record.hash_name} matches its manifest")
 
     def objects(self, steps: StepStore, step: int, manifest: StepManifest) -> StepObjects:
         name, record = content_of(manifest, PayloadObject).name, manifest.record
-        return StepObjects(files={name: record.size}, digests={} if record.sha256 is None else {name: record.sha256})
+        return StepObjects(files={name: record.size}, digests={} if record.digest is None else {name: record.digest})
 
     def delete(self, steps: StepStore, step: int, manifest: StepManifest) -> set[str]:
         name = content_of(manifest, PayloadObject).name

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from ..._progress import Progress
 from ...errors import CheckpointError
-from ...format.records import ObjectRecord, Shard, StepContent, StepManifest
+from ...format.records import BLAKE3_VERSION, KIND_VERSION, ObjectRecord, Shard, StepContent, StepManifest
 from ...payloads import Payload
 from ..background import store_payload
 from ..shards import ShardWriter, shards_record
@@ -44,6 +44,12 @@ class Shards:
     def to_json(self) -> dict[str, Any]:
         return {"payload": "", "shards": [shard.to_json() for shard in self.shards]}
 
+    @property
+    def manifest_version(self) -> int:
+        """The manifest's version: :data:`BLAKE3_VERSION` when a shard is recorded by BLAKE3 (else the kind keeps
+        version 3's layout)."""
+        return by_blake3(self.shards)
+
 
 @dataclass(frozen=True)
 class RankParts:
@@ -56,6 +62,17 @@ class RankParts:
 
     def to_json(self) -> dict[str, Any]:
         return {"shards": [shard.to_json() for shard in self.shards]}
+
+    @property
+    def manifest_version(self) -> int:
+        """The manifest's version: :data:`BLAKE3_VERSION` when a part is recorded by BLAKE3 (a payload's)."""
+        return by_blake3(self.shards)
+
+
+def by_blake3(shards: tuple[Shard, ...]) -> int:
+    """The manifest version of a step whose ranks' parts are ``shards``: :data:`BLAKE3_VERSION` when one is
+    recorded by BLAKE3, which readers of older versions would check as sha256; else version 4."""
+    return BLAKE3_VERSION if any(shard.record.blake3 is not None for shard in shards) else KIND_VERSION
 
 
 def content_of_shards(shards: tuple[Shard, ...]) -> Shards | RankParts:
@@ -221,7 +238,8 @@ class RanksKind:
             described = kind.describe(context, step, part)
             named = {} if shard.step_kind is None else {**described.details, "step_kind": shard.step_kind}
             shards.append({**named, "rank": shard.rank, "payload": described.payload, "size": shard.record.size,
-                           "sha256": shard.record.sha256})
+                           "sha256": shard.record.sha256,
+                           **({} if shard.record.blake3 is None else {"blake3": shard.record.blake3})})
         return Described(payload="", details={"shards": shards})
 
     def owns(self, name: str, committed: bool) -> bool:
