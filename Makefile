@@ -41,6 +41,7 @@ FLYTE_VERSION ?= 2.12.1
 ROOT ?=
 BENCH_ARGS ?=
 RELIABILITY_ARGS ?=
+PYTEST_ARGS ?=
 TEST_WORKERS ?= 3
 # The fast tests keep a core busy each (no server or process to wait on): one worker per core.
 CHECK_WORKERS ?= 2
@@ -109,6 +110,9 @@ docs: $(DOCS_STAMP)
 # second time here.
 # The suite runs on TEST_WORKERS pytest-xdist workers: most tests wait on servers, subprocesses and signals, so
 # three workers keep two cores busy; one set of object-store servers serves them all (tests/conftest.py).
+# What each test costs in CPU-seconds (the suite is CPU-bound, so that, not wall time, is what a change to the
+# tests saves): make test PYTEST_ARGS="-p _cpu_report --cpu-report=/tmp/cpu", then python tests/_cpu_report.py
+# '/tmp/cpu-*.jsonl' prints it by module.
 # azurite's npm install (1-2 min, most of it writing 20,000 small files) goes on in the background while the tests
 # run: only the Azure tests need it, and the first of them waits for it (tests/_servers.py, through
 # TASKPOINT_NPM_INSTALL_LOG; a failed install fails them with the log's tail).
@@ -118,7 +122,7 @@ test:
 	$(MAKE) --no-print-directory -j2 $(STAMP) $(FLYTE_STAMP)
 	$(VENV)/bin/lint-imports --no-cache
 	TASKPOINT_NPM_INSTALL_LOG=$(NPM_LOG) TASKPOINT_FLYTE_PYTHON=$(FLYTE_VENV)/bin/python \
-		$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=25
+		$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=25 $(PYTEST_ARGS)
 
 check: $(STAMP)
 	$(PY) -m pytest --fast -n $(CHECK_WORKERS) --durations=10

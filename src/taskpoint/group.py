@@ -56,11 +56,14 @@ class RanksMissing(TimeoutError):
 
 def poll(what: str, check: Callable[[], T | None], timeout: float | None, *,
          missing: Callable[[], list[int]] = list, gone: Callable[[], set[int]] | None = None,
-         pauses: tuple[float, float] = (POLL_FIRST, POLL_LONGEST)) -> T:
+         pauses: tuple[float, float] = (POLL_FIRST, POLL_LONGEST),
+         say: Callable[[float], None] | None = None) -> T:
     """What ``check`` returns once it is not None: the one polling loop of rank coordination, its pauses growing
     by half within ``pauses``. :class:`RanksMissing` (naming the ranks ``missing()`` lists) once ``timeout``
     seconds passed, or at once when one of them is ``gone()``. ``timeout`` None is a watch, not a wait: it ends
-    only when ``check`` says so."""
+    only when ``check`` says so. Every :data:`SAY_EVERY` seconds the wait says that it still waits: ``say(waited
+    seconds)`` where the caller knows better what it waits for, else a line naming the missing ranks (a watch
+    says nothing)."""
     began = said = time.monotonic()
     deadline = math.inf if timeout is None else began + timeout
     pause, longest = pauses
@@ -69,10 +72,13 @@ def poll(what: str, check: Callable[[], T | None], timeout: float | None, *,
         lost = sorted(set(missing()) & gone()) if gone is not None else []
         if lost or now >= deadline:
             raise RanksMissing(what, missing(), lost, now - began)
-        if timeout is not None and now - said >= SAY_EVERY:
+        if (say is not None or timeout is not None) and now - said >= SAY_EVERY:
             said = now
-            logger.info("%s: still waiting after %.0f s (at most %.0f s) for ranks %s", what, now - began, timeout,
-                        missing())
+            if say is not None:
+                say(now - began)
+            else:
+                logger.info("%s: still waiting after %.0f s (at most %.0f s) for ranks %s", what, now - began,
+                            timeout, missing())
         time.sleep(min(pause, deadline - now))
         pause = min(pause * 1.5, longest)
     return found

@@ -104,20 +104,22 @@ def renewing(renew: Callable[[], None], grace: float, name: str) -> Iterator[Non
         with contextlib.suppress(Exception):
             renew()
 
-    with _every(grace / 4, quietly, name):
+    with _every_on_thread(grace / 4, quietly, name):
         yield
 
 
+def every(period: float | None, call: Callable[[], None], stop: threading.Event) -> None:
+    """Call ``call`` every ``period`` seconds on the calling thread until ``stop`` is set (with ``period`` None,
+    only wait for it): the one timer of the leases and locks that are renewed while something runs."""
+    while not stop.wait(period):
+        call()
+
+
 @contextlib.contextmanager
-def _every(period: float, call: Callable[[], None], name: str) -> Iterator[None]:
-    """Call ``call`` every ``period`` seconds on a thread named ``name`` while the block runs; joined after it."""
+def _every_on_thread(period: float, call: Callable[[], None], name: str) -> Iterator[None]:
+    """:func:`every` on a thread named ``name`` while the block runs; joined after it."""
     stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.wait(period):
-            call()
-
-    thread = threading.Thread(target=loop, name=name, daemon=True)
+    thread = threading.Thread(target=every, args=(period, call, stop), name=name, daemon=True)
     thread.start()
     try:
         yield
@@ -162,7 +164,7 @@ def heartbeat(renew: Callable[[], None], beat: float, name: str) -> Iterator[Hea
     """A :class:`Heartbeat` whose lock (written just before) is renewed every ``beat`` seconds while the block
     runs."""
     pulse = Heartbeat(renew, beat)
-    with _every(beat, pulse.renew, name):
+    with _every_on_thread(beat, pulse.renew, name):
         yield pulse
 
 

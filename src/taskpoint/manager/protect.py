@@ -26,7 +26,7 @@ from .. import _log
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..storage import RetryPolicy
 from .in_use import InUse
-from .leases import alive, lease_body, renewing
+from .leases import alive, every, lease_body, renewing
 from .retention import Retention
 from .step_names import COMMIT_LEASE, MANIFEST_NAME, RESTORE_LEASE, commit_lease_name
 from .steps import Folder, StepStore, best_effort
@@ -216,9 +216,8 @@ class RestoreLease:
             return
         self._tried.set()
         try:
-            period = self._grace / 4 if self._grace > 0 else None
-            while not self._stop.wait(period):
-                best_effort(lambda: self._write("renew"))
+            every(self._grace / 4 if self._grace > 0 else None, lambda: best_effort(lambda: self._write("renew")),
+                  self._stop)
         finally:
             best_effort(self._lease.remove)
             # The lease may have made the folder of a step that does not exist (local disk); rmdir keeps a full one.

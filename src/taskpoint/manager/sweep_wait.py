@@ -13,46 +13,51 @@ from __future__ import annotations
 import time
 
 from .. import _log
+from ..group import poll
 from .chunks import ChunkStore
 from .leases import DEAD_BEATS, Silence, recorded_beat
 from .steps import best_effort
 
 #: How often a save waiting for a sweep looks again (seconds).
 POLL = 0.2
-#: How often a save waiting for a sweep logs that it still waits (seconds).
-WAIT_REPORT = 5.0
 
 
 def settled_epoch(chunks: ChunkStore, grace: float, directory: str) -> bytes | None:
     """The epoch, read before a listing of the leases that shows no sweep in flight (waiting for those it shows,
     or fencing them off once their heartbeat stopped). A sweep that starts after that listing sees the save's
     lease; if it takes it for stale (the save was stopped), it rewrites the epoch before its first removal, and
-    the save's commit sees the change. The wait is logged: a warning when it begins, then its progress."""
+    the save's commit sees the change. The wait is :func:`.group.poll`, logged: a warning when it begins, then
+    its progress every :data:`.group.SAY_EVERY` seconds."""
     silence = Silence()
-    began: float | None = None  # monotonic, once a sweep was met
-    said = 0.0
-    while True:
+    met: list[tuple[dict[str, float | None], dict[str, bytes | None], float]] = []  # the sweeps of the last look
+
+    def look() -> tuple[bytes | None] | None:
         epoch = chunks.read_epoch()
         now = time.time()
         sweeps = {name: mtime for name, mtime in chunks.leases().items()
                   if name.startswith("gc-") and chunks.alive(name, mtime, now, grace)}
         if not sweeps:
-            if began is not None:
-                _log.logger.info("a deduplicated save to %s goes on after waiting %.1f s for a sweep",
-                                 _log.safe_uri(directory), time.monotonic() - began)
-            return epoch
+            return (epoch,)
         bodies = {name: chunks.read_lease(name) for name in sweeps}
         dead = [name for name in sweeps if silence.dead(name, bodies[name])]
         if dead:
             _fence_off(chunks, directory, dead, bodies, silence)
-            continue
-        if began is None:
-            began = time.monotonic()
+            return None  # the next look lists the leases again
+        if not met:
             _say_waiting(directory, grace, sweeps, bodies, now, silence, waited=None)
-        elif time.monotonic() - began - said >= WAIT_REPORT:
-            said = time.monotonic() - began
-            _say_waiting(directory, grace, sweeps, bodies, now, silence, waited=said)
-        time.sleep(POLL)
+        met[:] = [(sweeps, bodies, now)]
+        return None
+
+    def say(waited: float) -> None:
+        for sweeps, bodies, now in met:
+            _say_waiting(directory, grace, sweeps, bodies, now, silence, waited=waited)
+
+    began = time.monotonic()
+    (epoch,) = poll(f"a deduplicated save to {_log.safe_uri(directory)}", look, None, pauses=(POLL, POLL), say=say)
+    if met:
+        _log.logger.info("a deduplicated save to %s goes on after waiting %.1f s for a sweep",
+                         _log.safe_uri(directory), time.monotonic() - began)
+    return epoch
 
 
 def _say_waiting(directory: str, grace: float, sweeps: dict[str, float | None], bodies: dict[str, bytes | None],
