@@ -280,7 +280,8 @@ def _leftovers(location, mode: str, server) -> list[str]:  # type: ignore[no-unt
                 else:
                     fs = fsspec.filesystem(location.protocol, skip_instance_cache=True, **location.storage_options)
                     raw = fs.cat_file(f"{location.base}/ckpts/{folder}/taskpoint.json")
-                named = json.loads(raw).get("payload")
+                doc = json.loads(raw)
+                named = doc.get("content", doc).get("payload")  # version 6 keeps the kind's fields in content
             found += [f"ckpts/{folder}/{o}" for o in objects if o not in ("taskpoint.json", named)]
     if location.kind == "s3":
         found += [f"multipart upload of {key}" for key in unfinished_uploads(server, key_prefix(location))]
