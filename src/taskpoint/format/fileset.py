@@ -91,18 +91,21 @@ def piece_spans(size: int, piece_size: int = PIECE_SIZE) -> list[tuple[int, int]
 @dataclass(frozen=True)
 class FileEntry:
     """One stored file of a set: its size in bytes and the sha256 (hex) of its bytes; or, with ``pieces``, the
-    digest (by ``piece_hash``) of each :data:`PIECE_SIZE` piece of it, and as ``sha256`` the sha256 of those
-    (:func:`pieces_digest`)."""
+    digest (by ``piece_hash``) of each ``piece_size`` piece of it, and as ``sha256`` the sha256 of those
+    (:func:`pieces_digest`). A file-set manifest lists pieces of :data:`PIECE_SIZE` only; a state dict's step
+    names its own size."""
 
     size: int
     sha256: str
     pieces: tuple[str, ...] = ()
     #: The hash of the pieces (:data:`PIECE_HASHES`); "" for a file listed whole.
     piece_hash: str = ""
+    piece_size: int = PIECE_SIZE
 
     @classmethod
-    def of_pieces(cls, size: int, pieces: list[str] | tuple[str, ...], piece_hash: str) -> FileEntry:
-        return cls(size, pieces_digest(pieces), tuple(pieces), piece_hash)
+    def of_pieces(cls, size: int, pieces: list[str] | tuple[str, ...], piece_hash: str,
+                  piece_size: int = PIECE_SIZE) -> FileEntry:
+        return cls(size, pieces_digest(pieces), tuple(pieces), piece_hash, piece_size)
 
     @property
     def digest(self) -> str:
@@ -117,7 +120,7 @@ class FileEntry:
     def to_json(self) -> dict[str, Any]:
         if not self.pieces:
             return {"size": self.size, "sha256": self.sha256}
-        return {"size": self.size, "sha256": self.sha256, "piece_size": PIECE_SIZE,
+        return {"size": self.size, "sha256": self.sha256, "piece_size": self.piece_size,
                 "piece_hash": self.piece_hash, "pieces": list(self.pieces)}
 
     @classmethod
@@ -135,11 +138,11 @@ class FileEntry:
 
 
 class PieceHasher:
-    """The :class:`FileEntry` of bytes fed in order (a download, an upload): by pieces hashed by
+    """The :class:`FileEntry` of bytes fed in order (a download, an upload): by ``piece_size`` pieces hashed by
     ``piece_hash`` (:data:`PIECE_HASHES`), or with None one sha256 of them all."""
 
-    def __init__(self, piece_hash: str | None) -> None:
-        self._piece_hash, self._size = piece_hash, 0
+    def __init__(self, piece_hash: str | None, piece_size: int = PIECE_SIZE) -> None:
+        self._piece_hash, self._piece_size, self._size = piece_hash, piece_size, 0
         self._done: list[str] = []
         self._hasher = file_hasher(piece_hash)
 
@@ -147,11 +150,11 @@ class PieceHasher:
         view = memoryview(data).cast("B")
         pieced = self._piece_hash is not None
         while view.nbytes:
-            take = min(view.nbytes, PIECE_SIZE - self._size % PIECE_SIZE) if pieced else view.nbytes
+            take = min(view.nbytes, self._piece_size - self._size % self._piece_size) if pieced else view.nbytes
             self._hasher.update(view[:take])
             self._size += take
             view = view[take:]
-            if pieced and self._size % PIECE_SIZE == 0:
+            if pieced and self._size % self._piece_size == 0:
                 self._done.append(self._hasher.hexdigest())
                 self._hasher = file_hasher(self._piece_hash)
 
@@ -162,8 +165,8 @@ class PieceHasher:
     def entry(self) -> FileEntry:
         if self._piece_hash is None:
             return FileEntry(self._size, self._hasher.hexdigest())
-        last = [self._hasher.hexdigest()] if self._size % PIECE_SIZE or not self._size else []
-        return FileEntry.of_pieces(self._size, self._done + last, self._piece_hash)
+        last = [self._hasher.hexdigest()] if self._size % self._piece_size or not self._size else []
+        return FileEntry.of_pieces(self._size, self._done + last, self._piece_hash, self._piece_size)
 
 
 def entry_of(data: bytes | bytearray | memoryview, piece_hash: str | None = PIECE_HASH) -> FileEntry:

@@ -1,5 +1,5 @@
-"""The hashed-pieces file of taskpoint.torch's state-dict steps (``taskpoint.torch._pieces``): the order its
-pieces are checked in, reads of pieces no thread has started on, and reads copied by two threads."""
+"""The core's piece engine (``taskpoint.pieces``), as it reads a state-dict step's file: the order its pieces are
+checked in, reads of pieces no thread has started on, and reads copied by two threads."""
 
 from __future__ import annotations
 
@@ -9,11 +9,8 @@ import threading
 
 import pytest
 
-from helpers import LazyModule, requires
-
-pytestmark = requires("torch")
-
-pieces = LazyModule("taskpoint.torch._pieces")
+from taskpoint import pieces
+from taskpoint.format.fileset import FileEntry
 
 MIB = 1 << 20
 
@@ -24,6 +21,10 @@ class Damaged(Exception):
 
 def digests(data: bytes, piece_size: int) -> list[str]:
     return [hashlib.sha256(data[at:at + piece_size]).hexdigest() for at in range(0, len(data), piece_size)]
+
+
+def entry(size: int, sums: list[str], piece_size: int) -> FileEntry:
+    return FileEntry.of_pieces(size, sums, "sha256", piece_size)
 
 
 def test_the_pieces_of_the_zip_tail_are_checked_first_the_last_first_then_the_rest_from_the_start():
@@ -43,7 +44,7 @@ def test_a_read_checks_on_its_own_thread_a_piece_no_thread_has_started_on():
             gate.wait(5)  # the reader's threads are busy on the tail's pieces meanwhile
         return data[start:start + length]
 
-    reader = pieces.PieceReader(len(data), digests(data, 4), 4, Damaged, piece_hash="sha256", fetch=fetch)
+    reader = pieces.PieceReader(entry(len(data), digests(data, 4), 4), Damaged, fetch=fetch)
     try:
         assert reader.read(6) == data[:6]
         assert (0, True) in fetched and (4, True) in fetched
@@ -63,7 +64,7 @@ def test_damage_in_a_piece_checked_on_the_reading_thread_is_raised_again_on_each
             gate.wait(5)
         return data[start:start + length]
 
-    reader = pieces.PieceReader(len(data), sums, 4, lambda index: Damaged(index), piece_hash="sha256", fetch=fetch)
+    reader = pieces.PieceReader(entry(len(data), sums, 4), lambda index: Damaged(index), fetch=fetch)
     try:
         for _ in range(2):
             reader.seek(0)
@@ -86,9 +87,8 @@ def test_large_local_reads_once_every_piece_checked_return_the_file_bytes(tmp_pa
     data = os.urandom(size)
     (tmp_path / "f").write_bytes(data)
     fd = os.open(tmp_path / "f", os.O_RDONLY)
-    reader = pieces.PieceReader(size, digests(data, 64) or [hashlib.sha256().hexdigest()], 64, Damaged,
-                                piece_hash="sha256", fd=fd,
-                                name=str(tmp_path / "f"))
+    reader = pieces.PieceReader(entry(size, digests(data, 64) or [hashlib.sha256().hexdigest()], 64), Damaged,
+                                fd=fd, name=str(tmp_path / "f"))
     with reader:
         assert reader.verify_all() == size and reader.name == str(tmp_path / "f")
         for start, length in ((0, size + 50), (3, 7), (3, 8), (size - 9, 9), (size // 2, 301)):
