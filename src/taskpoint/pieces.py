@@ -20,11 +20,11 @@ import io
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from .executors import CPU
 from .executors import IO as IO_POOL
-from .format.fileset import PIECE_HASH, PIECE_SIZE, FileEntry, file_hasher, piece_hasher, piece_spans
+from .format.fileset import PIECE_HASH, PIECE_SIZE, FileEntry, PieceHasher, file_hasher, piece_hasher, piece_spans
 from .storage import digest_by_reading
 
 #: Threads that hash the pieces of one save, or fetch and check those of one read.
@@ -43,18 +43,16 @@ SPLIT_READ = 4 << 20
 
 class PieceWriter(io.RawIOBase):
     """A writable file object that writes to ``sink`` in the caller's thread while the pieces (``piece_size``
-    bytes each) of what it is given are hashed (by ``piece_hash``) on other threads; each :meth:`write` returns
-    once its bytes are written and hashed, so nothing is copied or held after (``torch.save`` passes views of
-    the tensors' own memory). :meth:`finish` returns the size and the pieces' digests."""
+    bytes each) of what it is given are hashed (by ``piece_hash``, through a
+    :class:`~taskpoint.format.fileset.PieceHasher`) on other threads; each :meth:`write` returns once its bytes
+    are written and hashed, so nothing is copied or held after (``torch.save`` passes views of the tensors' own
+    memory). :meth:`finish` returns the size and the pieces' digests."""
 
     def __init__(self, sink: IO[bytes], piece_size: int = PIECE_SIZE,
                  on_written: Callable[[int], None] | None = None, *, piece_hash: str = PIECE_HASH) -> None:
         super().__init__()
-        self._sink, self._piece_size, self._on_written = sink, piece_size, on_written
-        self._piece_hash = piece_hash
-        piece_hasher(piece_hash)  # ValueError now, not on the first write
-        self._hashers: list[Any] = []  # one hasher per piece, each fed by one thread at a time
-        self._size = 0
+        self._sink, self._on_written = sink, on_written
+        self._hasher = PieceHasher(piece_hash, piece_size)  # ValueError for an unknown hash now
         self._pool = CPU.lane(WORKERS)
 
     def writable(self) -> bool:
@@ -62,14 +60,7 @@ class PieceWriter(io.RawIOBase):
 
     def write(self, data: bytes | bytearray | memoryview) -> int:  # type: ignore[override]
         view = memoryview(data).cast("B")
-        spans, done = [], 0
-        while done < view.nbytes:  # the stretches of the pieces the data covers, one per piece
-            index, within = divmod(self._size + done, self._piece_size)
-            take = min(self._piece_size - within, view.nbytes - done)
-            if index == len(self._hashers):
-                self._hashers.append(piece_hasher(self._piece_hash))
-            spans.append((self._hashers[index], view[done:done + take]))
-            done += take
+        spans = self._hasher.spans(view)
         if view.nbytes < HASH_ON_THREADS:
             for hasher, span in spans:
                 hasher.update(span)
@@ -79,7 +70,6 @@ class PieceWriter(io.RawIOBase):
             self._sink.write(view)
             for each in hashing:
                 each.result()
-        self._size += view.nbytes
         if self._on_written is not None:
             self._on_written(view.nbytes)
         return view.nbytes
@@ -87,8 +77,8 @@ class PieceWriter(io.RawIOBase):
     def finish(self) -> tuple[int, list[str]]:
         """The file's size and its pieces' digests (one piece, of no bytes, for an empty file)."""
         self.shutdown()
-        return self._size, ([hasher.hexdigest() for hasher in self._hashers]
-                            or [piece_hasher(self._piece_hash).hexdigest()])
+        entry = self._hasher.entry()
+        return entry.size, list(entry.pieces)
 
     def shutdown(self) -> None:
         """Stop the threads (after :meth:`finish`, or when the save failed)."""
@@ -136,8 +126,8 @@ class PieceReader(io.RawIOBase):
         length = min(self._piece_size, self._size - start)
         last = index == len(self._digests) - 1
         if self._fd is not None:
-            data, digest = b"", _hash_range(self._fd, start, length, piece_hasher(self._piece_hash))
-            if last and os.fstat(self._fd).st_size != self._size:
+            data, (count, digest) = b"", hash_span(self._fd, start, length, self._piece_hash)
+            if count != length or (last and os.fstat(self._fd).st_size != self._size):
                 digest = ""
         else:
             assert self._fetch is not None
@@ -247,10 +237,11 @@ def _read_into(fd: int, out: memoryview, start: int) -> int:
     return done
 
 
-def _hash_range(fd: int, start: int, length: int, hasher: Any) -> str:
-    """The digest (by the new ``hasher``) of ``length`` bytes of the open file ``fd`` from ``start``; "" when the
-    file is shorter (which then differs from any digest)."""
-    return hasher.hexdigest() if digest_by_reading(fd, length, hasher, start=start) == length else ""
+def hash_span(fd: int, start: int, length: int, piece_hash: str | None) -> tuple[int, str]:
+    """The bytes read (fewer where the file ends) of ``length`` bytes of the open file ``fd`` from ``start``, and
+    their digest by ``piece_hash`` (None: sha256): how every piece of a local file is hashed."""
+    hasher = file_hasher(piece_hash)
+    return digest_by_reading(fd, length, hasher, start=start), hasher.hexdigest()
 
 
 #: How :func:`hash_local` hashes a file: ``(size, piece hash, piece size)``, the piece hash None for one sha256 of
@@ -278,11 +269,10 @@ def hash_local(root: Path, plan: dict[str, HashPlan], *, sync: bool = False,
 
         def hashed(task: tuple[str, int, int]) -> tuple[int, str]:
             rel, start, length = task
-            hasher = file_hasher(plan[rel][1])
-            count = digest_by_reading(fds[rel], length, hasher, start=start)
+            count, digest = hash_span(fds[rel], start, length, plan[rel][1])
             if on_read is not None:
                 on_read(count)
-            return count, hasher.hexdigest()
+            return count, digest
 
         with concurrent.futures.ThreadPoolExecutor(min(LOCAL_WORKERS, max(1, len(tasks)))) as pool:
             done = list(pool.map(hashed, tasks))

@@ -138,35 +138,43 @@ class FileEntry:
 
 
 class PieceHasher:
-    """The :class:`FileEntry` of bytes fed in order (a download, an upload): by ``piece_size`` pieces hashed by
-    ``piece_hash`` (:data:`PIECE_HASHES`), or with None one sha256 of them all."""
+    """The :class:`FileEntry` of bytes fed in order (a download, an upload, a save): by ``piece_size`` pieces
+    hashed by ``piece_hash`` (:data:`PIECE_HASHES`), or with None one sha256 of them all. :meth:`spans` hands out
+    the pieces' hashers with what each is to be fed, for a writer that feeds them on threads
+    (:class:`taskpoint.pieces.PieceWriter`)."""
 
     def __init__(self, piece_hash: str | None, piece_size: int = PIECE_SIZE) -> None:
         self._piece_hash, self._piece_size, self._size = piece_hash, piece_size, 0
-        self._done: list[str] = []
-        self._hasher = file_hasher(piece_hash)
+        #: One hasher per piece begun (one in all for a whole file): an empty file is one piece, of no bytes.
+        self._hashers = [file_hasher(piece_hash)]
 
-    def update(self, data: bytes | bytearray | memoryview) -> None:
-        view = memoryview(data).cast("B")
-        pieced = self._piece_hash is not None
+    def spans(self, data: bytes | bytearray | memoryview) -> list[tuple[Any, memoryview]]:
+        """Take ``data`` as the next bytes: each hasher it reaches with the stretch of it that hasher is to be fed
+        (in order; one thread at a time per hasher)."""
+        view, spans = memoryview(data).cast("B"), []
         while view.nbytes:
-            take = min(view.nbytes, self._piece_size - self._size % self._piece_size) if pieced else view.nbytes
-            self._hasher.update(view[:take])
+            index, within = divmod(self._size, self._piece_size) if self._piece_hash is not None else (0, 0)
+            take = min(view.nbytes, self._piece_size - within) if self._piece_hash is not None else view.nbytes
+            if index == len(self._hashers):
+                self._hashers.append(file_hasher(self._piece_hash))
+            spans.append((self._hashers[index], view[:take]))
             self._size += take
             view = view[take:]
-            if pieced and self._size % self._piece_size == 0:
-                self._done.append(self._hasher.hexdigest())
-                self._hasher = file_hasher(self._piece_hash)
+        return spans
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        for hasher, span in self.spans(data):
+            hasher.update(span)
 
     def hexdigest(self) -> str:
         """The ``sha256`` field of :meth:`entry`: one digest of what was fed, which changes with any piece."""
         return self.entry().sha256
 
     def entry(self) -> FileEntry:
+        digests = [hasher.hexdigest() for hasher in self._hashers]
         if self._piece_hash is None:
-            return FileEntry(self._size, self._hasher.hexdigest())
-        last = [self._hasher.hexdigest()] if self._size % self._piece_size or not self._size else []
-        return FileEntry.of_pieces(self._size, self._done + last, self._piece_hash, self._piece_size)
+            return FileEntry(self._size, digests[0])
+        return FileEntry.of_pieces(self._size, digests, self._piece_hash, self._piece_size)
 
 
 def entry_of(data: bytes | bytearray | memoryview, piece_hash: str | None = PIECE_HASH) -> FileEntry:
