@@ -2,13 +2,15 @@
 a file, or the BLAKE3 of each 16 MiB piece of one larger than a piece) by a file-set manifest
 (:class:`~taskpoint.format.fileset.FileSetManifest`), which the step's manifest names by size and sha256.
 
-The extras' ``jax.pytree`` (the folder Orbax writes) and ``fileset`` (DCP's files) subclass :class:`FilesKind`
-under the names their steps have always had, and keep only how their objects become files and back; it stores,
-restores (a verified copy, or in place), verifies, lists, describes and deletes the files once for both. Their
-steps are written byte for byte as before, so every taskpoint that read them still does (docs/format.md, "One
-kind of file sets, under the names already written"). Every file is read against its digests before its bytes
-are used: on local disk through one open fd per file, hashed by pieces on :data:`WORKERS` threads (one large file
-is most of a tree), then copied by the kernel from that fd; elsewhere streamed through a ``PieceHasher``.
+The extras' ``jax.pytree`` (the folder Orbax writes), ``fileset`` (DCP's files) and ``torch.state_dict`` (one
+``torch.save`` file, which the step's manifest lists itself) subclass :class:`FilesKind` under the names their
+steps have always had, and keep only how their objects become files and back; it stores, restores (a verified
+copy, or in place), reads (:meth:`FilesKind.reader`), verifies, lists, describes and deletes the files once for
+all. Their steps are written byte for byte as before, so every taskpoint that read them still does
+(docs/format.md, "One kind of file sets, under the names already written"). Every file is read against its
+digests before its bytes are used, by the one piece engine (:mod:`taskpoint.pieces`): on local disk through one
+open fd per file, hashed by pieces on :data:`~taskpoint.pieces.LOCAL_WORKERS` threads (one large file is most of
+a tree), then copied by the kernel from that fd; elsewhere streamed through a ``PieceHasher``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from ..step_commit import Stored
 from ..steps import StepObjects, StepStore, best_effort
 from . import GONE_HOW, Checked, Described, Gone, SaveJob, StepContext
 
-#: Files hashed, uploaded or restored at once.
+#: Files uploaded, restored or streamed at once.
 WORKERS = 8
 
 
@@ -235,8 +237,8 @@ class FilesKind:
         return root
 
     def verify(self, context: StepContext, step: int, manifest: StepManifest, progress: object) -> Checked:
-        """Every file read against its digests: on local disk by pieces on :data:`WORKERS` threads, elsewhere
-        streamed, as many files at once."""
+        """Every file read against its digests: on local disk by pieces on
+        :data:`~taskpoint.pieces.LOCAL_WORKERS` threads, elsewhere streamed, :data:`WORKERS` files at once."""
         steps, content = context.steps, _content(manifest)
         listed, folder = self.files(steps, step, manifest), _folder(steps, step, content)
         size = sum(entry.size for entry in listed.values())
@@ -325,7 +327,7 @@ def file_gone(steps: StepStore, step: int, name: str) -> Gone:
 
 def _check_local(steps: StepStore, step: int, content: FilesContent, root: Path, listed: dict[str, FileEntry],
                  on_read: Callable[[int], None]) -> None:
-    """Hash the files below ``root`` on :data:`WORKERS` threads and compare them with ``listed``."""
+    """Hash the files below ``root`` (:func:`~taskpoint.pieces.hash_local`) and compare them with ``listed``."""
     found = hash_local(root, {rel: plan_of(entry) for rel, entry in listed.items()}, on_read=on_read)
     for rel, entry in sorted(listed.items()):
         if found[rel].size < 0:
