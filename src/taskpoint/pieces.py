@@ -294,8 +294,3 @@ def hash_local(root: Path, plan: dict[str, HashPlan], *, sync: bool = False,
     finally:
         for fd in fds.values():
             os.close(fd)
-
-
-def plan_of(entry: FileEntry) -> HashPlan:
-    """How :func:`hash_local` hashes a file listed by ``entry``."""
-    return entry.size, entry.piece_hash or None, entry.piece_size

@@ -34,12 +34,8 @@ class StateDictFile:
     piece_size: int
     pieces: tuple[str, ...]
     piece_hash: str = UNNAMED_PIECE_HASH
-
-    @property
-    def folder(self) -> str:
-        """Where its file lies in the step's folder: in it (a :class:`~taskpoint.manager.kind_api.FilesKind`'s
-        content)."""
-        return ""
+    #: Where its file lies in the step's folder, as a :class:`~taskpoint.manager.kind_api.FilesKind` reads it: in it.
+    folder: ClassVar[str] = ""
 
     @property
     def manifest_version(self) -> int:

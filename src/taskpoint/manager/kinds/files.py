@@ -30,7 +30,7 @@ from ...errors import CheckpointCorruptError
 from ...format.fileset import PIECE_HASH, PIECE_SIZE, FileEntry, FileSetManifest, PieceHasher
 from ...format.records import ObjectRecord, StepContent, StepManifest
 from ...payloads import DirectoryPayload
-from ...pieces import HashPlan, PieceReader, hash_local, plan_of
+from ...pieces import HashPlan, PieceReader, hash_local
 from ...storage import WRITE_PIECE, Location, copy_fd_in_kernel, digest_by_reading
 from ...workspace import Staging
 from ..step_commit import Stored
@@ -328,7 +328,8 @@ def file_gone(steps: StepStore, step: int, name: str) -> Gone:
 def _check_local(steps: StepStore, step: int, content: FilesContent, root: Path, listed: dict[str, FileEntry],
                  on_read: Callable[[int], None]) -> None:
     """Hash the files below ``root`` (:func:`~taskpoint.pieces.hash_local`) and compare them with ``listed``."""
-    found = hash_local(root, {rel: plan_of(entry) for rel, entry in listed.items()}, on_read=on_read)
+    found = hash_local(root, {rel: (entry.size, entry.piece_hash or None, entry.piece_size)
+                              for rel, entry in listed.items()}, on_read=on_read)
     for rel, entry in sorted(listed.items()):
         if found[rel].size < 0:
             raise _Missing(stored_name(content, rel))
