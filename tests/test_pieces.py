@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from taskpoint import pieces
-from taskpoint.format.fileset import FileEntry
+from taskpoint.format.fileset import PIECE_HASHES, FileEntry, PieceHasher
 
 MIB = 1 << 20
 
@@ -94,3 +94,41 @@ def test_large_local_reads_once_every_piece_checked_return_the_file_bytes(tmp_pa
         for start, length in ((0, size + 50), (3, 7), (3, 8), (size - 9, 9), (size // 2, 301)):
             reader.seek(max(0, start))
             assert reader.read(length) == data[max(0, start):max(0, start) + length]
+
+
+@pytest.mark.parametrize("piece_hash", ["blake3", "sha256"])
+def test_a_file_hashed_while_written_after_and_while_read_has_one_entry(tmp_path, piece_hash):
+    data = os.urandom(3 * pieces.HASH_ON_THREADS + 1000)  # writes on the threads and in the caller's thread
+    path = tmp_path / "f"
+    with open(path, "wb") as sink:
+        writer = pieces.PieceWriter(sink, 1 << 20, piece_hash=piece_hash)
+        for at, length in ((0, 10), (10, 2 * pieces.HASH_ON_THREADS), (10 + 2 * pieces.HASH_ON_THREADS, len(data))):
+            writer.write(data[at:at + length])
+        size, digests = writer.finish()
+    written = FileEntry.of_pieces(size, digests, piece_hash, 1 << 20)
+    assert written == entry_of_pieces(data, piece_hash, 1 << 20)
+    assert digests == [PIECE_HASHES[piece_hash](data[at:at + (1 << 20)]).hexdigest() for at in range(0, size, 1 << 20)]
+    assert pieces.hash_local(tmp_path, {"f": (size, piece_hash, 1 << 20)})["f"] == written
+    with pieces.PieceReader(written, Damaged, fd=os.open(path, os.O_RDONLY)) as reader:
+        assert reader.verify_all() == size and reader.read() == data
+
+
+def entry_of_pieces(data: bytes, piece_hash: str, piece_size: int) -> FileEntry:
+    hasher = PieceHasher(piece_hash, piece_size)
+    hasher.update(data)
+    return hasher.entry()
+
+
+def test_a_file_listed_whole_is_read_as_one_piece_checked_before_any_byte(tmp_path):
+    data = os.urandom(5000)
+    whole = FileEntry(len(data), hashlib.sha256(data).hexdigest())
+    (tmp_path / "f").write_bytes(data)
+    with pieces.PieceReader(whole, Damaged, fd=os.open(tmp_path / "f", os.O_RDONLY)) as reader:
+        reader.seek(4000)
+        assert reader.read(2000) == data[4000:]
+    for damaged in (data[:100] + bytes([data[100] ^ 0xFF]) + data[101:], data + b"!"):  # a byte changed; appended
+        (tmp_path / "f").write_bytes(damaged)
+        with pieces.PieceReader(whole, lambda index: Damaged(index), fd=os.open(tmp_path / "f", os.O_RDONLY)) \
+                as reader, pytest.raises(Damaged) as raised:
+            reader.read(1)
+        assert raised.value.args == (0,)
