@@ -21,6 +21,7 @@ that seems damaged.
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -144,8 +145,9 @@ class PieceHasher:
     (:class:`taskpoint.pieces.PieceWriter`)."""
 
     def __init__(self, piece_hash: str | None, piece_size: int = PIECE_SIZE) -> None:
-        self._piece_hash, self._piece_size, self._size = piece_hash, piece_size, 0
-        #: One hasher per piece begun (one in all for a whole file): an empty file is one piece, of no bytes.
+        self._piece_hash, self._size = piece_hash, 0
+        self._piece_size = piece_size if piece_hash is not None else sys.maxsize  # a whole file: one endless piece
+        #: One hasher per piece begun: an empty file is one piece, of no bytes.
         self._hashers = [file_hasher(piece_hash)]
 
     def spans(self, data: bytes | bytearray | memoryview) -> list[tuple[Any, memoryview]]:
@@ -153,8 +155,8 @@ class PieceHasher:
         (in order; one thread at a time per hasher)."""
         view, spans = memoryview(data).cast("B"), []
         while view.nbytes:
-            index, within = divmod(self._size, self._piece_size) if self._piece_hash is not None else (0, 0)
-            take = min(view.nbytes, self._piece_size - within) if self._piece_hash is not None else view.nbytes
+            index, within = divmod(self._size, self._piece_size)
+            take = min(view.nbytes, self._piece_size - within)
             if index == len(self._hashers):
                 self._hashers.append(file_hasher(self._piece_hash))
             spans.append((self._hashers[index], view[:take]))
