@@ -38,9 +38,9 @@ class StepSummary:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
-def inventory(parts: StepContext, kinds: StepKinds) -> list[StepSummary]:
+def inventory(context: StepContext, kinds: StepKinds) -> list[StepSummary]:
     """Every ``ckpt-N`` folder of the directory, oldest first, from one recursive listing."""
-    steps = parts.steps
+    steps = context.steps
     root = steps.root.path.rstrip("/")
     sizes: dict[int, dict[str, int]] = {}
     stored_chunks: set[str] = set()  # the chunk store of deduplicated steps, by key
@@ -54,12 +54,12 @@ def inventory(parts: StepContext, kinds: StepKinds) -> list[StepSummary]:
         folder = sizes.setdefault(int(match.group(1)), {})
         if len(names) >= 2 and names[-1] and info.get("type") != "directory":  # nested: a PyTree step's files
             folder["/".join(names[1:])] = int(info.get("size") or 0)
-    return [_summary(parts, kinds, step, folder, stored_chunks) for step, folder in sorted(sizes.items())]
+    return [_summary(context, kinds, step, folder, stored_chunks) for step, folder in sorted(sizes.items())]
 
 
-def _summary(parts: StepContext, kinds: StepKinds, step: int, names: dict[str, int], stored_chunks: set[str]
+def _summary(context: StepContext, kinds: StepKinds, step: int, names: dict[str, int], stored_chunks: set[str]
              ) -> StepSummary:
-    steps = parts.steps
+    steps = context.steps
     leases = sorted(n for n in names if RESTORE_LEASE.fullmatch(n))
     names = {n: size for n, size in names.items() if n not in leases}
     base = StepSummary(step, steps.step_uri(step), "incomplete", restore_leases=leases,
@@ -71,10 +71,10 @@ def _summary(parts: StepContext, kinds: StepKinds, step: int, names: dict[str, i
     except CheckpointCorruptError as exc:
         return StepSummary(**{**base.__dict__, "state": "damaged", "problem": " ".join(str(exc).split())})
     assert manifest is not None
-    return _committed(parts, kinds, base, manifest, names, stored_chunks)
+    return _committed(context, kinds, base, manifest, names, stored_chunks)
 
 
-def _committed(parts: StepContext, kinds: StepKinds, base: StepSummary, manifest: StepManifest, names: dict[str, int],
+def _committed(context: StepContext, kinds: StepKinds, base: StepSummary, manifest: StepManifest, names: dict[str, int],
                stored_chunks: set[str]) -> StepSummary:
     """A committed step's summary: what its manifest and its kind say, and whether every object it names is
     listed at its size (every chunk present)."""
@@ -83,8 +83,8 @@ def _committed(parts: StepContext, kinds: StepKinds, base: StepSummary, manifest
                               "attempt": manifest.attempt, "kind": record.kind, "metadata": manifest.metadata,
                               "state": "committed", "extras": {"checked": manifest.checked}}
     try:
-        named = parts.steps.named(step, manifest)
-        described = kinds.kind(manifest.kind, base.uri).describe(parts, step, manifest)
+        named = context.steps.named(step, manifest)
+        described = kinds.kind(manifest.kind, base.uri).describe(context, step, manifest)
     except (CheckpointCorruptError, FileNotFoundError) as exc:
         return StepSummary(**{**fields, "state": "damaged", "problem": " ".join(str(exc).split())})
     details = described.details

@@ -70,7 +70,7 @@ class CheckpointManager:
                          level=level, retry=retry, grace_seconds=grace_seconds, dedup=dedup, preemption=preemption,
                          on_preemption=on_preemption,
                          open_local=lambda at, **kw: (m := type(self)(at, **kw), m._steps, m._queries.reader))
-        self._steps, self._parts, self._dedup, self._tier = built.steps, built.parts, built.dedup, built.tier
+        self._steps, self._context, self._dedup, self._tier = built.steps, built.context, built.dedup, built.tier
         self._background, self._queries, self._writes = built.background, built.queries, built.writes
         weakref.finalize(self, self._background.slot.report_unclaimed, self._steps.directory)
 
@@ -119,12 +119,12 @@ class CheckpointManager:
     @property
     def rank(self) -> int:
         """This manager's rank (0 with one rank)."""
-        return self._parts.plan.ranks.rank
+        return self._context.plan.ranks.rank
 
     @property
     def world_size(self) -> int:
         """How many ranks save each step together (1 by default)."""
-        return self._parts.plan.ranks.world_size
+        return self._context.plan.ranks.world_size
 
     def close(self) -> None:
         """Wait for a background save, delete the restore workspace, and raise a background error if any.

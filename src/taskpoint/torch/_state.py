@@ -30,7 +30,7 @@ from ._staged import Plan
 from ._state_file import STATE_FILE
 
 if TYPE_CHECKING:
-    from ._pieces import PieceReader
+    from ..pieces import PieceReader
 
 #: What a state dict may hold, besides nested dicts, lists and tuples: what ``torch.load(weights_only=True)``
 #: loads back.
