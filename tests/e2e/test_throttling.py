@@ -3,9 +3,9 @@ proxy in front of real servers (moto for S3, through s3fs and obstore; the GCS e
 
 A store that throttles some requests costs retries, never a save or the bytes of a restore, and the save's
 log record counts the throttling answers (also those the client retried itself: Azure's SDK its 503s, heard and
-paced by taskpoint; obstore none of a whole operation's, so that they reach the retry policy); a store that throttles every request ends the operation with
-StorageUnavailable naming the store, the previous step intact; a ``Retry-After`` is waited out; and the cap on
-requests in flight falls while a store pushes back.
+paced by taskpoint; obstore none of a whole operation's, so that they reach the retry policy); a store that
+throttles every request ends the operation with StorageUnavailable naming the store, the previous step intact; a
+``Retry-After`` is waited out; and the cap on requests in flight falls while a store pushes back.
 """
 
 from __future__ import annotations
