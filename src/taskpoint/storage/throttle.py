@@ -23,7 +23,8 @@ Where the backoff sits: one budget, the retry deadline of :class:`~taskpoint.sto
   of their own, so the policy counts each throttling answer (:data:`~taskpoint.storage._obstore.CLIENT_RETRIES`);
   what the retries of its large transfers give up on is counted by the policy too.
 - Per operation, the retry policy retries what the client gave up on, the pause drawn with full jitter
-  (between 0 and the exponential delay) and never shorter than the store's last ``Retry-After``; attempts
+  (between 0 and the exponential delay) and never shorter than the store's last ``Retry-After``; what no client
+  retried first (obstore's whole operations) it paces as botocore's handler does (:meth:`Pushback.pause`); attempts
   that met throttling count against the deadline only (where there is one), not against its attempts.
 - Every client call is given the time left before the deadline (:func:`~taskpoint.storage.deadline.bounded`),
   so the nested retries (botocore's attempts, s3fs's tries of ``SlowDown``, gcsfs's) end when it passes,
