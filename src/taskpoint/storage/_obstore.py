@@ -46,7 +46,7 @@ MAX_PARTS = 9000
 #: 1 s was sent again after 0.10-0.25 s), and its errors carry the status and body but no header. So the requests
 #: that are a whole operation (records, small objects of up to ``SMALL_READ``: one GET, one HEAD, one PUT) go
 #: through a store with no retries of its own: each throttling answer reaches the retry policy, which counts it
-#: into the store's pushback (the save's log record) and pauses with full jitter, no shorter than a
+#: into the store's pushback (the save's log record) and paces as that pushback says, no shorter than a
 #: ``Retry-After`` the store gave its s3fs requests. A large transfer keeps obstore's retries: retrying it whole
 #: for one throttled part would start a 1 GiB upload over at every tenth request of a store that throttles that
 #: many.

@@ -283,7 +283,7 @@ def watch_azure(fs: Any, pushback: Pushback) -> None:
     """Count each answer of ``fs``'s Azure client (adlfs's service client) into ``pushback``, and pause before
     each of the client's own retries of a throttling answer (503 ``ServerBusy``, which the SDK retries; it does
     not retry 429) as the store's pushback says, never shorter than its ``Retry-After``: the SDK's own
-    :class:`~azure.storage.blob.aio.ExponentialRetry` waits 15 s, then 18 s, then 24 s, whatever the answer asked.
+    :class:`~azure.storage.blob.aio.ExponentialRetry` waits 18 s, then 24 s, then 42 s (each +-3 s), whatever was asked.
     adlfs hands no options to the client it makes, so the service client is made again from its public URL and
     credential, with the SDK's public ``retry_policy`` (that class, whose pause of a throttling answer is ours) and
     ``raw_response_hook`` (called with every answer, each retry's too). Once per filesystem (fsspec caches them)."""
