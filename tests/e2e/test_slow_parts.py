@@ -42,8 +42,9 @@ PART = 8 << 20
 pytestmark = pytest.mark.timeout(300)  # the bound of every wait: a save that hangs fails the test here
 
 
-class SlowSecondPart:
-    """Slows the second PUT of the step's payload (its second part) to :data:`RATE`; counts the payload's PUTs."""
+class SlowFirstPart:
+    """Slows the first PUT of the step's payload to :data:`RATE`: its first part, a full 8 MiB, sent before the
+    writer has the rest (a later PUT may be the small last part: parts in flight arrive in any order)."""
 
     def __init__(self) -> None:
         self.puts = 0
@@ -55,7 +56,7 @@ class SlowSecondPart:
             return None
         with self._lock:
             self.puts += 1
-            if self.puts != 2:
+            if self.puts != 1:
                 return None
             self.slowed.append(path)
             return RATE
@@ -69,7 +70,7 @@ def test_a_part_that_moves_slowly_for_longer_than_the_stall_timeout_is_kept_and_
     (data / "weights.bin").write_bytes(os.urandom(FOLDER_BYTES))
     with fault_proxy(s3_server.endpoint, stall_seconds=math.inf) as proxy:
         options = {**s3_server.storage_options, "endpoint_url": proxy.url}
-        slow = SlowSecondPart()
+        slow = SlowFirstPart()
         proxy.slow = slow
         since = len(proxy.log)
         began = time.monotonic()
