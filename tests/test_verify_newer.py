@@ -22,3 +22,12 @@ def test_a_newer_step_is_its_own_state_and_the_others_verify(tmp_path: Path) -> 
         assert "upgrade taskpoint" in verification.steps[1].detail
         with pytest.raises(NewerFormatError, match="upgrade taskpoint"):
             manager.verify(2)
+
+
+def test_a_listing_shows_a_newer_step_as_newer(tmp_path: Path) -> None:
+    root = steps_with_a_newer_one(tmp_path / "steps")
+    damage(root, 3)  # damage to the payload is for verify; the listing compares sizes only
+    with CheckpointManager(str(root), preemption=False) as manager:
+        summaries = {summary.step: summary for summary in manager.inventory()}
+    assert [summaries[step].state for step in (1, 2, 3)] == ["committed", "newer", "committed"]
+    assert "upgrade taskpoint" in (summaries[2].problem or "")

@@ -31,6 +31,11 @@ def test_a_directory_with_a_newer_step_exits_4_and_says_upgrade(tmp_path: Path) 
     one = verify(str(root), "--step", "2")
     assert one.returncode == NEWER and "upgrade taskpoint" in one.stderr
     assert verify(str(root), "--step", "1").returncode == OK
+    listed = subprocess.run([sys.executable, "-m", "taskpoint", "ls", str(root)], capture_output=True, text=True,
+                            timeout=120)
+    assert listed.returncode == OK
+    rows = [line.split()[:2] for line in listed.stdout.splitlines() if line.strip().startswith("2 ")]
+    assert rows == [["2", "newer"]], listed.stdout
 
 
 def test_damage_beside_a_newer_step_exits_2(tmp_path: Path) -> None:
