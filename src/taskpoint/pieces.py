@@ -97,11 +97,14 @@ class PieceReader(io.RawIOBase):
     closed with the reader): the threads hash each piece through a small buffer and keep nothing, and a read
     goes straight from the file into the caller's buffer (one copy, as ``torch.load`` of a path makes); its
     bytes are those the threads hashed, as a committed step's file is never written again; ``name`` is its path.
+
+    ``order``: the pieces to check ahead, in the order the reads will want them (a DCP load's items, by offset);
+    by default every piece in :func:`check_order`. A piece left out is checked only if a read reaches it.
     """
 
     def __init__(self, entry: FileEntry, damaged: Callable[[int], Exception], *,
                  fetch: Callable[[int, int], bytes] | None = None, fd: int | None = None,
-                 name: str | None = None) -> None:
+                 name: str | None = None, order: list[int] | None = None) -> None:
         super().__init__()
         if (fetch is None) == (fd is None):
             raise ValueError("a PieceReader reads through fetch or from fd, one of them")
@@ -114,9 +117,10 @@ class PieceReader(io.RawIOBase):
         self._fetch, self._fd, self._damaged = fetch, fd, damaged
         self._position = 0
         self._pool = (CPU if fetch is None else IO_POOL).lane(WORKERS)  # hashing a local file, or fetching
-        self._order = check_order(self._size, self._piece_size, len(self._digests))
+        self._order = check_order(self._size, self._piece_size, len(self._digests)) if order is None else order
         futures = {index: self._pool.submit(self._checked, index) for index in self._order}
-        self._pieces = [futures[index] for index in range(len(self._digests))]
+        # A piece not checked ahead waits as a future no thread runs: the read that reaches it claims it.
+        self._pieces = [futures.get(index) or concurrent.futures.Future() for index in range(len(self._digests))]
         self._settled = 0  # how many pieces at the head of the order have been checked
 
     def _checked(self, index: int) -> bytes:
@@ -208,9 +212,16 @@ class PieceReader(io.RawIOBase):
 
     def verify_all(self) -> int:
         """Wait for every piece to check (raising the first piece's error); the size."""
-        for index in range(len(self._pieces)):
-            self._piece(index)
+        self.verify_span(0, self._size)
         return self._size
+
+    def verify_span(self, start: int, length: int) -> None:
+        """Wait for the pieces that hold ``length`` bytes from ``start`` to check, raising the first one's error
+        (the piece at ``start`` at least: an empty file has one piece, of no bytes)."""
+        first = min(start // self._piece_size, len(self._pieces) - 1)
+        last = min(max(start + length - 1, start) // self._piece_size, len(self._pieces) - 1)
+        for index in range(first, last + 1):
+            self._piece(index)
 
     def close(self) -> None:
         if not self.closed:

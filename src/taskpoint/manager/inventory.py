@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, NewerFormatError
 from ..format.records import StepManifest
 from .chunks import CHUNK_FOLDER
 from .kinds import StepContext, StepKinds
@@ -19,10 +19,12 @@ COUNTED = ("shards", "chunks", "files")
 @dataclass(frozen=True)
 class StepSummary:
     """One ``ckpt-N`` folder as listed. ``state``: ``committed`` (its manifest reads and every object it names
-    is listed at its size, every chunk present), ``damaged`` (``problem`` says why) or ``incomplete`` (no
-    manifest: a save in progress, or a leftover). ``kind`` is the payload kind; ``leftovers`` the objects no
-    manifest names; ``extras`` what a committed step's manifest and kind add (``payload``, ``checked``, counts of
-    ``shards``, ``chunks`` or ``files``); ``metadata`` is None unless the manifest was read."""
+    is listed at its size, every chunk present), ``damaged`` (``problem`` says why), ``newer`` (its manifest, or a
+    document it names, is of a format version newer than this taskpoint reads: no damage, ``problem`` says which)
+    or ``incomplete`` (no manifest: a save in progress, or a leftover). ``kind`` is the payload kind;
+    ``leftovers`` the objects no manifest names; ``extras`` what a committed step's manifest and kind add
+    (``payload``, ``checked``, counts of ``shards``, ``chunks`` or ``files``); ``metadata`` is None unless the
+    manifest was read."""
 
     step: int
     uri: str
@@ -69,7 +71,7 @@ def _summary(context: StepContext, kinds: StepKinds, step: int, names: dict[str,
     try:
         manifest = steps.manifest(step)
     except CheckpointCorruptError as exc:
-        return StepSummary(**{**base.__dict__, "state": "damaged", "problem": " ".join(str(exc).split())})
+        return StepSummary(**{**base.__dict__, "state": _refused(exc), "problem": " ".join(str(exc).split())})
     assert manifest is not None
     return _committed(context, kinds, base, manifest, names, stored_chunks)
 
@@ -86,7 +88,7 @@ def _committed(context: StepContext, kinds: StepKinds, base: StepSummary, manife
         named = context.steps.named(step, manifest)
         described = kinds.kind(manifest.kind, base.uri).describe(context, step, manifest)
     except (CheckpointCorruptError, FileNotFoundError) as exc:
-        return StepSummary(**{**fields, "state": "damaged", "problem": " ".join(str(exc).split())})
+        return StepSummary(**{**fields, "state": _refused(exc), "problem": " ".join(str(exc).split())})
     details = described.details
     fields.update(size=details.get("size", record.size),
                   leftovers=sorted(n for n in names if n != MANIFEST_NAME and n not in named.files),
@@ -103,3 +105,9 @@ def _committed(context: StepContext, kinds: StepKinds, base: StepSummary, manife
                        f"its {named.noun} {name} holds {stored} bytes, its manifest records {size}")
             return StepSummary(**{**fields, "state": "damaged", "problem": problem})
     return StepSummary(**fields)
+
+
+def _refused(exc: BaseException) -> str:
+    """The state of a step whose documents did not read: ``newer`` for :class:`NewerFormatError` (a
+    CheckpointCorruptError that is no damage), else ``damaged``."""
+    return "newer" if isinstance(exc, NewerFormatError) else "damaged"

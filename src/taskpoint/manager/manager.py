@@ -254,8 +254,8 @@ class CheckpointManager:
         """Read every byte of ``step`` (every committed step when None) against the checksums of its manifest,
         keeping nothing; ``progress`` as for :meth:`restore`. With ``step``: its :class:`~taskpoint.StepVerification`
         is healthy, or CheckpointCorruptError says what is damaged, FileNotFoundError that it does not exist, and
-        CheckpointError that another writer overwrote or deleted it meanwhile. Without: each step's result, damage
-        and changes included; FileNotFoundError when there is no committed step."""
+        CheckpointError that another writer overwrote or deleted it meanwhile. Without: each step's result, damage,
+        changes and steps a newer taskpoint wrote included; FileNotFoundError when there is no committed step."""
         return self._queries.verify(step, progress)
 
     def describe(self, step: int | None = None) -> StepDescription:

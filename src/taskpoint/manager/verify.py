@@ -8,21 +8,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CheckpointCorruptError, CheckpointError
+from ..errors import CheckpointCorruptError, CheckpointError, NewerFormatError
 from ..format.conformance import document_problem
 from ..format.records import StepManifest
 from .kinds import StepContext, StepKind, StepKinds
 from .step_names import MANIFEST_NAME
 
-HEALTHY, DAMAGED, CHANGED = "healthy", "damaged", "changed"
+HEALTHY, DAMAGED, CHANGED, NEWER = "healthy", "damaged", "changed", "newer"
 
 
 @dataclass(frozen=True)
 class StepVerification:
-    """One step, verified. ``state`` is ``healthy`` (every byte matched), ``damaged`` or ``changed``
-    (overwritten or deleted by another writer while it was verified); ``detail`` says what matched, or the
-    problem. ``size`` is the data the step holds; ``checked`` is False for a manifest written before manifests
-    carried a check of their own (damage to it cannot be told)."""
+    """One step, verified. ``state`` is ``healthy`` (every byte matched), ``damaged``, ``changed``
+    (overwritten or deleted by another writer while it was verified) or ``newer`` (a document of it is of a format
+    version newer than this taskpoint reads: not damage, upgrade taskpoint to check it); ``detail`` says what
+    matched, or the problem. ``size`` is the data the step holds; ``checked`` is False for a manifest written
+    before manifests carried a check of their own (damage to it cannot be told)."""
 
     step: int
     state: str
@@ -54,6 +55,10 @@ class Verification:
     @property
     def changed(self) -> list[int]:
         return [s.step for s in self.steps if s.state == CHANGED]
+
+    @property
+    def newer(self) -> list[int]:
+        return [s.step for s in self.steps if s.state == NEWER]
 
 
 @dataclass(frozen=True)
@@ -153,6 +158,8 @@ def verify_steps(context: StepContext, kinds: StepKinds, listed: list[int], prog
     for step in listed:
         try:
             results.append(verify_step(context, kinds, step, progress, listed=True))
+        except NewerFormatError as exc:  # a CheckpointCorruptError, but no damage: caught first
+            results.append(StepVerification(step, NEWER, " ".join(str(exc).split())))
         except CheckpointCorruptError as exc:
             results.append(StepVerification(step, DAMAGED, " ".join(str(exc).split())))
         except StepChanged as exc:
