@@ -193,8 +193,8 @@ def _relayed(replies: IO[bytes]) -> Progress:
 
 
 def _serve_staged(request: StagedRequest, duty: _Duty, replies: IO[bytes]) -> None:
-    """Take a staged save's segment over, say so, then run its job, free the segment, and answer the job's
-    sizes and manifest (or its error)."""
+    """Take a staged save's segment over, say so, then run its job, free the segment (or keep it, when the
+    request asks and the job succeeded), and answer the job's sizes and manifest (or its error)."""
     value: Any
     try:
         segment = Segment.adopt(request.segment)
@@ -211,7 +211,10 @@ def _serve_staged(request: StagedRequest, duty: _Duty, replies: IO[bytes]) -> No
             job: StagedJob = pickle.loads(request.job)
             with _relayed(replies) if request.report else NO_PROGRESS as progress:
                 sizes, manifest = job.run(segment, progress)
-            segment.free()
+            if request.keep:  # the parent's next save copies into it; a dead parent's goes as this process leaves
+                segment.unmap()
+            else:
+                segment.free()
             duty.stored(manifest)
             status, value = "ok", (sizes, manifest)
         except BaseException as exc:
