@@ -80,6 +80,18 @@ def test_a_state_of_another_size_resizes_the_ready_segment_instead_of_creating_o
         _assert_same(load_state_dict_sync(m, 3), _state(1, floats=1 << 16))
 
 
+def _resident(pid: int, path: Path) -> int:
+    """The bytes of ``path`` resident in process ``pid``'s mappings of it."""
+    resident, inside = 0, False
+    with open(f"/proc/{pid}/smaps", encoding="utf-8") as smaps:
+        for line in smaps:
+            if not line[0].isupper():  # a mapping's first line: its addresses
+                inside = path.name in line
+            elif inside and line.startswith("Rss:"):
+                resident += int(line.split()[1]) * 1024
+    return resident
+
+
 def test_the_ready_segment_counts_against_max_staging_bytes(tmp_path, caplog):
     """A bound with room for one state: every save is staged into the one segment; a state past the bound is saved
     blocking and frees the ready segment, so the staging never holds more than the bound."""
@@ -97,9 +109,12 @@ def test_the_ready_segment_counts_against_max_staging_bytes(tmp_path, caplog):
             held.append(staging_memory.budget.held)  # the ready one
         assert held == [_plan_size(state)] * 6 and max(held) <= limit
         assert not any("exceed max_staging_bytes" in record.getMessage() for record in caplog.records)
+        ready, saver = staging_memory.ready.path, m._background.saver.pid
+        assert _resident(saver, ready) > 0  # the save process keeps it mapped for the next save
         m.save(StateDict(_state(4, floats=1 << 18)), 4, blocking=False)  # past the bound: blocking
         assert m.steps() == [1, 2, 3, 4]
         assert staging_memory.ready is None and staging_memory.budget.held == 0
+        assert _resident(saver, ready) == 0  # freed, although that process still maps it
         assert _segments(os.getpid(), m._background.saver.pid) == []
         _assert_same(load_state_dict_sync(m, 4), _state(4, floats=1 << 18))
     assert any("exceed max_staging_bytes" in record.getMessage() for record in caplog.records)

@@ -144,8 +144,12 @@ class Segment:
             self._map = None
 
     def free(self) -> None:
-        """Unmap and remove the segment: its memory goes back once no process maps it."""
+        """Unmap and remove the segment. Its pages go back at once, even while the save process still maps it
+        (it keeps a segment it wrote mapped, idle, for the next save: :mod:`.staging_memory`), as it is emptied
+        first; so it is freed only where no process reads it any more."""
         self.unmap()
+        with contextlib.suppress(FileNotFoundError):
+            os.truncate(self.path, 0)
         self.path.unlink(missing_ok=True)
 
 
