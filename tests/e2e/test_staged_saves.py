@@ -106,7 +106,10 @@ def test_a_background_state_dict_save_writes_the_step_a_blocking_one_writes_from
             model = loaded["model"]
             assert model["tied"].untyped_storage().data_ptr() == model["weight"].untyped_storage().data_ptr()
         assert m.verify(1).healthy
-        assert _segments(os.getpid(), m._background.saver.pid) == []  # freed once written
+        saver = m._background.saver.pid
+        ready = m._background.staging.ready  # written, and kept for the next save
+        assert ready is not None and _segments(os.getpid(), saver) == [ready.path]
+    assert _segments(os.getpid(), saver) == []  # freed at close
 
 
 def test_a_state_staging_cannot_copy_exactly_is_snapshotted_as_before(tmp_path):
@@ -186,10 +189,13 @@ def test_consecutive_staged_saves_leave_the_memory_of_both_processes_flat(tmp_pa
             if step in (5, LEAK_SAVES):
                 sizes.append(_pss(os.getpid()) + _pss(m._background.saver.pid))
         assert sizes[1] - sizes[0] < LEAK_ALLOWANCE, f"PSS grew by {(sizes[1] - sizes[0]) >> 20} MiB"
-        assert _segments(os.getpid(), m._background.saver.pid) == []
-        assert m._background.budget.held == 0
+        saver, ready = m._background.saver.pid, m._background.staging.ready
+        assert ready is not None and _segments(os.getpid(), saver) == [ready.path]  # the one ready segment
+        assert m._background.staging.budget.held == ready.size
         loaded = load_state_dict_sync(m, mmap=True)
         assert loaded["n"] == LEAK_SAVES and torch.equal(loaded["w"], torch.full((2 << 20,), float(LEAK_SAVES)))
+    assert _segments(os.getpid(), saver) == []
+    assert m._background.staging.budget.held == 0
 
 
 # -- segments left behind ---------------------------------------------------------------------------------------
