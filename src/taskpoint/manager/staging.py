@@ -155,6 +155,10 @@ def free_owned_segments(owner: str, folder: Path | None = None) -> list[Path]:
 class Stageable(Protocol):
     """A payload that a background save copies into a segment (:meth:`stage`) instead of a snapshot folder."""
 
+    #: The step kind that writes it staged: a background save stages it only when that kind saves it (not when
+    #: the kind of several ranks wraps it, say).
+    staged_kind: str
+
     def staging_size(self) -> int | None:
         """The bytes its segment needs, known before anything is copied; None when this one cannot be staged."""
         ...
