@@ -21,6 +21,7 @@ import pytest
 
 from _fault_proxy import fault_proxy
 from helpers import ORPHAN_EXIT_SLACK, pid_alive, process_gone, wait_until
+from helpers import staged_segments as _segments
 from taskpoint import CheckpointManager, workspace
 from taskpoint.manager import staging
 from taskpoint.workspace import host_tag
@@ -65,17 +66,6 @@ def _assert_same(loaded, expected) -> None:
             _assert_same(a, b)
     else:
         assert loaded == expected
-
-
-def _segments(*pids: int) -> list[Path]:
-    """The staging segments of this host owned by ``pids`` (by any process when none is given)."""
-    folder = staging.segment_folder()
-    found = []
-    for path in folder.glob(f"{staging.SEGMENT_PREFIX}{host_tag()}-*"):
-        owner = int(path.name[len(staging.SEGMENT_PREFIX):].split("-")[1])
-        if not pids or owner in pids:
-            found.append(path)
-    return found
 
 
 def _refuse_here(*args, **kwargs):
