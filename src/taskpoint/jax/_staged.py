@@ -75,13 +75,12 @@ class TreePlan:
         self.size = end
 
     def copy_into(self, segment: Segment) -> StagedTree:
-        """Copy every array into ``segment`` (of :attr:`size` bytes), then unmap it here; the staged tree."""
+        """Copy every array into ``segment`` (of :attr:`size` bytes, mapped here); the staged tree."""
         buffer = segment.buffer
         for key, source in self._sources.items():
             np.copyto(_view(buffer, self._refs[key]), source, casting="no")
-        del buffer  # no view of the mapping is left: it can be unmapped
+        del buffer  # no view of the mapping is left: the manager may unmap it
         self._sources = {}
-        segment.unmap()
         return StagedTree(str(segment.path), Encoded(self._encoded.structure, self._encoded.leaves, self._refs))
 
 
