@@ -6,27 +6,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
-import signal
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from _fault_proxy import fault_proxy
-from helpers import ORPHAN_EXIT_SLACK, pid_alive, process_gone, staged_segments, wait_until
+from _staged_kills import kill_save_process_mid_write, kill_trainer_after_return
+from helpers import staged_segments
 from taskpoint import CheckpointManager
 
 LOCAL_AND_S3 = pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
-TIMEOUT = 120
 #: The save process's grace after its trainer died (it commits within it): generous for a loaded machine.
 GRACE_SECONDS = 120
-#: The bound of the wait for the save process's held upload.
-HELD_TIMEOUT = 400
 
 
 def _data(seed: int, size: int = 6 << 20) -> bytes:
@@ -62,7 +55,8 @@ def test_background_bytes_are_staged_and_written_by_the_save_process_as_a_blocki
         assert (background.size, background.blake3) == (blocking.size, blocking.blake3)
         assert _restored(m, 2) == _data(1)
         assert m.verify(2).healthy
-        assert staged_segments(os.getpid(), m._background.saver.pid) == []  # freed once written
+        saver = m._background.saver.pid
+    assert staged_segments(os.getpid(), saver) == []  # freed once written (or kept for a next save until close)
 
 
 _TRAINER = textwrap.dedent("""
@@ -85,36 +79,17 @@ _TRAINER = textwrap.dedent("""
 @LOCAL_AND_S3
 def test_a_trainer_killed_right_after_a_staged_bytes_save_returned_loses_nothing(store):
     uri = store.url("ckpts")
-    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, uri, json.dumps(store.fs_options),
-                                str(Path(__file__).parent)], stdout=subprocess.PIPE, text=True,
-                               env={**os.environ, "TASKPOINT_GRACE_SECONDS": str(GRACE_SECONDS)})
-    try:
-        helper = int(trainer.stdout.readline())
-        trainer.kill()
-        assert trainer.wait(TIMEOUT) == -signal.SIGKILL
-    finally:
-        trainer.kill()
-        trainer.wait(TIMEOUT)
-        trainer.stdout.close()
-    assert process_gone(helper, GRACE_SECONDS + ORPHAN_EXIT_SLACK), "the save process outlived its grace"
+    trainer, helper = kill_trainer_after_return(
+        _TRAINER, [uri, json.dumps(store.fs_options), str(Path(__file__).parent)], GRACE_SECONDS, 0.0)
     with CheckpointManager(uri, storage_options=store.storage_options) as m:
         assert m.latest_step() == 1 and m.describe(1).payload_kind == "bytes"
         assert _restored(m, 1) == _data(1)
-    assert staged_segments(trainer.pid, helper) == []
+    assert staged_segments(trainer, helper) == []
 
 
-_HELD_TRAINER = textwrap.dedent("""
-    import json, sys, time
-    sys.path[:0] = [sys.argv[3], sys.argv[3] + "/.."]  # this module, and the helpers it imports
-    from test_staged_bytes import _data
-    from taskpoint import CheckpointManager
-
-    m = CheckpointManager(sys.argv[1], storage_options=json.loads(sys.argv[2]), async_save=True, preemption=False)
-    m.save(_data(1), 1, blocking=True)
-    m.save(bytearray(_data(2)), 2)
-    print(m._background.saver.pid, flush=True)
-    time.sleep(600)
-""")
+def _saved(step: int) -> bytearray:
+    """What the trainers save as ``step``."""
+    return bytearray(_data(step))
 
 
 @pytest.mark.slow
@@ -123,38 +98,8 @@ def test_a_save_process_killed_in_the_middle_of_a_bytes_write_commits_nothing_an
     """The upload of step 2's object is held by the proxy; the trainer is SIGKILLed, then its save process while it
     writes: step 2 is not committed, step 1 restores, and the next manager's save process frees the segment."""
     uri = f"s3://taskpoint-tests/held-staged-bytes-{os.getpid()}-{time.monotonic_ns()}/ckpts"
-    held: list[str] = []
+    kill_save_process_mid_write("test_staged_bytes:_saved", s3_server, uri, "payload-", lambda m: _check_restored(m, 1))
 
-    def hold(method: str, path: str) -> bool:
-        if method in ("PUT", "POST") and "/ckpt-2/payload-" in path:
-            held.append(path)
-            return True
-        return False
 
-    with fault_proxy(s3_server.endpoint, stall_seconds=math.inf) as proxy:
-        proxy.hold = hold
-        options = {**s3_server.storage_options, "endpoint_url": proxy.url}
-        trainer = subprocess.Popen([sys.executable, "-c", _HELD_TRAINER, uri, json.dumps(options),
-                                    str(Path(__file__).parent)], stdout=subprocess.PIPE, text=True,
-                                   env={**os.environ, "TASKPOINT_GRACE_SECONDS": "300"})
-        try:
-            helper = int(trainer.stdout.readline())
-            assert wait_until(lambda: held, HELD_TIMEOUT)  # the save process is in the middle of its write
-            trainer.kill()
-            trainer.wait(TIMEOUT)
-            assert staged_segments(helper), "the save process holds the segment while it writes"
-            os.kill(helper, signal.SIGKILL)
-            assert process_gone(helper, TIMEOUT)
-        finally:
-            trainer.kill()
-            trainer.wait(TIMEOUT)
-            trainer.stdout.close()
-            if pid_alive(helper):
-                os.kill(helper, signal.SIGKILL)
-    left = staged_segments(helper)
-    assert left, "the killed save process's segment is there for the next manager to free"
-    with CheckpointManager(uri, storage_options=s3_server.storage_options, async_save=True) as m:
-        assert wait_until(lambda: m._background.saver is not None)
-        assert wait_until(lambda: [path for path in left if path.exists()] == [])
-        assert m.steps() == [1]
-        assert _restored(m, 1) == _data(1)
+def _check_restored(manager: CheckpointManager, step: int) -> None:
+    assert _restored(manager, step) == _data(step)

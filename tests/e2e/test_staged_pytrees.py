@@ -6,13 +6,9 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import random
 import re
-import signal
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -20,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _fault_proxy import fault_proxy
-from helpers import ORPHAN_EXIT_SLACK, pid_alive, process_gone, staged_segments, wait_until
+from _staged_kills import kill_save_process_mid_write, kill_trainer_after_return
+from helpers import staged_segments
 from taskpoint import CheckpointManager
 
 jax = pytest.importorskip("jax")
@@ -30,15 +26,12 @@ import jax.numpy as jnp  # noqa: E402
 from taskpoint.jax import PyTree, load_pytree_sync  # noqa: E402
 
 LOCAL_AND_S3 = pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
-TIMEOUT = 120
 #: Trials of the kill test per store: trial 0 kills after a first save, trial 1 after the second (from a warm
 #: save process).
 KILL_TRIALS = 2
 #: The save process's grace after its trainer died (it commits within it): generous for a loaded machine, where
 #: it imports jax at nice +10 first.
 GRACE_SECONDS = 180
-#: The bound of the wait for the save process's held upload.
-HELD_TIMEOUT = 400
 
 
 def _tree(seed: int, floats: int = 1 << 20) -> dict:
@@ -103,7 +96,8 @@ def test_a_background_pytree_save_writes_the_step_a_blocking_one_writes_from_the
         assert m.verify(2).healthy
         sidecars = [json.loads((Path(m.restore(step)) / "taskpoint-pytree.json").read_text()) for step in (1, 2)]
         assert sidecars[0] == sidecars[1]  # the same leaves, kinds and structure
-        assert staged_segments(os.getpid(), m._background.saver.pid) == []  # freed once written
+        saver = m._background.saver.pid
+    assert staged_segments(os.getpid(), saver) == []  # freed once written (or kept for a next save until close)
     if store.kind == "local":
         # Orbax's data files vary in number from one write to the next; every other file is there in both
         steps = [next(Path(store.url("ckpts"), f"ckpt-{step}").glob("pytree-*[0-9a-f]")) for step in (1, 2)]
@@ -118,7 +112,8 @@ def test_a_tree_without_arrays_is_staged_in_an_empty_segment(tmp_path):
         m.wait_until_finished()
         assert m.describe(1).kind == "jax.pytree"
         _assert_same(load_pytree_sync(m), tree)
-        assert staged_segments(os.getpid(), m._background.saver.pid) == []
+        saver = m._background.saver.pid
+    assert staged_segments(os.getpid(), saver) == []
 
 
 def test_a_tree_larger_than_max_staging_bytes_is_saved_blocking_and_says_so(tmp_path, caplog):
@@ -157,26 +152,16 @@ _TRAINER = textwrap.dedent("""
 
 def _kill_trainer_after_return(store, trial: int) -> None:
     uri = store.url(f"ckpts-{trial}")
-    env = {**os.environ, "TASKPOINT_GRACE_SECONDS": str(GRACE_SECONDS)}
     step = 1 + trial % 2  # even trials: a first save; odd: the second, from a warm save process
-    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, uri, json.dumps(store.fs_options), str(step),
-                                str(Path(__file__).parent)], stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        helper = int(trainer.stdout.readline())
-        time.sleep(random.Random(trial).uniform(0, 0.05))  # the moment of the kill: 0-50 ms after the return
-        trainer.kill()
-        assert trainer.wait(TIMEOUT) == -signal.SIGKILL
-    finally:
-        trainer.kill()
-        trainer.wait(TIMEOUT)
-        trainer.stdout.close()
-    assert process_gone(helper, GRACE_SECONDS + ORPHAN_EXIT_SLACK), "the save process outlived its grace"
+    delay = random.Random(trial).uniform(0, 0.05)  # the moment of the kill: 0-50 ms after the return
+    trainer, helper = kill_trainer_after_return(
+        _TRAINER, [uri, json.dumps(store.fs_options), str(step), str(Path(__file__).parent)], GRACE_SECONDS, delay)
     with CheckpointManager(uri, storage_options=store.storage_options) as m:
         assert m.latest_step() == step
         assert m.describe(step).kind == "jax.pytree"
         _assert_same(load_pytree_sync(m, step=step), _tree(step))
         assert m.verify(step).healthy
-    assert staged_segments(trainer.pid, helper) == []
+    assert staged_segments(trainer, helper) == []
 
 
 @pytest.mark.slow
@@ -189,19 +174,9 @@ def test_a_trainer_killed_0_to_50_ms_after_a_staged_pytree_save_returned_loses_n
 
 # -- SIGKILL of the save process in the middle of its write ------------------------------------------------------
 
-_HELD_TRAINER = textwrap.dedent("""
-    import json, sys, time
-    sys.path[:0] = [sys.argv[3], sys.argv[3] + "/.."]  # this module, and the helpers it imports
-    from test_staged_pytrees import _tree
-    from taskpoint import CheckpointManager
-    from taskpoint.jax import PyTree
-
-    m = CheckpointManager(sys.argv[1], storage_options=json.loads(sys.argv[2]), async_save=True, preemption=False)
-    m.save(PyTree(_tree(1)), 1, blocking=True)
-    m.save(PyTree(_tree(2)), 2)
-    print(m._background.saver.pid, flush=True)
-    time.sleep(600)
-""")
+def _saved(step: int) -> PyTree:
+    """What the trainers save as ``step``."""
+    return PyTree(_tree(step))
 
 
 @pytest.mark.slow
@@ -210,39 +185,5 @@ def test_a_save_process_killed_in_the_middle_of_a_pytree_write_commits_nothing_a
     """The upload of step 2's files is held by the proxy; the trainer is SIGKILLed, then its save process while it
     writes: step 2 is not committed, step 1 restores, and the next manager's save process frees the segment."""
     uri = f"s3://taskpoint-tests/held-staged-tree-{os.getpid()}-{time.monotonic_ns()}/ckpts"
-    held: list[str] = []
-
-    def hold(method: str, path: str) -> bool:
-        if method in ("PUT", "POST") and "/ckpt-2/pytree-" in path:
-            held.append(path)
-            return True
-        return False
-
-    with fault_proxy(s3_server.endpoint, stall_seconds=math.inf) as proxy:
-        proxy.hold = hold
-        options = {**s3_server.storage_options, "endpoint_url": proxy.url}
-        trainer = subprocess.Popen([sys.executable, "-c", _HELD_TRAINER, uri, json.dumps(options),
-                                    str(Path(__file__).parent)], stdout=subprocess.PIPE, text=True,
-                                   env={**os.environ, "TASKPOINT_GRACE_SECONDS": "300"})
-        try:
-            helper = int(trainer.stdout.readline())
-            # the save process is in the middle of its write (after importing jax at nice +10: slow on a busy machine)
-            assert wait_until(lambda: held, HELD_TIMEOUT)
-            trainer.kill()
-            trainer.wait(TIMEOUT)
-            assert staged_segments(helper), "the save process holds the segment while it writes"
-            os.kill(helper, signal.SIGKILL)
-            assert process_gone(helper, TIMEOUT)
-        finally:
-            trainer.kill()
-            trainer.wait(TIMEOUT)
-            trainer.stdout.close()
-            if pid_alive(helper):
-                os.kill(helper, signal.SIGKILL)
-    left = staged_segments(helper)
-    assert left, "the killed save process's segment is there for the next manager to free"
-    with CheckpointManager(uri, storage_options=s3_server.storage_options, async_save=True) as m:
-        assert wait_until(lambda: m._background.saver is not None)
-        assert wait_until(lambda: [path for path in left if path.exists()] == [])
-        assert m.steps() == [1]
-        _assert_same(load_pytree_sync(m), _tree(1))
+    kill_save_process_mid_write("test_staged_pytrees:_saved", s3_server, uri, "pytree-",
+                                lambda m: _assert_same(load_pytree_sync(m), _tree(1)))
