@@ -196,8 +196,10 @@ def test_snapshots_that_killed_processes_left_are_swept_by_a_later_background_sa
     other_host = leftover(f"{_manager.SNAPSHOT_PREFIX}00000000-{finished.pid}-jkl")
     not_ours = leftover("taskpoint-snapshot-by-hand")
     try:
+        saved = tmp_path / "saved.bin"  # a file is snapshotted (bytes are staged in shared memory instead)
+        saved.write_bytes(b"x")
         with CheckpointManager(tmp_path / "ckpts", snapshot_dir=scratch) as m:
-            m.save(b"x", 1, blocking=False)
+            m.save(saved, 1, blocking=False)
             m.wait_until_finished()
         assert not dead.exists()
         assert young_dead.exists() and alive.exists() and other_host.exists() and not_ours.exists()
