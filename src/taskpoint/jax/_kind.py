@@ -3,7 +3,7 @@ writes, committed and hashed in place, instead of a copy of them in a tar archiv
 
 A step of this kind holds, in its folder::
 
-    pytree-<save id>/            the folder :func:`~taskpoint.jax._pytree.write_tree` makes: the sidecar and
+    pytree-<save id>/            the folder :meth:`~taskpoint.jax._pytree.Encoded.write` makes: the sidecar and
                                  Orbax's checkpoint of the arrays (``orbax/``), written there by Orbax itself
                                  when the store is the local disk, else uploaded file by file
     pytree-<save id>.files.json  taskpoint's file-set manifest: every file of that folder, its size and sha256

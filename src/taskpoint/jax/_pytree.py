@@ -1,6 +1,6 @@
 """A PyTree on local disk: array leaves in an Orbax PyTree checkpoint, everything else in a JSON sidecar.
 
-Layout of a folder written by :func:`write_tree`::
+Layout of a folder written by :meth:`Encoded.write`::
 
     taskpoint-pytree.json   the sidecar: the tree's structure and one record per leaf (kind, path, dtype,
                             shape, PRNG key implementation, and the values Orbax does not store)
