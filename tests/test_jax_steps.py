@@ -166,14 +166,14 @@ def test_gc_removes_the_tree_of_a_save_that_died_once_older_than_the_grace_perio
 
 
 @pytest.mark.e2e("starts a save process")
-def test_a_background_save_goes_as_an_archive_through_the_save_process_and_both_kinds_restore(tmp_path):
+def test_a_background_save_is_staged_and_the_save_process_writes_the_kind_a_blocking_save_writes(tmp_path):
     weights = np.arange(6.0)
     with CheckpointManager(tmp_path / "steps", async_save=True) as m:
         m.save(tpjax.PyTree({"w": weights}), 1)
-        weights[:] = -1.0  # the snapshot was taken when the call returned
+        weights[:] = -1.0  # the arrays were staged when the call returned
         m.wait_until_finished()
         m.save(tpjax.PyTree({"w": weights}), 2, blocking=True)
-        assert [m.describe(s).kind for s in (1, 2)] == ["payload", "jax.pytree"]
+        assert [m.describe(s).kind for s in (1, 2)] == ["jax.pytree", "jax.pytree"]
         np.testing.assert_array_equal(tpjax.load_pytree_sync(m, step=1)["w"], np.arange(6.0))
         np.testing.assert_array_equal(tpjax.load_pytree_sync(m, step=2)["w"], np.full(6, -1.0))
 

@@ -228,7 +228,7 @@ class Background:
         save without ``prestart``, the spawn of the process (not its start, which is not waited for);
         docs/manager.md has the figures."""
         helper = kind.helper
-        if kind.name == payload.kind and helper and self._use_saver and isinstance(payload, Stageable):
+        if helper and self._use_saver and isinstance(payload, Stageable) and kind.name == payload.staged_kind:
             size = payload.staging_size()
             if size is not None:
                 self._start_staged(step, payload, size, job)

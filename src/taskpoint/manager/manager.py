@@ -146,8 +146,8 @@ class CheckpointManager:
         exists raises FileExistsError unless ``overwrite=True`` (blocking, on an object store with conditional
         writes, when the manifest's create finds one; elsewhere two writers checking at the same moment can
         both pass the check, and the last to commit wins, with its own complete data). With
-        ``blocking=False`` (or ``async_save=True``) the call returns once the data is snapshotted (a state dict:
-        staged), and handed to the save process where there is one (so that the step is committed even if this
+        ``blocking=False`` (or ``async_save=True``) the call returns once the data is snapshotted (a state dict or
+        a PyTree: staged), and handed to the save process where there is one (so that the step is committed even if this
         process is killed next; see docs/manager.md): the caller may change or delete it at once. At most one
         save is in flight; the next call waits for it, and an error it met is raised by the next call instead of
         doing anything else. ``progress``: as for :meth:`Checkpoint.save_sync <taskpoint.Checkpoint.save_sync>`

@@ -178,6 +178,9 @@ class SaverProcess:
         # pools, five 256 MiB folder saves and loads to S3 in one process: peak RSS 285 MiB without this and
         # 232 MiB with it (before the shared pools, 362 and 240: new pool threads each save, RSS growing).
         env.setdefault("MALLOC_ARENA_MAX", "2")
+        # It writes staged arrays from host memory (taskpoint.jax._staged): jax there must not claim an accelerator,
+        # whose memory it would take from the trainer.
+        env["JAX_PLATFORMS"] = "cpu"
         try:
             self._process = subprocess.Popen(
                 [sys.executable, "-c", _CHILD, str(os.getpid())], stdin=subprocess.PIPE,

@@ -1,6 +1,6 @@
 """Staging in shared memory: where a background save copies its state once, for the save process to write.
 
-A background save of a state that lives in memory (a torch state dict) copies it once into a *segment*: one
+A background save of a state in memory (a torch state dict, a JAX PyTree) copies it once into a *segment*: one
 file in ``/dev/shm`` (tmpfs: its pages are memory, shared by every process that maps it), sized up front and
 reserved with ``posix_fallocate`` so that a full ``/dev/shm`` is a clean ``OSError`` before a byte is copied,
 never a ``SIGBUS`` in the middle. The segment is named for the save process from the start (:func:`owner_tag` of
@@ -178,6 +178,10 @@ def free_owned_segments(owner: str, folder: Path | None = None) -> list[Path]:
 @runtime_checkable
 class Stageable(Protocol):
     """A payload that a background save copies into a segment (:meth:`stage`) instead of a snapshot folder."""
+
+    #: The step kind that writes it staged: a background save stages it only when that kind saves it (not when
+    #: the kind of several ranks wraps it, say).
+    staged_kind: str
 
     def staging_size(self) -> int | None:
         """The bytes its segment needs, known before anything is copied; None when this one cannot be staged."""

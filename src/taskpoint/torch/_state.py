@@ -89,6 +89,7 @@ class StateDictPayload(BytesPayload):
 
     kind = "torch.state_dict"
     staged_by = "taskpoint.torch._staged"
+    staged_kind = STEP_KIND
     result_name = STATE_FILE  # what a load of a Checkpoint object holding one writes, as a step's restore does
 
     def __init__(self, state: StateDict) -> None:

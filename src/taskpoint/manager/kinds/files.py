@@ -125,10 +125,16 @@ def _sync_folders(root: Path) -> None:
 
 
 def store_folder(context: StepContext, job: SaveJob, folder: str, source: FolderSource) -> dict[str, FileEntry]:
-    """Store ``source``'s files as the folder ``folder`` of the step's folder, and list them: on local disk
-    written there directly, then hashed and fsynced; elsewhere written into ``source``'s own temp folder and
-    uploaded file by file, hashed as they go. ``job.progress`` counts the bytes of the files, each once stored."""
-    tree = context.steps.object(job.step, folder)
+    """Store ``source``'s files as the folder ``folder`` of the step's folder, and list them
+    (:func:`write_folder`)."""
+    return write_folder(context.steps.object(job.step, folder), source, job.progress)
+
+
+def write_folder(tree: Location, source: FolderSource, progress: Progress) -> dict[str, FileEntry]:
+    """Store ``source``'s files as the folder ``tree`` (of a step: a blocking save's, or the save process's write of
+    a staged one), and list them: on local disk written there directly, then hashed and fsynced; elsewhere written
+    into ``source``'s own temp folder and uploaded file by file, hashed as they go. ``progress`` counts the bytes of
+    the files, each once stored."""
     if tree.is_local:
         root = Path(tree.path)
         root.parent.mkdir(parents=True, exist_ok=True)
@@ -136,16 +142,16 @@ def store_folder(context: StepContext, job: SaveJob, folder: str, source: Folder
     else:
         root = source.serialized()
     sizes = {rel: (root / rel).stat().st_size for rel in _local_files(root)}
-    job.progress.set_total(sum(sizes.values()))
+    progress.set_total(sum(sizes.values()))
     if tree.is_local:
         entries = hash_local(root, {rel: _plan(size) for rel, size in sizes.items()}, sync=True,
-                             on_read=job.progress.update)
+                             on_read=progress.update)
         _sync_folders(root)
         return entries
 
     def stored(rel: str) -> FileEntry:
         entry = _upload(root / rel, tree.child(rel))
-        job.progress.update(entry.size)
+        progress.update(entry.size)
         return entry
 
     return dict(zip(sizes, _on_threads(stored, sizes), strict=True))
@@ -165,11 +171,19 @@ def stored_files(content: FilesContent, listing: bytes, files: dict[str, FileEnt
 
 def store_listing(context: StepContext, job: SaveJob, content: FilesContent, files: dict[str, FileEntry],
                   writer: str, save_id: str, kind: str, codec: str) -> Stored:
-    """Write the file-set manifest of ``files`` (``writer``: the format that wrote them, the manifest's kind;
-    with the job's attempt and metadata) into the step's folder, and say what was stored (:func:`stored_files`)."""
-    data = FileSetManifest(kind=writer, save_id=save_id, created=time.time(), files=files, attempt=job.attempt,
-                           metadata=job.metadata).to_bytes()
-    context.steps.object(job.step, content.manifest).write_small(data, action="store the list of files of")
+    """Write the file-set manifest of ``files`` into the step's folder with the job's attempt and metadata, and say
+    what was stored (:func:`write_listing`)."""
+    return write_listing(context.steps.object(job.step, content.manifest), content, files, writer, save_id, kind,
+                         codec, job.attempt, job.metadata)
+
+
+def write_listing(location: Location, content: FilesContent, files: dict[str, FileEntry], writer: str, save_id: str,
+                  kind: str, codec: str, attempt: int | None, metadata: dict[str, Any]) -> Stored:
+    """Write the file-set manifest of ``files`` (``writer``: the format that wrote them, the manifest's kind) at
+    ``location``, ``content``'s manifest in the step's folder, and say what was stored (:func:`stored_files`)."""
+    data = FileSetManifest(kind=writer, save_id=save_id, created=time.time(), files=files, attempt=attempt,
+                           metadata=metadata).to_bytes()
+    location.write_small(data, action="store the list of files of")
     sent = sum(entry.size for entry in files.values()) + len(data)
     return stored_files(content, data, files, kind, codec, save_id, sent)
 
