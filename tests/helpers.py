@@ -62,6 +62,20 @@ def pid_alive(pid: int) -> bool:
 ORPHAN_EXIT_SLACK = 60.0
 
 
+def slowdown(bound: float = 12.0) -> float:
+    """How many times slower than on an idle machine a process runs here now, at most ``bound``: the wall time of
+    a child that imports taskpoint (the start every save process and worker pays) over the CPU time it used. 1
+    when idle; about the load per core under load (10 at load 20 on 2 cores). A grace a test gives a process to
+    finish its work is scaled by it, so that the machine's progress, not a constant, says how long is enough."""
+    start = time.monotonic()
+    pid = os.posix_spawn(sys.executable, [sys.executable, "-c", "import taskpoint"],
+                         {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    _, status, usage = os.wait4(pid, 0)
+    wall = time.monotonic() - start
+    assert os.waitstatus_to_exitcode(status) == 0, f"python -c 'import taskpoint' ended with status {status}"
+    return min(bound, max(1.0, wall / max(usage.ru_utime + usage.ru_stime, 0.01)))
+
+
 def process_gone(pid: int, within: float) -> bool:
     """Whether process ``pid`` has exited within ``within`` seconds."""
     return wait_until(lambda: not pid_alive(pid), within) or not pid_alive(pid)

@@ -27,7 +27,7 @@ import blake3
 import pytest
 
 import taskpoint
-from helpers import ORPHAN_EXIT_SLACK, process_gone
+from helpers import ORPHAN_EXIT_SLACK, process_gone, slowdown
 
 WORKER = Path(__file__).parents[1] / "_preempt_ranks_worker.py"
 WORLD = 4
@@ -159,7 +159,13 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(store: Any, group
 # -- background saves of 4 ranks whose trainers are SIGKILLed ---------------------------------------------------
 
 
-def sigkill_trials(store: Any, trials: int, seed: int, grace: float = 10.0) -> dict[str, int]:
+#: The save processes' grace (``TASKPOINT_GRACE_SECONDS``) after their trainers die, on an idle machine: what
+#: their last upload and the commit need, with room. Scaled by :func:`helpers.slowdown` at each trial (at load 20
+#: on 2 cores 10 s was too little: both trials ended uncommitted).
+KILLED_GRACE = 10.0
+
+
+def sigkill_trials(store: Any, trials: int, seed: int) -> dict[str, int]:
     """Kill all 4 trainers right after their background ``save()`` of a step returned; the step is then
     committed whole (every shard verifies) or not listed."""
     rng = random.Random(seed)
@@ -169,6 +175,10 @@ def sigkill_trials(store: Any, trials: int, seed: int, grace: float = 10.0) -> d
         kill_step = rng.randint(1, 3)
         args = {"mode": "handed", "directory": directory, "options": store.storage_options, "kill_step": kill_step,
                 "copies": rng.randint(1, 64)}
+        factor = slowdown()
+        grace = KILLED_GRACE * factor
+        print(f"trial {trial}: this machine runs {factor:.1f}x slower than idle now: a grace of {grace:.0f} s, and "
+              f"up to {grace + ORPHAN_EXIT_SLACK:.0f} s for the save processes to end")
         procs = start(args, grace=grace)
         handed = [read_until(p, "handed") for p in procs]
         for proc in procs:
