@@ -18,17 +18,15 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from _zygote import Forked, spawn
+from _zygote import LIGHTNING, TRANSFORMERS, Forked, spawn
 from helpers import wait_until
 
 #: The bound of one attempt: the worker imports torch and a framework and trains a few dozen tiny steps, which
 #: took 30 s alone on the 2-core machine and 2-3 minutes beside four others at a load of 19; far above that, a
 #: hang is a failure, not a slow machine.
 ATTEMPT_TIMEOUT = 600.0
-#: What the fork server of each worker imports ahead: its framework (5.4 CPU-s for Lightning), never taskpoint.
-PRELOAD = {"_lightning_same_run.py": ("torch", "lightning", "lightning.pytorch"),
-           "_hf_same_run.py": ("torch", "transformers", "transformers.trainer",
-                               "transformers.models.gpt2.modeling_gpt2")}
+#: What the fork server of each worker imports ahead: its framework (5.4 CPU-s for Lightning).
+PRELOAD = {"_lightning_same_run.py": LIGHTNING, "_hf_same_run.py": TRANSFORMERS}
 #: The bound of a whole scenario (:func:`check_kill_twice_and_resume`), for ``pytest.mark.timeout``.
 SCENARIO_TIMEOUT = 1800
 

@@ -27,25 +27,33 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+#: What a server imports ahead for the workers of each framework: the framework, never taskpoint (whose code is
+#: what the tests test, imported by each child with its own environment).
+TORCH = ("torch",)
+LIGHTNING = ("torch", "lightning", "lightning.pytorch")
+TRANSFORMERS = ("torch", "transformers", "transformers.trainer", "transformers.models.gpt2.modeling_gpt2")
 #: The bound of the server's start: importing Lightning took 5 CPU-s alone and 60 s at a load of 20.
 START_TIMEOUT = 300.0
 
 
 class Forked:
-    """A child of the server, as ``subprocess.Popen`` shows a child: ``pid``, ``stdout`` (text),
-    ``poll()``, ``wait(timeout)``, ``communicate(timeout)``, ``kill()``, ``send_signal()``, ``returncode``."""
+    """A child of the server, as ``subprocess.Popen(..., text=True)`` shows a child: ``pid``, ``stdout`` and
+    ``stderr`` (text; ``stderr`` None when it goes to ``stdout``), ``poll()``, ``wait(timeout)``,
+    ``communicate(timeout)``, ``send_signal()``, ``kill()``, ``returncode``."""
 
-    def __init__(self, connection: socket.socket, stdout: Any) -> None:
+    def __init__(self, connection: socket.socket, stdout: int, stderr: int | None) -> None:
         self._connection = connection
         self._replies = connection.makefile("r")
         self.pid: int = json.loads(self._replies.readline())["pid"]
-        self.stdout = stdout
-        self.stderr = None
+        self.stdout: IO[str] = os.fdopen(stdout, "r", errors="replace")
+        self.stderr: IO[str] | None = None if stderr is None else os.fdopen(stderr, "r", errors="replace")
         self.returncode: int | None = None
+        self._readers: list[tuple[threading.Thread, list[str]]] = []
 
     def poll(self) -> int | None:
         if self.returncode is None and select.select([self._connection], [], [], 0)[0]:
@@ -60,21 +68,25 @@ class Forked:
         assert self.returncode is not None
         return self.returncode
 
-    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
-        """Its whole output and ``None`` (stderr goes to stdout), once the pipe is closed and the child ended."""
+    def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
+        """The rest of its output (and of its stderr, when apart), once the pipes closed and the child ended;
+        ``TimeoutExpired`` past ``timeout``, after which it may be called again (as ``Popen.communicate``)."""
         end = None if timeout is None else time.monotonic() + timeout
-        fd, chunks = self.stdout.fileno(), []
-        while True:
-            left = None if end is None else max(0.0, end - time.monotonic())
-            if not select.select([fd], [], [], left)[0]:
+        if not self._readers:
+            for stream in (self.stdout, self.stderr):
+                if stream is not None:
+                    text: list[str] = []
+                    thread = threading.Thread(target=lambda s=stream, t=text: t.append(s.read()), daemon=True,
+                                              name=f"zygote-child-{self.pid}-output")
+                    thread.start()
+                    self._readers.append((thread, text))
+        for thread, _ in self._readers:
+            thread.join(None if end is None else max(0.0, end - time.monotonic()))
+            if thread.is_alive():
                 raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            chunks.append(chunk)
-        self.stdout.close()
         self.wait(None if end is None else max(0.0, end - time.monotonic()))
-        return b"".join(chunks).decode(errors="replace"), None
+        outputs = ["".join(text) for _, text in self._readers]
+        return outputs[0], outputs[1] if len(outputs) > 1 else None
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
@@ -87,7 +99,9 @@ class Forked:
         line = self._replies.readline()
         if not line:
             raise RuntimeError(f"the fork server closed the connection of child {self.pid} without its status")
-        self.returncode = json.loads(line)["status"]
+        ended = json.loads(line)
+        self.returncode = ended["status"]
+        _ended_cpu[0] += ended["cpu"]
         self._replies.close()
         self._connection.close()
 
@@ -108,17 +122,21 @@ class Zygote:
         ready = self._server.stdout.readline()
         assert ready.strip() == "ready", f"the fork server failed to start (status {self._server.poll()})"
 
-    def spawn(self, argv: list[str], env: dict[str, str]) -> Forked:
-        """A child running ``python argv...`` with ``env`` in this process's working directory."""
-        read, write = os.pipe()
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: str | os.PathLike[str] | None = None,
+              apart: bool = False, faulthandler: bool = False) -> Forked:
+        """A child running ``python argv...`` with ``env`` in ``cwd`` (default: this process's); its stderr in a
+        pipe of its own with ``apart``, else in stdout's; with ``faulthandler``, as ``python -X faulthandler``."""
+        pipes = [os.pipe() for _ in range(2 if apart else 1)]
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             connection.connect(self._address)
-            request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode()
-            socket.send_fds(connection, [request + b"\n"], [write])
+            request = json.dumps({"argv": argv, "env": env, "cwd": os.fspath(cwd or os.getcwd()),
+                                  "faulthandler": faulthandler}).encode()
+            socket.send_fds(connection, [request + b"\n"], [write for _, write in pipes])
         finally:
-            os.close(write)
-        return Forked(connection, os.fdopen(read, "rb"))
+            for _, write in pipes:
+                os.close(write)
+        return Forked(connection, pipes[0][0], pipes[1][0] if apart else None)
 
     def close(self) -> None:
         """End the server (its stdin closes); children still running are the tests' to end."""
@@ -136,15 +154,36 @@ class Zygote:
 
 
 _servers: dict[tuple[str, ...], Zygote] = {}
+_ended_cpu = [0.0]
 
 
-def spawn(modules: tuple[str, ...], argv: list[str], env: dict[str, str]) -> Forked:
+def ended_cpu() -> float:
+    """CPU-seconds of this process's forked children whose end it has seen: what ``RUSAGE_CHILDREN`` counts of
+    its own children, for tests/_cpu_report.py (the server, not this process, waits for them)."""
+    return _ended_cpu[0]
+
+
+def spawn(modules: tuple[str, ...], argv: list[str], env: dict[str, str], **how: Any) -> Forked:
     """``python argv...`` forked from this pytest process's server that imported ``modules`` (started on first
-    use, ended at exit)."""
+    use, ended at exit); ``how`` as :meth:`Zygote.spawn`."""
     if modules not in _servers:
         _servers[modules] = Zygote(modules)
         atexit.register(_servers[modules].close)
-    return _servers[modules].spawn(argv, env)
+    return _servers[modules].spawn(argv, env, **how)
+
+
+def run(modules: tuple[str, ...], argv: list[str], env: dict[str, str], cwd: str | os.PathLike[str],
+        timeout: float) -> subprocess.CompletedProcess[str]:
+    """As ``subprocess.run(capture_output=True, text=True)``: the child killed, and ``TimeoutExpired``, past
+    ``timeout``."""
+    child = spawn(modules, argv, env, cwd=cwd, apart=True)
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate(timeout=60)
+        raise
+    return subprocess.CompletedProcess(argv, child.wait(), out, err)
 
 
 # -- the server --------------------------------------------------------------------------------------------------
@@ -170,7 +209,7 @@ def serve(address: str) -> dict[str, Any] | None:
         _reap(children)
         if listener in readable:
             connection, _ = listener.accept()
-            message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 1)
+            message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 2)
             while not message.endswith(b"\n"):  # a request longer than one read
                 message += connection.recv(1 << 20)
             pid = os.fork()
@@ -182,33 +221,42 @@ def serve(address: str) -> dict[str, Any] | None:
                 for other in children.values():
                     other.close()
                 request: dict[str, Any] = json.loads(message)
-                request["output"] = fds[0]
+                request["outputs"] = fds
                 return request
-            os.close(fds[0])
+            for fd in fds:
+                os.close(fd)
             connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
             children[pid] = connection
 
 
 def _reap(children: dict[int, socket.socket]) -> None:
-    """Send each ended child's status (``-signal`` when a signal ended it) on its connection."""
+    """Send each ended child's status (``-signal`` when a signal ended it) and CPU-seconds (its own and its
+    waited-for children's) on its connection."""
     while children:
-        pid, status = os.waitpid(-1, os.WNOHANG)
+        pid, status, usage = os.wait4(-1, os.WNOHANG)
         if pid == 0:
             return
         connection = children.pop(pid)
+        ended = {"status": os.waitstatus_to_exitcode(status), "cpu": usage.ru_utime + usage.ru_stime}
         with contextlib.suppress(OSError):
-            connection.sendall(json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+            connection.sendall(json.dumps(ended).encode() + b"\n")
         connection.close()
 
 
-def run(request: dict[str, Any]) -> None:
-    """In the child: become ``python argv...`` (stdin /dev/null, stdout and stderr the caller's pipe)."""
+def become(request: dict[str, Any], own_path: int) -> None:
+    """In the child: become ``python argv...`` (stdin /dev/null, stdout and stderr the caller's pipes);
+    ``own_path`` entries of ``sys.path`` after the first came from the server's PYTHONPATH."""
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    os.dup2(request["output"], 1)
-    os.dup2(request["output"], 2)
-    for fd in (null, request["output"]):
+    outputs = request["outputs"]
+    os.dup2(outputs[0], 1)
+    os.dup2(outputs[-1], 2)
+    for fd in {null, *outputs}:
         os.close(fd)
+    if request["faulthandler"]:
+        import faulthandler
+
+        faulthandler.enable()
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -216,10 +264,16 @@ def run(request: dict[str, Any]) -> None:
         sys.modules["numpy.random"].seed()
     script = request["argv"][0]
     sys.argv = list(request["argv"])
-    sys.path[0] = str(Path(script).resolve().parent)
+    # the path python would have: the script's folder, the child's PYTHONPATH, then the interpreter's own
+    sys.path[: 1 + own_path] = [
+        str(Path(script).resolve().parent), *_python_path(request["env"].get("PYTHONPATH", ""))]
     import runpy
 
     runpy.run_path(script, run_name="__main__")
+
+
+def _python_path(variable: str) -> list[str]:
+    return [entry for entry in variable.split(os.pathsep) if entry]
 
 
 if __name__ == "__main__":
@@ -228,4 +282,4 @@ if __name__ == "__main__":
     job = serve(sys.argv[1])
     if job is None:  # the server ends without tearing Lightning's modules down (seconds, for nothing)
         os._exit(0)
-    run(job)
+    become(job, len(_python_path(os.environ.get("PYTHONPATH", ""))))

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import fsspec
 
+import _zygote as zygote
 from taskpoint import RetryPolicy
 from taskpoint.ranks import RANK_VARIABLES
 from taskpoint.storage import Deadline
@@ -361,11 +362,11 @@ def run_torchrun(worker: Path, world: int, argument: str, within: float) -> tupl
 
 class WorkerProcess:
     """A test worker script in a real process, given one JSON argument, printing one JSON event a line; its
-    events collected on a thread as they come (``events``), its stderr read once it has ended."""
+    events collected on a thread as they come (``events``), its stderr read once it has ended. The process is
+    forked from a server that imported ``modules`` once (tests/_zygote.py)."""
 
-    def __init__(self, worker: Path, args: dict[str, Any]) -> None:
-        self.process = subprocess.Popen([sys.executable, str(worker), json.dumps(args)], stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True)
+    def __init__(self, worker: Path, args: dict[str, Any], modules: tuple[str, ...]) -> None:
+        self.process = zygote.spawn(modules, [str(worker), json.dumps(args)], dict(os.environ), apart=True)
         self.events: list[dict[str, Any]] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
