@@ -35,6 +35,7 @@ from typing import IO, Any
 #: What a server imports ahead for the workers of each framework: the framework, never taskpoint (whose code is
 #: what the tests test, imported by each child with its own environment).
 TORCH = ("torch",)
+DCP = ("torch", "torch.distributed.checkpoint")
 LIGHTNING = ("torch", "lightning", "lightning.pytorch")
 TRANSFORMERS = ("torch", "transformers", "transformers.trainer", "transformers.models.gpt2.modeling_gpt2")
 #: The bound of the server's start: importing Lightning took 5 CPU-s alone and 60 s at a load of 20.
