@@ -26,6 +26,7 @@ from typing import Any
 import blake3
 import pytest
 
+import _zygote as zygote
 import taskpoint
 from helpers import ORPHAN_EXIT_SLACK, process_gone, slowdown
 
@@ -41,20 +42,25 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(args: dict[str, Any], grace: float = 20.0) -> list[subprocess.Popen[str]]:
-    """One job of 4 real processes with torchrun's variables (and a rendezvous address for gloo)."""
+def start(args: dict[str, Any], grace: float = 20.0) -> list[subprocess.Popen[str] | zygote.Forked]:
+    """One job of 4 real processes with torchrun's variables (and a rendezvous address for gloo); with a gloo
+    group (``group``), each rank forked from a server that imported torch (tests/_zygote.py), since a rank
+    without one never imports it."""
     port = _free_port()
     procs = []
     for rank in range(WORLD):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                "TASKPOINT_GRACE_SECONDS": str(grace), "PYTHONPATH": os.pathsep.join(sys.path)}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(args)], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        if args.get("group"):
+            procs.append(zygote.spawn(zygote.TORCH, [str(WORKER), json.dumps(args)], env, apart=True))
+        else:
+            procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(args)], env=env, text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     return procs
 
 
-def read_until(proc: subprocess.Popen[str], event: str) -> dict[str, Any]:
+def read_until(proc: subprocess.Popen[str] | zygote.Forked, event: str) -> dict[str, Any]:
     """The first line of ``proc`` with this event (the lines before it are skipped)."""
     assert proc.stdout is not None
     while True:
@@ -67,7 +73,7 @@ def read_until(proc: subprocess.Popen[str], event: str) -> dict[str, Any]:
             return found  # type: ignore[no-any-return]
 
 
-def finish(procs: list[subprocess.Popen[str]]) -> list[tuple[int, list[dict[str, Any]], str]]:
+def finish(procs: list[subprocess.Popen[str] | zygote.Forked]) -> list[tuple[int, list[dict[str, Any]], str]]:
     """Every rank's exit status, its remaining events, and its stderr."""
     results = []
     for proc in procs:
