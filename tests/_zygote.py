@@ -23,6 +23,7 @@ import json
 import os
 import select
 import signal
+import site
 import socket
 import subprocess
 import sys
@@ -244,9 +245,9 @@ def _reap(children: dict[int, socket.socket]) -> None:
         connection.close()
 
 
-def become(request: dict[str, Any], own_path: int) -> None:
+def become(request: dict[str, Any], own_path: list[str]) -> None:
     """In the child: become ``python argv...`` (stdin /dev/null, stdout and stderr the caller's pipes);
-    ``own_path`` entries of ``sys.path`` after the first came from the server's PYTHONPATH."""
+    ``own_path`` is the interpreter's own ``sys.path``, without a script's folder or a PYTHONPATH."""
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     outputs = request["outputs"]
@@ -265,9 +266,11 @@ def become(request: dict[str, Any], own_path: int) -> None:
         sys.modules["numpy.random"].seed()
     script = request["argv"][0]
     sys.argv = list(request["argv"])
-    # the path python would have: the script's folder, the child's PYTHONPATH, then the interpreter's own
-    sys.path[: 1 + own_path] = [
-        str(Path(script).resolve().parent), *_python_path(request["env"].get("PYTHONPATH", ""))]
+    # the path python would have: the child's PYTHONPATH, then the interpreter's own, without duplicates (as
+    # site.py leaves it), and the script's folder first
+    sys.path[:] = [*_python_path(request["env"].get("PYTHONPATH", "")), *own_path]
+    site.removeduppaths()
+    sys.path.insert(0, str(Path(script).resolve().parent))
     import runpy
 
     runpy.run_path(script, run_name="__main__")
@@ -278,9 +281,11 @@ def _python_path(variable: str) -> list[str]:
 
 
 if __name__ == "__main__":
+    interpreter_path = json.loads(subprocess.check_output(
+        [sys.executable, "-E", "-c", "import json, sys; print(json.dumps(sys.path[1:]))"]))
     for name in sys.argv[2:]:
         importlib.import_module(name)
     job = serve(sys.argv[1])
     if job is None:  # the server ends without tearing Lightning's modules down (seconds, for nothing)
         os._exit(0)
-    become(job, len(_python_path(os.environ.get("PYTHONPATH", ""))))
+    become(job, interpreter_path)
