@@ -8,6 +8,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -43,26 +44,33 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
     memory = memory if memory is not None else SaveMemory()
     record_loc = dest.sibling(RECORD_SUFFIX)
     known, version = memory.take(record_loc)
-    read_at = time.monotonic()
-    if known is None:
+    read_at, started = time.monotonic(), time.time()
+    # Nothing known, on an object store with conditional writes: the record's first write is a create (only where
+    # there is none), sent with the folder check and beside the record's read, begun here and waited for only when
+    # the create is refused. A new name is two round trips (those, then the object), where it took three in a row
+    # (5-30 ms each on a real store); a name with a record three, as when the read came first.
+    beside = known is None and record_loc.conditional and not dest.is_local
+    ahead = IO.lane(1).submit(_read_versioned, record_loc) if beside else None
+    if known is None and not beside:
         stored, version = _read_versioned(record_loc)
         previous = stored or Record()
     else:
-        previous = known
-    # With no record there (or one listing nothing), on an object store with conditional writes, the folder check
-    # goes beside the record's first write (made only over the version read: where there was none, only where there
-    # is none): one round trip for both, where they took three in a row (5-30 ms each on a real store).
-    beside = known is None and not previous.objects and record_loc.conditional and not dest.is_local
+        previous = known or Record()
     if not beside and (dest.is_local or not previous.objects):
         # A folder or prefix is refused before anything is written (folders.py). A destination with a record
         # was saved to as an object before: on object stores that spares the first save a HEAD and a listing.
         memory.refuse_folder(dest)
-    if previous.sweep or (known is None and dest.is_local):
+
+    def sweep() -> None:  # what killed or failed saves left (never this save's own upload, begun after `started`)
         _log.logger.debug("sweeping leftovers of interrupted saves at %s", _log.safe_uri(dest.uri))
-        dest.sweep_leftovers(started_before=time.time())  # what killed or failed saves left
+        dest.sweep_leftovers(started_before=started)
+
+    if previous.sweep or (known is None and dest.is_local):
+        sweep()
     entry = ObjectRecord(kind=payload.kind, codec=codec.name if payload.archived else "raw",
                          save_id=uuid.uuid4().hex, created=time.time(), size=payload.size())
-    state = _SaveState(record_loc, previous, version, check=(lambda: memory.refuse_folder(dest)) if beside else None)
+    state = _SaveState(record_loc, previous, version, check=(lambda: memory.refuse_folder(dest)) if beside else None,
+                       ahead=ahead, sweep=sweep)
 
     def on_partial(deadline: Deadline) -> None:  # a multipart upload begins: if this process dies, the next save
         if not state.partial:  # sweeps it
@@ -95,6 +103,10 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
             state.loc = record_loc.with_retry(_MARK_RETRY)
             state.write(lambda record: replace(record, sweep=True), action="record a failed save at")
         raise
+    if state.ahead is not None:  # the create found no record: its read is not needed, nor left in flight
+        _log.logger.debug("waiting for the read of the record at %s to end", _log.safe_uri(record_loc.uri))
+        with contextlib.suppress(Exception):  # bounded by its own retry policy's deadline
+            state.ahead.result(timeout=record_loc.retry.deadline)
     memory.keep(record_loc, replace(state.record, confirmed=entry.save_id, sweep=False), state.version)
     return replace(entry, size=size, crc32=digest, index=payload.written_index)
 
@@ -128,8 +140,11 @@ class _SaveState:
     record: Record
     version: str | None
     partial: bool = False
-    #: The folder check still to run beside the first write (no record listed objects), None when none is due.
+    #: The folder check still to run beside the first write (nothing was known of the record), None when none is due.
     check: Callable[[], None] | None = None
+    #: The read of the record begun with the save, which only a refused create waits for (then None).
+    ahead: Future[tuple[Record | None, str | None]] | None = None
+    sweep: Callable[[], None] | None = None  # sweeps leftovers, where the record met by a refused create asks it
     created: bool = False  # a write of this save found no record and made it
     refused: bool = False  # that check refused the destination (or failed): the object was never written
 
@@ -154,12 +169,27 @@ class _SaveState:
                 self.record = candidate
                 return
             except VersionConflict:
-                stored, self.version = _read_versioned(loc)
+                stored, self.version = self._stored(loc, outer)
                 self.record = _merged(stored, self.record)
                 _log.logger.debug("another writer changed the record at %s; merged", _log.safe_uri(self.loc.uri))
         raise StorageUnavailable(
             f"could not {action} {self.loc.uri}: other writers changed its record {_CONFLICT_TRIES} times in a row. "
             "Let one process save to a destination at a time; nothing was lost.")
+
+    def _stored(self, loc: Location, outer: Deadline) -> tuple[Record | None, str | None]:
+        """The record as stored, after a conflict. After the first (a refused create, when nothing was known of
+        the record) what :attr:`ahead` read, unless it found none or failed: the record came meanwhile, read again;
+        and the leftovers that record asks to sweep are swept, as a save that read it first would have."""
+        ahead, self.ahead = self.ahead, None
+        found: tuple[Record | None, str | None] = (None, None)
+        if ahead is not None:
+            _log.logger.debug("the record at %s exists: waiting for its read", _log.safe_uri(self.loc.uri))
+            with contextlib.suppress(Exception):
+                found = ahead.result(timeout=outer.time_left())
+        stored, version = found if found[1] is not None else _read_versioned(loc)
+        if ahead is not None and stored is not None and stored.sweep and self.sweep is not None:
+            self.sweep()
+        return stored, version
 
     def _beside(self, check: Callable[[], None], write: Callable[[], None]) -> None:
         """``write`` (the first) with the folder ``check`` on a pool thread meanwhile: one round trip for both.
