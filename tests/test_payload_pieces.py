@@ -1,0 +1,149 @@
+"""Payload steps by BLAKE3 pieces (issue 42 item 3, manifest version 7): what the pieces record, and that one flipped
+byte of the stored object is caught, with its piece and that piece's bytes named, by a full restore, by a partial
+restore and a file opened through the archive's index (which read only some pieces), and by verify; a step of
+version 6 (one BLAKE3) still restores and verifies. tests/e2e/test_payload_pieces_s3.py runs the ranged reads on S3.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import blake3
+import pytest
+
+from taskpoint import CheckpointCorruptError, CheckpointManager, NewerFormatError
+from taskpoint.digests import DIGESTS
+from taskpoint.format.fileset import PIECE_SIZE
+from taskpoint.format.pieces import PAYLOAD_PIECES
+
+CORPUS = Path(__file__).resolve().parent / "corpus"
+#: Three files of random bytes (gzip stores them as they are): their archive is about 30 MiB, two pieces.
+FILE_SIZE = 10 << 20
+#: A stored byte in piece 1, inside the members that hold file ``b`` (plain bytes 10-20 MiB); file ``a`` (plain
+#: bytes 0-10 MiB) lies in members stored before 16 MiB, in piece 0.
+FLIPPED = 18 << 20
+#: What a damaged piece 1 is reported as (a pattern: the object ends inside it).
+PIECE_1 = rf"piece 1 \(bytes {PIECE_SIZE}-3[0-9]{{7}}\)"
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    """Write the three files into ``folder``; their contents by name."""
+    rng = random.Random(42)
+    files = {name: rng.randbytes(FILE_SIZE) for name in ("a", "b", "c")}
+    folder.mkdir(parents=True)
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    return files
+
+
+def manifest_of(steps: Path, step: int) -> dict[str, Any]:
+    return dict(json.loads((steps / f"ckpt-{step}" / "taskpoint.json").read_bytes()))
+
+
+def flip(path: Path, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def test_a_payload_step_records_the_blake3_of_each_piece_of_its_object(tmp_path: Path) -> None:
+    data = random.Random(1).randbytes(2 * PIECE_SIZE + 5)
+    with CheckpointManager(tmp_path / "steps", preemption=False) as manager:
+        manager.save(data, 1)
+        manager.save(b"", 2)
+        stored = (tmp_path / "steps" / "ckpt-1" / manager.describe(1).payload).read_bytes()
+    doc = manifest_of(tmp_path / "steps", 1)
+    assert (doc["version"], doc["piece_size"], doc["piece_hash"], doc["sha256"]) == (7, PIECE_SIZE, "blake3", None)
+    assert doc["pieces"] == [blake3.blake3(stored[at:at + PIECE_SIZE]).hexdigest()
+                             for at in range(0, len(stored), PIECE_SIZE)]
+    assert len(doc["pieces"]) == 3 and "blake3" not in doc
+    assert manifest_of(tmp_path / "steps", 2)["pieces"] == [blake3.blake3(b"").hexdigest()]
+
+
+@pytest.mark.parametrize("sizes", [[0], [1], [PIECE_SIZE], [PIECE_SIZE - 1, 2], [3 << 20] * 11, [PIECE_SIZE + 1]])
+def test_the_pieces_digest_of_a_stream_is_each_pieces_blake3_however_it_is_fed(sizes: list[int]) -> None:
+    rng = random.Random(sum(sizes))
+    chunks = [rng.randbytes(size) for size in sizes]
+    whole = b"".join(chunks)
+    hasher = DIGESTS[PAYLOAD_PIECES]()
+    for i, chunk in enumerate(chunks):
+        hasher.update(chunk if i % 2 else memoryview(bytearray(chunk)))  # reused buffers are copied
+    expected = [blake3.blake3(whole[at:at + PIECE_SIZE]).hexdigest() for at in range(0, len(whole), PIECE_SIZE)]
+    assert hasher.hexdigest() == "".join(expected or [blake3.blake3(b"").hexdigest()])
+
+
+def test_a_flipped_byte_is_caught_by_a_full_restore_and_by_verify_naming_its_piece(tmp_path: Path) -> None:
+    steps = tmp_path / "steps"
+    files = tree(tmp_path / "tree")
+    with CheckpointManager(steps, preemption=False) as manager:
+        manager.save(tmp_path / "tree", 1)
+        payload = steps / "ckpt-1" / manager.describe(1).payload
+        assert manager.verify(1).steps[0].detail == "blake3 pieces match its manifest"
+        flip(payload, FLIPPED)
+        with pytest.raises(CheckpointCorruptError, match=f"is damaged \\(its {PIECE_1}\\): "):
+            manager.restore(1, tmp_path / "restored")
+        assert not (tmp_path / "restored").exists() or not any((tmp_path / "restored").iterdir())
+        (result,) = manager.verify().steps
+        assert result.state == "damaged" and re.search(PIECE_1, result.detail), result.detail
+        flip(payload, FLIPPED)  # mended: every byte as saved
+        assert {p.name: p.read_bytes() for p in manager.restore(1, tmp_path / "again").iterdir()} == files
+
+
+def test_a_partial_restore_checks_the_pieces_it_reads(tmp_path: Path) -> None:
+    steps = tmp_path / "steps"
+    files = tree(tmp_path / "tree")
+    with CheckpointManager(steps, preemption=False) as manager:
+        manager.save(tmp_path / "tree", 1)
+        payload = steps / "ckpt-1" / manager.describe(1).payload
+        assert payload.stat().st_size > 2 * PIECE_SIZE - FILE_SIZE // 2  # it reaches into piece 1 far enough
+        flip(payload, FLIPPED)
+        with pytest.raises(CheckpointCorruptError, match=f"its {PIECE_1} does not match the BLAKE3") as caught:
+            manager.restore(1, tmp_path / "b", paths=["b"])
+        assert not isinstance(caught.value, NewerFormatError)
+        with pytest.raises(CheckpointCorruptError, match=f"its {PIECE_1} does not match the BLAKE3"), \
+                manager.open(1, "b") as opened:
+            opened.read()
+        # File a lies in piece 0 only: restored whole, every byte checked.
+        assert (manager.restore(1, tmp_path / "a", paths=["a"]) / "a").read_bytes() == files["a"]
+        with manager.open(1, "a") as opened:
+            assert opened.read() == files["a"]
+
+
+def test_a_version_6_payload_step_restores_and_verifies_by_its_one_blake3(tmp_path: Path) -> None:
+    """The corpus's payload steps of d153bc6 (manifest version 6): read, verified and damaged as they were."""
+    steps = Path(shutil.copytree(CORPUS / "d153bc6" / "step_payload" / "steps", tmp_path / "steps"))
+    doc = manifest_of(steps, 1)
+    payload = steps / "ckpt-1" / doc["content"]["payload"]
+    assert doc["version"] == 6 and doc["blake3"] == blake3.blake3(payload.read_bytes()).hexdigest()
+    with CheckpointManager(steps, preemption=False) as manager:
+        assert manager.verify(1).steps[0].detail == "blake3 matches its manifest"
+        part = manager.restore(2, tmp_path / "part", paths=["sub/b.bin"])  # its index: checked by CRC32 alone
+        assert (part / "sub" / "b.bin").read_bytes() == bytes(range(256)) * 3
+        flip(payload, payload.stat().st_size // 2)
+        with pytest.raises(CheckpointCorruptError, match="does not match the blake3 recorded"):
+            manager.restore(1)
+
+
+@pytest.mark.parametrize(("edit", "value"), [("pieces", ["0" * 64] * 2), ("piece_size", 1 << 20),
+                                             ("piece_hash", "sha256")])
+def test_pieces_that_do_not_fit_the_object_are_damage(tmp_path: Path, edit: str, value: object) -> None:
+    from taskpoint.format.sealing import SHA256, check_of
+
+    with CheckpointManager(tmp_path / "steps", preemption=False) as manager:
+        manager.save(b"some bytes", 1)
+    path = tmp_path / "steps" / "ckpt-1" / "taskpoint.json"
+    doc = json.loads(path.read_bytes())
+    doc[edit] = value
+    doc["check"] = check_of(doc, SHA256)
+    path.write_text(json.dumps(doc, sort_keys=True))
+    with CheckpointManager(tmp_path / "steps", preemption=False) as manager, \
+            pytest.raises(CheckpointCorruptError) as caught:
+        manager.restore(1)
+    assert not isinstance(caught.value, NewerFormatError)
