@@ -6,6 +6,7 @@ version 6 (one BLAKE3) still restores and verifies. tests/e2e/test_payload_piece
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -147,3 +148,38 @@ def test_pieces_that_do_not_fit_the_object_are_damage(tmp_path: Path, edit: str,
             pytest.raises(CheckpointCorruptError) as caught:
         manager.restore(1)
     assert not isinstance(caught.value, NewerFormatError)
+
+
+def test_a_shard_by_pieces_is_recorded_as_shard_version_3_and_commits_a_version_7_step() -> None:
+    """A rank's part promoted from its local tier is a payload step there, recorded by pieces: its shard record
+    and the sharded manifest carry the pieces, in versions older readers refuse as newer, never misread."""
+    from taskpoint.format.records import ObjectRecord, Shard, ShardRecord, StepManifest
+    from taskpoint.manager.kinds import KINDS
+    from taskpoint.manager.kinds.sharded import Shards
+
+    data = random.Random(3).randbytes(PIECE_SIZE + 1)
+    hasher = DIGESTS[PAYLOAD_PIECES]()
+    hasher.update(data)
+    record = ObjectRecord(kind="bytes", codec="raw", save_id="1" * 32, created=1.0).with_digest(
+        len(data), PAYLOAD_PIECES, hasher.hexdigest())
+    shard = Shard(1, "payload-" + "1" * 32, record)
+    stored = ShardRecord(4, 2, "round", shard).to_bytes()
+    assert json.loads(stored)["version"] == 3
+    assert ShardRecord.from_bytes(stored, "rank-1.json").shard.record.pieces == record.pieces
+    manifest = StepManifest(4, ObjectRecord(kind="shards", codec="shards", save_id="2" * 32, created=1.0), None, {},
+                            Shards((dataclasses.replace(shard, rank=0), shard)))
+    doc = json.loads(manifest.to_bytes())
+    assert doc["version"] == 7 and doc["content"]["shards"][1]["pieces"] == list(record.pieces)
+    read = StepManifest.from_bytes(manifest.to_bytes(), "u", lambda kind: KINDS.kind(kind, "u").decode)
+    assert read.content == manifest.content
+
+
+def test_a_local_copy_is_told_from_the_committed_step_by_its_pieces(tmp_path: Path) -> None:
+    described = []
+    for name, data in (("one", b"x" * 100), ("same", b"x" * 100), ("other", b"y" * 100)):
+        with CheckpointManager(tmp_path / name, preemption=False) as manager:
+            manager.save(data, 1)
+            described.append(manager.describe(1))
+    one, same, other = described
+    assert one.pieces and same.not_a_copy_of(one) is None
+    assert "its BLAKE3 of 1 pieces is not the one" in str(other.not_a_copy_of(one))

@@ -25,9 +25,10 @@ from typing import Any
 import blake3
 
 from .executors import CPU
-from .format.fileset import PIECE_HASHES, PIECE_SIZE, PIECES_DIGEST_PREFIX, PieceHasher
+from .format.fileset import PIECE_HASHES, PIECE_SIZE, PIECES_DIGEST_PREFIX, PieceHasher, piece_spans
 from .format.pgzip import crc32
 from .format.pieces import PAYLOAD_PIECES
+from .storage import digest_by_reading
 
 
 class Crc32:
@@ -86,6 +87,24 @@ class PieceDigests:
             self._digest = "".join([*self._done, *(hashing.result() for hashing in self._hashing)])
             self._chunks, self._hashing = [], collections.deque()
         return self._digest
+
+
+def pieces_of_file(fd: int, size: int, on_read: Callable[[int], None] | None = None) -> tuple[int, str]:
+    """The bytes read of the first ``size`` of an open file, and their :data:`~taskpoint.format.pieces.PAYLOAD_PIECES`
+    hexdigest: each piece read and hashed by a thread of the CPU pool, with positional reads into one small buffer
+    (:func:`~taskpoint.storage.digest_by_reading`: the bytes are hashed while in the CPU's cache). A verify of 1 GiB
+    in the page cache here took 0.39 CPU-s so, against 0.59 through :class:`PieceDigests` (whose reads are copied
+    into bytes objects, then hashed on another thread) and 0.18 to read the bytes once; no memory map, which would
+    crash the process with SIGBUS if someone truncated the file meanwhile. ``on_read`` is told of each read, from
+    the pool's threads."""
+
+    def piece(start: int, length: int) -> tuple[int, str]:
+        hasher = blake3.blake3()
+        return digest_by_reading(fd, length, hasher, on_read, start=start), str(hasher.hexdigest())
+
+    lane = CPU.lane(CPU.threads)
+    hashed = list(lane.map(piece, *zip(*piece_spans(size), strict=True)))
+    return sum(read for read, _ in hashed), "".join(digest for _, digest in hashed)
 
 
 def _hash_chunks(chunks: list[bytes]) -> str:

@@ -315,7 +315,8 @@ class ShardRecord:
     shard: Shard
 
     def to_bytes(self) -> bytes:
-        version = SHARD_VERSION if self.shard.record.blake3 is not None else 1
+        record = self.shard.record
+        version = SHARD_VERSION if record.pieces else BLAKE3_SHARD_VERSION if record.blake3 is not None else 1
         doc = {"format": SHARD_FORMAT, "version": version, "step": self.step, "world_size": self.world_size,
                "round": self.round, "shard": self.shard.to_json()}
         return sealed(doc)
@@ -330,8 +331,10 @@ class ShardRecord:
                       "it is removed by gc() once older than the grace period")
 
 
-#: Newest version of a rank's record of its shard: 2 records it by BLAKE3 (a shard by sha256 is written as 1).
-SHARD_VERSION = 2
+#: Newest version of a rank's record of its shard: 3 records it by BLAKE3 pieces (a rank's payload step of a local
+#: tier, promoted), 2 by one BLAKE3 (a shard by sha256 is written as 1).
+SHARD_VERSION = 3
+BLAKE3_SHARD_VERSION = 2
 
 
 #: The fields of a checkpoint's record (versions 2 and 3); any other is damage.
