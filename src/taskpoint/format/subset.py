@@ -200,11 +200,11 @@ def open_pieces(raw: PieceFile) -> io.BufferedReader:
 class CheckedRanges:
     """A :data:`RangeReader` of an object of ``size`` bytes recorded by ``pieces``: each read widened to the whole
     pieces it covers, each piece checked against its BLAKE3 before any of its bytes are used
-    (CheckpointCorruptError naming the piece and ``uri``). Safe to call from several threads: a piece is read
-    once while it is kept (:data:`KEPT_PIECES`), however many readers want it."""
+    (CheckpointCorruptError naming the piece and ``where``: what the object is). Safe to call from several
+    threads: a piece is read once while it is kept (:data:`KEPT_PIECES`), however many readers want it."""
 
-    def __init__(self, read: RangeReader, pieces: tuple[str, ...], size: int, uri: str) -> None:
-        self._read, self._pieces, self._uri = read, pieces, uri
+    def __init__(self, read: RangeReader, pieces: tuple[str, ...], size: int, where: str) -> None:
+        self._read, self._pieces, self._where = read, pieces, where
         self._spans = piece_spans(size)
         self._lock = threading.Lock()
         self._kept: collections.OrderedDict[int, Future[bytes]] = collections.OrderedDict()
@@ -239,7 +239,7 @@ class CheckedRanges:
         data = self._read(start, length)
         if len(data) != length or blake3.blake3(data).hexdigest() != self._pieces[i]:
             raise CheckpointCorruptError(
-                f"the object at {self._uri} is damaged: its piece {i} (bytes {start}-{start + max(length, 1) - 1}) "
+                f"{self._where} is damaged: its piece {i} (bytes {start}-{start + max(length, 1) - 1}) "
                 f"does not match the BLAKE3 recorded when it was saved ({len(data)} of {length} bytes read). "
                 "Restore an older step (fallback=True), or save it again.")
         return data

@@ -102,7 +102,7 @@ class PayloadKind:
         src = context.steps.object(step, name)
         try:
             return restore_indexed(src, record.index, paths, workspace, progress=progress,
-                                   read_range=_checked_ranges(src, record))
+                                   read_range=_checked_ranges(context, step, src, record))
         except FileNotFoundError:
             raise _gone(context, step, name) from None
 
@@ -113,7 +113,7 @@ class PayloadKind:
                 context, step, manifest, folder, [normalize_path(path)], NO_PROGRESS), normalize_path(path))
         assert record.index is not None
         src = context.steps.object(step, name)
-        return open_indexed(src, record.index, path, _checked_ranges(src, record))
+        return open_indexed(src, record.index, path, _checked_ranges(context, step, src, record))
 
     def verify(self, context: StepContext, step: int, manifest: StepManifest, progress: object) -> Checked:
         name, record = content_of(manifest, PayloadObject).name, manifest.record
@@ -137,10 +137,13 @@ class PayloadKind:
         return bool(_OWNED.fullmatch(name))
 
 
-def _checked_ranges(src: Location, record: ObjectRecord) -> CheckedRanges | None:
-    """Ranged reads of a payload object that check the pieces they cover; None for an object recorded by one
-    digest (manifest versions 1 to 6), whose ranged reads only the codec checks (each gzip member's CRC32)."""
-    return CheckedRanges(src.read_range, record.pieces, record.size or 0, src.uri) if record.pieces else None
+def _checked_ranges(context: StepContext, step: int, src: Location, record: ObjectRecord) -> CheckedRanges | None:
+    """Ranged reads of ``step``'s payload object that check the pieces they cover; None for an object recorded by
+    one digest (manifest versions 1 to 6), whose ranged reads only the codec checks (each gzip member's CRC32)."""
+    if not record.pieces:
+        return None
+    where = f"step {step} in {context.steps.directory} (its payload {src.uri})"
+    return CheckedRanges(src.read_range, record.pieces, record.size or 0, where)
 
 
 def _gone(context: StepContext, step: int, name: str) -> Gone:
