@@ -28,7 +28,9 @@ and each response before it goes back to the client, so that a request that fits
 ``2 * delay`` more, as on a store in the same region (5-30 ms). The proxy's own ``100 Continue`` is not delayed.
 
 The server is real and so is every byte that is let through; only the failures are made here. With
-``throttle`` (bytes per second, per connection) the bodies that pass go no faster than that: a slow network. Requests
+``throttle`` (bytes per second, per connection) the bodies that pass go no faster than that: a slow network; ``slow``
+(a function of a request's method and path giving bytes per second, or None) slows the request bodies it picks:
+one slow part of an upload. Requests
 and responses are parsed just enough to find where each one ends (``Content-Length``, chunked transfer
 coding, ``HEAD``, 1xx/204/304), so keep-alive connections carry many requests and each is judged on its
 own. ``Expect: 100-continue`` is answered by the proxy (and not forwarded), so clients that wait for it
@@ -232,6 +234,8 @@ class FaultProxy:
         self.hold: Callable[[str, str], bool] | None = None
         #: Names the fault of a request (by method and path) or None to let the rate decide; None: the rate alone.
         self.choose: Callable[[str, str], str | None] | None = None
+        #: The rate (bytes per second) of the body of a request it picks (by method and path), None: :attr:`throttle`.
+        self.slow: Callable[[str, str], float | None] | None = None
         #: Seconds each request waits before it goes to the server, and each response before it goes back.
         self.delay = delay
         #: Seconds sent as ``Retry-After`` with the proxy's own 429 and 503 answers (None: no header).
@@ -368,8 +372,9 @@ class FaultProxy:
                 assert upstream_reader is not None
                 self._wait(self.delay)
                 upstream.sendall(head)
+                rate = self.slow(method, path) if self.slow is not None else None
                 for data in _body(reader, headers, to_eof=False):
-                    self._pass(upstream, data)
+                    self._pass(upstream, data, rate)
                 if not self._relay_response(client, upstream_reader, method, cut=fault == "cut", entry=entry):
                     return
                 if headers.get("connection", "").lower() == "close":
@@ -383,9 +388,9 @@ class FaultProxy:
                         sock.close()
                     self._forget(sock)
 
-    def _pass(self, sock: socket.socket, data: bytes) -> None:
-        """Send body bytes that pass, at most :attr:`throttle` bytes per second when set."""
-        rate = self.throttle
+    def _pass(self, sock: socket.socket, data: bytes, rate: float | None = None) -> None:
+        """Send body bytes that pass, at most ``rate`` (else :attr:`throttle`) bytes per second when set."""
+        rate = rate or self.throttle
         if not rate:
             sock.sendall(data)
             return

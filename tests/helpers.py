@@ -23,10 +23,11 @@ from typing import Any, TypeVar
 import fsspec
 
 from taskpoint import RetryPolicy
+from taskpoint.manager import staging
 from taskpoint.ranks import RANK_VARIABLES
 from taskpoint.storage import Deadline
 from taskpoint.storage.deadline import NO_DEADLINE
-from taskpoint.workspace import process_alive
+from taskpoint.workspace import host_tag, process_alive
 
 T = TypeVar("T")
 
@@ -101,6 +102,17 @@ class AcceptLoop:
         with contextlib.suppress(OSError):
             self._listener.close()
         self._thread.join(timeout=5)
+
+
+def staged_segments(*pids: int) -> list[Path]:
+    """The staging segments of this host owned by ``pids`` (by any process when none is given)."""
+    folder = staging.segment_folder()
+    found = []
+    for path in folder.glob(f"{staging.SEGMENT_PREFIX}{host_tag()}-*"):
+        owner = int(path.name[len(staging.SEGMENT_PREFIX):].split("-")[1])
+        if not pids or owner in pids:
+            found.append(path)
+    return found
 
 
 def make_tree(root: Path, *, big: int = 0) -> Path:

@@ -545,7 +545,7 @@ def test_values_the_cli_does_not_know_print_a_dash(capsys, tmp_path):
 
 def _step_store(url: str, options: dict):
     """The steps of ``url`` as the library's verification reads them (a manager's parts)."""
-    return CheckpointManager(url, storage_options=options, preemption=False)._parts.steps
+    return CheckpointManager(url, storage_options=options, preemption=False)._context.steps
 
 
 def _verify_manifest(steps, step, manifest, progress):
@@ -555,7 +555,7 @@ def _verify_manifest(steps, step, manifest, progress):
     from taskpoint.manager.verify import verify_step
 
     with CheckpointManager(steps.directory, storage_options=steps.root.storage_options, preemption=False) as mgr:
-        return step_line(verify_step(mgr._parts, KINDS, step, progress, manifest=manifest))
+        return step_line(verify_step(mgr._context, KINDS, step, progress, manifest=manifest))
 
 
 def _verify_steps(steps, listed, progress):
@@ -565,7 +565,7 @@ def _verify_steps(steps, listed, progress):
     from taskpoint.manager.verify import verify_steps
 
     with CheckpointManager(steps.directory, storage_options=steps.root.storage_options, preemption=False) as mgr:
-        report(verify_steps(mgr._parts, KINDS, listed, progress))
+        report(verify_steps(mgr._context, KINDS, listed, progress))
 
 
 def _exit_code(exc: BaseException) -> int:

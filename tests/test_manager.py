@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -76,23 +77,24 @@ class Gate:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, function: str, *, before: bool = False) -> None:
         # Where the manager looks each transfer up: uploads (through its save process, when it has one) in
-        # the payload kind's module, downloads in the step kinds' module (read_object).
-        module, function = {"write_payload": (_commit, "store_payload"),
-                            "read_payload": (_restore, "read_payload")}[function]
-        self._real = getattr(module, function)
+        # the payload kind's module (bytes staged by a background save through store_staged, given the step's
+        # manifest), downloads in the step kinds' module (read_object).
+        module, functions = {"write_payload": (_commit, ("store_payload", "store_staged")),
+                             "read_payload": (_restore, ("read_payload",))}[function]
         self._before = before or module is _restore
         self._held: dict[int, tuple[threading.Event, threading.Event]] = {}
         #: Called with the step as each transfer starts (tests record what they need to see then).
         self.on_start: Callable[[int], object] = lambda step: None
-        monkeypatch.setattr(module, function, self._transfer)
+        for name in functions:
+            monkeypatch.setattr(module, name, functools.partial(self._transfer, getattr(module, name)))
 
-    def _transfer(self, location, *args, **kwargs):
+    def _transfer(self, real, location, *args, **kwargs):
         match = re.search(r"/ckpt-(\d+)/", location.uri)
         step = int(match.group(1)) if match else -1
         self.on_start(step)
         if self._before:
             self._wait(step)
-        result = self._real(location, *args, **kwargs)
+        result = real(location, *args, **kwargs)
         if not self._before:
             self._wait(step)
         return result

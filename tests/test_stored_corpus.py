@@ -36,7 +36,7 @@ UPGRADE = "upgrade taskpoint"
 #: Every stored sample: ``<commit>/<what>``.
 SAMPLES = sorted(f"{p.parent.name}/{p.name}" for p in CORPUS.glob("*/*") if p.is_dir())
 #: The folders whose data needs an extra.
-NEEDS = {"step_dcp": "torch", "step_state_dict": "torch", "step_pytree": "jax"}
+NEEDS = {"step_dcp": "torch", "step_state_dict": "torch", "step_pytree": "jax", "step_ranks": "torch"}
 
 
 def _what(sample: str) -> str:
@@ -116,6 +116,20 @@ def _restored(root: Path, what: str) -> None:
             target = {k: torch.zeros_like(v) for k, v in generate._small_state().items()}  # type: ignore[attr-defined]
             dcp.load(target, storage_reader=taskpoint.torch.Reader.for_step(manager, 1))
             assert all(torch.equal(target[k], v) for k, v in generate._small_state().items())
+        elif what == "step_ranks":  # 3 ranks: state dicts from ranks 0 and 1, bytes from rank 2
+            import torch
+
+            import taskpoint.torch
+
+            assert manager.steps() == [1]
+            for rank in range(generate.RANKS_WORLD):
+                with CheckpointManager(str(root / "steps"), rank=rank, world_size=generate.RANKS_WORLD,
+                                       preemption=False) as ranked:
+                    if rank == generate.RANKS_WORLD - 1:
+                        assert ranked.restore(1).read_bytes() == generate.BYTES + bytes([rank])
+                    else:
+                        state = taskpoint.torch.load_state_dict_sync(ranked, 1)
+                        assert all(torch.equal(state[k], v) for k, v in generate.ranks_state(rank).items())
         elif what == "step_pytree":
             folder = manager.restore(1)
             assert (folder / "taskpoint-pytree.json").exists() or any(folder.rglob("taskpoint-pytree.json"))

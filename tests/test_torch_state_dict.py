@@ -110,7 +110,7 @@ def test_the_pieces_are_the_blake3_of_each_piece_and_the_manifest_is_version_5(t
         assert manifest["content"]["pieces"] == [blake3.blake3(data[at:at + 4096]).hexdigest()
                                                  for at in range(0, len(data), 4096)]
         assert m.describe(1).details["piece_hash"] == "blake3"
-        assert "blake3 matches" in m.verify(1).steps[0].detail
+        assert "blake3 match" in m.verify(1).steps[0].detail
         flip_byte(state_file(directory, 1), 4096 + 3)
         with pytest.raises(CheckpointCorruptError, match=r"piece 1 of state-.* does not match the blake3"):
             tpt.load_state_dict_sync(m, 1)
@@ -129,7 +129,7 @@ def test_a_step_whose_pieces_an_older_taskpoint_hashed_by_sha256_loads_and_catch
                                              for at in range(0, len(data), 4096)]
     with CheckpointManager(directory) as m:
         assert_same(tpt.load_state_dict_sync(m, 1), {"big": torch.arange(5000, dtype=torch.float32)})
-        assert "sha256 matches" in m.verify(1).steps[0].detail
+        assert "sha256 match" in m.verify(1).steps[0].detail
         flip_byte(state_file(directory, 1), 4096 * 2 + 3)
         with pytest.raises(CheckpointCorruptError, match=r"piece 2 of state-.* does not match the sha256"):
             tpt.load_state_dict_sync(m, 1)

@@ -25,7 +25,15 @@ from typing import Any
 import blake3
 
 from .executors import CPU
-from .format.fileset import PIECE_HASHES, PIECE_SIZE, PIECES_DIGEST_PREFIX, PieceHasher, piece_spans
+from .format.fileset import (
+    PIECE_HASH,
+    PIECE_HASHES,
+    PIECE_SIZE,
+    PIECES_DIGEST_PREFIX,
+    PieceHasher,
+    file_hasher,
+    piece_spans,
+)
 from .format.pgzip import crc32
 from .format.pieces import PAYLOAD_PIECES
 from .storage import digest_by_reading
@@ -99,12 +107,20 @@ def pieces_of_file(fd: int, size: int, on_read: Callable[[int], None] | None = N
     the pool's threads."""
 
     def piece(start: int, length: int) -> tuple[int, str]:
-        hasher = blake3.blake3()
-        return digest_by_reading(fd, length, hasher, on_read, start=start), str(hasher.hexdigest())
+        return hash_span(fd, start, length, PIECE_HASH, on_read)
 
     lane = CPU.lane(CPU.threads)
     hashed = list(lane.map(piece, *zip(*piece_spans(size), strict=True)))
     return sum(read for read, _ in hashed), "".join(digest for _, digest in hashed)
+
+
+def hash_span(fd: int, start: int, length: int, piece_hash: str | None,
+              on_read: Callable[[int], None] | None = None) -> tuple[int, str]:
+    """The bytes read (fewer where the file ends) of ``length`` bytes of the open file ``fd`` from ``start``, and
+    their digest by ``piece_hash`` (None: sha256): how every piece of a local file is hashed (``on_read`` is told
+    of each read)."""
+    hasher = file_hasher(piece_hash)
+    return digest_by_reading(fd, length, hasher, on_read, start=start), str(hasher.hexdigest())
 
 
 def _hash_chunks(chunks: list[bytes]) -> str:

@@ -99,6 +99,8 @@ class Payload(ABC):
 class BytesPayload(Payload):
     kind = "bytes"
     archived = False
+    #: The step kind that writes bytes staged by a background save (:meth:`stage`): one payload object.
+    staged_kind = "payload"
 
     def __init__(self, data: bytes | bytearray | memoryview) -> None:
         # A snapshot: the caller may reuse its buffer as soon as save returns.
@@ -113,6 +115,18 @@ class BytesPayload(Payload):
 
     def snapshot(self, scratch: Path) -> Payload:
         return self  # the constructor already copied anything mutable
+
+    def staging_size(self) -> int | None:
+        """The bytes a background save stages these in (:meth:`stage`)."""
+        return self._view.nbytes
+
+    def stage(self, segment: Any) -> Payload:
+        """Copy the bytes into ``segment`` (a :class:`taskpoint.manager.staging.Segment` of :meth:`staging_size`
+        bytes, from the layer above this module); what the save then writes, from the segment."""
+        buffer = segment.buffer
+        buffer[:self._view.nbytes] = self._view
+        del buffer  # no view of the mapping is left: the manager may unmap it
+        return StagedBytes(str(segment.path), self._view.nbytes)
 
     def __reduce__(self) -> tuple[Any, ...]:  # a memoryview does not pickle; its bytes do
         whole = isinstance(self._view.obj, bytes) and len(self._view.obj) == self._view.nbytes
@@ -136,6 +150,24 @@ class BytesPayload(Payload):
         return target
 
 
+class StagedBytes(BytesPayload):
+    """Bytes a background save staged in a segment (:meth:`BytesPayload.stage`), saved and restored as the bytes
+    they are: written from the segment by the ``payload`` step kind, through the manager's save process (or a
+    thread of this process when there is none)."""
+
+    def __init__(self, segment: str, size: int) -> None:
+        self.segment, self._size = segment, size
+
+    def size(self) -> int:
+        return self._size
+
+    def staging_size(self) -> None:
+        return None  # staged already
+
+    def write(self, sink: IO[bytes], codec: Codec, level: int | None) -> None:
+        raise TypeError("staged bytes are written by the payload step kind, from their segment")
+
+
 class FilePayload(BytesPayload):
     kind = "file"
 
@@ -156,6 +188,9 @@ class FilePayload(BytesPayload):
 
     def local_file(self) -> Path:
         return self._path
+
+    def staging_size(self) -> None:
+        return None  # a file's snapshot is an in-kernel copy
 
     def snapshot(self, scratch: Path) -> Payload:
         copy = scratch / self._path.name

@@ -120,8 +120,8 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
                     outer=deadline)
 
     try:
-        size, digest = write_payload(dest, payload, codec, level, digest="crc32", size_hint=payload.size(),
-                                     before_commit=before_commit, on_partial=on_partial, progress=progress)
+        size, digest = write_payload(dest, payload, codec, level, digest="crc32", before_commit=before_commit,
+                                     on_partial=on_partial, progress=progress)
     except BaseException:
         if state.refused:  # never written (a folder, say): a record this save made goes again, nothing is left
             with contextlib.suppress(Exception):

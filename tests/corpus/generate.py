@@ -87,6 +87,38 @@ def _small_state() -> dict[str, object]:
     return {"w": torch.arange(64, dtype=torch.float32).reshape(8, 8), "b": torch.ones(3, dtype=torch.int64)}
 
 
+#: The ranks of the ``step_ranks`` sample, and what each saves: a state dict (ranks 0 and 1), bytes (rank 2).
+RANKS_WORLD = 3
+
+
+def ranks_state(rank: int) -> dict[str, object]:
+    """The state dict rank ``rank`` of the ``step_ranks`` sample saves."""
+    import torch
+
+    return {"w": torch.arange(64, dtype=torch.float32).reshape(8, 8) + rank, "b": torch.full((3,), rank)}
+
+
+def step_ranks(out: Path, scratch: Path) -> None:
+    """A ``ranks`` step: 3 real ranks under torchrun (``--standalone``; the manager reads RANK and WORLD_SIZE and
+    commits through storage, no process group needed), whose parts are not all payloads."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    done = subprocess.run([str(torchrun), "--standalone", f"--nproc-per-node={RANKS_WORLD}", __file__, str(out),
+                           "ranks_part"], timeout=300)
+    if done.returncode != 0:
+        raise SystemExit(f"torchrun failed: {done.args}")
+
+
+def ranks_part(out: Path) -> None:
+    """One rank of :func:`step_ranks` (under torchrun): ranks 0 and 1 a state dict, rank 2 bytes, as step 1."""
+    import taskpoint
+    import taskpoint.torch
+
+    rank = int(os.environ["RANK"])
+    payload = BYTES + bytes([rank]) if rank == RANKS_WORLD - 1 else taskpoint.torch.StateDict(ranks_state(rank))
+    with taskpoint.CheckpointManager(str(out / "steps"), commit_timeout=120) as manager:
+        manager.save(payload, 1, metadata=METADATA)
+
+
 def step_dcp(out: Path, scratch: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
@@ -119,7 +151,7 @@ def step_pytree(out: Path, scratch: Path) -> None:
 WRITERS = {"checkpoint_bytes": checkpoint_bytes, "checkpoint_directory": checkpoint_directory,
            "step_payload": step_payload, "step_chunked": step_chunked, "step_sharded": step_sharded,
            "shard_record": shard_record, "step_dcp": step_dcp, "step_state_dict": step_state_dict,
-           "step_pytree": step_pytree}
+           "step_pytree": step_pytree, "step_ranks": step_ranks}
 
 
 def main(out: Path, whats: list[str]) -> None:
@@ -129,6 +161,9 @@ def main(out: Path, whats: list[str]) -> None:
         if what.startswith("rank:"):
             _, rank, step = what.split(":")
             rank_save(out, int(rank), int(step))
+            continue
+        if what == "ranks_part":
+            ranks_part(out)
             continue
         target = out / what
         target.mkdir(parents=True)

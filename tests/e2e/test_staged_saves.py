@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import random
-import signal
 import subprocess
 import sys
 import textwrap
@@ -19,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from _fault_proxy import fault_proxy
-from helpers import ORPHAN_EXIT_SLACK, pid_alive, process_gone, wait_until
+from _staged_kills import kill_save_process_mid_write, kill_trainer_after_return
+from helpers import staged_segments as _segments
+from helpers import wait_until
 from taskpoint import CheckpointManager, workspace
 from taskpoint.manager import staging
 from taskpoint.workspace import host_tag
@@ -36,8 +35,6 @@ KILL_TRIALS = 2
 CAMPAIGN_TRIALS = 20
 #: The save process's grace after its trainer died (it commits within it): generous for a loaded machine.
 GRACE_SECONDS = 120
-#: The bound of the wait for the save process's held upload: it imports torch first, at nice +10.
-HELD_TIMEOUT = 400
 
 
 def _state(seed: int, floats: int = 1 << 20) -> dict:
@@ -65,17 +62,6 @@ def _assert_same(loaded, expected) -> None:
             _assert_same(a, b)
     else:
         assert loaded == expected
-
-
-def _segments(*pids: int) -> list[Path]:
-    """The staging segments of this host owned by ``pids`` (by any process when none is given)."""
-    folder = staging.segment_folder()
-    found = []
-    for path in folder.glob(f"{staging.SEGMENT_PREFIX}{host_tag()}-*"):
-        owner = int(path.name[len(staging.SEGMENT_PREFIX):].split("-")[1])
-        if not pids or owner in pids:
-            found.append(path)
-    return found
 
 
 def _refuse_here(*args, **kwargs):
@@ -106,7 +92,10 @@ def test_a_background_state_dict_save_writes_the_step_a_blocking_one_writes_from
             model = loaded["model"]
             assert model["tied"].untyped_storage().data_ptr() == model["weight"].untyped_storage().data_ptr()
         assert m.verify(1).healthy
-        assert _segments(os.getpid(), m._background.saver.pid) == []  # freed once written
+        saver = m._background.saver.pid
+        ready = m._background.staging.ready  # written, and kept for the next save
+        assert ready is not None and _segments(os.getpid(), saver) == [ready.path]
+    assert _segments(os.getpid(), saver) == []  # freed at close
 
 
 def test_a_state_staging_cannot_copy_exactly_is_snapshotted_as_before(tmp_path):
@@ -186,10 +175,13 @@ def test_consecutive_staged_saves_leave_the_memory_of_both_processes_flat(tmp_pa
             if step in (5, LEAK_SAVES):
                 sizes.append(_pss(os.getpid()) + _pss(m._background.saver.pid))
         assert sizes[1] - sizes[0] < LEAK_ALLOWANCE, f"PSS grew by {(sizes[1] - sizes[0]) >> 20} MiB"
-        assert _segments(os.getpid(), m._background.saver.pid) == []
-        assert m._background.budget.held == 0
+        saver, ready = m._background.saver.pid, m._background.staging.ready
+        assert ready is not None and _segments(os.getpid(), saver) == [ready.path]  # the one ready segment
+        assert m._background.staging.budget.held == ready.size
         loaded = load_state_dict_sync(m, mmap=True)
         assert loaded["n"] == LEAK_SAVES and torch.equal(loaded["w"], torch.full((2 << 20,), float(LEAK_SAVES)))
+    assert _segments(os.getpid(), saver) == []
+    assert m._background.staging.budget.held == 0
 
 
 # -- segments left behind ---------------------------------------------------------------------------------------
@@ -247,25 +239,15 @@ _TRAINER = textwrap.dedent("""
 
 def _kill_trainer_after_return(store, trial: int) -> None:
     uri = store.url(f"ckpts-{trial}")
-    env = {**os.environ, "TASKPOINT_GRACE_SECONDS": str(GRACE_SECONDS)}
     step = 1 + trial % 2  # even trials: a first save; odd: the second, from a warm save process
-    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, uri, json.dumps(store.fs_options), str(step),
-                                str(Path(__file__).parent)], stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        helper = int(trainer.stdout.readline())
-        time.sleep(random.Random(trial).uniform(0, 0.05))  # the moment of the kill: 0-50 ms after the return
-        trainer.kill()
-        assert trainer.wait(TIMEOUT) == -signal.SIGKILL
-    finally:
-        trainer.kill()
-        trainer.wait(TIMEOUT)
-        trainer.stdout.close()
-    assert process_gone(helper, GRACE_SECONDS + ORPHAN_EXIT_SLACK), "the save process outlived its grace"
+    delay = random.Random(trial).uniform(0, 0.05)  # the moment of the kill: 0-50 ms after the return
+    trainer, helper = kill_trainer_after_return(
+        _TRAINER, [uri, json.dumps(store.fs_options), str(step), str(Path(__file__).parent)], GRACE_SECONDS, delay)
     with CheckpointManager(uri, storage_options=store.storage_options) as m:
         assert m.latest_step() == step
         _assert_same(load_state_dict_sync(m, step, mmap=True), _state(step))
         assert m.describe(step).kind == "torch.state_dict"
-    assert _segments(trainer.pid, helper) == []
+    assert _segments(trainer, helper) == []
 
 
 @pytest.mark.slow
@@ -285,19 +267,9 @@ def test_a_trainer_killed_0_to_50_ms_after_a_staged_save_returned_loses_nothing_
 
 # -- SIGKILL of the save process in the middle of its write ------------------------------------------------------
 
-_HELD_TRAINER = textwrap.dedent("""
-    import json, sys, time
-    sys.path[:0] = [sys.argv[3], sys.argv[3] + "/.."]  # this module, and the helpers it imports
-    from test_staged_saves import _state
-    from taskpoint import CheckpointManager
-    from taskpoint.torch import StateDict
-
-    m = CheckpointManager(sys.argv[1], storage_options=json.loads(sys.argv[2]), async_save=True, preemption=False)
-    m.save(StateDict(_state(1)), 1, blocking=True)
-    m.save(StateDict(_state(2)), 2)
-    print(m._background.saver.pid, flush=True)
-    time.sleep(600)
-""")
+def _saved(step: int) -> StateDict:
+    """What the trainers save as ``step``."""
+    return StateDict(_state(step))
 
 
 @pytest.mark.slow
@@ -306,39 +278,5 @@ def test_a_save_process_killed_in_the_middle_of_its_write_commits_nothing_and_it
     """The upload of step 2's file is held by the proxy; the trainer is SIGKILLed, then its save process while it
     writes: step 2 is not committed, step 1 restores, and the next manager's save process frees the segment."""
     uri = f"s3://taskpoint-tests/held-staged-{os.getpid()}-{time.monotonic_ns()}/ckpts"
-    held: list[str] = []
-
-    def hold(method: str, path: str) -> bool:
-        if method in ("PUT", "POST") and "/ckpt-2/state-" in path:
-            held.append(path)
-            return True
-        return False
-
-    with fault_proxy(s3_server.endpoint, stall_seconds=math.inf) as proxy:
-        proxy.hold = hold
-        options = {**s3_server.storage_options, "endpoint_url": proxy.url}
-        trainer = subprocess.Popen([sys.executable, "-c", _HELD_TRAINER, uri, json.dumps(options),
-                                    str(Path(__file__).parent)], stdout=subprocess.PIPE, text=True,
-                                   env={**os.environ, "TASKPOINT_GRACE_SECONDS": "300"})
-        try:
-            helper = int(trainer.stdout.readline())
-            # the save process is in the middle of its write (after importing torch at nice +10: slow on a busy machine)
-            assert wait_until(lambda: held, HELD_TIMEOUT)
-            trainer.kill()
-            trainer.wait(TIMEOUT)
-            assert _segments(helper), "the save process holds the segment while it writes"
-            os.kill(helper, signal.SIGKILL)
-            assert process_gone(helper, TIMEOUT)
-        finally:
-            trainer.kill()
-            trainer.wait(TIMEOUT)
-            trainer.stdout.close()
-            if pid_alive(helper):
-                os.kill(helper, signal.SIGKILL)
-    left = _segments(helper)
-    assert left, "the killed save process's segment is there for the next manager to free"
-    with CheckpointManager(uri, storage_options=s3_server.storage_options, async_save=True) as m:
-        assert wait_until(lambda: m._background.saver is not None)
-        assert [path for path in left if path.exists()] == []
-        assert m.steps() == [1]
-        _assert_same(load_state_dict_sync(m, mmap=True), _state(1))
+    kill_save_process_mid_write("test_staged_saves:_saved", s3_server, uri, "state-",
+                                lambda m: _assert_same(load_state_dict_sync(m, mmap=True), _state(1)))

@@ -2,9 +2,10 @@
 proxy in front of real servers (moto for S3, through s3fs and obstore; the GCS emulator through gcsfs).
 
 A store that throttles some requests costs retries, never a save or the bytes of a restore, and the save's
-log record counts the throttling answers; a store that throttles every request ends the operation with
-StorageUnavailable naming the store, the previous step intact; a ``Retry-After`` is waited out; and the cap on
-requests in flight falls while a store pushes back.
+log record counts the throttling answers (also those the client retried itself: Azure's SDK its 503s, heard and
+paced by taskpoint; obstore none of a whole operation's, so that they reach the retry policy); a store that
+throttles every request ends the operation with StorageUnavailable naming the store, the previous step intact; a
+``Retry-After`` is waited out; and the cap on requests in flight falls while a store pushes back.
 """
 
 from __future__ import annotations
@@ -248,3 +249,45 @@ def test_throttling_answers_are_told_apart_with_their_retry_after():
     assert throttled(obstore_text)
     assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0
     assert parse_retry_after("soon") is None
+
+
+class FirstTryThrottled:
+    """Answers 503 to the first try of each write (PUT) of a step's objects (not a restore's lease), letting every
+    retry through: every save meets throttling, and every throttled request is sent again."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+
+    def __call__(self, method: str, path: str) -> str | None:
+        if method != "PUT" or "/ckpt-" not in path or "/restore-" in path or path in self.seen:
+            return None
+        self.seen.add(path)
+        return "503"
+
+
+@pytest.mark.parametrize("kind", ["azure", "s3-obstore"])
+def test_503s_a_client_retries_itself_are_counted_in_the_records_of_the_saves_they_slowed(request, kind, records):
+    """Azure's SDK retries a 503 itself: each answer is heard, and the retry waits out the ``Retry-After`` (the
+    SDK's own pause is 15 s whatever was asked). obstore retries none of a whole operation's requests itself (a
+    record, a small object), so each 503 reaches the retry policy, which counts it; obstore's errors carry no
+    header, so there the ``Retry-After`` is not known."""
+    server, asked = _server(request, kind), 1.0
+    with fault_proxy(server.endpoint, retry_after=asked) as proxy:
+        options, url = _options(server, kind, proxy.url), _url(server, kind)
+        before = Location(url, options).throttles()
+        proxy.choose = FirstTryThrottled()
+        manager = CheckpointManager(url, storage_options=options, preemption=False, background_process=False)
+        for step in range(3):
+            manager.save(f"step {step} ".encode() * 10, step)
+        for step in range(3):
+            assert manager.restore(step=step).read_bytes() == f"step {step} ".encode() * 10
+        injected, retried = proxy.stats()["503"], proxy.retried("503")
+        counted = Location(url, options).throttles() - before
+    assert injected >= 3, "the proxy throttled too little: the test tested nothing"
+    assert len(retried) == injected  # each one sent again
+    if kind == "azure":  # by the SDK, no sooner than it asked
+        for method, path, after in retried:
+            assert after >= asked, f"{method} {path} was sent again {after:.3f} s after a 503 that asked for {asked} s"
+    assert counted == injected  # every answer heard, none counted twice, none retried unseen
+    saves = [r.throttled for r in records if r.operation == "save"]
+    assert sum(saves) == injected and len(saves) == 3 and min(saves) >= 1, saves  # each in the save it slowed

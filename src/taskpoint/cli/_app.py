@@ -5,8 +5,8 @@ The top layer: it imports the library and reads records and manifests with the l
 imported here only, so ``import taskpoint`` does not load it.
 
 Exit codes: 0 success (healthy), 1 error (storage, usage, anything unexpected), 2 damaged (names the object or
-step), 3 not found. ``taskpoint run`` keeps its own: 2 for its usage errors, 127 for a command not found, else
-the command's.
+step), 3 not found, 4 newer (written by a newer taskpoint: upgrade). ``taskpoint run`` keeps its own: 2 for its
+usage errors, 127 for a command not found, else the command's.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from urllib.parse import quote, quote_plus
 import click
 
 from .. import __version__, signals
-from ..errors import CheckpointCorruptError, CheckpointError, StorageError
+from ..errors import CheckpointCorruptError, CheckpointError, NewerFormatError, StorageError
 from ..runtime import layout
 
 #: The library's logger (a ``NullHandler`` until an application adds one): ``-v`` prints its records.
@@ -34,8 +34,9 @@ logger = logging.getLogger("taskpoint")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: Exit codes of every command but ``run``.
-OK, ERROR, DAMAGED, NOT_FOUND = 0, 1, 2, 3
+#: Exit codes of every command but ``run`` (NEWER: a document of a format version newer than this taskpoint reads,
+#: which is no damage; the next code after the four that were there, docs/cli.md).
+OK, ERROR, DAMAGED, NOT_FOUND, NEWER = 0, 1, 2, 3, 4
 #: The exit code of a command ended by SIGTERM (128 + 15, as a shell reports a process the signal ended).
 TERMINATED = 128 + signal.SIGTERM
 
@@ -183,6 +184,8 @@ def _describe(exc: BaseException) -> tuple[int, str]:
         code = exc.code
     elif isinstance(exc, _Missing):
         code = NOT_FOUND
+    elif isinstance(exc, NewerFormatError):  # a CheckpointCorruptError, but no damage
+        code = NEWER
     elif isinstance(exc, CheckpointCorruptError):
         code = DAMAGED
     elif isinstance(exc, (KeyError, FileNotFoundError)) and not isinstance(exc, StorageError):

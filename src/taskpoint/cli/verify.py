@@ -6,18 +6,24 @@ import time
 
 import click
 
-from ..errors import CheckpointCorruptError, CheckpointError
+from ..errors import CheckpointCorruptError, CheckpointError, NewerFormatError
 from ..manager import CheckpointManager, StepVerification, Verification
 from ..storage import Location
 from ._app import OK, _command, _Missing, cli, progress_option
 from .holdings import _checkpoint, _checkpoint_view, _local_dir, _tier_managers, folder_objects, stale_copies, target
 from .views import UNCHECKED, _human, local_dir_option
 
+#: What the summary of NEWER lines says.
+UPGRADE = "written by a newer taskpoint (upgrade taskpoint to verify them)"
+
 
 def step_line(result: StepVerification) -> str:
-    """The line of a verified step: healthy with what matched, DAMAGED with the problem, or not checked."""
+    """The line of a verified step: healthy with what matched, DAMAGED with the problem, NEWER with the document
+    a newer taskpoint wrote, or not checked."""
     if result.state == "damaged":
         return f"step {result.step}: DAMAGED: {result.detail}"
+    if result.state == "newer":
+        return f"step {result.step}: NEWER: {result.detail}"
     if result.state == "changed":
         return f"step {result.step}: not checked: overwritten or deleted while it was verified"
     unchecked = "" if result.checked else f"; {UNCHECKED}"
@@ -25,20 +31,23 @@ def step_line(result: StepVerification) -> str:
 
 
 def report(verification: Verification) -> None:
-    """Print each step's line. CheckpointCorruptError when any is damaged; else CheckpointError when any was
-    overwritten or deleted after the listing (another writer, or its retention), each said on its line."""
+    """Print each step's line, then raise as :func:`check` does."""
     for result in verification.steps:
         click.echo(step_line(result))
     check(verification)
 
 
 def check(verification: Verification) -> None:
-    """CheckpointCorruptError when a step of ``verification`` is damaged; else CheckpointError when any was
-    overwritten or deleted after the listing."""
+    """CheckpointCorruptError when a step of ``verification`` is damaged (exit 2); else NewerFormatError when any
+    was written by a newer taskpoint (exit 4: the worse news first, and a newer step is no damage); else
+    CheckpointError when any was overwritten or deleted after the listing (another writer, or its retention)."""
     total, directory = len(verification.steps), verification.directory
     if verification.damaged:
         raise CheckpointCorruptError(f"{len(verification.damaged)} of {total} step(s) in {directory} are damaged: "
                                      f"{', '.join(map(str, verification.damaged))}")
+    if verification.newer:
+        raise NewerFormatError(f"{len(verification.newer)} of {total} step(s) in {directory} were {UPGRADE}: "
+                               f"{', '.join(map(str, verification.newer))}")
     if verification.changed:
         raise CheckpointError(f"{len(verification.changed)} of {total} step(s) in {directory} were overwritten or "
                               f"deleted while they were verified (another writer, or its retention): "
@@ -57,7 +66,8 @@ def verify_command(uri: str, step: int | None, progress: bool | None, local_dir:
 
     Nothing is extracted: the stored bytes are hashed as they stream. Exit code 0 healthy, 1 error (storage,
     usage, a step overwritten or deleted while it was verified; with --local-dir, a local copy that is not the
-    committed step of the remote tier), 2 damaged (the object or step is named), 3 not found.
+    committed step of the remote tier), 2 damaged (the object or step is named), 3 not found, 4 newer (written
+    by a newer taskpoint: upgrade taskpoint to verify it).
 
     \b
     Examples:
@@ -101,10 +111,13 @@ def _verify_folder(loc: Location, progress: bool | None, started: float) -> int:
     objects = folder_objects(loc)
     if not objects:
         raise _Missing(f"nothing taskpoint saved is at {loc.uri}")
-    damaged = []
+    damaged, newer = [], []
     for found in objects:
         try:
             click.echo(_object_line(found, progress))
+        except NewerFormatError as exc:
+            click.echo(f"{found.uri}: NEWER: {' '.join(str(exc).split())}")
+            newer.append(found.uri.rpartition("/")[2])
         except CheckpointCorruptError as exc:
             click.echo(f"{found.uri}: DAMAGED: {' '.join(str(exc).split())}")
             damaged.append(found.uri.rpartition("/")[2])
@@ -113,6 +126,9 @@ def _verify_folder(loc: Location, progress: bool | None, started: float) -> int:
     if damaged:
         raise CheckpointCorruptError(f"{len(damaged)} of {len(objects)} checkpoint(s) in {loc.uri} are damaged: "
                                      f"{', '.join(damaged)}")
+    if newer:
+        raise NewerFormatError(f"{len(newer)} of {len(objects)} checkpoint(s) in {loc.uri} were {UPGRADE}: "
+                               f"{', '.join(newer)}")
     click.echo(f"{loc.uri}: {len(objects)} checkpoint(s) checked in {time.perf_counter() - started:.2f} s")
     return OK
 

@@ -21,6 +21,7 @@ that seems damaged.
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,18 +92,21 @@ def piece_spans(size: int, piece_size: int = PIECE_SIZE) -> list[tuple[int, int]
 @dataclass(frozen=True)
 class FileEntry:
     """One stored file of a set: its size in bytes and the sha256 (hex) of its bytes; or, with ``pieces``, the
-    digest (by ``piece_hash``) of each :data:`PIECE_SIZE` piece of it, and as ``sha256`` the sha256 of those
-    (:func:`pieces_digest`)."""
+    digest (by ``piece_hash``) of each ``piece_size`` piece of it, and as ``sha256`` the sha256 of those
+    (:func:`pieces_digest`). A file-set manifest lists pieces of :data:`PIECE_SIZE` only; a state dict's step
+    names its own size."""
 
     size: int
     sha256: str
     pieces: tuple[str, ...] = ()
     #: The hash of the pieces (:data:`PIECE_HASHES`); "" for a file listed whole.
     piece_hash: str = ""
+    piece_size: int = PIECE_SIZE
 
     @classmethod
-    def of_pieces(cls, size: int, pieces: list[str] | tuple[str, ...], piece_hash: str) -> FileEntry:
-        return cls(size, pieces_digest(pieces), tuple(pieces), piece_hash)
+    def of_pieces(cls, size: int, pieces: list[str] | tuple[str, ...], piece_hash: str,
+                  piece_size: int = PIECE_SIZE) -> FileEntry:
+        return cls(size, pieces_digest(pieces), tuple(pieces), piece_hash, piece_size)
 
     @property
     def digest(self) -> str:
@@ -117,7 +121,7 @@ class FileEntry:
     def to_json(self) -> dict[str, Any]:
         if not self.pieces:
             return {"size": self.size, "sha256": self.sha256}
-        return {"size": self.size, "sha256": self.sha256, "piece_size": PIECE_SIZE,
+        return {"size": self.size, "sha256": self.sha256, "piece_size": self.piece_size,
                 "piece_hash": self.piece_hash, "pieces": list(self.pieces)}
 
     @classmethod
@@ -135,35 +139,44 @@ class FileEntry:
 
 
 class PieceHasher:
-    """The :class:`FileEntry` of bytes fed in order (a download, an upload): by pieces hashed by
-    ``piece_hash`` (:data:`PIECE_HASHES`), or with None one sha256 of them all."""
+    """The :class:`FileEntry` of bytes fed in order (a download, an upload, a save): by ``piece_size`` pieces
+    hashed by ``piece_hash`` (:data:`PIECE_HASHES`), or with None one sha256 of them all. :meth:`spans` hands out
+    the pieces' hashers with what each is to be fed, for a writer that feeds them on threads
+    (:class:`taskpoint.pieces.PieceWriter`)."""
 
-    def __init__(self, piece_hash: str | None) -> None:
+    def __init__(self, piece_hash: str | None, piece_size: int = PIECE_SIZE) -> None:
         self._piece_hash, self._size = piece_hash, 0
-        self._done: list[str] = []
-        self._hasher = file_hasher(piece_hash)
+        self._piece_size = piece_size if piece_hash is not None else sys.maxsize  # a whole file: one endless piece
+        #: One hasher per piece begun: an empty file is one piece, of no bytes.
+        self._hashers = [file_hasher(piece_hash)]
 
-    def update(self, data: bytes | bytearray | memoryview) -> None:
-        view = memoryview(data).cast("B")
-        pieced = self._piece_hash is not None
+    def spans(self, data: bytes | bytearray | memoryview) -> list[tuple[Any, memoryview]]:
+        """Take ``data`` as the next bytes: each hasher it reaches with the stretch of it that hasher is to be fed
+        (in order; one thread at a time per hasher)."""
+        view, spans = memoryview(data).cast("B"), []
         while view.nbytes:
-            take = min(view.nbytes, PIECE_SIZE - self._size % PIECE_SIZE) if pieced else view.nbytes
-            self._hasher.update(view[:take])
+            index, within = divmod(self._size, self._piece_size)
+            take = min(view.nbytes, self._piece_size - within)
+            if index == len(self._hashers):
+                self._hashers.append(file_hasher(self._piece_hash))
+            spans.append((self._hashers[index], view[:take]))
             self._size += take
             view = view[take:]
-            if pieced and self._size % PIECE_SIZE == 0:
-                self._done.append(self._hasher.hexdigest())
-                self._hasher = file_hasher(self._piece_hash)
+        return spans
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        for hasher, span in self.spans(data):
+            hasher.update(span)
 
     def hexdigest(self) -> str:
         """The ``sha256`` field of :meth:`entry`: one digest of what was fed, which changes with any piece."""
         return self.entry().sha256
 
     def entry(self) -> FileEntry:
+        digests = [hasher.hexdigest() for hasher in self._hashers]
         if self._piece_hash is None:
-            return FileEntry(self._size, self._hasher.hexdigest())
-        last = [self._hasher.hexdigest()] if self._size % PIECE_SIZE or not self._size else []
-        return FileEntry.of_pieces(self._size, self._done + last, self._piece_hash)
+            return FileEntry(self._size, digests[0])
+        return FileEntry.of_pieces(self._size, digests, self._piece_hash, self._piece_size)
 
 
 def entry_of(data: bytes | bytearray | memoryview, piece_hash: str | None = PIECE_HASH) -> FileEntry:

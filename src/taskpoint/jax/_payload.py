@@ -13,9 +13,11 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from ..manager.kind_api import Segment
 from ..payloads import DirectoryPayload, Payload, register_payload
 from ..workspace import owned_folder, sweep_dead_folders
-from ._pytree import PyTree, write_tree
+from ._pytree import KIND, PAYLOAD_KIND, Encoded, PyTree, encode
+from ._staged import TreePlan
 
 #: Prefix of the temp folders where trees are serialized before upload (below ``$TMPDIR``), followed by
 #: ``<host>-<pid>-`` so that those of killed processes can be swept.
@@ -28,15 +30,39 @@ class PyTreePayload(DirectoryPayload):
     Serialized once, when first needed: by a blocking save of a :class:`~taskpoint.CheckpointManager` on local
     disk into the step's folder (:meth:`write_into`, the ``jax.pytree`` step kind: Orbax writes where the step
     keeps it, no copy), else into a private temp folder (:meth:`serialized`), at the latest when a background
-    save snapshots it, so that the caller may change its arrays as soon as the save call returns.
+    save snapshots it, so that the caller may change its arrays as soon as the save call returns. A background
+    save of a manager with a save process stages its arrays instead (:meth:`stage`, :mod:`._staged`); the save
+    process then writes the same folder from the segment, through a payload of this class made of the
+    :class:`~._pytree.Encoded` tree.
     """
 
-    kind = "pytree"
+    kind = PAYLOAD_KIND
+    staged_by = "taskpoint.jax._kind"
+    staged_kind = KIND
 
-    def __init__(self, tree: PyTree) -> None:
-        self._tree: Any = tree.tree
+    def __init__(self, tree: PyTree | Encoded) -> None:
+        self._tree: Any = tree.tree if isinstance(tree, PyTree) else tree
         self._folder: Path | None = None
         self._remove: weakref.finalize[Any, Any] | None = None
+        self._plan: TreePlan | None = None
+
+    def _write(self, folder: Path) -> None:
+        (self._tree if isinstance(self._tree, Encoded) else encode(self._tree)).write(folder)
+
+    def staging_size(self) -> int | None:
+        """The bytes a background save stages this tree's arrays in (:mod:`._staged`), or None when it cannot be
+        staged (it is then serialized into its temp folder, as before)."""
+        if self._folder is not None:
+            return None
+        self._tree = encoded = self._tree if isinstance(self._tree, Encoded) else encode(self._tree)
+        self._plan = TreePlan(encoded)
+        return self._plan.size
+
+    def stage(self, segment: Segment) -> Payload:
+        """Copy the tree's arrays into ``segment`` (after :meth:`staging_size`); what the save then writes."""
+        assert self._plan is not None
+        plan, self._plan = self._plan, None
+        return plan.copy_into(segment)
 
     @property
     def _path(self) -> Path:  # type: ignore[override]  # DirectoryPayload's folder, serialized on first use
@@ -51,7 +77,7 @@ class PyTreePayload(DirectoryPayload):
             # The folder lives as long as the payload (through retried uploads and background saves).
             self._remove = weakref.finalize(self, shutil.rmtree, folder, ignore_errors=True)
             try:
-                write_tree(self._tree, folder)
+                self._write(folder)
             except BaseException:
                 self._remove()
                 raise
@@ -69,7 +95,7 @@ class PyTreePayload(DirectoryPayload):
         if self._folder is not None:
             raise RuntimeError("the tree was serialized into a temp folder already")
         folder.mkdir()
-        write_tree(self._tree, folder)
+        self._write(folder)
 
     @classmethod
     def claim(cls, data: object) -> Payload | None:

@@ -1,6 +1,6 @@
 """A PyTree on local disk: array leaves in an Orbax PyTree checkpoint, everything else in a JSON sidecar.
 
-Layout of a folder written by :func:`write_tree`::
+Layout of a folder written by :meth:`Encoded.write`::
 
     taskpoint-pytree.json   the sidecar: the tree's structure and one record per leaf (kind, path, dtype,
                             shape, PRNG key implementation, and the values Orbax does not store)
@@ -16,6 +16,7 @@ saved even without a target.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from importlib.metadata import PackageNotFoundError, version
@@ -33,6 +34,10 @@ SIDECAR_NAME = "taskpoint-pytree.json"
 ARRAYS_FOLDER = "orbax"
 #: Version of the sidecar's format; a reader refuses a newer one.
 FORMAT_VERSION = 1
+#: The payload kind of a PyTree (a :class:`~taskpoint.Checkpoint`'s, and the record of a manager's step).
+PAYLOAD_KIND = "pytree"
+#: The step kind a manager saves a PyTree as (:mod:`._kind`).
+KIND = "jax.pytree"
 
 # Leaf kinds recorded in the sidecar. Arrays live in Orbax (unless empty); the others in the sidecar.
 JAX, NUMPY, NUMPY_SCALAR, KEY = "jax.Array", "numpy.ndarray", "numpy.generic", "jax.random.key"
@@ -65,19 +70,34 @@ class PyTree:
 # -- writing -----------------------------------------------------------------------------------------------
 
 
-def write_tree(tree: Any, folder: Path) -> None:
-    """Serialize ``tree`` into the empty folder ``folder``."""
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    """A tree walked once (:func:`encode`): the sidecar's structure and leaf records, and the arrays Orbax stores,
+    by leaf index. A background save stages the arrays and rebuilds this in the save process (:mod:`._staged`),
+    which then writes the same folder a blocking save writes."""
+
+    structure: Any
+    leaves: list[dict[str, Any]]
+    arrays: dict[str, Any]
+
+    def write(self, folder: Path) -> None:
+        """Serialize the tree into the empty folder ``folder``."""
+        if self.arrays:
+            ocp.PyTreeCheckpointer().save(folder / ARRAYS_FOLDER, self.arrays)
+        sidecar = {
+            "format": FORMAT_VERSION,
+            "written_by": {"jax": jax.__version__, "orbax-checkpoint": _orbax_version()},
+            "structure": self.structure,
+            "leaves": self.leaves,
+        }
+        (folder / SIDECAR_NAME).write_text(json.dumps(sidecar, indent=1), encoding="utf-8")
+
+
+def encode(tree: Any) -> Encoded:
+    """``tree`` walked once; TypeError naming the first leaf that cannot be saved."""
     encoder = _Encoder()
     structure = encoder.encode(tree, ())
-    if encoder.arrays:
-        ocp.PyTreeCheckpointer().save(folder / ARRAYS_FOLDER, encoder.arrays)
-    sidecar = {
-        "format": FORMAT_VERSION,
-        "written_by": {"jax": jax.__version__, "orbax-checkpoint": _orbax_version()},
-        "structure": structure,
-        "leaves": encoder.leaves,
-    }
-    (folder / SIDECAR_NAME).write_text(json.dumps(sidecar, indent=1), encoding="utf-8")
+    return Encoded(structure, encoder.leaves, encoder.arrays)
 
 
 class _Encoder:

@@ -1,4 +1,4 @@
-"""Reading a PyTree folder written by :func:`~._pytree.write_tree`: the sidecar, the Orbax checkpoint of the
+"""Reading a PyTree folder written by :meth:`~._pytree.Encoded.write`: the sidecar, the Orbax checkpoint of the
 array leaves, and a target's structure, dtypes and shardings matched leaf by leaf (see :mod:`._pytree` for the
 layout)."""
 

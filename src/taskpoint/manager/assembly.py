@@ -43,7 +43,7 @@ class Assembly:
     saves, the local tier, the background saves), and its two sides."""
 
     steps: StepStore
-    parts: StepContext
+    context: StepContext
     dedup: Dedup
     background: Background
     tier: LocalTier | None
@@ -71,22 +71,22 @@ def assemble(uri: str, options: Options, *, storage_options: dict[str, Any] | No
     chunked = Dedup(steps, chunks, grace)
     agreement = Agreement(plan.ranks, plan.commit_timeout, root.child(AGREEMENT_FOLDER),
                           lambda: save_round(running_attempt()), lambda: queries.restored_step)
-    parts = StepContext(steps, encoding, level, grace, plan, Rebuilder(steps, chunks, chunked.workers),
+    context = StepContext(steps, encoding, level, grace, plan, Rebuilder(steps, chunks, chunked.workers),
                   chunked if dedup else None, agreement.while_committing)
-    reader = StepReader(parts, in_use, KINDS)
+    reader = StepReader(context, in_use, KINDS)
     guard = Guard(steps, in_use, options.retention, grace)
     background = Background(uri, None if saves.snapshot_dir is None else os.fspath(saves.snapshot_dir),
                             bool(saves.background_process) and root.backend.shared,
                             max_staging_bytes=saves.max_staging_bytes, prestart=bool(saves.async_save))
     # The kinds a payload is saved as, the first that accepts it (dedup=True, a plug-in's, else one object); with
     # several ranks, each rank stores its part through it and rank 0 commits the step.
-    writer = StepWriter(parts, in_use, guard, KINDS, (CHUNKED, PAYLOAD),
+    writer = StepWriter(context, in_use, guard, KINDS, (CHUNKED, PAYLOAD),
                         SHARDED.around if plan.ranks.distributed else None)
     tier = None if options.tier is None else LocalTier.open(open_local, options.tier, saves, {
         "codec": codec, "level": level, "retry": retry, "grace_seconds": grace_seconds, "dedup": dedup,
-    }, (parts, writer, background, guard.committed))
-    queries = StepQueries(parts, reader, guard, schedule, tier, background, root.throttles)
-    writes = StepWrites(parts, writer, reader, guard, schedule, background, tier,
+    }, (context, writer, background, guard.committed))
+    queries = StepQueries(context, reader, guard, schedule, tier, background, root.throttles)
+    writes = StepWrites(context, writer, reader, guard, schedule, background, tier,
                         PreemptionPolicy(preemption, on_preemption, agreement), chunked, queries,
                         bool(saves.async_save), root.throttles)
-    return Assembly(steps, parts, chunked, background, tier, queries, writes)
+    return Assembly(steps, context, chunked, background, tier, queries, writes)

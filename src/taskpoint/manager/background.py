@@ -27,7 +27,8 @@ from ..transfer import write_payload
 from ..workspace import owned_folder, sweep_dead_folders
 from .saver import NotTransferable, OrphanPart, SaverProcess, SaverUnavailable, StagedJob, release_freed_memory
 from .snapshots import SnapshotCache, spool
-from .staging import Segment, Stageable, StagingBudget, sweep_dead_segments
+from .staging import Segment, Stageable, sweep_dead_segments
+from .staging_memory import StagingMemory
 
 
 class BackgroundSave:
@@ -101,6 +102,8 @@ class Handover:
         self._folders = tuple(str(folder) for folder in folders)
         self._taken = threading.Event()
         self._held = False  # the process stored the payload, and would commit it were this process to die
+        #: The process wrote a staged save's segment and kept it, for the next staged save.
+        self.kept = False
 
     def store_payload(self, location: Location, payload: Payload, codec: Codec, level: int | None,
                       commit: OrphanPart | None, progress: Progress, digest: str) -> tuple[int, str]:
@@ -115,10 +118,10 @@ class Handover:
     def store_staged(self, manifest: Location, segment: str, job: StagedJob, progress: Progress
                      ) -> tuple[dict[str, int], StepManifest]:
         try:
-            stored = self.process.store_staged(manifest, segment, job, progress, taken=self._taken.set)
+            stored = self.process.store_staged(manifest, segment, job, progress, taken=self._taken.set, keep=True)
         finally:
             self._taken.set()
-        self._held = True
+        self._held = self.kept = True
         return stored
 
     def wait(self) -> None:
@@ -200,8 +203,9 @@ class Background:
         self._saver_lock = threading.Lock()
         #: The last snapshot of a directory, whose unchanged files the next one links instead of copying.
         self._snapshots = SnapshotCache()
-        #: The staging memory this manager's background saves may hold (``max_staging_bytes``).
-        self.budget = StagingBudget(max_staging_bytes)
+        #: The staging memory this manager's background saves may hold (``max_staging_bytes``), and its ready
+        #: segment.
+        self.staging = StagingMemory(max_staging_bytes)
         if use_process and prestart:  # the first background save then finds the process ready
             threading.Thread(target=self._prestart, name="taskpoint-saver-start", daemon=True).start()
 
@@ -224,7 +228,7 @@ class Background:
         save without ``prestart``, the spawn of the process (not its start, which is not waited for);
         docs/manager.md has the figures."""
         helper = kind.helper
-        if kind.name == payload.kind and helper and self._use_saver and isinstance(payload, Stageable):
+        if helper and self._use_saver and isinstance(payload, Stageable) and kind.name == payload.staged_kind:
             size = payload.staging_size()
             if size is not None:
                 self._start_staged(step, payload, size, job)
@@ -260,30 +264,27 @@ class Background:
         self._hand_over(step, job, snapshot, handover, tidy)
 
     def _start_staged(self, step: int, payload: Stageable, size: int, job: Callable[..., None]) -> None:
-        """Copy ``payload`` into a segment of ``size`` bytes within the budget (waiting for earlier segments to
-        be freed; a state larger than the budget is saved here, blocking), named for the save process (so that it
-        is that process's from the start), and hand it over; return once the request is in the process's pipe."""
-        if not self.budget.reserve(size, step):
+        """Copy ``payload`` into a segment of ``size`` bytes within the budget (the ready segment when there is one,
+        :mod:`.staging_memory`; a state larger than the budget is saved here, blocking), named for the save process
+        (so that it is that process's from the start), and hand it over; return once the request is in the
+        process's pipe."""
+        sweep_dead_segments()
+        process = self.helper_process()
+        segment = self.staging.take(size, step, None if process is None else process.owner)
+        if segment is None:
             job(payload)
             return
         try:
-            sweep_dead_segments()
-            process = self.helper_process()
-            segment = Segment.create(size, None if process is None else process.owner)
-            try:
-                staged = payload.stage(segment)
-            except BaseException:
-                segment.free()
-                raise
+            staged = payload.stage(segment)
         except BaseException:
-            self.budget.release(size)
+            self.staging.give_back(segment, kept=False)
             raise
+        handover = None if process is None else Handover(process, ())
 
-        def tidy() -> None:
-            segment.free()  # a no-op once the save process (or this one's fallback) wrote and freed it
-            self.budget.release(size)
+        def tidy() -> None:  # the segment is freed, unless the save process wrote it and kept it for the next save
+            self.staging.give_back(segment, kept=handover is not None and handover.kept)
 
-        self._hand_over(step, job, staged, None if process is None else Handover(process, ()), tidy)
+        self._hand_over(step, job, staged, handover, tidy)
 
     def _hand_over(self, step: int, job: Callable[..., None], snapshot: Payload, handover: Handover | None,
                    tidy: Callable[[], None]) -> None:
@@ -330,6 +331,7 @@ class Background:
         """Stop the save process (after the request it may be serving); later saves use no process."""
         with self._saver_lock:
             saver, self._saver, self._use_saver = self._saver, None, False
+        self.staging.close()
         if saver is not None:
             saver.close()
         self._snapshots.drop()

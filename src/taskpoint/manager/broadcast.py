@@ -86,22 +86,22 @@ class Exchange:
 
     # -- the step, read once among the ranks ---------------------------------------------------------------
 
-    def mirror(self, parts: StepContext, kind: StepKind, step: int, manifest: StepManifest) -> StepContext:
-        """``parts`` whose step store reads ``step`` from a local copy of the objects its kind restores, each
+    def mirror(self, context: StepContext, kind: StepKind, step: int, manifest: StepManifest) -> StepContext:
+        """``context`` whose step store reads ``step`` from a local copy of the objects its kind restores, each
         read from the store by one of the ranks that restore it and sent to the others of them (see the module);
-        ``parts`` itself when no ranks share an object (each rank's own shard) or the step's are not all in its
+        ``context`` itself when no ranks share an object (each rank's own shard) or the step's are not all in its
         folder (a deduplicated step's chunks): each rank then reads for itself. Every rank calls this together,
         once per step it restores.
         :class:`Gone` when an object is missing."""
         key = (step, manifest.record.save_id)
         if key in self._copies:
             return self._copies[key]
-        began, steps = time.monotonic(), parts.steps
-        wanted = _wanted(parts, kind, step, manifest)
+        began, steps = time.monotonic(), context.steps
+        wanted = _wanted(context, kind, step, manifest)
         mine: list[Any] | None = None if wanted is None else [steps.directory, step, manifest.record.save_id, wanted]
         sharing = _sharing(self._group.all_gather(mine, f"the objects of step {step}"))
         if not sharing:  # the same answer on every rank: no collective follows
-            return parts
+            return context
         groups = [(ranks, names, self._subgroup(ranks)) for ranks, names in sharing]
         sizes = wanted or {}  # a rank that reads chunks too is in no group, and takes part in the collectives only
         shared = {name for ranks, names, _ in groups if self.rank in ranks for name in names}
@@ -120,13 +120,13 @@ class Exchange:
             if self.rank in ranks:
                 self._send_all(copy, step, [b for b in blocks if b.name in names], within)
         if wanted is None:
-            return parts
+            return context
         _log.logger.info("restore of step %d in %s: %d bytes of %d objects read once among the %d ranks that read "
                          "them, %d bytes by rank %d and the rest received over the process group, in %.2f s", step,
                          steps.directory, sum(wanted[name] for name in shared), len(shared),
                          len({rank for ranks, _, _ in groups if self.rank in ranks for rank in ranks}), read,
                          self.rank, time.monotonic() - began)
-        self._copies[key] = replace(parts, steps=copy)
+        self._copies[key] = replace(context, steps=copy)
         return self._copies[key]
 
     def _subgroup(self, ranks: list[int]) -> Any:
@@ -242,19 +242,19 @@ class _Copy(StepStore):
         return self._of.directory
 
 
-def _wanted(parts: StepContext, kind: StepKind, step: int, manifest: StepManifest) -> dict[str, int] | None:
+def _wanted(context: StepContext, kind: StepKind, step: int, manifest: StepManifest) -> dict[str, int] | None:
     """The objects of ``step``'s folder (name: size) this rank's restore of it reads: what the kind's ``reads``
     says (a sharded step: this rank's shard), else every object the step names; None when it names chunks of the
     chunk store too. A size the manifest lacks is asked of the store."""
     reads = getattr(kind, "reads", None)
-    named = reads(parts, step, manifest) if reads is not None else kind.objects(parts.steps, step, manifest)
+    named = reads(context, step, manifest) if reads is not None else kind.objects(context.steps, step, manifest)
     if named.chunks:
         return None
     sizes = {}
     for name, size in named.files.items():
-        found = size if size is not None else parts.steps.object(step, name).size()
+        found = size if size is not None else context.steps.object(step, name).size()
         if found is None:
-            raise Gone(f"step {step} in {parts.steps.directory} is committed but its object {name} is missing")
+            raise Gone(f"step {step} in {context.steps.directory} is committed but its object {name} is missing")
         sizes[name] = found
     return sizes
 

@@ -43,9 +43,9 @@ class Claim:
 class StepWriter:
     """Writes the steps of one manager, each through its kind, and applies retention after each commit."""
 
-    def __init__(self, parts: StepContext, in_use: InUse, guard: Guard, kinds: StepKinds, savers: Sequence[StepKind],
+    def __init__(self, context: StepContext, in_use: InUse, guard: Guard, kinds: StepKinds, savers: Sequence[StepKind],
                  ranks: Callable[[StepKind], StepKind] | None = None) -> None:
-        self._parts, self._in_use, self._guard, self._kinds = parts, in_use, guard, kinds
+        self._context, self._in_use, self._guard, self._kinds = context, in_use, guard, kinds
         self._savers = tuple(savers)
         #: With several ranks, what saves a rank's part through the kind it chose (:meth:`.kinds.sharded.RanksKind.
         #: around`); None with one.
@@ -61,9 +61,9 @@ class StepWriter:
         if isinstance(data, Payload):
             *first, last = self._savers
             others = [kind for kind in self._kinds.loaded() if kind not in self._savers]
-            kind = next(kind for kind in (*first, *others, last) if kind.accepts(data, self._parts))
+            kind = next(kind for kind in (*first, *others, last) if kind.accepts(data, self._context))
             return kind if self._around_ranks is None else self._around_ranks(kind)
-        return self._kinds.kind(data.kind, self._parts.steps.directory)
+        return self._kinds.kind(data.kind, self._context.steps.directory)
 
     def claim(self, step: int, data: object, *, overwrite: bool, background: bool) -> Claim:
         """The payload of ``data`` to save as ``step``, and whether the step is committed already:
@@ -72,7 +72,7 @@ class StepWriter:
         with conditional writes by a kind that commits so (:func:`~.kinds.commits_exclusively`): its commit
         creates the manifest only where there is none, a round trip fewer (each costs 5-30 ms on a real store).
         A background save always reads first, so that its caller hears of an existing step at once."""
-        steps = self._parts.steps
+        steps = self._context.steps
         folded = not (overwrite or background or steps.root.is_local or not steps.root.conditional)
         payload = payload_for(data) if folded else None
         if payload is not None and commits_exclusively(self.kind_for(payload)):
@@ -94,15 +94,15 @@ class StepWriter:
         see :attr:`SaveJob.exclusive`."""
         self.last_step = step
         kind = self.kind_for(data)
-        steps, ranks = self._parts.steps, self._parts.plan.ranks
-        held = (overwrite_lease(steps, step, self._parts.grace)
+        steps, ranks = self._context.steps, self._context.plan.ranks
+        held = (overwrite_lease(steps, step, self._context.grace)
                 if overwrites and not ranks.distributed else contextlib.nullcontext())
         with progress, held, contextlib.ExitStack() as until_committed:
-            stored = store(kind, self._parts, SaveJob(step, metadata, attempt, data, saver, progress,
+            stored = store(kind, self._context, SaveJob(step, metadata, attempt, data, saver, progress,
                                                       until_committed, exclusive))
             if stored.content is not None:
                 with naming_rank(ranks):
-                    commit(steps, step, stored, attempt, metadata, create=exclusive, grace=self._parts.grace)
+                    commit(steps, step, stored, attempt, metadata, create=exclusive, grace=self._context.grace)
         if stored.content is not None:
             steps.committed(step)
             self._guard.committed(step, metadata)
@@ -114,9 +114,9 @@ class StepWriter:
 
     def tidy(self) -> None:
         """After a commit: apply retention and remove old leftovers. Never fails the save that committed."""
-        steps, dedup = self._parts.steps, self._parts.dedup
+        steps, dedup = self._context.steps, self._context.dedup
         try:
-            removed = steps.tidy(self._guard.choose, self._parts.grace)
+            removed = steps.tidy(self._guard.choose, self._context.grace)
             if dedup is not None and dedup.sweep_due():
                 removed += dedup.sweep()  # the chunks of the steps deleted since the last sweep
             if removed:

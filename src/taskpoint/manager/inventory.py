@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, NewerFormatError
 from ..format.records import StepManifest
 from .chunks import CHUNK_FOLDER
 from .kinds import StepContext, StepKinds
@@ -19,10 +19,12 @@ COUNTED = ("shards", "chunks", "files")
 @dataclass(frozen=True)
 class StepSummary:
     """One ``ckpt-N`` folder as listed. ``state``: ``committed`` (its manifest reads and every object it names
-    is listed at its size, every chunk present), ``damaged`` (``problem`` says why) or ``incomplete`` (no
-    manifest: a save in progress, or a leftover). ``kind`` is the payload kind; ``leftovers`` the objects no
-    manifest names; ``extras`` what a committed step's manifest and kind add (``payload``, ``checked``, counts of
-    ``shards``, ``chunks`` or ``files``); ``metadata`` is None unless the manifest was read."""
+    is listed at its size, every chunk present), ``damaged`` (``problem`` says why), ``newer`` (its manifest, or a
+    document it names, is of a format version newer than this taskpoint reads: no damage, ``problem`` says which)
+    or ``incomplete`` (no manifest: a save in progress, or a leftover). ``kind`` is the payload kind;
+    ``leftovers`` the objects no manifest names; ``extras`` what a committed step's manifest and kind add
+    (``payload``, ``checked``, counts of ``shards``, ``chunks`` or ``files``); ``metadata`` is None unless the
+    manifest was read."""
 
     step: int
     uri: str
@@ -38,9 +40,9 @@ class StepSummary:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
-def inventory(parts: StepContext, kinds: StepKinds) -> list[StepSummary]:
+def inventory(context: StepContext, kinds: StepKinds) -> list[StepSummary]:
     """Every ``ckpt-N`` folder of the directory, oldest first, from one recursive listing."""
-    steps = parts.steps
+    steps = context.steps
     root = steps.root.path.rstrip("/")
     sizes: dict[int, dict[str, int]] = {}
     stored_chunks: set[str] = set()  # the chunk store of deduplicated steps, by key
@@ -54,12 +56,12 @@ def inventory(parts: StepContext, kinds: StepKinds) -> list[StepSummary]:
         folder = sizes.setdefault(int(match.group(1)), {})
         if len(names) >= 2 and names[-1] and info.get("type") != "directory":  # nested: a PyTree step's files
             folder["/".join(names[1:])] = int(info.get("size") or 0)
-    return [_summary(parts, kinds, step, folder, stored_chunks) for step, folder in sorted(sizes.items())]
+    return [_summary(context, kinds, step, folder, stored_chunks) for step, folder in sorted(sizes.items())]
 
 
-def _summary(parts: StepContext, kinds: StepKinds, step: int, names: dict[str, int], stored_chunks: set[str]
+def _summary(context: StepContext, kinds: StepKinds, step: int, names: dict[str, int], stored_chunks: set[str]
              ) -> StepSummary:
-    steps = parts.steps
+    steps = context.steps
     leases = sorted(n for n in names if RESTORE_LEASE.fullmatch(n))
     names = {n: size for n, size in names.items() if n not in leases}
     base = StepSummary(step, steps.step_uri(step), "incomplete", restore_leases=leases,
@@ -69,12 +71,12 @@ def _summary(parts: StepContext, kinds: StepKinds, step: int, names: dict[str, i
     try:
         manifest = steps.manifest(step)
     except CheckpointCorruptError as exc:
-        return StepSummary(**{**base.__dict__, "state": "damaged", "problem": " ".join(str(exc).split())})
+        return StepSummary(**{**base.__dict__, "state": _refused(exc), "problem": " ".join(str(exc).split())})
     assert manifest is not None
-    return _committed(parts, kinds, base, manifest, names, stored_chunks)
+    return _committed(context, kinds, base, manifest, names, stored_chunks)
 
 
-def _committed(parts: StepContext, kinds: StepKinds, base: StepSummary, manifest: StepManifest, names: dict[str, int],
+def _committed(context: StepContext, kinds: StepKinds, base: StepSummary, manifest: StepManifest, names: dict[str, int],
                stored_chunks: set[str]) -> StepSummary:
     """A committed step's summary: what its manifest and its kind say, and whether every object it names is
     listed at its size (every chunk present)."""
@@ -83,10 +85,10 @@ def _committed(parts: StepContext, kinds: StepKinds, base: StepSummary, manifest
                               "attempt": manifest.attempt, "kind": record.kind, "metadata": manifest.metadata,
                               "state": "committed", "extras": {"checked": manifest.checked}}
     try:
-        named = parts.steps.named(step, manifest)
-        described = kinds.kind(manifest.kind, base.uri).describe(parts, step, manifest)
+        named = context.steps.named(step, manifest)
+        described = kinds.kind(manifest.kind, base.uri).describe(context, step, manifest)
     except (CheckpointCorruptError, FileNotFoundError) as exc:
-        return StepSummary(**{**fields, "state": "damaged", "problem": " ".join(str(exc).split())})
+        return StepSummary(**{**fields, "state": _refused(exc), "problem": " ".join(str(exc).split())})
     details = described.details
     fields.update(size=details.get("size", record.size),
                   leftovers=sorted(n for n in names if n != MANIFEST_NAME and n not in named.files),
@@ -103,3 +105,9 @@ def _committed(parts: StepContext, kinds: StepKinds, base: StepSummary, manifest
                        f"its {named.noun} {name} holds {stored} bytes, its manifest records {size}")
             return StepSummary(**{**fields, "state": "damaged", "problem": problem})
     return StepSummary(**fields)
+
+
+def _refused(exc: BaseException) -> str:
+    """The state of a step whose documents did not read: ``newer`` for :class:`NewerFormatError` (a
+    CheckpointCorruptError that is no damage), else ``damaged``."""
+    return "newer" if isinstance(exc, NewerFormatError) else "damaged"

@@ -34,7 +34,7 @@ from .kinds import (
     register_step_kind,
     stored_part,
 )
-from .kinds.files import FilesKind, file_gone, store_folder, store_listing, stored_files
+from .kinds.files import FilesKind, store_folder, store_listing, stored_files, write_folder, write_listing
 from .kinds.sharded import RANKS
 from .staging import Segment
 from .step_commit import Stored
@@ -46,9 +46,9 @@ if TYPE_CHECKING:
 
 __all__ = ["GONE_HOW", "MANIFEST_NAME", "Checked", "Described", "FilesKind", "Gone", "InPlaceKind", "ObjectRecord",
            "PartialKind", "SaveJob", "Segment", "StepContent", "StepContext", "StepKind", "StepManifest", "StepObjects",
-           "StepStore", "Stored", "best_effort", "content_of", "file_gone", "name_in", "part_kind", "read_object",
+           "StepStore", "Stored", "best_effort", "content_of", "name_in", "part_kind", "read_object",
            "register_step_kind", "save_clock", "step_folder", "store_folder", "store_listing", "store_staged",
-           "stored_files", "stored_names", "stored_part"]
+           "stored_files", "stored_names", "stored_part", "write_folder", "write_listing"]
 
 
 def step_folder(manager: CheckpointManager, step: int, *, reading: bool = False) -> Location:

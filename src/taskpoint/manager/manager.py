@@ -70,7 +70,7 @@ class CheckpointManager:
                          level=level, retry=retry, grace_seconds=grace_seconds, dedup=dedup, preemption=preemption,
                          on_preemption=on_preemption,
                          open_local=lambda at, **kw: (m := type(self)(at, **kw), m._steps, m._queries.reader))
-        self._steps, self._parts, self._dedup, self._tier = built.steps, built.parts, built.dedup, built.tier
+        self._steps, self._context, self._dedup, self._tier = built.steps, built.context, built.dedup, built.tier
         self._background, self._queries, self._writes = built.background, built.queries, built.writes
         weakref.finalize(self, self._background.slot.report_unclaimed, self._steps.directory)
 
@@ -119,12 +119,12 @@ class CheckpointManager:
     @property
     def rank(self) -> int:
         """This manager's rank (0 with one rank)."""
-        return self._parts.plan.ranks.rank
+        return self._context.plan.ranks.rank
 
     @property
     def world_size(self) -> int:
         """How many ranks save each step together (1 by default)."""
-        return self._parts.plan.ranks.world_size
+        return self._context.plan.ranks.world_size
 
     def close(self) -> None:
         """Wait for a background save, delete the restore workspace, and raise a background error if any.
@@ -146,8 +146,8 @@ class CheckpointManager:
         exists raises FileExistsError unless ``overwrite=True`` (blocking, on an object store with conditional
         writes, when the manifest's create finds one; elsewhere two writers checking at the same moment can
         both pass the check, and the last to commit wins, with its own complete data). With
-        ``blocking=False`` (or ``async_save=True``) the call returns once the data is snapshotted (a state dict:
-        staged), and handed to the save process where there is one (so that the step is committed even if this
+        ``blocking=False`` (or ``async_save=True``) the call returns once the data is snapshotted (a state dict or
+        a PyTree: staged), and handed to the save process where there is one (so that the step is committed even if this
         process is killed next; see docs/manager.md): the caller may change or delete it at once. At most one
         save is in flight; the next call waits for it, and an error it met is raised by the next call instead of
         doing anything else. ``progress``: as for :meth:`Checkpoint.save_sync <taskpoint.Checkpoint.save_sync>`
@@ -254,8 +254,8 @@ class CheckpointManager:
         """Read every byte of ``step`` (every committed step when None) against the checksums of its manifest,
         keeping nothing; ``progress`` as for :meth:`restore`. With ``step``: its :class:`~taskpoint.StepVerification`
         is healthy, or CheckpointCorruptError says what is damaged, FileNotFoundError that it does not exist, and
-        CheckpointError that another writer overwrote or deleted it meanwhile. Without: each step's result, damage
-        and changes included; FileNotFoundError when there is no committed step."""
+        CheckpointError that another writer overwrote or deleted it meanwhile. Without: each step's result, damage,
+        changes and steps a newer taskpoint wrote included; FileNotFoundError when there is no committed step."""
         return self._queries.verify(step, progress)
 
     def describe(self, step: int | None = None) -> StepDescription:

@@ -43,8 +43,9 @@ class BackgroundSaves:
             process (True, the default) so they never hold this process's GIL; False writes it from a thread of
             this process. ``memory://`` and payloads that cannot be pickled always use a thread. Blocking saves
             always run in the caller's thread.
-        max_staging_bytes: the shared memory that background saves of torch state dicts (staged there for the
-            save process) may hold at once; None: half the memory available (a larger state is saved blocking).
+        max_staging_bytes: the shared memory that background saves of torch state dicts and JAX PyTrees (staged
+            there for the save process) may hold at once; None: half the memory available (a larger state is saved
+            blocking).
     """
 
     async_save: bool = False

@@ -40,17 +40,17 @@ from .steps import StepStore, best_effort
 class Promoter:
     """The promotions of one local tier's steps to the remote tier.
 
-    ``local`` is the local manager's step store; ``parts``, ``writer`` and ``background`` are the remote
+    ``local`` is the local manager's step store; ``context``, ``writer`` and ``background`` are the remote
     manager's: a promotion commits through its step store, applies its retention, and hands its copy to its
     save process. ``on_commit`` is told of each step committed remotely.
     """
 
-    def __init__(self, local: StepStore, parts: StepContext, writer: StepWriter, background: Background,
+    def __init__(self, local: StepStore, context: StepContext, writer: StepWriter, background: Background,
                  on_commit: Callable[[int, dict[str, Any]], None]) -> None:
         self._local = local
-        self._parts, self._steps, self._writer, self._background = parts, parts.steps, writer, background
-        self._on_commit, self._codec = on_commit, parts.codec
-        self._ranks = parts.plan.ranks
+        self._context, self._steps, self._writer, self._background = context, context.steps, writer, background
+        self._on_commit, self._codec = on_commit, context.codec
+        self._ranks = context.plan.ranks
 
     def promote(self, step: int, progress: Progress = NO_PROGRESS) -> None:
         """Copy the local ``step`` to the remote tier, check it against the local manifest, and commit it there.
@@ -69,7 +69,7 @@ class Promoter:
             _log.transferred("promote", self._steps.step_uri(step), record.kind, size, clock, step)
             return
         # Overwriting a remote step: other processes keep it while the promotion is in flight (its rule).
-        held = overwrite_lease(self._steps, step, self._parts.grace) if exists else contextlib.nullcontext()
+        held = overwrite_lease(self._steps, step, self._context.grace) if exists else contextlib.nullcontext()
         with held, self._handed_over() as handover:
             clock = _log.Clock()
             sizes = self._copy_checked(step, manifest, handover, progress)
@@ -102,7 +102,7 @@ class Promoter:
                                          handover, orphan, progress)[0]
             if not named.digests.keys() >= named.files.keys():
                 try:
-                    step_kind(manifest.kind, self._local.step_uri(step)).verify(self._parts, step, manifest, False)
+                    step_kind(manifest.kind, self._local.step_uri(step)).verify(self._context, step, manifest, False)
                 except (CheckpointCorruptError, FileNotFoundError) as exc:
                     raise self._damaged(step, str(exc)) from exc
         except CheckpointCorruptError:
@@ -156,7 +156,7 @@ class Promoter:
             sizes = self._copy_checked(step, manifest, None, progress)
             return rank_part(self._ranks.rank, manifest), sum(sizes.values())
 
-        writer = ShardWriter(steps, self._parts.plan, self._parts.grace, self._parts.waiting)
+        writer = ShardWriter(steps, self._context.plan, self._context.grace, self._context.waiting)
         with contextlib.ExitStack() as until_committed:
             stored = writer.write(step, manifest.attempt, part, functools.partial(commit_parts, steps, step),
                                   until_committed)

@@ -53,9 +53,9 @@ class StepQueries:
     a finished background save (:meth:`ready`).
     """
 
-    def __init__(self, parts: StepContext, reader: StepReader, guard: Guard, schedule: SaveSchedule,
+    def __init__(self, context: StepContext, reader: StepReader, guard: Guard, schedule: SaveSchedule,
                  tier: LocalTier | None, background: Background, throttles: Callable[[], int]) -> None:
-        self._parts, self._steps, self._guard = parts, parts.steps, guard
+        self._context, self._steps, self._guard = context, context.steps, guard
         #: The manager's verified reads (a tier's local manager lends its own to the tier).
         self.reader = reader
         self._schedule, self._tier, self._background = schedule, tier, background
@@ -75,7 +75,7 @@ class StepQueries:
         if manifest is None:
             raise self._steps.missing(step)
         kind = KINDS.kind(manifest.kind, self._steps.step_uri(step))
-        return partial_kind(kind).open_file(self._parts, step, manifest, path)
+        return partial_kind(kind).open_file(self._context, step, manifest, path)
 
     def restore(self, step: int | None, into: str | os.PathLike[str] | None, *, paths: Iterable[str] | None,
                 fallback: bool, broadcast: bool, progress: bool | Callback | None) -> Path:
@@ -177,11 +177,11 @@ class StepQueries:
     def verify(self, step: int | None, progress: object) -> Verification:
         if step is not None:
             self.ready()
-            return Verification(self._steps.directory, (verify_step(self._parts, KINDS, check_step(step), progress),))
+            return Verification(self._steps.directory, (verify_step(self._context, KINDS, check_step(step), progress),))
         listed = self.steps("remote")
         if not listed:
             raise FileNotFoundError(f"there is no committed checkpoint in {self._steps.directory}")
-        return verify_steps(self._parts, KINDS, listed, progress)
+        return verify_steps(self._context, KINDS, listed, progress)
 
     def describe(self, step: int | None) -> StepDescription:
         if step is None:
@@ -191,8 +191,8 @@ class StepQueries:
         step = check_step(step)
         if self._tier is not None and self._steps.manifest(step) is None and step in self._tier.local.steps():
             return self._tier.local.describe(step)  # a step on the local tier alone, as open() reads it
-        return describe_step(self._parts, KINDS, step)
+        return describe_step(self._context, KINDS, step)
 
     def inventory(self) -> list[StepSummary]:
         self.ready()
-        return inventory(self._parts, KINDS)
+        return inventory(self._context, KINDS)

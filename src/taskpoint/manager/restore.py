@@ -37,10 +37,10 @@ def candidates(committed: Iterable[int], step: int | None, fallback: bool) -> li
 class StepReader:
     """Reads steps of one directory into a folder of the caller's, or into a workspace of its own."""
 
-    def __init__(self, parts: StepContext, in_use: InUse, kinds: StepKinds) -> None:
-        self._parts, self._kinds = parts, kinds
-        self._steps = parts.steps
-        self._grace = parts.grace  # of the lease a restore holds on its step (other processes' retention keeps it)
+    def __init__(self, context: StepContext, in_use: InUse, kinds: StepKinds) -> None:
+        self._context, self._kinds = context, kinds
+        self._steps = context.steps
+        self._grace = context.grace  # of the lease a restore holds on its step (other processes' retention keeps it)
         self._in_use = in_use
         self._lock = threading.Lock()  # restores into the reader's own workspace
         self._workspace: Workspace | None = None
@@ -65,8 +65,8 @@ class StepReader:
         being read, and starts again from zero for the next candidate. ``paths``: only these (normalized).
         ``broadcast``: each step read once among the ranks of the process group (:mod:`.broadcast`). With several
         ranks, an error names this rank."""
-        with progress, naming_rank(self._parts.plan.ranks), \
-                shared_reads(broadcast, self._parts.plan.commit_timeout) as exchange:
+        with progress, naming_rank(self._context.plan.ranks), \
+                shared_reads(broadcast, self._context.plan.commit_timeout) as exchange:
             return self._read_first(candidates, into, fallback, requested, clock, progress, paths, exchange)
 
     def _read_first(self, candidates: list[int], into: Path | None, fallback: bool, requested: bool,
@@ -120,10 +120,10 @@ class StepReader:
         ``delete`` (here, and elsewhere by a lease) for the whole block, not only while it is verified.
         ``progress`` counts the bytes verified (or copied). With ``broadcast``, the step is read once among the
         ranks into a local copy (:mod:`.broadcast`), read in place there until the block exits."""
-        with self._held(step), shared_reads(broadcast, self._parts.plan.commit_timeout) as exchange:
+        with self._held(step), shared_reads(broadcast, self._context.plan.commit_timeout) as exchange:
             with progress:
-                folder = self._follow(step, progress, lambda kind, manifest, parts: in_place_folder(
-                    kind, parts, step, manifest, progress), exchange) \
+                folder = self._follow(step, progress, lambda kind, manifest, context: in_place_folder(
+                    kind, context, step, manifest, progress), exchange) \
                     if self._steps.root.is_local or exchange is not None else None
                 if folder is None:
                     progress.restart()
@@ -177,10 +177,10 @@ class StepReader:
                    exchange: Exchange | None) -> Path:
         """Restore the save the manifest commits into ``workspace`` through its kind, following concurrent
         overwrites."""
-        def restore(kind: StepKind, manifest: StepManifest, parts: StepContext) -> Path:
+        def restore(kind: StepKind, manifest: StepManifest, context: StepContext) -> Path:
             if paths is None:
-                return kind.restore(parts, step, manifest, workspace, progress)
-            return partial_kind(kind).restore_paths(parts, step, manifest, workspace, paths, progress)
+                return kind.restore(context, step, manifest, workspace, progress)
+            return partial_kind(kind).restore_paths(context, step, manifest, workspace, paths, progress)
 
         return self._follow(step, progress, restore, exchange)
 
@@ -198,8 +198,8 @@ class StepReader:
             kind = self._kinds.kind(manifest.kind, self._steps.step_uri(step))
             progress.rewind()  # a manifest followed after an overwrite: its payload is counted from zero
             try:
-                return read(kind, manifest, self._parts if exchange is None else
-                            exchange.mirror(self._parts, kind, step, manifest))
+                return read(kind, manifest, self._context if exchange is None else
+                            exchange.mirror(self._context, kind, step, manifest))
             except Gone as gone:
                 now = self._steps.manifest(step)
                 if manifest.same_save(now):

@@ -139,12 +139,14 @@ class StagedJob(Protocol):
 class StagedRequest:
     """A staged save sent to the save process: the segment it takes over before it answers, the pickled
     :class:`StagedJob` (unpickled only after that answer, as it may import torch), where the step's manifest
-    goes, and whether the parent listens to its progress."""
+    goes, whether the parent listens to its progress, and whether it keeps the segment once written (for the
+    parent's next save: :mod:`.staging_memory`) instead of removing it."""
 
     segment: str
     job: bytes
     manifest: tuple[str, Any, Any]
     report: bool
+    keep: bool = False
 
 
 class SaveProcessTraceback(Exception):
@@ -176,6 +178,9 @@ class SaverProcess:
         # pools, five 256 MiB folder saves and loads to S3 in one process: peak RSS 285 MiB without this and
         # 232 MiB with it (before the shared pools, 362 and 240: new pool threads each save, RSS growing).
         env.setdefault("MALLOC_ARENA_MAX", "2")
+        # It writes staged arrays from host memory (taskpoint.jax._staged): jax there must not claim an accelerator,
+        # whose memory it would take from the trainer.
+        env["JAX_PLATFORMS"] = "cpu"
         try:
             self._process = subprocess.Popen(
                 [sys.executable, "-c", _CHILD, str(os.getpid())], stdin=subprocess.PIPE,
@@ -228,15 +233,16 @@ class SaverProcess:
         return size, digest
 
     def store_staged(self, manifest: Location, segment: str, job: StagedJob, progress: Progress = NO_PROGRESS, *,
-                     taken: Callable[[], None] | None = None) -> tuple[dict[str, int], StepManifest]:
+                     taken: Callable[[], None] | None = None, keep: bool = False
+                     ) -> tuple[dict[str, int], StepManifest]:
         """Hand the staged save ``job`` and its ``segment`` (named for the helper process: :attr:`owner`) to the
         helper process (``taken`` is called once the request is in the pipe), which maps the segment, runs the
-        job, frees the segment, and answers the sizes of the objects it
-        stored and the manifest to write at ``manifest`` (which it writes itself if this process dies before
-        :meth:`done`). Errors as :meth:`store_payload`."""
+        job, frees the segment (unmaps it only, with ``keep``, when the job succeeded), and answers the sizes of
+        the objects it stored and the manifest to write at ``manifest`` (which it writes itself if this process
+        dies before :meth:`done`). Errors as :meth:`store_payload`."""
         try:
             request = pickled(StagedRequest(segment, pickled(job), (manifest.uri, manifest.storage_options,
-                                                                   manifest.retry), progress.active))
+                                                                   manifest.retry), progress.active, keep))
         except Exception as exc:
             raise NotTransferable(f"this staged save cannot be sent to the save process ({exc})") from exc
         sizes, written = self._exchange(request, progress, taken)

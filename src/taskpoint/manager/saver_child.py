@@ -64,6 +64,8 @@ class _Duty:
         self._commit: _Commit | OrphanPart | None = None
         self._stored: tuple[int, str] | StepManifest | None = None
         self.folders: tuple[str, ...] = ()
+        #: The segment of the last staged save, kept for the parent's next one and still mapped here.
+        self.kept: Segment | None = None
 
     def take(self, commit: _Commit | OrphanPart | None, folders: tuple[str, ...]) -> None:
         with self._lock:
@@ -193,11 +195,12 @@ def _relayed(replies: IO[bytes]) -> Progress:
 
 
 def _serve_staged(request: StagedRequest, duty: _Duty, replies: IO[bytes]) -> None:
-    """Take a staged save's segment over, say so, then run its job, free the segment, and answer the job's
-    sizes and manifest (or its error)."""
+    """Take a staged save's segment over, say so, then run its job, free the segment (or keep it, when the
+    request asks and the job succeeded), and answer the job's sizes and manifest (or its error)."""
     value: Any
+    kept, duty.kept = duty.kept, None
     try:
-        segment = Segment.adopt(request.segment)
+        segment = _adopt(request.segment, kept)
     except (OSError, ValueError) as exc:  # gone (removed by hand), or not a segment: the parent saves itself
         with contextlib.suppress(OSError):
             write_message(replies, pickled(("error", (_portable_error(exc), traceback.format_exc()), [])))
@@ -211,7 +214,10 @@ def _serve_staged(request: StagedRequest, duty: _Duty, replies: IO[bytes]) -> No
             job: StagedJob = pickle.loads(request.job)
             with _relayed(replies) if request.report else NO_PROGRESS as progress:
                 sizes, manifest = job.run(segment, progress)
-            segment.free()
+            if request.keep:  # the parent's next save copies into it; a dead parent's goes as this process leaves
+                duty.kept = segment
+            else:
+                segment.free()
             duty.stored(manifest)
             status, value = "ok", (sizes, manifest)
         except BaseException as exc:
@@ -220,6 +226,17 @@ def _serve_staged(request: StagedRequest, duty: _Duty, replies: IO[bytes]) -> No
             status, value = "error", (_portable_error(exc), traceback.format_exc())
     with contextlib.suppress(OSError):  # the parent died meanwhile: EOF or the watchdog commits
         write_message(replies, pickled((status, value, [(w.category, str(w.message)) for w in caught])))
+
+
+def _adopt(name: str, kept: Segment | None) -> Segment:
+    """The segment at ``name``, taken over: ``kept`` (the last one, still mapped here) when it is that file at the
+    same size, so that its pages need not be mapped again (0.05-0.13 s for 256 MiB here), else mapped anew."""
+    if kept is not None:
+        with contextlib.suppress(OSError):
+            if str(kept.path) == name and os.stat(name).st_size == kept.size:
+                return kept
+        kept.unmap()
+    return Segment.adopt(name)
 
 
 def _import_quietly(modules: list[str]) -> None:

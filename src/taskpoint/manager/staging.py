@@ -1,12 +1,13 @@
 """Staging in shared memory: where a background save copies its state once, for the save process to write.
 
-A background save of a state that lives in memory (a torch state dict) copies it once into a *segment*: one
+A background save of a state in memory (a torch state dict, a JAX PyTree) copies it once into a *segment*: one
 file in ``/dev/shm`` (tmpfs: its pages are memory, shared by every process that maps it), sized up front and
 reserved with ``posix_fallocate`` so that a full ``/dev/shm`` is a clean ``OSError`` before a byte is copied,
 never a ``SIGBUS`` in the middle. The segment is named for the save process from the start (:func:`owner_tag` of
 its pid), so that its ownership needs no round trip: only its name goes to the save process, which writes the
-step from it and removes it. The trainer may change its tensors, exit or be killed as soon as ``save()``
-returned, which it does once the request is in the pipe (see :mod:`.saver`).
+step from it and removes it (or keeps it for the manager's next save: :mod:`.staging_memory`). The trainer
+may change its tensors, exit or be killed as soon as ``save()`` returned, which it does once the request is in
+the pipe (see :mod:`.saver`).
 
 A segment's name says who owns it: ``taskpoint-stage-<host>-<pid>-<start>-<random>``, ``<start>`` the owner's
 start time (``/proc/<pid>/stat``), so that a pid reused by another process does not keep a dead owner's segment.
@@ -63,23 +64,42 @@ class Segment:
     @classmethod
     def create(cls, size: int, owner: str | None = None, folder: Path | None = None) -> Segment:
         """A new segment of ``size`` bytes, owned by the process ``owner`` names (an :func:`owner_tag`; this
-        process by default), its memory reserved (``OSError`` with ``ENOSPC`` when the folder cannot hold it:
-        nothing is left behind)."""
+        process by default), its memory reserved and mapped here (``OSError`` with ``ENOSPC`` when the folder
+        cannot hold it: nothing is left behind)."""
         owner = owner or owner_tag(os.getpid())
-        path = (folder or segment_folder()) / f"{SEGMENT_PREFIX}{owner}-{secrets.token_hex(8)}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        segment = cls((folder or segment_folder()) / f"{SEGMENT_PREFIX}{owner}-{secrets.token_hex(8)}", 0)
+        fd = os.open(segment.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            if size:
-                os.posix_fallocate(fd, 0, size)
+            segment._reserve(fd, size)
         except BaseException:
-            os.close(fd)
-            path.unlink(missing_ok=True)
+            segment.path.unlink(missing_ok=True)
             raise
-        segment = cls(path, size)
-        # Its page tables filled in one call, not one fault per page while the state is copied in.
-        segment._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE) if size else None
-        os.close(fd)
+        finally:
+            os.close(fd)
         return segment
+
+    def resize(self, size: int) -> None:
+        """Make this segment ``size`` bytes and map it here, for a save that reuses it: a no-op when it is mapped
+        at that size already, else its pages past ``size`` are freed and those it lacks reserved (``OSError`` as
+        :meth:`create`), the others kept as they are, with no zeroing. FileNotFoundError when it is gone."""
+        if self._map is not None and size == self.size:
+            return
+        self.unmap()
+        fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            if size < self.size:
+                os.ftruncate(fd, size)
+            self._reserve(fd, size)
+        finally:
+            os.close(fd)
+
+    def _reserve(self, fd: int, size: int) -> None:
+        """Reserve ``size`` bytes of the segment open as ``fd`` (the pages it lacks) and map them here."""
+        if size:
+            os.posix_fallocate(fd, 0, size)
+        # Its page tables filled in one call, not one fault per page while the state is copied in.
+        self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE) if size else None
+        self.size = size
 
     @classmethod
     def adopt(cls, path: str | os.PathLike[str]) -> Segment:
@@ -124,8 +144,12 @@ class Segment:
             self._map = None
 
     def free(self) -> None:
-        """Unmap and remove the segment: its memory goes back once no process maps it."""
+        """Unmap and remove the segment. Its pages go back at once, even while the save process still maps it
+        (it keeps a segment it wrote mapped, idle, for the next save: :mod:`.staging_memory`), as it is emptied
+        first; so it is freed only where no process reads it any more."""
         self.unmap()
+        with contextlib.suppress(FileNotFoundError):
+            os.truncate(self.path, 0)
         self.path.unlink(missing_ok=True)
 
 
@@ -154,6 +178,10 @@ def free_owned_segments(owner: str, folder: Path | None = None) -> list[Path]:
 @runtime_checkable
 class Stageable(Protocol):
     """A payload that a background save copies into a segment (:meth:`stage`) instead of a snapshot folder."""
+
+    #: The step kind that writes it staged: a background save stages it only when that kind saves it (not when
+    #: the kind of several ranks wraps it, say).
+    staged_kind: str
 
     def staging_size(self) -> int | None:
         """The bytes its segment needs, known before anything is copied; None when this one cannot be staged."""

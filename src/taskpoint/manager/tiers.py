@@ -82,20 +82,20 @@ def check_tier(tier: str | None) -> str | None:
 class LocalTier:
     """The local tier of one manager: the local manager, and the promotions of its steps to the remote tier.
 
-    ``parts``, ``writer`` and ``background`` are the remote manager's: promotions commit through its step store,
+    ``context``, ``writer`` and ``background`` are the remote manager's: promotions commit through its step store,
     apply its retention, and run as its one background job (so the next save waits for the promotion in flight,
     and local retention never removes a step being promoted). With several ranks each rank's local tier holds
     its own shard, and promotions commit the remote step as any multi-rank step (:mod:`.tier_ranks`).
     """
 
     def __init__(self, local: LocalManager, local_steps: StepStore, local_reader: StepReader, remote_every: int,
-                 parts: StepContext, writer: StepWriter, background: Background,
+                 context: StepContext, writer: StepWriter, background: Background,
                  on_commit: Callable[[int, dict[str, Any]], None]) -> None:
         self.local, self._local_steps, self._local_reader = local, local_steps, local_reader
         self.remote_every = remote_every
-        self._steps, self._background = parts.steps, background
-        self._ranks = parts.plan.ranks
-        self._promoter = Promoter(local_steps, parts, writer, background, on_commit)
+        self._steps, self._background = context.steps, background
+        self._ranks = context.plan.ranks
+        self._promoter = Promoter(local_steps, context, writer, background, on_commit)
         self._idle = threading.Event()  # no promotion in flight
         self._idle.set()
         self._cut = False  # the emergency save stopped waiting: promote no further step in this attempt

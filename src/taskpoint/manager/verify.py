@@ -8,21 +8,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CheckpointCorruptError, CheckpointError
+from ..errors import CheckpointCorruptError, CheckpointError, NewerFormatError
 from ..format.conformance import document_problem
 from ..format.records import StepManifest
 from .kinds import StepContext, StepKind, StepKinds
 from .step_names import MANIFEST_NAME
 
-HEALTHY, DAMAGED, CHANGED = "healthy", "damaged", "changed"
+HEALTHY, DAMAGED, CHANGED, NEWER = "healthy", "damaged", "changed", "newer"
 
 
 @dataclass(frozen=True)
 class StepVerification:
-    """One step, verified. ``state`` is ``healthy`` (every byte matched), ``damaged`` or ``changed``
-    (overwritten or deleted by another writer while it was verified); ``detail`` says what matched, or the
-    problem. ``size`` is the data the step holds; ``checked`` is False for a manifest written before manifests
-    carried a check of their own (damage to it cannot be told)."""
+    """One step, verified. ``state`` is ``healthy`` (every byte matched), ``damaged``, ``changed``
+    (overwritten or deleted by another writer while it was verified) or ``newer`` (a document of it is of a format
+    version newer than this taskpoint reads: not damage, upgrade taskpoint to check it); ``detail`` says what
+    matched, or the problem. ``size`` is the data the step holds; ``checked`` is False for a manifest written
+    before manifests carried a check of their own (damage to it cannot be told)."""
 
     step: int
     state: str
@@ -54,6 +55,10 @@ class Verification:
     @property
     def changed(self) -> list[int]:
         return [s.step for s in self.steps if s.state == CHANGED]
+
+    @property
+    def newer(self) -> list[int]:
+        return [s.step for s in self.steps if s.state == NEWER]
 
 
 @dataclass(frozen=True)
@@ -110,12 +115,12 @@ class StepChanged(CheckpointError):
                          "again")
 
 
-def verify_step(parts: StepContext, kinds: StepKinds, step: int, progress: object, *, listed: bool = False,
+def verify_step(context: StepContext, kinds: StepKinds, step: int, progress: object, *, listed: bool = False,
                 manifest: StepManifest | None = None) -> StepVerification:
     """Verify ``step`` (the save ``manifest`` commits, when given; else its manifest now). Damage is
     CheckpointCorruptError only when the manifest, read again, still commits that save; otherwise
     :class:`StepChanged`. A step with no manifest is FileNotFoundError, or StepChanged when ``listed``."""
-    steps = parts.steps
+    steps = context.steps
     manifest = manifest or steps.manifest(step)
     if manifest is None:
         if listed:
@@ -123,10 +128,10 @@ def verify_step(parts: StepContext, kinds: StepKinds, step: int, progress: objec
         raise steps.missing(step)
     try:
         kind = kinds.kind(manifest.kind, steps.step_uri(step))
-        off_format = format_problem(parts, kind, step, manifest)
+        off_format = format_problem(context, kind, step, manifest)
         if off_format is not None:
             raise CheckpointCorruptError(f"step {step} in {steps.directory} is damaged: {off_format}")
-        checked = kind.verify(parts, step, manifest, progress)
+        checked = kind.verify(context, step, manifest, progress)
     except (CheckpointCorruptError, FileNotFoundError) as exc:
         # A retention or an overwrite deletes the manifest first, then the objects it names: what is missing
         # or short is damage only if the step is still the save that was read.
@@ -138,11 +143,11 @@ def verify_step(parts: StepContext, kinds: StepKinds, step: int, progress: objec
     return StepVerification(step, HEALTHY, checked.detail, manifest.kind, checked.size, manifest.checked)
 
 
-def format_problem(parts: StepContext, kind: StepKind, step: int, manifest: StepManifest) -> str | None:
+def format_problem(context: StepContext, kind: StepKind, step: int, manifest: StepManifest) -> str | None:
     """The first document of ``step`` (its manifest, the file-set manifests it names) with a field that does not
     follow the specification (:func:`~taskpoint.format.conformance.format_problems`), named with the field; None
     when every one does (the JSON objects at the top of its folder), checked before the bytes they describe."""
-    steps = parts.steps
+    steps = context.steps
     named = kind.objects(steps, step, manifest).files
     for name in [MANIFEST_NAME, *sorted(n for n in named if n.endswith(".json") and "/" not in n)]:
         problem = document_problem(name, steps.object(step, name).read_small())
@@ -151,26 +156,28 @@ def format_problem(parts: StepContext, kind: StepKind, step: int, manifest: Step
     return None
 
 
-def verify_steps(parts: StepContext, kinds: StepKinds, listed: list[int], progress: object) -> Verification:
+def verify_steps(context: StepContext, kinds: StepKinds, listed: list[int], progress: object) -> Verification:
     """Verify each of the steps a listing found, recording damage and changes per step."""
     results = []
     for step in listed:
         try:
-            results.append(verify_step(parts, kinds, step, progress, listed=True))
+            results.append(verify_step(context, kinds, step, progress, listed=True))
+        except NewerFormatError as exc:  # a CheckpointCorruptError, but no damage: caught first
+            results.append(StepVerification(step, NEWER, " ".join(str(exc).split())))
         except CheckpointCorruptError as exc:
             results.append(StepVerification(step, DAMAGED, " ".join(str(exc).split())))
         except StepChanged as exc:
             results.append(StepVerification(step, CHANGED, str(exc)))
-    return Verification(parts.steps.directory, tuple(results))
+    return Verification(context.steps.directory, tuple(results))
 
 
-def describe_step(parts: StepContext, kinds: StepKinds, step: int) -> StepDescription:
+def describe_step(context: StepContext, kinds: StepKinds, step: int) -> StepDescription:
     """The description of ``step``; FileNotFoundError when it does not exist."""
-    steps = parts.steps
+    steps = context.steps
     manifest = steps.manifest(step)
     if manifest is None:
         raise steps.missing(step)
-    described = kinds.kind(manifest.kind, steps.step_uri(step)).describe(parts, step, manifest)
+    described = kinds.kind(manifest.kind, steps.step_uri(step)).describe(context, step, manifest)
     record = manifest.record
     return StepDescription(step=manifest.step, uri=steps.step_uri(step), kind=manifest.kind,
                            payload=described.payload, attempt=manifest.attempt, payload_kind=record.kind,

@@ -34,10 +34,10 @@ class StepWrites:
     bodies act, given the manager's parts (``queries`` is its read side: open or closed, and what is committed).
     Saves, commits, deletes, gc, close and waits run one at a time (``_lock``)."""
 
-    def __init__(self, parts: StepContext, writer: StepWriter, reader: StepReader, guard: Guard, schedule: SaveSchedule,
-                 background: Background, tier: LocalTier | None, preemption: PreemptionPolicy, dedup: Dedup,
-                 queries: StepQueries, async_save: bool, throttles: Callable[[], int]) -> None:
-        self._parts, self._steps, self._plan, self._grace = parts, parts.steps, parts.plan, parts.grace
+    def __init__(self, context: StepContext, writer: StepWriter, reader: StepReader, guard: Guard,
+                 schedule: SaveSchedule, background: Background, tier: LocalTier | None, preemption: PreemptionPolicy,
+                 dedup: Dedup, queries: StepQueries, async_save: bool, throttles: Callable[[], int]) -> None:
+        self._context, self._steps, self._plan, self._grace = context, context.steps, context.plan, context.grace
         self._reader, self._guard, self._schedule = reader, guard, schedule
         #: Writes the steps, each through its kind.
         self.writer = writer

@@ -39,8 +39,17 @@ UNKNOWN_SIZE_PART = 16 << 20
 #: Parts an upload of known size is planned to fit in (below S3's 10,000); the least part size and the
 #: largest single PUT, the parts in flight and the progress piece are the s3fs writer's (:mod:`._s3`).
 MAX_PARTS = 9000
-#: Retries obstore makes of one request itself (5xx, dropped connections), within the operation's deadline;
-#: taskpoint's :class:`~taskpoint.storage.RetryPolicy` retries whole operations above that.
+#: Retries obstore makes of one request of a large transfer itself (a part of a multipart upload, a ranged GET:
+#: 5xx, dropped connections), within the operation's deadline; taskpoint's :class:`~taskpoint.storage.RetryPolicy`
+#: retries whole operations above that. Those retries are invisible to taskpoint and ignore ``Retry-After``
+#: (object_store 0.12 reads no header of a failed answer; measured through the fault proxy: a 503 that asked for
+#: 1 s was sent again after 0.10-0.25 s), and its errors carry the status and body but no header. So the requests
+#: that are a whole operation (records, small objects of up to ``SMALL_READ``: one GET, one HEAD, one PUT) go
+#: through a store with no retries of its own: each throttling answer reaches the retry policy, which counts it
+#: into the store's pushback (the save's log record) and paces as that pushback says, no shorter than a
+#: ``Retry-After`` the store gave its s3fs requests. A large transfer keeps obstore's retries: retrying it whole
+#: for one throttled part would start a 1 GiB upload over at every tenth request of a store that throttles that
+#: many.
 CLIENT_RETRIES = 3
 #: Overall time limit of one request when the operation has no deadline.
 REQUEST_TIMEOUT = 3600.0
@@ -96,6 +105,11 @@ def store_config(options: dict[str, Any], deadline: float | None, stall: float =
     config["client_options"] = client_options
     config["retry_config"] = {"max_retries": CLIENT_RETRIES, "retry_timeout": client_options["timeout"]}
     return config
+
+
+def unretried(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` (:func:`store_config`) for a store that makes no retries of its own (see :data:`CLIENT_RETRIES`)."""
+    return {**config, "retry_config": {**config["retry_config"], "max_retries": 0}}
 
 
 def _refuse_metadata_probe(config: dict[str, Any]) -> None:
@@ -291,7 +305,7 @@ class ObstoreS3Backend(S3Backend):
         super().__init__(fs, options)
         # The options s3fs was made with: those given, under fsspec's configuration (FSSPEC_S3, its files).
         self._config = store_config({**options, **getattr(fs, "storage_options", {})}, deadline, stall)
-        self._stores: dict[str, Any] = {}
+        self._stores: dict[tuple[str, bool], Any] = {}
         self._lock = threading.Lock()
 
     def credentials(self) -> str | None:
@@ -302,20 +316,24 @@ class ObstoreS3Backend(S3Backend):
         return ("obstore's default chain (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_WEB_IDENTITY_TOKEN_FILE, "
                 "then an instance or container role) for data, and botocore's default chain for listings")
 
-    def _located(self, path: str) -> tuple[Any, str]:
-        """The obstore store of ``path``'s bucket (one per bucket, made once) and the key."""
+    def _located(self, path: str, *, whole: bool = False) -> tuple[Any, str]:
+        """The obstore store of ``path``'s bucket and the key; ``whole``: for a request that is a whole operation,
+        the store that makes no retries of its own (:data:`CLIENT_RETRIES`). Two per bucket, each made once."""
         bucket, _, key = path.partition("/")
         with self._lock:
-            store = self._stores.get(bucket)
+            store = self._stores.get((bucket, whole))
             if store is None:
                 _refuse_metadata_probe(self._config)
                 from obstore.store import S3Store
 
-                store = self._stores[bucket] = S3Store(bucket, **self._config)
+                config = unretried(self._config) if whole else self._config
+                store = self._stores[bucket, whole] = S3Store(bucket, **config)
         return store, key
 
     def writer(self, path: str, size_hint: int | None, hooks: WriteHooks) -> Any:
-        store, key = self._located(path)
+        """A small object of known size is one PUT, retried whole by the retry policy; others keep obstore's
+        retries of their parts."""
+        store, key = self._located(path, whole=size_hint is not None and size_hint <= SMALL_READ)
         return ObstoreWriter(store, key, _part_size(size_hint), hooks.on_partial, self.fs, path, self.deadline)
 
     def read_small(self, path: str) -> bytes:
@@ -324,7 +342,7 @@ class ObstoreS3Backend(S3Backend):
     def read_versioned(self, path: str) -> tuple[bytes, str | None]:
         import obstore
 
-        store, key = self._located(path)
+        store, key = self._located(path, whole=True)
         result = obstore.get(store, key)
         return bytes(result.bytes()), result.meta.get("e_tag")
 
@@ -332,7 +350,7 @@ class ObstoreS3Backend(S3Backend):
         """One PUT with ``If-Match`` on the ETag read (``If-None-Match: *`` when there was no object)."""
         import obstore
 
-        store, key = self._located(path)
+        store, key = self._located(path, whole=True)
         mode: Any = "create" if expected is None else {"e_tag": expected}
         try:
             answer = obstore.put(store, key, data, mode=mode, use_multipart=False)
@@ -351,7 +369,7 @@ class ObstoreS3Backend(S3Backend):
         expected; otherwise one HEAD. Then ranged GETs pinned to that ETag."""
         import obstore
 
-        store, key = self._located(path)
+        store, key = self._located(path, whole=True)
         try:
             if size_hint is not None and size_hint <= SMALL_READ:
                 result = obstore.get(store, key)
@@ -364,6 +382,6 @@ class ObstoreS3Backend(S3Backend):
             if classify(exc) is not Failure.NO_CONTAINER and self.kind(path) is Kind.FOLDER:
                 raise folder_error(path) from None
             raise
-        return self.range_reader(store, path, int(meta["size"]),  # type: ignore[return-value]
+        return self.range_reader(self._located(path)[0], path, int(meta["size"]),  # type: ignore[return-value]
                                  version=meta.get("e_tag") or None, deadline=self.deadline,
                                  cap=self.pushback.cap, stall=self.stall)

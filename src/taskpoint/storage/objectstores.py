@@ -25,7 +25,7 @@ from .backends import (
 from .deadline import Deadline, bounded
 from .errormap import chain, code_and_status
 from .streams import RANGE_SIZE, ConcurrentRangeReader, ObjectChanged, VersionConflict
-from .throttle import watch_s3fs
+from .throttle import watch_azure, watch_s3fs
 
 
 class ObjectStoreBackend(Backend):
@@ -221,6 +221,11 @@ class AzureBackend(ObjectStoreBackend):
 
     range_reader = ETagRangeReader
     conditional = True
+    answers_watched = True
+
+    def __init__(self, fs: Any, options: dict[str, Any]) -> None:
+        super().__init__(fs, options)
+        watch_azure(fs, self.pushback)
 
     def store_url(self) -> str | None:
         """The account's URL, from the connection string or the account's name (adlfs's service client)."""

@@ -86,7 +86,9 @@ class RetryPolicy:
         A throttling answer (:mod:`~taskpoint.storage.throttle`) is retried after a pause drawn with full
         jitter and never shorter than the store's ``Retry-After`` (``pushback``: the store's, which also keeps
         the last one its client saw); ``count``: the client does not report its answers, so each one that
-        reaches here is counted into ``pushback``. When the store throttled, StorageUnavailable names it."""
+        reaches here is counted into ``pushback``, and is paced by it (:meth:`Pushback.pause
+        <taskpoint.storage.throttle.Pushback.pause>`, at most :attr:`max_delay` unless the store asked for longer):
+        no client retried it first. When the store throttled, StorageUnavailable names it."""
         return self._attempts(fn, action, uri, endpoint, Deadline.from_seconds(self.deadline).min(outer),
                               pushback, count)
 
@@ -113,7 +115,13 @@ class RetryPolicy:
                 if slow_down:
                     asked = [w for w in (retry_after(exc), None if pushback is None else pushback.wait_asked())
                              if w is not None]
-                    pause = full_jitter(delay, max(asked, default=None))
+                    floor = max(asked, default=None)
+                    if count and pushback is not None:  # no client retried it first (obstore's whole operations):
+                        # paced as botocore's handler paces its own retries, short while the store throttles a
+                        # request now and then (Pushback.pause), at most max_delay unless the store asked longer
+                        pause = min(pushback.pause(attempt, floor), max(self.max_delay, floor or 0.0))
+                    else:
+                        pause = full_jitter(delay, floor)
                 else:
                     pause = delay * random.uniform(0.5, 1.0)
                 counted = not (slow_down and deadline.end is not None)

@@ -15,12 +15,16 @@ Where the backoff sits: one budget, the retry deadline of :class:`~taskpoint.sto
   of a multipart upload, one ranged GET): botocore (s3fs), gcsfs and obstore retry 429 and 503 themselves,
   Azure's storage client 503 only (15 s before its first retry, by default). taskpoint watches the answers of
   botocore (a ``needs-retry`` handler: each answer counted, the pause before a retry drawn with full jitter
-  from the store's throttled share, :meth:`Pushback.pause`, and never shorter than its ``Retry-After``) and of
-  gcsfs (an aiohttp trace: each answer counted, its ``Retry-After`` kept for the policy; gcsfs's own pauses do not
-  read it). Azure's and obstore's retries are
-  invisible, and neither reads ``Retry-After``: what they give up on is counted by the policy.
+  from the store's throttled share, :meth:`Pushback.pause`, and never shorter than its ``Retry-After``), of
+  Azure's client (:func:`watch_azure`: each answer heard, the pause of its retries of a throttling answer the
+  same as botocore's) and of gcsfs (an aiohttp trace: each answer counted, its ``Retry-After`` kept for the
+  policy; gcsfs's own pauses do not read it). obstore's retries are invisible and do not read ``Retry-After``,
+  nor do its errors carry it: its requests that are a whole operation (records, small objects) make no retries
+  of their own, so the policy counts each throttling answer (:data:`~taskpoint.storage._obstore.CLIENT_RETRIES`);
+  what the retries of its large transfers give up on is counted by the policy too.
 - Per operation, the retry policy retries what the client gave up on, the pause drawn with full jitter
-  (between 0 and the exponential delay) and never shorter than the store's last ``Retry-After``; attempts
+  (between 0 and the exponential delay) and never shorter than the store's last ``Retry-After``; what no client
+  retried first (obstore's whole operations) it paces as botocore's handler does (:meth:`Pushback.pause`); attempts
   that met throttling count against the deadline only (where there is one), not against its attempts.
 - Every client call is given the time left before the deadline (:func:`~taskpoint.storage.deadline.bounded`),
   so the nested retries (botocore's attempts, s3fs's tries of ``SlowDown``, gcsfs's) end when it passes,
@@ -30,6 +34,7 @@ Where the backoff sits: one budget, the retry deadline of :class:`~taskpoint.sto
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import os
 import random
@@ -272,3 +277,41 @@ def gcs_trace() -> Any:
 
 
 _gcs_trace: Any = None
+
+
+def watch_azure(fs: Any, pushback: Pushback) -> None:
+    """Count each answer of ``fs``'s Azure client (adlfs's service client) into ``pushback``, and pause before
+    each of the client's own retries of a throttling answer (503 ``ServerBusy``, which the SDK retries; it does
+    not retry 429) as the store's pushback says, never shorter than its ``Retry-After``: the SDK's own
+    :class:`~azure.storage.blob.aio.ExponentialRetry` waits 18 s, then 24 s, then 42 s (each +-3 s), whatever was asked.
+    adlfs hands no options to the client it makes, so the service client is made again from its public URL and
+    credential, with the SDK's public ``retry_policy`` (that class, whose pause of a throttling answer is ours) and
+    ``raw_response_hook`` (called with every answer, each retry's too). Once per filesystem (fsspec caches them)."""
+    if getattr(fs, "_taskpoint_pushback", None) is pushback:
+        return
+    from azure.storage.blob.aio import BlobServiceClient, ExponentialRetry
+    from fsspec.asyn import sync
+
+    class PacedRetry(ExponentialRetry):
+        """The SDK's retries, paused by the store's pushback where the answer was a throttling one."""
+
+        def get_backoff_time(self, settings: dict[str, Any]) -> float:
+            history = settings.get("history") or []
+            answer = history[-1].http_response if history else None
+            if answer is None or not is_throttle(answer.headers.get("x-ms-error-code"), answer.status_code):
+                return float(super().get_backoff_time(settings))
+            return pushback.pause(settings["count"], parse_retry_after(answer.headers.get("Retry-After")))
+
+    def heard(response: Any) -> None:
+        answer = response.http_response
+        if is_throttle(answer.headers.get("x-ms-error-code"), answer.status_code):
+            pushback.throttle(parse_retry_after(answer.headers.get("Retry-After")))
+        else:
+            pushback.answered()
+
+    made = fs.service_client
+    fs.service_client = BlobServiceClient(account_url=made.url, credential=made.credential, retry_policy=PacedRetry(),
+                                          raw_response_hook=heard)
+    with contextlib.suppress(Exception):  # the client adlfs made: its connections, where it opened any
+        sync(fs.loop, made.close)
+    fs._taskpoint_pushback = pushback

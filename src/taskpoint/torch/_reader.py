@@ -1,17 +1,17 @@
 """Reader: DCP's ``StorageReader`` on taskpoint's storage layer; every byte it reads is verified first.
 
 ``read_metadata`` reads the commit (``.metadata``) and taskpoint's manifest and checks the one against the
-other; ``read_data`` downloads each file this rank needs whole, several at once, checks its size and sha256
-against the manifest, and only then hands its items to DCP's planner. DCP swallows what ``read_metadata``
-raises (it then looks for per-rank metadata and reports "metadata is None"), so the Reader keeps that error
-and raises it from ``set_up_storage_reader``, the next call DCP makes.
+other; ``read_data`` reads each item from its file as DCP's own ``FileSystemReader`` does, through a reader that
+checks the file's pieces against the manifest on other threads ahead of the reads and returns no byte before its
+piece matched (:class:`~taskpoint.pieces.PieceReader`): the check runs beside the load rather than before
+it. A load of some of the items checks the pieces they lie in; a full load, every piece. DCP swallows what
+``read_metadata`` raises (it then looks for per-rank metadata and reports "metadata is None"), so the Reader keeps
+that error and raises it from ``set_up_storage_reader``, the next call DCP makes.
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
-import contextlib
 import io
 import os
 import pickle
@@ -29,7 +29,8 @@ from ..errors import CheckpointCorruptError, StorageNotFound
 from ..format.fileset import FileEntry, FileSetManifest, entry_of
 from ..manager import CheckpointManager
 from ..manager.kind_api import step_folder
-from ..storage import Deadline, Location, RetryPolicy
+from ..pieces import PieceReader
+from ..storage import Location, RetryPolicy
 from ._layout import (
     DEFAULT_THREADS,
     MANIFEST_KIND,
@@ -53,7 +54,8 @@ class Reader(Rooted, StorageReader):
     Args:
         uri: the checkpoint's folder or prefix, as given to the Writer.
         storage_options: passed to fsspec (credentials, endpoint).
-        threads: files downloaded at once (each whole in memory until it is verified).
+        threads: files read at once: their pieces checked (local disk) or fetched and checked (elsewhere, each file
+            whole in memory until its items are loaded) ahead of the one whose items load.
         retry: how transient storage failures are retried.
     """
 
@@ -149,77 +151,94 @@ class Reader(Rooted, StorageReader):
     # -- the data ------------------------------------------------------------------------------------------
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Download the files this rank's items are in (whole, :attr:`threads` at once), verify each, then
-        deserialize its items into the planner's tensors. Nothing of a file reaches a tensor before it
-        matches the manifest; files verified earlier have been loaded when a later one fails."""
+        """Load this rank's items, file by file and by offset in each, as DCP's ``FileSystemReader`` does, through
+        a :class:`~taskpoint.pieces.PieceReader` of each file: the pieces the items lie in are checked on
+        other threads ahead of the reads, and no byte reaches ``torch.load`` (or the planner) before its piece
+        matches the manifest. Up to :attr:`threads` files are open at once (checked, or fetched, ahead); files
+        loaded before a damaged one keep what they loaded."""
         self._raise_failure()
         per_file: dict[str, list[ReadItem]] = collections.defaultdict(list)
         for item in plan.items:
             per_file[_relative_path(self._storage[item.storage_index], self._root.uri)].append(item)
-        for name, data in self._fetch_all(list(per_file)):
-            for item in per_file[name]:
-                self._load_item(item, data, planner)
+        for items in per_file.values():
+            items.sort(key=lambda item: self._storage[item.storage_index].offset)
+        for name, reader in self._open_ahead(per_file):
+            with reader:
+                for item in per_file[name]:
+                    self._load_item(item, reader, planner)
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
-    def _fetch_all(self, names: list[str]) -> Iterator[tuple[str, memoryview]]:
-        """Each file's verified bytes, in order, with at most :attr:`threads` downloads (and files) in memory."""
-        if not names:
-            return
-        # Its own pool, not a lane of taskpoint.executors: each file's download waits for its ranged GETs on a
-        # lane of the IO pool, and waiting tasks on a shared bounded pool can deadlock it.
-        with concurrent.futures.ThreadPoolExecutor(min(self.threads, len(names)),
-                                                   thread_name_prefix="taskpoint-dcp-get") as pool:
-            pending: collections.deque[tuple[str, concurrent.futures.Future[memoryview]]] = collections.deque()
-            queue = collections.deque(names)
-            try:
-                while queue or pending:
-                    while queue and len(pending) < self.threads:
-                        name = queue.popleft()
-                        pending.append((name, pool.submit(self._fetch, name)))
-                    name, future = pending.popleft()
-                    yield name, future.result()
-            finally:
-                for _, future in pending:
-                    future.cancel()
+    def _open_ahead(self, per_file: dict[str, list[ReadItem]]) -> Iterator[tuple[str, PieceReader]]:
+        """A reader of each file, in order, with the next ones (:attr:`threads` in all) opened ahead, so that
+        their pieces are checked or fetched while the items of the one before load; every one closed at the end."""
+        names = collections.deque(per_file)
+        opened: collections.deque[tuple[str, PieceReader]] = collections.deque()
+        try:
+            while names or opened:
+                while names and len(opened) < self.threads:
+                    name = names.popleft()
+                    opened.append((name, self._open(name, per_file[name])))
+                yield opened.popleft()
+        finally:
+            for _, reader in opened:
+                reader.close()
 
-    def _fetch(self, name: str) -> memoryview:
+    def _open(self, name: str, items: list[ReadItem]) -> PieceReader:
+        """A reader of the data file ``name`` that checks ahead the pieces ``items`` (by offset) lie in. A file
+        listed whole (a manifest of version 3 or older) is one piece, checked by its sha256."""
         assert self._manifest is not None
         entry = self._manifest.entry(name, self._root.uri)
         location = self._root.child(name)
+        piece_size = entry.piece_size if entry.pieces else max(1, entry.size)  # a file listed whole: one piece
+        pieces, piece_hash = len(entry.pieces) or 1, entry.hash_name
+        spans = [(info.offset, info.length) for info in (self._storage[item.storage_index] for item in items)]
+        order = sorted({index for start, length in spans
+                        for index in range(start // piece_size, (start + max(length, 1) - 1) // piece_size + 1)
+                        if index < pieces})
 
-        def download(deadline: Deadline) -> bytearray:
-            buffer = bytearray(entry.size + 1)  # one more: a longer file shows as too long
-            view, got = memoryview(buffer), 0
-            with contextlib.closing(location.open_read(size_hint=entry.size, deadline=deadline)) as source:
-                while got < len(buffer):
-                    n = cast(io.RawIOBase, source).readinto(view[got:])
-                    if not n:
-                        break
-                    got += n
-            view.release()
-            del buffer[got:]
-            return buffer
+        def damaged(index: int) -> CheckpointCorruptError:
+            return CheckpointCorruptError(
+                f"{location.uri} is damaged: piece {index} (bytes from {index * piece_size}) does not match the "
+                f"{piece_hash} of the checkpoint's manifest, or the file is not the {entry.size} bytes it was saved "
+                "with (a changed byte, or truncated or extended after the save)")
 
-        try:
-            data = location.run(download, action="read")
-        except FileNotFoundError as exc:
-            raise CheckpointCorruptError(f"{location.uri} is missing: the checkpoint's manifest lists it "
-                                         f"({entry.size} bytes), but it is not in storage") from exc
-        _verify(location.uri, data, entry)
-        return memoryview(data)
+        def missing() -> CheckpointCorruptError:
+            return CheckpointCorruptError(f"{location.uri} is missing: the checkpoint's manifest lists it "
+                                          f"({entry.size} bytes), but it is not in storage")
 
-    def _load_item(self, item: ReadItem, data: memoryview, planner: LoadPlanner) -> None:
+        if location.is_local:
+            try:
+                fd = os.open(location.path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise missing() from None
+            return PieceReader(entry, damaged, fd=fd, name=location.path, order=order)
+
+        def fetch(start: int, length: int) -> bytes:
+            try:
+                return location.read_range(start, length)
+            except FileNotFoundError:
+                raise missing() from None
+
+        return PieceReader(entry, damaged, fetch=fetch, order=order)
+
+    def _load_item(self, item: ReadItem, reader: PieceReader, planner: LoadPlanner) -> None:
         info = self._storage[item.storage_index]
         if getattr(info, "transform_descriptors", None):
             raise CheckpointCorruptError(f"{self._root.uri}: item {item.storage_index.fqn} was stored through "
                                          "DCP stream extensions, which taskpoint.torch does not read")
-        piece = data[info.offset:info.offset + info.length]
-        if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, io.BytesIO(piece))
-            return
-        tensor = torch.load(cast(IO[bytes], _ViewReader(piece)), map_location="cpu", weights_only=True)
+        piece = _Span(reader, info.offset, info.length)
+        try:
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(piece.read()))
+                return
+            tensor = torch.load(cast(IO[bytes], piece), map_location="cpu", weights_only=True)
+        except Exception:
+            # torch.load reads through C++, which does not always pass on what a read raised: the piece's own
+            # error when one differs.
+            reader.verify_span(info.offset, info.length)
+            raise
         for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
             if start != 0 or length != tensor.size(dim):
                 tensor = tensor.narrow(dim, start, length)
@@ -235,13 +254,13 @@ class Reader(Rooted, StorageReader):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
 
-class _ViewReader(io.RawIOBase):
-    """A seekable stream over a memoryview, without copying it: ``torch.load`` reads each storage straight into
-    the tensor it allocates (``readinto``), where a BytesIO would first copy the whole item."""
+class _Span(io.RawIOBase):
+    """``length`` bytes of ``reader`` from ``start``, as a seekable file of their own (one item of a DCP data file,
+    for ``torch.load``); reads go straight into the caller's buffer."""
 
-    def __init__(self, view: memoryview) -> None:
+    def __init__(self, reader: PieceReader, start: int, length: int) -> None:
         super().__init__()
-        self._view, self._at = view, 0
+        self._reader, self._start, self._length, self._at = reader, start, length, 0
 
     def readable(self) -> bool:
         return True
@@ -250,15 +269,17 @@ class _ViewReader(io.RawIOBase):
         return True
 
     def readinto(self, buffer: Any) -> int:
-        n = min(len(buffer), len(self._view) - self._at)
-        if n <= 0:
+        out = memoryview(buffer).cast("B")
+        want = min(out.nbytes, self._length - self._at)
+        if want <= 0:
             return 0
-        buffer[:n] = self._view[self._at:self._at + n]
-        self._at += n
-        return n
+        self._reader.seek(self._start + self._at)
+        done = self._reader.readinto(out[:want])
+        self._at += done
+        return done
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: len(self._view)}[whence]
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._length}[whence]
         self._at = max(0, base + offset)
         return self._at
 

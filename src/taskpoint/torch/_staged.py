@@ -90,7 +90,8 @@ class Plan:
                           tuple(tensor.stride()))
 
     def copy_into(self, segment: Segment) -> StagedStateDict:
-        """Copy every storage into ``segment`` (of :attr:`size` bytes), then unmap it here; the staged state."""
+        """Copy every storage into ``segment`` (of :attr:`size` bytes, mapped here, and left so: the manager keeps
+        it for its next save); the staged state."""
         buffer = segment.buffer
         copies = []
         for (start, nbytes), storage in zip(self.spans, self.storages, strict=True):
@@ -103,7 +104,6 @@ class Plan:
             torch.cuda.synchronize()  # one wait for every device-to-host copy
         del copies, buffer  # no view of the mapping is left: it can be unmapped
         self.storages = []
-        segment.unmap()
         return StagedStateDict(str(segment.path), self._skeleton, tuple(self.spans))
 
 

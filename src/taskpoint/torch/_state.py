@@ -30,7 +30,7 @@ from ._staged import Plan
 from ._state_file import STATE_FILE
 
 if TYPE_CHECKING:
-    from ._pieces import PieceReader
+    from ..pieces import PieceReader
 
 #: What a state dict may hold, besides nested dicts, lists and tuples: what ``torch.load(weights_only=True)``
 #: loads back.
@@ -89,6 +89,7 @@ class StateDictPayload(BytesPayload):
 
     kind = "torch.state_dict"
     staged_by = "taskpoint.torch._staged"
+    staged_kind = STEP_KIND
     result_name = STATE_FILE  # what a load of a Checkpoint object holding one writes, as a step's restore does
 
     def __init__(self, state: StateDict) -> None:

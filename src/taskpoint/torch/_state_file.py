@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from typing import IO, Any, ClassVar, cast
 
 from .._progress import Progress
-from ..format.fileset import PIECE_HASH, piece_hash_field, pieces_digest
+from ..format.fileset import PIECE_HASH, PIECE_SIZE, piece_hash_field, pieces_digest
 from ..format.legacy import UNNAMED_PIECE_HASH
 from ..format.names import STATE_DICT_KIND as STEP_KIND
 from ..format.records import KIND_VERSION, ObjectRecord, StepManifest
+from ..pieces import PieceWriter
 from ..storage import Deadline, Location
-from ._pieces import PIECE_SIZE, PieceWriter
 
 STATE_FILE = "state_dict.pt"
 """The name of a state-dict step's one file: in the folder ``manager.restore(step)`` returns, and the path
@@ -34,6 +34,8 @@ class StateDictFile:
     piece_size: int
     pieces: tuple[str, ...]
     piece_hash: str = UNNAMED_PIECE_HASH
+    #: Where its file lies in the step's folder, as a :class:`~taskpoint.manager.kind_api.FilesKind` reads it: in it.
+    folder: ClassVar[str] = ""
 
     @property
     def manifest_version(self) -> int:

@@ -2,13 +2,15 @@
 a file, or the BLAKE3 of each 16 MiB piece of one larger than a piece) by a file-set manifest
 (:class:`~taskpoint.format.fileset.FileSetManifest`), which the step's manifest names by size and sha256.
 
-The extras' ``jax.pytree`` (the folder Orbax writes) and ``fileset`` (DCP's files) subclass :class:`FilesKind`
-under the names their steps have always had, and keep only how their objects become files and back; it stores,
-restores (a verified copy, or in place), verifies, lists, describes and deletes the files once for both. Their
-steps are written byte for byte as before, so every taskpoint that read them still does (docs/format.md, "One
-kind of file sets, under the names already written"). Every file is read against its digests before its bytes
-are used: on local disk through one open fd per file, hashed by pieces on :data:`WORKERS` threads (one large file
-is most of a tree), then copied by the kernel from that fd; elsewhere streamed through a ``PieceHasher``.
+The extras' ``jax.pytree`` (the folder Orbax writes), ``fileset`` (DCP's files) and ``torch.state_dict`` (one
+``torch.save`` file, which the step's manifest lists itself) subclass :class:`FilesKind` under the names their
+steps have always had, and keep only how their objects become files and back; it stores, restores (a verified
+copy, or in place), reads (:meth:`FilesKind.reader`), verifies, lists, describes and deletes the files once for
+all. Their steps are written byte for byte as before, so every taskpoint that read them still does
+(docs/format.md, "One kind of file sets, under the names already written"). Every file is read against its
+digests before its bytes are used, by the one piece engine (:mod:`taskpoint.pieces`): on local disk through one
+open fd per file, hashed by pieces on :data:`~taskpoint.pieces.LOCAL_WORKERS` threads (one large file is most of
+a tree), then copied by the kernel from that fd; elsewhere streamed through a ``PieceHasher``.
 """
 
 from __future__ import annotations
@@ -25,16 +27,17 @@ from typing import Any, Protocol, cast
 from ... import _progress
 from ..._progress import Progress
 from ...errors import CheckpointCorruptError
-from ...format.fileset import PIECE_HASH, PIECE_SIZE, FileEntry, FileSetManifest, PieceHasher, file_hasher, piece_spans
+from ...format.fileset import PIECE_HASH, PIECE_SIZE, FileEntry, FileSetManifest, PieceHasher
 from ...format.records import ObjectRecord, StepContent, StepManifest
 from ...payloads import DirectoryPayload
+from ...pieces import HashPlan, PieceReader, hash_local
 from ...storage import WRITE_PIECE, Location, copy_fd_in_kernel, digest_by_reading
 from ...workspace import Staging
 from ..step_commit import Stored
 from ..steps import StepObjects, StepStore, best_effort
 from . import GONE_HOW, Checked, Described, Gone, SaveJob, StepContext
 
-#: Files hashed, uploaded or restored at once.
+#: Files uploaded, restored or streamed at once.
 WORKERS = 8
 
 
@@ -82,54 +85,6 @@ class _Missing(FileNotFoundError):
         self.name = name
 
 
-def hash_local(root: Path, plan: dict[str, tuple[int, str | None]], *, sync: bool = False,
-               on_read: Callable[[int], None] | None = None) -> dict[str, FileEntry]:
-    """The entries of files below ``root``, ``plan[rel] = (size, piece hash)``: a file listed by pieces is hashed
-    piece by piece (by its piece hash) on all of :data:`WORKERS` threads at once, any other (piece hash None) by
-    sha256, whole and one byte past ``size`` (a longer file then differs); an entry of size -1 for a missing
-    file, which differs from any recorded. Each file is read through one open fd; with ``sync``, fsynced too (a
-    commit is about to name it). ``on_read(n)`` is told of the bytes read."""
-    fds: dict[str, int] = {}
-    try:
-        tasks: list[tuple[str, int, int]] = []
-        for rel, (size, piece_hash) in plan.items():
-            try:
-                fds[rel] = os.open(root / rel, os.O_RDONLY | os.O_CLOEXEC)
-            except FileNotFoundError:
-                continue
-            spans = piece_spans(size) if piece_hash is not None else [(0, size + 1)]
-            tasks += [(rel, start, length) for start, length in spans]
-
-        def hashed(task: tuple[str, int, int]) -> tuple[int, str]:
-            rel, start, length = task
-            hasher = file_hasher(plan[rel][1])
-            count = digest_by_reading(fds[rel], length, hasher, start=start)
-            if on_read is not None:
-                on_read(count)
-            return count, hasher.hexdigest()
-
-        with concurrent.futures.ThreadPoolExecutor(min(WORKERS, max(1, len(tasks)))) as pool:
-            done = list(pool.map(hashed, tasks))
-            if sync:
-                list(pool.map(os.fsync, fds.values()))
-        found: dict[str, list[tuple[int, str]]] = {}
-        for (rel, _, _), result in zip(tasks, done, strict=True):
-            found.setdefault(rel, []).append(result)
-        entries = {}
-        for rel, (_, piece_hash) in plan.items():
-            if rel not in fds:
-                entries[rel] = FileEntry(-1, "")
-            elif piece_hash is not None:
-                entries[rel] = FileEntry.of_pieces(os.fstat(fds[rel]).st_size, [digest for _, digest in found[rel]],
-                                                   piece_hash)
-            else:
-                entries[rel] = FileEntry(*found[rel][0])
-        return entries
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-
-
 def _on_threads(work: Callable[[str], Any], names: Iterable[str]) -> list[Any]:
     """``work`` of each name on up to :data:`WORKERS` threads of a pool of its own, not lanes of
     :mod:`taskpoint.executors`: each file's upload or download waits for its parts or ranges on a lane of the IO
@@ -139,15 +94,15 @@ def _on_threads(work: Callable[[str], Any], names: Iterable[str]) -> list[Any]:
         return list(pool.map(work, names))
 
 
-def _plan(sizes: dict[str, int]) -> dict[str, tuple[int, str | None]]:
-    """How new files of these sizes are hashed: by BLAKE3 pieces above one piece, else by one sha256."""
-    return {rel: (size, PIECE_HASH if size > PIECE_SIZE else None) for rel, size in sizes.items()}
+def _plan(size: int) -> HashPlan:
+    """How a new file of ``size`` bytes is hashed: by BLAKE3 pieces above one piece, else by one sha256."""
+    return size, PIECE_HASH if size > PIECE_SIZE else None, PIECE_SIZE
 
 
 def _upload(path: Path, target: Location) -> FileEntry:
     """Upload the file at ``path`` to ``target``, hashing what it sends (by pieces when it is larger than one)."""
     size = path.stat().st_size
-    hasher = PieceHasher(_plan({"": size})[""][1])
+    hasher = PieceHasher(_plan(size)[1])
     with open(path, "rb") as source, target.open_write(size) as sink:
         while data := source.read(WRITE_PIECE):
             hasher.update(data)
@@ -170,10 +125,16 @@ def _sync_folders(root: Path) -> None:
 
 
 def store_folder(context: StepContext, job: SaveJob, folder: str, source: FolderSource) -> dict[str, FileEntry]:
-    """Store ``source``'s files as the folder ``folder`` of the step's folder, and list them: on local disk
-    written there directly, then hashed and fsynced; elsewhere written into ``source``'s own temp folder and
-    uploaded file by file, hashed as they go. ``job.progress`` counts the bytes of the files, each once stored."""
-    tree = context.steps.object(job.step, folder)
+    """Store ``source``'s files as the folder ``folder`` of the step's folder, and list them
+    (:func:`write_folder`)."""
+    return write_folder(context.steps.object(job.step, folder), source, job.progress)
+
+
+def write_folder(tree: Location, source: FolderSource, progress: Progress) -> dict[str, FileEntry]:
+    """Store ``source``'s files as the folder ``tree`` (of a step: a blocking save's, or the save process's write of
+    a staged one), and list them: on local disk written there directly, then hashed and fsynced; elsewhere written
+    into ``source``'s own temp folder and uploaded file by file, hashed as they go. ``progress`` counts the bytes of
+    the files, each once stored."""
     if tree.is_local:
         root = Path(tree.path)
         root.parent.mkdir(parents=True, exist_ok=True)
@@ -181,15 +142,16 @@ def store_folder(context: StepContext, job: SaveJob, folder: str, source: Folder
     else:
         root = source.serialized()
     sizes = {rel: (root / rel).stat().st_size for rel in _local_files(root)}
-    job.progress.set_total(sum(sizes.values()))
+    progress.set_total(sum(sizes.values()))
     if tree.is_local:
-        entries = hash_local(root, _plan(sizes), sync=True, on_read=job.progress.update)
+        entries = hash_local(root, {rel: _plan(size) for rel, size in sizes.items()}, sync=True,
+                             on_read=progress.update)
         _sync_folders(root)
         return entries
 
     def stored(rel: str) -> FileEntry:
         entry = _upload(root / rel, tree.child(rel))
-        job.progress.update(entry.size)
+        progress.update(entry.size)
         return entry
 
     return dict(zip(sizes, _on_threads(stored, sizes), strict=True))
@@ -209,11 +171,19 @@ def stored_files(content: FilesContent, listing: bytes, files: dict[str, FileEnt
 
 def store_listing(context: StepContext, job: SaveJob, content: FilesContent, files: dict[str, FileEntry],
                   writer: str, save_id: str, kind: str, codec: str) -> Stored:
-    """Write the file-set manifest of ``files`` (``writer``: the format that wrote them, the manifest's kind;
-    with the job's attempt and metadata) into the step's folder, and say what was stored (:func:`stored_files`)."""
-    data = FileSetManifest(kind=writer, save_id=save_id, created=time.time(), files=files, attempt=job.attempt,
-                           metadata=job.metadata).to_bytes()
-    context.steps.object(job.step, content.manifest).write_small(data, action="store the list of files of")
+    """Write the file-set manifest of ``files`` into the step's folder with the job's attempt and metadata, and say
+    what was stored (:func:`write_listing`)."""
+    return write_listing(context.steps.object(job.step, content.manifest), content, files, writer, save_id, kind,
+                         codec, job.attempt, job.metadata)
+
+
+def write_listing(location: Location, content: FilesContent, files: dict[str, FileEntry], writer: str, save_id: str,
+                  kind: str, codec: str, attempt: int | None, metadata: dict[str, Any]) -> Stored:
+    """Write the file-set manifest of ``files`` (``writer``: the format that wrote them, the manifest's kind) at
+    ``location``, ``content``'s manifest in the step's folder, and say what was stored (:func:`stored_files`)."""
+    data = FileSetManifest(kind=writer, save_id=save_id, created=time.time(), files=files, attempt=attempt,
+                           metadata=metadata).to_bytes()
+    location.write_small(data, action="store the list of files of")
     sent = sum(entry.size for entry in files.values()) + len(data)
     return stored_files(content, data, files, kind, codec, save_id, sent)
 
@@ -221,7 +191,18 @@ def store_listing(context: StepContext, job: SaveJob, content: FilesContent, fil
 class FilesKind:
     """A step kind of files (see the module). A subclass says how its objects become files (``store``, with
     :func:`store_folder` and :func:`store_listing`, or :func:`stored_files` for files another writer stored),
-    its ``name``, ``helper``, ``decode``, ``accepts`` and ``owns``; its content follows :class:`FilesContent`."""
+    its ``name``, ``helper``, ``decode``, ``accepts`` and ``owns``; its content follows :class:`FilesContent`.
+    A kind whose step manifest lists its files itself (a state dict's one file) says so in :meth:`files` and
+    :meth:`listing`."""
+
+    def listing(self, manifest: StepManifest) -> dict[str, int | None]:
+        """The objects that list the step's files, by name and the size its manifest records: its file-set
+        manifest."""
+        return {_content(manifest).manifest: manifest.record.size}
+
+    def restored_as(self, rel: str) -> str:
+        """The name in a restore's folder of the file ``rel``: its own."""
+        return rel
 
     def files(self, steps: StepStore, step: int, manifest: StepManifest) -> dict[str, FileEntry]:
         """The files of the step by relative path, from its file-set manifest checked against the step's
@@ -246,8 +227,8 @@ class FilesKind:
             progress.set_total(sum(entry.size for entry in listed.values()))
             workspace.mkdir(parents=True, exist_ok=True)
             with Staging(workspace) as staging:
-                _on_threads(lambda rel: _fetch(steps, step, stored_name(content, rel), listed[rel], staging / rel,
-                                               progress), listed)
+                _on_threads(lambda rel: _fetch(steps, step, stored_name(content, rel), listed[rel],
+                                               staging / self.restored_as(rel), progress), listed)
                 return DirectoryPayload.publish(staging, workspace)
 
     def restore_in_place(self, context: StepContext, step: int, manifest: StepManifest, progress: Progress
@@ -270,8 +251,8 @@ class FilesKind:
         return root
 
     def verify(self, context: StepContext, step: int, manifest: StepManifest, progress: object) -> Checked:
-        """Every file read against its digests: on local disk by pieces on :data:`WORKERS` threads, elsewhere
-        streamed, as many files at once."""
+        """Every file read against its digests: on local disk by pieces on
+        :data:`~taskpoint.pieces.LOCAL_WORKERS` threads, elsewhere streamed, :data:`WORKERS` files at once."""
         steps, content = context.steps, _content(manifest)
         listed, folder = self.files(steps, step, manifest), _folder(steps, step, content)
         size = sum(entry.size for entry in listed.values())
@@ -285,9 +266,35 @@ class FilesKind:
         hashes = " and ".join(sorted({entry.hash_name for entry in listed.values()}))
         return Checked(size, f"{len(listed)} files, {hashes} match its manifest")
 
+    def reader(self, context: StepContext, step: int, manifest: StepManifest, rel: str) -> PieceReader:
+        """A reader of the file ``rel`` that checks each piece before it returns a byte of it (a file listed
+        whole, before it returns any): on local disk from the open file, elsewhere by ranged reads.
+        :class:`Gone` when it is missing; KeyError when the step lists no such file."""
+        steps, content = context.steps, _content(manifest)
+        entry, name = self.files(steps, step, manifest)[rel], stored_name(content, rel)
+        source = steps.object(step, name)
+
+        def damaged(index: int) -> CheckpointCorruptError:
+            return _damaged(steps, step, name, entry, index)
+
+        if source.is_local:
+            try:
+                fd = os.open(source.path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise file_gone(steps, step, name) from None
+            return PieceReader(entry, damaged, fd=fd, name=source.path)
+
+        def fetch(start: int, length: int) -> bytes:
+            try:
+                return source.read_range(start, length)
+            except FileNotFoundError:
+                raise file_gone(steps, step, name) from None
+
+        return PieceReader(entry, damaged, fetch=fetch)
+
     def objects(self, steps: StepStore, step: int, manifest: StepManifest) -> StepObjects:
         content, listed = _content(manifest), self.files(steps, step, manifest)
-        return StepObjects(files={content.manifest: manifest.record.size,
+        return StepObjects(files={**self.listing(manifest),
                                   **{stored_name(content, rel): entry.size for rel, entry in listed.items()}},
                            noun="file")
 
@@ -305,8 +312,9 @@ class FilesKind:
         else:
             for name in names:
                 best_effort(steps.object(step, name).remove)
-        best_effort(steps.object(step, content.manifest).remove)
-        return {content.manifest, *names}
+        for name in self.listing(manifest):
+            best_effort(steps.object(step, name).remove)
+        return {*self.listing(manifest), *names}
 
     def describe(self, context: StepContext, step: int, manifest: StepManifest) -> Described:
         # Its payload is the list of the files that hold its data: the size is theirs.
@@ -333,14 +341,14 @@ def file_gone(steps: StepStore, step: int, name: str) -> Gone:
 
 def _check_local(steps: StepStore, step: int, content: FilesContent, root: Path, listed: dict[str, FileEntry],
                  on_read: Callable[[int], None]) -> None:
-    """Hash the files below ``root`` on :data:`WORKERS` threads and compare them with ``listed``."""
-    found = hash_local(root, {rel: (entry.size, entry.piece_hash or None) for rel, entry in listed.items()},
-                       on_read=on_read)
+    """Hash the files below ``root`` (:func:`~taskpoint.pieces.hash_local`) and compare them with ``listed``."""
+    found = hash_local(root, {rel: (entry.size, entry.piece_hash or None, entry.piece_size)
+                              for rel, entry in listed.items()}, on_read=on_read)
     for rel, entry in sorted(listed.items()):
         if found[rel].size < 0:
             raise _Missing(stored_name(content, rel))
         if found[rel] != entry:
-            raise _damaged(steps, step, stored_name(content, rel), entry, found[rel])
+            raise _damaged(steps, step, stored_name(content, rel), entry, _first_difference(entry, found[rel]))
 
 
 def _fetch(steps: StepStore, step: int, name: str, entry: FileEntry, dest: Path | None, progress: Progress) -> None:
@@ -349,7 +357,7 @@ def _fetch(steps: StepStore, step: int, name: str, entry: FileEntry, dest: Path 
     committed)."""
     if dest is not None:
         dest.parent.mkdir(parents=True, exist_ok=True)
-    hasher, source = PieceHasher(entry.piece_hash or None), steps.object(step, name)
+    hasher, source = PieceHasher(entry.piece_hash or None, entry.piece_size), steps.object(step, name)
     try:
         with source.open_read(entry.size) as raw, \
                 open(dest, "xb") if dest is not None else contextlib.nullcontext() as out:
@@ -367,13 +375,20 @@ def _fetch(steps: StepStore, step: int, name: str, entry: FileEntry, dest: Path 
     except FileNotFoundError:
         raise _Missing(name) from None
     if (found := hasher.entry()) != entry:
-        raise _damaged(steps, step, name, entry, found)
+        raise _damaged(steps, step, name, entry, _first_difference(entry, found))
 
 
-def _damaged(steps: StepStore, step: int, name: str, entry: FileEntry, found: FileEntry) -> CheckpointCorruptError:
-    where = next((f" (piece {index}, from byte {index * PIECE_SIZE})" for index, (a, b)
-                  in enumerate(zip(entry.pieces, found.pieces, strict=False)) if a != b), "")
+def _first_difference(entry: FileEntry, found: FileEntry) -> int:
+    """The first piece of ``found`` that differs from ``entry``'s: the last when only the size differs (0 for a
+    file listed whole, one piece)."""
+    return next((index for index, (a, b) in enumerate(zip(entry.pieces, found.pieces, strict=False)) if a != b),
+                max(0, len(entry.pieces) - 1))
+
+
+def _damaged(steps: StepStore, step: int, name: str, entry: FileEntry, index: int) -> CheckpointCorruptError:
+    """The error of a file ``name`` whose piece ``index`` differs from ``entry`` (a file listed whole is one)."""
+    what = f"piece {index} of {name} (bytes from {index * entry.piece_size})" if entry.pieces else name
     return CheckpointCorruptError(
-        f"step {step} in {steps.directory} is damaged: read {found.size} bytes of {name} that do not match the "
-        f"{entry.hash_name} of its manifest{where} (recorded size {entry.size}). Restore an older step "
-        "(fallback=True), or save it again.")
+        f"step {step} in {steps.directory} is damaged: {what} does not match the {entry.hash_name} of its manifest "
+        f"(or the file is not the {entry.size} bytes it was saved with). Restore an older step (fallback=True), or "
+        "save it again.")

@@ -17,13 +17,17 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ..._progress import NO_PROGRESS, Progress
+from ...format.codecs import Codec
 from ...format.index import normalize_path
+from ...format.pieces import PAYLOAD_PIECES
 from ...format.records import ObjectRecord, StepManifest
 from ...format.subset import CheckedRanges
 from ...partial import indexed, open_by_restoring, open_indexed, restore_indexed
-from ...payloads import Payload
-from ...storage import Location
-from ..background import store_payload
+from ...payloads import BytesPayload, Payload, StagedBytes
+from ...storage import Location, RetryPolicy
+from ...transfer import write_payload
+from ..background import store_payload, store_staged
+from ..staging import Segment
 from ..step_commit import OrphanCommit, Stored
 from ..step_names import MANIFEST_NAME, PAYLOAD_NAME, name_in, stored_names
 from ..steps import StepObjects, StepStore, save_clock
@@ -77,9 +81,16 @@ class PayloadKind:
         manifest = StepManifest(step=step, record=record, attempt=job.attempt, metadata=job.metadata,
                                 content=PayloadObject(name))
         began = save_clock()
+        target = steps.object(step, name)
+        if isinstance(payload, StagedBytes):  # the save process writes it from its segment, and commits it if we die
+            write = StagedPayloadWrite(target.uri, target.storage_options, target.retry, name, manifest,
+                                       context.codec, context.level)
+            sizes, manifest = store_staged(steps.object(step, MANIFEST_NAME), payload.segment, write, job.saver,
+                                           job.progress)
+            return Stored(manifest.content, manifest.record, sizes, sent=sizes[name], began=began)
         # The save process commits this manifest itself (size and digest filled in) if we die meanwhile.
         orphan = OrphanCommit.at(steps.object(step, MANIFEST_NAME), manifest, fill=True)
-        size, digest = store_payload(steps.object(step, name), payload, context.codec, context.level, job.saver,
+        size, digest = store_payload(target, payload, context.codec, context.level, job.saver,
                                      orphan, job.progress, orphan.hash_name)
         record = record.with_digest(size, orphan.hash_name, digest)
         if payload.archived:
@@ -144,6 +155,37 @@ def _checked_ranges(context: StepContext, step: int, src: Location, record: Obje
         return None
     where = f"step {step} in {context.steps.directory} (its payload {src.uri})"
     return CheckedRanges(src.read_range, record.pieces, record.size or 0, where)
+
+
+class _SegmentBytes(BytesPayload):
+    """The bytes of a segment, written as they lie there (no copy)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+
+
+@dataclass(frozen=True)
+class StagedPayloadWrite:
+    """The save process's part of a background save of staged bytes: :meth:`run` writes the step's payload object
+    ``name`` at ``uri`` from the segment, as :meth:`PayloadKind.store` writes bytes, and returns its size and
+    ``manifest`` with the object's size and BLAKE3 pieces (written by the trainer, or by the save process for a trainer
+    that died)."""
+
+    uri: str
+    storage_options: dict[str, Any]
+    retry: RetryPolicy
+    name: str
+    manifest: StepManifest
+    codec: Codec
+    level: int | None
+
+    def run(self, segment: Segment, progress: Progress) -> tuple[dict[str, int], StepManifest]:
+        payload = _SegmentBytes(segment.buffer)
+        size, digest = write_payload(Location(self.uri, self.storage_options, self.retry), payload, self.codec,
+                                     self.level, PAYLOAD_PIECES, progress=progress)
+        del payload  # no view of the segment is left: it can be unmapped
+        record = self.manifest.record.with_digest(size, PAYLOAD_PIECES, digest)
+        return {self.name: size}, dataclasses.replace(self.manifest, record=record)
 
 
 def _gone(context: StepContext, step: int, name: str) -> Gone:

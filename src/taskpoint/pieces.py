@@ -1,5 +1,7 @@
-"""A file hashed in fixed pieces: written with each piece hashed on its own thread, read back with each piece
-verified before a byte of it is returned.
+"""Files hashed in pieces, the one engine behind every file a step lists by its pieces' digests
+(:class:`~taskpoint.format.fileset.FileEntry`): :class:`PieceWriter` hashes a file's pieces on threads while it is
+written, :func:`hash_local` hashes local files' pieces on threads once written, and :class:`PieceReader` checks
+each piece before a byte of it is returned, for reads of any part of the file.
 
 Why pieces: a state dict's file is written by ``torch.save`` and read by ``torch.load`` in one pass each, and a
 single digest of the whole file would cost as much again on each side, in series. With one digest per piece,
@@ -17,18 +19,18 @@ import concurrent.futures
 import io
 import os
 from collections.abc import Callable
-from typing import IO, Any
+from pathlib import Path
+from typing import IO
 
-from ..executors import CPU
-from ..executors import IO as IO_POOL
-from ..format.fileset import PIECE_HASH, piece_hasher
-from ..storage import digest_by_reading
+from .digests import hash_span
+from .executors import CPU
+from .executors import IO as IO_POOL
+from .format.fileset import PIECE_HASH, PIECE_SIZE, FileEntry, PieceHasher, piece_hasher, piece_spans
 
-#: Bytes per hashed piece: large enough that a manifest lists few digests (64 per GiB), small enough that
-#: hashing and writing overlap with serializing.
-PIECE_SIZE = 16 << 20
 #: Threads that hash the pieces of one save, or fetch and check those of one read.
 WORKERS = 2
+#: Threads that hash the pieces of local files at once (:func:`hash_local`: one large file is most of a tree).
+LOCAL_WORKERS = 8
 #: Writes smaller than this are hashed in the caller's thread (a thread's hand-over costs more).
 HASH_ON_THREADS = 1 << 20
 #: The bytes at the end of a file whose pieces are checked first: ``torch.load`` reads a zip's directory
@@ -41,18 +43,16 @@ SPLIT_READ = 4 << 20
 
 class PieceWriter(io.RawIOBase):
     """A writable file object that writes to ``sink`` in the caller's thread while the pieces (``piece_size``
-    bytes each) of what it is given are hashed (by ``piece_hash``) on other threads; each :meth:`write` returns
-    once its bytes are written and hashed, so nothing is copied or held after (``torch.save`` passes views of
-    the tensors' own memory). :meth:`finish` returns the size and the pieces' digests."""
+    bytes each) of what it is given are hashed (by ``piece_hash``, through a
+    :class:`~taskpoint.format.fileset.PieceHasher`) on other threads; each :meth:`write` returns once its bytes
+    are written and hashed, so nothing is copied or held after (``torch.save`` passes views of the tensors' own
+    memory). :meth:`finish` returns the size and the pieces' digests."""
 
     def __init__(self, sink: IO[bytes], piece_size: int = PIECE_SIZE,
                  on_written: Callable[[int], None] | None = None, *, piece_hash: str = PIECE_HASH) -> None:
         super().__init__()
-        self._sink, self._piece_size, self._on_written = sink, piece_size, on_written
-        self._piece_hash = piece_hash
-        piece_hasher(piece_hash)  # ValueError now, not on the first write
-        self._hashers: list[Any] = []  # one hasher per piece, each fed by one thread at a time
-        self._size = 0
+        self._sink, self._on_written = sink, on_written
+        self._hasher = PieceHasher(piece_hash, piece_size)  # ValueError for an unknown hash now
         self._pool = CPU.lane(WORKERS)
 
     def writable(self) -> bool:
@@ -60,14 +60,7 @@ class PieceWriter(io.RawIOBase):
 
     def write(self, data: bytes | bytearray | memoryview) -> int:  # type: ignore[override]
         view = memoryview(data).cast("B")
-        spans, done = [], 0
-        while done < view.nbytes:  # the stretches of the pieces the data covers, one per piece
-            index, within = divmod(self._size + done, self._piece_size)
-            take = min(self._piece_size - within, view.nbytes - done)
-            if index == len(self._hashers):
-                self._hashers.append(piece_hasher(self._piece_hash))
-            spans.append((self._hashers[index], view[done:done + take]))
-            done += take
+        spans = self._hasher.spans(view)
         if view.nbytes < HASH_ON_THREADS:
             for hasher, span in spans:
                 hasher.update(span)
@@ -77,7 +70,6 @@ class PieceWriter(io.RawIOBase):
             self._sink.write(view)
             for each in hashing:
                 each.result()
-        self._size += view.nbytes
         if self._on_written is not None:
             self._on_written(view.nbytes)
         return view.nbytes
@@ -85,8 +77,8 @@ class PieceWriter(io.RawIOBase):
     def finish(self) -> tuple[int, list[str]]:
         """The file's size and its pieces' digests (one piece, of no bytes, for an empty file)."""
         self.shutdown()
-        return self._size, ([hasher.hexdigest() for hasher in self._hashers]
-                            or [piece_hasher(self._piece_hash).hexdigest()])
+        entry = self._hasher.entry()
+        return entry.size, list(entry.pieces)
 
     def shutdown(self) -> None:
         """Stop the threads (after :meth:`finish`, or when the save failed)."""
@@ -94,36 +86,41 @@ class PieceWriter(io.RawIOBase):
 
 
 class PieceReader(io.RawIOBase):
-    """A read-only, seekable file of ``size`` bytes whose pieces are checked against ``digests`` (of the hash
-    ``piece_hash``) on threads, ahead of the reads, in :func:`check_order`; a read returns bytes only once every
+    """A read-only, seekable file whose pieces are checked against those of its ``entry`` (a file listed whole is
+    one piece, by sha256) on threads, ahead of the reads, in :func:`check_order`; a read returns bytes only once every
     piece they lie in has checked, and checks on its own thread those no thread has started on (rather than wait
     behind the pieces queued before them). ``damaged(index)`` is the error a piece that differs raises (the last
-    piece also when the file is longer than ``size``).
+    piece also when the file is longer than the entry's size).
 
     From an object store, ``fetch(start, length)`` returns a piece's bytes, kept until :meth:`close` (the file
     is held in memory once, as a load of the state dict needs it anyway). From local disk, ``fd`` (an open file,
     closed with the reader): the threads hash each piece through a small buffer and keep nothing, and a read
     goes straight from the file into the caller's buffer (one copy, as ``torch.load`` of a path makes); its
     bytes are those the threads hashed, as a committed step's file is never written again; ``name`` is its path.
+
+    ``order``: the pieces to check ahead, in the order the reads will want them (a DCP load's items, by offset);
+    by default every piece in :func:`check_order`. A piece left out is checked only if a read reaches it.
     """
 
-    def __init__(self, size: int, digests: list[str], piece_size: int, damaged: Callable[[int], Exception], *,
-                 piece_hash: str, fetch: Callable[[int, int], bytes] | None = None, fd: int | None = None,
-                 name: str | None = None) -> None:
+    def __init__(self, entry: FileEntry, damaged: Callable[[int], Exception], *,
+                 fetch: Callable[[int, int], bytes] | None = None, fd: int | None = None,
+                 name: str | None = None, order: list[int] | None = None) -> None:
         super().__init__()
         if (fetch is None) == (fd is None):
             raise ValueError("a PieceReader reads through fetch or from fd, one of them")
-        piece_hasher(piece_hash)  # ValueError for an unknown hash, before any thread starts
-        self._piece_hash = piece_hash
+        self._piece_hash = entry.hash_name
+        piece_hasher(self._piece_hash)  # ValueError for an unknown hash, before any thread starts
         #: The local file's path (``fd``'s), None through ``fetch``; a file object's ``name``.
         self.name = name
-        self._size, self._digests, self._piece_size = size, digests, piece_size
+        self._size, self._digests = entry.size, list(entry.pieces) or [entry.sha256]
+        self._piece_size = entry.piece_size if entry.pieces else max(1, entry.size)
         self._fetch, self._fd, self._damaged = fetch, fd, damaged
         self._position = 0
         self._pool = (CPU if fetch is None else IO_POOL).lane(WORKERS)  # hashing a local file, or fetching
-        self._order = check_order(size, piece_size, len(digests))
+        self._order = check_order(self._size, self._piece_size, len(self._digests)) if order is None else order
         futures = {index: self._pool.submit(self._checked, index) for index in self._order}
-        self._pieces = [futures[index] for index in range(len(digests))]
+        # A piece not checked ahead waits as a future no thread runs: the read that reaches it claims it.
+        self._pieces = [futures.get(index) or concurrent.futures.Future() for index in range(len(self._digests))]
         self._settled = 0  # how many pieces at the head of the order have been checked
 
     def _checked(self, index: int) -> bytes:
@@ -133,8 +130,8 @@ class PieceReader(io.RawIOBase):
         length = min(self._piece_size, self._size - start)
         last = index == len(self._digests) - 1
         if self._fd is not None:
-            data, digest = b"", _hash_range(self._fd, start, length, piece_hasher(self._piece_hash))
-            if last and os.fstat(self._fd).st_size != self._size:
+            data, (count, digest) = b"", hash_span(self._fd, start, length, self._piece_hash)
+            if count != length or (last and os.fstat(self._fd).st_size != self._size):
                 digest = ""
         else:
             assert self._fetch is not None
@@ -215,9 +212,16 @@ class PieceReader(io.RawIOBase):
 
     def verify_all(self) -> int:
         """Wait for every piece to check (raising the first piece's error); the size."""
-        for index in range(len(self._pieces)):
-            self._piece(index)
+        self.verify_span(0, self._size)
         return self._size
+
+    def verify_span(self, start: int, length: int) -> None:
+        """Wait for the pieces that hold ``length`` bytes from ``start`` to check, raising the first one's error
+        (the piece at ``start`` at least: an empty file has one piece, of no bytes)."""
+        first = min(start // self._piece_size, len(self._pieces) - 1)
+        last = min(max(start + length - 1, start) // self._piece_size, len(self._pieces) - 1)
+        for index in range(first, last + 1):
+            self._piece(index)
 
     def close(self) -> None:
         if not self.closed:
@@ -244,7 +248,53 @@ def _read_into(fd: int, out: memoryview, start: int) -> int:
     return done
 
 
-def _hash_range(fd: int, start: int, length: int, hasher: Any) -> str:
-    """The digest (by the new ``hasher``) of ``length`` bytes of the open file ``fd`` from ``start``; "" when the
-    file is shorter (which then differs from any digest)."""
-    return hasher.hexdigest() if digest_by_reading(fd, length, hasher, start=start) == length else ""
+#: How :func:`hash_local` hashes a file: ``(size, piece hash, piece size)``, the piece hash None for one sha256 of
+#: the whole file.
+HashPlan = tuple[int, str | None, int]
+
+
+def hash_local(root: Path, plan: dict[str, HashPlan], *, sync: bool = False,
+               on_read: Callable[[int], None] | None = None) -> dict[str, FileEntry]:
+    """The entries of files below ``root`` (``plan[rel]``: how each is hashed): a file listed by pieces is hashed
+    piece by piece on all of :data:`LOCAL_WORKERS` threads at once, any other by sha256, whole and one byte past
+    its size (a longer file then differs); an entry of size -1 for a missing file, which differs from any
+    recorded. Each file is read through one open fd; with ``sync``, fsynced too (a commit is about to name it).
+    ``on_read(n)`` is told of the bytes read."""
+    fds: dict[str, int] = {}
+    try:
+        tasks: list[tuple[str, int, int]] = []
+        for rel, (size, piece_hash, piece_size) in plan.items():
+            try:
+                fds[rel] = os.open(root / rel, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            spans = piece_spans(size, piece_size) if piece_hash is not None else [(0, size + 1)]
+            tasks += [(rel, start, length) for start, length in spans]
+
+        def hashed(task: tuple[str, int, int]) -> tuple[int, str]:
+            rel, start, length = task
+            count, digest = hash_span(fds[rel], start, length, plan[rel][1])
+            if on_read is not None:
+                on_read(count)
+            return count, digest
+
+        with concurrent.futures.ThreadPoolExecutor(min(LOCAL_WORKERS, max(1, len(tasks)))) as pool:
+            done = list(pool.map(hashed, tasks))
+            if sync:
+                list(pool.map(os.fsync, fds.values()))
+        found: dict[str, list[tuple[int, str]]] = {}
+        for (rel, _, _), result in zip(tasks, done, strict=True):
+            found.setdefault(rel, []).append(result)
+        entries = {}
+        for rel, (_, piece_hash, piece_size) in plan.items():
+            if rel not in fds:
+                entries[rel] = FileEntry(-1, "")
+            elif piece_hash is not None:
+                entries[rel] = FileEntry.of_pieces(os.fstat(fds[rel]).st_size, [digest for _, digest in found[rel]],
+                                                   piece_hash, piece_size)
+            else:
+                entries[rel] = FileEntry(*found[rel][0])
+        return entries
+    finally:
+        for fd in fds.values():
+            os.close(fd)

@@ -1,0 +1,76 @@
+"""The staging memory of one manager: the budget its background saves' segments are held in
+(``max_staging_bytes``), and the one segment it keeps *ready* between saves, so that a save blocks for one copy.
+
+Reserving a fresh segment is most of what a staged save used to block for: measured here, for 256 MiB in
+``/dev/shm``, 0.05-0.08 s of ``posix_fallocate`` and 0.14-0.20 s of ``MAP_POPULATE`` (the kernel zeroing and
+mapping fresh pages) against 0.06-0.11 s for the copy itself. So the save process does not remove a segment it has
+written when asked to keep it (:class:`~.saver.StagedRequest`), and the manager, which still maps it, hands it to
+the next staged save: resized to that state's size (:meth:`~.staging.Segment.resize`, a no-op when the size is
+the same) and copied into with its pages and page tables in place. DCP keeps its staging buffer the same way.
+
+The ready segment stays named for the save process that wrote it: no sweep touches it while that process runs, and
+it goes with that process (which removes the segments named for it when its trainer dies, and whose own death
+makes them a sweep's). It is reused only by a save to the same save process, only after that process answered
+(so never while it still reads it), counts against the budget while it waits, and is freed at ``close()``. The first
+staged save of a manager pays the reservation: the manager does not know the state's size before it.
+"""
+
+from __future__ import annotations
+
+from .staging import SEGMENT_PREFIX, Segment, StagingBudget
+
+
+class StagingMemory:
+    """The segments of one manager's staged saves: :meth:`take` one for a save, :meth:`give_back` it once the save
+    is over; at most ``limit`` bytes (``max_staging_bytes``) held in all, the ready segment included."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.budget = StagingBudget(limit)
+        #: The segment the last save's process wrote and handed back, mapped here; None when there is none.
+        self.ready: Segment | None = None
+
+    def take(self, size: int, step: int, owner: str | None) -> Segment | None:
+        """A segment of ``size`` bytes for the save of ``step`` by the save process ``owner`` names (this process
+        when None), mapped here and held in the budget until :meth:`give_back`: the ready segment when it is that
+        process's (resized), else a new one. None, holding nothing, when ``size`` exceeds the budget (the save is
+        then made blocking). Waits as :meth:`~.staging.StagingBudget.reserve` does."""
+        ready, self.ready = self.ready, None
+        if ready is not None:
+            self.budget.release(ready.size)
+            if owner is None or not ready.path.name.startswith(f"{SEGMENT_PREFIX}{owner}-"):
+                ready.free()  # its save process is gone: a new one would not take it
+                ready = None
+        if not self.budget.reserve(size, step):
+            if ready is not None:
+                ready.free()
+            return None
+        try:
+            if ready is not None:
+                try:
+                    ready.resize(size)
+                    return ready
+                except FileNotFoundError:  # removed meanwhile (by hand): a new one
+                    ready.free()
+                    ready = None
+            return Segment.create(size, owner)
+        except BaseException:
+            if ready is not None:
+                ready.free()
+            self.budget.release(size)
+            raise
+
+    def give_back(self, segment: Segment, *, kept: bool) -> None:
+        """The save that :meth:`take` gave ``segment`` to is over: ``kept``, its save process wrote the segment
+        and kept it, and it is the ready one; else it is freed (a no-op when the save process freed it)."""
+        if kept:
+            self.ready = segment
+        else:
+            segment.free()
+            self.budget.release(segment.size)
+
+    def close(self) -> None:
+        """Free the ready segment."""
+        ready, self.ready = self.ready, None
+        if ready is not None:
+            ready.free()
+            self.budget.release(ready.size)
