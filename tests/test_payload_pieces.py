@@ -17,6 +17,7 @@ from typing import Any
 import blake3
 import pytest
 
+from helpers import flip_byte_at
 from taskpoint import CheckpointCorruptError, CheckpointManager, NewerFormatError
 from taskpoint.digests import DIGESTS
 from taskpoint.format.fileset import PIECE_SIZE
@@ -46,12 +47,11 @@ def manifest_of(steps: Path, step: int) -> dict[str, Any]:
     return dict(json.loads((steps / f"ckpt-{step}" / "taskpoint.json").read_bytes()))
 
 
-def flip(path: Path, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0x01]))
+def saved_tree(manager: CheckpointManager, tmp_path: Path) -> tuple[dict[str, bytes], Path]:
+    """The three files saved as step 1 by ``manager``: their contents, and the step's payload object."""
+    files = tree(tmp_path / "tree")
+    manager.save(tmp_path / "tree", 1)
+    return files, Path(manager.describe(1).uri) / manager.describe(1).payload
 
 
 def test_a_payload_step_records_the_blake3_of_each_piece_of_its_object(tmp_path: Path) -> None:
@@ -81,30 +81,24 @@ def test_the_pieces_digest_of_a_stream_is_each_pieces_blake3_however_it_is_fed(s
 
 
 def test_a_flipped_byte_is_caught_by_a_full_restore_and_by_verify_naming_its_piece(tmp_path: Path) -> None:
-    steps = tmp_path / "steps"
-    files = tree(tmp_path / "tree")
-    with CheckpointManager(steps, preemption=False) as manager:
-        manager.save(tmp_path / "tree", 1)
-        payload = steps / "ckpt-1" / manager.describe(1).payload
+    with CheckpointManager(tmp_path / "steps", preemption=False) as manager:
+        files, payload = saved_tree(manager, tmp_path)
         assert manager.verify(1).steps[0].detail == "blake3 pieces match its manifest"
-        flip(payload, FLIPPED)
+        flip_byte_at(payload, FLIPPED)
         with pytest.raises(CheckpointCorruptError, match=f"is damaged \\(its {PIECE_1}\\): "):
             manager.restore(1, tmp_path / "restored")
         assert not (tmp_path / "restored").exists() or not any((tmp_path / "restored").iterdir())
         (result,) = manager.verify().steps
         assert result.state == "damaged" and re.search(PIECE_1, result.detail), result.detail
-        flip(payload, FLIPPED)  # mended: every byte as saved
+        flip_byte_at(payload, FLIPPED)  # mended: every byte as saved
         assert {p.name: p.read_bytes() for p in manager.restore(1, tmp_path / "again").iterdir()} == files
 
 
 def test_a_partial_restore_checks_the_pieces_it_reads(tmp_path: Path) -> None:
-    steps = tmp_path / "steps"
-    files = tree(tmp_path / "tree")
-    with CheckpointManager(steps, preemption=False) as manager:
-        manager.save(tmp_path / "tree", 1)
-        payload = steps / "ckpt-1" / manager.describe(1).payload
+    with CheckpointManager(tmp_path / "steps", preemption=False) as manager:
+        files, payload = saved_tree(manager, tmp_path)
         assert payload.stat().st_size > 2 * PIECE_SIZE - FILE_SIZE // 2  # it reaches into piece 1 far enough
-        flip(payload, FLIPPED)
+        flip_byte_at(payload, FLIPPED)
         with pytest.raises(CheckpointCorruptError, match=f"its {PIECE_1} does not match the BLAKE3") as caught:
             manager.restore(1, tmp_path / "b", paths=["b"])
         assert not isinstance(caught.value, NewerFormatError)
@@ -127,7 +121,7 @@ def test_a_version_6_payload_step_restores_and_verifies_by_its_one_blake3(tmp_pa
         assert manager.verify(1).steps[0].detail == "blake3 matches its manifest"
         part = manager.restore(2, tmp_path / "part", paths=["sub/b.bin"])  # its index: checked by CRC32 alone
         assert (part / "sub" / "b.bin").read_bytes() == bytes(range(256)) * 3
-        flip(payload, payload.stat().st_size // 2)
+        flip_byte_at(payload, payload.stat().st_size // 2)
         with pytest.raises(CheckpointCorruptError, match="does not match the blake3 recorded"):
             manager.restore(1)
 
