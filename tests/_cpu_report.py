@@ -3,8 +3,9 @@
 The suite is CPU-bound (about 1,550 CPU-s on 2 cores in ``make test``), and wall time on a shared machine says
 little, so what a change to the tests saves is measured in CPU-seconds: this process's own (its threads
 included) plus that of the processes it started and waited for (workers, the CLI, save processes, torchrun and
-its ranks) over each test's setup, call and teardown. The object-store servers are shared by the session and
-are not counted. ::
+its ranks, and the children that tests/_zygote.py's fork servers forked for it) over each test's setup, call
+and teardown. The object-store servers and the fork servers themselves (one import of a framework each, per
+xdist worker) are shared by the session and are not counted. ::
 
     pytest -p _cpu_report --cpu-report=/tmp/cpu -n 3 ...     # one JSON line per test, a file per xdist worker
     python tests/_cpu_report.py '/tmp/cpu-*.jsonl'           # CPU-seconds by module, largest first
@@ -32,7 +33,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def _cpu() -> tuple[float, float]:
     """CPU-seconds so far of this process and of its children that ended and were waited for."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+    forked = sys.modules["_zygote"].ended_cpu() if "_zygote" in sys.modules else 0.0  # the fork server's children
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime + forked
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -15,16 +15,18 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
+from _zygote import LIGHTNING, TRANSFORMERS, Forked, spawn
 from helpers import wait_until
 
 #: The bound of one attempt: the worker imports torch and a framework and trains a few dozen tiny steps, which
 #: took 30 s alone on the 2-core machine and 2-3 minutes beside four others at a load of 19; far above that, a
 #: hang is a failure, not a slow machine.
 ATTEMPT_TIMEOUT = 600.0
+#: What the fork server of each worker imports ahead: its framework (5.4 CPU-s for Lightning).
+PRELOAD = {"_lightning_same_run.py": LIGHTNING, "_hf_same_run.py": TRANSFORMERS}
 #: The bound of a whole scenario (:func:`check_kill_twice_and_resume`), for ``pytest.mark.timeout``.
 SCENARIO_TIMEOUT = 1800
 
@@ -41,14 +43,15 @@ def steps(log: Path) -> dict[int, dict[str, Any]]:
     return {r["step"]: r for r in records(log) if r["event"] == "step"}
 
 
-def start(worker: Path, options: dict[str, Any], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+def start(worker: Path, options: dict[str, Any], env: dict[str, str] | None = None) -> Forked:
+    """The worker in a real process of its own, forked from a server that imported its framework once
+    (tests/_zygote.py); its stdout and stderr in one pipe."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("TASKPOINT_")}
     environment.update(env or {})
-    return subprocess.Popen([sys.executable, str(worker), json.dumps(options)], env=environment,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return spawn(PRELOAD[worker.name], [str(worker), json.dumps(options)], environment)
 
 
-def finish(process: subprocess.Popen[str]) -> tuple[int, str]:
+def finish(process: Forked) -> tuple[int, str]:
     """Its exit status and output, once it has ended (at most :data:`ATTEMPT_TIMEOUT`)."""
     try:
         output, _ = process.communicate(timeout=ATTEMPT_TIMEOUT)

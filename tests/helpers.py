@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import fsspec
 
+import _zygote as zygote
 from taskpoint import RetryPolicy
 from taskpoint.manager import staging
 from taskpoint.ranks import RANK_VARIABLES
@@ -61,6 +62,20 @@ def pid_alive(pid: int) -> bool:
 #: interpreter's exit. Generous, because the bound is wall-clock time: on a loaded 2-core machine (load 6) an
 #: orphan took more than the 5 s this used to allow; the assertion is that it ends by itself, not how fast.
 ORPHAN_EXIT_SLACK = 60.0
+
+
+def slowdown(bound: float = 12.0) -> float:
+    """How many times slower than on an idle machine a process runs here now, at most ``bound``: the wall time of
+    a child that imports taskpoint (the start every save process and worker pays) over the CPU time it used. 1
+    when idle; about the load per core under load (10 at load 20 on 2 cores). A grace a test gives a process to
+    finish its work is scaled by it, so that the machine's progress, not a constant, says how long is enough."""
+    start = time.monotonic()
+    pid = os.posix_spawn(sys.executable, [sys.executable, "-c", "import taskpoint"],
+                         {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    _, status, usage = os.wait4(pid, 0)
+    wall = time.monotonic() - start
+    assert os.waitstatus_to_exitcode(status) == 0, f"python -c 'import taskpoint' ended with status {status}"
+    return min(bound, max(1.0, wall / max(usage.ru_utime + usage.ru_stime, 0.01)))
 
 
 def process_gone(pid: int, within: float) -> bool:
@@ -359,11 +374,11 @@ def run_torchrun(worker: Path, world: int, argument: str, within: float) -> tupl
 
 class WorkerProcess:
     """A test worker script in a real process, given one JSON argument, printing one JSON event a line; its
-    events collected on a thread as they come (``events``), its stderr read once it has ended."""
+    events collected on a thread as they come (``events``), its stderr read once it has ended. The process is
+    forked from a server that imported ``modules`` once (tests/_zygote.py)."""
 
-    def __init__(self, worker: Path, args: dict[str, Any]) -> None:
-        self.process = subprocess.Popen([sys.executable, str(worker), json.dumps(args)], stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True)
+    def __init__(self, worker: Path, args: dict[str, Any], modules: tuple[str, ...]) -> None:
+        self.process = zygote.spawn(modules, [str(worker), json.dumps(args)], dict(os.environ), apart=True)
         self.events: list[dict[str, Any]] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

@@ -1,9 +1,10 @@
 """The PyTorch and Lightning examples, run as a user runs them: uninterrupted, failing, and killed then rerun.
 
-Each example runs as a subprocess in a temporary working directory with ``TASKPOINT_ROOT`` there too. A
-resumed run must start from the epoch after the last save (never from epoch 0) and end with the weights of
-the uninterrupted run bit for bit: CPU kernels on one thread are deterministic, ``torch.save``/``torch.load``
-round-trip tensors exactly, and the examples restore every piece of state an epoch depends on.
+Each example runs as a process of its own (forked from one that imported its framework: tests/_zygote.py) in a
+temporary working directory with ``TASKPOINT_ROOT`` there too. A resumed run must start from the epoch after
+the last save (never from epoch 0) and end with the weights of the uninterrupted run bit for bit: CPU kernels on
+one thread are deterministic, ``torch.save``/``torch.load`` round-trip tensors exactly, and the examples restore
+every piece of state an epoch depends on.
 """
 
 from __future__ import annotations
@@ -12,14 +13,13 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import _zygote as zygote
 from helpers import requires
 
 pytestmark = [pytest.mark.slow, requires("torch")]
@@ -33,6 +33,7 @@ TORCH_EPOCHS = 6
 LIGHTNING_EXAMPLE = "lightning_resume.py"
 LIGHTNING_EPOCHS = 5
 STEPS_PER_EPOCH = 4  # 128 samples in batches of 32
+PRELOAD = {TORCH_EXAMPLE: zygote.TORCH, LIGHTNING_EXAMPLE: zygote.LIGHTNING}
 
 
 @dataclass
@@ -55,10 +56,8 @@ def run_example(example: str, workdir: Path, run_name: str, *args: str) -> Run:
     out.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TASKPOINT_")}
     env.update(TASKPOINT_ROOT=str(workdir / "root"), TMPDIR=str(workdir / "tmp"))
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / example), "--run-name", run_name, "--out", str(out), *args],
-        cwd=workdir, env=env, capture_output=True, text=True, timeout=TIMEOUT,
-    )
+    proc = zygote.run(PRELOAD[example], [str(EXAMPLES / example), "--run-name", run_name, "--out", str(out), *args],
+                      env, cwd=workdir, timeout=TIMEOUT)  # a real process, forked from one that imported torch
     result = json.loads(out.read_text()) if out.exists() else None
     return Run(proc.returncode, proc.stdout, proc.stderr, result)
 

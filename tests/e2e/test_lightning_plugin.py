@@ -15,8 +15,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +24,7 @@ from typing import Any
 import fsspec
 import pytest
 
+import _zygote as zygote
 from helpers import LazyModule, requires
 from taskpoint import CheckpointCorruptError
 
@@ -233,8 +232,8 @@ def run_trials(tmp_path: Path, root: str, trials: list[dict[str, Any]], env: dic
                                 "trials": trials}))
     environment = {k: v for k, v in os.environ.items() if not k.startswith("TASKPOINT_")}
     environment.update(env or {}, TMPDIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, str(TRIALS), str(spec), str(results)], env=environment,
-                          capture_output=True, text=True, timeout=300 + 30 * len(trials))
+    proc = zygote.run(zygote.LIGHTNING, [str(TRIALS), str(spec), str(results)], environment, cwd=os.getcwd(),
+                      timeout=300 + 30 * len(trials))  # a process of its own, forked from one that imported Lightning
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(results.read_text())
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+import _zygote as zygote
 from conftest import _location_fixture
 from helpers import process_gone
 from taskpoint import CheckpointManager
@@ -55,8 +56,10 @@ def _free_port() -> int:
 
 
 def start(remote: Any, local: Path, mode: str, *, ranks: range = range(WORLD), **args: Any
-          ) -> list[subprocess.Popen[str]]:
-    """The ranks ``ranks`` of one 2-rank job (torchrun's variables, and a rendezvous address for gloo)."""
+          ) -> list[subprocess.Popen[str] | zygote.Forked]:
+    """The ranks ``ranks`` of one 2-rank job (torchrun's variables, and a rendezvous address for gloo); with a
+    gloo group (``group``), each rank forked from a server that imported torch (tests/_zygote.py), since a rank
+    without one never imports it."""
     port = _free_port()
     body = json.dumps({"remote": remote.url("ckpts"), "options": remote.storage_options, "local": str(local),
                        "mode": mode, **args})
@@ -66,8 +69,11 @@ def start(remote: Any, local: Path, mode: str, *, ranks: range = range(WORLD), *
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                "TORCHELASTIC_RUN_ID": f"launch-{port}", "TASKPOINT_GRACE_SECONDS": "10",
                "PYTHONPATH": os.pathsep.join(sys.path)}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), body], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        if args.get("group"):
+            procs.append(zygote.spawn(zygote.TORCH, [str(WORKER), body], env, apart=True))
+        else:
+            procs.append(subprocess.Popen([sys.executable, str(WORKER), body], env=env, text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     return procs
 
 

@@ -26,8 +26,9 @@ from typing import Any
 import blake3
 import pytest
 
+import _zygote as zygote
 import taskpoint
-from helpers import ORPHAN_EXIT_SLACK, process_gone
+from helpers import ORPHAN_EXIT_SLACK, process_gone, slowdown
 
 WORKER = Path(__file__).parents[1] / "_preempt_ranks_worker.py"
 WORLD = 4
@@ -41,20 +42,25 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(args: dict[str, Any], grace: float = 20.0) -> list[subprocess.Popen[str]]:
-    """One job of 4 real processes with torchrun's variables (and a rendezvous address for gloo)."""
+def start(args: dict[str, Any], grace: float = 20.0) -> list[subprocess.Popen[str] | zygote.Forked]:
+    """One job of 4 real processes with torchrun's variables (and a rendezvous address for gloo); with a gloo
+    group (``group``), each rank forked from a server that imported torch (tests/_zygote.py), since a rank
+    without one never imports it."""
     port = _free_port()
     procs = []
     for rank in range(WORLD):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                "TASKPOINT_GRACE_SECONDS": str(grace), "PYTHONPATH": os.pathsep.join(sys.path)}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(args)], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        if args.get("group"):
+            procs.append(zygote.spawn(zygote.TORCH, [str(WORKER), json.dumps(args)], env, apart=True))
+        else:
+            procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(args)], env=env, text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     return procs
 
 
-def read_until(proc: subprocess.Popen[str], event: str) -> dict[str, Any]:
+def read_until(proc: subprocess.Popen[str] | zygote.Forked, event: str) -> dict[str, Any]:
     """The first line of ``proc`` with this event (the lines before it are skipped)."""
     assert proc.stdout is not None
     while True:
@@ -67,7 +73,7 @@ def read_until(proc: subprocess.Popen[str], event: str) -> dict[str, Any]:
             return found  # type: ignore[no-any-return]
 
 
-def finish(procs: list[subprocess.Popen[str]]) -> list[tuple[int, list[dict[str, Any]], str]]:
+def finish(procs: list[subprocess.Popen[str] | zygote.Forked]) -> list[tuple[int, list[dict[str, Any]], str]]:
     """Every rank's exit status, its remaining events, and its stderr."""
     results = []
     for proc in procs:
@@ -159,7 +165,13 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(store: Any, group
 # -- background saves of 4 ranks whose trainers are SIGKILLed ---------------------------------------------------
 
 
-def sigkill_trials(store: Any, trials: int, seed: int, grace: float = 10.0) -> dict[str, int]:
+#: The save processes' grace (``TASKPOINT_GRACE_SECONDS``) after their trainers die, on an idle machine: what
+#: their last upload and the commit need, with room. Scaled by :func:`helpers.slowdown` at each trial (at load 20
+#: on 2 cores 10 s was too little: both trials ended uncommitted).
+KILLED_GRACE = 10.0
+
+
+def sigkill_trials(store: Any, trials: int, seed: int) -> dict[str, int]:
     """Kill all 4 trainers right after their background ``save()`` of a step returned; the step is then
     committed whole (every shard verifies) or not listed."""
     rng = random.Random(seed)
@@ -169,6 +181,10 @@ def sigkill_trials(store: Any, trials: int, seed: int, grace: float = 10.0) -> d
         kill_step = rng.randint(1, 3)
         args = {"mode": "handed", "directory": directory, "options": store.storage_options, "kill_step": kill_step,
                 "copies": rng.randint(1, 64)}
+        factor = slowdown()
+        grace = KILLED_GRACE * factor
+        print(f"trial {trial}: this machine runs {factor:.1f}x slower than idle now: a grace of {grace:.0f} s, and "
+              f"up to {grace + ORPHAN_EXIT_SLACK:.0f} s for the save processes to end")
         procs = start(args, grace=grace)
         handed = [read_until(p, "handed") for p in procs]
         for proc in procs:

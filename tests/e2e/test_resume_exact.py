@@ -2,8 +2,9 @@
 by real signals and resumed, gives the per-step losses and final parameters of the run never interrupted, bit
 for bit; the same loop saving without the generators, or without the data position, does not.
 
-Each attempt is tests/_resume_worker.py in a process of its own (CPU, deterministic algorithms, dropout, a
-shuffled DataLoader, 3 epochs of 8 steps), on local disk: what is tested is what is saved, not the store.
+Each attempt is tests/_resume_worker.py in a process of its own (forked from one that imported torch:
+tests/_zygote.py; CPU, deterministic algorithms, dropout, a shuffled DataLoader, 3 epochs of 8 steps), on local
+disk: what is tested is what is saved, not the store.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from _zygote import TORCH
 from helpers import WorkerProcess, requires
 
 pytestmark = [pytest.mark.slow, requires("torch", "numpy")]
@@ -30,7 +32,7 @@ def attempt(directory: Path, keep: str, *, pause_after: int | None = None, signa
     """One attempt of the loop: to its end, or stopped after the save of ``pause_after`` and then ended by
     ``signal_to_send`` (SIGKILL: there; SIGTERM: continued, to its next save, the preemption's safe point)."""
     worker = WorkerProcess(WORKER, {"directory": str(directory), "keep": keep, "pause_after": pause_after,
-                                    "background": background})
+                                    "background": background}, TORCH)
     try:
         if pause_after is None:
             assert worker.process.wait(300) == 0, worker.stderr()

@@ -1,7 +1,8 @@
 """taskpoint.torch: PyTorch DCP through taskpoint's Writer and Reader, on the real S3 server.
 
-The resharding test runs real gloo jobs on CPU (one subprocess per rank, torchrun's variables, one process group
-per job, see tests/_dcp_worker.py); the others save and load in this process (DCP without a process group).
+The resharding test runs real gloo jobs on CPU (one process per rank, forked from one that imported DCP:
+tests/_zygote.py; torchrun's variables, one process group per job, see tests/_dcp_worker.py); the others save
+and load in this process (DCP without a process group).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import blake3
 import pytest
 
+import _zygote as zygote
 import taskpoint
 from _fault_proxy import FaultProxy
 from helpers import LazyModule, requires
@@ -44,20 +46,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_ranks(world_size: int, actions: list[list[str]], options: dict[str, Any]) -> list[subprocess.Popen[str]]:
-    """Start one gloo job of ``world_size`` real processes running ``actions`` (torchrun's variables)."""
+def start_ranks(world_size: int, actions: list[list[str]], options: dict[str, Any]) -> list[zygote.Forked]:
+    """Start one gloo job of ``world_size`` real processes running ``actions`` (torchrun's variables), forked
+    from a server that imported torch and DCP, which every rank imports first (tests/_zygote.py)."""
     port = _free_port()
     procs = []
     for rank in range(world_size):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                "STORAGE_OPTIONS": json.dumps(options), "GLOO_TIMEOUT": "60"}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(actions)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(zygote.spawn(zygote.DCP, [str(WORKER), json.dumps(actions)], env))
     return procs
 
 
-def finish_ranks(procs: list[subprocess.Popen[str]], expect: dict[int, int] | None = None) -> None:
+def finish_ranks(procs: list[zygote.Forked], expect: dict[int, int] | None = None) -> None:
     """Wait for a job; every rank must exit 0, or with the status ``expect`` gives for it."""
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     wanted = expect or {}

@@ -21,7 +21,6 @@ import queue
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -30,6 +29,8 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+
+from _zygote import TRANSFORMERS, spawn
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: never a download
 
@@ -151,8 +152,9 @@ def test_resume_skips_a_step_that_does_not_verify(example: ModuleType, tmp_path:
 
 
 class Example:
-    """examples/hf_train_resume.py in a real process (with ``-X faulthandler``), its output (stderr too) read by a
-    thread into ``seen``, so that no wait on it is unbounded."""
+    """examples/hf_train_resume.py in a real process (with ``-X faulthandler``; forked from one that imported
+    transformers: tests/_zygote.py), its output (stderr too) read by a thread into ``seen``, so that no wait on it
+    is unbounded."""
 
     def __init__(self, store: Any, workdir: Path, *args: str, save_steps: int = SAVE_STEPS) -> None:
         import json
@@ -161,14 +163,12 @@ class Example:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TASKPOINT_")}
         env.update(PYTHONPATH=os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")]), HF_HUB_OFFLINE="1",
                    TMPDIR=str(workdir / "tmp"))
-        command = [sys.executable, "-X", "faulthandler", str(EXAMPLE), "--directory", store.base, "--output-dir",
-                   str(workdir / "out"), "--max-steps", str(MAX_STEPS), "--save-steps", str(save_steps), "--out",
-                   str(workdir / "result.json"), *args]
+        command = [str(EXAMPLE), "--directory", store.base, "--output-dir", str(workdir / "out"), "--max-steps",
+                   str(MAX_STEPS), "--save-steps", str(save_steps), "--out", str(workdir / "result.json"), *args]
         if store.storage_options:
             command += ["--storage-options", json.dumps(store.storage_options)]
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
+        self.proc = spawn(TRANSFORMERS, command, env, cwd=workdir, faulthandler=True)
         self.seen: list[str] = []
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True, name="example-output")

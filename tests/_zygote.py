@@ -1,0 +1,291 @@
+"""A fork server for the framework workers: import Lightning (or transformers) once, fork a real process per run.
+
+``import lightning`` costs 5.4 CPU-s and transformers' Trainer 2.5 on the 2-core machine, and the same-run tests
+start a dozen such workers. :func:`spawn` asks a server (one per set of preloaded modules, per pytest process)
+that imported those modules and nothing of taskpoint to fork a child that runs the worker script as
+``python script args`` would (``__main__``, ``sys.argv``, the given environment, stdout and stderr to a pipe of
+the caller's), and returns a :class:`Forked`, a ``Popen``-like handle. The child is a real process: the test
+signals its pid (SIGKILL, SIGTERM), it imports taskpoint itself, and it exits through the interpreter's own
+shutdown (atexit handlers, non-daemon threads), so the status the handle reports is the one a process of its
+own would end with. The server reaps it and sends that status (``-signal`` for a signal, as ``Popen``) on the
+request's connection. What the child shares with the server: the modules already imported and the hash seed
+(``random`` reseeds itself after a fork, and numpy's global generator is reseeded here).
+
+Run as a script, this is the server: ``python _zygote.py SOCKET MODULE...``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import json
+import os
+import select
+import signal
+import site
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+#: What a server imports ahead for the workers of each framework: the framework, never taskpoint (whose code is
+#: what the tests test, imported by each child with its own environment).
+TORCH = ("torch",)
+DCP = ("torch", "torch.distributed.checkpoint")
+LIGHTNING = ("torch", "lightning", "lightning.pytorch")
+TRANSFORMERS = ("torch", "transformers", "transformers.trainer", "transformers.models.gpt2.modeling_gpt2")
+#: The bound of the server's start: importing Lightning took 5 CPU-s alone and 60 s at a load of 20.
+START_TIMEOUT = 300.0
+
+
+class Forked:
+    """A child of the server, as ``subprocess.Popen(..., text=True)`` shows a child: ``pid``, ``stdout`` and
+    ``stderr`` (text; ``stderr`` None when it goes to ``stdout``), ``poll()``, ``wait(timeout)``,
+    ``communicate(timeout)``, ``send_signal()``, ``kill()``, ``returncode``."""
+
+    def __init__(self, connection: socket.socket, stdout: int, stderr: int | None) -> None:
+        self._connection = connection
+        self._replies = connection.makefile("r")
+        self.pid: int = json.loads(self._replies.readline())["pid"]
+        self.stdout: IO[str] = os.fdopen(stdout, "r", errors="replace")
+        self.stderr: IO[str] | None = None if stderr is None else os.fdopen(stderr, "r", errors="replace")
+        self.returncode: int | None = None
+        self._readers: list[tuple[threading.Thread, list[str]]] = []
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self._connection], [], [], 0)[0]:
+            self._read_status()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not select.select([self._connection], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+            self._read_status()
+        assert self.returncode is not None
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
+        """The rest of its output (and of its stderr, when apart), once the pipes closed and the child ended;
+        ``TimeoutExpired`` past ``timeout``, after which it may be called again (as ``Popen.communicate``)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        if not self._readers:
+            for stream in (self.stdout, self.stderr):
+                if stream is not None:
+                    text: list[str] = []
+                    thread = threading.Thread(target=lambda s=stream, t=text: t.append(s.read()), daemon=True,
+                                              name=f"zygote-child-{self.pid}-output")
+                    thread.start()
+                    self._readers.append((thread, text))
+        for thread, _ in self._readers:
+            thread.join(None if end is None else max(0.0, end - time.monotonic()))
+            if thread.is_alive():
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+        self.wait(None if end is None else max(0.0, end - time.monotonic()))
+        outputs = ["".join(text) for _, text in self._readers]
+        return outputs[0], outputs[1] if len(outputs) > 1 else None
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def _read_status(self) -> None:
+        line = self._replies.readline()
+        if not line:
+            raise RuntimeError(f"the fork server closed the connection of child {self.pid} without its status")
+        ended = json.loads(line)
+        self.returncode = ended["status"]
+        _ended_cpu[0] += ended["cpu"]
+        self._replies.close()
+        self._connection.close()
+
+
+class Zygote:
+    """One server process with ``modules`` imported, listening on a Unix socket in a folder of its own."""
+
+    def __init__(self, modules: tuple[str, ...]) -> None:
+        self._folder = tempfile.mkdtemp(prefix="taskpoint-zygote-")
+        self._address = os.path.join(self._folder, "socket")
+        print(f"fork server: importing {', '.join(modules)} (at most {START_TIMEOUT:.0f} s)", flush=True)
+        self._server = subprocess.Popen([sys.executable, __file__, self._address, *modules], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)
+        assert self._server.stdout is not None
+        if not select.select([self._server.stdout], [], [], START_TIMEOUT)[0]:
+            self.close()
+            raise AssertionError(f"the fork server did not import {modules} within {START_TIMEOUT} s")
+        ready = self._server.stdout.readline()
+        assert ready.strip() == "ready", f"the fork server failed to start (status {self._server.poll()})"
+
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: str | os.PathLike[str] | None = None,
+              apart: bool = False, faulthandler: bool = False) -> Forked:
+        """A child running ``python argv...`` with ``env`` in ``cwd`` (default: this process's); its stderr in a
+        pipe of its own with ``apart``, else in stdout's; with ``faulthandler``, as ``python -X faulthandler``."""
+        pipes = [os.pipe() for _ in range(2 if apart else 1)]
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            connection.connect(self._address)
+            request = json.dumps({"argv": argv, "env": env, "cwd": os.fspath(cwd or os.getcwd()),
+                                  "faulthandler": faulthandler}).encode()
+            socket.send_fds(connection, [request + b"\n"], [write for _, write in pipes])
+        finally:
+            for _, write in pipes:
+                os.close(write)
+        return Forked(connection, pipes[0][0], pipes[1][0] if apart else None)
+
+    def close(self) -> None:
+        """End the server (its stdin closes); children still running are the tests' to end."""
+        with contextlib.suppress(OSError):
+            assert self._server.stdin is not None
+            self._server.stdin.close()
+        try:
+            self._server.wait(30)
+        except subprocess.TimeoutExpired:
+            self._server.kill()
+            self._server.wait()
+        with contextlib.suppress(OSError):
+            os.unlink(self._address)
+            os.rmdir(self._folder)
+
+
+_servers: dict[tuple[str, ...], Zygote] = {}
+_ended_cpu = [0.0]
+
+
+def ended_cpu() -> float:
+    """CPU-seconds of this process's forked children whose end it has seen: what ``RUSAGE_CHILDREN`` counts of
+    its own children, for tests/_cpu_report.py (the server, not this process, waits for them)."""
+    return _ended_cpu[0]
+
+
+def spawn(modules: tuple[str, ...], argv: list[str], env: dict[str, str], **how: Any) -> Forked:
+    """``python argv...`` forked from this pytest process's server that imported ``modules`` (started on first
+    use, ended at exit); ``how`` as :meth:`Zygote.spawn`."""
+    if modules not in _servers:
+        _servers[modules] = Zygote(modules)
+        atexit.register(_servers[modules].close)
+    return _servers[modules].spawn(argv, env, **how)
+
+
+def run(modules: tuple[str, ...], argv: list[str], env: dict[str, str], cwd: str | os.PathLike[str],
+        timeout: float) -> subprocess.CompletedProcess[str]:
+    """As ``subprocess.run(capture_output=True, text=True)``: the child killed, and ``TimeoutExpired``, past
+    ``timeout``."""
+    child = spawn(modules, argv, env, cwd=cwd, apart=True)
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate(timeout=60)
+        raise
+    return subprocess.CompletedProcess(argv, child.wait(), out, err)
+
+
+# -- the server --------------------------------------------------------------------------------------------------
+
+def serve(address: str) -> dict[str, Any] | None:
+    """Accept requests until stdin closes (None); in a forked child, return its request."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(16)
+    wakeup_read, wakeup_write = os.pipe()
+    os.set_blocking(wakeup_write, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wakeup_write)
+    children: dict[int, socket.socket] = {}
+    print("ready", flush=True)
+    while True:
+        with contextlib.suppress(InterruptedError):
+            readable = select.select([listener, wakeup_read, sys.stdin], [], [])[0]
+        if sys.stdin in readable and not sys.stdin.readline():
+            return None
+        if wakeup_read in readable:
+            os.read(wakeup_read, 4096)
+        _reap(children)
+        if listener in readable:
+            connection, _ = listener.accept()
+            message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 2)
+            while not message.endswith(b"\n"):  # a request longer than one read
+                message += connection.recv(1 << 20)
+            pid = os.fork()
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for fd in (wakeup_read, wakeup_write, listener.fileno(), connection.fileno()):
+                    os.close(fd)
+                for other in children.values():
+                    other.close()
+                request: dict[str, Any] = json.loads(message)
+                request["outputs"] = fds
+                return request
+            for fd in fds:
+                os.close(fd)
+            connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+            children[pid] = connection
+
+
+def _reap(children: dict[int, socket.socket]) -> None:
+    """Send each ended child's status (``-signal`` when a signal ended it) and CPU-seconds (its own and its
+    waited-for children's) on its connection."""
+    while children:
+        pid, status, usage = os.wait4(-1, os.WNOHANG)
+        if pid == 0:
+            return
+        connection = children.pop(pid)
+        ended = {"status": os.waitstatus_to_exitcode(status), "cpu": usage.ru_utime + usage.ru_stime}
+        with contextlib.suppress(OSError):
+            connection.sendall(json.dumps(ended).encode() + b"\n")
+        connection.close()
+
+
+def become(request: dict[str, Any], own_path: list[str]) -> None:
+    """In the child: become ``python argv...`` (stdin /dev/null, stdout and stderr the caller's pipes);
+    ``own_path`` is the interpreter's own ``sys.path``, without a script's folder or a PYTHONPATH."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    outputs = request["outputs"]
+    os.dup2(outputs[0], 1)
+    os.dup2(outputs[-1], 2)
+    for fd in {null, *outputs}:
+        os.close(fd)
+    if request["faulthandler"]:
+        import faulthandler
+
+        faulthandler.enable()
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    if "numpy.random" in sys.modules:  # numpy does not reseed its global generator after a fork; a new process would
+        sys.modules["numpy.random"].seed()
+    script = request["argv"][0]
+    sys.argv = list(request["argv"])
+    # the path python would have: the child's PYTHONPATH, then the interpreter's own, without duplicates (as
+    # site.py leaves it), and the script's folder first
+    sys.path[:] = [*_python_path(request["env"].get("PYTHONPATH", "")), *own_path]
+    site.removeduppaths()
+    sys.path.insert(0, str(Path(script).resolve().parent))
+    import runpy
+
+    runpy.run_path(script, run_name="__main__")
+
+
+def _python_path(variable: str) -> list[str]:
+    return [entry for entry in variable.split(os.pathsep) if entry]
+
+
+if __name__ == "__main__":
+    interpreter_path = json.loads(subprocess.check_output(
+        [sys.executable, "-E", "-c", "import json, sys; print(json.dumps(sys.path[1:]))"]))
+    for name in sys.argv[2:]:
+        importlib.import_module(name)
+    job = serve(sys.argv[1])
+    if job is None:  # the server ends without tearing Lightning's modules down (seconds, for nothing)
+        os._exit(0)
+    become(job, interpreter_path)
