@@ -413,3 +413,12 @@ class WorkerProcess:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait(30)
+
+
+def flip_byte_at(path: Path, offset: int) -> None:
+    """Flip every bit of the byte at ``offset`` of the file ``path`` (flipping it again mends it)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))

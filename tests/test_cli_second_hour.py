@@ -35,7 +35,7 @@ def test_every_uri_the_cli_prints_for_a_step_is_one_it_takes(capsys, where, tmp_
     assert [row["uri"] for row in json.loads(out)["steps"]] == [f"{steps}/ckpt-{n}" for n in (100, 140, 180)]
 
     code, out, err = tp(capsys, "verify", f"{steps}/ckpt-140", *opts)
-    assert (code, out) == (0, "step 140: healthy (8 B, blake3 matches its manifest)\n"), err
+    assert (code, out) == (0, "step 140: healthy (8 B, blake3 pieces match its manifest)\n"), err
     code, out, err = tp(capsys, "show", f"{steps}/ckpt-140", *opts)
     assert code == 0 and "step: 140" in out and f"uri: {steps}/ckpt-140" in out, err
     code, out, err = tp(capsys, "ls", f"{steps}/ckpt-140", *opts)

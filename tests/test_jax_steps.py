@@ -16,7 +16,7 @@ import fsspec
 import numpy as np
 import pytest
 
-from helpers import LazyModule, requires
+from helpers import LazyModule, flip_byte_at, requires
 from taskpoint import CheckpointCorruptError, CheckpointError, CheckpointManager
 from taskpoint.format import fileset
 from taskpoint.format.sealing import sealed
@@ -288,14 +288,6 @@ def large_tree(seed: int) -> dict[str, object]:
 def listing_of(directory: Path, step: int) -> dict[str, object]:
     folder = tree_folder(directory, step)
     return json.loads(folder.with_name(folder.name + ".files.json").read_bytes())
-
-
-def flip_byte_at(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 @pytest.mark.parametrize("store", ["local", "s3"], indirect=True)

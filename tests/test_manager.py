@@ -160,9 +160,9 @@ def test_each_step_holds_its_payload_and_a_manifest_that_commits_it(store, tmp_p
     name = manifest["content"]["payload"]
     payload = read_object(store.url("ckpts", "ckpt-5", name), store.storage_options)
     assert name in names and name.startswith("payload-") and manifest["step_kind"] == "payload"
-    assert manifest["format"] == "taskpoint.step" and manifest["version"] == 6 and manifest["step"] == 5
+    assert manifest["format"] == "taskpoint.step" and manifest["version"] == 7 and manifest["step"] == 5
     assert (manifest["kind"], manifest["codec"]) == ("directory", "gzip")
-    assert manifest["size"] == len(payload) and manifest["blake3"] == blake3.blake3(payload).hexdigest()
+    assert manifest["size"] == len(payload) and manifest["pieces"] == [blake3.blake3(payload).hexdigest()]
     assert manifest["sha256"] is None
     assert manifest["attempt"] is None and manifest["metadata"] == {"note": "x"}
     assert abs(manifest["created"] - time.time()) < 3600

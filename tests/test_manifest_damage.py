@@ -20,7 +20,7 @@ from reliability import QUICK_COUNTS, manifests
 from reliability._common import Servers, list_objects, table
 from taskpoint import CheckpointCorruptError, CheckpointManager, NewerFormatError, StepAbandonedError
 from taskpoint.cli import main
-from taskpoint.format.records import BLAKE3_VERSION
+from taskpoint.format.records import PIECES_VERSION
 
 pytestmark = pytest.mark.timeout(600)
 MANIFEST = "taskpoint.json"
@@ -195,13 +195,13 @@ def test_a_damaged_rank_record_is_never_committed(tmp_path: Path) -> None:
 
 def without_check(place: Any, step: int) -> None:
     """Rewrite ``step``'s manifest as a taskpoint before manifest checks wrote it: the same JSON, no check; a payload
-    step (version 6 now) in the layout of then, version 1, its payload recorded by sha256."""
+    step (version 7 now) in the layout of then, version 1, its payload recorded by sha256."""
     doc = json.loads(read_object(manifest_url(place, step), place.storage_options))
     del doc["check"]
-    if doc["version"] == BLAKE3_VERSION:
+    if doc["version"] == PIECES_VERSION:
         content = doc.pop("content")
         payload = read_object(place.url("steps", f"ckpt-{step}", content["payload"]), place.storage_options)
-        del doc["step_kind"], doc["blake3"]
+        del doc["step_kind"], doc["piece_size"], doc["piece_hash"], doc["pieces"]
         doc.update(content, version=1, sha256=hashlib.sha256(payload).hexdigest())
     write_object(manifest_url(place, step), place.storage_options,
                  json.dumps(doc, sort_keys=True, allow_nan=False).encode())
@@ -264,6 +264,6 @@ def test_a_checked_manifest_may_carry_fields_of_a_newer_taskpoint(tmp_path: Path
 def test_damage_to_the_version_says_upgrade_or_damaged(tmp_path: Path) -> None:
     place = _local(tmp_path)
     saved_steps(place, tmp_path)
-    edit_manifest(place, 2, f'"version": {BLAKE3_VERSION}', '"version": 9')
+    edit_manifest(place, 2, f'"version": {PIECES_VERSION}', '"version": 9')
     with manager(place) as mgr, pytest.raises(NewerFormatError, match=r"upgrade taskpoint.*or it is damaged"):
         mgr.restore(2)

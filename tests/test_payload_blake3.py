@@ -1,5 +1,7 @@
-"""Payload steps by BLAKE3 (issue 42 item 3): what a save records, what an older reader makes of it, and the digest
-each older step keeps. The corpus (test_stored_corpus) reads and verifies the stored samples of every version."""
+"""Payload steps by BLAKE3 (issue 42 item 3): what a save records (BLAKE3 pieces, manifest version 7), what an older
+reader makes of it, and the digest each older step keeps (one BLAKE3 in version 6, a sha256 in version 1). The
+corpus (test_stored_corpus) reads and verifies the stored samples of every version; test_payload_pieces covers what
+pieces catch."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import blake3
 import pytest
 
 from taskpoint import CheckpointCorruptError, CheckpointManager, NewerFormatError
-from taskpoint.format.records import BLAKE3_VERSION, FORMAT_VERSION, STEP_FORMAT, StepManifest
+from taskpoint.format.pieces import PAYLOAD_PIECES
+from taskpoint.format.records import BLAKE3_VERSION, FORMAT_VERSION, PIECES_VERSION, STEP_FORMAT, StepManifest
 from taskpoint.format.sealing import parse
 
 CORPUS = Path(__file__).resolve().parent / "corpus"
@@ -27,19 +30,21 @@ def test_a_payload_step_records_the_blake3_of_its_object_and_no_sha256(tmp_path:
         described = manager.describe(1)
     doc = _manifest(tmp_path / "steps", 1)
     stored = (tmp_path / "steps" / "ckpt-1" / described.payload).read_bytes()
-    assert (doc["version"], doc["step_kind"], doc["sha256"]) == (BLAKE3_VERSION, "payload", None)
-    assert doc["blake3"] == blake3.blake3(stored).hexdigest() == described.blake3
+    assert (doc["version"], doc["step_kind"], doc["sha256"]) == (PIECES_VERSION, "payload", None)
+    assert doc["pieces"] == [blake3.blake3(stored).hexdigest()] and "blake3" not in doc
 
 
-def test_a_reader_of_version_5_refuses_a_version_6_manifest_as_newer_never_as_damaged(tmp_path: Path) -> None:
+@pytest.mark.parametrize("older", [BLAKE3_VERSION - 1, BLAKE3_VERSION])
+def test_a_reader_of_an_older_version_refuses_a_version_7_manifest_as_newer_never_as_damaged(
+        tmp_path: Path, older: int) -> None:
     with CheckpointManager(tmp_path / "steps", preemption=False) as manager:
         manager.save(b"some bytes", 1)
     data = (tmp_path / "steps" / "ckpt-1" / "taskpoint.json").read_bytes()
-    with pytest.raises(CheckpointCorruptError, match="format version 6, newer than this taskpoint understands "
-                                                     "\\(5\\); upgrade taskpoint") as caught:
-        parse(data, STEP_FORMAT, "ckpt-1/taskpoint.json", lambda doc, checked: doc, BLAKE3_VERSION - 1, "")
+    with pytest.raises(CheckpointCorruptError, match=f"format version 7, newer than this taskpoint understands "
+                                                     f"\\({older}\\); upgrade taskpoint") as caught:
+        parse(data, STEP_FORMAT, "ckpt-1/taskpoint.json", lambda doc, checked: doc, older, "")
     assert isinstance(caught.value, NewerFormatError)
-    assert FORMAT_VERSION == BLAKE3_VERSION
+    assert FORMAT_VERSION == PIECES_VERSION
 
 
 def test_a_step_saved_by_sha256_stays_verified_by_its_sha256(tmp_path: Path) -> None:
@@ -65,4 +70,4 @@ def test_a_manifest_read_again_keeps_its_digest_and_version(tmp_path: Path) -> N
     from taskpoint.manager.kinds import KINDS
 
     manifest = StepManifest.from_bytes(data, "u", lambda kind: KINDS.kind(kind, "u").decode)
-    assert manifest.record.hash_name == "blake3" and manifest.to_bytes() == data
+    assert manifest.record.hash_name == PAYLOAD_PIECES and manifest.to_bytes() == data

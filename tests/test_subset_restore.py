@@ -20,6 +20,7 @@ import pytest
 
 from helpers import make_tree, snapshot
 from taskpoint import Checkpoint, CheckpointCorruptError, CheckpointError, CheckpointManager, UnsafeArchiveError
+from taskpoint.format.fileset import PIECE_SIZE
 from taskpoint.format.index import ArchiveIndex
 
 LOCAL_S3 = pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
@@ -111,7 +112,9 @@ def test_damage_inside_the_subset_is_caught_and_outside_it_is_not_read(tmp_path)
 
 @pytest.mark.parametrize("dedup", [False, True], ids=["plain", "dedup"])
 def test_manager_damage_inside_the_subset_raises_and_outside_does_not(tmp_path, dedup):
-    src = make_tree(tmp_path / "src", big=BULK)
+    # A payload step is checked by its 16 MiB BLAKE3 pieces: the bulk (first in the archive) reaches past the first
+    # piece, so that the subset lies in another piece than the damage.
+    src = make_tree(tmp_path / "src", big=BULK if dedup else PIECE_SIZE + BULK)
     with CheckpointManager(tmp_path / "m", dedup=dedup) as mgr:
         mgr.save(src, 1, blocking=True)
         manifest = json.loads((tmp_path / "m" / "ckpt-1" / "taskpoint.json").read_text())

@@ -19,7 +19,7 @@ from ._progress import NO_PROGRESS, Progress
 from .format.codecs import CODECS
 from .format.index import ArchiveIndex
 from .format.records import Record
-from .format.subset import MemberReader, PieceFile, extract_entries, open_pieces, stored_bytes
+from .format.subset import MemberReader, PieceFile, RangeReader, extract_entries, open_pieces, stored_bytes
 from .payloads import DirectoryPayload
 from .signals import uninterrupted
 from .storage import Location
@@ -42,14 +42,17 @@ def listed_index(record: Record | None, size: int | None) -> ArchiveIndex | None
 
 
 def restore_indexed(src: Location, index: ArchiveIndex, paths: Sequence[str], workspace: Path, *,
-                    max_expand: int | None = None, progress: Progress = NO_PROGRESS) -> Path:
+                    max_expand: int | None = None, progress: Progress = NO_PROGRESS,
+                    read_range: RangeReader | None = None) -> Path:
     """Restore ``paths`` (normalized) of the archive at ``src`` into ``workspace`` by ranged reads of the members
     that hold them (staged, then published as a directory load is); returns ``workspace``. KeyError naming a
     path the archive lacks; CheckpointCorruptError when a member read fails its check; FileNotFoundError
-    when the object is missing. ``progress`` counts the stored bytes of those members."""
+    when the object is missing. ``progress`` counts the stored bytes of those members. ``read_range``: how the
+    members are read (a step's object recorded by pieces: :class:`~taskpoint.format.pieces.CheckedRanges`, which
+    checks each piece read); ``src.read_range`` when None."""
     entries = index.select(paths)
     progress.set_total(stored_bytes(index, entries))
-    members = MemberReader(index, CODECS[index.codec], src.read_range, src.uri,
+    members = MemberReader(index, CODECS[index.codec], read_range or src.read_range, src.uri,
                            progress.update if progress.active else None)
     workspace.mkdir(parents=True, exist_ok=True)
     with Staging(workspace) as staging:
@@ -58,11 +61,13 @@ def restore_indexed(src: Location, index: ArchiveIndex, paths: Sequence[str], wo
             return DirectoryPayload.publish(staging, workspace)
 
 
-def open_indexed(src: Location, index: ArchiveIndex, path: str) -> io.BufferedReader:
+def open_indexed(src: Location, index: ArchiveIndex, path: str, read_range: RangeReader | None = None
+                 ) -> io.BufferedReader:
     """The file ``path`` of the archive at ``src``, read on demand member by member, each verified before its
-    bytes are returned. KeyError when the archive has no such file."""
+    bytes are returned (``read_range``: as :func:`restore_indexed` reads). KeyError when the archive has no such
+    file."""
     entry = index.file(path)
-    members = MemberReader(index, CODECS[index.codec], src.read_range, src.uri)
+    members = MemberReader(index, CODECS[index.codec], read_range or src.read_range, src.uri)
     spans = [index.span(i) for i in range(len(index.members))]
     raw = PieceFile([s.plain for s in spans], lambda i: members.fetch(spans[i]), entry.data, entry.size,
                     f"{src.uri}:{entry.name}")

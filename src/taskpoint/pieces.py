@@ -22,10 +22,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+from .digests import hash_span
 from .executors import CPU
 from .executors import IO as IO_POOL
-from .format.fileset import PIECE_HASH, PIECE_SIZE, FileEntry, PieceHasher, file_hasher, piece_hasher, piece_spans
-from .storage import digest_by_reading
+from .format.fileset import PIECE_HASH, PIECE_SIZE, FileEntry, PieceHasher, piece_hasher, piece_spans
 
 #: Threads that hash the pieces of one save, or fetch and check those of one read.
 WORKERS = 2
@@ -246,13 +246,6 @@ def _read_into(fd: int, out: memoryview, start: int) -> int:
     while done < out.nbytes and (count := os.preadv(fd, [out[done:]], start + done)):
         done += count
     return done
-
-
-def hash_span(fd: int, start: int, length: int, piece_hash: str | None) -> tuple[int, str]:
-    """The bytes read (fewer where the file ends) of ``length`` bytes of the open file ``fd`` from ``start``, and
-    their digest by ``piece_hash`` (None: sha256): how every piece of a local file is hashed."""
-    hasher = file_hasher(piece_hash)
-    return digest_by_reading(fd, length, hasher, start=start), hasher.hexdigest()
 
 
 #: How :func:`hash_local` hashes a file: ``(size, piece hash, piece size)``, the piece hash None for one sha256 of

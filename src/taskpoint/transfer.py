@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from ._progress import NO_PROGRESS, Progress
-from .digests import DIGESTS, streaming_hash
+from .digests import DIGESTS, pieces_of_file, streaming_hash
 from .errors import CheckpointCorruptError, CheckpointError
 from .executors import CPU
 from .format.codecs import BLOCK_SIZE, Codec, detect_codec, holds_tar
+from .format.pieces import PAYLOAD_PIECES
 from .format.space import check_room
 from .payloads import BytesPayload, DirectoryPayload, Payload
 from .signals import uninterrupted
@@ -349,9 +350,12 @@ def hash_object(loc: Location, digest: str, size_hint: int | None, progress: Pro
                 fd = raw.fileno()
                 size = os.fstat(fd).st_size
                 progress.set_total(size)
+                on_read = progress.update if progress.active else None
+                if digest == PAYLOAD_PIECES:  # each piece read and hashed on a core of its own
+                    seen.append(pieces_of_file(fd, size, on_read))
+                    return
                 hasher = streaming_hash(digest)  # sha256 and BLAKE3 beside the reads, on a thread of their own
-                hashed = digest_by_reading(fd, size, hasher, progress.update if progress.active else None,
-                                           keep=True)
+                hashed = digest_by_reading(fd, size, hasher, on_read, keep=True)
                 seen.append((hashed, str(hasher.hexdigest())))
 
         loc.run(local, action="verify")

@@ -151,15 +151,15 @@ def test_stale_record_of_another_launch_is_never_committed(tmp_path: Path, monke
 
 
 def test_single_rank_manifests_are_unchanged_and_sharded_steps_need_as_many_ranks(tmp_path: Path) -> None:
-    """world_size 1 writes a payload step's manifest (version 6, the payload recorded by BLAKE3), not shards; a step
-    of 2 ranks restores only on 2 ranks (a clear error on another number), and a single-payload step restores the
-    same payload on every rank."""
+    """world_size 1 writes a payload step's manifest (version 7, the payload recorded by BLAKE3 pieces), not
+    shards; a step of 2 ranks restores only on 2 ranks (a clear error on another number), and a single-payload step
+    restores the same payload on every rank."""
     place = str(tmp_path / "ckpts")
     with CheckpointManager(place, preemption=False) as single:
         single.save(b"one", 1)
         assert single.rank == 0 and single.world_size == 1
     single_doc = json.loads((tmp_path / "ckpts" / "ckpt-1" / "taskpoint.json").read_text())
-    assert (single_doc["version"], single_doc["step_kind"]) == (6, "payload")
+    assert (single_doc["version"], single_doc["step_kind"]) == (7, "payload")
     rank1 = CheckpointManager(place, rank=1, world_size=2, preemption=False)
     saver = threading.Thread(target=rank1.save, args=(b"two-1", 2))
     saver.start()

@@ -546,9 +546,10 @@ def test_an_orphaned_helper_never_writes_over_a_manifest_already_there(tmp_path:
         assert committed is not None
         manifest2.unlink()
         assert mgr.steps() == [1]
-        blank = dataclasses.replace(committed.record, size=None, blake3=None)
+        blank = dataclasses.replace(committed.record, size=None, pieces=())
         orphan = OrphanCommit(str(manifest2), {}, None, dataclasses.replace(committed, record=blank), fill=True)
-        saver._commit_orphan(orphan, (committed.record.size or 0, committed.record.blake3 or ""))
+        assert committed.record.digest is not None
+        saver._commit_orphan(orphan, (committed.record.size or 0, committed.record.digest[1]))
         assert mgr.steps() == [1, 2]
         assert mgr.restore(2).read_bytes() == b"uploaded by the helper"
 

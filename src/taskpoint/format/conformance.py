@@ -49,12 +49,13 @@ _STEP_HEADER: Fields = {
     "format": (STR, True), "version": (INT, True), "step": (INT, True), "kind": (STR, True), "codec": (STR, True),
     "save_id": (SAVE_ID, True), "created": (NUMBER, True), "size": (_or_null(INT), True),
     "sha256": (_or_null(SHA256), True), "crc32": (NULL, True), "blake3": (SHA256, False), "index": (OBJECT, False),
+    "piece_size": (INT, False), "piece_hash": (STR, False), "pieces": (LIST, False),
     "attempt": (_or_null(INT), True), "metadata": (OBJECT, True), "check": (SHA256, True)}
-#: A step manifest's own fields by version (1 to 3: the kind's fields at the top; 4 to 6: named, with content).
+#: A step manifest's own fields by version (1 to 3: the kind's fields at the top; 4 to 7: named, with content).
 _STEP_CONTENT: dict[int, Fields] = {
     1: {"payload": (STR, True)}, 2: {"payload": (STR, True), "tree": (OBJECT, True)},
     3: {"payload": (STR, True), "shards": (LIST, True)},
-    **{version: {"step_kind": (STR, True), "content": (OBJECT, True)} for version in (4, 5, 6)}}
+    **{version: {"step_kind": (STR, True), "content": (OBJECT, True)} for version in (4, 5, 6, 7)}}
 _ENTRY: Fields = {"kind": (STR, True), "codec": (STR, True), "save_id": (SAVE_ID, True), "created": (NUMBER, True),
                   "size": (INT, True), "crc32": (CRC32, True), "sha256": (NULL, True), "index": (OBJECT, False)}
 _RECORD: Fields = {"format": (STR, True), "version": (INT, True), "objects": (LIST, True),

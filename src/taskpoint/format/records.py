@@ -29,6 +29,7 @@ from .index import ArchiveIndex
 from .legacy import PENDING
 from .names import CHECKPOINT_FORMAT as FORMAT
 from .names import SHARD_FORMAT, STEP_FORMAT
+from .pieces import PAYLOAD_PIECES, pieces_json, read_pieces, split_pieces
 from .sealing import CHECK, CRC32, parse, sealed
 
 RECORD_SUFFIX = ".taskpoint.json"
@@ -48,10 +49,13 @@ RECORD_VERSION_UNINDEXED = 2
 #: whose content a version-4 reader would misread (a state dict's pieces hashed by BLAKE3, which it would check
 #: as sha256 and call damaged), written only for such content (its ``manifest_version``), so that older
 #: taskpoints ask to be upgraded instead; version 6 is version 4 recording a payload object (its own, or a
-#: shard's) by BLAKE3 (:data:`BLAKE3_VERSION`), which readers of 1 to 5 would check as sha256.
-FORMAT_VERSION = BLAKE3_VERSION = 6
-#: The hash payload objects are recorded by (:attr:`ObjectRecord.blake3`): cryptographic as sha256 is, at 3.9 GB/s
-#: a core here against sha256's 1.15 GB/s, so that saves, restores and verifies hash at the speed of the disk.
+#: shard's) by BLAKE3 (:data:`BLAKE3_VERSION`), which readers of 1 to 5 would check as sha256; version 7 is version
+#: 6 recording a payload step's object by the BLAKE3 of each of its pieces (:data:`PIECES_VERSION`).
+FORMAT_VERSION = PIECES_VERSION = 7
+BLAKE3_VERSION = 6
+#: The hash the shards of multi-rank steps are recorded by (:attr:`ObjectRecord.blake3`): cryptographic as sha256
+#: is, at 3.9 GB/s a core here against sha256's 1.15 GB/s, so that saves, restores and verifies hash at the speed of
+#: the disk.
 PAYLOAD_HASH = "blake3"
 #: The version of a manifest that names its step kind, unless its content asks for a newer one.
 KIND_VERSION = 4
@@ -83,32 +87,43 @@ class ObjectRecord:
     #: BLAKE3 of the stored bytes (hex): payload objects of manager steps record this instead of a sha256 (from
     #: manifest version 6, shard record version 2, on); absent from the document when None.
     blake3: str | None = None
+    #: The BLAKE3 (hex) of each :data:`~.fileset.PIECE_SIZE` piece of the stored bytes, in order: a payload step's
+    #: object records these instead of one digest (from manifest version 7, :data:`PIECES_VERSION`, on); absent
+    #: from the document when empty.
+    pieces: tuple[str, ...] = ()
     #: Where each entry of a directory archive lies (:mod:`.index`): partial restores read only their members.
     #: None for raw objects, codecs without independent members, and archives saved before indexes existed.
     index: ArchiveIndex | None = field(default=None, compare=False, repr=False)
 
     def to_json(self) -> dict[str, Any]:
-        """The record's fields as a document stores them (no ``index`` or ``blake3`` field when there is none)."""
+        """The record's fields as a document stores them (no ``index``, ``blake3`` or pieces when there are none;
+        pieces as a file set lists them: ``piece_size``, ``piece_hash``, ``pieces``)."""
         doc = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _OPTIONAL}
         if self.blake3 is not None:
             doc["blake3"] = self.blake3
+        if self.pieces:
+            doc.update(pieces_json(self.pieces))
         if self.index is not None:
             doc["index"] = self.index.to_json()
         return doc
 
     @property
     def digest(self) -> tuple[str, str] | None:
-        """The stored bytes' digest a manifest records, as (hash, hex): BLAKE3, else sha256; None when neither."""
-        hexdigest = self.blake3 if self.blake3 is not None else self.sha256
+        """The stored bytes' digest a manifest records, as (hash, hex): BLAKE3 pieces, else BLAKE3, else sha256;
+        None when none."""
+        hexdigest = "".join(self.pieces) if self.pieces else self.blake3 if self.blake3 is not None else self.sha256
         return None if hexdigest is None else (self.hash_name, hexdigest)
 
     @property
     def hash_name(self) -> str:
-        """The hash the stored bytes are recorded by (or read against): BLAKE3, or sha256 in older steps."""
-        return PAYLOAD_HASH if self.blake3 is not None else "sha256"
+        """The hash the stored bytes are recorded by (or read against): BLAKE3 pieces, BLAKE3 (shards, and payload
+        steps of manifest version 6), or sha256 in older steps."""
+        return PAYLOAD_PIECES if self.pieces else PAYLOAD_HASH if self.blake3 is not None else "sha256"
 
     def with_digest(self, size: int, hash_name: str, hexdigest: str) -> ObjectRecord:
         """This record of an object stored with ``size`` bytes whose ``hash_name`` digest is ``hexdigest``."""
+        if hash_name == PAYLOAD_PIECES:
+            return replace(self, size=size, pieces=split_pieces(hexdigest, size))
         by_blake3 = hash_name == PAYLOAD_HASH
         return replace(self, size=size, blake3=hexdigest) if by_blake3 else replace(self, size=size, sha256=hexdigest)
 
@@ -174,69 +189,6 @@ class Record:
                       "delete it to load the checkpoint without verification, or save a new checkpoint", CRC32)
 
 
-@dataclass(frozen=True)
-class TreeEntry:
-    """One entry of a deduplicated step: a file (its chunks, in order), a folder, or a symlink.
-
-    ``path`` is relative, ``/``-separated; ``mode`` holds the permission bits (None: the default, for bytes);
-    ``chunks`` are chunk keys ``<sha256 of the plain bytes>.<codec>``, each :attr:`ChunkedTree.chunk_size`
-    bytes of the file but the last.
-    """
-
-    path: str
-    type: str  # "file", "dir" or "link"
-    mode: int | None = None
-    size: int = 0
-    mtime: float | None = None
-    chunks: tuple[str, ...] = ()
-    target: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"path": self.path, "type": self.type}
-        if self.mode is not None:
-            doc["mode"] = self.mode
-        if self.mtime is not None:
-            doc["mtime"] = self.mtime
-        if self.type == "file":
-            doc["size"], doc["chunks"] = self.size, list(self.chunks)
-        if self.type == "link":
-            doc["target"] = self.target
-        return doc
-
-    @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> TreeEntry:
-        kind, mode, mtime, target = str(doc["type"]), doc.get("mode"), doc.get("mtime"), doc.get("target")
-        if kind not in ("file", "dir", "link") or (kind == "link") != isinstance(target, str):
-            raise ValueError(f"a tree entry of type {kind!r} is malformed")
-        chunks = tuple(str(c) for c in doc.get("chunks", ()))
-        return cls(path=str(doc["path"]), type=kind, mode=None if mode is None else int(mode),
-                   size=int(doc.get("size", 0)), mtime=None if mtime is None else float(mtime), chunks=chunks,
-                   target=target)
-
-
-@dataclass(frozen=True)
-class ChunkedTree:
-    """What a deduplicated step holds: its entries, parents before children, and the chunk size used."""
-
-    chunk_size: int
-    entries: tuple[TreeEntry, ...]
-
-    def chunk_keys(self) -> set[str]:
-        return {key for entry in self.entries for key in entry.chunks}
-
-    def chunk_count(self) -> int:
-        """How many chunks the files name, a chunk named twice counted twice."""
-        return sum(len(entry.chunks) for entry in self.entries)
-
-    def count(self, kind: str) -> int:
-        """How many entries are of ``kind`` (``file``, ``dir`` or ``link``)."""
-        return sum(entry.type == kind for entry in self.entries)
-
-    def file_bytes(self) -> int:
-        """The plain bytes of every file: what a restore writes."""
-        return sum(entry.size for entry in self.entries if entry.type == "file")
-
-
 class StepContent(Protocol):
     """What one kind of step holds, as its manifest records it: the kind's own content (see
     :mod:`taskpoint.manager.kinds`). ``kind`` names the step kind that reads it back."""
@@ -283,8 +235,9 @@ class StepManifest:
     def to_bytes(self) -> bytes:
         header: dict[str, Any] = {"format": STEP_FORMAT, "step": self.step, **self.record.to_json(),
                                   "attempt": self.attempt, "metadata": self.metadata}
-        needs = max(getattr(self.content, "manifest_version", KIND_VERSION),
-                    BLAKE3_VERSION if self.record.blake3 is not None else KIND_VERSION)
+        by_digest = (PIECES_VERSION if self.record.pieces else BLAKE3_VERSION if self.record.blake3 is not None
+                     else KIND_VERSION)
+        needs = max(getattr(self.content, "manifest_version", KIND_VERSION), by_digest)
         version = LEGACY_VERSIONS.get(self.kind)
         if version is not None and needs == KIND_VERSION:
             return sealed({**header, "version": version, **self.content.to_json()})
@@ -362,7 +315,8 @@ class ShardRecord:
     shard: Shard
 
     def to_bytes(self) -> bytes:
-        version = SHARD_VERSION if self.shard.record.blake3 is not None else 1
+        record = self.shard.record
+        version = SHARD_VERSION if record.pieces else BLAKE3_SHARD_VERSION if record.blake3 is not None else 1
         doc = {"format": SHARD_FORMAT, "version": version, "step": self.step, "world_size": self.world_size,
                "round": self.round, "shard": self.shard.to_json()}
         return sealed(doc)
@@ -377,14 +331,17 @@ class ShardRecord:
                       "it is removed by gc() once older than the grace period")
 
 
-#: Newest version of a rank's record of its shard: 2 records it by BLAKE3 (a shard by sha256 is written as 1).
-SHARD_VERSION = 2
+#: Newest version of a rank's record of its shard: 3 records it by BLAKE3 pieces (a rank's payload step of a local
+#: tier, promoted), 2 by one BLAKE3 (a shard by sha256 is written as 1).
+SHARD_VERSION = 3
+BLAKE3_SHARD_VERSION = 2
 
 
 #: The fields of a checkpoint's record (versions 2 and 3); any other is damage.
 _RECORD_KEYS = frozenset({"format", "version", "objects", "confirmed", "sweep", CHECK})
-_OPTIONAL = frozenset({"index", "blake3"})  # written only when set; a checkpoint's record never holds BLAKE3:
-_ENTRY_KEYS = frozenset(f.name for f in fields(ObjectRecord)) - {"blake3"}
+#: Fields written only when set. A checkpoint's record holds neither BLAKE3 nor pieces: there, either is damage.
+_OPTIONAL = frozenset({"index", "blake3", "pieces"})
+_ENTRY_KEYS = frozenset(f.name for f in fields(ObjectRecord)) - {"blake3", "pieces"}
 #: The fields every step's manifest has; in versions 1 to 3 the others are its kind's content.
 _HEADER_KEYS = frozenset({"format", "version", "step", "attempt", "metadata", CHECK,
                           *(f.name for f in fields(ObjectRecord))})
@@ -393,8 +350,9 @@ _HEADER_KEYS = frozenset({"format", "version", "step", "attempt", "metadata", CH
 def _record(value: Any) -> ObjectRecord | None:
     if value is None:
         return None
-    index = value.get("index")
+    index, size = value.get("index"), value.get("size")
+    pieces = read_pieces(value, size) if "pieces" in value else ()
     return ObjectRecord(kind=str(value["kind"]), codec=str(value["codec"]), save_id=str(value["save_id"]),
-                        created=float(value["created"]), size=value.get("size"), sha256=value.get("sha256"),
-                        crc32=value.get("crc32"), blake3=value.get("blake3"),
+                        created=float(value["created"]), size=size, sha256=value.get("sha256"),
+                        crc32=value.get("crc32"), blake3=value.get("blake3"), pieces=pieces,
                         index=None if index is None else ArchiveIndex.from_json(index))

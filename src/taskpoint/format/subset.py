@@ -1,7 +1,9 @@
 """Reading part of a stored directory: some of its entries, or one file, with ranged reads of only what holds them.
 
 Two shapes of stored data share one reader of verified pieces: an indexed archive (:mod:`.index`), whose
-pieces are the codec's independent members (each checked by the codec: gzip's CRC32 and ISIZE), and a
+pieces are the codec's independent members (each checked by the codec: gzip's CRC32 and ISIZE; and, for a step's
+object recorded by BLAKE3 pieces (:mod:`.pieces`), read through :class:`CheckedRanges`, by the pieces that hold
+it), and a
 deduplicated step, whose pieces are chunks (each checked by its sha256, :mod:`taskpoint.manager.chunks`).
 :func:`extract_entries` restores entries of an indexed archive through the same safe extraction as a full
 load (:func:`~.extract.extract_tar`); :class:`PieceFile` is a seekable read-only file over pieces.
@@ -10,23 +12,32 @@ load (:func:`~.extract.extract_tar`); :class:`PieceFile` is a seekable read-only
 from __future__ import annotations
 
 import bisect
+import collections
 import io
 import os
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
+
+import blake3
 
 from ..errors import CheckpointCorruptError
 from ..executors import IO
 from ..storage.streams import OrderedFutureReader
 from .codecs import DECODE_ERRORS, Codec
 from .extract import extract_tar
+from .fileset import PIECE_SIZE, piece_spans
 from .index import TAR_BLOCK, ArchiveIndex, IndexEntry, Span, merged_ranges
 
 #: Reads ``length`` bytes of the stored object from ``start`` (fewer only past its end).
 RangeReader = Callable[[int, int], bytes]
 #: Members inflated ahead of the one being consumed (memory: this x the member size, plain and compressed).
 MEMBERS_AHEAD = 8
+#: Checked pieces a :class:`CheckedRanges` keeps for the reads that follow (the members of an archive are 4 MiB
+#: of plain bytes, so several in a row lie in one piece): at most this many x :data:`~.fileset.PIECE_SIZE` bytes.
+KEPT_PIECES = 4
 
 
 class MemberReader:
@@ -184,3 +195,51 @@ class PieceFile(io.RawIOBase):
 def open_pieces(raw: PieceFile) -> io.BufferedReader:
     """``raw`` buffered, as ``open(path, "rb")`` returns a file: what ``torch.load`` and ``safetensors`` read."""
     return io.BufferedReader(raw, buffer_size=1 << 20)
+
+
+class CheckedRanges:
+    """A :data:`RangeReader` of an object of ``size`` bytes recorded by ``pieces``: each read widened to the whole
+    pieces it covers, each piece checked against its BLAKE3 before any of its bytes are used
+    (CheckpointCorruptError naming the piece and ``where``: what the object is). Safe to call from several
+    threads: a piece is read once while it is kept (:data:`KEPT_PIECES`), however many readers want it."""
+
+    def __init__(self, read: RangeReader, pieces: tuple[str, ...], size: int, where: str) -> None:
+        self._read, self._pieces, self._where = read, pieces, where
+        self._spans = piece_spans(size)
+        self._lock = threading.Lock()
+        self._kept: collections.OrderedDict[int, Future[bytes]] = collections.OrderedDict()
+
+    def __call__(self, start: int, length: int) -> bytes:
+        first, last = start // PIECE_SIZE, (start + max(length, 1) - 1) // PIECE_SIZE
+        held = b"".join(self._piece(i) for i in range(first, min(last, len(self._spans) - 1) + 1))
+        at = start - first * PIECE_SIZE
+        return held[at:at + length]
+
+    def _piece(self, i: int) -> bytes:
+        with self._lock:
+            slot = self._kept.get(i)
+            mine = slot is None
+            if slot is None:
+                slot = self._kept[i] = Future()
+                while len(self._kept) > KEPT_PIECES:
+                    self._kept.popitem(last=False)
+            else:
+                self._kept.move_to_end(i)
+        if mine:
+            try:
+                slot.set_result(self._checked(i))
+            except BaseException as exc:
+                with self._lock:
+                    self._kept.pop(i, None)
+                slot.set_exception(exc)
+        return slot.result()  # another reader's read of this piece: bounded by that read's own storage deadline
+
+    def _checked(self, i: int) -> bytes:
+        start, length = self._spans[i]
+        data = self._read(start, length)
+        if len(data) != length or blake3.blake3(data).hexdigest() != self._pieces[i]:
+            raise CheckpointCorruptError(
+                f"{self._where} is damaged: its piece {i} (bytes {start}-{start + max(length, 1) - 1}) "
+                f"does not match the BLAKE3 recorded when it was saved ({len(data)} of {length} bytes read). "
+                "Restore an older step (fallback=True), or save it again.")
+        return data

@@ -35,7 +35,7 @@ from ..errors import CheckpointCorruptError
 from ..format.archive import walk_source
 from ..format.codecs import Codec, get_codec
 from ..format.documents import EPOCH_FORMAT, small_document
-from ..format.records import TreeEntry
+from ..format.tree import TreeEntry
 from ..payloads import RAW_RESULT_NAME, BytesPayload, DirectoryPayload, FilePayload, Payload
 from ..storage import Deadline, Location
 from ..storage.backends import modified_time

@@ -32,7 +32,7 @@ from pathlib import Path
 from .. import _log
 from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointCorruptError, SaveStalledError
-from ..format.records import ChunkedTree
+from ..format.tree import ChunkedTree
 from ..payloads import BytesPayload, DirectoryPayload, Payload
 from .chunks import ChunkStore, source_tree
 from .leases import SWEEP_BEAT, Heartbeat, fresh, heartbeat, renewing

@@ -12,8 +12,8 @@ from pathlib import Path
 from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointCorruptError
 from ..format.archive import link_leaves
-from ..format.records import ChunkedTree, TreeEntry
 from ..format.space import check_room
+from ..format.tree import ChunkedTree, TreeEntry
 from ..payloads import payload_class
 from ..signals import uninterrupted
 from ..workspace import Staging

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import SaveStalledError
-from ..format.records import PAYLOAD_HASH, ObjectRecord, StepContent, StepManifest
+from ..format.pieces import PAYLOAD_PIECES
+from ..format.records import ObjectRecord, StepContent, StepManifest
 from ..storage import Location, RetryPolicy
 from ..storage.streams import VersionConflict
 from .step_names import MANIFEST_NAME
@@ -129,8 +130,8 @@ class OrphanCommit:
 
     @property
     def hash_name(self) -> str:
-        """The hash the object is stored by: :data:`PAYLOAD_HASH` for a save, the record's for a copy."""
-        return PAYLOAD_HASH if self.fill else self.manifest.record.hash_name
+        """The hash the object is stored by: :data:`PAYLOAD_PIECES` for a save, the record's for a copy."""
+        return PAYLOAD_PIECES if self.fill else self.manifest.record.hash_name
 
     def finish(self, size: int, digest: str, deadline: float) -> None:
         """Commit the step whose object the process stored at ``size`` bytes with ``digest`` (by

@@ -65,7 +65,8 @@ class Verification:
 class StepDescription:
     """What a step's manifest says, read without its payload: its step kind; the object holding its payload
     (empty when none); the commit record (``payload_kind``, ``codec``, ``save_id``, ``created``, ``size``, ``sha256``,
-    ``crc32``, and ``blake3``: a payload's digest since manifest version 6); the task attempt and the user's metadata;
+    ``crc32``, ``blake3``: a payload's digest in manifest version 6, and ``pieces``: the BLAKE3 of each 16 MiB piece
+    of a payload since version 7); the task attempt and the user's metadata;
     and the kind's own ``details`` (shards, files, chunks; a ``size`` there is the data the step holds, where it differs
     from the record's)."""
 
@@ -85,6 +86,7 @@ class StepDescription:
     metadata: dict[str, Any]
     details: dict[str, Any] = field(default_factory=dict)
     blake3: str | None = None
+    pieces: tuple[str, ...] = ()
 
     def not_a_copy_of(self, committed: StepDescription) -> str | None:
         """Why this step (a local tier's copy) is not the step ``committed`` describes (the remote tier's, whose
@@ -92,11 +94,13 @@ class StepDescription:
         (for a multi-rank step, some rank's shard: a tool that does not know which rank wrote a local_dir accepts
         any; a tiered restore asks for its own rank's)."""
         shards = committed.details.get("shards")
-        recorded = ({(shard["size"], shard["sha256"], shard.get("blake3")) for shard in shards} if shards
-                    else {(committed.size, committed.sha256, committed.blake3)})
-        if (self.size, self.sha256, self.blake3) in recorded:
+        recorded = ({(shard["size"], shard["sha256"], shard.get("blake3"), shard.get("pieces", ())) for shard in shards}
+                    if shards
+                    else {(committed.size, committed.sha256, committed.blake3, committed.pieces)})
+        if (self.size, self.sha256, self.blake3, self.pieces) in recorded:
             return None
-        digest = f"BLAKE3 {self.blake3}" if self.blake3 is not None else f"sha256 {self.sha256}"
+        digest = (f"BLAKE3 of {len(self.pieces)} pieces" if self.pieces else f"BLAKE3 {self.blake3}"
+                  if self.blake3 is not None else f"sha256 {self.sha256}")
         return (f"not the committed step: its {digest} is not the one {committed.uri} records for "
                 f"{'any shard' if shards else 'its payload'} (a save never promoted, whose step number another "
                 "save committed since); a restore with this local_dir reads the remote copy and removes this one")
@@ -179,4 +183,5 @@ def describe_step(context: StepContext, kinds: StepKinds, step: int) -> StepDesc
                            payload=described.payload, attempt=manifest.attempt, payload_kind=record.kind,
                            codec=record.codec, save_id=record.save_id, created=record.created, size=record.size,
                            sha256=record.sha256, crc32=record.crc32, checked=manifest.checked,
-                           metadata=manifest.metadata, details=described.details, blake3=record.blake3)
+                           metadata=manifest.metadata, details=described.details, blake3=record.blake3,
+                           pieces=record.pieces)

@@ -19,8 +19,9 @@ from ... import _progress
 from ..._progress import Progress
 from ...errors import CheckpointCorruptError
 from ...format.index import covered, normalize_path
-from ...format.records import ChunkedTree, ObjectRecord, StepManifest, TreeEntry
+from ...format.records import ObjectRecord, StepManifest
 from ...format.subset import PieceFile, open_pieces
+from ...format.tree import ChunkedTree, TreeEntry
 from ...payloads import Payload
 from ..dedup import deduplicable
 from ..rebuild import MissingChunk

@@ -1,7 +1,9 @@
 """The ``payload`` step kind: one payload object in the step's folder, stored as a Checkpoint stores it (raw,
-or a tar archive), committed by a manifest naming it with its BLAKE3, computed beside the write. The kind of every
-step saved without ``dedup`` by one rank. Its manifest is version 6 (version 4's layout): steps saved before
-BLAKE3 keep version 1's, with a sha256, and are read and verified by it as they were."""
+or a tar archive), committed by a manifest naming it with the BLAKE3 of each of its 16 MiB pieces, computed beside
+the write (:mod:`taskpoint.format.pieces`). The kind of every step saved without ``dedup`` by one rank. Its
+manifest is version 7 (version 4's layout); a partial restore through the archive's index checks the pieces it
+reads. Steps saved before keep their version: 6, by one BLAKE3 of the object, and 1, by its sha256, read and
+verified by it as they were."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ from typing import Any, ClassVar
 from ..._progress import NO_PROGRESS, Progress
 from ...format.codecs import Codec
 from ...format.index import normalize_path
-from ...format.records import PAYLOAD_HASH, ObjectRecord, StepManifest
+from ...format.pieces import PAYLOAD_PIECES
+from ...format.records import ObjectRecord, StepManifest
+from ...format.subset import CheckedRanges
 from ...partial import indexed, open_by_restoring, open_indexed, restore_indexed
 from ...payloads import BytesPayload, Payload, StagedBytes
 from ...storage import Location, RetryPolicy
@@ -106,8 +110,10 @@ class PayloadKind:
         if not indexed(record.index, record.codec):
             return read_object(context, step, name, record, workspace, progress, only=paths)
         assert record.index is not None
+        src = context.steps.object(step, name)
         try:
-            return restore_indexed(context.steps.object(step, name), record.index, paths, workspace, progress=progress)
+            return restore_indexed(src, record.index, paths, workspace, progress=progress,
+                                   read_range=_checked_ranges(context, step, src, record))
         except FileNotFoundError:
             raise _gone(context, step, name) from None
 
@@ -117,12 +123,14 @@ class PayloadKind:
             return open_by_restoring(lambda folder: self.restore_paths(
                 context, step, manifest, folder, [normalize_path(path)], NO_PROGRESS), normalize_path(path))
         assert record.index is not None
-        return open_indexed(context.steps.object(step, name), record.index, path)
+        src = context.steps.object(step, name)
+        return open_indexed(src, record.index, path, _checked_ranges(context, step, src, record))
 
     def verify(self, context: StepContext, step: int, manifest: StepManifest, progress: object) -> Checked:
         name, record = content_of(manifest, PayloadObject).name, manifest.record
         size = stored_object(context, step, name, record, progress, f"verify step {step}")
-        return Checked(size, f"{record.hash_name} matches its manifest")
+        return Checked(size, "blake3 pieces match its manifest" if record.pieces else
+                       f"{record.hash_name} matches its manifest")
 
     def objects(self, steps: StepStore, step: int, manifest: StepManifest) -> StepObjects:
         name, record = content_of(manifest, PayloadObject).name, manifest.record
@@ -140,6 +148,15 @@ class PayloadKind:
         return bool(_OWNED.fullmatch(name))
 
 
+def _checked_ranges(context: StepContext, step: int, src: Location, record: ObjectRecord) -> CheckedRanges | None:
+    """Ranged reads of ``step``'s payload object that check the pieces they cover; None for an object recorded by
+    one digest (manifest versions 1 to 6), whose ranged reads only the codec checks (each gzip member's CRC32)."""
+    if not record.pieces:
+        return None
+    where = f"step {step} in {context.steps.directory} (its payload {src.uri})"
+    return CheckedRanges(src.read_range, record.pieces, record.size or 0, where)
+
+
 class _SegmentBytes(BytesPayload):
     """The bytes of a segment, written as they lie there (no copy)."""
 
@@ -151,7 +168,7 @@ class _SegmentBytes(BytesPayload):
 class StagedPayloadWrite:
     """The save process's part of a background save of staged bytes: :meth:`run` writes the step's payload object
     ``name`` at ``uri`` from the segment, as :meth:`PayloadKind.store` writes bytes, and returns its size and
-    ``manifest`` with the object's size and BLAKE3 (written by the trainer, or by the save process for a trainer
+    ``manifest`` with the object's size and BLAKE3 pieces (written by the trainer, or by the save process for a trainer
     that died)."""
 
     uri: str
@@ -165,9 +182,9 @@ class StagedPayloadWrite:
     def run(self, segment: Segment, progress: Progress) -> tuple[dict[str, int], StepManifest]:
         payload = _SegmentBytes(segment.buffer)
         size, digest = write_payload(Location(self.uri, self.storage_options, self.retry), payload, self.codec,
-                                     self.level, PAYLOAD_HASH, progress=progress)
+                                     self.level, PAYLOAD_PIECES, progress=progress)
         del payload  # no view of the segment is left: it can be unmapped
-        record = self.manifest.record.with_digest(size, PAYLOAD_HASH, digest)
+        record = self.manifest.record.with_digest(size, PAYLOAD_PIECES, digest)
         return {self.name: size}, dataclasses.replace(self.manifest, record=record)
 
 

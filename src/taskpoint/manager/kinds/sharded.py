@@ -19,7 +19,15 @@ from typing import Any, ClassVar
 
 from ..._progress import Progress
 from ...errors import CheckpointError
-from ...format.records import BLAKE3_VERSION, KIND_VERSION, ObjectRecord, Shard, StepContent, StepManifest
+from ...format.records import (
+    BLAKE3_VERSION,
+    KIND_VERSION,
+    PIECES_VERSION,
+    ObjectRecord,
+    Shard,
+    StepContent,
+    StepManifest,
+)
 from ...payloads import Payload
 from ..background import store_payload
 from ..shards import ShardWriter, shards_record
@@ -70,8 +78,11 @@ class RankParts:
 
 
 def by_blake3(shards: tuple[Shard, ...]) -> int:
-    """The manifest version of a step whose ranks' parts are ``shards``: :data:`BLAKE3_VERSION` when one is
+    """The manifest version of a step whose ranks' parts are ``shards``: :data:`PIECES_VERSION` when one is
+    recorded by BLAKE3 pieces (a payload step of a rank's local tier, promoted), :data:`BLAKE3_VERSION` when one is
     recorded by BLAKE3, which readers of older versions would check as sha256; else version 4."""
+    if any(shard.record.pieces for shard in shards):
+        return PIECES_VERSION
     return BLAKE3_VERSION if any(shard.record.blake3 is not None for shard in shards) else KIND_VERSION
 
 
@@ -239,7 +250,8 @@ class RanksKind:
             named = {} if shard.step_kind is None else {**described.details, "step_kind": shard.step_kind}
             shards.append({**named, "rank": shard.rank, "payload": described.payload, "size": shard.record.size,
                            "sha256": shard.record.sha256,
-                           **({} if shard.record.blake3 is None else {"blake3": shard.record.blake3})})
+                           **({} if shard.record.blake3 is None else {"blake3": shard.record.blake3}),
+                           **({"pieces": shard.record.pieces} if shard.record.pieces else {})})
         return Described(payload="", details={"shards": shards})
 
     def owns(self, name: str, committed: bool) -> bool:
