@@ -375,9 +375,9 @@ def run_torchrun(worker: Path, world: int, argument: str, within: float) -> tupl
 class WorkerProcess:
     """A test worker script in a real process, given one JSON argument, printing one JSON event a line; its
     events collected on a thread as they come (``events``), its stderr read once it has ended. The process is
-    forked from a server that imported ``modules`` once (tests/_zygote.py)."""
+    forked from a server that imported ``modules`` once (tests/_zygote.py; none: a worker of taskpoint alone)."""
 
-    def __init__(self, worker: Path, args: dict[str, Any], modules: tuple[str, ...]) -> None:
+    def __init__(self, worker: Path, args: dict[str, Any], modules: tuple[str, ...] = ()) -> None:
         self.process = zygote.spawn(modules, [str(worker), json.dumps(args)], dict(os.environ), apart=True)
         self.events: list[dict[str, Any]] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
