@@ -188,6 +188,9 @@ class SaverProcess:
                 stdout=subprocess.PIPE, env=env, close_fds=True)
         except OSError as exc:
             raise SaverUnavailable(f"could not start {sys.executable}: {exc}") from exc
+        # Lowered here, before the child starts a thread (its threads inherit it), not by the child itself: a child
+        # slow to start would lower it after a wait of this process's had raised it (:meth:`waited_on`).
+        self._renice(os.getpriority(os.PRIO_PROCESS, 0) + NICENESS)
         self._lock = threading.Lock()
         #: Whether the child said it is ready (read before its first answer).
         self.started = False
@@ -360,7 +363,8 @@ class SaverProcess:
                 with contextlib.suppress(OSError):
                     stream.close()
         try:
-            self._process.wait(timeout=30)
+            with self.waited_on():
+                self._process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self._process.kill()
             self._process.wait()
