@@ -327,11 +327,11 @@ class SaverProcess:
         """While the trainer waits for the child (the next save, or the emergency one, waits for the save in
         flight), the child runs at the trainer's own CPU priority, not :data:`NICENESS` lower: its lower priority
         only yields a core the trainer would use, and a trainer that waits uses none. Else any other work on the
-        machine at the trainer's priority starves the save the trainer waits for: measured on the 2-core machine
-        beside two CPU burners and a test module (load 8-11), the save process's import of torch, which a first
-        staged save waits for, held the next ``save()`` of a training loop for 120 s and more. Yields whether the
-        priority was raised: lowering a niceness needs ``CAP_SYS_NICE`` (or ``RLIMIT_NICE``), without which the
-        child stays where it is. Lowered again afterwards, which needs no privilege."""
+        machine at the trainer's priority starves the save the trainer waits for: on the 2-core machine at load
+        15-20, a training loop's next ``save()`` waited over 120 s for its save process's import of torch (which
+        the first staged save needs), the trainer in this wait and the child in that import (py-spy). Yields
+        whether the priority was raised: lowering a niceness needs ``CAP_SYS_NICE`` (or ``RLIMIT_NICE``), without
+        which the child stays where it is. Lowered again afterwards, which needs no privilege."""
         own = os.getpriority(os.PRIO_PROCESS, 0)
         raised = self._renice(own)
         try:
