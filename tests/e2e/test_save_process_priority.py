@@ -5,6 +5,7 @@ held with SIGSTOP while the trainer waits on it."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -14,6 +15,7 @@ import pytest
 
 from helpers import wait_until
 from taskpoint import CheckpointManager
+from taskpoint.manager import background
 from taskpoint.manager.saver import NICENESS
 
 TIMEOUT = 60
@@ -41,8 +43,11 @@ def permitted_to_raise() -> bool:
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads threads' niceness from /proc")
 @pytest.mark.skipif(not permitted_to_raise(), reason="raising the save process's priority needs CAP_SYS_NICE")
-def test_the_save_process_runs_at_the_trainers_priority_only_while_the_trainer_waits_for_it(tmp_path):
+def test_the_save_process_runs_at_the_trainers_priority_only_while_the_trainer_waits_for_it(tmp_path, monkeypatch,
+                                                                                               caplog):
     own = os.getpriority(os.PRIO_PROCESS, 0)
+    monkeypatch.setattr(background, "WAIT_LOG_SECONDS", 0.05)  # the wait's log line, every 0.05 s here
+    caplog.set_level(logging.INFO, logger="taskpoint")
     with CheckpointManager(tmp_path / "ckpts") as manager:
         manager.save(b"first" * 1000, 1, blocking=False)
         manager.wait_until_finished()
@@ -55,6 +60,9 @@ def test_the_save_process_runs_at_the_trainers_priority_only_while_the_trainer_w
             waiter = threading.Thread(target=manager.wait_until_finished)
             waiter.start()
             assert wait_until(lambda: niceness(saver.pid) == {own}, TIMEOUT), niceness(saver.pid)
+            line = f"for the background save of step 2 (save process pid {saver.pid}, at this process's CPU priority"
+            assert wait_until(lambda: any(line in record.getMessage() for record in caplog.records), TIMEOUT), (
+                caplog.text)  # the wait says so while it lasts
             assert waiter.is_alive()
         finally:
             os.kill(saver.pid, signal.SIGCONT)
