@@ -10,8 +10,11 @@ kept until the next call of the manager, or reported at exit: never lost.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import shutil
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -25,10 +28,20 @@ from ..payloads import Payload, registered_payloads
 from ..storage import Location
 from ..transfer import write_payload
 from ..workspace import owned_folder, sweep_dead_folders
-from .saver import NotTransferable, OrphanPart, SaverProcess, SaverUnavailable, StagedJob, release_freed_memory
+from .saver import (
+    NICENESS,
+    NotTransferable,
+    OrphanPart,
+    SaverProcess,
+    SaverUnavailable,
+    StagedJob,
+    release_freed_memory,
+)
 from .snapshots import SnapshotCache, spool
 from .staging import Segment, Stageable, sweep_dead_segments
 from .staging_memory import StagingMemory
+
+_log = logging.getLogger("taskpoint")
 
 
 class BackgroundSave:
@@ -54,12 +67,18 @@ class BackgroundSave:
         self._thread = threading.Thread(target=run, name=f"taskpoint-save-step-{step}")
         self._thread.start()
 
-    def settle(self, *, wait: bool) -> None:
+    def settle(self, *, wait: bool, saver: SaverProcess | None = None) -> None:
+        """Raise the error of a finished save; with ``wait``, first let it finish (``saver``, its save process,
+        at the caller's priority meanwhile: :meth:`~.saver.SaverProcess.waited_on`)."""
         thread = self._thread
         if thread is None:
             return
-        if wait:
-            thread.join()
+        if wait and thread.is_alive():
+            def joined(within: float) -> bool:
+                thread.join(within)
+                return not thread.is_alive()
+
+            waited_on(saver, f"the background save of step {self._step}", joined)
         elif thread.is_alive():
             return
         with self._lock:
@@ -80,6 +99,25 @@ class BackgroundSave:
         if thread is not None and not thread.is_alive() and error is not None:
             warnings.warn(f"the background save of step {self._step} to {directory} failed and no later call "
                           f"reported it: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=1)
+
+
+#: How long a wait for the save in flight goes unlogged, and then how often it is logged again while it lasts.
+WAIT_LOG_SECONDS = 10.0
+
+
+def waited_on(saver: SaverProcess | None, what: str, done: Callable[[float], bool]) -> None:
+    """Wait until ``done(within)`` (which waits at most ``within`` seconds) is true, with ``saver``, the save
+    process that does the work waited for, at this process's priority meanwhile; logged every
+    :data:`WAIT_LOG_SECONDS` while it lasts. The wait's bound is the work's own: the store's retries and
+    deadlines, and the save process's death, which ends the save with :class:`~.saver.SaverUnavailable`."""
+    with contextlib.ExitStack() as stack:
+        raised = saver is not None and stack.enter_context(saver.waited_on())
+        began = time.monotonic()
+        while not done(WAIT_LOG_SECONDS):
+            _log.info("taskpoint: waited %.0f s so far for %s%s", time.monotonic() - began, what,
+                      "" if saver is None else f" (save process pid {saver.pid}, " + (
+                          "at this process's CPU priority meanwhile)" if raised else
+                          f"left {NICENESS} lower in CPU priority: raising it is not permitted here)"))
 
 
 #: Start of the names of background-save snapshot folders: ``taskpoint-snapshot-<host>-<pid>-<random>``.
@@ -125,7 +163,7 @@ class Handover:
         return stored
 
     def wait(self) -> None:
-        self._taken.wait()
+        waited_on(self.process, "the save process to take the request", self._taken.wait)
 
     def finish(self) -> None:
         """After the save's thread committed the step (or failed to): the process need not commit it."""
@@ -305,7 +343,7 @@ class Background:
 
     def settle(self, *, wait: bool) -> None:
         """Raise the error of a finished background save; with ``wait``, first let it finish."""
-        self.slot.settle(wait=wait)
+        self.slot.settle(wait=wait, saver=self._saver)
 
     def helper_process(self) -> SaverProcess | None:
         """The save process, started on first use; None when off or unavailable."""

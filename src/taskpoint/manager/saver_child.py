@@ -31,7 +31,6 @@ from .saver import (
     CLOSE,
     DONE,
     KEEP_FRESH_SECONDS,
-    NICENESS,
     TAKEN,
     WARM,
     OrphanPart,
@@ -251,8 +250,6 @@ def serve(parent: int) -> None:
     requests = io.FileIO(0, "rb", closefd=False)  # unbuffered: what is not read stays in the pipe, for pending()
     duty = _Duty(requests.fileno())
     _die_with_parent(parent, duty)
-    with contextlib.suppress(OSError, AttributeError):
-        os.nice(NICENESS)
     # The pipe to the parent is a private copy of stdout; fd 1 now points at stderr, so a stray print from
     # some library cannot corrupt the protocol.
     replies = os.fdopen(os.dup(1), "wb")
