@@ -61,7 +61,7 @@ from ..format.codecs import Codec
 from ..format.records import PAYLOAD_HASH, StepManifest
 from ..payloads import Payload
 from ..storage import Location
-from ..workspace import owner_tag
+from ..workspace import owner_gone, owner_tag, process_start
 from .staging import Segment
 
 _LENGTH = struct.Struct("<Q")
@@ -197,6 +197,7 @@ class SaverProcess:
         #: Who owns a segment named for this process (:func:`~.staging.owner_tag`): a staged save's segment is
         #: made under it, so that it is the save process's from the start.
         self.owner = owner_tag(self.pid)
+        self._start = max(process_start(self.pid), 0)
 
     @property
     def pid(self) -> int:
@@ -320,7 +321,11 @@ class SaverProcess:
                 write_message(stdin, pickled(DONE))
 
     def alive(self) -> bool:
-        return self.exit_code is None
+        """Whether the child runs: it has not exited, nor is it ending. A killed child's main thread ends first (a
+        zombie in ``/proc``, which :func:`~taskpoint.workspace.owner_gone` counts as gone and a sweep of dead owners'
+        segments acts on) while ``poll()`` waits for its other threads, which take a while on a loaded machine: a
+        segment named for it then would be swept under the save that uses it."""
+        return self.exit_code is None and not owner_gone(self.pid, self._start)
 
     @contextlib.contextmanager
     def waited_on(self) -> Iterator[bool]:

@@ -22,6 +22,7 @@ import warnings
 from typing import IO, Any
 
 from .. import _progress, preemption
+from .._log import logger
 from .._progress import NO_PROGRESS, Progress
 from ..format.records import StepManifest
 from ..storage import Location
@@ -41,9 +42,13 @@ from .saver import (
     release_freed_memory,
     write_message,
 )
-from .staging import Segment, free_owned_segments
+from .staging import WAIT_LOG_SECONDS, Segment, free_owned_segments
 from .step_commit import write_manifest
 
+#: How long the next message waits for the imports ahead (``WARM``) under way before it is read beside them: far past
+#: the seconds that importing torch takes, even on a loaded machine, so that only an import that hangs is not waited
+#: out.
+WARM_WAIT_SECONDS = 300.0
 #: Where the child writes a staged save's manifest (which the save's job made whole) for a dead parent: the
 #: location's URI, storage options and retry policy.
 _Commit = tuple[str, Any, Any]
@@ -238,6 +243,39 @@ def _adopt(name: str, kept: Segment | None) -> Segment:
     return Segment.adopt(name)
 
 
+class _Warmer:
+    """The modules the parent asks this process to import ahead of the requests that need them (``WARM``), imported
+    on a thread of their own, which the next message waits for (:meth:`wait`): two threads importing modules that
+    import each other (torch and numpy) trip Python's import-deadlock detection, which hands one of them a partly
+    initialised module (``cannot import name ... from partially initialized module``, or torch's ``cannot load
+    module more than once per process``), and reading a request imports the modules of its payload or job. A module
+    that fails here is imported (and fails) again by the request that needs it."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+
+    def start(self, modules: list[str]) -> None:
+        self._thread = threading.Thread(target=_import_quietly, args=(modules,), name="taskpoint-saver-warm",
+                                        daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Until the imports ahead are done: logged every :data:`WAIT_LOG_SECONDS`, and given up (logged) after
+        :data:`WARM_WAIT_SECONDS`, as an import that long has hung."""
+        thread, self._thread = self._thread, None
+        began = time.monotonic()
+        while thread is not None and thread.is_alive():
+            thread.join(WAIT_LOG_SECONDS)
+            waited = time.monotonic() - began
+            if not thread.is_alive():
+                return
+            if waited >= WARM_WAIT_SECONDS:
+                logger.warning("the save process reads its next message beside imports ahead that ran %.0f s", waited)
+                return
+            logger.info("the save process waits for its imports ahead before it reads a message, since %.0f s",
+                        waited)
+
+
 def _import_quietly(modules: list[str]) -> None:
     """Import ``modules`` ahead of the requests that need them; one that fails is imported (and fails) again there."""
     for name in modules:
@@ -249,6 +287,7 @@ def serve(parent: int) -> None:
     """The child's loop: answer write requests until the pipe closes."""
     requests = io.FileIO(0, "rb", closefd=False)  # unbuffered: what is not read stays in the pipe, for pending()
     duty = _Duty(requests.fileno())
+    warmer = _Warmer()
     _die_with_parent(parent, duty)
     # The pipe to the parent is a private copy of stdout; fd 1 now points at stderr, so a stray print from
     # some library cannot corrupt the protocol.
@@ -264,6 +303,7 @@ def serve(parent: int) -> None:
         select.select([requests], [], [])  # until a message, or the end of the pipe, is there to read
         duty.handling.set()  # before a byte is read: pending() sees the message in the pipe or being handled
         try:
+            warmer.wait()  # unpickling a request imports the modules of its payload or job
             try:
                 message = read_message(requests)
             except EOFError:  # the parent died (a closing manager says CLOSE first)
@@ -272,19 +312,18 @@ def serve(parent: int) -> None:
                 return
             if message == CLOSE:
                 return
-            _handle(message, duty, replies)
+            _handle(message, duty, replies, warmer)
         finally:
             duty.handling.clear()
         release_freed_memory()
 
 
-def _handle(message: Any, duty: _Duty, replies: IO[bytes]) -> None:
+def _handle(message: Any, duty: _Duty, replies: IO[bytes], warmer: _Warmer) -> None:
     """One message of the parent's: ``done``, modules to import ahead, or a request to serve."""
     if message == DONE:
         duty.end()
     elif isinstance(message, tuple) and message[0] == WARM:
-        threading.Thread(target=_import_quietly, args=(message[1],), name="taskpoint-saver-warm",
-                         daemon=True).start()
+        warmer.start(message[1])
     elif isinstance(message, StagedRequest):
         _serve_staged(message, duty, replies)
     else:
