@@ -80,6 +80,8 @@ class PieceDigests:
             view = view[take:]
 
     def _take(self, chunk: bytes) -> None:
+        if not chunk:
+            return  # no bytes begin no piece: a stream of whole pieces ending with an empty read has no empty last one
         self._chunks.append(chunk)
         self._filled += len(chunk)
         if self._filled == PIECE_SIZE:
