@@ -14,7 +14,8 @@ Staged: numpy arrays (of any dtype but object) and jax arrays on one CPU device.
 (an accelerator, or sharded over several devices) is not staged: its background save serializes it first, as
 before, and stores the folder as a payload.
 
-Staged arrays start on :data:`ALIGN`-byte boundaries, which the CPU client of jax needs to alias a buffer.
+Staged arrays start on :attr:`~taskpoint.manager.staging.Segment.ALIGN`-byte boundaries, which the CPU client of
+jax needs to alias a buffer.
 """
 
 from __future__ import annotations
@@ -30,9 +31,6 @@ from ..format.codecs import Codec
 from ..manager.kind_api import Segment
 from ..payloads import DirectoryPayload
 from ._pytree import PAYLOAD_KIND, Encoded
-
-#: Where each staged array starts in the segment: a multiple of this.
-ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -68,7 +66,7 @@ class TreePlan:
             if host is None:
                 self.size: int | None = None
                 return
-            start = -(-end // ALIGN) * ALIGN
+            start = Segment.aligned(end)
             self._sources[key] = host
             self._refs[key] = _ArrayRef(start, host.dtype, tuple(host.shape), isinstance(array, jax.Array))
             end = start + host.nbytes

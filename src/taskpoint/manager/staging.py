@@ -57,6 +57,15 @@ def segment_folder() -> Path:
 class Segment:
     """One staging segment (a file in :func:`segment_folder`) and the mapping of its bytes in this process."""
 
+    #: Where each thing staged in a segment starts: a multiple of this many bytes (jax's CPU client aliases only an
+    #: aligned host buffer; ``torch.save`` aligns storages so in its file).
+    ALIGN = 64
+
+    @classmethod
+    def aligned(cls, offset: int) -> int:
+        """The first :attr:`ALIGN` boundary at or after ``offset``: where the next thing staged starts."""
+        return -(-offset // cls.ALIGN) * cls.ALIGN
+
     def __init__(self, path: Path, size: int) -> None:
         self.path, self.size = path, size
         self._map: mmap.mmap | None = None

@@ -9,7 +9,8 @@ its storage there, storages shared as they were, so tied weights stay tied) and 
 hashed by BLAKE3), which ``load_state_dict_sync(..., mmap=True)`` maps. CUDA tensors come back as CPU tensors
 (``map_location`` places them on load).
 
-Staged storages start on :data:`ALIGN`-byte boundaries, as ``torch.save`` aligns them in its file.
+Staged storages start on :attr:`~taskpoint.manager.staging.Segment.ALIGN`-byte boundaries, as ``torch.save`` aligns
+them in its file.
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ from ..payloads import BytesPayload
 from ..storage import Location
 from ._state_file import state_manifest, write_state
 
-#: Where each staged storage starts in the segment: a multiple of this.
-ALIGN = 64
 #: Leaves kept in the skeleton as they are (everything a state dict holds but tensors and containers).
 _KEPT = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 
@@ -82,7 +81,7 @@ class Plan:
         index = self._index.get(key)
         if index is None:
             index = self._index[key] = len(self.spans)
-            start = -(-self.size // ALIGN) * ALIGN
+            start = Segment.aligned(self.size)
             self.spans.append((start, storage.nbytes()))
             self.storages.append(storage)
             self.size = start + storage.nbytes()
