@@ -112,8 +112,8 @@ class PieceReader(io.RawIOBase):
         piece_hasher(self._piece_hash)  # ValueError for an unknown hash, before any thread starts
         #: The local file's path (``fd``'s), None through ``fetch``; a file object's ``name``.
         self.name = name
-        self._size, self._digests = entry.size, list(entry.pieces) or [entry.sha256]
-        self._piece_size = entry.piece_size if entry.pieces else max(1, entry.size)
+        digests, self._piece_size = entry.checked_pieces
+        self._size, self._digests = entry.size, list(digests)
         self._fetch, self._fd, self._damaged = fetch, fd, damaged
         self._position = 0
         self._pool = (CPU if fetch is None else IO_POOL).lane(WORKERS)  # hashing a local file, or fetching

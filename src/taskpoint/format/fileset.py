@@ -114,6 +114,14 @@ class FileEntry:
         return f"{PIECES_DIGEST_PREFIX}{self.piece_hash}" if self.pieces else UNNAMED_PIECE_HASH
 
     @property
+    def checked_pieces(self) -> tuple[tuple[str, ...], int]:
+        """The digests a reader checks the file by, and the bytes each covers: its pieces, or, for a file listed
+        whole, its sha256 as one piece of the whole file (of at least one byte, so that offsets map to it)."""
+        if self.pieces:
+            return self.pieces, self.piece_size
+        return (self.sha256,), max(1, self.size)
+
+    @property
     def hash_name(self) -> str:
         """The hash its digests are of, for messages: its pieces' hash, or sha256."""
         return self.piece_hash or UNNAMED_PIECE_HASH

@@ -191,8 +191,8 @@ class Reader(Rooted, StorageReader):
         assert self._manifest is not None
         entry = self._manifest.entry(name, self._root.uri)
         location = self._root.child(name)
-        piece_size = entry.piece_size if entry.pieces else max(1, entry.size)  # a file listed whole: one piece
-        pieces, piece_hash = len(entry.pieces) or 1, entry.hash_name
+        digests, piece_size = entry.checked_pieces  # a file listed whole: one piece
+        pieces, piece_hash = len(digests), entry.hash_name
         spans = [(info.offset, info.length) for info in (self._storage[item.storage_index] for item in items)]
         order = sorted({index for start, length in spans
                         for index in range(start // piece_size, (start + max(length, 1) - 1) // piece_size + 1)
