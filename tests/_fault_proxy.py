@@ -412,10 +412,11 @@ class FaultProxy:
         return upstream
 
     def _hold(self, client: socket.socket) -> None:
-        """Keep the connection open and silent until the stall is over or the client gives up."""
-        deadline = time.monotonic() + self.stall_seconds
+        """Keep the connection open and silent until the stall is over or the client gives up. The stall is
+        :attr:`stall_seconds` as it is at each moment: lowering it (to 0) releases the requests held now."""
+        began = time.monotonic()
         while not self._accepting.stopped:
-            left = deadline - time.monotonic()
+            left = began + self.stall_seconds - time.monotonic()
             if left <= 0:
                 return
             readable, _, _ = select.select([client], [], [], min(left, 0.2))

@@ -4,11 +4,11 @@ load verified against it (see :mod:`taskpoint.format.records` for the format and
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 import uuid
 import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -17,10 +17,10 @@ from . import _log
 from ._progress import NO_PROGRESS, Progress
 from .errors import CheckpointCorruptError, StorageNotFound, StorageUnavailable
 from .executors import IO
-from .folders import refuse_folder_destination
 from .format.codecs import Codec
 from .format.records import RECORD_SUFFIX, ObjectRecord, Record
 from .payloads import Payload, payload_class
+from .save_memory import SaveMemory
 from .storage import Deadline, Location, RetryPolicy
 from .storage.deadline import NO_DEADLINE
 from .storage.streams import VersionConflict
@@ -36,45 +36,6 @@ _RECORD_PAUSE = 0.1
 _CONFLICT_TRIES = 16
 
 
-class SaveMemory:
-    """What one writer knows of the destinations it saved to, kept by its owner (a :class:`~taskpoint.Checkpoint`)
-    for as long as it saves: the record it last wrote beside each, with its stored version (S3's and Azure's
-    ETag, GCS's generation, a local file's identity), and which destinations on object stores it found not to be
-    a folder or prefix.
-
-    A later save starts from that record: where the store has conditional writes, its record write lands only
-    over that version, and on a conflict it reads the record again and keeps what the other writer listed;
-    elsewhere (``memory://``), just before it lists its new object it reads the record again, so that what another
-    writer made visible stays listed. A new owner knows nothing, as a new process does: its first save reads the
-    record (and, without one, checks that the destination is no folder)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._records: dict[str, tuple[Record, str | None]] = {}
-        self._not_folders: set[str] = set()
-
-    def take(self, record_loc: Location) -> tuple[Record | None, str | None]:
-        """The record last written at ``record_loc`` and its version, forgotten until :meth:`keep` (None, None
-        when unknown): a save that fails leaves nothing to start from."""
-        with self._lock:
-            return self._records.pop(record_loc.path, (None, None))
-
-    def keep(self, record_loc: Location, record: Record, version: str | None) -> None:
-        with self._lock:
-            self._records[record_loc.path] = (record, version)
-
-    def refuse_folder(self, dest: Location) -> None:
-        """:func:`~taskpoint.folders.refuse_folder_destination`, paid once per destination on object stores (a
-        HEAD and a listing) and on every save on local disk (one ``stat``)."""
-        with self._lock:
-            if not dest.is_local and dest.path in self._not_folders:
-                return
-        refuse_folder_destination(dest)
-        if not dest.is_local:
-            with self._lock:
-                self._not_folders.add(dest.path)
-
-
 def save_object(dest: Location, payload: Payload, codec: Codec, level: int | None,
                 progress: Progress = NO_PROGRESS, memory: SaveMemory | None = None) -> ObjectRecord:
     """Write ``payload`` to ``dest`` atomically; its kind, size and CRC32 are recorded beside it before it
@@ -83,26 +44,33 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
     memory = memory if memory is not None else SaveMemory()
     record_loc = dest.sibling(RECORD_SUFFIX)
     known, version = memory.take(record_loc)
-    read_at = time.monotonic()
-    if known is None:
+    read_at, started = time.monotonic(), time.time()
+    # Nothing known, on an object store with conditional writes: the record's first write is a create (only where
+    # there is none), sent with the folder check and beside the record's read, begun here and waited for only when
+    # the create is refused. A new name is two round trips (those, then the object), where it took three in a row
+    # (5-30 ms each on a real store); a name with a record three, as when the read came first.
+    beside = known is None and record_loc.conditional and not dest.is_local
+    ahead = IO.lane(1).submit(_read_versioned, record_loc) if beside else None
+    if known is None and not beside:
         stored, version = _read_versioned(record_loc)
         previous = stored or Record()
     else:
-        previous = known
-    # With no record there (or one listing nothing), on an object store with conditional writes, the folder check
-    # goes beside the record's first write (made only over the version read: where there was none, only where there
-    # is none): one round trip for both, where they took three in a row (5-30 ms each on a real store).
-    beside = known is None and not previous.objects and record_loc.conditional and not dest.is_local
+        previous = known or Record()
     if not beside and (dest.is_local or not previous.objects):
         # A folder or prefix is refused before anything is written (folders.py). A destination with a record
         # was saved to as an object before: on object stores that spares the first save a HEAD and a listing.
         memory.refuse_folder(dest)
-    if previous.sweep or (known is None and dest.is_local):
+
+    def sweep() -> None:  # what killed or failed saves left (never this save's own upload, begun after `started`)
         _log.logger.debug("sweeping leftovers of interrupted saves at %s", _log.safe_uri(dest.uri))
-        dest.sweep_leftovers(started_before=time.time())  # what killed or failed saves left
+        dest.sweep_leftovers(started_before=started)
+
+    if previous.sweep or (known is None and dest.is_local):
+        sweep()
     entry = ObjectRecord(kind=payload.kind, codec=codec.name if payload.archived else "raw",
                          save_id=uuid.uuid4().hex, created=time.time(), size=payload.size())
-    state = _SaveState(record_loc, previous, version, check=(lambda: memory.refuse_folder(dest)) if beside else None)
+    state = _SaveState(record_loc, previous, version, check=(lambda: memory.refuse_folder(dest)) if beside else None,
+                       ahead=ahead, sweep=sweep)
 
     def on_partial(deadline: Deadline) -> None:  # a multipart upload begins: if this process dies, the next save
         if not state.partial:  # sweeps it
@@ -135,6 +103,10 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
             state.loc = record_loc.with_retry(_MARK_RETRY)
             state.write(lambda record: replace(record, sweep=True), action="record a failed save at")
         raise
+    if state.ahead is not None:  # the create found no record: its read is not needed, nor left in flight
+        _log.logger.debug("waiting for the read of the record at %s to end", _log.safe_uri(record_loc.uri))
+        with contextlib.suppress(Exception):  # bounded by its own retry policy's deadline
+            state.ahead.result(timeout=record_loc.retry.deadline)
     memory.keep(record_loc, replace(state.record, confirmed=entry.save_id, sweep=False), state.version)
     return replace(entry, size=size, crc32=digest, index=payload.written_index)
 
@@ -168,8 +140,11 @@ class _SaveState:
     record: Record
     version: str | None
     partial: bool = False
-    #: The folder check still to run beside the first write (no record listed objects), None when none is due.
+    #: The folder check still to run beside the first write (nothing was known of the record), None when none is due.
     check: Callable[[], None] | None = None
+    #: The read of the record begun with the save, which only a refused create waits for (then None).
+    ahead: Future[tuple[Record | None, str | None]] | None = None
+    sweep: Callable[[], None] | None = None  # sweeps leftovers, where the record met by a refused create asks it
     created: bool = False  # a write of this save found no record and made it
     refused: bool = False  # that check refused the destination (or failed): the object was never written
 
@@ -194,12 +169,27 @@ class _SaveState:
                 self.record = candidate
                 return
             except VersionConflict:
-                stored, self.version = _read_versioned(loc)
+                stored, self.version = self._stored(loc, outer)
                 self.record = _merged(stored, self.record)
                 _log.logger.debug("another writer changed the record at %s; merged", _log.safe_uri(self.loc.uri))
         raise StorageUnavailable(
             f"could not {action} {self.loc.uri}: other writers changed its record {_CONFLICT_TRIES} times in a row. "
             "Let one process save to a destination at a time; nothing was lost.")
+
+    def _stored(self, loc: Location, outer: Deadline) -> tuple[Record | None, str | None]:
+        """The record as stored, after a conflict. After the first (a refused create, when nothing was known of
+        the record) what :attr:`ahead` read, unless it found none or failed: the record came meanwhile, read again;
+        and the leftovers that record asks to sweep are swept, as a save that read it first would have."""
+        ahead, self.ahead = self.ahead, None
+        found: tuple[Record | None, str | None] = (None, None)
+        if ahead is not None:
+            _log.logger.debug("the record at %s exists: waiting for its read", _log.safe_uri(self.loc.uri))
+            with contextlib.suppress(Exception):
+                found = ahead.result(timeout=outer.time_left())
+        stored, version = found if found[1] is not None else _read_versioned(loc)
+        if ahead is not None and stored is not None and stored.sweep and self.sweep is not None:
+            self.sweep()
+        return stored, version
 
     def _beside(self, check: Callable[[], None], write: Callable[[], None]) -> None:
         """``write`` (the first) with the folder ``check`` on a pool thread meanwhile: one round trip for both.
