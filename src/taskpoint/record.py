@@ -41,9 +41,10 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
     known, version = memory.take(record_loc)
     read_at, started = time.monotonic(), time.time()
     # Nothing known, on an object store with conditional writes: the record's first write is a create (only where
-    # there is none), sent with the folder check and beside the record's read, begun here and waited for only when
-    # the create is refused. A new name is two round trips (those, then the object), where it took three in a row
-    # (5-30 ms each on a real store); a name with a record three, as when the read came first.
+    # there is none), sent with the folder check and beside the record's read, begun here: a refused create takes
+    # what it read, and otherwise the save waits for it only before it returns (SaveState.settle). A new name is
+    # two round trips (those, then the object), where it took three in a row (5-30 ms each on a real store); a name
+    # with a record three, as when the read came first.
     beside = known is None and record_loc.conditional and not dest.is_local
     ahead = IO.lane(1).submit(read_versioned, record_loc) if beside else None
     if known is None and not beside:
