@@ -166,16 +166,20 @@ class Backend:
 
     def kind(self, path: str) -> Kind:
         """What ``path`` holds. Only "not found" is :attr:`Kind.NOTHING`; any other failure is raised."""
+        found = self._info(path).get("type")
+        return Kind.OBJECT if found == "file" else Kind.FOLDER if found == "directory" else Kind.NOTHING
+
+    def _info(self, path: str) -> dict[str, Any]:
+        """``path``'s listing details, fresh; {} when it is not found."""
         # Not fs.isfile() or fs.exists(): they answer False for any error, which would report an outage or a
         # denial as "nothing here".
         self.fs.invalidate_cache(path)
         try:
-            found = self.fs.info(path, **bounded(self.fs, self.deadline)).get("type")
+            return self.fs.info(path, **bounded(self.fs, self.deadline))  # type: ignore[no-any-return]
         except FileNotFoundError as exc:
             if classify(exc) is Failure.NO_CONTAINER:
                 raise  # no bucket is no "nothing here": the error map makes it StorageNotFound
-            return Kind.NOTHING
-        return Kind.OBJECT if found == "file" else Kind.FOLDER if found == "directory" else Kind.NOTHING
+            return {}
 
     def exists(self, path: str) -> bool:
         """True when ``path`` is an object (a folder or prefix is not); errors other than "not found" raise."""
@@ -183,13 +187,7 @@ class Backend:
 
     def size(self, path: str) -> int | None:
         """The size of the object at ``path``, None when there is none; errors other than "not found" raise."""
-        self.fs.invalidate_cache(path)
-        try:
-            info = self.fs.info(path, **bounded(self.fs, self.deadline))
-        except FileNotFoundError as exc:
-            if classify(exc) is Failure.NO_CONTAINER:
-                raise
-            return None
+        info = self._info(path)
         return int(info["size"]) if info.get("type") == "file" else None
 
     def read_small(self, path: str) -> bytes:
