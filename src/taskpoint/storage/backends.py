@@ -1,19 +1,10 @@
-"""One backend class per kind of store: how each does an atomic write, a streaming read, an existence check.
+"""What every backend does, and the base class: how one kind of store does an atomic write, a streaming read, an
+existence check.
 
-- :class:`~.localdisk.LocalBackend`: a temp file in the same folder, fsync, rename, fsync of the folder.
-- :class:`ObjectStoreBackend` (GCS, Azure, and any store whose protocol says it uploads in parts): the
-  client's own upload, discarded when anything fails; large objects come down as concurrent ranged GETs
-  (:class:`GCSBackend` pins them to the object's generation).
-- :class:`S3Backend`: taskpoint's own multipart writer (parts in flight, aborted on failure), and the
-  listing and aborting of unfinished uploads.
-- :class:`~taskpoint.storage._obstore.ObstoreS3Backend` (``s3_client="obstore"``): S3 with obstore moving the
-  bytes and s3fs doing the rest.
-- :class:`MovingBackend` (``memory://`` and any other filesystem): a temp object beside the destination,
-  then a move.
-
-Backends take paths of their filesystem and raise what the client raises; the :class:`~taskpoint.storage.
-Location` above them retries and maps errors, and picks one by the filesystem's class. The object stores'
-backends are in :mod:`.objectstores`, local disk's in :mod:`.localdisk`.
+Backends take paths of their filesystem and raise what the client raises; the :class:`~taskpoint.storage.Location`
+above them retries and maps errors, and picks one by the filesystem's class (:func:`.clients.backend_for`). Here:
+:class:`Backend` and :class:`MovingBackend` (``memory://`` and any other filesystem); local disk's is in
+:mod:`.localdisk`, the object stores' in :mod:`.objectstores` and :mod:`._obstore`, each class saying how it writes.
 """
 
 from __future__ import annotations
