@@ -243,7 +243,7 @@ def watch_s3fs(fs: Any, pushback: Pushback) -> None:
         http, parsed = response
         code = (parsed.get("Error") or {}).get("Code") if isinstance(parsed, dict) else None
         if not pushback.heard(code, http.status_code, http.headers.get("retry-after")) or attempts >= attempts_allowed:
-            return None  # no throttling, or botocore's limit of attempts: it gives up, and s3fs or the policy go on
+            return None  # not throttled (botocore decides), or its attempts are spent: s3fs or the policy go on
         return pushback.pause(attempts, parse_retry_after(http.headers.get("retry-after")))
 
     if fs.session is None:
