@@ -135,7 +135,7 @@ def _body(data: memoryview, level: int) -> list[bytes | memoryview]:
     return [_deflate(data, level)]
 
 
-def member(data: bytes | memoryview, level: int, store: bool = False) -> bytes:
+def member(data: bytes | bytearray | memoryview, level: int, store: bool = False) -> bytes:
     """One labelled gzip member holding ``data``; with ``store``, stored rather than compressed when a probe
     says it does not compress."""
     view = memoryview(data).cast("B")
@@ -255,7 +255,7 @@ class ParallelGzipWriter(io.RawIOBase):
         return n
 
     def _submit(self) -> None:
-        data, self._buf = bytes(self._buf), bytearray()
+        data, self._buf = self._buf, bytearray()  # handed over whole: nothing writes into it after this
         self._members += 1
         future = self._pool.submit(member, data, self._level, self._store)
         while True:
