@@ -63,23 +63,21 @@ class PieceDigests:
 
     def __init__(self) -> None:
         self._lane = CPU.lane(CPU.threads)
-        self._chunks: list[bytes] = []
+        self._chunks: list[bytes | memoryview] = []
         self._filled = 0
         self._hashing: collections.deque[Future[str]] = collections.deque()
         self._done: list[str] = []
         self._digest: str | None = None
 
     def update(self, data: Any) -> None:
-        if isinstance(data, bytes) and len(data) <= PIECE_SIZE - self._filled:
-            self._take(data)
-            return
         view = memoryview(data).cast("B")
+        owned = isinstance(data, bytes)  # immutable: its parts are kept as views, no copy
         while view.nbytes:
             take = min(view.nbytes, PIECE_SIZE - self._filled)
-            self._take(bytes(view[:take]))
+            self._take(view[:take] if owned else bytes(view[:take]))
             view = view[take:]
 
-    def _take(self, chunk: bytes) -> None:
+    def _take(self, chunk: bytes | memoryview) -> None:
         if not chunk:
             return  # no bytes begin no piece: a stream of whole pieces ending with an empty read has no empty last one
         self._chunks.append(chunk)
@@ -125,7 +123,7 @@ def hash_span(fd: int, start: int, length: int, piece_hash: str | None,
     return digest_by_reading(fd, length, hasher, on_read, start=start), str(hasher.hexdigest())
 
 
-def _hash_chunks(chunks: list[bytes]) -> str:
+def _hash_chunks(chunks: list[bytes | memoryview]) -> str:
     """The BLAKE3 of one piece, held as ``chunks`` (blake3 releases the GIL while it hashes)."""
     hasher = blake3.blake3()
     for chunk in chunks:
