@@ -24,6 +24,7 @@ from _fault_proxy import fault_proxy
 from _staged_kills import HELD_TIMEOUT, TIMEOUT
 from helpers import process_gone, staged_segments, wait_until
 from taskpoint import CheckpointError, CheckpointManager
+from taskpoint.workspace import how_it_ended
 
 torch = pytest.importorskip("torch")
 from taskpoint.torch import load_state_dict_sync  # noqa: E402
@@ -102,3 +103,16 @@ def test_a_save_process_killed_mid_write_fails_the_save_clearly_and_the_next_sav
             _assert_same(load_state_dict_sync(m, 3, mmap=True), _state(3))
         assert process_gone(new.pid, TIMEOUT)
     assert staged_segments(os.getpid(), killed.pid, new.pid) == []
+
+
+def test_how_a_process_ended_is_said_by_its_signal_or_status_and_a_running_one_is_still_ending():
+    exits = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    assert how_it_ended(exits, TIMEOUT) == "exit status 3"
+    runs = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        assert how_it_ended(runs, 0.01) == "still ending"
+        runs.send_signal(signal.SIGTERM)
+        assert how_it_ended(runs, TIMEOUT) == "killed by SIGTERM"
+    finally:
+        runs.kill()
+        runs.wait()

@@ -199,8 +199,8 @@ def store_staged(manifest: Location, segment: str, job: StagedJob, saver: Handov
                  progress: Progress = NO_PROGRESS) -> tuple[dict[str, int], StepManifest]:
     """Write a staged save's objects from its ``segment``: by ``saver``'s process, which takes the segment over
     (and commits the step at ``manifest`` itself if this process dies before doing so), else from this thread
-    (also when the job cannot be sent to the process); the sizes of the objects stored and the manifest that
-    commits them.
+    (also when the job cannot be sent to the process, or the process exits before it is ready: a Python that
+    cannot import this taskpoint); the sizes of the objects stored and the manifest that commits them.
 
     A save process that dies in the middle (the OOM killer, an operator's SIGKILL) fails the save with a
     CheckpointError saying how it ended: nothing is committed, the steps before stay as they were, and the next
@@ -213,8 +213,11 @@ def store_staged(manifest: Location, segment: str, job: StagedJob, saver: Handov
         except NotTransferable:
             pass
         except SaverUnavailable as exc:
-            raise CheckpointError(f"{exc} while it wrote {manifest.uri.rsplit('/', 1)[0]}: the step is not "
-                                  "committed, the steps before it are intact; save it again") from exc
+            if saver.process.started:
+                raise CheckpointError(f"{exc} while it wrote {manifest.uri.rsplit('/', 1)[0]}: the step is not "
+                                      "committed, the steps before it are intact; save it again") from exc
+            warnings.warn(f"{exc}; taskpoint writes {manifest.uri} from this process instead", RuntimeWarning,
+                          stacklevel=2)
     found = Segment.find(segment)
     if found is None:
         raise CheckpointError(f"the staged state of {manifest.uri} is gone from {segment}: it was removed while the "
