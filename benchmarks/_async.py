@@ -31,7 +31,8 @@ Two more rows, each a method of ``make bench`` of its own, run alone:
 * ``async-many`` (``--async-many-mib``, 64 by default): :data:`MANY_SAVES` consecutive background saves, torch
   (taskpoint and DCP) and JAX (taskpoint and Orbax), the last :data:`MANY_KEEP` kept; the PSS of the trainer and of
   its save process before the first save, after the first and the tenth, and at the end. Target: flat, the growth
-  from the tenth save to the last at most :data:`FLAT_SHARE` of the state for the two processes together.
+  from the tenth save to the last at most :data:`FLAT_SHARE` of the state (plus :data:`FLAT_NOISE_BYTES`) for the
+  two processes together; the JSON has the PSS after every tenth save.
 """
 
 from __future__ import annotations
@@ -65,8 +66,11 @@ MANY_METHODS = {"torch": ("taskpoint", "dcp"), "jax": ("taskpoint", "orbax")}
 MANY_SAVES = 100
 MANY_KEEP = 2
 #: The bound of "flat": PSS growth of the trainer and its save process from the tenth save to the last, as a share
-#: of the state (a leak of a tenth of a percent of the state per save would pass 9% in 90 saves).
+#: of the state (a leak of a tenth of a percent of the state per save would pass 9% in 90 saves), plus
+#: :data:`FLAT_NOISE_BYTES`, the spread of one reading between saves of a flat process (a JAX trainer's PSS read
+#: after every tenth of 100 saves of 64 MiB: 213-228 MiB, with no trend).
 FLAT_SHARE = 0.1
+FLAT_NOISE_BYTES = 16 << 20
 #: What a size needs free to run: this many times the state (the state, a method's copy of it, Orbax's own buffers:
 #: its report measured 3.5x), plus :data:`SPARE_BYTES` for the processes themselves (torch, jax, the save process).
 NEED_TIMES_STATE = 3.5
@@ -213,8 +217,9 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def many_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The ``async-many`` goal of each of taskpoint's rows: PASS or FAIL from the run."""
     return [goal for r in rows if "skipped" not in r and r["method"] == "taskpoint"
-            for goal in _goals(r, [(f"{r['saves']} saves, PSS flat (growth from the tenth <= {FLAT_SHARE}x the state)",
-                                    _growth(r) / (r["mib"] << 20), FLAT_SHARE)])]
+            for goal in _goals(r, [(f"{r['saves']} saves, PSS flat (growth from the tenth <= {FLAT_SHARE}x the state "
+                                    f"+ {FLAT_NOISE_BYTES >> 20} MiB)", _growth(r) / (r["mib"] << 20),
+                                    FLAT_SHARE + FLAT_NOISE_BYTES / (r["mib"] << 20))])]
 
 
 def _goals(row: dict[str, Any], checks: list[tuple[str, float, float]]) -> list[dict[str, Any]]:

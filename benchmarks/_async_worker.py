@@ -14,7 +14,7 @@ before the first save (the save process started ahead is in it) and ``peak`` the
 ``peak - before`` shows what a method holds *between* saves too (taskpoint's ready segment, held until
 ``close()``), which the per-save figure does not. ``start`` and ``end`` are the sum before the saver was made and
 after the last save; ``processes`` the PSS of this process (``trainer``) and of its children (``saver``) before the
-first save, after the first and the tenth (when there are so many), and at the end.
+first save, after the first and every tenth, and at the end.
 """
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ def main(spec_path: str, result_path: str) -> None:
         blocked = time.perf_counter() - t0
         durable()
         rows.append({"blocked": blocked, "durable": time.perf_counter() - t0, "peak_extra": sampler.peak - ahead})
-        if step in (1, 10):
+        if step == 1 or step % 10 == 0:
             processes[f"after {step}"] = processes_pss()
         if keep is not None:  # the methods that keep no steps of their own (DCP, torch.save)
             shutil.rmtree(work / f"dcp-{step - keep}", ignore_errors=True)
