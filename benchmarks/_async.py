@@ -31,8 +31,8 @@ Two more rows, each a method of ``make bench`` of its own, run alone:
 * ``async-many`` (``--async-many-mib``, 64 by default): :data:`MANY_SAVES` consecutive background saves, torch
   (taskpoint and DCP) and JAX (taskpoint and Orbax), the last :data:`MANY_KEEP` kept; the PSS of the trainer and of
   its save process before the first save, after the first and the tenth, and at the end. Target: flat, the growth
-  from the tenth save to the last at most :data:`FLAT_SHARE` of the state (plus :data:`FLAT_NOISE_BYTES`) for the
-  two processes together; the JSON has the PSS after every tenth save.
+  from the tenth save to the last (the trend of the readings after every tenth save, in the JSON) at most
+  :data:`FLAT_SHARE` of the state, plus :data:`FLAT_NOISE_BYTES`, for the two processes together.
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def many_table(rows: list[dict[str, Any]]) -> str:
     """The ``async-many`` section: the PSS of the trainer and of its save process along the saves."""
     whens = ("before", "after 1", "after 10", "end")
     head = ["kind", "MiB", "method", "saves", *(f"trainer {w}" for w in whens), *(f"save process {w}" for w in whens),
-            "growth 10-end MiB"]
+            "trend 10-end MiB"]
     lines = [head] + [[r["kind"], str(r["mib"]), r["method"], str(r["saves"]),
                        *(_mib(r["processes"].get(w, {}).get("trainer", 0)) for w in whens),
                        *(_mib(r["processes"].get(w, {}).get("saver", 0)) for w in whens), _mib(_growth(r))]
@@ -189,11 +189,16 @@ def _skipped(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _growth(row: dict[str, Any]) -> float:
-    """The PSS growth of the trainer and its save process together from the tenth save (the first, with fewer) to
-    the end."""
-    processes = row["processes"]
-    start = processes.get("after 10", processes["after 1"])
-    return sum(processes["end"].values()) - sum(start.values())
+    """The PSS growth of the trainer and its save process together from the tenth save to the last: the
+    least-squares trend of the readings after every tenth save times the saves they span, as one reading spreads
+    by 10-20 MiB either way and a leak makes a trend (with fewer readings, the last less the first)."""
+    readings = {int(when.split()[1]): sum(pss.values()) for when, pss in row["processes"].items()
+                if when.startswith("after ")}
+    later = {n: total for n, total in readings.items() if n >= 10}
+    if len(later) < 2:
+        return sum(row["processes"]["end"].values()) - readings[1]
+    trend = statistics.linear_regression(list(later), list(later.values()))
+    return trend.slope * (max(later) - min(later))
 
 
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
