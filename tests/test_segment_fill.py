@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from taskpoint.manager import staging
 from taskpoint.manager.staging import Segment
 from taskpoint.payloads import BytesPayload
 
@@ -33,6 +34,14 @@ def test_fill_writes_each_piece_at_its_offset_without_mapping_the_segment(tmp_pa
     assert _mapped_here(segment.path)
     segment.free()
     assert not segment.path.exists() and not _mapped_here(segment.path)
+
+
+def test_a_piece_larger_than_a_part_is_written_in_parts_each_at_its_place(tmp_path, monkeypatch):
+    monkeypatch.setattr(staging, "FILL_PART", 1000)  # parts on several threads, in no set order
+    data = os.urandom(10_500)
+    segment = Segment.create(64 + len(data), folder=tmp_path)
+    segment.fill([(64, data), (0, b"head")])
+    assert segment.path.read_bytes() == b"head" + bytes(60) + data
 
 
 def test_resize_keeps_what_was_written_and_a_removed_segment_is_not_reused(tmp_path):
