@@ -123,9 +123,7 @@ class BytesPayload(Payload):
     def stage(self, segment: Any) -> Payload:
         """Copy the bytes into ``segment`` (a :class:`taskpoint.manager.staging.Segment` of :meth:`staging_size`
         bytes, from the layer above this module); what the save then writes, from the segment."""
-        buffer = segment.buffer
-        buffer[:self._view.nbytes] = self._view
-        del buffer  # no view of the mapping is left: the manager may unmap it
+        segment.fill([(0, self._view)])
         return StagedBytes(str(segment.path), self._view.nbytes)
 
     def __reduce__(self) -> tuple[Any, ...]:  # a memoryview does not pickle; its bytes do

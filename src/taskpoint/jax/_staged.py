@@ -73,11 +73,10 @@ class TreePlan:
         self.size = end
 
     def copy_into(self, segment: Segment) -> StagedTree:
-        """Copy every array into ``segment`` (of :attr:`size` bytes, mapped here); the staged tree."""
-        buffer = segment.buffer
-        for key, source in self._sources.items():
-            np.copyto(_view(buffer, self._refs[key]), source, casting="no")
-        del buffer  # no view of the mapping is left: the manager may unmap it
+        """Copy every array into ``segment`` (of :attr:`size` bytes, by
+        :meth:`~taskpoint.manager.staging.Segment.fill`); the staged tree."""
+        segment.fill((self._refs[key].offset, np.ascontiguousarray(source).reshape(-1).view(np.uint8))
+                     for key, source in self._sources.items())
         self._sources = {}
         return StagedTree(str(segment.path), Encoded(self._encoded.structure, self._encoded.leaves, self._refs))
 

@@ -27,10 +27,12 @@ import secrets
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from .._log import logger
+from ..executors import CPU
 from ..payloads import Payload
 from ..workspace import owner_tag, sweep_dead
 
@@ -43,7 +45,8 @@ SHARED_MEMORY = "/dev/shm"
 DEFAULT_STAGING_SHARE = 0.5
 #: How often a save that waits for staging memory says so in the log while it waits.
 WAIT_LOG_SECONDS = 10.0
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+#: The bytes of one ``pwrite`` of :meth:`Segment.fill`: a large tensor is written in such parts, several at once.
+FILL_PART = 8 << 20
 _NAME = re.compile(re.escape(SEGMENT_PREFIX) + r"(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-(?P<start>\d+)-(?P<key>[0-9a-f]+)")
 
 
@@ -73,8 +76,8 @@ class Segment:
     @classmethod
     def create(cls, size: int, owner: str | None = None, folder: Path | None = None) -> Segment:
         """A new segment of ``size`` bytes, owned by the process ``owner`` names (an :func:`owner_tag`; this
-        process by default), its memory reserved and mapped here (``OSError`` with ``ENOSPC`` when the folder
-        cannot hold it: nothing is left behind)."""
+        process by default), its memory reserved (``OSError`` with ``ENOSPC`` when the folder cannot hold it:
+        nothing is left behind), not mapped here (:meth:`fill` writes it)."""
         owner = owner or owner_tag(os.getpid())
         segment = cls((folder or segment_folder()) / f"{SEGMENT_PREFIX}{owner}-{secrets.token_hex(8)}", 0)
         fd = os.open(segment.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -88,33 +91,53 @@ class Segment:
         return segment
 
     def resize(self, size: int) -> None:
-        """Make this segment ``size`` bytes and map it here, for a save that reuses it: a no-op when it is mapped
-        at that size already, else its pages past ``size`` are freed and those it lacks reserved (``OSError`` as
-        :meth:`create`), the others kept as they are, with no zeroing. FileNotFoundError when it is gone."""
-        if self._map is not None and size == self.size:
-            return
-        self.unmap()
+        """Make this segment ``size`` bytes, for a save that reuses it: a no-op when it is that size already, else
+        its pages past ``size`` are freed and those it lacks reserved (``OSError`` as :meth:`create`), the others
+        kept as they are, with no zeroing (and a mapping here of the old size dropped). FileNotFoundError when it
+        is gone."""
         fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
         try:
-            if size < self.size:
-                os.ftruncate(fd, size)
-            self._reserve(fd, size)
+            if size != self.size:
+                self.unmap()
+                if size < self.size:
+                    os.ftruncate(fd, size)
+                self._reserve(fd, size)
         finally:
             os.close(fd)
 
     def _reserve(self, fd: int, size: int) -> None:
-        """Reserve ``size`` bytes of the segment open as ``fd`` (the pages it lacks) and map them here."""
+        """Reserve ``size`` bytes of the segment open as ``fd`` (the pages it lacks)."""
         if size:
             os.posix_fallocate(fd, 0, size)
-        # Its page tables filled in one call, not one fault per page while the state is copied in.
-        self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE) if size else None
         self.size = size
+
+    def fill(self, pieces: Iterable[tuple[int, Any]]) -> None:
+        """Write each ``(offset, data)`` of ``pieces`` (``data`` any contiguous buffer) into the segment at
+        ``offset``, by ``pwrite`` in parts of :data:`FILL_PART` bytes on the shared CPU pool's threads: the
+        trainer's copy of its state. Into reserved pages not yet written, ``pwrite`` copies without the kernel
+        zeroing them first, and it needs no mapping, whose page faults (or ``MAP_POPULATE``) cost more than the
+        copy: measured here for 256 MiB (4 tensors, one thread, median of 9, load 2-4), a fresh segment reserved and
+        filled in 0.18 s (0.54x a ``clone()`` of the tensors into fresh memory, 0.32 s), against 0.44 s (1.35x)
+        reserved, mapped with ``MAP_POPULATE`` and copied into, and 0.33 s mapped and faulted in by the copy; into
+        pages written before, 0.14 s, as fast as a copy into a mapping of them. The parts go on several threads as
+        ``clone()`` and torch's copies do: on a busy machine one thread got less of the cores than they (a later
+        save 0.54x the clone with one, against 0.36x for torch's copy into a mapping, 8 rounds at load 8-18; 0.42x
+        against 0.56x with the parts on the pool, 7 rounds at load 9-20)."""
+        fd = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            parts = [(offset + start, view[start:start + FILL_PART]) for offset, data in pieces
+                     for view in (memoryview(data).cast("B"),) for start in range(0, view.nbytes, FILL_PART)]
+            with CPU.lane(CPU.threads) as lane:
+                for _ in lane.map(lambda part: _write_at(fd, *part), parts):
+                    pass
+        finally:
+            os.close(fd)
 
     @classmethod
     def adopt(cls, path: str | os.PathLike[str]) -> Segment:
         """Take the segment at ``path`` over: renamed to this process's own name (one atomic rename; none when it
-        is named for this process already), so that no sweep removes it while this process runs, and mapped.
-        FileNotFoundError when it is gone."""
+        is named for this process already), so that no sweep removes it while this process runs (mapped by
+        :attr:`buffer`). FileNotFoundError when it is gone."""
         old = Path(path)
         match = _NAME.fullmatch(old.name)
         if match is None:
@@ -122,14 +145,7 @@ class Segment:
         new = old.with_name(f"{SEGMENT_PREFIX}{owner_tag(os.getpid())}-{match['key']}")
         if new != old:
             os.rename(old, new)
-        fd = os.open(new, os.O_RDWR | os.O_CLOEXEC)
-        try:
-            size = os.fstat(fd).st_size
-            segment = cls(new, size)
-            segment._map = mmap.mmap(fd, size) if size else None
-        finally:
-            os.close(fd)
-        return segment
+        return cls(new, os.stat(new).st_size)
 
     @staticmethod
     def find(path: str | os.PathLike[str]) -> Path | None:
@@ -142,7 +158,15 @@ class Segment:
 
     @property
     def buffer(self) -> memoryview:
-        """The segment's bytes, writable (empty for a segment of no bytes)."""
+        """The segment's bytes, writable (empty for a segment of no bytes), mapped here on first use (the save
+        process reads the state there; its pages are faulted in as they are read). FileNotFoundError when it is
+        gone."""
+        if self._map is None and self.size:
+            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                self._map = mmap.mmap(fd, self.size)
+            finally:
+                os.close(fd)
         return memoryview(self._map) if self._map is not None else memoryview(bytearray())
 
     def unmap(self) -> None:
@@ -160,6 +184,13 @@ class Segment:
         with contextlib.suppress(FileNotFoundError):
             os.truncate(self.path, 0)
         self.path.unlink(missing_ok=True)
+
+
+def _write_at(fd: int, offset: int, view: memoryview) -> None:
+    """Write all of ``view`` at ``offset`` of ``fd`` (a ``pwrite`` may write less than it was given)."""
+    written = 0
+    while written < view.nbytes:
+        written += os.pwrite(fd, view[written:], offset + written)
 
 
 def sweep_dead_segments(folder: Path | None = None) -> list[Path]:

@@ -1,18 +1,17 @@
 """The staging memory of one manager: the budget its background saves' segments are held in
 (``max_staging_bytes``), and the one segment it keeps *ready* between saves, so that a save blocks for one copy.
 
-Reserving a fresh segment is most of what a staged save used to block for: measured here, for 256 MiB in
-``/dev/shm``, 0.05-0.08 s of ``posix_fallocate`` and 0.14-0.20 s of ``MAP_POPULATE`` (the kernel zeroing and
-mapping fresh pages) against 0.06-0.11 s for the copy itself. So the save process does not remove a segment it has
-written when asked to keep it (:class:`~.saver.StagedRequest`), and the manager, which still maps it, hands it to
-the next staged save: resized to that state's size (:meth:`~.staging.Segment.resize`, a no-op when the size is
-the same) and copied into with its pages and page tables in place. DCP keeps its staging buffer the same way.
+Reserving a fresh segment costs the kernel allocating its pages (``posix_fallocate``): 0.03-0.08 s for 256 MiB in
+``/dev/shm`` here, and a mapping of them would cost more (:meth:`~.staging.Segment.fill` writes without one). So the
+save process does not remove a segment it has written when asked to keep it (:class:`~.saver.StagedRequest`), and
+the manager hands it to the next staged save: resized to that state's size (:meth:`~.staging.Segment.resize`, a
+no-op when the size is the same) and written over with its pages in place. DCP keeps its staging buffer the same way.
 
 The ready segment stays named for the save process that wrote it: no sweep touches it while that process runs, and
 it goes with that process (which removes the segments named for it when its trainer dies, and whose own death
 makes them a sweep's). It is reused only by a save to the same save process, only after that process answered
 (so never while it still reads it), counts against the budget while it waits, and is freed at ``close()``. The first
-staged save of a manager pays the reservation: the manager does not know the state's size before it.
+staged save of a manager reserves its segment: the manager does not know the state's size before it.
 """
 
 from __future__ import annotations
@@ -26,12 +25,12 @@ class StagingMemory:
 
     def __init__(self, limit: int | None) -> None:
         self.budget = StagingBudget(limit)
-        #: The segment the last save's process wrote and handed back, mapped here; None when there is none.
+        #: The segment the last save's process wrote and handed back; None when there is none.
         self.ready: Segment | None = None
 
     def take(self, size: int, step: int, owner: str | None) -> Segment | None:
         """A segment of ``size`` bytes for the save of ``step`` by the save process ``owner`` names (this process
-        when None), mapped here and held in the budget until :meth:`give_back`: the ready segment when it is that
+        when None), held in the budget until :meth:`give_back`: the ready segment when it is that
         process's (resized), else a new one. None, holding nothing, when ``size`` exceeds the budget (the save is
         then made blocking). Waits as :meth:`~.staging.StagingBudget.reserve` does."""
         ready, self.ready = self.ready, None

@@ -89,21 +89,26 @@ class Plan:
                           tuple(tensor.stride()))
 
     def copy_into(self, segment: Segment) -> StagedStateDict:
-        """Copy every storage into ``segment`` (of :attr:`size` bytes, mapped here, and left so: the manager keeps
-        it for its next save); the staged state."""
-        buffer = segment.buffer
-        copies = []
-        for (start, nbytes), storage in zip(self.spans, self.storages, strict=True):
-            if nbytes:
-                target = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=start)
-                target.copy_(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage),
-                             non_blocking=storage.device.type == "cuda")
-                copies.append(target)
-        if any(storage.device.type == "cuda" for storage in self.storages):
+        """Copy every storage into ``segment`` (of :attr:`size` bytes): those in host memory by
+        :meth:`~taskpoint.manager.staging.Segment.fill`, those on a GPU device-to-host into its mapping here, with
+        one synchronisation for all; the staged state."""
+        pieces = [(start, storage) for (start, nbytes), storage in zip(self.spans, self.storages, strict=True)
+                  if nbytes]
+        segment.fill((start, _bytes(storage).numpy()) for start, storage in pieces if storage.device.type == "cpu")
+        on_gpu = [(start, storage) for start, storage in pieces if storage.device.type == "cuda"]
+        if on_gpu:
+            buffer = segment.buffer
+            copies = [torch.frombuffer(buffer, dtype=torch.uint8, count=storage.nbytes(), offset=start).copy_(
+                _bytes(storage), non_blocking=True) for start, storage in on_gpu]
             torch.cuda.synchronize()  # one wait for every device-to-host copy
-        del copies, buffer  # no view of the mapping is left: it can be unmapped
+            del copies, buffer  # no view of the mapping is left: it can be unmapped
         self.storages = []
         return StagedStateDict(str(segment.path), self._skeleton, tuple(self.spans))
+
+
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """``storage``'s bytes, as a tensor of bytes over them on its device (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 def _rebuild(skeleton: Any, storages: list[torch.UntypedStorage]) -> Any:
