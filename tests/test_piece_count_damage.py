@@ -55,3 +55,29 @@ def test_another_number_of_pieces_is_damage_that_counts_them(where: str, change:
         with pytest.raises(CheckpointCorruptError) as caught:
             manager.restore(1, tmp_path / "restored")
         assert said in str(caught.value)
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_a_state_dicts_file_of_another_number_of_pieces_is_damage_that_counts_them(
+        where: str, change: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same for a file a step lists by its pieces (a state dict's, of 4 KiB pieces here), as verify reads it:
+    by positional reads on local disk, streamed from memory://."""
+    torch = pytest.importorskip("torch")
+    import taskpoint.torch as tpt
+
+    monkeypatch.setattr("taskpoint.torch._state_file.PIECE_SIZE", 4096)
+    directory = _directory(where, tmp_path)
+    with CheckpointManager(directory, preemption=False) as manager:
+        manager.save(tpt.StateDict({"big": torch.arange(5000, dtype=torch.float32)}), 1)  # 20 KB: 5 or 6 pieces
+        recorded = manager.describe(1).details["pieces"]
+        fs, root = fsspec.core.url_to_fs(directory)
+        (path,) = fs.glob(f"{root}/ckpt-1/state-*.pt")
+        stored = fs.cat_file(path)
+        changed = stored[:4096 * 2 + 10] if change == "truncated" else stored + bytes(4096)
+        fs.pipe_file(path, changed)
+        found = -(-len(changed) // 4096)
+        (result,) = manager.verify().steps
+        said = (f"step 1 in {manager.directory} is damaged: read {found} pieces of {path.rpartition('/')[2]} "
+                f"({len(changed)} bytes), the manifest records {recorded} ({len(stored)} bytes)")
+        assert result.state == "damaged" and said in result.detail, result.detail

@@ -100,11 +100,13 @@ def pieces_damage(subject: str, recorded: tuple[str, ...], hexdigest: str, found
 
 def entry_damage(subject: str, entry: FileEntry, found: int | FileEntry, name: str = "") -> str:
     """The damage of a file listed by ``entry`` (a file listed whole: named, no piece): ``found`` is the piece
-    that differs, or the entry of what was read: its first piece that differs (the last when only the size
-    differs), or :func:`count_damage` when it has another number of pieces."""
+    that differs, or the entry of what was read: :func:`count_damage` when its size makes another number of pieces
+    (a reader of local disk hashes only the pieces the entry lists, so the size counts them), else its first piece
+    that differs (the last when only the size differs)."""
     if isinstance(found, FileEntry):
-        if entry.pieces and len(found.pieces) != len(entry.pieces):
-            return count_damage(subject, len(found.pieces), found.size, len(entry.pieces), entry.size, name)
+        count = len(piece_spans(found.size, entry.piece_size))
+        if entry.pieces and count != len(entry.pieces):
+            return count_damage(subject, count, found.size, len(entry.pieces), entry.size, name)
         found = next((index for index, (a, b) in enumerate(zip(entry.pieces, found.pieces, strict=False)) if a != b),
                      max(0, len(entry.pieces) - 1))
     return piece_damage(subject, found, entry.piece_size, entry.size, entry.hash_name, name=name,
