@@ -151,7 +151,7 @@ def test_verify_and_describe_give_typed_results_for_each_kind(kind, tmp_path):
         summary = mgr.inventory()
     assert (result.step, result.state, result.kind, result.size, result.healthy) == (1, "healthy", name, size, True)
     assert result.detail == {"payload": "blake3 pieces match its manifest",
-                             "sharded": "2 shards, blake3 matches its manifest",
+                             "sharded": "2 shards, blake3 pieces match its manifest",
                              "chunked": "deduplicated: 3 files in 3 chunks, each matches its sha256"}[kind]
     assert (described.step, described.kind, described.metadata, described.checked) == (1, name, {"loss": 0.5}, True)
     assert described.payload.startswith("payload-") == (kind == "payload")

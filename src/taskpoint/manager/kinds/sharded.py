@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from ..._progress import Progress
 from ...errors import CheckpointError
-from ...format.pieces import checked_by
+from ...format.pieces import PAYLOAD_PIECES, checked_by
 from ...format.records import (
     BLAKE3_VERSION,
     KIND_VERSION,
@@ -190,7 +190,7 @@ class RanksKind:
         def shard() -> tuple[Shard, int]:
             # The save process finishes this rank's part (its record; on rank 0, the commit) if we die meanwhile.
             size, digest = store_payload(steps.object(step, orphan.name), payload, context.codec, context.level,
-                                         job.saver, orphan, progress=job.progress)
+                                         job.saver, orphan, progress=job.progress, digest=PAYLOAD_PIECES)
             return orphan.shard(size, digest), size
 
         return writer.write(step, job.attempt, shard, orphan.stored, job.until_committed)
