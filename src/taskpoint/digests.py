@@ -133,9 +133,9 @@ def _hash_chunks(chunks: list[bytes]) -> str:
     return str(hasher.hexdigest())
 
 
-#: Digest algorithms for stored objects: BLAKE3 pieces for the payload objects of manager steps (BLAKE3 for their
-#: shards and the steps of manifest version 6, sha256 for older ones), crc32 for single checkpoints, where it keeps
-#: saves and loads at disk speed, and the pieces of a file-set's file (``pieces:blake3``,
+#: Digest algorithms for stored objects: BLAKE3 pieces for the payload objects of manager steps and their shards
+#: (BLAKE3 for the steps of manifest version 6 and their shards, sha256 for older ones), crc32 for single
+#: checkpoints, where it keeps saves and loads at disk speed, and the pieces of a file-set's file (``pieces:blake3``,
 #: :attr:`~taskpoint.format.fileset.FileEntry.digest`).
 DIGESTS: dict[str, Callable[[], Any]] = {
     "sha256": hashlib.sha256, "blake3": PIECE_HASHES["blake3"], "crc32": Crc32, PAYLOAD_PIECES: PieceDigests,
