@@ -3,8 +3,9 @@ bytes, in order (step manifest version 7), and ranged reads that check the piece
 
 Why pieces: one BLAKE3 of a whole object runs on one core, about 5 GB/s here, below the 6.9 GB/s at which a
 verify reads the page cache, and it vouches only for the whole object, so a partial restore through an archive's
-index (:mod:`.subset`) could check only each gzip member's CRC32. Pieces hash on every core at once
-(:class:`~taskpoint.digests.PieceDigests`), and a ranged read widened to whole pieces checks every byte it uses
+index (:mod:`.subset`) could check only each gzip member's CRC32. Pieces hash on every core at once in a verify of
+local disk (:func:`~taskpoint.digests.pieces_of_file`), beside the stream elsewhere
+(:class:`~taskpoint.digests.PayloadPieces`), and a ranged read widened to whole pieces checks every byte it uses
 (:class:`~.subset.CheckedRanges`). The pieces are listed as a file set lists a large file's (``piece_size``,
 ``piece_hash``, ``pieces``; :mod:`.fileset`), with the same piece size and hash.
 """
