@@ -16,6 +16,8 @@ Examples::
     python -m benchmarks --methods latency                        # only issue 44's small operations at 20 ms RTT
     python -m benchmarks --methods throttle                       # only issue 44's saves with 10% 503 SlowDown
     python -m benchmarks --methods async --async-sizes 64,256 --runs 5  # only issue 43's background saves
+    python -m benchmarks --methods async-big --runs 3             # issue 43's 4 GiB JAX array (~16 GiB free, alone)
+    python -m benchmarks --methods async-many                     # issue 43's 100 consecutive background saves
 """
 
 from __future__ import annotations
@@ -99,9 +101,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "latency: issue 44's small saves and restores through a 10 ms proxy against their floor, see "
                    "benchmarks/_latency.py; throttle: issue 44's saves and restores with a tenth of the requests "
                    "answered 503 SlowDown against fault-free ones, see benchmarks/_throttle.py; "
-                   "async: issue 43's background saves against DCP, Orbax and a copy, see benchmarks/_async.py)")
+                   "async: issue 43's background saves against DCP, Orbax and a copy, see benchmarks/_async.py; "
+                   "async-big: one JAX array, Orbax against taskpoint; async-many: 100 consecutive background saves)")
     p.add_argument("--async-sizes", type=lambda text: [int(t) for t in text.split(",")], default=None,
                    help="async: the states' sizes in MiB, comma list (default: --size x 256)")
+    p.add_argument("--async-big-mib", type=int, default=4096, help="async-big: the array's size in MiB (default 4096)")
+    p.add_argument("--async-many-mib", type=int, default=64, help="async-many: the state's size in MiB (default 64)")
+    p.add_argument("--async-many-saves", type=int, default=_async.MANY_SAVES,
+                   help=f"async-many: consecutive saves (default {_async.MANY_SAVES})")
     p.add_argument("--codec", default="gzip", help="taskpoint's codec (default gzip, the targets' default)")
     p.add_argument("--level", type=int, default=None, help="taskpoint's compression level (default: its own)")
     p.add_argument("--data-dir", type=Path, default=BENCH_DIR / "data", help="where the data set is built")
@@ -156,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     # sections with data of their own
     separate = (_dcp.METHOD, _preemption.METHOD, _agreement.METHOD, _dedup.METHOD, _subset.METHOD, _fast.METHOD,
                 _fast.FORMAT_METHOD, _tiers.METHOD, _broadcast.METHOD, _latency.METHOD, _throttle.METHOD, _async.METHOD,
-                LIGHTNING)
+                _async.BIG_METHOD, _async.MANY_METHOD, LIGHTNING)
     main_table = any(m not in separate for m in args.methods)
     dataset = _dataset.prepare(args.data_dir, args.size) if main_table else None
     mib = {k: v / 2**20 for k, v in dataset.sizes.items()} if dataset else {}
@@ -199,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     throttle_rows = (_throttle.run(max(args.runs, _throttle.ROUNDS)) if _throttle.METHOD in args.methods else [])
     async_rows = (_async.run(args.size, opts, args.data_dir, args.async_sizes) if _async.METHOD in args.methods
                   else [])
+    big_rows = (_async.run_big(opts, args.data_dir, args.async_big_mib) if _async.BIG_METHOD in args.methods
+                else [])
+    many_rows = (_async.run_many(opts, args.data_dir, args.async_many_mib, args.async_many_saves)
+                 if _async.MANY_METHOD in args.methods else [])
     lightning = (subprocess.run([sys.executable, "-m", "benchmarks.lightning_step_time"], check=True,
                                 capture_output=True, text=True).stdout.strip() if LIGHTNING in args.methods else "")
     summaries = [r.summary() for r in results]
@@ -206,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     background = _report.add_background_ratios([r for r in summaries if r["method"] == _background.METHOD])
     goals = ((_report.targets(rows) if rows else []) + (_report.background_targets(background) if background else [])
              + _dcp.targets(dcp_rows) + _dedup.targets(dedup_rows) + _subset.targets(subset_rows)
-             + _fast.targets(fast_rows) + _fast.targets(format_rows) + _async.targets(async_rows)
+             + _fast.targets(fast_rows) + _fast.targets(format_rows) + _async.targets(async_rows + big_rows)
+             + _async.many_targets(many_rows)
              + (_tiers.targets(tier_rows) if tier_rows else []) + _broadcast.targets(broadcast_rows)
              + _throttle.targets(throttle_rows))
     directory = f" (directory {mib['directory']:.0f} MiB)" if mib else ""
@@ -253,6 +265,16 @@ def main(argv: list[str] | None = None) -> int:
         sections += ["background saves against the tools users pick instead (issue 43): local disk, each method in "
                      f"its own process, alternating order, medians of {args.runs} rounds; seconds; peak extra = PSS of "
                      "the trainer and its save process (benchmarks/_async.py)", "", _async.table(async_rows), ""]
+    if big_rows:
+        sections += [f"one JAX array of {args.async_big_mib} MiB (issue 43, Orbax's report): Orbax's async manager "
+                     "and taskpoint's background PyTree save, each in its own process, alternating order, medians of "
+                     f"{args.runs} rounds; seconds; peak extra = PSS of the trainer and its save process "
+                     "(benchmarks/_async.py)", "", _async.table(big_rows), ""]
+    if many_rows:
+        sections += [f"{args.async_many_saves} consecutive background saves of {args.async_many_mib} MiB (issue 43): "
+                     "the PSS of the trainer and of its save process in MiB, before the first save, after the "
+                     "first and the tenth, and at the end (benchmarks/_async.py)", "", _async.many_table(many_rows),
+                     ""]
     if lightning:
         sections += ["Lightning: a training loop's step time with a .ckpt every few steps (benchmarks/"
                      "lightning_step_time.py)", "", lightning, ""]
@@ -301,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     _report.write_json(args.results_dir / f"{stem}.json", meta,
                        rows + background + dcp_rows + dedup_rows + subset_rows + fast_rows + format_rows
-                       + broadcast_rows + latency_rows + throttle_rows + async_rows, goals, text)
+                       + broadcast_rows + latency_rows + throttle_rows + async_rows + big_rows + many_rows, goals, text)
     (args.results_dir / f"{stem}.txt").write_text(text + "\n")
     try:
         if rows:  # the plot shows MB/s of saves and loads; the background saves have no such bars

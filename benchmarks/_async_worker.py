@@ -1,14 +1,20 @@
 """One method of the ``async`` section (issue 43) in a process of its own: ``python -m benchmarks._async_worker
 SPEC RESULT``.
 
-The process builds its state (float32 tensors of 64 MiB, or a JAX PyTree of such arrays), makes the method's
-saver, waits ``first_delay`` seconds (the training loop running a few seconds before the first save), then saves
-``saves`` times: ``blocked`` is the time until the save call returns, ``durable`` until the step is committed
-(fsynced where the method does). Between saves the state is changed in place (torch) as a loop would. A sampler
-thread reads the proportional set size (``/proc/<pid>/smaps_rollup``) of this process and of its children (the save
-process) every 10 ms; ``peak_extra`` is the highest sum during each save, less the sum before it (shared memory
-counts once, split between the processes that map it). ``start`` and ``end`` are that sum before the first and after
-the last save.
+The process builds its state (float32 tensors of ``leaf_bytes``, 64 MiB by default, or a JAX PyTree of such arrays),
+makes the method's saver, waits ``first_delay`` seconds (the training loop running a few seconds before the first
+save), then saves ``saves`` times: ``blocked`` is the time until the save call returns, ``durable`` until the step is
+committed (fsynced where the method does). Between saves the state is changed in place (torch) as a loop would. With
+``keep``, only the last ``keep`` saves stay on disk (for the runs of 100 saves).
+
+A sampler thread reads the proportional set size (``/proc/<pid>/smaps_rollup``) of this process and of its children
+(the save process) every 10 ms: shared memory counts once, split between the processes that map it. Per save,
+``peak_extra`` is the highest sum during the save less the sum just before it. For the run, ``before`` is the sum just
+before the first save (the save process started ahead is in it) and ``peak`` the highest sum from then to the end:
+``peak - before`` shows what a method holds *between* saves too (taskpoint's ready segment, held until
+``close()``), which the per-save figure does not. ``start`` and ``end`` are the sum before the saver was made and
+after the last save; ``processes`` the PSS of this process (``trainer``) and of its children (``saver``) before the
+first save, after the first and every tenth, and at the end.
 """
 
 from __future__ import annotations
@@ -51,24 +57,31 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def processes_pss() -> dict[str, int]:
+    """The PSS of this process (``trainer``) and of its children (``saver``: the save process, if any)."""
+    me = os.getpid()
+    return {"trainer": _pss(me), "saver": sum(_pss(child) for child in _children(me))}
+
+
 def family_pss() -> int:
     """The PSS of this process and of its children."""
-    me = os.getpid()
-    return _pss(me) + sum(_pss(child) for child in _children(me))
+    return sum(processes_pss().values())
 
 
 class Sampler:
-    """The highest :func:`family_pss` since :meth:`reset`, read on a thread every :data:`SAMPLE_SECONDS`."""
+    """The highest :func:`family_pss` since :meth:`reset` (``peak``) and since the sampler started (``top``), read
+    on a thread every :data:`SAMPLE_SECONDS`."""
 
     def __init__(self) -> None:
-        self.peak = 0
+        self.peak = self.top = family_pss()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(SAMPLE_SECONDS):
-            self.peak = max(self.peak, family_pss())
+            now = family_pss()
+            self.peak, self.top = max(self.peak, now), max(self.top, now)
 
     def reset(self) -> int:
         now = family_pss()
@@ -93,10 +106,10 @@ def _fsync_tree(path: Path) -> None:
 Saver = Callable[[int], tuple[Callable[[], Any], Callable[[], Any]]]
 
 
-def torch_methods(total: int, work: Path) -> tuple[Any, dict[str, Callable[[], Saver]]]:
+def torch_methods(total: int, leaf: int, work: Path, keep: int | None) -> tuple[Any, dict[str, Callable[[], Saver]]]:
     import torch
 
-    state = {f"layer{i}": torch.randn(LEAF_BYTES // 4) for i in range(max(1, total // LEAF_BYTES))}
+    state = {f"layer{i}": torch.randn(leaf // 4) for i in range(max(1, total // leaf))}
 
     def copy() -> Saver:
         held: dict[str, Any] = {}
@@ -130,7 +143,7 @@ def torch_methods(total: int, work: Path) -> tuple[Any, dict[str, Callable[[], S
 
         # ahead: async_save=True, whose manager starts its save process when it is made; else save(blocking=False)
         # on a manager that starts it at its first background save
-        manager = CheckpointManager(work / "steps", async_save=not blocking and ahead, preemption=False)
+        manager = CheckpointManager(work / "steps", async_save=not blocking and ahead, preemption=False, keep=keep)
 
         def one(step: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
             return lambda: manager.save(StateDict(state), step, blocking=blocking), manager.wait_until_finished
@@ -141,13 +154,13 @@ def torch_methods(total: int, work: Path) -> tuple[Any, dict[str, Callable[[], S
                    "taskpoint-on-demand": lambda: taskpoint(False, ahead=False)}
 
 
-def jax_methods(total: int, work: Path) -> tuple[Any, dict[str, Callable[[], Saver]]]:
+def jax_methods(total: int, leaf: int, work: Path, keep: int | None) -> tuple[Any, dict[str, Callable[[], Saver]]]:
     import jax
     import numpy as np
 
     rng = np.random.default_rng(0)
-    state = {f"layer{i}": jax.numpy.asarray(rng.standard_normal(LEAF_BYTES // 4, dtype=np.float32))
-             for i in range(max(1, total // LEAF_BYTES))}
+    state = {f"layer{i}": jax.numpy.asarray(rng.standard_normal(leaf // 4, dtype=np.float32))
+             for i in range(max(1, total // leaf))}
 
     def copy() -> Saver:
         held: dict[str, Any] = {}
@@ -160,7 +173,7 @@ def jax_methods(total: int, work: Path) -> tuple[Any, dict[str, Callable[[], Sav
         import orbax.checkpoint as ocp
 
         manager = ocp.CheckpointManager(work / "orbax", options=ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=True))
+            enable_async_checkpointing=True, max_to_keep=keep))
         return lambda step: (lambda: manager.save(step, args=ocp.args.StandardSave(state)),
                              manager.wait_until_finished)
 
@@ -168,7 +181,7 @@ def jax_methods(total: int, work: Path) -> tuple[Any, dict[str, Callable[[], Sav
         from taskpoint import CheckpointManager
         from taskpoint.jax import PyTree
 
-        manager = CheckpointManager(work / "steps", async_save=not blocking, preemption=False)
+        manager = CheckpointManager(work / "steps", async_save=not blocking, preemption=False, keep=keep)
         return lambda step: (lambda: manager.save(PyTree(state), step), manager.wait_until_finished)
 
     return state, {"copy": copy, "orbax": orbax, "taskpoint": lambda: taskpoint(False),
@@ -181,25 +194,34 @@ def main(spec_path: str, result_path: str) -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     build = torch_methods if spec["kind"] == "torch" else jax_methods
-    state, methods = build(int(spec["bytes"]), work)
-    sampler = Sampler()
+    keep = spec.get("keep")
+    state, methods = build(int(spec["bytes"]), int(spec.get("leaf_bytes", LEAF_BYTES)), work, keep)
     start = family_pss()
     saver = methods[spec["method"]]()  # made now: the manager starts its save process here
     time.sleep(float(spec["first_delay"]))
+    sampler = Sampler()
+    before, processes = sampler.top, {"before": processes_pss()}
     rows = []
     for step in range(1, int(spec["saves"]) + 1):
         save, durable = saver(step)
-        before = sampler.reset()
+        ahead = sampler.reset()
         t0 = time.perf_counter()
         save()
         blocked = time.perf_counter() - t0
         durable()
-        rows.append({"blocked": blocked, "durable": time.perf_counter() - t0, "peak_extra": sampler.peak - before})
+        rows.append({"blocked": blocked, "durable": time.perf_counter() - t0, "peak_extra": sampler.peak - ahead})
+        if step == 1 or step % 10 == 0:
+            processes[f"after {step}"] = processes_pss()
+        if keep is not None:  # the methods that keep no steps of their own (DCP, torch.save)
+            shutil.rmtree(work / f"dcp-{step - keep}", ignore_errors=True)
+            (work / f"torch-{step - keep}.pt").unlink(missing_ok=True)
         if spec["kind"] == "torch":
             for tensor in state.values():
                 tensor.mul_(1.0001)  # the loop changes the state between saves
     sampler.stop()
-    Path(result_path).write_text(json.dumps({"saves": rows, "start": start, "end": family_pss()}))
+    processes["end"] = processes_pss()
+    Path(result_path).write_text(json.dumps({"saves": rows, "start": start, "end": family_pss(), "before": before,
+                                             "peak": sampler.top, "processes": processes}))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from typing import Any
 
 METHODS = ("taskpoint", "taskpoint-progress", "taskpoint-async", "baseline", "raw", "raw-fsync", "manager", "dcp",
            "preemption", "agreement", "dedup", "subset", "tiers", "lightning", "fast", "format", "broadcast",
-           "latency", "throttle", "async")
+           "latency", "throttle", "async", "async-big", "async-many")
 PAYLOADS = ("directory", "file", "bytes", "small")
 #: Payloads held in memory (``bytes`` objects) rather than read from a path by the save.
 IN_MEMORY = ("bytes", "small")

@@ -30,7 +30,9 @@ and each response before it goes back to the client, so that a request that fits
 The server is real and so is every byte that is let through; only the failures are made here. With
 ``throttle`` (bytes per second, per connection) the bodies that pass go no faster than that: a slow network; ``slow``
 (a function of a request's method and path giving bytes per second, or None) slows the request bodies it picks:
-one slow part of an upload. Requests
+one slow part of an upload. ``strip`` (header names, lower case) are removed from every request that passes: a
+store that ignores ``If-None-Match``, say. ``before`` (a function of a request's method and path) is called before a
+request that passes goes to the server: a test may wait in it to order requests. Requests
 and responses are parsed just enough to find where each one ends (``Content-Length``, chunked transfer
 coding, ``HEAD``, 1xx/204/304), so keep-alive connections carry many requests and each is judged on its
 own. ``Expect: 100-continue`` is answered by the proxy (and not forwarded), so clients that wait for it
@@ -236,6 +238,10 @@ class FaultProxy:
         self.choose: Callable[[str, str], str | None] | None = None
         #: The rate (bytes per second) of the body of a request it picks (by method and path), None: :attr:`throttle`.
         self.slow: Callable[[str, str], float | None] | None = None
+        #: Header names (lower case) removed from every request that passes, before it goes to the server.
+        self.strip: tuple[str, ...] = ()
+        #: Called with the method and path of each request that passes before it goes to the server; None: none.
+        self.before: Callable[[str, str], None] | None = None
         #: Seconds each request waits before it goes to the server, and each response before it goes back.
         self.delay = delay
         #: Seconds sent as ``Retry-After`` with the proxy's own 429 and 503 answers (None: no header).
@@ -371,6 +377,10 @@ class FaultProxy:
                     upstream_reader = _Reader(upstream)
                 assert upstream_reader is not None
                 self._wait(self.delay)
+                for name in self.strip:
+                    head = _without_header(head, name)
+                if self.before is not None:
+                    self.before(method, path)
                 upstream.sendall(head)
                 rate = self.slow(method, path) if self.slow is not None else None
                 for data in _body(reader, headers, to_eof=False):
@@ -412,10 +422,11 @@ class FaultProxy:
         return upstream
 
     def _hold(self, client: socket.socket) -> None:
-        """Keep the connection open and silent until the stall is over or the client gives up."""
-        deadline = time.monotonic() + self.stall_seconds
+        """Keep the connection open and silent until the stall is over or the client gives up. The stall is
+        :attr:`stall_seconds` as it is at each moment: lowering it (to 0) releases the requests held now."""
+        began = time.monotonic()
         while not self._accepting.stopped:
-            left = deadline - time.monotonic()
+            left = began + self.stall_seconds - time.monotonic()
             if left <= 0:
                 return
             readable, _, _ = select.select([client], [], [], min(left, 0.2))

@@ -95,7 +95,7 @@ _SERVER_FIXTURES = {"s3": "s3_server", "s3-obstore": "s3_server", "s3-seaweed": 
 #: changes nothing that the S3 run does not already cover, and running everything twice would add minutes.
 _OBSTORE_MODULES = frozenset({"test_stores.py", "test_record_protocol.py", "test_storage_failures.py",
                               "test_storage_errors.py", "test_integrity.py", "test_obstore.py", "test_manager.py",
-                              "test_throttling.py", "test_round_trips.py"})
+                              "test_throttling.py", "test_round_trips.py", "test_ignored_conditions.py"})
 #: The modules whose store fixtures run on SeaweedFS too (``s3-seaweed``): those whose promises rest on
 #: conditional writes (the record protocol) and the SeaweedFS tests themselves. Elsewhere a test runs there
 #: when it names ``s3-seaweed`` in its own parametrize (the dedup leases and sweeps, two managers racing) or

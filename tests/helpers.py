@@ -214,17 +214,44 @@ def member(name: str, kind: bytes = tarfile.REGTYPE, *, linkname: str = "", mode
     return info
 
 
+@dataclass
+class Operation:
+    """One storage operation a :class:`CountingRetry` ran: its action, its URI, and what each of its attempts
+    raised, in order (None: the attempt succeeded)."""
+
+    action: str
+    uri: str
+    outcomes: list[BaseException | None] = field(default_factory=list)
+
+    @property
+    def attempts(self) -> int:
+        return len(self.outcomes)
+
+
 @dataclass(frozen=True)
 class CountingRetry(RetryPolicy):
-    """A retry policy that counts how often it runs the operation (to prove what is not retried)."""
+    """A retry policy that counts how often it runs each operation (to prove what is retried and what is not).
+
+    ``runs``: the action of every attempt, in the order they began. ``operations``: one :class:`Operation` per
+    call, so that a test can count attempts per operation where a save sends several at once (record.py)."""
 
     runs: list[str] = field(default_factory=list, compare=False)
+    operations: list[Operation] = field(default_factory=list, compare=False)
 
     def call(self, fn: Callable[[Deadline], T], *, action: str, uri: str, endpoint: str | None = None,
              outer: Deadline = NO_DEADLINE, **throttling: Any) -> T:
+        operation = Operation(action, uri)
+        self.operations.append(operation)
+
         def counted(deadline: Deadline) -> T:
             self.runs.append(action)
-            return fn(deadline)
+            try:
+                result = fn(deadline)
+            except BaseException as exc:
+                operation.outcomes.append(exc)
+                raise
+            operation.outcomes.append(None)
+            return result
         return super().call(counted, action=action, uri=uri, endpoint=endpoint, outer=outer, **throttling)
 
 

@@ -24,7 +24,8 @@ from .format.records import RECORD_SUFFIX
 from .inspection import CheckpointDescription, CheckpointVerification, describe_object, verify_object
 from .partial import listed_index, open_by_restoring, open_indexed, restore_indexed
 from .payloads import payload_for
-from .record import VERIFY_MODES, SaveMemory, load_object, read_record, save_object, unverified
+from .record import VERIFY_MODES, load_object, read_record, save_object, unverified
+from .save_memory import SaveMemory
 from .storage import Location, RetryPolicy, normalize_uri
 from .transfer import SourceIsFolder
 from .workspace import Workspace

@@ -43,7 +43,7 @@ def source_exists(src: Location) -> bool:
 def refuse_folder_destination(dest: Location) -> None:
     """Raise :class:`~taskpoint.errors.CheckpointError` when ``dest`` is a folder or a prefix with objects under
     it (one ``stat`` on local disk, a HEAD and a listing elsewhere: the caller decides how often to ask, see
-    :class:`taskpoint.record.SaveMemory`)."""
+    :class:`taskpoint.save_memory.SaveMemory`)."""
     if dest.kind() is Kind.FOLDER:
         raise CheckpointError(
             f"checkpoint_dest {dest.uri} is a folder (or a prefix with objects under it), not an object. taskpoint "

@@ -4,7 +4,6 @@ load verified against it (see :mod:`taskpoint.format.records` for the format and
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 import uuid
 import warnings
@@ -15,15 +14,14 @@ from typing import Any
 
 from . import _log
 from ._progress import NO_PROGRESS, Progress
-from .errors import CheckpointCorruptError, StorageNotFound, StorageUnavailable
+from .errors import CheckpointCorruptError, StorageNotFound
 from .executors import IO
-from .folders import refuse_folder_destination
 from .format.codecs import Codec
 from .format.records import RECORD_SUFFIX, ObjectRecord, Record
 from .payloads import Payload, payload_class
+from .record_writes import SaveState, merged, parsed, read_versioned
+from .save_memory import SaveMemory
 from .storage import Deadline, Location, RetryPolicy
-from .storage.deadline import NO_DEADLINE
-from .storage.streams import VersionConflict
 from .transfer import guess_kind, read_payload, write_payload
 
 #: How often a load re-reads the record and follows it when the object it read is not listed (each time, a
@@ -31,48 +29,6 @@ from .transfer import guess_kind, read_payload, write_payload
 _RECORD_REREADS = 4
 #: The pause before a load reads the object again under an unchanged record (a damaged object waits it once).
 _RECORD_PAUSE = 0.1
-#: How often a conditional record write reads the record again after another writer changed it (each conflict
-#: means the other writer's write landed: only a crowd of writers at one destination exhausts this).
-_CONFLICT_TRIES = 16
-
-
-class SaveMemory:
-    """What one writer knows of the destinations it saved to, kept by its owner (a :class:`~taskpoint.Checkpoint`)
-    for as long as it saves: the record it last wrote beside each, with its stored version (S3's and Azure's
-    ETag, GCS's generation, a local file's identity), and which destinations on object stores it found not to be
-    a folder or prefix.
-
-    A later save starts from that record: where the store has conditional writes, its record write lands only
-    over that version, and on a conflict it reads the record again and keeps what the other writer listed;
-    elsewhere (``memory://``), just before it lists its new object it reads the record again, so that what another
-    writer made visible stays listed. A new owner knows nothing, as a new process does: its first save reads the
-    record (and, without one, checks that the destination is no folder)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._records: dict[str, tuple[Record, str | None]] = {}
-        self._not_folders: set[str] = set()
-
-    def take(self, record_loc: Location) -> tuple[Record | None, str | None]:
-        """The record last written at ``record_loc`` and its version, forgotten until :meth:`keep` (None, None
-        when unknown): a save that fails leaves nothing to start from."""
-        with self._lock:
-            return self._records.pop(record_loc.path, (None, None))
-
-    def keep(self, record_loc: Location, record: Record, version: str | None) -> None:
-        with self._lock:
-            self._records[record_loc.path] = (record, version)
-
-    def refuse_folder(self, dest: Location) -> None:
-        """:func:`~taskpoint.folders.refuse_folder_destination`, paid once per destination on object stores (a
-        HEAD and a listing) and on every save on local disk (one ``stat``)."""
-        with self._lock:
-            if not dest.is_local and dest.path in self._not_folders:
-                return
-        refuse_folder_destination(dest)
-        if not dest.is_local:
-            with self._lock:
-                self._not_folders.add(dest.path)
 
 
 def save_object(dest: Location, payload: Payload, codec: Codec, level: int | None,
@@ -83,26 +39,34 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
     memory = memory if memory is not None else SaveMemory()
     record_loc = dest.sibling(RECORD_SUFFIX)
     known, version = memory.take(record_loc)
-    read_at = time.monotonic()
-    if known is None:
-        stored, version = _read_versioned(record_loc)
+    read_at, started = time.monotonic(), time.time()
+    # Nothing known, on an object store with conditional writes: the record's first write is a create (only where
+    # there is none), sent with the folder check and beside the record's read, begun here: a refused create takes
+    # what it read, and otherwise the save waits for it only before it returns (SaveState.settle). A new name is
+    # two round trips (those, then the object), where it took three in a row (5-30 ms each on a real store); a name
+    # with a record three, as when the read came first.
+    beside = known is None and record_loc.conditional and not dest.is_local
+    ahead = IO.lane(1).submit(read_versioned, record_loc) if beside else None
+    if known is None and not beside:
+        stored, version = read_versioned(record_loc)
         previous = stored or Record()
     else:
-        previous = known
-    # With no record there (or one listing nothing), on an object store with conditional writes, the folder check
-    # goes beside the record's first write (made only over the version read: where there was none, only where there
-    # is none): one round trip for both, where they took three in a row (5-30 ms each on a real store).
-    beside = known is None and not previous.objects and record_loc.conditional and not dest.is_local
+        previous = known or Record()
     if not beside and (dest.is_local or not previous.objects):
         # A folder or prefix is refused before anything is written (folders.py). A destination with a record
         # was saved to as an object before: on object stores that spares the first save a HEAD and a listing.
         memory.refuse_folder(dest)
-    if previous.sweep or (known is None and dest.is_local):
+
+    def sweep() -> None:  # what killed or failed saves left (never this save's own upload, begun after `started`)
         _log.logger.debug("sweeping leftovers of interrupted saves at %s", _log.safe_uri(dest.uri))
-        dest.sweep_leftovers(started_before=time.time())  # what killed or failed saves left
+        dest.sweep_leftovers(started_before=started)
+
+    if previous.sweep or (known is None and dest.is_local):
+        sweep()
     entry = ObjectRecord(kind=payload.kind, codec=codec.name if payload.archived else "raw",
                          save_id=uuid.uuid4().hex, created=time.time(), size=payload.size())
-    state = _SaveState(record_loc, previous, version, check=(lambda: memory.refuse_folder(dest)) if beside else None)
+    state = SaveState(record_loc, previous, version, check=(lambda: memory.refuse_folder(dest)) if beside else None,
+                       ahead=ahead, sweep=sweep)
 
     def on_partial(deadline: Deadline) -> None:  # a multipart upload begins: if this process dies, the next save
         if not state.partial:  # sweeps it
@@ -114,7 +78,7 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
         # conditional writes the store says so (a conflict: read it again); elsewhere read it again unless it
         # was read a moment ago, and keep what it lists besides what this process knew.
         if not record_loc.conditional and (known is not None or time.monotonic() - read_at > _FRESH_SECONDS):
-            state.record = _merged(read_record(record_loc.within(deadline), tolerate_corrupt=True), state.record)
+            state.record = merged(read_record(record_loc.within(deadline), tolerate_corrupt=True), state.record)
         new = replace(entry, size=size, crc32=digest, index=payload.written_index)
         state.write(lambda record: record.with_new(new, sweep=state.partial), action="record the checkpoint at",
                     outer=deadline)
@@ -122,10 +86,11 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
     try:
         size, digest = write_payload(dest, payload, codec, level, digest="crc32", before_commit=before_commit,
                                      on_partial=on_partial, progress=progress)
-    except BaseException:
+    except BaseException as failure:
+        waits = record_loc.retry.deadline if isinstance(failure, Exception) else 0  # an interrupt does not wait
         if state.refused:  # never written (a folder, say): a record this save made goes again, nothing is left
             with contextlib.suppress(Exception):
-                if state.created:
+                if not state.settle(entry.save_id, waits) and state.created:
                     record_loc.remove()
             raise
         with contextlib.suppress(Exception):  # best effort: the record already lists all that may be visible
@@ -134,7 +99,10 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
             # briefly: a store that is down must not make the failed save wait out a second deadline.
             state.loc = record_loc.with_retry(_MARK_RETRY)
             state.write(lambda record: replace(record, sweep=True), action="record a failed save at")
+        with contextlib.suppress(Exception):
+            state.settle(entry.save_id, waits)
         raise
+    state.settle(entry.save_id, record_loc.retry.deadline)
     memory.keep(record_loc, replace(state.record, confirmed=entry.save_id, sweep=False), state.version)
     return replace(entry, size=size, crc32=digest, index=payload.written_index)
 
@@ -145,88 +113,9 @@ _MARK_RETRY = RetryPolicy(attempts=1, deadline=5.0)
 _FRESH_SECONDS = 1.0
 
 
-def _merged(current: Record | None, known: Record) -> Record:
-    """The record as stored, plus the objects this process knew of that it no longer lists (newest first)."""
-    if current is None:
-        return known
-    listed = {o.save_id for o in current.objects}
-    extra = tuple(o for o in known.objects if o.save_id not in listed)
-    return replace(current, objects=current.objects + extra, confirmed=known.confirmed or current.confirmed)
-
-
-def _read_versioned(record_loc: Location) -> tuple[Record | None, str | None]:
-    """The stored record (None when there is none or it is damaged: a save replaces it) and its version."""
-    data, version = record_loc.read_versioned()
-    return _parsed(data, record_loc.uri, tolerate_corrupt=True), version
-
-
-@dataclass
-class _SaveState:
-    """What one save has written to the record so far, and the version of the record it last saw."""
-
-    loc: Location
-    record: Record
-    version: str | None
-    partial: bool = False
-    #: The folder check still to run beside the first write (no record listed objects), None when none is due.
-    check: Callable[[], None] | None = None
-    created: bool = False  # a write of this save found no record and made it
-    refused: bool = False  # that check refused the destination (or failed): the object was never written
-
-    def write(self, change: Callable[[Record], Record], *, action: str, outer: Deadline = NO_DEADLINE) -> None:
-        """Store ``change(record)``, by ``outer`` (the deadline of the write whose hook this is). Where the store
-        has conditional writes it lands only over the version this save saw; when another writer got there
-        first, read the record again, keep what it lists and apply the change to that."""
-        check, self.check = self.check, None
-        if check is not None:
-            self._beside(check, lambda: self.write(change, action=action, outer=outer))
-            return
-        loc = self.loc.within(outer)
-        if not loc.conditional:
-            self.record = change(self.record)
-            loc.write_small(self.record.to_bytes(), action=action)
-            return
-        for _ in range(_CONFLICT_TRIES):
-            candidate = change(self.record)
-            try:
-                self.version, self.created = (loc.write_versioned(candidate.to_bytes(), self.version, action=action),
-                                              self.created or self.version is None)
-                self.record = candidate
-                return
-            except VersionConflict:
-                stored, self.version = _read_versioned(loc)
-                self.record = _merged(stored, self.record)
-                _log.logger.debug("another writer changed the record at %s; merged", _log.safe_uri(self.loc.uri))
-        raise StorageUnavailable(
-            f"could not {action} {self.loc.uri}: other writers changed its record {_CONFLICT_TRIES} times in a row. "
-            "Let one process save to a destination at a time; nothing was lost.")
-
-    def _beside(self, check: Callable[[], None], write: Callable[[], None]) -> None:
-        """``write`` (the first) with the folder ``check`` on a pool thread meanwhile: one round trip for both.
-        :attr:`refused` when the check refuses the destination or fails."""
-        with IO.lane(1) as lane:
-            checked = lane.submit(check)
-            try:
-                write()
-            finally:
-                self.refused = checked.exception() is not None
-            checked.result()
-
-
 def read_record(record_loc: Location, *, tolerate_corrupt: bool = False) -> Record | None:
     """The record beside a checkpoint object, or None when there is none."""
-    return _parsed(record_loc.read_small(), record_loc.uri, tolerate_corrupt=tolerate_corrupt)
-
-
-def _parsed(data: bytes | None, uri: str, *, tolerate_corrupt: bool) -> Record | None:
-    if data is None:
-        return None
-    try:
-        return Record.from_bytes(data, uri)
-    except CheckpointCorruptError:
-        if tolerate_corrupt:
-            return None
-        raise
+    return parsed(record_loc.read_small(), record_loc.uri, tolerate_corrupt=tolerate_corrupt)
 
 
 #: Hears the payload kind and stored size of a read that passed its checks.

@@ -9,10 +9,13 @@ background-save snapshots in the manager) and staging segments (:func:`taskpoint
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import re
 import shutil
+import signal
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -118,6 +121,23 @@ def process_alive(pid: int) -> bool:
     except PermissionError:
         return True  # someone else's process
     return True
+
+
+def how_it_ended(process: subprocess.Popen[bytes], within: float) -> str:
+    """How ``process`` ended, for a message (``killed by SIGKILL``, ``exit status 1``), waited for up to ``within``
+    seconds: a killed process closes its pipes before it can be reaped, and the rest of a process whose main thread
+    ended goes on for a while. ``still ending`` when it has not ended by then."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(within)
+    code = process.poll()
+    if code is None:
+        return "still ending"
+    if code >= 0:
+        return f"exit status {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
 
 
 def owner_gone(pid: int, start: int | None) -> bool:

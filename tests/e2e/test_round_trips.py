@@ -6,8 +6,10 @@ A real store answers in 5-30 ms, so each request a small operation waits on is i
 is two PUTs (the payload, then the manifest created only where there is none: no read before, no HEAD after),
 a restore of the newest step is the listing and two GETs (its restore lease written on a thread of its own, off
 the restore's path), a small ``Checkpoint.save_sync`` at a name saved to before is two PUTs (the record,
-then the object), and at a new name three round trips (the record's read; its create beside the check that the
-name is no folder; the object). A reader that may not write restores with one warning that it took no lease.
+then the object), and at a new name two round trips (the record's create, beside its read and the check that the
+name is no folder; the object). A first save of a process at a name with a record is three (those four requests,
+the create refused; the record over the version read; the object). A reader that may not write restores with one
+warning that it took no lease.
 """
 
 from __future__ import annotations
@@ -184,10 +186,14 @@ def test_a_small_checkpoint_save_again_is_two_puts(proxied):
     assert Checkpoint(f"{url}/other", f"{url}/ckpt", storage_options=options).load_sync().read_bytes() == b"b" * 1024
 
 
-def test_a_first_small_checkpoint_save_is_three_round_trips(proxied):
-    """``Checkpoint.save_sync(1 KiB)`` at a new name: the record's GET (none there); then the record's create, the
-    destination's HEAD and the listing under it together (the listing is held at the proxy until the record's PUT
-    has come, which it does); then the object's PUT."""
+def _record_put_came(proxy: FaultProxy, since: int, record: str) -> bool:
+    return any(method == "PUT" and path.endswith(record) for method, path, _ in proxy.requests(since))
+
+
+def test_a_first_small_checkpoint_save_sends_the_record_with_the_folder_check(proxied):
+    """``Checkpoint.save_sync(1 KiB)`` at a new name: the record's GET, its create, the destination's HEAD and the
+    listing under it go together (the listing is held at the proxy until the record's PUT has come, which it
+    does); then the object's PUT."""
     proxy, url, options = proxied
     checkpoint = Checkpoint(f"{url}/first", storage_options=options)
     record = f"/first{RECORD_SUFFIX}"
@@ -204,12 +210,71 @@ def test_a_first_small_checkpoint_save_is_three_round_trips(proxied):
     since = len(proxy.log)
     saving = threading.Thread(target=checkpoint.save_sync, args=(b"c" * 1024,), daemon=True)
     saving.start()
-    assert wait_until(lambda: any(m == "PUT" and p.endswith(record) for m, p, _ in proxy.requests(since)),
-                      WAIT_BOUND), "the record's PUT waited for the folder check"
+    assert wait_until(lambda: _record_put_came(proxy, since, record), WAIT_BOUND), \
+        "the record's PUT waited for the folder check"
     saving.join(WAIT_BOUND)
     assert not saving.is_alive()
     answered = [(method, path) for method, path, status in proxy.requests(since) if status is not None]
-    assert answered[0] == ("GET", answered[0][1]) and answered[0][1].endswith(record), answered
-    assert sorted(method for method, _ in answered[1:4]) == ["GET", "HEAD", "PUT"], answered
+    assert sorted(method for method, _ in answered[:4]) == ["GET", "GET", "HEAD", "PUT"], answered
+    assert [path for _, path in answered[:4] if path.endswith(record)], answered  # the record's GET and PUT
     assert len(answered) == 5 and answered[4][0] == "PUT" and answered[4][1].endswith("/first"), answered
     assert Checkpoint(f"{url}/other", f"{url}/first", storage_options=options).load_sync().read_bytes() == b"c" * 1024
+
+
+def test_a_first_small_checkpoint_save_is_two_round_trips(proxied):
+    """``Checkpoint.save_sync(1 KiB)`` at a new name waits on no answer to the record's GET: with that GET held at
+    the proxy, the record's create (no record was there), the folder check and then the object's PUT all go out
+    and are answered. The save waits for the GET's end only after that (it is released then)."""
+    proxy, url, options = proxied
+    checkpoint = Checkpoint(f"{url}/new", storage_options=options)
+    record = f"/new{RECORD_SUFFIX}"
+    held: list[str] = []
+
+    def hold_the_records_read(method: str, path: str) -> bool:
+        if method == "GET" and path.endswith(record) and not held:
+            held.append(path)
+            return True
+        return False
+
+    def object_stored() -> bool:
+        return any(method == "PUT" and path.endswith("/new") and status == 200
+                   for method, path, status in proxy.requests(since))
+
+    proxy.hold = hold_the_records_read
+    since = len(proxy.log)
+    saving = threading.Thread(target=checkpoint.save_sync, args=(b"n" * 1024,), daemon=True)
+    saving.start()
+    try:
+        assert wait_until(object_stored, WAIT_BOUND), f"the object's PUT waited: {proxy.requests(since)}"
+        before = [(method, path, status) for method, path, status in proxy.requests(since)]
+    finally:
+        proxy.stall_seconds = 0  # the held GET's connection closes; its retry is answered
+        saving.join(WAIT_BOUND)
+    assert not saving.is_alive()
+    assert held, "the save sent no GET of its record"
+    assert [status for method, path, status in before if method == "GET" and path.endswith(record)] == [None], before
+    assert [status for method, path, status in before if method == "PUT" and path.endswith(record)] == [200], before
+    assert sorted(method for method, path, _ in before if not path.endswith(record)) == \
+        ["GET", "HEAD", "PUT"], before  # the listing, the HEAD, the object
+    assert Checkpoint(f"{url}/other", f"{url}/new", storage_options=options).load_sync().read_bytes() == b"n" * 1024
+
+
+def test_a_first_save_of_a_process_at_a_name_with_a_record_is_three_round_trips(proxied):
+    """A new ``Checkpoint`` (as a new process) saving 1 KiB where a record is: the record's GET, its create (refused,
+    412), the HEAD and the listing go out together; then the record over the version the GET read; then the
+    object's PUT. Six requests, three waited on in a row (two more than when the GET came first: the refused
+    create and the folder check)."""
+    proxy, url, options = proxied
+    Checkpoint(f"{url}/again", storage_options=options).save_sync(b"d" * 1024)
+    record = f"/again{RECORD_SUFFIX}"
+    since = len(proxy.log)
+    Checkpoint(f"{url}/again", storage_options=options).save_sync(b"e" * 1024)
+    made = proxy.requests(since)
+    assert len(made) == 6, _methods(made)
+    on_record = [(method, status) for method, path, status in made if path.endswith(record)]
+    assert sorted(on_record) == [("GET", 200), ("PUT", 200), ("PUT", 412)], made
+    assert on_record.index(("GET", 200)) < on_record.index(("PUT", 200)), made  # written over what the GET read
+    assert on_record.index(("PUT", 412)) < on_record.index(("PUT", 200)), made
+    assert sorted(method for method, path, _ in made[:-1] if not path.endswith(record)) == ["GET", "HEAD"], made
+    assert made[-1][0] == "PUT" and made[-1][1].endswith("/again") and made[-1][2] == 200, made
+    assert Checkpoint(f"{url}/other", f"{url}/again", storage_options=options).load_sync().read_bytes() == b"e" * 1024

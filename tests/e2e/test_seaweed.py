@@ -147,19 +147,20 @@ def test_saves_racing_on_one_record_keep_every_entry(store: StoreLocation):
     object in it at once each land their entry on top of the others' (a conflict: read again, keep theirs),
     so the record lists every save and none was dropped by a writer that won without seeing it."""
     from taskpoint.format.records import RECORD_SUFFIX, ObjectRecord, Record
-    from taskpoint.record import _read_versioned, _SaveState, read_record
+    from taskpoint.record import read_record
+    from taskpoint.record_writes import SaveState, read_versioned
 
     dest = store.url("ckpt")
     record_loc = Location(dest, store.storage_options).sibling(RECORD_SUFFIX)
     Checkpoint(dest, storage_options=store.storage_options).save_sync(b"first")
-    stored, version = _read_versioned(record_loc)
+    stored, version = read_versioned(record_loc)
     assert stored is not None and version is not None
     writers = 6  # within the entries a record keeps for recent saves
     entries = [ObjectRecord(kind="bytes", codec="raw", save_id=uuid.uuid4().hex, created=stored.objects[0].created
                             + 1 + i, size=100 + i, crc32=f"{i:08x}") for i in range(writers)]
 
     def attempt(_: int, writer: int) -> bool:
-        state = _SaveState(record_loc, stored, version)  # what each saver read: the same version
+        state = SaveState(record_loc, stored, version)  # what each saver read: the same version
         state.write(lambda record: record.with_new(entries[writer], sweep=False), action="record")
         return True
 

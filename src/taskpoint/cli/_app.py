@@ -88,11 +88,7 @@ class _State:
 
 
 def _state() -> _State:
-    ctx = click.get_current_context()
-    state = ctx.find_object(_State)
-    if state is None:
-        state = ctx.ensure_object(_State)
-    return state
+    return click.get_current_context().ensure_object(_State)
 
 
 def _add_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
@@ -270,11 +266,6 @@ class _EchoWarnings(logging.Handler):
 
 
 _ECHO_WARNINGS = _EchoWarnings(logging.WARNING)
-
-
-# -- what a URI holds -----------------------------------------------------------------------------------------
-
-
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -72,8 +72,3 @@ def run_command(checkpoint_path: str | None, prev_checkpoint: str | None, root: 
         click.echo(f"taskpoint run: command not found: {args[0]}", err=True)
         return 127
     return 0  # pragma: no cover - exec does not return
-
-
-# -- entry point ----------------------------------------------------------------------------------------------
-
-

@@ -237,8 +237,3 @@ def gc_command(directory: str, grace: float | None, dry_run: bool) -> int:
         click.echo(f"{verb} {safe_uri(found)}")
     click.echo(f"taskpoint gc: {len(removed)} leftover(s) {verb.replace('would remove', 'would be removed')}")
     return OK
-
-
-# -- run ------------------------------------------------------------------------------------------------------
-
-

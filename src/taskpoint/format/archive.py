@@ -307,8 +307,3 @@ def _parse_pax(data: bytes) -> dict[str, str]:
         out[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
         pos += length
     return out
-
-
-# -- the space a load may use -------------------------------------------------------------------------------
-
-

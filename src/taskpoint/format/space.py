@@ -75,6 +75,3 @@ def check_room(folder: str | os.PathLike[str], size: int, uri: str, max_expand: 
     """StorageFull when a file of ``size`` bytes would not fit in ``folder``'s file system, or exceeds
     ``max_expand`` (see SpaceBudget)."""
     SpaceBudget(folder, uri, max_expand).charge(size, what="the payload")
-
-
-# -- extraction -----------------------------------------------------------------------------------------------

@@ -204,6 +204,3 @@ def _orbax_version() -> str:
         return version("orbax-checkpoint")
     except PackageNotFoundError:
         return "unknown"
-
-
-# -- reading -----------------------------------------------------------------------------------------------

@@ -85,8 +85,8 @@ def assemble(uri: str, options: Options, *, storage_options: dict[str, Any] | No
     tier = None if options.tier is None else LocalTier.open(open_local, options.tier, saves, {
         "codec": codec, "level": level, "retry": retry, "grace_seconds": grace_seconds, "dedup": dedup,
     }, (context, writer, background, guard.committed))
-    queries = StepQueries(context, reader, guard, schedule, tier, background, root.throttles)
+    queries = StepQueries(context, reader, guard, schedule, tier, background)
     writes = StepWrites(context, writer, reader, guard, schedule, background, tier,
                         PreemptionPolicy(preemption, on_preemption, agreement), chunked, queries,
-                        bool(saves.async_save), root.throttles)
+                        bool(saves.async_save))
     return Assembly(steps, context, chunked, background, tier, queries, writes)

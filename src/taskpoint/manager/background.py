@@ -198,16 +198,26 @@ def store_payload(location: Location, payload: Payload, codec: Codec, level: int
 def store_staged(manifest: Location, segment: str, job: StagedJob, saver: Handover | None,
                  progress: Progress = NO_PROGRESS) -> tuple[dict[str, int], StepManifest]:
     """Write a staged save's objects from its ``segment``: by ``saver``'s process, which takes the segment over
-    (and commits the step at ``manifest`` itself if this process dies before doing so), else from this thread;
-    the sizes of the objects stored and the manifest that commits them. A save process that dies in the middle
-    is never fatal: the segment, no longer in use, is taken back and written from here."""
+    (and commits the step at ``manifest`` itself if this process dies before doing so), else from this thread
+    (also when the job cannot be sent to the process, or the process exits before it is ready: a Python that
+    cannot import this taskpoint); the sizes of the objects stored and the manifest that commits them.
+
+    A save process that dies in the middle (the OOM killer, an operator's SIGKILL) fails the save with a
+    CheckpointError saying how it ended: nothing is committed, the steps before stay as they were, and the next
+    save starts a new process (the segment is freed as the save ends). It is not written from here instead: the
+    segment, named for a dead process, is any sweep's to remove at any moment (so such a fallback failed or not
+    by a race), and the write would add its memory to this process's where memory may be what killed the other."""
     if saver is not None:
         try:
             return saver.store_staged(manifest, segment, job, progress)
+        except NotTransferable:
+            pass
         except SaverUnavailable as exc:
-            if not isinstance(exc, NotTransferable):
-                warnings.warn(f"{exc}; taskpoint writes {manifest.uri} from this process instead", RuntimeWarning,
-                              stacklevel=2)
+            if saver.process.started:
+                raise CheckpointError(f"{exc} while it wrote {manifest.uri.rsplit('/', 1)[0]}: the step is not "
+                                      "committed, the steps before it are intact; save it again") from exc
+            warnings.warn(f"{exc}; taskpoint writes {manifest.uri} from this process instead", RuntimeWarning,
+                          stacklevel=2)
     found = Segment.find(segment)
     if found is None:
         raise CheckpointError(f"the staged state of {manifest.uri} is gone from {segment}: it was removed while the "

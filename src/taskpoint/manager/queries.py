@@ -54,13 +54,11 @@ class StepQueries:
     """
 
     def __init__(self, context: StepContext, reader: StepReader, guard: Guard, schedule: SaveSchedule,
-                 tier: LocalTier | None, background: Background, throttles: Callable[[], int]) -> None:
+                 tier: LocalTier | None, background: Background) -> None:
         self._context, self._steps, self._guard = context, context.steps, guard
         #: The manager's verified reads (a tier's local manager lends its own to the tier).
         self.reader = reader
         self._schedule, self._tier, self._background = schedule, tier, background
-        #: The count of the store's throttling answers so far, for the figures of a restore.
-        self._throttles = throttles
         #: The step the last successful restore returned (the manager's ``restored_step``).
         self.restored_step: int | None = None
         #: Whether the manager is closed (its close sets it).
@@ -80,7 +78,7 @@ class StepQueries:
     def restore(self, step: int | None, into: str | os.PathLike[str] | None, *, paths: Iterable[str] | None,
                 fallback: bool, broadcast: bool, progress: bool | Callback | None) -> Path:
         selected = None if paths is None else normalize_paths(paths)
-        clock, tracker = _log.Clock(self._throttles), _progress.resolve(progress, "restore")
+        clock, tracker = _log.Clock(self._steps.root.throttles), _progress.resolve(progress, "restore")
         target = None if into is None else Path(normalize_uri(into, "into"))
         self.ready()
         step = None if step is None else check_step(step)
@@ -102,7 +100,7 @@ class StepQueries:
                          ) -> Iterator[Path]:
         tracker = _progress.resolve(progress, "restore")
         self.ready()
-        clock = _log.Clock(self._throttles)
+        clock = _log.Clock(self._steps.root.throttles)
         if self._tier is not None:
             number, folder = self._tier.restore(None if step is None else check_step(step), self.reader, None,
                                                 fallback=False, clock=clock, progress=tracker)

@@ -61,7 +61,7 @@ from ..format.codecs import Codec
 from ..format.records import PAYLOAD_HASH, StepManifest
 from ..payloads import Payload
 from ..storage import Location
-from ..workspace import owner_gone, owner_tag, process_start
+from ..workspace import how_it_ended, owner_gone, owner_tag, process_start
 from .staging import Segment
 
 _LENGTH = struct.Struct("<Q")
@@ -84,6 +84,8 @@ WARM = "warm"
 #: How often a child whose parent died refreshes the modification time of the snapshot folders it took over:
 #: far below the age (LEFTOVER_GRACE_SECONDS, 15 min) after which a sweep removes a dead process's folder.
 KEEP_FRESH_SECONDS = 60.0
+#: How long a save process whose pipe closed is waited for, to say how it ended (a bound: it is ending).
+EXIT_WAIT_SECONDS = 10.0
 
 
 def pickled(message: Any) -> bytes:
@@ -284,9 +286,8 @@ class SaverProcess:
                     answer = read_message(stdout)
                 status, value, caught = answer
             except (OSError, EOFError, pickle.UnpicklingError) as exc:
-                code = self.exit_code
-                raise SaverUnavailable(f"the save process (pid {self.pid}) died"
-                                       + (f" with exit code {code}" if code is not None else "")) from exc
+                ended = how_it_ended(self._process, EXIT_WAIT_SECONDS)
+                raise SaverUnavailable(f"the save process (pid {self.pid}) died: {ended}") from exc
         for category, message in caught:
             warnings.warn(message, category, stacklevel=3)
         if status == "ok":

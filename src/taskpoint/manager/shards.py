@@ -126,41 +126,37 @@ class ShardWriter:
         ``commits(shards)`` of every rank's shard (rank 0 holds its lease on the folder, on ``until_committed``,
         until the commit is over, and removes the records after it); on others, nothing (``content`` None)."""
         with naming_rank(self._plan.ranks):
-            return self._write(step, save_round(attempt), store, commits, until_committed)
+            round_ = save_round(attempt)
+            ranks = self._plan.ranks
+            folder = self._steps.folder(step)
+            if ranks.rank != 0:
+                failure = folder.child(rank_failure_name(ranks.rank, round_))
+                if failure.uri in self._failed:  # this rank's earlier save of the step failed: rank 0 must not read it
+                    best_effort(failure.remove)
+                    self._failed.discard(failure.uri)
+                try:
+                    shard, sent = store()
+                    record_shard(folder, ShardRecord(step, ranks.world_size, round_, shard))
+                except CheckpointError as exc:
+                    tell_rank_zero(failure, exc)
+                    self._failed.add(failure.uri)
+                    raise
+                return Stored(None, sent=sent)
+            # Rank 0 holds a lease on the folder from before its own shard until the commit: no sweep removes the
+            # shards it is gathering, however long the others take (a sweep with a shorter grace included). A shard
+            # stored long before this lease (a rank far ahead of rank 0) may have been swept: the commit checks each.
+            lease = self._steps.object(step, commit_lease_name(uuid.uuid4().hex))
 
-    def _write(self, step: int, round_: str, store: Callable[[], tuple[Shard, int]],
-               commits: Callable[[tuple[Shard, ...]], Stored], until_committed: contextlib.ExitStack[bool | None]
-               ) -> Stored:
-        ranks = self._plan.ranks
-        folder = self._steps.folder(step)
-        if ranks.rank != 0:
-            failure = folder.child(rank_failure_name(ranks.rank, round_))
-            if failure.uri in self._failed:  # this rank's earlier save of the step failed: rank 0 must not read it
-                best_effort(failure.remove)
-                self._failed.discard(failure.uri)
-            try:
-                shard, sent = store()
-                record_shard(folder, ShardRecord(step, ranks.world_size, round_, shard))
-            except CheckpointError as exc:
-                tell_rank_zero(failure, exc)
-                self._failed.add(failure.uri)
-                raise
-            return Stored(None, sent=sent)
-        # Rank 0 holds a lease on the folder from before its own shard until the commit: no sweep removes the
-        # shards it is gathering, however long the others take (a sweep with a shorter grace included). A shard
-        # stored long before this lease (a rank far ahead of rank 0) may have been swept: the commit checks each.
-        lease = self._steps.object(step, commit_lease_name(uuid.uuid4().hex))
+            def renew() -> None:
+                lease.write_small(lease_body(self._grace), action="write a lease at")
 
-        def renew() -> None:
-            lease.write_small(lease_body(self._grace), action="write a lease at")
-
-        renew()
-        until_committed.callback(best_effort, lease.remove)
-        until_committed.enter_context(renewing(renew, self._grace, "taskpoint-commit-lease"))
-        own, sent = store()
-        shards = self._gather(folder, step, round_, own)
-        until_committed.push(lambda failed, *_: None if failed else forget_records(folder, range(1, len(shards))))
-        return dataclasses.replace(commits(shards), sent=sent)
+            renew()
+            until_committed.callback(best_effort, lease.remove)
+            until_committed.enter_context(renewing(renew, self._grace, "taskpoint-commit-lease"))
+            own, sent = store()
+            shards = self._gather(folder, step, round_, own)
+            until_committed.push(lambda failed, *_: None if failed else forget_records(folder, range(1, len(shards))))
+            return dataclasses.replace(commits(shards), sent=sent)
 
     def _gather(self, folder: Location, step: int, round_: str, own: Shard) -> tuple[Shard, ...]:
         """Every rank's shard of this round, rank 0's first; StepAbandonedError after the timeout."""

@@ -53,37 +53,23 @@ class StepObjects:
 
 
 class StoredKind(Protocol):
-    """What the step store asks of a step kind (:class:`taskpoint.manager.kinds.StepKind` is the whole protocol)."""
+    """What the step store asks of a step kind: these methods of :class:`taskpoint.manager.kinds.StepKind`, the
+    whole protocol, which documents each (``objects`` raises CheckpointCorruptError, or FileNotFoundError, when
+    what the manifest names cannot be told)."""
 
     name: str
 
-    def decode(self, body: dict[str, Any]) -> StepContent:
-        """The kind's content from its fields in a manifest; ValueError (or TypeError, KeyError) when malformed."""
-        ...
-
-    def owns(self, name: str, committed: bool) -> bool:
-        """Whether ``name`` in a step folder is an object this kind's saves write (swept once older than the
-        grace period when no manifest names it; ``committed``: the folder has a manifest)."""
-        ...
-
-    def objects(self, steps: StepStore, step: int, manifest: StepManifest) -> StepObjects:
-        """What ``manifest`` names. CheckpointCorruptError (or FileNotFoundError) when that cannot be told."""
-        ...
-
-    def delete(self, steps: StepStore, step: int, manifest: StepManifest) -> set[str]:
-        """Remove what the step holds besides its manifest (removed already); the names of the folder's objects
-        it removed."""
-        ...
+    def decode(self, body: dict[str, Any]) -> StepContent: ...
+    def owns(self, name: str, committed: bool) -> bool: ...
+    def objects(self, steps: StepStore, step: int, manifest: StepManifest) -> StepObjects: ...
+    def delete(self, steps: StepStore, step: int, manifest: StepManifest) -> set[str]: ...
 
 
 class KindLookup(Protocol):
     """The step kinds a store knows: by name (CheckpointCorruptError naming an unknown one), and those loaded."""
 
-    def kind(self, name: str, where: str) -> StoredKind:
-        ...
-
-    def loaded(self) -> Iterable[StoredKind]:
-        ...
+    def kind(self, name: str, where: str) -> StoredKind: ...
+    def loaded(self) -> Iterable[StoredKind]: ...
 
 
 @dataclass

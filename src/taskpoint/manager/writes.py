@@ -36,13 +36,13 @@ class StepWrites:
 
     def __init__(self, context: StepContext, writer: StepWriter, reader: StepReader, guard: Guard,
                  schedule: SaveSchedule, background: Background, tier: LocalTier | None, preemption: PreemptionPolicy,
-                 dedup: Dedup, queries: StepQueries, async_save: bool, throttles: Callable[[], int]) -> None:
+                 dedup: Dedup, queries: StepQueries, async_save: bool) -> None:
         self._context, self._steps, self._plan, self._grace = context, context.steps, context.plan, context.grace
         self._reader, self._guard, self._schedule = reader, guard, schedule
         #: Writes the steps, each through its kind.
         self.writer = writer
         self._background, self._tier, self._preemption, self._dedup = background, tier, preemption, dedup
-        self._queries, self._async_save, self._throttles = queries, async_save, throttles
+        self._queries, self._async_save = queries, async_save
         self._lock = threading.RLock()  # save, delete, gc, close and wait_until_finished, one at a time
         #: The figures of the last save that committed (the manager's ``last_save``).
         self.last_save: TransferStats | None = None
@@ -71,7 +71,7 @@ class StepWrites:
 
     def save(self, data: Any, step: int, *, metadata: dict[str, Any] | None, overwrite: bool,
              blocking: bool | None, progress: bool | Callback | None) -> str:
-        clock, began = _log.Clock(self._throttles), self._schedule.now()
+        clock, began = _log.Clock(self._steps.root.throttles), self._schedule.now()
         step = check_step(step)
         record_metadata = check_metadata(metadata)
         attempt = running_attempt()
@@ -107,7 +107,7 @@ class StepWrites:
                 self._background.settle(wait=True)
                 return self._tier.commit(check_step(step), content, metadata)
             self.writer.write(check_step(step), record_metadata, running_attempt(), None, content,
-                              clock=_log.Clock(self._throttles))
+                              clock=_log.Clock(self._steps.root.throttles))
         return self._steps.step_uri(step)
 
     def _write_step(self, step: int, metadata: dict[str, Any], attempt: int | None, replaced: set[str] | None,

@@ -23,7 +23,7 @@ from ..format.documents import ATTEMPT_FORMAT, read_small_document, small_docume
 from ..ranks import Ranks
 from ..storage import Location
 from ..storage.uris import check_uri
-from .layout import ATTEMPT_MARKER, CHECKPOINT_NAME, RENDEZVOUS_FOLDER, STEPS_FOLDER, rank_object, rendezvous_timeout
+from .layout import ATTEMPT_MARKER, CHECKPOINT_NAME, RENDEZVOUS_FOLDER, rank_object, rendezvous_timeout
 from .rendezvous import agree
 from .state import TaskContext
 
@@ -47,9 +47,6 @@ class ActionStore:
     def attempt_uri(self, attempt: int) -> str:
         """Where this rank saves in ``attempt`` (``{attempt}/checkpoint``, with several ranks ``/rank-{k}``)."""
         return rank_object(f"{self.prefix}/{attempt}/{CHECKPOINT_NAME}", self.ranks)
-
-    def steps_uri(self) -> str:
-        return f"{self.prefix}/{STEPS_FOLDER}"
 
     def attempts(self) -> list[int]:
         """Attempt numbers that exist in storage (marker or checkpoint), ascending."""

@@ -275,11 +275,7 @@ class ObstoreRangeReader(ConcurrentRangeReader):
             raise ObjectChanged(self._path, str(self.version))
         if failed is not None:  # named: obstore's message does not say which bytes
             raise TransferFailed(f"bytes {start}-{end - 1} of {self.uri}", failed) from failed
-        if len(data) != end - start:
-            raise OSError(f"short ranged read of {self._path}: {len(data)} of {end - start} bytes")
-        if self.on_received is None:
-            self._received(len(data))
-        return data  # type: ignore[no-any-return]  # obstore's Bytes: a buffer, served without a copy
+        return self._arrived(data, start, end, counted=True)  # type: ignore[no-any-return]  # obstore's Bytes: no copy
 
 
 def _conflict(exc: BaseException) -> bool:

@@ -228,9 +228,7 @@ class S3RangeReader(ConcurrentRangeReader):
             if _code(exc) in ("PreconditionFailed", "412"):
                 raise ObjectChanged(self._path, self.version) from exc
             raise
-        if len(data) != end - start:
-            raise OSError(f"short ranged read of {self._path}: {len(data)} of {end - start} bytes")
-        return data
+        return self._arrived(data, start, end, counted=True)  # counted piece by piece by _get
 
     async def _get(self, bucket: str, key: str, start: int, end: int) -> bytes:
         answer = await self._fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",

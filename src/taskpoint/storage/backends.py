@@ -1,19 +1,10 @@
-"""One backend class per kind of store: how each does an atomic write, a streaming read, an existence check.
+"""What every backend does, and the base class: how one kind of store does an atomic write, a streaming read, an
+existence check.
 
-- :class:`~.localdisk.LocalBackend`: a temp file in the same folder, fsync, rename, fsync of the folder.
-- :class:`ObjectStoreBackend` (GCS, Azure, and any store whose protocol says it uploads in parts): the
-  client's own upload, discarded when anything fails; large objects come down as concurrent ranged GETs
-  (:class:`GCSBackend` pins them to the object's generation).
-- :class:`S3Backend`: taskpoint's own multipart writer (parts in flight, aborted on failure), and the
-  listing and aborting of unfinished uploads.
-- :class:`~taskpoint.storage._obstore.ObstoreS3Backend` (``s3_client="obstore"``): S3 with obstore moving the
-  bytes and s3fs doing the rest.
-- :class:`MovingBackend` (``memory://`` and any other filesystem): a temp object beside the destination,
-  then a move.
-
-Backends take paths of their filesystem and raise what the client raises; the :class:`~taskpoint.storage.
-Location` above them retries and maps errors, and picks one by the filesystem's class. The object stores'
-backends are in :mod:`.objectstores`, local disk's in :mod:`.localdisk`.
+Backends take paths of their filesystem and raise what the client raises; the :class:`~taskpoint.storage.Location`
+above them retries and maps errors, and picks one by the filesystem's class (:func:`.clients.backend_for`). Here:
+:class:`Backend` and :class:`MovingBackend` (``memory://`` and any other filesystem); local disk's is in
+:mod:`.localdisk`, the object stores' in :mod:`.objectstores` and :mod:`._obstore`, each class saying how it writes.
 """
 
 from __future__ import annotations
@@ -166,16 +157,20 @@ class Backend:
 
     def kind(self, path: str) -> Kind:
         """What ``path`` holds. Only "not found" is :attr:`Kind.NOTHING`; any other failure is raised."""
+        found = self._info(path).get("type")
+        return Kind.OBJECT if found == "file" else Kind.FOLDER if found == "directory" else Kind.NOTHING
+
+    def _info(self, path: str) -> dict[str, Any]:
+        """``path``'s listing details, fresh; {} when it is not found."""
         # Not fs.isfile() or fs.exists(): they answer False for any error, which would report an outage or a
         # denial as "nothing here".
         self.fs.invalidate_cache(path)
         try:
-            found = self.fs.info(path, **bounded(self.fs, self.deadline)).get("type")
+            return self.fs.info(path, **bounded(self.fs, self.deadline))  # type: ignore[no-any-return]
         except FileNotFoundError as exc:
             if classify(exc) is Failure.NO_CONTAINER:
                 raise  # no bucket is no "nothing here": the error map makes it StorageNotFound
-            return Kind.NOTHING
-        return Kind.OBJECT if found == "file" else Kind.FOLDER if found == "directory" else Kind.NOTHING
+            return {}
 
     def exists(self, path: str) -> bool:
         """True when ``path`` is an object (a folder or prefix is not); errors other than "not found" raise."""
@@ -183,13 +178,7 @@ class Backend:
 
     def size(self, path: str) -> int | None:
         """The size of the object at ``path``, None when there is none; errors other than "not found" raise."""
-        self.fs.invalidate_cache(path)
-        try:
-            info = self.fs.info(path, **bounded(self.fs, self.deadline))
-        except FileNotFoundError as exc:
-            if classify(exc) is Failure.NO_CONTAINER:
-                raise
-            return None
+        info = self._info(path)
         return int(info["size"]) if info.get("type") == "file" else None
 
     def read_small(self, path: str) -> bytes:

@@ -138,6 +138,16 @@ class Location:
 
     # -- reads -------------------------------------------------------------------------------------------
 
+    def _absent_as(self, absent: T, read: Callable[[Backend], T], *, action: str) -> T:
+        """``read(backend)`` with this location's retries and error map; ``absent`` when nothing is there, or a
+        parent is a file."""
+        def attempt(deadline: Deadline) -> T:
+            try:
+                return read(self.backend.within(deadline))
+            except (FileNotFoundError, NotADirectoryError):
+                return absent
+        return self.run(attempt, action=action)
+
     def exists(self) -> bool:
         """True when an object is here (a folder or prefix is not one). Only "not found" is False: a location
         that cannot be read (denied, I/O error, stale handle, outage) raises the matching StorageError."""
@@ -156,22 +166,13 @@ class Location:
     def read_small(self) -> bytes | None:
         """The whole object, or None when it does not exist (nor its bucket: callers that must tell the two
         apart ask :meth:`container_missing`). For manifests, not payloads."""
-        def read(deadline: Deadline) -> bytes | None:
-            try:
-                return self.backend.within(deadline).read_small(self.path)
-            except (FileNotFoundError, NotADirectoryError):
-                return None
-        return self.run(read, action="read")
+        return self._absent_as(None, lambda backend: backend.read_small(self.path), action="read")
 
     def read_versioned(self) -> tuple[bytes | None, str | None]:
         """:meth:`read_small` with the object's version, for :meth:`write_versioned` (None where the store has
         no conditional writes, or nothing is there)."""
-        def read(deadline: Deadline) -> tuple[bytes | None, str | None]:
-            try:
-                return self.backend.within(deadline).read_versioned(self.path)
-            except (FileNotFoundError, NotADirectoryError):
-                return None, None
-        return self.run(read, action="read")
+        nothing: tuple[bytes | None, str | None] = (None, None)
+        return self._absent_as(nothing, lambda backend: backend.read_versioned(self.path), action="read")
 
     @property
     def conditional(self) -> bool:
@@ -202,21 +203,11 @@ class Location:
         """Every object and folder below this location, with listing details; {} when there is none. With
         ``prefix``, only what lies under the entries whose names start with it (``ckpt-``: a manager's steps,
         not its chunk store)."""
-        def find(deadline: Deadline) -> dict[str, dict[str, Any]]:
-            try:
-                return self.backend.within(deadline).list_tree(self.path.rstrip("/"), prefix)
-            except (FileNotFoundError, NotADirectoryError):  # not there, or a parent is a file
-                return {}
-        return self.run(find, action="list")
+        return self._absent_as({}, lambda backend: backend.list_tree(self.path.rstrip("/"), prefix), action="list")
 
     def list_names(self) -> list[str]:
         """The names of the entries directly below this location; [] when there is none."""
-        def names(deadline: Deadline) -> list[str]:
-            try:
-                return self.backend.within(deadline).list_names(self.path)
-            except (FileNotFoundError, NotADirectoryError):
-                return []
-        return self.run(names, action="list")
+        return self._absent_as([], lambda backend: backend.list_names(self.path), action="list")
 
     def container_missing(self) -> bool:
         """True when this object's bucket or container definitely does not exist (object stores only).

@@ -127,10 +127,7 @@ class GenerationRangeReader(ConcurrentRangeReader):
                                             **bounded(self._fs, deadline))
         except FileNotFoundError as exc:
             raise ObjectChanged(self._path, self.version) from exc
-        if len(data) != end - start:
-            raise OSError(f"short ranged read of {self._path}: {len(data)} of {end - start} bytes")
-        self._received(len(data))
-        return data
+        return self._arrived(data, start, end)
 
 
 class GCSBackend(ObjectStoreBackend):
@@ -209,10 +206,7 @@ class ETagRangeReader(ConcurrentRangeReader):
             changed = False
         if changed:  # raised outside the handler: the client's error must not be read by the error map
             raise ObjectChanged(self._path, self.version)
-        if len(data) != end - start:
-            raise OSError(f"short ranged read of {self._path}: {len(data)} of {end - start} bytes")
-        self._received(len(data))
-        return data
+        return self._arrived(data, start, end)
 
 
 class AzureBackend(ObjectStoreBackend):

@@ -7,8 +7,8 @@ import collections
 import concurrent.futures
 import errno
 import io
-from collections.abc import Callable
-from typing import IO, Any
+from collections.abc import Callable, Sized
+from typing import IO, Any, TypeVar
 
 from ..executors import IO as IO_POOL
 from ..executors import Lane
@@ -27,6 +27,9 @@ def read_up_to(source: IO[bytes], n: int) -> bytes:
         got += len(chunk)
     return b"".join(parts)
 
+
+#: What a ranged fetch returns: bytes, or a client's own buffer (obstore's ``Bytes``).
+Data = TypeVar("Data", bound=Sized)
 
 #: What one future of an :class:`OrderedFutureReader` yields: a buffer, or buffers to serve one after the other.
 Result = bytes | memoryview | list[bytes | memoryview]
@@ -164,11 +167,17 @@ class ConcurrentRangeReader(OrderedFutureReader):
 
     def _fetch_range(self, start: int, end: int, deadline: Deadline) -> bytes:
         """One request for bytes ``start`` to ``end``, ending by ``deadline``."""
-        data = self._fs.cat_file(self._path, start=start, end=end, **bounded(self._fs, deadline))
+        data: bytes = self._fs.cat_file(self._path, start=start, end=end, **bounded(self._fs, deadline))
+        return self._arrived(data, start, end)
+
+    def _arrived(self, data: Data, start: int, end: int, *, counted: bool = False) -> Data:
+        """``data``, the whole range ``start`` to ``end`` (OSError when it came short), told to
+        :attr:`on_received` unless the fetch ``counted`` it piece by piece as it streamed."""
         if len(data) != end - start:
             raise OSError(f"short ranged read of {self._path}: {len(data)} of {end - start} bytes")
-        self._received(len(data))
-        return data  # type: ignore[no-any-return]
+        if not counted:
+            self._received(len(data))
+        return data
 
     def _received(self, n: int) -> None:
         if self.on_received is not None:

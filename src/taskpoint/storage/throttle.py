@@ -157,6 +157,15 @@ class Pushback:
             self._share -= self._share / SHARE_WINDOW
             self._limit = min(float(MAX_IN_FLIGHT), self._limit + 1.0 / self._limit)
 
+    def heard(self, code: str | None, status: int | None, retry_after: Any) -> bool:
+        """One answer of the store, by its error code, HTTP status and ``Retry-After`` header (what a client watcher
+        sees): True, counted by :meth:`throttle`, when it throttled; else :meth:`answered`."""
+        if not is_throttle(code, status):
+            self.answered()
+            return False
+        self.throttle(parse_retry_after(retry_after))
+        return True
+
     def cap(self, width: int) -> int:
         """How many of ``width`` requests one transfer may have in flight now (at least 1)."""
         return max(1, min(width, int(self._limit)))
@@ -233,14 +242,9 @@ def watch_s3fs(fs: Any, pushback: Pushback) -> None:
             return None  # no answer (a connection error): botocore decides
         http, parsed = response
         code = (parsed.get("Error") or {}).get("Code") if isinstance(parsed, dict) else None
-        if not is_throttle(code, http.status_code):
-            pushback.answered()
-            return None
-        wait = parse_retry_after(http.headers.get("retry-after"))
-        pushback.throttle(wait)
-        if attempts >= attempts_allowed:
-            return None  # botocore's limit of attempts: it gives up, and s3fs or the retry policy go on
-        return pushback.pause(attempts, wait)
+        if not pushback.heard(code, http.status_code, http.headers.get("retry-after")) or attempts >= attempts_allowed:
+            return None  # not throttled (botocore decides), or its attempts are spent: s3fs or the policy go on
+        return pushback.pause(attempts, parse_retry_after(http.headers.get("retry-after")))
 
     if fs.session is None:
         import aiobotocore.session
@@ -263,11 +267,7 @@ def gcs_trace() -> Any:
 
             async def on_end(session: Any, context: Any, params: Any) -> None:
                 pushback = pushback_for(store_key(str(params.url), "gs"))
-                response = params.response
-                if response.status in THROTTLE_STATUSES:
-                    pushback.throttle(parse_retry_after(response.headers.get("Retry-After")))
-                else:
-                    pushback.answered()
+                pushback.heard(None, params.response.status, params.response.headers.get("Retry-After"))
 
             trace = aiohttp.TraceConfig()
             trace.on_request_end.append(on_end)
@@ -304,10 +304,7 @@ def watch_azure(fs: Any, pushback: Pushback) -> None:
 
     def heard(response: Any) -> None:
         answer = response.http_response
-        if is_throttle(answer.headers.get("x-ms-error-code"), answer.status_code):
-            pushback.throttle(parse_retry_after(answer.headers.get("Retry-After")))
-        else:
-            pushback.answered()
+        pushback.heard(answer.headers.get("x-ms-error-code"), answer.status_code, answer.headers.get("Retry-After"))
 
     made = fs.service_client
     fs.service_client = BlobServiceClient(account_url=made.url, credential=made.credential, retry_policy=PacedRetry(),
