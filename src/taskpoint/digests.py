@@ -52,9 +52,9 @@ class PayloadPieces(PieceHasher):
     """The :data:`~taskpoint.format.pieces.PAYLOAD_PIECES` digest of bytes fed in order: the BLAKE3 of each
     :data:`~taskpoint.format.fileset.PIECE_SIZE` piece, concatenated; the one piece engine of file sets
     (:class:`~taskpoint.format.fileset.PieceHasher`), whose pieces a stream hashes on a thread of its own
-    (:func:`streaming_hash`). Against copying each piece and hashing it on the CPU pool (the engine before it), a
-    save, verify and restore of a step took 0.82-0.92x the wall time and 0.77-0.97x the CPU-seconds (paired
-    medians of alternating rounds, 256 MiB and 1 GiB, local disk and memory://, on a loaded 2-core machine)."""
+    (:func:`streaming_hash`). Against hashing each whole piece on the CPU pool (the engine before it), a save,
+    verify and restore of a step took 0.83-0.94x the wall time and 0.85-0.95x the CPU-seconds (paired medians of
+    4-12 alternating rounds at 256 MiB and 1 GiB on local disk and memory://, loaded 2-core machine)."""
 
     def __init__(self) -> None:
         super().__init__(PIECE_HASH)
