@@ -174,7 +174,7 @@ def test_gc_keeps_the_payload_a_damaged_manifest_names(place: Any, tmp_path: Pat
 
 
 def test_a_damaged_rank_record_is_never_committed(tmp_path: Path) -> None:
-    """Rank 1's record of its shard with one digit of its BLAKE3 changed: rank 0 does not commit a step naming it;
+    """Rank 1's record of its shard with its BLAKE3 piece reversed: rank 0 does not commit a step naming it;
     the step is abandoned after the commit timeout, and the previous step stays the newest."""
     place = _local(tmp_path)
     options = {"world_size": 2, "grace_seconds": 5.0, "commit_timeout": 0.5}
@@ -182,7 +182,7 @@ def test_a_damaged_rank_record_is_never_committed(tmp_path: Path) -> None:
         rank1.save(b"rank 1's shard", 1)
     record = place.url("steps", "ckpt-1", "rank-1.json")
     text = read_object(record, place.storage_options).decode()
-    digest = json.loads(text)["shard"]["blake3"]
+    digest = json.loads(text)["shard"]["pieces"][0]
     write_object(record, place.storage_options, text.replace(digest, digest[::-1]).encode())
     with manager(place, rank=0, **options) as rank0:
         with pytest.raises(StepAbandonedError, match="ranks \\[1\\]"):

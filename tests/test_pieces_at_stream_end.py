@@ -14,7 +14,7 @@ import blake3
 import pytest
 
 from taskpoint import CheckpointManager
-from taskpoint.digests import PieceDigests
+from taskpoint.digests import PayloadPieces
 from taskpoint.format.fileset import PIECE_SIZE
 from taskpoint.format.pieces import split_pieces
 
@@ -29,7 +29,7 @@ def pieces_of(data: bytes) -> str:
 @pytest.mark.parametrize("empty", [b"", bytearray(), memoryview(b"")], ids=["bytes", "bytearray", "memoryview"])
 def test_an_empty_read_at_a_piece_boundary_begins_no_piece(pieces: int, empty: Any) -> None:
     data = random.Random(pieces).randbytes(pieces * PIECE_SIZE)
-    digests = PieceDigests()
+    digests = PayloadPieces()
     for at in range(0, len(data), PIECE_SIZE // 2):
         digests.update(empty)  # an empty read anywhere: before the first byte, and between pieces
         digests.update(data[at:at + PIECE_SIZE // 2])

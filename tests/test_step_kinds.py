@@ -151,7 +151,7 @@ def test_verify_and_describe_give_typed_results_for_each_kind(kind, tmp_path):
         summary = mgr.inventory()
     assert (result.step, result.state, result.kind, result.size, result.healthy) == (1, "healthy", name, size, True)
     assert result.detail == {"payload": "blake3 pieces match its manifest",
-                             "sharded": "2 shards, blake3 matches its manifest",
+                             "sharded": "2 shards, blake3 pieces match its manifest",
                              "chunked": "deduplicated: 3 files in 3 chunks, each matches its sha256"}[kind]
     assert (described.step, described.kind, described.metadata, described.checked) == (1, name, {"loss": 0.5}, True)
     assert described.payload.startswith("payload-") == (kind == "payload")
@@ -167,7 +167,8 @@ def test_verify_reports_a_damaged_step_and_refuses_a_missing_one_while_the_good_
         mgr.save(b"soon damaged", 2)
         payload = next((root / "ckpt-2").glob("payload-*"))
         payload.write_bytes(b"soon DAMAGED")
-        with pytest.raises(CheckpointCorruptError, match=rf"step 2 in .* is damaged: read 12 bytes of {payload.name}"):
+        with pytest.raises(CheckpointCorruptError,
+                           match=rf"step 2 in .* is damaged: piece 0 of {payload.name} \(bytes 0-11\)"):
             mgr.verify(2)
         report = mgr.verify()
         assert [(s.step, s.state) for s in report.steps] == [(1, "healthy"), (2, "damaged")]

@@ -5,6 +5,7 @@ Through s3fs, on the S3 server (tests/test_payload_pieces.py runs the same on lo
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,11 @@ def test_ranged_reads_check_the_pieces_they_read(store: Any, tmp_path: Path) -> 
         stored = bytearray(read_object(url, store.storage_options))
         stored[FLIPPED] ^= 0x01
         write_object(url, store.storage_options, bytes(stored))
-        with pytest.raises(CheckpointCorruptError, match=f"its {PIECE_1} does not match the BLAKE3"):
+        with pytest.raises(CheckpointCorruptError, match=f"{PIECE_1} does not match the blake3"):
             manager.restore(1, tmp_path / "b", paths=["b"])
-        with pytest.raises(CheckpointCorruptError, match=f"its {PIECE_1} does not match the BLAKE3"), \
+        with pytest.raises(CheckpointCorruptError, match=f"{PIECE_1} does not match the blake3"), \
                 manager.open(1, "b") as opened:
             opened.read()
         assert (manager.restore(1, tmp_path / "a", paths=["a"]) / "a").read_bytes() == files["a"]
         (result,) = manager.verify().steps
-        assert result.state == "damaged" and "piece 1 (bytes" in result.detail, result.detail
+        assert result.state == "damaged" and re.search(PIECE_1, result.detail), result.detail

@@ -190,9 +190,8 @@ def _step_view(described: StepDescription) -> dict[str, Any]:
     return {"type": "step", "uri": described.uri, "step": described.step, "payload": described.payload,
             "attempt": described.attempt, "kind": described.payload_kind, "codec": described.codec,
             "save_id": described.save_id, "created": described.created, "size": described.size,
-            "sha256": described.sha256, **({} if described.blake3 is None else {"blake3": described.blake3}),
-            "crc32": described.crc32, "checked": described.checked, "metadata": described.metadata,
-            **described.details}
+            **described.checked_by, "crc32": described.crc32, "checked": described.checked,
+            "metadata": described.metadata, **described.details}
 
 
 def _tier_step_view(remote: Location, local: Location, step: int | None) -> dict[str, Any]:
@@ -269,6 +268,12 @@ def show_command(uri: str, step: int | None, as_json: bool, local_dir: str | Non
             click.echo(f"checked: no ({UNCHECKED})")
         elif key == "payload" and not value:
             continue  # a deduplicated step or one of several ranks: no payload object of its own
+        elif key == "sha256" and value is None:
+            continue  # checked by BLAKE3 (pieces), by chunks or by shards: what it is checked by is printed instead
+        elif key == "piece_digests":
+            click.echo("piece_digests (BLAKE3 of each piece, in order):")
+            for index, digest in enumerate(value):
+                click.echo(f"  - piece {index}: {digest}")
         else:
             click.echo(f"{key}: {'-' if value is None else value}")
     return OK

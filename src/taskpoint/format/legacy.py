@@ -51,10 +51,11 @@ class OlderReader:
     upgrade: Upgrade
 
 
-def _fields(doc: dict[str, Any], known: frozenset[str], what: str) -> None:
+def _fields(doc: dict[str, Any], known: frozenset[str], what: str,
+            why: str = "has fields no taskpoint wrote in it") -> None:
     unknown = set(doc) - known
     if unknown:
-        raise ValueError(f"{what} has fields no taskpoint wrote in it ({sorted(unknown)})")
+        raise ValueError(f"{what} {why} ({sorted(unknown)})")
 
 
 #: The fields of an entry of a version-1 checkpoint record (``check``: written by one development build, e550d28;
@@ -81,15 +82,16 @@ def _record_1(doc: dict[str, Any]) -> dict[str, Any]:
 _UNSEALED_STEP = frozenset({"format", "version", "step", "payload", "attempt", "metadata", "tree", "shards", "kind",
                             "codec", "save_id", "created", "size", "sha256", "crc32", "index"})
 _UNSEALED_SHARD = frozenset({"format", "version", "step", "world_size", "round", "shard"})
+#: What is wrong with a document without a check that has a field its writers never wrote.
+_UNSEALED_WHY = "has no check and fields no taskpoint writes without one"
 
 
-def _unsealed(known: frozenset[str]) -> Upgrade:
-    """A document of the time before documents carried a check: a field its writers never wrote is damage (most
-    likely the name ``check`` with a flipped bit); read as it is, reported unchecked."""
+def _as_written(known: frozenset[str], what: str, why: str = "has fields no taskpoint wrote in it") -> Upgrade:
+    """A document today's reader reads as it is (one of the time before documents carried a check, reported
+    unchecked; or a sealed one whose objects are recorded by one BLAKE3, checked so): a field its writers never
+    wrote is damage (most likely the name ``check`` with a flipped bit)."""
     def upgrade(doc: dict[str, Any]) -> dict[str, Any]:
-        unknown = set(doc) - known
-        if unknown:
-            raise ValueError(f"it has no check and fields no taskpoint writes without one ({sorted(unknown)})")
+        _fields(doc, known, what, why)
         return doc
     return upgrade
 
@@ -118,13 +120,26 @@ def _state_dict_4(doc: dict[str, Any]) -> dict[str, Any]:
     return {**doc, "version": 5, "content": _named_pieces(content)}
 
 
+#: The fields of a step manifest of version 6 and of a shard record of version 2 (payload objects by one BLAKE3), as
+#: their writers wrote them.
+_BLAKE3_STEP = frozenset({"format", "version", "step", "step_kind", "content", "kind", "codec", "save_id", "created",
+                          "size", "sha256", "crc32", "blake3", "index", "attempt", "metadata", "check"})
+_BLAKE3_SHARD = frozenset({"format", "version", "step", "world_size", "round", "shard", "check"})
+
+
 #: Every older form taskpoint reads, oldest first within each format.
 OLDER_READERS: tuple[OlderReader, ...] = (
     OlderReader(CHECKPOINT, 1, False, "version 2", "f5cdb59 (2026-12-01)", _record_1),
-    *(OlderReader(STEP, version, False, f"version {version}, sealed", "b2dcf6f (2026-12-02)", _unsealed(_UNSEALED_STEP))
+    *(OlderReader(STEP, version, False, f"version {version}, sealed", "b2dcf6f (2026-12-02)",
+                  _as_written(_UNSEALED_STEP, "it", _UNSEALED_WHY))
       for version in (1, 2, 3)),
-    OlderReader(SHARD, 1, False, "version 1, sealed", "b2dcf6f (2026-12-02)", _unsealed(_UNSEALED_SHARD)),
+    OlderReader(SHARD, 1, False, "version 1, sealed", "b2dcf6f (2026-12-02)",
+                _as_written(_UNSEALED_SHARD, "it", _UNSEALED_WHY)),
     OlderReader(STEP, 4, True, "version 5 (torch.state_dict by BLAKE3 pieces)", "0e255e0 (2026-12-05)", _state_dict_4),
+    OlderReader(STEP, 6, True, "version 7 (every payload object by BLAKE3 pieces)", "758143b (2026-12-06)",
+                _as_written(_BLAKE3_STEP, "a version-6 step manifest")),
+    OlderReader(SHARD, 2, True, "version 3 (the shard by BLAKE3 pieces)", "758143b (2026-12-06)",
+                _as_written(_BLAKE3_SHARD, "a version-2 shard record")),
     OlderReader(FILESET, 2, True, "version 3", "0e255e0 (2026-12-05)", _fileset_2),
 )
 

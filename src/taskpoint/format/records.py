@@ -49,11 +49,13 @@ RECORD_VERSION_UNINDEXED = 2
 #: whose content a version-4 reader would misread (a state dict's pieces hashed by BLAKE3, which it would check
 #: as sha256 and call damaged), written only for such content (its ``manifest_version``), so that older
 #: taskpoints ask to be upgraded instead; version 6 is version 4 recording a payload object (its own, or a
-#: shard's) by BLAKE3 (:data:`BLAKE3_VERSION`), which readers of 1 to 5 would check as sha256; version 7 is version
-#: 6 recording a payload step's object by the BLAKE3 of each of its pieces (:data:`PIECES_VERSION`).
+#: shard's) by BLAKE3 (:data:`BLAKE3_VERSION`), which readers of 1 to 5 would check as sha256, now written only for
+#: a promoted copy of such a step (:mod:`.legacy`); version 7 is version 6 recording payload objects (its own, or
+#: its shards') by the BLAKE3 of each of their pieces (:data:`PIECES_VERSION`).
 FORMAT_VERSION = PIECES_VERSION = 7
 BLAKE3_VERSION = 6
-#: The hash the shards of multi-rank steps are recorded by (:attr:`ObjectRecord.blake3`): cryptographic as sha256
+#: The hash the shards of multi-rank steps were recorded by until manifest version 7 (:attr:`ObjectRecord.blake3`;
+#: a copy of such a shard still is): cryptographic as sha256
 #: is, at 3.9 GB/s a core here against sha256's 1.15 GB/s, so that saves, restores and verifies hash at the speed of
 #: the disk.
 PAYLOAD_HASH = "blake3"
@@ -331,8 +333,9 @@ class ShardRecord:
                       "it is removed by gc() once older than the grace period")
 
 
-#: Newest version of a rank's record of its shard: 3 records it by BLAKE3 pieces (a rank's payload step of a local
-#: tier, promoted), 2 by one BLAKE3 (a shard by sha256 is written as 1).
+#: Newest version of a rank's record of its shard: 3 records it by BLAKE3 pieces (every shard saved now, and a
+#: rank's payload step of a local tier, promoted), 2 by one BLAKE3 (only a copy of such an older shard; a shard by
+#: sha256 is written as 1).
 SHARD_VERSION = 3
 BLAKE3_SHARD_VERSION = 2
 

@@ -28,8 +28,9 @@ from ..executors import IO
 from ..storage.streams import OrderedFutureReader
 from .codecs import DECODE_ERRORS, Codec
 from .extract import extract_tar
-from .fileset import PIECE_SIZE, piece_spans
+from .fileset import PIECE_HASH, PIECE_SIZE, piece_spans
 from .index import TAR_BLOCK, ArchiveIndex, IndexEntry, Span, merged_ranges
+from .pieces import piece_damage
 
 #: Reads ``length`` bytes of the stored object from ``start`` (fewer only past its end).
 RangeReader = Callable[[int, int], bytes]
@@ -200,11 +201,11 @@ def open_pieces(raw: PieceFile) -> io.BufferedReader:
 class CheckedRanges:
     """A :data:`RangeReader` of an object of ``size`` bytes recorded by ``pieces``: each read widened to the whole
     pieces it covers, each piece checked against its BLAKE3 before any of its bytes are used
-    (CheckpointCorruptError naming the piece and ``where``: what the object is). Safe to call from several
+    (CheckpointCorruptError naming the piece, ``where`` the object lies and its ``name``). Safe to call from several
     threads: a piece is read once while it is kept (:data:`KEPT_PIECES`), however many readers want it."""
 
-    def __init__(self, read: RangeReader, pieces: tuple[str, ...], size: int, where: str) -> None:
-        self._read, self._pieces, self._where = read, pieces, where
+    def __init__(self, read: RangeReader, pieces: tuple[str, ...], size: int, where: str, name: str) -> None:
+        self._read, self._pieces, self._where, self._name, self._size = read, pieces, where, name, size
         self._spans = piece_spans(size)
         self._lock = threading.Lock()
         self._kept: collections.OrderedDict[int, Future[bytes]] = collections.OrderedDict()
@@ -239,7 +240,6 @@ class CheckedRanges:
         data = self._read(start, length)
         if len(data) != length or blake3.blake3(data).hexdigest() != self._pieces[i]:
             raise CheckpointCorruptError(
-                f"{self._where} is damaged: its piece {i} (bytes {start}-{start + max(length, 1) - 1}) "
-                f"does not match the BLAKE3 recorded when it was saved ({len(data)} of {length} bytes read). "
-                "Restore an older step (fallback=True), or save it again.")
+                f"{piece_damage(self._where, i, PIECE_SIZE, self._size, PIECE_HASH, name=self._name)} "
+                f"({len(data)} of {length} bytes read). Restore an older step (fallback=True), or save it again.")
         return data

@@ -23,6 +23,7 @@ from typing import Any
 from .. import _log
 from .._progress import NO_PROGRESS, Progress
 from ..errors import CheckpointCorruptError
+from ..format.pieces import PAYLOAD_PIECES, pieces_damage, split_pieces
 from ..format.records import PAYLOAD_HASH, Shard, StepManifest
 from ..payloads import FilePayload
 from ..storage import Location
@@ -126,6 +127,10 @@ class Promoter:
         found, hexdigest = store_payload(target, source, self._codec, None, handover, orphan, progress, hash_name)
         if size not in (None, found) or digest not in (None, (hash_name, hexdigest)):
             best_effort(target.remove)
+            where = (pieces_damage(f"step {step} in {self._local.directory}", split_pieces(digest[1]), hexdigest, found,
+                                   size, name) if digest is not None and hash_name == PAYLOAD_PIECES and size else None)
+            if where is not None:  # an object recorded by pieces: the piece, or the count of them, that differs
+                raise CheckpointCorruptError(f"{where}; it was not promoted to {self._steps.directory}")
             raise self._damaged(step, f"read {found} bytes of {name}, expected {size}")
         return found, hexdigest
 

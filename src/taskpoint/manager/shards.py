@@ -38,7 +38,8 @@ from typing import Any
 
 from .._log import safe_uri
 from ..errors import CheckpointCorruptError, CheckpointError, StepAbandonedError, say_in_message
-from ..format.records import PAYLOAD_HASH, ObjectRecord, Shard, ShardRecord, StepContent
+from ..format.pieces import PAYLOAD_PIECES
+from ..format.records import ObjectRecord, Shard, ShardRecord, StepContent
 from ..group import RanksMissing, poll
 from ..ranks import Ranks, incarnation_from_environment, resolve_ranks
 from ..storage import Location, RetryPolicy
@@ -331,7 +332,7 @@ class ShardOrphan:
     content: Callable[[tuple[Shard, ...]], StepContent]
 
     def shard(self, size: int, digest: str) -> Shard:
-        return Shard(self.ranks.rank, self.name, self.record.with_digest(size, PAYLOAD_HASH, digest))
+        return Shard(self.ranks.rank, self.name, self.record.with_digest(size, PAYLOAD_PIECES, digest))
 
     def stored(self, shards: tuple[Shard, ...]) -> Stored:
         """What commits ``shards``, each one payload object: rank 0's record of the step, and every payload."""

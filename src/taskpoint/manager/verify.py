@@ -10,6 +10,7 @@ from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError, NewerFormatError
 from ..format.conformance import document_problem
+from ..format.pieces import checked_by
 from ..format.records import StepManifest
 from .kinds import StepContext, StepKind, StepKinds
 from .step_names import MANIFEST_NAME
@@ -88,16 +89,26 @@ class StepDescription:
     blake3: str | None = None
     pieces: tuple[str, ...] = ()
 
+    @property
+    def checked_by(self) -> dict[str, Any]:
+        """What the record checks the payload by, as ``taskpoint show`` prints it
+        (:func:`~taskpoint.format.pieces.checked_by`): its pieces' count, size, hash and digests, else its BLAKE3, and
+        its sha256 (None when it has none)."""
+        return checked_by(self.sha256, self.blake3, self.pieces)
+
     def not_a_copy_of(self, committed: StepDescription) -> str | None:
         """Why this step (a local tier's copy) is not the step ``committed`` describes (the remote tier's, whose
         manifest is the truth), or None when it is: when its size and digest are the ones ``committed`` records
         (for a multi-rank step, some rank's shard: a tool that does not know which rank wrote a local_dir accepts
         any; a tiered restore asks for its own rank's)."""
         shards = committed.details.get("shards")
-        recorded = ({(shard["size"], shard["sha256"], shard.get("blake3"), shard.get("pieces", ())) for shard in shards}
+        # A record holds one of sha256, BLAKE3 and pieces: a shard's piece digests count only without the other two
+        # (a state dict's shard lists its file's pieces beside the sha256 of them that its record holds).
+        recorded = ({(shard["size"], shard["sha256"] or shard.get("blake3") or "".join(shard.get("piece_digests", ())))
+                     for shard in shards}
                     if shards
-                    else {(committed.size, committed.sha256, committed.blake3, committed.pieces)})
-        if (self.size, self.sha256, self.blake3, self.pieces) in recorded:
+                    else {(committed.size, committed.sha256 or committed.blake3 or "".join(committed.pieces))})
+        if (self.size, self.sha256 or self.blake3 or "".join(self.pieces)) in recorded:
             return None
         digest = (f"BLAKE3 of {len(self.pieces)} pieces" if self.pieces else f"BLAKE3 {self.blake3}"
                   if self.blake3 is not None else f"sha256 {self.sha256}")

@@ -27,6 +27,7 @@ from torch.futures import Future
 
 from ..errors import CheckpointCorruptError, StorageNotFound
 from ..format.fileset import FileEntry, FileSetManifest, entry_of
+from ..format.pieces import entry_damage
 from ..manager import CheckpointManager
 from ..manager.kind_api import step_folder
 from ..pieces import PieceReader
@@ -192,17 +193,14 @@ class Reader(Rooted, StorageReader):
         entry = self._manifest.entry(name, self._root.uri)
         location = self._root.child(name)
         digests, piece_size = entry.checked_pieces  # a file listed whole: one piece
-        pieces, piece_hash = len(digests), entry.hash_name
+        pieces = len(digests)
         spans = [(info.offset, info.length) for info in (self._storage[item.storage_index] for item in items)]
         order = sorted({index for start, length in spans
                         for index in range(start // piece_size, (start + max(length, 1) - 1) // piece_size + 1)
                         if index < pieces})
 
         def damaged(index: int) -> CheckpointCorruptError:
-            return CheckpointCorruptError(
-                f"{location.uri} is damaged: piece {index} (bytes from {index * piece_size}) does not match the "
-                f"{piece_hash} of the checkpoint's manifest, or the file is not the {entry.size} bytes it was saved "
-                "with (a changed byte, or truncated or extended after the save)")
+            return CheckpointCorruptError(entry_damage(location.uri, entry, index))
 
         def missing() -> CheckpointCorruptError:
             return CheckpointCorruptError(f"{location.uri} is missing: the checkpoint's manifest lists it "

@@ -137,7 +137,8 @@ class StateDictKind(FilesKind):
         content = content_of(manifest, StateDictFile)
         return Described(payload=content.file, details={"pieces": len(content.pieces),
                                                         "piece_size": content.piece_size,
-                                                        "piece_hash": content.piece_hash})
+                                                        "piece_hash": content.piece_hash,
+                                                        "piece_digests": list(content.pieces)})
 
     def owns(self, name: str, committed: bool) -> bool:
         return bool(_OWNED.fullmatch(name))

@@ -30,7 +30,7 @@ from ..._progress import Progress
 from ...errors import CheckpointCorruptError, CheckpointError
 from ...format.codecs import Codec
 from ...format.fileset import PIECES_DIGEST_PREFIX
-from ...format.pieces import PAYLOAD_PIECES, damaged_pieces, split_pieces
+from ...format.pieces import PAYLOAD_PIECES, pieces_damage, split_pieces
 from ...format.records import ObjectRecord, StepContent, StepManifest
 from ...payloads import Payload, payload_class
 from ...transfer import hash_object, read_payload
@@ -308,19 +308,21 @@ def stored_part(context: StepContext, step: int, name: str, size: int | None, sh
             raise FileNotFoundError(f"its payload {name} is missing") from None
     if (found, hexdigest) != (size, sha256):
         by = digest.removeprefix(PIECES_DIGEST_PREFIX)
+        subject = f"step {step} in {steps.directory}"
         raise CheckpointCorruptError(
-            f"step {step} in {steps.directory} is damaged: read {found} bytes of {name} that do not match the {by} "
-            f"of its manifest (recorded size {size}){_where(digest, sha256, hexdigest, found)}")
+            _by_pieces(subject, digest, sha256, hexdigest, found, size, name)
+            or f"{subject} is damaged: read {found} bytes of {name} that do not match the {by} of its manifest "
+               f"(recorded size {size})")
     return found
 
 
-def _where(digest: str, recorded: str | None, hexdigest: str, size: int) -> str:
-    """Where an object recorded by pieces (``digest`` :data:`~taskpoint.format.pieces.PAYLOAD_PIECES`) differs:
-    ": piece 3 (bytes ...)"; "" for another digest, or when the pieces cannot be told apart."""
-    if digest != PAYLOAD_PIECES or recorded is None:
-        return ""
-    where = damaged_pieces(split_pieces(recorded), hexdigest, size)
-    return f": {where}" if where else ""
+def _by_pieces(subject: str, digest: str, recorded: str | None, hexdigest: str, found: int, size: int | None,
+               name: str) -> str | None:
+    """:func:`~taskpoint.format.pieces.pieces_damage` of an object recorded by pieces (``digest``
+    :data:`~taskpoint.format.pieces.PAYLOAD_PIECES`); None for another digest, or when every piece matches."""
+    if digest != PAYLOAD_PIECES or recorded is None or size is None:
+        return None
+    return pieces_damage(subject, split_pieces(recorded), hexdigest, found, size, name)
 
 
 def stored_object(context: StepContext, step: int, name: str, record: ObjectRecord, progress: object, label: str
@@ -342,11 +344,12 @@ def read_object(context: StepContext, step: int, name: str, record: ObjectRecord
     def verify(kind: str, size: int, digest: str) -> None:
         if (kind, size, (record.hash_name, digest)) != (record.kind, record.size, record.digest):
             recorded = record.digest[1] if record.digest is not None else None
-            where = _where(record.hash_name, recorded, digest, size)
+            subject = f"step {step} in {steps.directory}"
             raise CheckpointCorruptError(
-                f"step {step} in {steps.directory} does not match the {record.hash_name} recorded when it was saved "
-                f"(read {size} bytes of {name}, expected {record.size}{where}); it is damaged. Restore an older step "
-                "(fallback=True), or save it again.")
+                (_by_pieces(subject, record.hash_name, recorded, digest, size, record.size, name)
+                 or f"{subject} does not match the {record.hash_name} recorded when it was saved (read {size} bytes "
+                    f"of {name}, expected {record.size}); it is damaged")
+                + ". Restore an older step (fallback=True), or save it again.")
 
     gone = Gone(f"step {step} in {steps.directory} is committed but its payload {name} is missing: it was removed "
                 f"after the commit{GONE_HOW}. Restore an older step (fallback=True), or delete this one.")
@@ -358,21 +361,21 @@ def read_object(context: StepContext, step: int, name: str, record: ObjectRecord
     except CheckpointCorruptError as exc:
         if f"step {step} " in str(exc):
             raise
-        raise type(exc)(f"step {step} in {steps.directory} is damaged{_damaged_piece(src, record)}: {exc}") from exc
+        subject = f"step {step} in {steps.directory}"
+        raise type(exc)(f"{_damaged_piece(subject, src, name, record) or f'{subject} is damaged'}: {exc}") from exc
     if result is None:
         raise gone
     return result
 
 
-def _damaged_piece(src: Any, record: ObjectRecord) -> str:
+def _damaged_piece(subject: str, src: Any, name: str, record: ObjectRecord) -> str | None:
     """Where an object recorded by pieces is damaged, once its codec refused it before its pieces were hashed (a
-    gzip member's CRC32 checks sooner than its 16 MiB piece is whole): " (its piece 3, bytes ...)" from a second
-    read of the object, on this path only; "" when it has no pieces, or that read cannot tell."""
+    gzip member's CRC32 checks sooner than its 16 MiB piece is whole): :func:`_by_pieces` from a second read of
+    the object, on this path only; None when it has no pieces, or that read cannot tell."""
     if not record.pieces:
-        return ""
+        return None
     try:
         size, hexdigest = hash_object(src, PAYLOAD_PIECES, record.size)
     except (CheckpointError, OSError):
-        return ""
-    where = damaged_pieces(record.pieces, hexdigest, size)
-    return f" (its {where})" if where else ""
+        return None
+    return _by_pieces(subject, PAYLOAD_PIECES, "".join(record.pieces), hexdigest, size, record.size, name)

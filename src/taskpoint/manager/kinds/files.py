@@ -28,6 +28,7 @@ from ... import _progress
 from ..._progress import Progress
 from ...errors import CheckpointCorruptError
 from ...format.fileset import PIECE_HASH, PIECE_SIZE, FileEntry, FileSetManifest, PieceHasher
+from ...format.pieces import entry_damage
 from ...format.records import ObjectRecord, StepContent, StepManifest
 from ...payloads import DirectoryPayload
 from ...pieces import HashPlan, PieceReader, hash_local
@@ -348,7 +349,7 @@ def _check_local(steps: StepStore, step: int, content: FilesContent, root: Path,
         if found[rel].size < 0:
             raise _Missing(stored_name(content, rel))
         if found[rel] != entry:
-            raise _damaged(steps, step, stored_name(content, rel), entry, _first_difference(entry, found[rel]))
+            raise _damaged(steps, step, stored_name(content, rel), entry, found[rel])
 
 
 def _fetch(steps: StepStore, step: int, name: str, entry: FileEntry, dest: Path | None, progress: Progress) -> None:
@@ -375,20 +376,12 @@ def _fetch(steps: StepStore, step: int, name: str, entry: FileEntry, dest: Path 
     except FileNotFoundError:
         raise _Missing(name) from None
     if (found := hasher.entry()) != entry:
-        raise _damaged(steps, step, name, entry, _first_difference(entry, found))
+        raise _damaged(steps, step, name, entry, found)
 
 
-def _first_difference(entry: FileEntry, found: FileEntry) -> int:
-    """The first piece of ``found`` that differs from ``entry``'s: the last when only the size differs (0 for a
-    file listed whole, one piece)."""
-    return next((index for index, (a, b) in enumerate(zip(entry.pieces, found.pieces, strict=False)) if a != b),
-                max(0, len(entry.pieces) - 1))
-
-
-def _damaged(steps: StepStore, step: int, name: str, entry: FileEntry, index: int) -> CheckpointCorruptError:
-    """The error of a file ``name`` whose piece ``index`` differs from ``entry`` (a file listed whole is one)."""
-    what = f"piece {index} of {name} (bytes from {index * entry.piece_size})" if entry.pieces else name
-    return CheckpointCorruptError(
-        f"step {step} in {steps.directory} is damaged: {what} does not match the {entry.hash_name} of its manifest "
-        f"(or the file is not the {entry.size} bytes it was saved with). Restore an older step (fallback=True), or "
-        "save it again.")
+def _damaged(steps: StepStore, step: int, name: str, entry: FileEntry, found: FileEntry | int
+             ) -> CheckpointCorruptError:
+    """The error of a file ``name`` that differs from ``entry``: ``found``, the piece that differs, or the entry of
+    what was read (:func:`~taskpoint.format.pieces.entry_damage`)."""
+    return CheckpointCorruptError(entry_damage(f"step {step} in {steps.directory}", entry, found, name)
+                                  + ". Restore an older step (fallback=True), or save it again.")

@@ -153,8 +153,8 @@ def _checked_ranges(context: StepContext, step: int, src: Location, record: Obje
     one digest (manifest versions 1 to 6), whose ranged reads only the codec checks (each gzip member's CRC32)."""
     if not record.pieces:
         return None
-    where = f"step {step} in {context.steps.directory} (its payload {src.uri})"
-    return CheckedRanges(src.read_range, record.pieces, record.size or 0, where)
+    return CheckedRanges(src.read_range, record.pieces, record.size or 0, f"step {step} in {context.steps.directory}",
+                         src.uri.rpartition("/")[2])
 
 
 class _SegmentBytes(BytesPayload):

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 from ..._progress import Progress
 from ...errors import CheckpointError
+from ...format.pieces import PAYLOAD_PIECES, checked_by
 from ...format.records import (
     BLAKE3_VERSION,
     KIND_VERSION,
@@ -189,7 +190,7 @@ class RanksKind:
         def shard() -> tuple[Shard, int]:
             # The save process finishes this rank's part (its record; on rank 0, the commit) if we die meanwhile.
             size, digest = store_payload(steps.object(step, orphan.name), payload, context.codec, context.level,
-                                         job.saver, orphan, progress=job.progress)
+                                         job.saver, orphan, progress=job.progress, digest=PAYLOAD_PIECES)
             return orphan.shard(size, digest), size
 
         return writer.write(step, job.attempt, shard, orphan.stored, job.until_committed)
@@ -249,9 +250,7 @@ class RanksKind:
             described = kind.describe(context, step, part)
             named = {} if shard.step_kind is None else {**described.details, "step_kind": shard.step_kind}
             shards.append({**named, "rank": shard.rank, "payload": described.payload, "size": shard.record.size,
-                           "sha256": shard.record.sha256,
-                           **({} if shard.record.blake3 is None else {"blake3": shard.record.blake3}),
-                           **({"pieces": shard.record.pieces} if shard.record.pieces else {})})
+                           **checked_by(shard.record.sha256, shard.record.blake3, shard.record.pieces)})
         return Described(payload="", details={"shards": shards})
 
     def owns(self, name: str, committed: bool) -> bool:
