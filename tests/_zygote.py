@@ -11,7 +11,9 @@ own would end with. The server reaps it and sends that status (``-signal`` for a
 request's connection. What the child shares with the server: the modules already imported and the hash seed
 (``random`` reseeds itself after a fork, and numpy's global generator is reseeded here).
 
-Run as a script, this is the server: ``python _zygote.py SOCKET MODULE...``.
+Under pytest-xdist the process that hands out the tests starts the servers of :data:`SHARED` as the session starts
+(:func:`start_shared`, from tests/conftest.py) and every worker forks from them: each framework is imported once
+per session. Run as a script, this is the server: ``python _zygote.py SOCKET MODULE...``.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib
+import importlib.util
 import json
 import os
 import select
+import shutil
 import signal
 import site
 import socket
@@ -30,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import IO, Any
 
@@ -41,6 +46,12 @@ LIGHTNING = ("torch", "lightning", "lightning.pytorch")
 TRANSFORMERS = ("torch", "transformers", "transformers.trainer", "transformers.models.gpt2.modeling_gpt2")
 #: The bound of the server's start: importing Lightning took 5 CPU-s alone and 60 s at a load of 20.
 START_TIMEOUT = 300.0
+#: The servers that, under pytest-xdist, the controlling process starts as the session starts, for every worker
+#: (tests/conftest.py): each framework imported once per session, not once in each worker that uses it (make
+#: test uses each of them, in two or three of its workers).
+SHARED = (TORCH, DCP, LIGHTNING, TRANSFORMERS)
+#: The variable naming the folder where those servers listen (one socket each, named by its place in SHARED).
+SHARED_ENV = "TASKPOINT_FORK_SERVERS"
 
 
 class Forked:
@@ -109,15 +120,20 @@ class Forked:
 
 
 class Zygote:
-    """One server process with ``modules`` imported, listening on a Unix socket in a folder of its own."""
+    """One server process with ``modules`` imported, listening on a Unix socket: in a folder of its own, or in
+    the folder of the shared servers (:func:`start_shared`)."""
 
-    def __init__(self, modules: tuple[str, ...]) -> None:
-        self._folder = tempfile.mkdtemp(prefix="taskpoint-zygote-")
-        self._address = os.path.join(self._folder, "socket")
+    def __init__(self, modules: tuple[str, ...], shared: str | None = None) -> None:
+        """Start it and wait until it listens; in the ``shared`` folder, without waiting (a worker that uses it
+        waits for its socket: :func:`_shared_address`)."""
+        self._folder = shared or tempfile.mkdtemp(prefix="taskpoint-zygote-")
+        self._address = os.path.join(self._folder, f"{SHARED.index(modules)}.socket" if shared else "socket")
         print(f"fork server: importing {', '.join(modules)} (at most {START_TIMEOUT:.0f} s)", flush=True)
         self._server = subprocess.Popen([sys.executable, __file__, self._address, *modules], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True)
         assert self._server.stdout is not None
+        if shared:
+            return
         if not select.select([self._server.stdout], [], [], START_TIMEOUT)[0]:
             self.close()
             raise AssertionError(f"the fork server did not import {modules} within {START_TIMEOUT} s")
@@ -128,31 +144,38 @@ class Zygote:
               apart: bool = False, faulthandler: bool = False) -> Forked:
         """A child running ``python argv...`` with ``env`` in ``cwd`` (default: this process's); its stderr in a
         pipe of its own with ``apart``, else in stdout's; with ``faulthandler``, as ``python -X faulthandler``."""
-        pipes = [os.pipe() for _ in range(2 if apart else 1)]
-        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            connection.connect(self._address)
-            request = json.dumps({"argv": argv, "env": env, "cwd": os.fspath(cwd or os.getcwd()),
-                                  "faulthandler": faulthandler}).encode()
-            socket.send_fds(connection, [request + b"\n"], [write for _, write in pipes])
-        finally:
-            for _, write in pipes:
-                os.close(write)
-        return Forked(connection, pipes[0][0], pipes[1][0] if apart else None)
+        return _request(self._address, argv, env, cwd, apart, faulthandler)
 
-    def close(self) -> None:
-        """End the server (its stdin closes); children still running are the tests' to end."""
+    def close(self, grace: float = 30.0) -> None:
+        """End the server (its stdin closes; killed past ``grace`` seconds); children still running are the tests'
+        to end."""
         with contextlib.suppress(OSError):
             assert self._server.stdin is not None
             self._server.stdin.close()
         try:
-            self._server.wait(30)
+            self._server.wait(grace)
         except subprocess.TimeoutExpired:
             self._server.kill()
             self._server.wait()
         with contextlib.suppress(OSError):
             os.unlink(self._address)
             os.rmdir(self._folder)
+
+
+def _request(address: str, argv: list[str], env: dict[str, str], cwd: str | os.PathLike[str] | None, apart: bool,
+             faulthandler: bool) -> Forked:
+    """Ask the server listening at ``address`` for a child (as :meth:`Zygote.spawn`)."""
+    pipes = [os.pipe() for _ in range(2 if apart else 1)]
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.connect(address)
+        request = json.dumps({"argv": argv, "env": env, "cwd": os.fspath(cwd or os.getcwd()),
+                              "faulthandler": faulthandler}).encode()
+        socket.send_fds(connection, [request + b"\n"], [write for _, write in pipes])
+    finally:
+        for _, write in pipes:
+            os.close(write)
+    return Forked(connection, pipes[0][0], pipes[1][0] if apart else None)
 
 
 _servers: dict[tuple[str, ...], Zygote] = {}
@@ -165,9 +188,59 @@ def ended_cpu() -> float:
     return _ended_cpu[0]
 
 
+def start_shared() -> list[Zygote]:
+    """In the process that hands tests to pytest-xdist workers: start the :data:`SHARED` servers of the
+    frameworks installed, without waiting for them, in a folder that the workers, started after this, find in
+    :data:`SHARED_ENV`. :func:`end_shared` ends them."""
+    folder = tempfile.mkdtemp(prefix="taskpoint-zygotes-")
+    os.environ[SHARED_ENV] = folder
+    return [Zygote(modules, folder) for modules in SHARED if _installed(modules)]
+
+
+def end_shared(servers: list[Zygote]) -> None:
+    """End the shared servers at once: one may still be importing (a short session), and a server leaves with
+    ``os._exit`` anyway (nothing to tear down)."""
+    for server in servers:
+        server.close(grace=0.0)
+    shutil.rmtree(os.environ.pop(SHARED_ENV), ignore_errors=True)
+
+
+def _installed(modules: tuple[str, ...]) -> bool:
+    return all(importlib.util.find_spec(name.split(".")[0]) for name in modules)
+
+
+_listening: set[str] = set()
+
+
+def _shared_address(modules: tuple[str, ...]) -> str | None:
+    """The socket of the shared server of ``modules``, once it listens (waited for at most START_TIMEOUT, on first
+    use in this process); None when there is none (no pytest-xdist, or a set not in SHARED)."""
+    folder = os.environ.get(SHARED_ENV)
+    if not folder or modules not in SHARED or not _installed(modules):
+        return None
+    address = os.path.join(folder, f"{SHARED.index(modules)}.socket")
+    if address not in _listening:
+        print(f"fork server: waiting for the shared one importing {', '.join(modules)} (at most "
+              f"{START_TIMEOUT:.0f} s)", flush=True)
+        end = time.monotonic() + START_TIMEOUT
+        while not os.path.exists(address):
+            if os.path.exists(address + ".error"):
+                raise AssertionError(f"the shared fork server of {modules} failed to start:\n"
+                                     + Path(address + ".error").read_text())
+            if time.monotonic() > end:
+                raise AssertionError(f"the shared fork server did not import {modules} within {START_TIMEOUT} s")
+            time.sleep(0.1)
+        _listening.add(address)
+    return address
+
+
 def spawn(modules: tuple[str, ...], argv: list[str], env: dict[str, str], **how: Any) -> Forked:
-    """``python argv...`` forked from this pytest process's server that imported ``modules`` (started on first
-    use, ended at exit); ``how`` as :meth:`Zygote.spawn`."""
+    """``python argv...`` forked from a server that imported ``modules``: the shared one under pytest-xdist
+    (:func:`start_shared`), else this pytest process's own (started on first use, ended at exit); ``how`` as
+    :meth:`Zygote.spawn`."""
+    shared = _shared_address(modules)
+    if shared is not None:
+        return _request(shared, argv, env, how.get("cwd"), how.get("apart", False), how.get("faulthandler", False))
     if modules not in _servers:
         _servers[modules] = Zygote(modules)
         atexit.register(_servers[modules].close)
@@ -193,8 +266,9 @@ def run(modules: tuple[str, ...], argv: list[str], env: dict[str, str], cwd: str
 def serve(address: str) -> dict[str, Any] | None:
     """Accept requests until stdin closes (None); in a forked child, return its request."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(address)
+    listener.bind(address + ".new")
     listener.listen(16)
+    os.rename(address + ".new", address)  # the socket is there once it listens (a worker waits for it to be)
     wakeup_read, wakeup_write = os.pipe()
     os.set_blocking(wakeup_write, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)
@@ -283,8 +357,12 @@ def _python_path(variable: str) -> list[str]:
 if __name__ == "__main__":
     interpreter_path = json.loads(subprocess.check_output(
         [sys.executable, "-E", "-c", "import json, sys; print(json.dumps(sys.path[1:]))"]))
-    for name in sys.argv[2:]:
-        importlib.import_module(name)
+    try:
+        for name in sys.argv[2:]:
+            importlib.import_module(name)
+    except BaseException:  # said beside the socket, for the workers that wait for a shared server
+        Path(sys.argv[1] + ".error").write_text(traceback.format_exc())
+        raise
     job = serve(sys.argv[1])
     if job is None:  # the server ends without tearing Lightning's modules down (seconds, for nothing)
         os._exit(0)

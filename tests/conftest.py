@@ -58,6 +58,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
+import _zygote as zygote
 from _fast import E2E, RULE, ProcessGuard
 from _servers import (
     CLIENT_KINDS,
@@ -129,6 +130,8 @@ CAMPAIGN = bool(os.environ.get("TASKPOINT_CAMPAIGN"))
 _SHARED_KEY = pytest.StashKey[tuple[SharedServers, Path]]()
 #: Under ``--fast``, where each process that runs tests keeps its :class:`_fast.ProcessGuard`.
 _GUARD_KEY = pytest.StashKey[ProcessGuard]()
+#: Where the controlling process keeps the fork servers it shares with the workers (tests/_zygote.py).
+_FORK_SERVERS_KEY = pytest.StashKey[list[zygote.Zygote]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -149,7 +152,8 @@ def _is_xdist_controller(config: pytest.Config) -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist, start the object-store servers once, in the controlling process, for every worker
-    (:class:`_servers.SharedServers`): one moto, SeaweedFS, GCS emulator and azurite instead of one per worker.
+    (:class:`_servers.SharedServers`): one moto, SeaweedFS, GCS emulator and azurite instead of one per worker; and
+    the fork servers of the framework workers (:func:`_zygote.start_shared`), one per framework.
     Under ``--fast``, start none, and refuse every new process in the processes that run tests."""
     if _fast(config):
         if not _is_xdist_controller(config):  # the controller starts the xdist workers (processes) and runs no test
@@ -160,6 +164,7 @@ def pytest_configure(config: pytest.Config) -> None:
         folder = Path(tempfile.mkdtemp(prefix="tp-servers-"))
         os.environ[SHARED_SERVERS_ENV] = str(folder)  # the workers, started after this, inherit it
         config.stash[_SHARED_KEY] = (SharedServers(folder), folder)
+        config.stash[_FORK_SERVERS_KEY] = zygote.start_shared()  # and the fork servers' folder (tests/_zygote.py)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -169,6 +174,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         servers.close()
         shutil.rmtree(folder, ignore_errors=True)
         os.environ.pop(SHARED_SERVERS_ENV, None)
+    fork_servers = config.stash.get(_FORK_SERVERS_KEY, None)
+    if fork_servers is not None:
+        zygote.end_shared(fork_servers)
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:

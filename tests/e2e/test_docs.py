@@ -2,7 +2,8 @@
 commands and options, the install commands are ones that work today, the API reference covers every public
 name, and the site builds with mkdocs --strict.
 
-Blocks of one page run in order in one namespace (as a reader runs them), in a fresh process whose working
+Blocks of one page run in order in one namespace (as a reader runs them), in a process of their own (forked from
+one that imported torch, Lightning or transformers when the page uses them: tests/_zygote.py) whose working
 directory is a temp folder, with TASKPOINT_ROOT at ``.taskpoint`` inside it (the default root, made explicit).
 Markers, an HTML comment on the line(s) right before a block:
 
@@ -29,6 +30,8 @@ from pathlib import Path
 import click
 import fsspec
 import pytest
+
+import _zygote as zygote
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
@@ -103,14 +106,18 @@ SHELL = [b for b in BLOCKS if b.shell_runs]
 RUN_PAGES = sorted({b.page for b in PYTHON if b.not_run is None and b.include is None} | {b.page for b in SHELL})
 
 
-# The process that runs one page: each block compiled under its markdown location, so a traceback names it.
-_RUNNER = """
-import json, sys
-namespace = {"__name__": "__main__"}
-for block in json.load(sys.stdin):
-    print(f"--- {block['where']}", flush=True)
-    exec(compile(block["code"], block["where"], "exec"), namespace)
-"""
+#: The script that runs one page's blocks (in one namespace, each compiled under its markdown location).
+RUNNER = REPO / "tests" / "_docs_page.py"
+#: What a page's process imports ahead, by the first of these its blocks import: a page that uses a framework is
+#: forked from a server that imported it (tests/_zygote.py: torch's import alone is 1.5 CPU-s, transformers' 2.7),
+#: any other page runs in a fresh process.
+PRELOADS = [("transformers", zygote.TRANSFORMERS), ("lightning", zygote.LIGHTNING), ("torch", zygote.TORCH)]
+
+
+def _preload(blocks: list[Block]) -> tuple[str, ...] | None:
+    code = "".join(b.code for b in blocks)
+    return next((modules for name, modules in PRELOADS
+                 if re.search(rf"^\s*(?:import|from)\s+{re.escape(name)}\b", code, re.M)), None)
 
 
 def _store_environment(request: pytest.FixtureRequest, needs: set[str]) -> dict[str, str]:
@@ -141,9 +148,11 @@ def test_python_blocks_of_the_page_run(page: Path, tmp_path: Path, request: pyte
     env["TASKPOINT_ROOT"] = str(work / ".taskpoint")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    payload = json.dumps([{"where": b.where, "code": b.code} for b in blocks])
-    out = subprocess.run([sys.executable, "-c", _RUNNER], input=payload, cwd=work, env=env, capture_output=True,
-                         text=True, timeout=240)
+    listed = tmp_path / "blocks.json"
+    listed.write_text(json.dumps([{"where": b.where, "code": b.code} for b in blocks]), encoding="utf-8")
+    argv, preload = [str(RUNNER), str(listed)], _preload(blocks)
+    out = (subprocess.run([sys.executable, *argv], cwd=work, env=env, capture_output=True, text=True, timeout=240)
+           if preload is None else zygote.run(preload, argv, env, cwd=work, timeout=240))
     assert out.returncode == 0, f"{page.relative_to(REPO)}: a block failed\n{out.stdout}\n{out.stderr}"
     for block in (b for b in SHELL if b.page == page):
         for n, line in enumerate(block.code.splitlines(), start=block.line + 1):

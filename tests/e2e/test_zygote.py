@@ -100,3 +100,28 @@ def test_stderr_apart_and_a_run_past_its_bound_is_killed(tmp_path: Path) -> None
     script.write_text("import time\ntime.sleep(600)\n")
     with pytest.raises(subprocess.TimeoutExpired):
         zygote.run(MODULES, [str(script)], dict(os.environ), cwd=tmp_path, timeout=1)
+
+
+def test_a_worker_forks_from_the_shared_server_and_one_that_failed_to_start_is_named(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under pytest-xdist the controlling process's servers (start_shared) serve every worker: the child's parent
+    is the server listening in the shared folder. A set whose modules are not installed gets no server; a server
+    that failed to import its modules fails the spawn with the import's error, not at the bound."""
+    shared = (("json",), ("json", "json.taskpoint_no_such_module"), ("taskpoint_no_such_module",))
+    monkeypatch.setattr(zygote, "SHARED", shared)
+    monkeypatch.setenv(zygote.SHARED_ENV, "")  # restored after the test (a pytest-xdist worker has the real one)
+    servers = zygote.start_shared()
+    try:
+        folder = os.environ[zygote.SHARED_ENV]
+        assert len(servers) == 2
+        script = tmp_path / "script.py"
+        script.write_text("import os\nprint(os.getppid())\n")
+        child = spawn(shared[0], [str(script)], dict(os.environ), apart=True)
+        output, _ = child.communicate(timeout=120)
+        assert child.returncode == 0, output
+        parent = Path(f"/proc/{int(output)}/cmdline").read_bytes().split(b"\0")
+        assert parent[1].endswith(b"_zygote.py") and parent[2] == os.path.join(folder, "0.socket").encode()
+        with pytest.raises(AssertionError, match=r"No module named 'json\.taskpoint_no_such_module'"):
+            spawn(shared[1], [str(script)], dict(os.environ))
+    finally:
+        zygote.end_shared(servers)
