@@ -46,8 +46,9 @@ def manifest(directory: Path, step: int) -> dict[str, Any]:
 
 def test_each_rank_stores_its_part_in_the_kind_one_rank_would_choose(saved: Path) -> None:
     one, two = manifest(saved, 1), manifest(saved, 2)
-    # step 1 has a payload part, recorded by BLAKE3: version 6; step 2's parts are all state dicts: version 4
-    assert (one["version"], two["version"], one["step_kind"], two["step_kind"]) == (6, 4, "ranks", "ranks")
+    # step 1 has a payload part, recorded by BLAKE3 pieces: version 7 (6 before 758143b, by one BLAKE3); step 2's
+    # parts are all state dicts: version 4
+    assert (one["version"], two["version"], one["step_kind"], two["step_kind"]) == (7, 4, "ranks", "ranks")
     assert [s["step_kind"] for s in one["content"]["shards"]] == ["torch.state_dict", "payload", "torch.state_dict"]
     assert [s["step_kind"] for s in two["content"]["shards"]] == ["torch.state_dict"] * WORLD
     files = [s["content"]["file"] for s in two["content"]["shards"]]
@@ -62,9 +63,10 @@ def test_each_rank_stores_its_part_in_the_kind_one_rank_would_choose(saved: Path
 
 def test_a_background_save_of_several_ranks_is_one_payload_per_rank_as_with_one_rank(saved: Path) -> None:
     """A background save snapshots a state dict into its ``torch.save`` bytes, a payload, as with one rank: each
-    rank's part is then one payload object, and the step is of the ``sharded`` kind (version 6: by BLAKE3)."""
+    rank's part is then one payload object, and the step is of the ``sharded`` kind (version 7: by BLAKE3 pieces;
+    version 6, by one BLAKE3 per shard, before 758143b)."""
     three = manifest(saved, 3)
-    assert (three["version"], three["step_kind"]) == (6, "sharded")
+    assert (three["version"], three["step_kind"]) == (7, "sharded")
     assert [shard["kind"] for shard in three["content"]["shards"]] == ["torch.state_dict"] * WORLD
 
 
