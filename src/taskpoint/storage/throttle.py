@@ -228,11 +228,21 @@ def botocore_attempts(fs: Any) -> int:
     return int(os.environ.get("AWS_MAX_ATTEMPTS") or BOTOCORE_ATTEMPTS)
 
 
+#: Bodies up to this size are sent without ``Expect: 100-continue`` (see :func:`watch_s3fs`).
+CONTINUE_ABOVE_BYTES = 1 << 20
+
+
 def watch_s3fs(fs: Any, pushback: Pushback) -> None:
     """Count each answer of ``fs``'s botocore client into ``pushback``, and pause before each retry of a
     throttling answer as long as the store's pushback says (:meth:`Pushback.pause`), never shorter than its
     ``Retry-After``, within the client's attempts (:func:`botocore_attempts`). Registered on the session the
-    clients are made from (and on a client already made), once per filesystem (fsspec caches them)."""
+    clients are made from (and on a client already made), once per filesystem (fsspec caches them).
+
+    Also: a PUT of a small body (a record, a manifest, a small object) goes without the ``Expect: 100-continue``
+    that botocore adds to every body it can read. aiohttp waits for the ``100 Continue`` under no client timeout,
+    so such a PUT to an endpoint that accepts connections and never answers waited out the whole retry deadline
+    (120 s by default) where a GET ends at the client's read timeout. Sparing a small body is all the header is
+    for; large bodies keep it."""
     if getattr(fs, "_taskpoint_pushback", None) is pushback:
         return
     attempts_allowed = botocore_attempts(fs)
@@ -250,9 +260,16 @@ def watch_s3fs(fs: Any, pushback: Pushback) -> None:
         import aiobotocore.session
 
         fs.session = aiobotocore.session.AioSession(**fs.kwargs)  # what s3fs would make, with our handler on it
-    fs.session.get_component("event_emitter").register_first("needs-retry.s3", needs_retry)
-    if fs._s3 is not None:
-        fs._s3.meta.events.register_first("needs-retry.s3", needs_retry)
+    from botocore.utils import determine_content_length
+
+    def small_without_continue(params: Any = None, **_: Any) -> None:
+        size = determine_content_length(params["body"]) if params and params.get("body") is not None else None
+        if size is not None and size <= CONTINUE_ABOVE_BYTES:
+            params["headers"].pop("Expect", None)
+
+    for events in [fs.session.get_component("event_emitter"), *([fs._s3.meta.events] if fs._s3 else [])]:
+        events.register_first("needs-retry.s3", needs_retry)
+        events.register_last("before-call.s3", small_without_continue)  # after botocore adds it
     fs._taskpoint_pushback = pushback  # fsspec shares the instance: one handler per filesystem
 
 
