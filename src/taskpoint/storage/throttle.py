@@ -260,7 +260,7 @@ def watch_s3fs(fs: Any, pushback: Pushback) -> None:
         import aiobotocore.session
 
         fs.session = aiobotocore.session.AioSession(**fs.kwargs)  # what s3fs would make, with our handler on it
-    from botocore.utils import determine_content_length
+    from botocore.utils import determine_content_length  # type: ignore[import-untyped]
 
     def small_without_continue(params: Any = None, **_: Any) -> None:
         size = determine_content_length(params["body"]) if params and params.get("body") is not None else None
