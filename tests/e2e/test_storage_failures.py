@@ -9,6 +9,7 @@ replacing an object, a TCP server of the test's own that accepts and never answe
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import socket
@@ -24,7 +25,7 @@ import fsspec
 import pytest
 
 from _faults import cuttable_proxy
-from helpers import CountingRetry, write_object
+from helpers import CountingRetry, slowdown, write_object
 from taskpoint import Checkpoint, RetryPolicy, StorageError, StorageUnavailable
 from taskpoint.storage import Location, _obstore, _s3, objectstores
 from taskpoint.storage.backends import Kind
@@ -381,15 +382,17 @@ def test_an_endpoint_that_never_answers_ends_at_the_deadline(s3_store):
         # The client's own settings (botocore: 60 s read timeout, 5 attempts; s3fs: 5 tries): without the deadline
         # one attempt of the record read lasts about 25 minutes here, and the policy allows 50 attempts.
         options = {**s3_store.storage_options, "endpoint_url": endpoint}
-        # 5 s: enough for a loaded machine to create the client and connect before the deadline comes.
-        retry = CountingRetry(attempts=50, initial_delay=0.05, max_delay=0.1, deadline=5.0)
+        # 5 s on an idle machine, times its measured slowdown (at most 12x: 60 s): enough to create the client and
+        # connect before the deadline comes (a fixed 5 s was not, once, in a fresh-clone run at load ~6).
+        deadline = float(math.ceil(5 * slowdown()))
+        retry = CountingRetry(attempts=50, initial_delay=0.05, max_delay=0.1, deadline=deadline)
         cp = Checkpoint(s3_store.url("d"), s3_store.url("prev"), storage_options=options, retry=retry)
-        with pytest.raises(StorageUnavailable, match=r"retry deadline of 5 s") as info:
+        with pytest.raises(StorageUnavailable, match=rf"retry deadline of {deadline:g} s") as info:
             cp.load_sync()
         assert retry.runs == ["read"]  # one attempt of the record read, cancelled when the deadline came
         # s3fs: fsspec cancels the call (FSTimeoutError); obstore: its request timeout, set to the deadline.
         timed_out = "error sending request" if "s3_client" in options else "FSTimeoutError"
         assert "1 attempts" in str(info.value) and timed_out in str(info.value)
         assert accepted  # the server really was reached, and never answered
-        with pytest.raises(StorageUnavailable, match=r"retry deadline of 5 s"):
+        with pytest.raises(StorageUnavailable, match=rf"retry deadline of {deadline:g} s"):
             cp.prev_exists()
