@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from _fault_proxy import fault_proxy
-from helpers import ORPHAN_EXIT_SLACK, pid_alive, process_gone, staged_segments, wait_until
+from helpers import ORPHAN_EXIT_SLACK, own_staging_folder, pid_alive, process_gone, staged_segments, wait_until
 from taskpoint import CheckpointManager
 
 #: The bound of a trainer's exit and of a killed save process's end.
@@ -70,7 +70,14 @@ def kill_save_process_mid_write(data: str, s3_server: Any, uri: str, held_object
     (``data``: ``<test module>:<function>``) to ``uri`` on ``s3_server``, the upload of step 2's object
     ``held_object`` (a fragment of its path) held by a proxy. The trainer is SIGKILLed, then its save process while
     it writes: step 2 is not committed, step 1 restores (``restores(manager)`` checks it), and the next manager's
-    save process frees the segment the killed one left."""
+    save process frees the segment the killed one left. The segments are made in a folder of the test's own, that
+    no other test's sweep reaches."""
+    with own_staging_folder():
+        _kill_save_process_mid_write(data, s3_server, uri, held_object, restores)
+
+
+def _kill_save_process_mid_write(data: str, s3_server: Any, uri: str, held_object: str,
+                                 restores: Callable[[CheckpointManager], None]) -> None:
     held: list[str] = []
 
     def hold(method: str, path: str) -> bool:

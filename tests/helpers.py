@@ -7,12 +7,14 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -117,6 +119,24 @@ class AcceptLoop:
         with contextlib.suppress(OSError):
             self._listener.close()
         self._thread.join(timeout=5)
+
+
+@contextlib.contextmanager
+def own_staging_folder() -> Iterator[Path]:
+    """A private folder for the staging segments of this process and of the processes it starts while inside
+    (``TASKPOINT_STAGING_DIR``), removed at the end: a test that counts on a dead owner's segment staying until it
+    sweeps is not raced by another test's sweep of the shared ``/dev/shm`` beside it (xdist)."""
+    folder = Path(tempfile.mkdtemp(prefix="taskpoint-test-staging-", dir=staging.segment_folder()))
+    before = os.environ.get(staging.STAGING_DIR_VARIABLE)
+    os.environ[staging.STAGING_DIR_VARIABLE] = str(folder)
+    try:
+        yield folder
+    finally:
+        if before is None:
+            del os.environ[staging.STAGING_DIR_VARIABLE]
+        else:
+            os.environ[staging.STAGING_DIR_VARIABLE] = before
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def staged_segments(*pids: int) -> list[Path]:

@@ -108,9 +108,9 @@ class _CountingProxy(FaultProxy):
         super().__init__(upstream)
         self.passed: list[int] = []  # list.append is atomic: connections are served on several threads
 
-    def _pass(self, sock: object, data: bytes) -> None:
+    def _pass(self, sock: object, data: bytes, rate: float | None = None) -> None:
         self.passed.append(len(data))
-        super()._pass(sock, data)  # type: ignore[arg-type]
+        super()._pass(sock, data, rate)  # type: ignore[arg-type]
 
 
 def _stored_bytes(index: ArchiveIndex, name: str) -> int:

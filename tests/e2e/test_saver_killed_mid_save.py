@@ -22,7 +22,7 @@ import pytest
 
 from _fault_proxy import fault_proxy
 from _staged_kills import HELD_TIMEOUT, TIMEOUT
-from helpers import process_gone, staged_segments, wait_until
+from helpers import own_staging_folder, process_gone, staged_segments, wait_until
 from taskpoint import CheckpointError, CheckpointManager
 from taskpoint.workspace import how_it_ended
 
@@ -75,7 +75,9 @@ def test_a_save_process_killed_mid_write_fails_the_save_clearly_and_the_next_sav
             return True
         return False
 
-    with fault_proxy(s3_server.endpoint, stall_seconds=math.inf) as proxy, _sweeper():
+    # the sweeper sweeps only this test's own folder: a sweep of the shared one every 5 ms would race the tests
+    # beside it that count on a dead owner's segment staying until they sweep
+    with own_staging_folder(), fault_proxy(s3_server.endpoint, stall_seconds=math.inf) as proxy, _sweeper():
         proxy.hold = hold
         options = {**s3_server.storage_options, "endpoint_url": proxy.url}
         with CheckpointManager(uri, storage_options=options, async_save=True, preemption=False) as m:
@@ -102,7 +104,7 @@ def test_a_save_process_killed_mid_write_fails_the_save_clearly_and_the_next_sav
             assert m.steps() == [1, 3]
             _assert_same(load_state_dict_sync(m, 3, mmap=True), _state(3))
         assert process_gone(new.pid, TIMEOUT)
-    assert staged_segments(os.getpid(), killed.pid, new.pid) == []
+        assert staged_segments(os.getpid(), killed.pid, new.pid) == []
 
 
 def test_how_a_process_ended_is_said_by_its_signal_or_status_and_a_running_one_is_still_ending():

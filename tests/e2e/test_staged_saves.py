@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from _staged_kills import kill_save_process_mid_write, kill_trainer_after_return
+from helpers import own_staging_folder, wait_until
 from helpers import staged_segments as _segments
-from helpers import wait_until
 from taskpoint import CheckpointManager, workspace
 from taskpoint.manager import staging
 from taskpoint.workspace import host_tag
@@ -187,7 +187,11 @@ def test_consecutive_staged_saves_leave_the_memory_of_both_processes_flat(tmp_pa
 # -- segments left behind ---------------------------------------------------------------------------------------
 
 def test_segments_of_dead_owners_are_freed_and_those_of_live_ones_kept(tmp_path):
-    folder = staging.segment_folder()
+    with own_staging_folder() as folder:
+        _dead_owners_freed_live_ones_kept(tmp_path, folder)
+
+
+def _dead_owners_freed_live_ones_kept(tmp_path: Path, folder: Path) -> None:
     finished = subprocess.Popen([sys.executable, "-c", "pass"])
     finished.wait(TIMEOUT)  # a pid with no process behind it any more
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

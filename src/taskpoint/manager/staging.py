@@ -40,6 +40,8 @@ from ..workspace import owner_tag, sweep_dead
 SEGMENT_PREFIX = "taskpoint-stage-"
 #: Where segments are made: tmpfs, whose files are memory.
 SHARED_MEMORY = "/dev/shm"
+#: The environment variable that names another folder for the segments (a container's small ``/dev/shm``, say).
+STAGING_DIR_VARIABLE = "TASKPOINT_STAGING_DIR"
 #: The share of the machine's available memory (and of the free space of the segments' folder) that the
 #: default ``max_staging_bytes`` allows: the other half stays for the training loop and the save process.
 DEFAULT_STAGING_SHARE = 0.5
@@ -51,7 +53,10 @@ _NAME = re.compile(re.escape(SEGMENT_PREFIX) + r"(?P<host>[0-9a-f]{8})-(?P<pid>\
 
 
 def segment_folder() -> Path:
-    """``/dev/shm`` where it is a writable folder, else the temp folder (a disk: slower, never wrong)."""
+    """``$TASKPOINT_STAGING_DIR`` when set, else ``/dev/shm`` where it is a writable folder, else the temp folder (a
+    disk: slower, never wrong). The trainer and its save process read it alike: the save process inherits it."""
+    if chosen := os.environ.get(STAGING_DIR_VARIABLE):
+        return Path(chosen)
     if os.path.isdir(SHARED_MEMORY) and os.access(SHARED_MEMORY, os.W_OK | os.X_OK):
         return Path(SHARED_MEMORY)
     return Path(tempfile.gettempdir())
