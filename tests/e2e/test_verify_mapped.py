@@ -21,9 +21,10 @@ from helpers import POLL_TIMEOUT
 from taskpoint import CheckpointManager
 from taskpoint.digests import pieces_of_file
 from taskpoint.format.fileset import PIECE_SIZE
+from taskpoint.storage import localio
 from taskpoint.storage.localio import MAPPED_FROM, hash_mapped
 
-TRUNCATOR = Path(__file__).resolve().parents[1] / "_truncator.py"
+WATCHER = Path(__file__).resolve().parents[1] / "_map_watcher.py"
 #: Just over the size from which verify maps: 18 pieces of random bytes (gzip cannot shrink them under it).
 SIZE = MAPPED_FROM + 2 * PIECE_SIZE
 
@@ -71,15 +72,40 @@ def test_a_file_truncated_under_the_map_ends_the_child_by_sigbus_and_the_caller_
                for index, digest in got.items())
 
 
+def test_a_child_that_reports_nothing_for_the_stall_bound_is_ended(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Every wait has its bound: a child stopped (SIGSTOP, by another process, at the caller's first piece, while it
+    waits on its full pipe) reports nothing more; after :data:`~taskpoint.storage.localio.MAPPED_STALL` seconds (1
+    here) the caller ends it, says so, and returns with the pieces it had."""
+    monkeypatch.setattr(localio, "MAPPED_STALL", 1.0)
+    path = tmp_path / "object"
+    path.write_bytes(bytes(16 << 20))
+    got: dict[int, str] = {}
+
+    def on_piece(index: int, digest: str) -> None:
+        if not got:
+            stopper = subprocess.run([sys.executable, str(WATCHER), str(os.getpid()), str(path), "stop"],
+                                     capture_output=True, text=True, timeout=POLL_TIMEOUT)
+            assert stopper.stdout == "stopped\n", stopper
+        got[index] = digest
+
+    with open(path, "rb") as f, caplog.at_level(logging.WARNING, logger="taskpoint"):
+        hash_mapped(f.fileno(), 16 << 20, 4096, "blake3", 2, on_piece)
+    assert "reported no piece for 1.0 s: ending it" in caplog.text, caplog.text
+    assert "ended by signal Killed" in caplog.text, caplog.text
+    assert 0 < len(got) < (16 << 20) // 4096
+
+
 def test_a_step_truncated_by_another_process_while_verified_is_damage_or_healthy(
         step: tuple[CheckpointManager, Path], caplog: pytest.LogCaptureFixture) -> None:
     """Another process truncates the payload to one piece as soon as the verifier's child has it mapped
-    (:mod:`_truncator`): the verifier lives, and says the step is damaged, by the pieces it found; or healthy, where
+    (:mod:`_map_watcher`): the verifier lives, and says the step is damaged, by the pieces it found; or healthy, where
     the child hashed every piece first."""
     manager, payload = step
     stored = payload.stat().st_size
-    truncator = subprocess.Popen([sys.executable, str(TRUNCATOR), str(os.getpid()), str(payload), str(PIECE_SIZE)],
-                                 stdout=subprocess.PIPE, text=True)
+    truncator = subprocess.Popen(
+        [sys.executable, str(WATCHER), str(os.getpid()), str(payload), f"truncate:{PIECE_SIZE}"],
+        stdout=subprocess.PIPE, text=True)
     with manager, caplog.at_level(logging.WARNING, logger="taskpoint"):
         (result,) = manager.verify().steps
     out, _ = truncator.communicate(timeout=POLL_TIMEOUT)

@@ -172,9 +172,9 @@ def hash_mapped(fd: int, size: int, piece: int, hash_name: str, threads: int,
             status = child.wait()
     if status != 0:
         ended = f"signal {signal.strsignal(-status)}" if status < 0 else f"exit status {status}"
-        logger.warning("the mapped hash of a local file ended by %s%s (a file truncated while it was hashed, a "
-                       "page that failed to read); the pieces it did not hash are read instead", ended,
-                       f": {b' '.join(said).decode(errors='replace')}" if said else "")
+        why = " (a file truncated while it was hashed, or a page that failed to read)" * (status == -signal.SIGBUS)
+        logger.warning("the mapped hash of a local file ended by %s%s%s; the pieces it did not hash are read instead",
+                       ended, why, f": {b' '.join(said).decode(errors='replace')}" if said else "")
 
 
 def _take_pieces(child: subprocess.Popen[bytes], on_piece: Callable[[int, str], None], said: list[bytes]) -> None:

@@ -1,13 +1,15 @@
-"""A process that truncates a file once the mapped hash of it is under way (tests/e2e/test_verify_mapped.py).
+"""A process that acts once the mapped hash of a file is under way (tests/e2e/test_verify_mapped.py).
 
-Run as ``python _truncator.py PARENT PATH SIZE``: it waits for a child of process ``PARENT`` running
-``mapped_child.py`` to have ``PATH`` in its memory map (``/proc/PID/maps``), then truncates ``PATH`` to ``SIZE``
-bytes and prints ``truncated``. It waits at most :data:`BOUND` seconds (then prints ``gave up`` and exits 1).
+Run as ``python _map_watcher.py PARENT PATH ACTION``: it waits for a child of process ``PARENT`` running
+``mapped_child.py`` to have ``PATH`` in its memory map (``/proc/PID/maps``), then does ``ACTION`` and prints what
+it did: ``truncate:SIZE`` truncates ``PATH`` to ``SIZE`` bytes (``truncated``), ``stop`` sends the child SIGSTOP
+(``stopped``). It waits at most :data:`BOUND` seconds (then prints ``gave up`` and exits 1).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -31,13 +33,18 @@ def mapping_child(parent: int, path: str) -> int | None:
     return None
 
 
-def main(parent: int, path: str, size: int) -> int:
+def main(parent: int, path: str, action: str) -> int:
     end = time.monotonic() + BOUND
     real = os.path.realpath(path)
     while time.monotonic() < end:
-        if mapping_child(parent, real) is not None:
-            os.truncate(path, size)
-            print("truncated", flush=True)
+        child = mapping_child(parent, real)
+        if child is not None:
+            if action == "stop":
+                os.kill(child, signal.SIGSTOP)
+                print("stopped", flush=True)
+            else:
+                os.truncate(path, int(action.removeprefix("truncate:")))
+                print("truncated", flush=True)
             return 0
         time.sleep(0.001)
     print(f"gave up: no mapped hash of {path} by a child of {parent} in {BOUND} s", flush=True)
@@ -45,4 +52,4 @@ def main(parent: int, path: str, size: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3])))
+    sys.exit(main(int(sys.argv[1]), sys.argv[2], sys.argv[3]))
