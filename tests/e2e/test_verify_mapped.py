@@ -10,6 +10,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,15 +30,24 @@ WATCHER = Path(__file__).resolve().parents[1] / "_map_watcher.py"
 SIZE = MAPPED_FROM + 2 * PIECE_SIZE
 
 
-@pytest.fixture
-def step(tmp_path: Path) -> tuple[CheckpointManager, Path]:
-    """A manager whose step 1 is a payload of :data:`SIZE` random bytes, and the path of its payload object."""
-    manager = CheckpointManager(str(tmp_path / "steps"), preemption=False)
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of steps whose step 1 is a payload of :data:`SIZE` random bytes (saved once: 10 s on a busy
+    machine)."""
+    folder = tmp_path_factory.mktemp("saved") / "steps"
     rng = random.Random(42)
-    manager.save(b"".join(rng.randbytes(PIECE_SIZE) for _ in range(SIZE // PIECE_SIZE)), 1)
+    with CheckpointManager(str(folder), preemption=False) as manager:
+        manager.save(b"".join(rng.randbytes(PIECE_SIZE) for _ in range(SIZE // PIECE_SIZE)), 1)
+    return folder
+
+
+@pytest.fixture
+def step(saved: Path, tmp_path: Path) -> tuple[CheckpointManager, Path]:
+    """A manager of a copy of :func:`saved`, and the path of its step's payload object (each test may damage it)."""
+    shutil.copytree(saved, tmp_path / "steps")
     (payload,) = (tmp_path / "steps" / "ckpt-1").glob("payload-*")
     assert payload.stat().st_size >= MAPPED_FROM
-    return manager, payload
+    return CheckpointManager(str(tmp_path / "steps"), preemption=False), payload
 
 
 def test_a_file_truncated_under_the_map_ends_the_child_by_sigbus_and_the_caller_lives(

@@ -154,7 +154,7 @@ def hash_mapped(fd: int, size: int, piece: int, hash_name: str, threads: int,
         child = subprocess.Popen([sys.executable, "-I", "-S", _MAPPED_CHILD, *args], pass_fds=(fd,),
                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                  start_new_session=True)
-    except OSError as exc:
+    except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("could not start the mapped hash of a local file (%s); reading it instead", exc)
         return
     assert child.stdout is not None

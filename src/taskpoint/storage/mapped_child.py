@@ -24,6 +24,10 @@ MADV_POPULATE_READ = 22
 
 
 def main(argv: list[str]) -> int:
+    import resource
+
+    # A SIGBUS here is expected (the file truncated under the map): no core dump of it.
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     fd, size, piece, hash_name, threads, *paths = argv
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [path for path in paths if path and os.path.abspath(path) != here]
