@@ -139,16 +139,17 @@ def hash_mapped(fd: int, size: int, piece: int, hash_name: str, threads: int,
     can start, the rest where the child ends early.
 
     A map saves the copy that a read makes out of the page cache: hashing 1 GiB from the page cache on two cores
-    took 0.84x the CPU-seconds of :func:`digest_by_reading`'s reads (paired median of 12 alternating rounds,
-    child's start included). But a mapped page that cannot be had raises SIGBUS, whose default action kills the
-    process, and Python can neither catch it nor return from it: a file truncated meanwhile (by anyone: a read
-    lease, ``F_SETLEASE``, only delays a truncation by ``/proc/sys/fs/lease-break-time`` seconds, and a process
-    stopped for that long, ``SIGSTOP`` or a debugger, would touch the truncated pages all the same), a page whose
-    disk block fails to read, a page of a network file changed on another host. So the map lives in a child,
-    which SIGBUS ends alone: the caller sees it exit, logs it, and reads the pieces the child did not report (a
-    truncated file then reads short and is damage, as it is without the map). The child is ended when the caller
-    leaves early (an exception, ``KeyboardInterrupt``) or gets no piece for :data:`MAPPED_STALL` seconds; it is
-    in a session of its own, so a terminal's Ctrl-C reaches only the caller."""
+    took 0.28-0.31 CPU-s in the child, its start (0.025) included, against 0.35-0.38 by :func:`digest_by_reading`'s
+    reads (docs/performance.md, a loaded machine). But a mapped page that cannot be had raises SIGBUS, whose
+    default action kills the process, and Python can neither catch it nor return from it: a file truncated
+    meanwhile (by anyone: a read lease, ``F_SETLEASE``, only delays a truncation by
+    ``/proc/sys/fs/lease-break-time`` seconds, and a process stopped for that long, ``SIGSTOP`` or a debugger,
+    would touch the truncated pages all the same), a page whose disk block fails to read, a page of a network file
+    changed on another host, a memory error. So the map lives in a child, which SIGBUS ends alone: the caller sees
+    it exit, logs it, and reads the pieces the child did not report (a truncated file then reads short and is
+    damage, as it is without the map). The child is ended when the caller leaves early (an exception,
+    ``KeyboardInterrupt``) or gets no piece for :data:`MAPPED_STALL` seconds; it is in a session of its own, so a
+    terminal's Ctrl-C reaches only the caller."""
     args = [str(fd), str(size), str(piece), hash_name, str(threads), *(path for path in sys.path if path)]
     try:
         child = subprocess.Popen([sys.executable, "-I", "-S", _MAPPED_CHILD, *args], pass_fds=(fd,),
