@@ -24,6 +24,7 @@ from .executors import CPU
 from .format.fileset import (
     PIECE_HASH,
     PIECE_HASHES,
+    PIECE_SIZE,
     PIECES_DIGEST_PREFIX,
     PieceHasher,
     file_hasher,
@@ -32,6 +33,7 @@ from .format.fileset import (
 from .format.pgzip import crc32
 from .format.pieces import PAYLOAD_PIECES
 from .storage import digest_by_reading
+from .storage.localio import MAPPED_FROM, hash_mapped
 
 
 class Crc32:
@@ -64,20 +66,35 @@ class PayloadPieces(PieceHasher):
 
 
 def pieces_of_file(fd: int, size: int, on_read: Callable[[int], None] | None = None) -> tuple[int, str]:
-    """The bytes read of the first ``size`` of an open file, and their :data:`~taskpoint.format.pieces.PAYLOAD_PIECES`
-    hexdigest: each piece read and hashed by a thread of the CPU pool, with positional reads into one small buffer
-    (:func:`~taskpoint.storage.digest_by_reading`: the bytes are hashed while in the CPU's cache). A verify of 1 GiB
-    in the page cache here took 0.39 CPU-s so, against 0.59 through the streamed digest (whose reads are copied
-    into bytes objects, then hashed on another thread) and 0.18 to read the bytes once; no memory map, which would
-    crash the process with SIGBUS if someone truncated the file meanwhile. ``on_read`` is told of each read, from
-    the pool's threads."""
+    """The bytes read of the first ``size`` of an open local file, and their
+    :data:`~taskpoint.format.pieces.PAYLOAD_PIECES` hexdigest. From :data:`~taskpoint.storage.localio.MAPPED_FROM`
+    bytes, the pieces are hashed from a memory map in a child process (:func:`~taskpoint.storage.localio.hash_mapped`,
+    which says why a child); the pieces it does not hash (a smaller file, a child that cannot start or ends early)
+    are each read and hashed by a thread of the CPU pool, with positional reads into one small buffer
+    (:func:`~taskpoint.storage.digest_by_reading`: the bytes are hashed while in the CPU's cache). A verify of
+    1 GiB in the page cache here took 0.39 CPU-s by reads, against 0.59 through the streamed digest (whose reads are
+    copied into bytes objects, then hashed on another thread) and 0.18 to read the bytes once. ``on_read`` is told
+    of each piece hashed, or of each read, from other threads. The pieces past the file's end (truncated since
+    ``size`` was taken) are no pieces: the digest is of the pieces read, as of a file that was that short."""
+    spans = piece_spans(size)
+    hashed: dict[int, tuple[int, str]] = {}
 
-    def piece(start: int, length: int) -> tuple[int, str]:
-        return hash_span(fd, start, length, PIECE_HASH, on_read)
+    def mapped(index: int, digest: str) -> None:
+        hashed[index] = (spans[index][1], digest)
+        if on_read is not None:
+            on_read(spans[index][1])
 
-    lane = CPU.lane(CPU.threads)
-    hashed = list(lane.map(piece, *zip(*piece_spans(size), strict=True)))
-    return sum(read for read, _ in hashed), "".join(digest for _, digest in hashed)
+    if size >= MAPPED_FROM:
+        hash_mapped(fd, size, PIECE_SIZE, PIECE_HASH, CPU.threads, mapped)
+    rest = [index for index in range(len(spans)) if index not in hashed]
+    if rest:
+        lane = CPU.lane(CPU.threads)
+        read = lane.map(lambda index: hash_span(fd, *spans[index], PIECE_HASH, on_read), rest)
+        hashed.update(zip(rest, read, strict=True))
+    found = [hashed[index] for index in range(len(spans))]
+    while len(found) > 1 and found[-1][0] == 0:  # a file truncated since its size was taken ends sooner
+        found.pop()
+    return sum(count for count, _ in found), "".join(digest for _, digest in found)
 
 
 def hash_span(fd: int, start: int, length: int, piece_hash: str | None,
