@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import random
 import warnings
 from pathlib import Path
 
@@ -95,3 +96,24 @@ def test_damage_in_a_stored_member_is_refused_as_damage_of_its_piece(tmp_path: P
             restored = manager.restore(fallback=True)
         assert manager.restored_step == 1
         assert (restored / name).read_bytes() == (older / name).read_bytes()
+
+
+def test_a_byte_changed_anywhere_in_a_step_of_stored_members_is_refused_as_damage(tmp_path: Path) -> None:
+    """Anywhere: gzip headers and labels, stored blocks' headers, tar headers, data, trailers. Each restore raises
+    CheckpointCorruptError itself (never an unsafe archive, a missing file or a full disk) and lands nothing."""
+    manager, payload, _ = save_two_steps(tmp_path, "model.bin")
+    original = payload.read_bytes()
+    rng = random.Random(42)
+    positions = [0, 3, 12, 19, 20, 24, 512 + 100, len(original) - 1, len(original) - 6]
+    positions += rng.sample(range(len(original)), 24)
+    with manager:
+        for position in positions:
+            data = bytearray(original)
+            data[position] ^= 1 << rng.randrange(8)
+            payload.write_bytes(bytes(data))
+            target = tmp_path / f"out-{position}"
+            with pytest.raises(CheckpointCorruptError) as refused:
+                manager.restore(2, into=target)
+            assert type(refused.value) is CheckpointCorruptError, (position, refused.value)
+            assert "step 2" in str(refused.value) and "damaged" in str(refused.value), (position, refused.value)
+            assert not target.exists() or not os.listdir(target), position
