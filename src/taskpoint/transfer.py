@@ -221,7 +221,7 @@ def _copy_local(source: Path, sink: Any, expected: int | None, digest: str, prog
 def read_payload(src: Location, workspace: Path, choose: KindChooser, verify: Verifier,
                  digest: str = "sha256", size_hint: int | None = None,
                  progress: Progress = NO_PROGRESS, max_expand: int | None = None,
-                 only: Sequence[str] | None = None) -> Path | None:
+                 only: Sequence[str] | None = None, hashed: bool = False) -> Path | None:
     """Stream ``src`` into ``workspace`` and return what load returns; None when the object does not exist.
 
     Nothing reaches the workspace until ``verify`` accepted the whole object; transient failures restart
@@ -230,16 +230,18 @@ def read_payload(src: Location, workspace: Path, choose: KindChooser, verify: Ve
     bytes the load may write (None: the file system's free space, and for archives
     :data:`~taskpoint.format.extract.MAX_EXPAND`). ``only``: restore just these paths of a directory archive
     (streaming the whole object, keeping those entries: :func:`~taskpoint.format.extract.extract_tar`); a
-    ValueError for an object that is no directory.
+    ValueError for an object that is no directory. ``hashed``: ``digest`` is cryptographic and ``verify`` refuses
+    every object that does not match it (a manager step's), so the archive's codec may leave out its own checks
+    of the same bytes (:meth:`Codec.reader <taskpoint.format.codecs.Codec.reader>`).
     """
     progress.set_total(size_hint)
     return src.run(lambda deadline: _read_once(src, workspace, choose, verify, digest, size_hint, progress,
-                                               max_expand, only, deadline), action="load the checkpoint from")
+                                               max_expand, only, hashed, deadline), action="load the checkpoint from")
 
 
 def _read_once(src: Location, workspace: Path, choose: KindChooser, verify: Verifier, digest: str,
                size_hint: int | None, progress: Progress, max_expand: int | None,
-               only: Sequence[str] | None, deadline: Deadline) -> Path | None:
+               only: Sequence[str] | None, hashed: bool, deadline: Deadline) -> Path | None:
     progress.restart()
     try:
         raw = src.open_read(size_hint, deadline)
@@ -266,12 +268,7 @@ def _read_once(src: Location, workspace: Path, choose: KindChooser, verify: Veri
                 # StorageFull before a raw object fills the disk
                 check_room(staging, stored_size, src.uri, max_expand)
             if cls.archived:
-                stream = detect_codec(head, src.uri).reader(reader, head)  # type: ignore[arg-type]
-                try:
-                    extra = {} if only is None else {"only": only}
-                    cls.materialize(stream, staging, src.uri, max_expand=max_expand, **extra)  # type: ignore[call-arg]
-                finally:
-                    stream.close()
+                _extract(cls, reader, head, staging, src.uri, max_expand, only, hashed, verify)
             elif src.is_local:
                 # A raw checkpoint on local disk: copied by the kernel while a second thread hashes the
                 # stored object. Both read the same open file, whose inode saves never write into (they
@@ -282,10 +279,10 @@ def _read_once(src: Location, workspace: Path, choose: KindChooser, verify: Veri
                 hasher = DIGESTS[digest]()
                 with CPU.lane(1) as pool, \
                         open(staging / cls.result_name, "xb", buffering=0) as out:
-                    hashed = pool.submit(digest_by_reading, fd, size, hasher)
+                    hashing = pool.submit(digest_by_reading, fd, size, hasher)
                     copied = copy_fd_in_kernel(fd, out.fileno(), size,
                                                on_copied=progress.update if progress.active else None)
-                    if hashed.result() != copied:
+                    if hashing.result() != copied:
                         raise CheckpointCorruptError(f"{src.uri} changed while it was being loaded; load it again")
                 verify(cls.kind, copied, str(hasher.hexdigest()))
                 with uninterrupted():  # a signal waits until every entry has landed
@@ -296,6 +293,27 @@ def _read_once(src: Location, workspace: Path, choose: KindChooser, verify: Veri
             verify(cls.kind, reader.size, reader.hexdigest())
             with uninterrupted():  # a signal waits until every entry has landed
                 return cls.publish(staging, workspace)
+
+
+def _extract(cls: type[Payload], reader: HashingReader, head: bytes, staging: Path, uri: str,
+             max_expand: int | None, only: Sequence[str] | None, hashed: bool, verify: Verifier) -> None:
+    """Extract the archive ``reader`` streams below ``staging``. With ``hashed``, its codec leaves checks of the
+    stored bytes to the digest (stored gzip members skip their CRC32), so damage may reach the archive's reader
+    and read as another refusal (a bad tar header, an unsafe or missing name): then the rest of the object is
+    read and ``verify`` judges its digest first, which names damage as such (for pieces, which piece), in the
+    same read."""
+    stream = detect_codec(head, uri).reader(reader, head, hashed=hashed)  # type: ignore[arg-type]
+    try:
+        extra = {} if only is None else {"only": only}
+        cls.materialize(stream, staging, uri, max_expand=max_expand, **extra)  # type: ignore[call-arg]
+    except (CheckpointCorruptError, KeyError):
+        if hashed:
+            stream.close()  # the gzip reader's cutter stops at a member's boundary: the digest reads on from there
+            reader.drain()
+            verify(cls.kind, reader.size, reader.hexdigest())
+        raise
+    finally:
+        stream.close()
 
 
 def object_size(raw: IO[bytes]) -> int | None:

@@ -56,9 +56,11 @@ class Codec(ABC):
         """A stream that compresses into ``sink``; closing it finishes the stream but leaves ``sink`` open."""
 
     @abstractmethod
-    def reader(self, source: IO[bytes], head: bytes = b"") -> IO[bytes]:
+    def reader(self, source: IO[bytes], head: bytes = b"", *, hashed: bool = False) -> IO[bytes]:
         """A stream of the decompressed bytes of ``source`` (whose first bytes are ``head``, not yet consumed);
-        checksums are verified up to the end."""
+        checksums are verified up to the end. ``hashed``: the caller checks every byte of ``source`` against a
+        cryptographic digest before it uses what it read, so a codec may leave out checks of those same bytes
+        (gzip's stored members, :class:`~.pgzip.ParallelGzipReader`)."""
 
     @abstractmethod
     def matches(self, head: bytes) -> bool:
@@ -104,9 +106,9 @@ class GzipCodec(Codec):
     def writer(self, sink: IO[bytes], level: int | None) -> IO[bytes]:
         return ParallelGzipWriter(sink, level, store=self.store_incompressible)  # type: ignore[return-value]
 
-    def reader(self, source: IO[bytes], head: bytes = b"") -> IO[bytes]:
+    def reader(self, source: IO[bytes], head: bytes = b"", *, hashed: bool = False) -> IO[bytes]:
         if labelled_length(head) is not None:
-            return ParallelGzipReader(source)  # type: ignore[return-value]
+            return ParallelGzipReader(source, hashed=hashed)  # type: ignore[return-value]
         try:
             from isal import igzip_threaded
         except ImportError:  # pragma: no cover - isal is a dependency
@@ -162,7 +164,7 @@ class ZstdCodec(Codec):
         compressor = zstd.ZstdCompressor(level=self._level(level), write_checksum=True, threads=-1)
         return compressor.stream_writer(_NonClosing(sink), closefd=False)  # type: ignore[no-any-return]
 
-    def reader(self, source: IO[bytes], head: bytes = b"") -> IO[bytes]:
+    def reader(self, source: IO[bytes], head: bytes = b"", *, hashed: bool = False) -> IO[bytes]:
         zstd = self._module()
         decompressor = zstd.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
         return decompressor.stream_reader(source, read_across_frames=True, closefd=False)  # type: ignore[no-any-return]
@@ -190,7 +192,7 @@ class NoCodec(Codec):
     def writer(self, sink: IO[bytes], level: int | None) -> IO[bytes]:
         return io.BufferedWriter(_NonClosing(sink), buffer_size=BLOCK_SIZE)  # type: ignore[type-var]
 
-    def reader(self, source: IO[bytes], head: bytes = b"") -> IO[bytes]:
+    def reader(self, source: IO[bytes], head: bytes = b"", *, hashed: bool = False) -> IO[bytes]:
         return source
 
     def matches(self, head: bytes) -> bool:

@@ -15,7 +15,7 @@ from typing import IO, Any
 
 from .backends import LEFTOVER_GRACE_SECONDS, NO_HOOKS, Backend, Kind, WriteHooks, _is_absent
 from .errormap import swept_while_written
-from .localio import LOCAL_READ_BUFFER, EarlyWriteback, folder_lock, fsync_dir, local_version, read_range
+from .localio import EarlyWriteback, folder_lock, fsync_dir, local_version, read_range
 from .streams import VersionConflict
 
 #: How often a local write makes its folder again when a sweep removed it, empty, before the file was created.
@@ -121,7 +121,11 @@ class LocalBackend(Backend):
             return local_version(os.stat(path))
 
     def open_read(self, path: str, size_hint: int | None = None) -> IO[bytes]:
-        return open(path, "rb", buffering=LOCAL_READ_BUFFER)
+        """Unbuffered: its readers ask for whole gzip members, pieces of 128 KiB or more, or a tar header, each one
+        read syscall into the bytes they get. Through a 1 MiB buffer, the small read of each member's header
+        filled it, and the next member's bytes were copied out of it: reading a 1 GiB directory step's payload
+        member by member took 0.25 CPU-s so, and 0.18 unbuffered (3 rounds each)."""
+        return open(path, "rb", buffering=0)
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
         return read_range(path, start, length)

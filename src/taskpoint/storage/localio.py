@@ -22,10 +22,6 @@ from typing import Any
 from .._log import logger
 from ..executors import IO
 
-#: Buffer of local reads. Readers ask for whole gzip members or pieces of a MiB, which bypass it; larger
-#: buffers only cost a first read that is mostly thrown away (a 16 MiB one took 30% of a 64 MiB bytes load).
-LOCAL_READ_BUFFER = 1 << 20
-
 #: Largest single write() to a local file. Large writes into fresh page-cache memory run several times
 #: slower than 128 KiB ones on VMs that return freed memory to the host (measured: 16 MiB ~0.4 GB/s,
 #: 128 KiB ~4 GB/s).

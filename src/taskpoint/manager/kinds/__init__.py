@@ -355,27 +355,13 @@ def read_object(context: StepContext, step: int, name: str, record: ObjectRecord
                 f"after the commit{GONE_HOW}. Restore an older step (fallback=True), or delete this one.")
     try:
         result = read_payload(src, workspace, lambda head, size: payload_class(record.kind, src.uri), verify,
-                              record.hash_name, size_hint=record.size, progress=progress, only=only)
+                              record.hash_name, size_hint=record.size, progress=progress, only=only, hashed=True)
     except FileNotFoundError:  # deleted under a streaming read (object stores)
         raise gone from None
     except CheckpointCorruptError as exc:
         if f"step {step} " in str(exc):
             raise
-        subject = f"step {step} in {steps.directory}"
-        raise type(exc)(f"{_damaged_piece(subject, src, name, record) or f'{subject} is damaged'}: {exc}") from exc
+        raise type(exc)(f"step {step} in {steps.directory} is damaged: {exc}") from exc
     if result is None:
         raise gone
     return result
-
-
-def _damaged_piece(subject: str, src: Any, name: str, record: ObjectRecord) -> str | None:
-    """Where an object recorded by pieces is damaged, once its codec refused it before its pieces were hashed (a
-    gzip member's CRC32 checks sooner than its 16 MiB piece is whole): :func:`_by_pieces` from a second read of
-    the object, on this path only; None when it has no pieces, or that read cannot tell."""
-    if not record.pieces:
-        return None
-    try:
-        size, hexdigest = hash_object(src, PAYLOAD_PIECES, record.size)
-    except (CheckpointError, OSError):
-        return None
-    return _by_pieces(subject, PAYLOAD_PIECES, "".join(record.pieces), hexdigest, size, record.size, name)
