@@ -320,8 +320,9 @@ def _reap(children: dict[int, socket.socket]) -> None:
 
 
 def become(request: dict[str, Any], own_path: list[str]) -> None:
-    """In the child: become ``python argv...`` (stdin /dev/null, stdout and stderr the caller's pipes);
-    ``own_path`` is the interpreter's own ``sys.path``, without a script's folder or a PYTHONPATH."""
+    """In the child: become ``python argv...`` (stdin /dev/null, stdout and stderr the caller's pipes): a script,
+    or ``-c CODE`` or ``-m MODULE`` as python runs them (``sys.argv``, ``sys.path``'s first entry, a ``__main__``
+    of their own); ``own_path`` is the interpreter's own ``sys.path``, without a script's folder or a PYTHONPATH."""
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     outputs = request["outputs"]
@@ -338,16 +339,35 @@ def become(request: dict[str, Any], own_path: list[str]) -> None:
     os.environ.update(request["env"])
     if "numpy.random" in sys.modules:  # numpy does not reseed its global generator after a fork; a new process would
         sys.modules["numpy.random"].seed()
-    script = request["argv"][0]
-    sys.argv = list(request["argv"])
+    argv = list(request["argv"])
     # the path python would have: the child's PYTHONPATH, then the interpreter's own, without duplicates (as
-    # site.py leaves it), and the script's folder first
+    # site.py leaves it), and first the script's folder, or for -c "" and for -m the working directory
     sys.path[:] = [*_python_path(request["env"].get("PYTHONPATH", "")), *own_path]
     site.removeduppaths()
-    sys.path.insert(0, str(Path(script).resolve().parent))
+    import builtins
     import runpy
+    import types
 
-    runpy.run_path(script, run_name="__main__")
+    if argv[0] in ("-c", "-m"):
+        sys.modules["__main__"] = main = types.ModuleType("__main__")  # theirs, not this server's module
+        main.__dict__.update(__annotations__={}, __builtins__=builtins)  # as the interpreter makes it
+    try:
+        if argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            sys.path.insert(0, "")
+            exec(compile(argv[1], "<string>", "exec"), main.__dict__)  # what python -c does
+        elif argv[0] == "-m":
+            sys.argv = argv[1:]  # runpy puts the module's file in sys.argv[0], as python -m does
+            sys.path.insert(0, os.getcwd())
+            runpy._run_module_as_main(argv[1])  # type: ignore[attr-defined]  # python -m's own entry
+        else:
+            sys.argv = argv
+            sys.path.insert(0, str(Path(argv[0]).resolve().parent))
+            runpy.run_path(argv[0], run_name="__main__")
+    except Exception as error:  # printed as python prints it: from the code's own frames on, not this function's
+        own = error.__traceback__.tb_next if error.__traceback__ else None
+        sys.excepthook(type(error), error.with_traceback(own), own)
+        sys.exit(1)
 
 
 def _python_path(variable: str) -> list[str]:
