@@ -44,12 +44,16 @@ TORCH = ("torch",)
 DCP = ("torch", "torch.distributed.checkpoint")
 LIGHTNING = ("torch", "lightning", "lightning.pytorch")
 TRANSFORMERS = ("torch", "transformers", "transformers.trainer", "transformers.models.gpt2.modeling_gpt2")
+#: For the tests' own taskpoint processes (workers, ranks, tests/reliability's children): the store clients, 0.5
+#: of the 0.9 CPU-s of such a process started fresh. Not gcsfs, which reads its settings from the environment as it
+#: is imported; what fsspec reads so is read again from the child's environment (:func:`become`).
+STORES = ("fsspec", "s3fs", "aiobotocore.session", "botocore.session")
 #: The bound of the server's start: importing Lightning took 5 CPU-s alone and 60 s at a load of 20.
 START_TIMEOUT = 300.0
 #: The servers that, under pytest-xdist, the controlling process starts as the session starts, for every worker
 #: (tests/conftest.py): each framework imported once per session, not once in each worker that uses it (make
 #: test uses each of them, in two or three of its workers).
-SHARED = (TORCH, DCP, LIGHTNING, TRANSFORMERS)
+SHARED = (TORCH, DCP, LIGHTNING, TRANSFORMERS, STORES)
 #: The variable naming the folder where those servers listen (one socket each, named by its place in SHARED).
 SHARED_ENV = "TASKPOINT_FORK_SERVERS"
 
@@ -339,6 +343,12 @@ def become(request: dict[str, Any], own_path: list[str]) -> None:
     os.environ.update(request["env"])
     if "numpy.random" in sys.modules:  # numpy does not reseed its global generator after a fork; a new process would
         sys.modules["numpy.random"].seed()
+    if "fsspec.config" in sys.modules:  # fsspec read FSSPEC_* and its configuration folder when it was imported
+        config = sys.modules["fsspec.config"]
+        config.conf.clear()
+        config.conf_dir = os.environ.get("FSSPEC_CONFIG_DIR", config.default_conf_dir)
+        config.set_conf_files(config.conf_dir, config.conf)
+        config.set_conf_env(config.conf, os.environ)
     argv = list(request["argv"])
     # the path python would have: the child's PYTHONPATH, then the interpreter's own, without duplicates (as
     # site.py leaves it), and first the script's folder, or for -c "" and for -m the working directory

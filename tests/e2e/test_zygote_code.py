@@ -44,3 +44,16 @@ def test_an_exception_in_dash_c_ends_with_status_1_and_the_traceback_python_prin
                          tmp_path, tmp_path)
     assert alone.returncode == 1 and 'File "<string>", line 3' in alone.stderr, alone
     assert (forked.returncode, forked.stdout, forked.stderr) == (alone.returncode, alone.stdout, alone.stderr)
+
+
+def test_a_child_of_the_stores_server_reads_fsspecs_configuration_from_its_own_environment(tmp_path: Path) -> None:
+    """fsspec reads ``FSSPEC_*`` as it is imported: the server imported it long before, with another environment."""
+    code = "import json, fsspec.config; print(json.dumps(fsspec.config.conf, sort_keys=True))"
+    env = {**os.environ, "FSSPEC_S3": '{"anon": true}', "FSSPEC_S3_ENDPOINT_URL": "http://127.0.0.1:9",
+           "FSSPEC_CONFIG_DIR": str(tmp_path)}
+    (tmp_path / "conf.json").write_text('{"gcs": {"project": "from-a-file"}}')
+    alone = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    forked = zygote.run(zygote.STORES, ["-c", code], env, cwd=tmp_path, timeout=300)
+    assert alone.returncode == 0 and '"endpoint_url": "http://127.0.0.1:9"' in alone.stdout, alone
+    assert '"project": "from-a-file"' in alone.stdout, alone
+    assert (forked.returncode, forked.stdout, forked.stderr) == (alone.returncode, alone.stdout, alone.stderr)
