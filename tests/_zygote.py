@@ -1,10 +1,11 @@
-"""A fork server for the framework workers: import Lightning (or transformers) once, fork a real process per run.
+"""A fork server for the tests' workers: import Lightning (or torch, or the store clients) once, fork a process per run.
 
 ``import lightning`` costs 5.4 CPU-s and transformers' Trainer 2.5 on the 2-core machine, and the same-run tests
-start a dozen such workers. :func:`spawn` asks a server (one per set of preloaded modules, per pytest process)
-that imported those modules and nothing of taskpoint to fork a child that runs the worker script as
-``python script args`` would (``__main__``, ``sys.argv``, the given environment, stdout and stderr to a pipe of
-the caller's), and returns a :class:`Forked`, a ``Popen``-like handle. The child is a real process: the test
+start a dozen such workers; s3fs is 0.5 of the 0.9 CPU-s of a rank or a child of tests/reliability. :func:`spawn`
+asks a server (one per set of preloaded modules, per pytest process) that imported those modules and nothing of
+taskpoint to fork a child that runs ``python script args`` (or ``-c CODE``, ``-m MODULE``) as python would
+(``__main__``, ``sys.argv``, the given environment, stdout and stderr to a pipe of the caller's), and returns a
+:class:`Forked`, a ``Popen``-like handle. The child is a real process: the test
 signals its pid (SIGKILL, SIGTERM), it imports taskpoint itself, and it exits through the interpreter's own
 shutdown (atexit handlers, non-daemon threads), so the status the handle reports is the one a process of its
 own would end with. The server reaps it and sends that status (``-signal`` for a signal, as ``Popen``) on the
