@@ -1,10 +1,11 @@
-"""A fork server for the framework workers: import Lightning (or transformers) once, fork a real process per run.
+"""A fork server for the tests' workers: import Lightning (or torch, or the store clients) once, fork a process per run.
 
 ``import lightning`` costs 5.4 CPU-s and transformers' Trainer 2.5 on the 2-core machine, and the same-run tests
-start a dozen such workers. :func:`spawn` asks a server (one per set of preloaded modules, per pytest process)
-that imported those modules and nothing of taskpoint to fork a child that runs the worker script as
-``python script args`` would (``__main__``, ``sys.argv``, the given environment, stdout and stderr to a pipe of
-the caller's), and returns a :class:`Forked`, a ``Popen``-like handle. The child is a real process: the test
+start a dozen such workers; s3fs is 0.5 of the 0.9 CPU-s of a rank or a child of tests/reliability. :func:`spawn`
+asks a server (one per set of preloaded modules, per pytest process) that imported those modules and nothing of
+taskpoint to fork a child that runs ``python script args`` (or ``-c CODE``, ``-m MODULE``) as python would
+(``__main__``, ``sys.argv``, the given environment, stdout and stderr to a pipe of the caller's), and returns a
+:class:`Forked`, a ``Popen``-like handle. The child is a real process: the test
 signals its pid (SIGKILL, SIGTERM), it imports taskpoint itself, and it exits through the interpreter's own
 shutdown (atexit handlers, non-daemon threads), so the status the handle reports is the one a process of its
 own would end with. The server reaps it and sends that status (``-signal`` for a signal, as ``Popen``) on the
@@ -44,12 +45,16 @@ TORCH = ("torch",)
 DCP = ("torch", "torch.distributed.checkpoint")
 LIGHTNING = ("torch", "lightning", "lightning.pytorch")
 TRANSFORMERS = ("torch", "transformers", "transformers.trainer", "transformers.models.gpt2.modeling_gpt2")
+#: For the tests' own taskpoint processes (workers, ranks, tests/reliability's children): the store clients, 0.5
+#: of the 0.9 CPU-s of such a process started fresh. Not gcsfs, which reads its settings from the environment as it
+#: is imported; what fsspec reads so is read again from the child's environment (:func:`become`).
+STORES = ("fsspec", "s3fs", "aiobotocore.session", "botocore.session")
 #: The bound of the server's start: importing Lightning took 5 CPU-s alone and 60 s at a load of 20.
 START_TIMEOUT = 300.0
 #: The servers that, under pytest-xdist, the controlling process starts as the session starts, for every worker
 #: (tests/conftest.py): each framework imported once per session, not once in each worker that uses it (make
 #: test uses each of them, in two or three of its workers).
-SHARED = (TORCH, DCP, LIGHTNING, TRANSFORMERS)
+SHARED = (TORCH, DCP, LIGHTNING, TRANSFORMERS, STORES)
 #: The variable naming the folder where those servers listen (one socket each, named by its place in SHARED).
 SHARED_ENV = "TASKPOINT_FORK_SERVERS"
 
@@ -320,8 +325,9 @@ def _reap(children: dict[int, socket.socket]) -> None:
 
 
 def become(request: dict[str, Any], own_path: list[str]) -> None:
-    """In the child: become ``python argv...`` (stdin /dev/null, stdout and stderr the caller's pipes);
-    ``own_path`` is the interpreter's own ``sys.path``, without a script's folder or a PYTHONPATH."""
+    """In the child: become ``python argv...`` (stdin /dev/null, stdout and stderr the caller's pipes): a script,
+    or ``-c CODE`` or ``-m MODULE`` as python runs them (``sys.argv``, ``sys.path``'s first entry, a ``__main__``
+    of their own); ``own_path`` is the interpreter's own ``sys.path``, without a script's folder or a PYTHONPATH."""
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     outputs = request["outputs"]
@@ -338,16 +344,41 @@ def become(request: dict[str, Any], own_path: list[str]) -> None:
     os.environ.update(request["env"])
     if "numpy.random" in sys.modules:  # numpy does not reseed its global generator after a fork; a new process would
         sys.modules["numpy.random"].seed()
-    script = request["argv"][0]
-    sys.argv = list(request["argv"])
+    if "fsspec.config" in sys.modules:  # fsspec read FSSPEC_* and its configuration folder when it was imported
+        config = sys.modules["fsspec.config"]
+        config.conf.clear()
+        config.conf_dir = os.environ.get("FSSPEC_CONFIG_DIR", config.default_conf_dir)
+        config.set_conf_files(config.conf_dir, config.conf)
+        config.set_conf_env(config.conf, os.environ)
+    argv = list(request["argv"])
     # the path python would have: the child's PYTHONPATH, then the interpreter's own, without duplicates (as
-    # site.py leaves it), and the script's folder first
+    # site.py leaves it), and first the script's folder, or for -c "" and for -m the working directory
     sys.path[:] = [*_python_path(request["env"].get("PYTHONPATH", "")), *own_path]
     site.removeduppaths()
-    sys.path.insert(0, str(Path(script).resolve().parent))
+    import builtins
     import runpy
+    import types
 
-    runpy.run_path(script, run_name="__main__")
+    if argv[0] in ("-c", "-m"):
+        sys.modules["__main__"] = main = types.ModuleType("__main__")  # theirs, not this server's module
+        main.__dict__.update(__annotations__={}, __builtins__=builtins)  # as the interpreter makes it
+    try:
+        if argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            sys.path.insert(0, "")
+            exec(compile(argv[1], "<string>", "exec"), main.__dict__)  # what python -c does
+        elif argv[0] == "-m":
+            sys.argv = argv[1:]  # runpy puts the module's file in sys.argv[0], as python -m does
+            sys.path.insert(0, os.getcwd())
+            runpy._run_module_as_main(argv[1])  # type: ignore[attr-defined]  # python -m's own entry
+        else:
+            sys.argv = argv
+            sys.path.insert(0, str(Path(argv[0]).resolve().parent))
+            runpy.run_path(argv[0], run_name="__main__")
+    except Exception as error:  # printed as python prints it: from the code's own frames on, not this function's
+        own = error.__traceback__.tb_next if error.__traceback__ else None
+        sys.excepthook(type(error), error.with_traceback(own), own)
+        sys.exit(1)
 
 
 def _python_path(variable: str) -> list[str]:

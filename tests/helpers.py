@@ -298,8 +298,9 @@ def mounted_tmpfs(folder: Path, options: str) -> Iterator[Path]:
 
 
 class RankProcess:
-    """One rank of a job: ``tests/_rank_worker.py`` in a real process with ``RANK``/``WORLD_SIZE`` set, its
-    JSON events collected from stdout by a thread."""
+    """One rank of a job: ``tests/_rank_worker.py`` in a real process with ``RANK``/``WORLD_SIZE`` set (forked from
+    a server that imported the store clients: tests/_zygote.py), its JSON events collected from stdout by a
+    thread."""
 
     def __init__(self, mode: str, args: dict[str, Any], rank: int, world_size: int,
                  env: dict[str, str] | None = None) -> None:
@@ -307,8 +308,7 @@ class RankProcess:
         child_env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
         child_env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), **(env or {}))
         worker = Path(__file__).with_name("_rank_worker.py")
-        self.process = subprocess.Popen([sys.executable, str(worker), mode, json.dumps(args)], env=child_env,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.process = zygote.spawn(zygote.STORES, [str(worker), mode, json.dumps(args)], child_env, apart=True)
         self.events: list[dict[str, Any]] = []
         self._changed = threading.Condition()
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
+import _zygote as zygote
 import taskpoint
 from _faults import closed_port_url
 from _servers import StoreLocation
@@ -33,10 +34,10 @@ _SRC = Path(taskpoint.__file__).resolve().parents[1]
 
 
 def _cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``taskpoint ARGS`` in a fresh process running this worktree's code, in ``cwd``."""
+    """``taskpoint ARGS`` in a process of its own running this worktree's code, in ``cwd`` (forked from a server
+    that imported the store clients: tests/_zygote.py)."""
     environment = {**(env if env is not None else os.environ), "PYTHONPATH": str(_SRC)}
-    return subprocess.run([sys.executable, "-m", "taskpoint.cli", *args], cwd=cwd, env=environment,
-                          capture_output=True, text=True, timeout=120)
+    return zygote.run(zygote.STORES, ["-m", "taskpoint.cli", *args], environment, cwd, timeout=120)
 
 
 def _assert_refused(message: str, uri: str, fixed: str | None) -> None:

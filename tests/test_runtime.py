@@ -16,6 +16,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+import _zygote as zygote
 import taskpoint
 from taskpoint import ctx, task
 
@@ -290,8 +291,8 @@ _CHILD = textwrap.dedent(
 def _taskpoint_run(args: list[str], env: dict[str, str] | None = None) -> dict:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("TASKPOINT_", "TORCHELASTIC", "SLURM_",
                                                                       "FLYTE_"))}
-    out = subprocess.run([sys.executable, "-m", "taskpoint.cli", "run", *args, "--", sys.executable, "-c", _CHILD],
-                         env={**base, **(env or {})}, capture_output=True, text=True, timeout=120)
+    out = zygote.run(zygote.STORES, ["-m", "taskpoint.cli", "run", *args, "--", sys.executable, "-c", _CHILD],
+                     {**base, **(env or {})}, os.getcwd(), timeout=120)  # the CLI forked (tests/_zygote.py)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 

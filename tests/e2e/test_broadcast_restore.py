@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 import taskpoint
-from _broadcast_job import TORCHRUN, WORLD, digests, phase, torchrun
+from _broadcast_job import JOB_WITHIN, TORCHRUN, WORLD, digests, phase, torchrun
 from _fault_proxy import fault_proxy
+from _once import shared_once
 from helpers import LazyModule, requires
 
 torch = LazyModule("torch")
@@ -40,13 +41,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not TORCHRUN.exists(), reason
 
 
 @pytest.fixture(scope="module")
-def job(s3_server):
+def job(s3_server, tmp_path_factory):
     """One torchrun job of 4 ranks (their start costs more than the restores) over three steps saved straight to
     the S3 server: a payload step, restored with broadcast and without, and in place with it; a ``StateDict``
     step, loaded with broadcast; and a payload step with a byte of its stored payload flipped, restored with
     broadcast, then once more with rank 3 never taking part and the others' collectives bounded by a 5 s
     ``commit_timeout``. Each phase but the last goes through a byte-counting proxy of its own. What was saved,
-    the outcomes and the bytes each proxy served."""
+    the outcomes and the bytes each proxy served; once per session (:func:`_once.shared_once`), as a worker that
+    takes over some of these tests would run the job again."""
+    return shared_once(tmp_path_factory, "broadcast-restore-job", lambda: run_job(s3_server), JOB_WITHIN + 120)
+
+
+def run_job(s3_server):
     base = s3_server.new_location().base
     data = os.urandom(SIZE)
     state = {"weight": torch.randn(1536, 1024), "bias": torch.arange(2_000_000, dtype=torch.float64)}

@@ -4,7 +4,8 @@ Each example runs as a process of its own (forked from one that imported its fra
 temporary working directory with ``TASKPOINT_ROOT`` there too. A resumed run must start from the epoch after
 the last save (never from epoch 0) and end with the weights of the uninterrupted run bit for bit: CPU kernels on
 one thread are deterministic, ``torch.save``/``torch.load`` round-trip tensors exactly, and the examples restore
-every piece of state an epoch depends on.
+every piece of state an epoch depends on. Each uninterrupted run is run once per session (:func:`_once.shared_once`),
+however many pytest-xdist workers run the tests that compare with it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 
 import _zygote as zygote
+from _once import shared_once
 from helpers import requires
 
 pytestmark = [pytest.mark.slow, requires("torch")]
@@ -84,7 +86,8 @@ def assert_same_training(resumed: dict[str, Any], uninterrupted: dict[str, Any])
 
 @pytest.fixture(scope="module")
 def torch_uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return run_example(TORCH_EXAMPLE, tmp_path_factory.mktemp("torch"), "whole", "--epochs", str(TORCH_EPOCHS))
+    return shared_once(tmp_path_factory, "examples-torch-whole", lambda: run_example(
+        TORCH_EXAMPLE, tmp_path_factory.mktemp("torch"), "whole", "--epochs", str(TORCH_EPOCHS)), TIMEOUT + 60)
 
 
 def test_torch_example_trains_every_epoch_in_one_attempt(torch_uninterrupted: Run) -> None:
@@ -120,8 +123,9 @@ def test_torch_example_resumes_after_each_failure_and_ends_with_identical_weight
 @pytest.fixture(scope="module")
 def lightning_uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Run:
     pytest.importorskip("lightning")
-    return run_example(LIGHTNING_EXAMPLE, tmp_path_factory.mktemp("lightning"), "whole",
-                       "--epochs", str(LIGHTNING_EPOCHS))
+    return shared_once(tmp_path_factory, "examples-lightning-whole", lambda: run_example(
+        LIGHTNING_EXAMPLE, tmp_path_factory.mktemp("lightning"), "whole", "--epochs", str(LIGHTNING_EPOCHS)),
+        TIMEOUT + 60)
 
 
 def test_lightning_example_trains_every_epoch_in_one_attempt(lightning_uninterrupted: Run) -> None:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from _once import shared_once
+
 REPO = Path(__file__).resolve().parents[2]
 #: Each store's extra and the server fixture it saves to.
 EXTRAS = {"s3": "s3_server", "gcs": "gcs_server", "azure": "azure_server"}
@@ -49,8 +51,12 @@ def _documented_wheel() -> str:
 
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The folder of the sdist and the wheel that ``make dist`` builds from this checkout."""
-    source = tmp_path_factory.mktemp("source")
+    """The folder of the sdist and the wheel that ``make dist`` builds from this checkout: built once per session
+    (the slow-first order runs this module's tests apart, and a build is a minute of pip and the index)."""
+    return shared_once(tmp_path_factory, "install-dist", lambda: _build(tmp_path_factory.mktemp("source")), 300)
+
+
+def _build(source: Path) -> Path:
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, source / name)
     shutil.copytree(REPO / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))

@@ -16,7 +16,6 @@ import os
 import random
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -55,11 +54,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(remote: Any, local: Path, mode: str, *, ranks: range = range(WORLD), **args: Any
-          ) -> list[subprocess.Popen[str] | zygote.Forked]:
-    """The ranks ``ranks`` of one 2-rank job (torchrun's variables, and a rendezvous address for gloo); with a
-    gloo group (``group``), each rank forked from a server that imported torch (tests/_zygote.py), since a rank
-    without one never imports it."""
+def start(remote: Any, local: Path, mode: str, *, ranks: range = range(WORLD), **args: Any) -> list[zygote.Forked]:
+    """The ranks ``ranks`` of one 2-rank job (torchrun's variables, and a rendezvous address for gloo), each forked
+    from a server (tests/_zygote.py) that imported torch when they form a gloo group (``group``), else the store
+    clients only: a rank without a group never imports torch."""
     port = _free_port()
     body = json.dumps({"remote": remote.url("ckpts"), "options": remote.storage_options, "local": str(local),
                        "mode": mode, **args})
@@ -69,11 +67,8 @@ def start(remote: Any, local: Path, mode: str, *, ranks: range = range(WORLD), *
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                "TORCHELASTIC_RUN_ID": f"launch-{port}", "TASKPOINT_GRACE_SECONDS": "10",
                "PYTHONPATH": os.pathsep.join(sys.path)}
-        if args.get("group"):
-            procs.append(zygote.spawn(zygote.TORCH, [str(WORKER), body], env, apart=True))
-        else:
-            procs.append(subprocess.Popen([sys.executable, str(WORKER), body], env=env, text=True,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        procs.append(zygote.spawn(zygote.TORCH if args.get("group") else zygote.STORES, [str(WORKER), body], env,
+                                  apart=True))
     return procs
 
 

@@ -12,18 +12,14 @@ which :func:`test_the_docs_list_every_combination_as_the_matrix_finds_it` holds 
 One-rank cells run in the test's process (tests/_matrix_cells.py). The 3-rank cells of a store run in one launch
 of the real ``torchrun --nproc-per-node 3`` (gloo, CPU; tests/_matrix_worker.py), every cell in sequence, so the
 launch is paid once per store; under pytest-xdist the first worker to need a store's launch runs it and the
-others read its outcomes (:func:`shared_once`). Nothing here asserts how long anything took.
+others read its outcomes (:func:`_once.shared_once`). Nothing here asserts how long anything took.
 """
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
 import json
-import logging
-import os
 import re
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +28,7 @@ from typing import Any
 import pytest
 
 from _matrix_cells import Alone, Cell, Where, cells, run_cell
+from _once import shared_once
 from _servers import StoreLocation
 from conftest import _remove_quietly
 from helpers import TORCHRUN, run_torchrun
@@ -41,7 +38,6 @@ DOCS = Path(__file__).parents[2] / "docs" / "manager.md"
 STORES = ("local", "s3")
 #: The bound of one 3-rank launch: three workers import torch and jax on two busy cores, then run ten cells.
 LAUNCH_WITHIN = 600.0
-LOG = logging.getLogger(__name__)
 #: Why the 3-rank launch on the S3 server runs in make reliability only: on this project's 2 shared cores (load 12)
 #: the file took 110 s with it, 40 s of them that launch, against a budget of about 60 s for one file of make test;
 #: make test keeps the 3-rank cells on local disk (one launch, 23 s) and every 1-rank cell on both stores.
@@ -163,34 +159,6 @@ def places(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     yield place
     for location in remote:
         _remove_quietly(location)
-
-
-def shared_once(tmp_path_factory: pytest.TempPathFactory, name: str, produce: Callable[[], Any],
-                within: float) -> Any:
-    """``produce()``'s JSON result, produced once per session: under pytest-xdist the workers share one file (in
-    their common temp folder), and a worker that finds another producing it waits for it, at most ``within``
-    seconds (logging the wait)."""
-    base = tmp_path_factory.getbasetemp()
-    folder = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    result, lock = folder / f"{name}.json", folder / f"{name}.lock"
-    deadline = time.monotonic() + within
-    with lock.open("a") as held:
-        while True:
-            try:
-                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{name}: another worker held {lock} for more than {within:g} s") from None
-                if deadline - time.monotonic() > within - 1:
-                    LOG.info("%s: another worker is producing it; waiting at most %g s", name, within)
-                time.sleep(1.0)
-        try:
-            if not result.exists():
-                result.write_text(json.dumps(produce()))
-            return json.loads(result.read_text())
-        finally:
-            fcntl.flock(held, fcntl.LOCK_UN)
 
 
 def launch(where: Where) -> dict[str, dict[str, Any]]:

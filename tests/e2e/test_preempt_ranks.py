@@ -42,25 +42,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(args: dict[str, Any], grace: float = 20.0) -> list[subprocess.Popen[str] | zygote.Forked]:
-    """One job of 4 real processes with torchrun's variables (and a rendezvous address for gloo); with a gloo
-    group (``group``), each rank forked from a server that imported torch (tests/_zygote.py), since a rank
-    without one never imports it."""
+def start(args: dict[str, Any], grace: float = 20.0) -> list[zygote.Forked]:
+    """One job of 4 real processes with torchrun's variables (and a rendezvous address for gloo), each forked from a
+    server (tests/_zygote.py) that imported torch when they form a gloo group (``group``), else the store clients
+    only: a rank without a group never imports torch."""
     port = _free_port()
     procs = []
     for rank in range(WORLD):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                "TASKPOINT_GRACE_SECONDS": str(grace), "PYTHONPATH": os.pathsep.join(sys.path)}
-        if args.get("group"):
-            procs.append(zygote.spawn(zygote.TORCH, [str(WORKER), json.dumps(args)], env, apart=True))
-        else:
-            procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(args)], env=env, text=True,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        procs.append(zygote.spawn(zygote.TORCH if args.get("group") else zygote.STORES, [str(WORKER), json.dumps(args)],
+                                  env, apart=True))
     return procs
 
 
-def read_until(proc: subprocess.Popen[str] | zygote.Forked, event: str) -> dict[str, Any]:
+def read_until(proc: zygote.Forked, event: str) -> dict[str, Any]:
     """The first line of ``proc`` with this event (the lines before it are skipped)."""
     assert proc.stdout is not None
     while True:
@@ -73,7 +70,7 @@ def read_until(proc: subprocess.Popen[str] | zygote.Forked, event: str) -> dict[
             return found  # type: ignore[no-any-return]
 
 
-def finish(procs: list[subprocess.Popen[str] | zygote.Forked]) -> list[tuple[int, list[dict[str, Any]], str]]:
+def finish(procs: list[zygote.Forked]) -> list[tuple[int, list[dict[str, Any]], str]]:
     """Every rank's exit status, its remaining events, and its stderr."""
     results = []
     for proc in procs:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from _once import shared_once
 from _zygote import TORCH
 from helpers import WorkerProcess, requires
 
@@ -74,7 +75,14 @@ def run(directory: Path, keep: str, stops: list[int], how: int, *, background: b
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, str], str | None]:
-    losses, params, resumed = run(tmp_path_factory.mktemp("uninterrupted"), "all", [], signal.SIGKILL)
+    """The losses and final parameters of the run never interrupted: run once per session
+    (:func:`_once.shared_once`), however many pytest-xdist workers run the tests that compare with it."""
+    return shared_once(tmp_path_factory, "resume-exact-uninterrupted",
+                       lambda: run_uninterrupted(tmp_path_factory.mktemp("uninterrupted")), 360)
+
+
+def run_uninterrupted(directory: Path) -> tuple[dict[int, str], str | None]:
+    losses, params, resumed = run(directory, "all", [], signal.SIGKILL)
     assert resumed == [None] and sorted(losses) == list(range(1, STEPS + 1))
     return losses, params
 

@@ -29,6 +29,7 @@ if str(TESTS_DIR) not in sys.path:  # the suite's helpers (_servers, helpers, _f
     sys.path.insert(0, str(TESTS_DIR))
 
 import _servers  # noqa: E402
+import _zygote as zygote  # noqa: E402
 
 _servers.apply_default_environment()  # before anything imports gcsfs
 
@@ -286,12 +287,20 @@ CHILD_PRELUDE = textwrap.dedent("""
 """)
 
 
+def start_child(script: str, args: list[str], env: dict[str, str] | None = None, cwd: str | None = None
+                ) -> zygote.Forked:
+    """``python -c script args`` (after :data:`CHILD_PRELUDE`), stdin /dev/null, stdout and stderr in pipes of
+    their own: a real process, forked from a server that imported the store clients (tests/_zygote.py, 0.5 of the
+    0.9 CPU-s of such a child started fresh)."""
+    return zygote.spawn(zygote.STORES, ["-c", CHILD_PRELUDE + script, *args], env or child_env(), cwd=cwd,
+                        apart=True)
+
+
 def run_child(script: str, args: list[str], *, timeout: float, env: dict[str, str] | None = None,
               cwd: str | None = None) -> tuple[int, str, str]:
-    """Run ``python -c script args`` to the end; (exit code, stdout, stderr). A hang is killed (by its pid)."""
-    proc = subprocess.Popen([sys.executable, "-c", CHILD_PRELUDE + script, *args], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or child_env(),
-                            cwd=cwd)
+    """Run ``python -c script args`` to the end (:func:`start_child`); (exit code, stdout, stderr). A hang is killed
+    (by its pid)."""
+    proc = start_child(script, args, env, cwd)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -19,13 +19,12 @@ same (a zombie attempt and its replacement). Writers' own errors are reported in
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
+import _zygote as zygote
+
 from ._common import (
-    CHILD_PRELUDE,
     Result,
     Servers,
     child_env,
@@ -33,6 +32,8 @@ from ._common import (
     last_json_line,
     location_or_skip,
     remove_location,
+    run_child,
+    start_child,
     tail,
     timed,
 )
@@ -133,21 +134,19 @@ def run_case(servers: Servers, kind: str, mode: str, seconds: float, loads: int,
         target = location.url("ckpt" if mode == "checkpoint" else "ckpts")
         options = json.dumps(location.storage_options)
         env = child_env()
-        writers: list[subprocess.Popen[str]] = []
+        writers: list[zygote.Forked] = []
         raced = seconds
         work = scratch / f"concurrency-{kind}-{mode}"
         work.mkdir(parents=True, exist_ok=True)
         stop, ready = work / "stop", [work / "ready-A", work / "ready-B"]
         try:
-            writers = [subprocess.Popen(
-                [sys.executable, "-c", CHILD_PRELUDE + _WRITER, who, mode, target, options, str(SIZES[kind]),
-                 str(marker), str(stop), str(work / who)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                env=env) for who, marker in zip(("A", "B"), ready, strict=True)]
+            writers = [start_child(_WRITER, [who, mode, target, options, str(SIZES[kind]), str(marker), str(stop),
+                                             str(work / who)], env)
+                       for who, marker in zip(("A", "B"), ready, strict=True)]
             try:
-                reader = subprocess.run(
-                    [sys.executable, "-c", CHILD_PRELUDE + _READER, mode, target, options, str(loads), str(seconds),
-                     str(TIMEOUT), str(stop), str(work / "reader"), *map(str, ready)],
-                    capture_output=True, text=True, env=env, timeout=seconds + 2 * TIMEOUT)
+                status, read, said = run_child(_READER, [mode, target, options, str(loads), str(seconds), str(TIMEOUT),
+                                                         str(stop), str(work / "reader"), *map(str, ready)],
+                                               timeout=seconds + 2 * TIMEOUT, env=env)
             finally:
                 stop.touch()  # the writers end also when the reader did not
             reports = []
@@ -155,9 +154,9 @@ def run_case(servers: Servers, kind: str, mode: str, seconds: float, loads: int,
                 out, err = w.communicate(timeout=TIMEOUT)
                 reports.append(last_json_line(out) or {"saves": 0, "errors": [f"writer died: {tail(err)}"],
                                                        "error_count": 1})
-            report = last_json_line(reader.stdout)
+            report = last_json_line(read)
             if report is None:
-                result.trial(f"the reader exited with {reader.returncode} and no report: {tail(reader.stderr)}")
+                result.trial(f"the reader exited with {status} and no report: {tail(said)}")
             else:
                 result.trials = report["loads"]
                 for failure in report["failures"]:
