@@ -221,8 +221,9 @@ class AzureBackend(ObjectStoreBackend):
         super().__init__(fs, options)
         watch_azure(fs, self.pushback)
 
-    def store_url(self) -> str | None:
-        """The account's URL, from the connection string or the account's name (adlfs's service client)."""
+    def endpoint(self) -> str | None:
+        """The account's URL, from the connection string or the account's name (adlfs's service client): it names
+        the store, and a failure that says only that no answer came is told refused or silent by connecting to it."""
         url = getattr(getattr(self.fs, "service_client", None), "url", None)
         return url if isinstance(url, str) else None
 

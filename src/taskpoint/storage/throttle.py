@@ -296,6 +296,15 @@ def gcs_trace() -> Any:
 _gcs_trace: Any = None
 
 
+#: The options of an ``az://`` filesystem that bound each request of its client (seconds): the wait for a connection,
+#: and for each read of the answer. The service client is made with them: adlfs hands them only to its whole-object
+#: calls (``pipe_file``, ``cat_file``, ``put_file``, ``get_file``), not to its checks, listings and file uploads (each
+#: block, the commit), nor do taskpoint's record reads and writes: each of those waited the SDK's 60 s for an
+#: endpoint that accepts connections and never answers, whatever the options said (measured on 127.0.0.1 with
+#: ``read_timeout=2``: a HEAD, a record's GET and PUT held 60 s each; a small file upload 324 s, four tries of 60 s).
+AZURE_CLIENT_TIMEOUTS = ("connection_timeout", "read_timeout")
+
+
 def watch_azure(fs: Any, pushback: Pushback) -> None:
     """Count each answer of ``fs``'s Azure client (adlfs's service client) into ``pushback``, and pause before
     each of the client's own retries of a throttling answer (503 ``ServerBusy``, which the SDK retries; it does
@@ -303,7 +312,9 @@ def watch_azure(fs: Any, pushback: Pushback) -> None:
     :class:`~azure.storage.blob.aio.ExponentialRetry` waits 18 s, then 24 s, then 42 s (each +-3 s), whatever was asked.
     adlfs hands no options to the client it makes, so the service client is made again from its public URL and
     credential, with the SDK's public ``retry_policy`` (that class, whose pause of a throttling answer is ours) and
-    ``raw_response_hook`` (called with every answer, each retry's too). Once per filesystem (fsspec caches them)."""
+    ``raw_response_hook`` (called with every answer, each retry's too), and with the filesystem's
+    ``connection_timeout`` and ``read_timeout`` (:data:`AZURE_CLIENT_TIMEOUTS`). Once per filesystem (fsspec caches
+    them)."""
     if getattr(fs, "_taskpoint_pushback", None) is pushback:
         return
     from azure.storage.blob.aio import BlobServiceClient, ExponentialRetry
@@ -324,8 +335,10 @@ def watch_azure(fs: Any, pushback: Pushback) -> None:
         pushback.heard(answer.headers.get("x-ms-error-code"), answer.status_code, answer.headers.get("Retry-After"))
 
     made = fs.service_client
+    timeouts = {name: fs.storage_options[name] for name in AZURE_CLIENT_TIMEOUTS
+                if fs.storage_options.get(name) is not None}
     fs.service_client = BlobServiceClient(account_url=made.url, credential=made.credential, retry_policy=PacedRetry(),
-                                          raw_response_hook=heard)
+                                          raw_response_hook=heard, **timeouts)
     with contextlib.suppress(Exception):  # the client adlfs made: its connections, where it opened any
         sync(fs.loop, made.close)
     fs._taskpoint_pushback = pushback

@@ -1,0 +1,39 @@
+"""Each request to an endpoint that accepts connections and never answers ends at its client's own timeout, and
+the failure says that the endpoint accepted and did not answer, on every store and client.
+
+Measured on 127.0.0.1 against such an endpoint (tests/helpers.py, ``SilentEndpoint``), each kind of request a save
+or a load sends: gcsfs ends each at its ``requests_timeout``; S3 through s3fs at botocore's read timeout (small
+PUTs without ``Expect: 100-continue``, tests/e2e/test_silent_small_puts.py); obstore at its read timeout (the
+location's stall timeout). Two did not, and are tested here: Azure's client waited the SDK's 60 s whatever
+``read_timeout`` said (the service client taskpoint makes was made without the filesystem's timeouts), and
+obstore's timed-out requests were told as "check the network" (its errors say "timed out" only in their text)."""
+
+from __future__ import annotations
+
+import pytest
+
+from _servers import BUCKET, azure_storage_options
+from helpers import SilentEndpoint
+from taskpoint import Checkpoint, RetryPolicy, StorageUnavailable
+
+pytestmark = pytest.mark.e2e("starts a silent endpoint")
+
+SILENT = "The endpoint accepted connections and did not answer in time"
+
+
+@pytest.mark.timeout(240)
+def test_an_azure_request_to_a_silent_endpoint_ends_at_the_read_timeout_it_was_given():
+    silent = SilentEndpoint()
+    try:
+        options = {**azure_storage_options(silent.url), "connection_timeout": 1, "read_timeout": 1}
+        # Below the SDK's own read timeout (60 s), above its pause before it sends a request again (15-21 s after
+        # the one before failed): a request sent twice within it was ended by the read timeout of 1 s.
+        retry = RetryPolicy(attempts=1, deadline=40)
+        with pytest.raises(StorageUnavailable, match=SILENT):
+            Checkpoint(f"az://{BUCKET}/ckpt", storage_options=options, retry=retry).save_sync(b"x" * 1024)
+    finally:
+        silent.close()
+    requests = silent.requests()
+    assert requests, "the client never reached the endpoint"
+    again = [line for line in set(requests) if requests.count(line) > 1]
+    assert again, requests  # the client gave up on a request at its read timeout and sent it again
