@@ -37,3 +37,19 @@ def test_an_azure_request_to_a_silent_endpoint_ends_at_the_read_timeout_it_was_g
     assert requests, "the client never reached the endpoint"
     again = [line for line in set(requests) if requests.count(line) > 1]
     assert again, requests  # the client gave up on a request at its read timeout and sent it again
+
+
+@pytest.mark.timeout(240)
+def test_an_obstore_request_to_a_silent_endpoint_is_described_as_silent(s3_server):
+    silent = SilentEndpoint()
+    try:
+        options = {**s3_server.storage_options, "endpoint_url": silent.url, "s3_client": "obstore",
+                   "config_kwargs": {"retries": {"max_attempts": 1}, "read_timeout": 1}}  # s3fs's checks
+        # obstore's read timeout is the stall timeout: 1 s; the deadline is far above what two attempts take.
+        retry = RetryPolicy(attempts=2, initial_delay=0.01, deadline=120, stall_timeout=1)
+        with pytest.raises(StorageUnavailable, match=SILENT) as info:
+            Checkpoint(f"s3://{BUCKET}/ckpt", storage_options=options, retry=retry).save_sync(b"x" * 1024)
+    finally:
+        silent.close()
+    assert "after 2 attempts" in str(info.value)  # each ended at the client's timeout, not at the deadline
+    assert silent.requests()
