@@ -10,9 +10,13 @@ obstore's timed-out requests were told as "check the network" (its errors say "t
 
 from __future__ import annotations
 
+import math
+import threading
+
 import pytest
 
-from _servers import BUCKET, azure_storage_options
+from _fault_proxy import fault_proxy
+from _servers import BUCKET, azure_storage_options, gcs_storage_options
 from helpers import SilentEndpoint
 from taskpoint import Checkpoint, RetryPolicy, StorageUnavailable
 
@@ -53,3 +57,44 @@ def test_an_obstore_request_to_a_silent_endpoint_is_described_as_silent(s3_serve
         silent.close()
     assert "after 2 attempts" in str(info.value)  # each ended at the client's timeout, not at the deadline
     assert silent.requests()
+
+
+def _object_upload(kind: str):
+    """Picks the upload of the checkpoint's object (by method and path) among a first save's requests: on Azure
+    the PUT of the blob ``ckpt``; on GCS, whose uploads all go to one path, the second upload, after the
+    record's create-only one."""
+    if kind == "azure":
+        return lambda method, path: method == "PUT" and path.endswith("/ckpt")
+    uploads = 0
+    lock = threading.Lock()
+
+    def second_upload(method: str, path: str) -> bool:
+        nonlocal uploads
+        if method != "POST" or not path.startswith("/upload/"):
+            return False
+        with lock:
+            uploads += 1
+            return uploads == 2
+    return second_upload
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["gcs", "azure"])
+def test_a_small_upload_that_is_never_answered_ends_at_the_retry_deadline(kind, request):
+    """The client's file sent even a small object as two requests that taskpoint's deadline could not interrupt
+    (gcsfs's resumable upload, adlfs's block and block list): held, the save waited the client's timeouts times
+    its retries (over 18 minutes on GCS; 324 s on Azure, whose file uploads ignored ``read_timeout``). A long
+    client timeout is set here, so that nothing but the deadline can end the held request in time."""
+    server = request.getfixturevalue(f"{kind}_server")
+    location = server.new_location()
+    with fault_proxy(server.endpoint, stall_seconds=math.inf) as proxy:
+        proxy.hold = _object_upload(kind)
+        options = ({**gcs_storage_options(proxy.url), "requests_timeout": 600} if kind == "gcs" else
+                   {**azure_storage_options(proxy.url), "connection_timeout": 600, "read_timeout": 600})
+        retry = RetryPolicy(attempts=2, initial_delay=0.01, deadline=10)
+        with pytest.raises(StorageUnavailable, match=SILENT) as info:
+            Checkpoint(location.url("ckpt"), storage_options=options, retry=retry).save_sync(b"x" * 1024)
+        held = proxy.stats()["stall"]
+    assert "retry deadline of 10 s" in str(info.value)  # the request was given the deadline, and ended at it
+    assert held == 1  # the record's requests were answered; the object's one upload request was held
+

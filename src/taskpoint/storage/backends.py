@@ -218,11 +218,11 @@ class Backend:
         raise NotImplementedError
 
     def remove(self, path: str) -> None:
-        self.fs.rm_file(path)
+        self.fs.rm_file(path, **bounded(self.fs, self.deadline))
 
     def remove_tree(self, path: str) -> None:
         """Remove the folder ``path`` and everything below it (on object stores: every key under the prefix)."""
-        self.fs.rm(path, recursive=True)
+        self.fs.rm(path, recursive=True, **bounded(self.fs, self.deadline))
 
     def list_tree(self, path: str, prefix: str = "") -> dict[str, dict[str, Any]]:
         """Every object and folder below ``path`` with its listing details, only those whose path below ``path``
