@@ -4,7 +4,7 @@ botocore adds ``Expect: 100-continue`` to every request body it can read, and ai
 ``100 Continue`` under no client timeout: a record's PUT to such an endpoint waited out the whole retry deadline
 (120 s by default) where a GET ended at the read timeout. A new ``Checkpoint``'s first save sends the record's
 create-only PUT beside its read, so a user pointing taskpoint at a silent endpoint waited two minutes to hear so.
-Small bodies now go without the header (``storage/throttle.py``, ``watch_s3fs``)."""
+Small bodies now go without the header (``storage/_s3.py``, ``small_bodies_without_continue``)."""
 
 from __future__ import annotations
 

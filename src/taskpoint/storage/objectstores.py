@@ -305,6 +305,7 @@ class S3Backend(ObjectStoreBackend):
     def __init__(self, fs: Any, options: dict[str, Any]) -> None:
         super().__init__(fs, options)
         watch_s3fs(fs, self.pushback)
+        _s3.small_bodies_without_continue(fs)
 
     def endpoint(self) -> str | None:
         """``endpoint_url`` (an option, ``client_kwargs`` or fsspec's configuration); None: AWS's own."""

@@ -228,21 +228,22 @@ def botocore_attempts(fs: Any) -> int:
     return int(os.environ.get("AWS_MAX_ATTEMPTS") or BOTOCORE_ATTEMPTS)
 
 
-#: Bodies up to this size are sent without ``Expect: 100-continue`` (see :func:`watch_s3fs`).
-CONTINUE_ABOVE_BYTES = 1 << 20
+def s3fs_events(fs: Any) -> list[Any]:
+    """The botocore event emitters of ``fs`` (an s3fs filesystem) that a handler is registered on: its session's,
+    from which its clients are made (the session made here, as s3fs would, where it has none yet), and that of
+    a client already made."""
+    if fs.session is None:
+        import aiobotocore.session
+
+        fs.session = aiobotocore.session.AioSession(**fs.kwargs)  # what s3fs would make, with our handlers on it
+    return [fs.session.get_component("event_emitter"), *([fs._s3.meta.events] if fs._s3 else [])]
 
 
 def watch_s3fs(fs: Any, pushback: Pushback) -> None:
     """Count each answer of ``fs``'s botocore client into ``pushback``, and pause before each retry of a
     throttling answer as long as the store's pushback says (:meth:`Pushback.pause`), never shorter than its
     ``Retry-After``, within the client's attempts (:func:`botocore_attempts`). Registered on the session the
-    clients are made from (and on a client already made), once per filesystem (fsspec caches them).
-
-    Also: a PUT of a small body (a record, a manifest, a small object) goes without the ``Expect: 100-continue``
-    that botocore adds to every body it can read. aiohttp waits for the ``100 Continue`` under no client timeout,
-    so such a PUT to an endpoint that accepts connections and never answers waited out the whole retry deadline
-    (120 s by default) where a GET ends at the client's read timeout. Sparing a small body is all the header is
-    for; large bodies keep it."""
+    clients are made from (and on a client already made), once per filesystem (fsspec caches them)."""
     if getattr(fs, "_taskpoint_pushback", None) is pushback:
         return
     attempts_allowed = botocore_attempts(fs)
@@ -256,20 +257,8 @@ def watch_s3fs(fs: Any, pushback: Pushback) -> None:
             return None  # not throttled (botocore decides), or its attempts are spent: s3fs or the policy go on
         return pushback.pause(attempts, parse_retry_after(http.headers.get("retry-after")))
 
-    if fs.session is None:
-        import aiobotocore.session
-
-        fs.session = aiobotocore.session.AioSession(**fs.kwargs)  # what s3fs would make, with our handler on it
-    from botocore.utils import determine_content_length  # type: ignore[import-untyped]
-
-    def small_without_continue(params: Any = None, **_: Any) -> None:
-        size = determine_content_length(params["body"]) if params and params.get("body") is not None else None
-        if size is not None and size <= CONTINUE_ABOVE_BYTES:
-            params["headers"].pop("Expect", None)
-
-    for events in [fs.session.get_component("event_emitter"), *([fs._s3.meta.events] if fs._s3 else [])]:
+    for events in s3fs_events(fs):
         events.register_first("needs-retry.s3", needs_retry)
-        events.register_last("before-call.s3", small_without_continue)  # after botocore adds it
     fs._taskpoint_pushback = pushback  # fsspec shares the instance: one handler per filesystem
 
 
