@@ -19,6 +19,7 @@ from _fault_proxy import fault_proxy
 from _servers import BUCKET, azure_storage_options, gcs_storage_options
 from helpers import SilentEndpoint
 from taskpoint import Checkpoint, RetryPolicy, StorageUnavailable
+from taskpoint.storage.location import Location
 
 pytestmark = pytest.mark.e2e("starts a silent endpoint")
 
@@ -98,3 +99,23 @@ def test_a_small_upload_that_is_never_answered_ends_at_the_retry_deadline(kind, 
     assert "retry deadline of 10 s" in str(info.value)  # the request was given the deadline, and ended at it
     assert held == 1  # the record's requests were answered; the object's one upload request was held
 
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["gcs", "azure"])
+def test_a_delete_that_is_never_answered_ends_at_the_retry_deadline(kind, request):
+    """A delete (the manager's retention, a sweep) was the one call of an operation not given the deadline: held,
+    it waited the client's timeouts times its retries (gcsfs: aiohttp's 5 minutes, six tries; Azure: the SDK's
+    60 s, four tries). A long client timeout is set here, so that nothing but the deadline can end it in time."""
+    server = request.getfixturevalue(f"{kind}_server")
+    location = server.new_location()
+    with fault_proxy(server.endpoint, stall_seconds=math.inf) as proxy:
+        proxy.hold = lambda method, path: method == "DELETE"
+        options = ({**gcs_storage_options(proxy.url), "requests_timeout": 600} if kind == "gcs" else
+                   {**azure_storage_options(proxy.url), "connection_timeout": 600, "read_timeout": 600})
+        target = Location(location.url("old"), options, RetryPolicy(attempts=2, initial_delay=0.01, deadline=10))
+        with pytest.raises(StorageUnavailable, match=SILENT) as info:
+            target.remove()
+        held = proxy.stats()["stall"]
+    assert "retry deadline of 10 s" in str(info.value)  # the delete was given the deadline, and ended at it
+    assert held >= 1
