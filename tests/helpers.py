@@ -121,6 +121,46 @@ class AcceptLoop:
         self._thread.join(timeout=5)
 
 
+class SilentEndpoint:
+    """An endpoint on 127.0.0.1 that accepts every connection, reads each request's head, keeps it (:attr:`heads`,
+    in the order they came), and never answers: a stuck server, or a port that is not the storage service's."""
+
+    def __init__(self) -> None:
+        self.heads: list[str] = []
+        self._held: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._loop = AcceptLoop(self._take, "silent-endpoint")
+        self.url = self._loop.url
+
+    def _take(self, conn: socket.socket) -> None:
+        self._held.append(conn)
+        threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+
+    def _read(self, conn: socket.socket) -> None:
+        data = b""
+        conn.settimeout(30)
+        try:
+            while b"\r\n\r\n" not in data:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                data += chunk
+        except OSError:
+            return
+        with self._lock:
+            self.heads.append(data.split(b"\r\n\r\n", 1)[0].decode("latin-1"))
+
+    def requests(self) -> list[str]:
+        """The request line (method, target, version) of each request read so far."""
+        with self._lock:
+            return [head.split("\r\n", 1)[0] for head in self.heads]
+
+    def close(self) -> None:
+        self._loop.close()
+        for conn in self._held:
+            conn.close()
+
+
 @contextlib.contextmanager
 def own_staging_folder() -> Iterator[Path]:
     """A private folder for the staging segments of this process and of the processes it starts while inside

@@ -4,57 +4,20 @@ botocore adds ``Expect: 100-continue`` to every request body it can read, and ai
 ``100 Continue`` under no client timeout: a record's PUT to such an endpoint waited out the whole retry deadline
 (120 s by default) where a GET ended at the read timeout. A new ``Checkpoint``'s first save sends the record's
 create-only PUT beside its read, so a user pointing taskpoint at a silent endpoint waited two minutes to hear so.
-Small bodies now go without the header (``storage/throttle.py``, ``watch_s3fs``)."""
+Small bodies now go without the header (``storage/_s3.py``, ``small_bodies_without_continue``)."""
 
 from __future__ import annotations
 
-import socket
-import threading
-
 import pytest
 
-from helpers import AcceptLoop
+from helpers import SilentEndpoint
 from taskpoint import Checkpoint, RetryPolicy, StorageUnavailable
 
 pytestmark = pytest.mark.e2e("starts the S3 server")
 
 
-class _SilentHeads:
-    """An endpoint on 127.0.0.1 that reads each request's head, keeps it, and never answers."""
-
-    def __init__(self) -> None:
-        self.heads: list[str] = []
-        self._held: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self._loop = AcceptLoop(self._take, "silent-heads")
-        self.url = self._loop.url
-
-    def _take(self, conn: socket.socket) -> None:
-        self._held.append(conn)
-        threading.Thread(target=self._read, args=(conn,), daemon=True).start()
-
-    def _read(self, conn: socket.socket) -> None:
-        data = b""
-        conn.settimeout(30)
-        try:
-            while b"\r\n\r\n" not in data:
-                chunk = conn.recv(65536)
-                if not chunk:
-                    return
-                data += chunk
-        except OSError:
-            return
-        with self._lock:
-            self.heads.append(data.split(b"\r\n\r\n", 1)[0].decode("latin-1"))
-
-    def close(self) -> None:
-        self._loop.close()
-        for conn in self._held:
-            conn.close()
-
-
 def test_a_new_checkpoints_first_save_to_a_silent_endpoint_sends_its_small_puts_without_expect_continue(s3_store):
-    silent = _SilentHeads()
+    silent = SilentEndpoint()
     try:
         options = {**s3_store.storage_options, "endpoint_url": silent.url,
                    "config_kwargs": {"retries": {"max_attempts": 1}, "read_timeout": 0.5}}

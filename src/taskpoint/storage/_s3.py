@@ -15,6 +15,7 @@ from .deadline import NO_DEADLINE, Deadline, bounded
 from .errormap import chain, code_and_status, swept_while_written
 from .stalls import STALL_TIMEOUT, MeteredBody, until_stalled, watched
 from .streams import ConcurrentRangeReader, ObjectChanged, VersionConflict
+from .throttle import s3fs_events
 
 #: Size of the parts of taskpoint's own S3 multipart uploads (S3 allows 10,000 parts: 80 GB at this size;
 #: the part size doubles every 1,000 parts so that any checkpoint fits).
@@ -348,3 +349,25 @@ def holds(fs: Any, path: str, *, timeout: float | None = None) -> tuple[bool, bo
     if isinstance(listing, BaseException):
         raise listing
     return not isinstance(head, BaseException), bool(listing.get("KeyCount") or listing.get("Contents"))
+
+
+#: Bodies up to this size are sent without ``Expect: 100-continue`` (:func:`small_bodies_without_continue`).
+CONTINUE_ABOVE_BYTES = 1 << 20
+
+
+def small_bodies_without_continue(fs: Any) -> None:
+    """Send a request of ``fs``'s botocore client whose body is small (a record, a manifest, a small object)
+    without the ``Expect: 100-continue`` that botocore adds to every body it can read. aiohttp waits for the
+    ``100 Continue`` under no client timeout, so such a PUT to an endpoint that accepts connections and never
+    answers waited out the whole retry deadline (120 s by default) where a GET ends at the client's read timeout.
+    Sparing a small body is all the header is for; large bodies keep it. Registered once per filesystem."""
+    from botocore.utils import determine_content_length  # type: ignore[import-untyped]
+
+    def without_continue(params: Any = None, **_: Any) -> None:
+        size = determine_content_length(params["body"]) if params and params.get("body") is not None else None
+        if size is not None and size <= CONTINUE_ABOVE_BYTES:
+            params["headers"].pop("Expect", None)
+
+    for events in s3fs_events(fs):  # after botocore adds it
+        events.register_last("before-call.s3", without_continue, unique_id="taskpoint-small-without-continue")
+

@@ -129,8 +129,9 @@ class Backend:
     def __init__(self, fs: Any, options: dict[str, Any]) -> None:
         self.fs = fs
         self.options = options
-        #: What this store said about its load (throttling answers, the cap on requests in flight).
-        self.pushback = pushback_for(store_key(self.store_url(), protocols(fs)[0]))
+        #: What this store said about its load (throttling answers, the cap on requests in flight), named by the
+        #: store's :meth:`endpoint`.
+        self.pushback = pushback_for(store_key(self.endpoint(), protocols(fs)[0]))
 
     def within(self: B, deadline: Deadline) -> B:
         """This backend with its calls, and the readers and writers it opens, bounded by ``deadline`` (a
@@ -147,13 +148,9 @@ class Backend:
         return credential_source(protocols(self.fs), self.options)
 
     def endpoint(self) -> str | None:
-        """The URL of the server this store's client talks to, where it was given (None: the client's own)."""
+        """The URL of the server this store's client talks to, where it was given or the client makes one (Azure's
+        account URL); None: the client's own."""
         return None
-
-    def store_url(self) -> str | None:
-        """The URL that names this store in what it said about its load (:attr:`pushback`): the endpoint, or
-        the client's own account URL where it makes one (Azure)."""
-        return self.endpoint()
 
     def kind(self, path: str) -> Kind:
         """What ``path`` holds. Only "not found" is :attr:`Kind.NOTHING`; any other failure is raised."""
@@ -221,11 +218,11 @@ class Backend:
         raise NotImplementedError
 
     def remove(self, path: str) -> None:
-        self.fs.rm_file(path)
+        self.fs.rm_file(path, **bounded(self.fs, self.deadline))
 
     def remove_tree(self, path: str) -> None:
         """Remove the folder ``path`` and everything below it (on object stores: every key under the prefix)."""
-        self.fs.rm(path, recursive=True)
+        self.fs.rm(path, recursive=True, **bounded(self.fs, self.deadline))
 
     def list_tree(self, path: str, prefix: str = "") -> dict[str, dict[str, Any]]:
         """Every object and folder below ``path`` with its listing details, only those whose path below ``path``

@@ -288,6 +288,9 @@ _READ_TIMEOUT_TYPES = (
 )
 #: How clients that keep only the text (obstore, azure-core) say that a connection was refused.
 _REFUSED_TEXT = re.compile(r"connection refused|os error 111\b", re.IGNORECASE)
+#: How obstore says that a request timed out (its error's text, reqwest's kind and source): without this, a request
+#: to an endpoint that accepts connections and never answers ended at its timeout with advice that said nothing of it.
+_TIMEOUT_TEXT = re.compile(r"\bkind: Timeout\b|\bTimedOut\b")
 
 
 def symptom(exc: BaseException) -> Symptom | None:
@@ -302,7 +305,7 @@ def symptom(exc: BaseException) -> Symptom | None:
             found.add(Symptom.UNREACHABLE)
         elif isinstance(e, _loaded(_READ_TIMEOUT_TYPES)):
             found.add(Symptom.SILENT)
-        elif isinstance(e, (TimeoutError, asyncio.TimeoutError)):
+        elif isinstance(e, (TimeoutError, asyncio.TimeoutError)) or _TIMEOUT_TEXT.search(str(e)):
             found.add(Symptom.NO_ANSWER)
     return strongest(found)
 

@@ -244,7 +244,7 @@ class Location:
             return
 
         def write(deadline: Deadline) -> None:
-            with self.open_write(deadline=deadline) as f:
+            with self.open_write(len(data), deadline=deadline) as f:
                 f.write(data)
         self.run(write, action=action, writing=True)
 

@@ -45,17 +45,18 @@ class RetryPolicy:
             StorageUnavailable names the object and the part or byte range (:mod:`~taskpoint.storage.stalls`).
             Default 60 s.
 
-    What the deadline bounds: the operation is handed a :class:`~taskpoint.storage.deadline.Deadline` (the
-    earlier of its own and that of an operation it runs inside), which it passes down to each call, also to
-    those it hands to pool threads. Single calls of the async clients (s3fs, gcsfs, adlfs: checks, record
-    reads and writes, listings, each ranged GET of a large object, each part of an S3 upload) are given the
-    time left and cancelled when it runs out. What it does not bound: a streaming transfer through a client's
-    file object (GCS and Azure uploads, the readahead stream of objects the ranged reader does not take) cannot
-    be interrupted from Python, and is bounded only by the client's own timeouts (lowered to the deadline when
-    it is under 60 s, see :func:`~taskpoint.storage.clients.client_timeouts`); obstore's requests
-    (``s3_client="obstore"``) each last at most the deadline of the policy the location was made with, not the
-    time left; local disk is not bounded; the work between calls (hashing, inflating, writing to local disk)
-    is not interrupted, the next call starts with what is left.
+    What the deadline bounds: the operation is handed a :class:`~taskpoint.storage.deadline.Deadline` (the earlier
+    of its own and that of an operation it runs inside), which it passes down to each call, also to those it hands
+    to pool threads. Single calls of the async clients (s3fs, gcsfs, adlfs: checks, record reads and writes,
+    listings, deletes, uploads of GCS and Azure objects of one part, each ranged GET of a large object, each part of
+    an S3 upload) are given the time left and cancelled when it runs out. What it does not bound: a streaming
+    transfer through a client's file object (GCS and Azure uploads larger than one part, the readahead stream of
+    objects the ranged reader does not take) cannot be interrupted from Python, and is bounded only by the client's
+    own timeouts (lowered to the deadline when it is under 60 s, see
+    :func:`~taskpoint.storage.clients.client_timeouts`); obstore's requests (``s3_client="obstore"``) each last at
+    most the deadline of the policy the location was made with, not the time left; local disk is not bounded; the
+    work between calls (hashing, inflating, writing to local disk) is not interrupted, the next call starts with
+    what is left.
     """
 
     attempts: int = 4

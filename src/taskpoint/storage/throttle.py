@@ -228,21 +228,22 @@ def botocore_attempts(fs: Any) -> int:
     return int(os.environ.get("AWS_MAX_ATTEMPTS") or BOTOCORE_ATTEMPTS)
 
 
-#: Bodies up to this size are sent without ``Expect: 100-continue`` (see :func:`watch_s3fs`).
-CONTINUE_ABOVE_BYTES = 1 << 20
+def s3fs_events(fs: Any) -> list[Any]:
+    """The botocore event emitters of ``fs`` (an s3fs filesystem) that a handler is registered on: its session's,
+    from which its clients are made (the session made here, as s3fs would, where it has none yet), and that of
+    a client already made."""
+    if fs.session is None:
+        import aiobotocore.session
+
+        fs.session = aiobotocore.session.AioSession(**fs.kwargs)  # what s3fs would make, with our handlers on it
+    return [fs.session.get_component("event_emitter"), *([fs._s3.meta.events] if fs._s3 else [])]
 
 
 def watch_s3fs(fs: Any, pushback: Pushback) -> None:
     """Count each answer of ``fs``'s botocore client into ``pushback``, and pause before each retry of a
     throttling answer as long as the store's pushback says (:meth:`Pushback.pause`), never shorter than its
     ``Retry-After``, within the client's attempts (:func:`botocore_attempts`). Registered on the session the
-    clients are made from (and on a client already made), once per filesystem (fsspec caches them).
-
-    Also: a PUT of a small body (a record, a manifest, a small object) goes without the ``Expect: 100-continue``
-    that botocore adds to every body it can read. aiohttp waits for the ``100 Continue`` under no client timeout,
-    so such a PUT to an endpoint that accepts connections and never answers waited out the whole retry deadline
-    (120 s by default) where a GET ends at the client's read timeout. Sparing a small body is all the header is
-    for; large bodies keep it."""
+    clients are made from (and on a client already made), once per filesystem (fsspec caches them)."""
     if getattr(fs, "_taskpoint_pushback", None) is pushback:
         return
     attempts_allowed = botocore_attempts(fs)
@@ -256,20 +257,8 @@ def watch_s3fs(fs: Any, pushback: Pushback) -> None:
             return None  # not throttled (botocore decides), or its attempts are spent: s3fs or the policy go on
         return pushback.pause(attempts, parse_retry_after(http.headers.get("retry-after")))
 
-    if fs.session is None:
-        import aiobotocore.session
-
-        fs.session = aiobotocore.session.AioSession(**fs.kwargs)  # what s3fs would make, with our handler on it
-    from botocore.utils import determine_content_length  # type: ignore[import-untyped]
-
-    def small_without_continue(params: Any = None, **_: Any) -> None:
-        size = determine_content_length(params["body"]) if params and params.get("body") is not None else None
-        if size is not None and size <= CONTINUE_ABOVE_BYTES:
-            params["headers"].pop("Expect", None)
-
-    for events in [fs.session.get_component("event_emitter"), *([fs._s3.meta.events] if fs._s3 else [])]:
+    for events in s3fs_events(fs):
         events.register_first("needs-retry.s3", needs_retry)
-        events.register_last("before-call.s3", small_without_continue)  # after botocore adds it
     fs._taskpoint_pushback = pushback  # fsspec shares the instance: one handler per filesystem
 
 
@@ -296,6 +285,15 @@ def gcs_trace() -> Any:
 _gcs_trace: Any = None
 
 
+#: The options of an ``az://`` filesystem that bound each request of its client (seconds): the wait for a connection,
+#: and for each read of the answer. The service client is made with them: adlfs hands them only to its whole-object
+#: calls (``pipe_file``, ``cat_file``, ``put_file``, ``get_file``), not to its checks, listings and file uploads (each
+#: block, the commit), nor do taskpoint's record reads and writes: each of those waited the SDK's 60 s for an
+#: endpoint that accepts connections and never answers, whatever the options said (measured on 127.0.0.1 with
+#: ``read_timeout=2``: a HEAD, a record's GET and PUT held 60 s each; a small file upload 324 s, four tries of 60 s).
+AZURE_CLIENT_TIMEOUTS = ("connection_timeout", "read_timeout")
+
+
 def watch_azure(fs: Any, pushback: Pushback) -> None:
     """Count each answer of ``fs``'s Azure client (adlfs's service client) into ``pushback``, and pause before
     each of the client's own retries of a throttling answer (503 ``ServerBusy``, which the SDK retries; it does
@@ -303,7 +301,9 @@ def watch_azure(fs: Any, pushback: Pushback) -> None:
     :class:`~azure.storage.blob.aio.ExponentialRetry` waits 18 s, then 24 s, then 42 s (each +-3 s), whatever was asked.
     adlfs hands no options to the client it makes, so the service client is made again from its public URL and
     credential, with the SDK's public ``retry_policy`` (that class, whose pause of a throttling answer is ours) and
-    ``raw_response_hook`` (called with every answer, each retry's too). Once per filesystem (fsspec caches them)."""
+    ``raw_response_hook`` (called with every answer, each retry's too), and with the filesystem's
+    ``connection_timeout`` and ``read_timeout`` (:data:`AZURE_CLIENT_TIMEOUTS`). Once per filesystem (fsspec caches
+    them)."""
     if getattr(fs, "_taskpoint_pushback", None) is pushback:
         return
     from azure.storage.blob.aio import BlobServiceClient, ExponentialRetry
@@ -324,8 +324,10 @@ def watch_azure(fs: Any, pushback: Pushback) -> None:
         pushback.heard(answer.headers.get("x-ms-error-code"), answer.status_code, answer.headers.get("Retry-After"))
 
     made = fs.service_client
+    timeouts = {name: fs.storage_options[name] for name in AZURE_CLIENT_TIMEOUTS
+                if fs.storage_options.get(name) is not None}
     fs.service_client = BlobServiceClient(account_url=made.url, credential=made.credential, retry_policy=PacedRetry(),
-                                          raw_response_hook=heard)
+                                          raw_response_hook=heard, **timeouts)
     with contextlib.suppress(Exception):  # the client adlfs made: its connections, where it opened any
         sync(fs.loop, made.close)
     fs._taskpoint_pushback = pushback
