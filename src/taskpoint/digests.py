@@ -68,12 +68,11 @@ def pieces_of_file(fd: int, size: int, on_read: Callable[[int], None] | None = N
     :data:`~taskpoint.format.pieces.PAYLOAD_PIECES` hexdigest: each piece read and hashed by a thread of the CPU
     pool, with positional reads into one small buffer (:func:`~taskpoint.storage.digest_by_reading`), so the bytes
     are hashed while in the CPU's cache. A verify of the bench's 1 GiB step took 0.16 CPU-s so, against 0.22 from a
-    memory map in a child process (the way before: the map's page-table work cost more than the read's copy, BLAKE3
-    ran slower on bytes fetched from memory than on cached ones, and the child's start added 0.02), and 0.05 to
-    read the bytes once (docs/performance.md). Reads also need no child: a file truncated meanwhile reads short,
-    where a map would raise SIGBUS. ``on_read`` is told of each read, from other threads. The pieces past the
-    file's end (truncated since ``size`` was taken) are no pieces: the digest is of the pieces read, as of a file
-    that was that short."""
+    memory map hashed in a child process (which a SIGBUS of the map would end alone: the map's page-table work cost
+    more than the read's copy, BLAKE3 ran slower on bytes fetched from memory than on cached ones, and the child's
+    start added 0.02), and 0.05 to read the bytes once (docs/performance.md). A file truncated meanwhile just reads
+    short. ``on_read`` is told of each read, from other threads. The pieces past the file's end (truncated since
+    ``size`` was taken) are no pieces: the digest is of the pieces read, as of a file that was that short."""
     lane = CPU.lane(CPU.threads)
     found = list(lane.map(lambda span: hash_span(fd, span[0], span[1], PIECE_HASH, on_read), piece_spans(size)))
     while len(found) > 1 and found[-1][0] == 0:  # a file truncated since its size was taken ends sooner
