@@ -109,6 +109,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--async-many-mib", type=int, default=64, help="async-many: the state's size in MiB (default 64)")
     p.add_argument("--async-many-saves", type=int, default=_async.MANY_SAVES,
                    help=f"async-many: consecutive saves (default {_async.MANY_SAVES})")
+    p.add_argument("--cases", type=_choices((*_fast.CASES, *_fast.FORMAT_CASES)), default=None,
+                   help="fast and format: only these of their cases, comma list (default: all of each), e.g. "
+                   "--methods format --cases verify")
     p.add_argument("--codec", default="gzip", help="taskpoint's codec (default gzip, the targets' default)")
     p.add_argument("--level", type=int, default=None, help="taskpoint's compression level (default: its own)")
     p.add_argument("--data-dir", type=Path, default=BENCH_DIR / "data", help="where the data set is built")
@@ -136,6 +139,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.train_iterations < 1:
         p.error("--train-iterations must be at least 1")
     return args
+
+
+def _only(cases: tuple[str, ...], chosen: list[str] | None) -> tuple[str, ...]:
+    """The ``cases`` of a section that ``--cases`` names (all of them without it)."""
+    return cases if chosen is None else tuple(case for case in cases if case in chosen)
 
 
 def _git(*args: str) -> str:
@@ -173,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(baseline {min(args.runs, args.baseline_runs)}); load average {load_before[0]:.2f}", flush=True)
     stem = "bench" if args.size == 1 else f"bench-size{args.size:g}"
     if not main_table:  # a section alone: never over the main table
-        stem += "-" + "-".join(args.methods)
+        stem += "-" + "-".join(args.methods + (args.cases or []))
     args.results_dir.mkdir(parents=True, exist_ok=True)
     profile_dir = None
     if args.profile:
@@ -196,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     dedup_rows, dedup_stored = (_dedup.run(args.size, opts, args.data_dir / "work-dedup")
                                 if _dedup.METHOD in args.methods else ([], None))
     subset_rows = _subset.run(args.size, opts, args.data_dir / "work-subset") if _subset.METHOD in args.methods else []
-    fast_rows = _fast.run(args.size, opts, args.data_dir) if _fast.METHOD in args.methods else []
-    format_rows = (_fast.run(args.size, opts, args.data_dir, _fast.FORMAT_CASES)
+    fast_rows = (_fast.run(args.size, opts, args.data_dir, _only(_fast.CASES, args.cases))
+                 if _fast.METHOD in args.methods else [])
+    format_rows = (_fast.run(args.size, opts, args.data_dir, _only(_fast.FORMAT_CASES, args.cases))
                    if _fast.FORMAT_METHOD in args.methods else [])
     tier_rows = _tiers.run(args.size, opts, args.data_dir / "work-tiers") if _tiers.METHOD in args.methods else []
     broadcast_rows = (_broadcast.run(args.size, opts, args.data_dir / "work-broadcast")

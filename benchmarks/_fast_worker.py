@@ -36,7 +36,7 @@ def _timed(fn: Callable[[], Any], settle: float) -> tuple[float, float, Any]:
 
 
 def _cpu_seconds() -> float:
-    """CPU-seconds of this process and of the children it waited for (a verify's mapped hash runs in one)."""
+    """CPU-seconds of this process and of the children it waited for (where an operation runs one)."""
     times = os.times()
     return times.user + times.system + times.children_user + times.children_system
 

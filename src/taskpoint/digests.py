@@ -24,7 +24,6 @@ from .executors import CPU
 from .format.fileset import (
     PIECE_HASH,
     PIECE_HASHES,
-    PIECE_SIZE,
     PIECES_DIGEST_PREFIX,
     PieceHasher,
     file_hasher,
@@ -33,7 +32,6 @@ from .format.fileset import (
 from .format.pgzip import crc32
 from .format.pieces import PAYLOAD_PIECES
 from .storage import digest_by_reading
-from .storage.localio import MAPPED_FROM, hash_mapped
 
 
 class Crc32:
@@ -67,31 +65,16 @@ class PayloadPieces(PieceHasher):
 
 def pieces_of_file(fd: int, size: int, on_read: Callable[[int], None] | None = None) -> tuple[int, str]:
     """The bytes read of the first ``size`` of an open local file, and their
-    :data:`~taskpoint.format.pieces.PAYLOAD_PIECES` hexdigest. From :data:`~taskpoint.storage.localio.MAPPED_FROM`
-    bytes, the pieces are hashed from a memory map in a child process (:func:`~taskpoint.storage.localio.hash_mapped`,
-    which says why a child); the pieces it does not hash (a smaller file, a child that cannot start or ends early)
-    are each read and hashed by a thread of the CPU pool, with positional reads into one small buffer
-    (:func:`~taskpoint.storage.digest_by_reading`: the bytes are hashed while in the CPU's cache). A verify of
-    1 GiB in the page cache here took 0.39 CPU-s by reads, against 0.59 through the streamed digest (whose reads are
-    copied into bytes objects, then hashed on another thread) and 0.18 to read the bytes once. ``on_read`` is told
-    of each piece hashed, or of each read, from other threads. The pieces past the file's end (truncated since
+    :data:`~taskpoint.format.pieces.PAYLOAD_PIECES` hexdigest: each piece read and hashed by a thread of the CPU
+    pool, with positional reads into one small buffer (:func:`~taskpoint.storage.digest_by_reading`), so the bytes
+    are hashed while in the CPU's cache. A verify of the bench's 1 GiB step took 0.16 CPU-s so, against 0.22 from a
+    memory map hashed in a child process (which a SIGBUS of the map would end alone: the map's page-table work cost
+    more than the read's copy, BLAKE3 ran slower on bytes fetched from memory than on cached ones, and the child's
+    start added 0.02), and 0.05 to read the bytes once (docs/performance.md). A file truncated meanwhile just reads
+    short. ``on_read`` is told of each read, from other threads. The pieces past the file's end (truncated since
     ``size`` was taken) are no pieces: the digest is of the pieces read, as of a file that was that short."""
-    spans = piece_spans(size)
-    hashed: dict[int, tuple[int, str]] = {}
-
-    def mapped(index: int, digest: str) -> None:
-        hashed[index] = (spans[index][1], digest)
-        if on_read is not None:
-            on_read(spans[index][1])
-
-    if size >= MAPPED_FROM:
-        hash_mapped(fd, size, PIECE_SIZE, PIECE_HASH, CPU.threads, mapped)
-    rest = [index for index in range(len(spans)) if index not in hashed]
-    if rest:
-        lane = CPU.lane(CPU.threads)
-        read = lane.map(lambda index: hash_span(fd, *spans[index], PIECE_HASH, on_read), rest)
-        hashed.update(zip(rest, read, strict=True))
-    found = [hashed[index] for index in range(len(spans))]
+    lane = CPU.lane(CPU.threads)
+    found = list(lane.map(lambda span: hash_span(fd, span[0], span[1], PIECE_HASH, on_read), piece_spans(size)))
     while len(found) > 1 and found[-1][0] == 0:  # a file truncated since its size was taken ends sooner
         found.pop()
     return sum(count for count, _ in found), "".join(digest for _, digest in found)

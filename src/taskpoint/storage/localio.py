@@ -11,15 +11,11 @@ import ctypes
 import fcntl
 import io
 import os
-import selectors
 import shutil
-import signal
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .._log import logger
 from ..executors import IO
 
 #: Largest single write() to a local file. Large writes into fresh page-cache memory run several times
@@ -117,89 +113,6 @@ def digest_by_reading(fd: int, size: int, hasher: Any, on_read: Callable[[int], 
         if on_read is not None:
             on_read(n)
     return done
-
-
-#: Files from this size are hashed from a memory map in a child process (:func:`hash_mapped`) rather than read:
-#: the child's start (0.01-0.02 CPU-s, about 20 ms) is paid back by the copy it saves from about 256 MiB on.
-MAPPED_FROM = 256 << 20
-#: Seconds :func:`hash_mapped` waits for the next piece before it ends the child and leaves the rest to reads.
-MAPPED_STALL = 60.0
-_MAPPED_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mapped_child.py")
-
-
-def hash_mapped(fd: int, size: int, piece: int, hash_name: str, threads: int,
-                on_piece: Callable[[int, str], None]) -> None:
-    """Hash each ``piece`` bytes of the first ``size`` of the open local file ``fd`` by ``hash_name`` from a memory
-    map, on ``threads`` threads of a child process (:mod:`.mapped_child`); ``on_piece(index, hexdigest)`` is told of
-    each, as it is done. Some pieces may never be told of, and the caller reads those: all of them where no child
-    can start, the rest where the child ends early.
-
-    A map saves the copy that a read makes out of the page cache: hashing 1 GiB from the page cache on two cores
-    took 0.28-0.31 CPU-s in the child, its start (0.025) included, against 0.35-0.38 by :func:`digest_by_reading`'s
-    reads (docs/performance.md, a loaded machine). But a mapped page that cannot be had raises SIGBUS, whose
-    default action kills the process, and Python can neither catch it nor return from it: a file truncated
-    meanwhile (by anyone: a read lease, ``F_SETLEASE``, only delays a truncation by
-    ``/proc/sys/fs/lease-break-time`` seconds, and a process stopped for that long, ``SIGSTOP`` or a debugger,
-    would touch the truncated pages all the same), a page whose disk block fails to read, a page of a network file
-    changed on another host, a memory error. So the map lives in a child, which SIGBUS ends alone: the caller sees
-    it exit, logs it, and reads the pieces the child did not report (a truncated file then reads short and is
-    damage, as it is without the map). The child is ended when the caller leaves early (an exception,
-    ``KeyboardInterrupt``) or gets no piece for :data:`MAPPED_STALL` seconds; it is in a session of its own, so a
-    terminal's Ctrl-C reaches only the caller."""
-    args = [str(fd), str(size), str(piece), hash_name, str(threads), *(path for path in sys.path if path)]
-    try:
-        child = subprocess.Popen([sys.executable, "-I", "-S", _MAPPED_CHILD, *args], pass_fds=(fd,),
-                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                 start_new_session=True)
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("could not start the mapped hash of a local file (%s); reading it instead", exc)
-        return
-    assert child.stdout is not None
-    said: list[bytes] = []
-    try:
-        _take_pieces(child, on_piece, said)
-    finally:
-        child.stdout.close()
-        try:
-            status = child.wait(MAPPED_STALL)
-        except subprocess.TimeoutExpired:
-            logger.warning("the mapped hash of a local file (pid %d) did not end in %s s: ending it", child.pid,
-                           MAPPED_STALL)
-            child.kill()
-            status = child.wait()
-    if status != 0:
-        ended = f"signal {signal.strsignal(-status)}" if status < 0 else f"exit status {status}"
-        why = " (a file truncated while it was hashed, or a page that failed to read)" * (status == -signal.SIGBUS)
-        logger.warning("the mapped hash of a local file ended by %s%s%s; the pieces it did not hash are read instead",
-                       ended, why, f": {b' '.join(said).decode(errors='replace')}" if said else "")
-
-
-def _take_pieces(child: subprocess.Popen[bytes], on_piece: Callable[[int, str], None], said: list[bytes]) -> None:
-    """Tell ``on_piece`` of each piece ``child`` reports, until its output ends; the text of an ``error`` line it
-    writes goes to ``said``. A child that reports nothing for :data:`MAPPED_STALL` seconds is ended, as is one
-    whose caller leaves by an exception."""
-    assert child.stdout is not None
-    with selectors.DefaultSelector() as waiting:
-        waiting.register(child.stdout, selectors.EVENT_READ)
-        pending = b""
-        try:
-            while waiting.select(MAPPED_STALL):
-                data = os.read(child.stdout.fileno(), 1 << 16)
-                if not data:
-                    return
-                *lines, pending = (pending + data).split(b"\n")
-                for line in lines:
-                    index, _, digest = line.partition(b" ")
-                    if index == b"error":
-                        said.append(digest)
-                    else:
-                        on_piece(int(index), digest.decode())
-            logger.warning("the mapped hash of a local file (pid %d) reported no piece for %s s: ending it, reading "
-                           "the rest", child.pid, MAPPED_STALL)
-        except BaseException:
-            child.kill()
-            raise
-        child.kill()
 
 
 #: Bytes one ``copy_file_range`` call copies: a whole GiB when nobody watches, pieces of 16 MiB when
