@@ -105,6 +105,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "async-big: one JAX array, Orbax against taskpoint; async-many: 100 consecutive background saves)")
     p.add_argument("--async-sizes", type=lambda text: [int(t) for t in text.split(",")], default=None,
                    help="async: the states' sizes in MiB, comma list (default: --size x 256)")
+    p.add_argument("--async-kinds", type=lambda text: text.split(","), default=list(_async.METHODS),
+                   help="async: the states' kinds, comma list of torch and jax (default both)")
     p.add_argument("--async-big-mib", type=int, default=4096, help="async-big: the array's size in MiB (default 4096)")
     p.add_argument("--async-many-mib", type=int, default=64, help="async-many: the state's size in MiB (default 64)")
     p.add_argument("--async-many-saves", type=int, default=_async.MANY_SAVES,
@@ -213,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
                       if _broadcast.METHOD in args.methods else [])
     latency_rows = _latency.run(args.runs) if _latency.METHOD in args.methods else []
     throttle_rows = (_throttle.run(max(args.runs, _throttle.ROUNDS)) if _throttle.METHOD in args.methods else [])
-    async_rows = (_async.run(args.size, opts, args.data_dir, args.async_sizes) if _async.METHOD in args.methods
-                  else [])
+    async_rows = (_async.run(args.size, opts, args.data_dir, args.async_sizes, _async.kinds(args.async_kinds))
+                  if _async.METHOD in args.methods else [])
     big_rows = (_async.run_big(opts, args.data_dir, args.async_big_mib) if _async.BIG_METHOD in args.methods
                 else [])
     many_rows = (_async.run_many(opts, args.data_dir, args.async_many_mib, args.async_many_saves)

@@ -77,6 +77,15 @@ NEED_TIMES_STATE = 3.5
 SPARE_BYTES = 2 << 30
 
 
+def kinds(names: list[str]) -> dict[str, tuple[str, ...]]:
+    """The methods of the kinds ``names`` (``--async-kinds``: ``jax`` runs only the JAX rows); ValueError naming
+    an unknown kind."""
+    unknown = sorted(set(names) - set(METHODS))
+    if unknown:
+        raise ValueError(f"--async-kinds: unknown {unknown}, the kinds are {sorted(METHODS)}")
+    return {kind: methods for kind, methods in METHODS.items() if kind in names}
+
+
 def shortfall(nbytes: int) -> str | None:
     """Why a state of ``nbytes`` cannot run on this machine now (the memory available, ``MemAvailable``, below
     :data:`NEED_TIMES_STATE` times it plus :data:`SPARE_BYTES`); None when it can."""

@@ -105,6 +105,38 @@ def test_a_background_pytree_save_writes_the_step_a_blocking_one_writes_from_the
         assert layouts[0] == layouts[1]
 
 
+def _compressors(folder: Path) -> set[str]:
+    """The codecs (as JSON) of the arrays Orbax stored in a tree's folder, read from their metadata by tensorstore
+    (``null``: stored uncompressed)."""
+    import tensorstore as ts
+
+    keys = [str(i) for i, leaf in enumerate(json.loads((folder / "taskpoint-pytree.json").read_text())["leaves"])
+            if "dtype" in leaf and all(leaf["data_shape"])]
+    base = {"driver": "ocdbt", "base": (folder / "orbax").as_uri()}
+    return {json.dumps(ts.open({"driver": "zarr", "kvstore": base, "path": key}).result().spec().to_json()["metadata"]
+                       .get("compressor")) for key in keys}
+
+
+def test_both_saves_store_a_trees_arrays_uncompressed_and_a_step_stored_compressed_before_restores(tmp_path,
+                                                                                                     monkeypatch):
+    """Orbax compresses by default and holds each array's compressed copy while it writes it (issue 43): a step's
+    arrays are stored as they are, by a blocking save and by the save process; a step whose arrays an older taskpoint
+    let Orbax compress restores beside them."""
+    with CheckpointManager(tmp_path / "ckpts", async_save=True) as m:
+        with monkeypatch.context() as patched:
+            patched.setattr("taskpoint.jax._pytree.ARRAYS_COMPRESSED", True)  # what an older taskpoint wrote
+            m.save(PyTree(_tree(1)), 1, blocking=True)
+        m.save(PyTree(_tree(2)), 2, blocking=True)
+        m.save(PyTree(_tree(3)), 3)
+        m.wait_until_finished()
+        assert m._background.staging.ready is not None, "step 3 was not staged"
+        folders = [next((tmp_path / "ckpts" / f"ckpt-{step}").glob("pytree-*[0-9a-f]")) for step in (1, 2, 3)]
+        assert [_compressors(folder) for folder in folders] == [{json.dumps({"id": "zstd", "level": 1})},
+                                                                {"null"}, {"null"}]
+        for step in (1, 2, 3):
+            _assert_same(load_pytree_sync(m, step=step), _tree(step))
+
+
 def test_a_tree_without_arrays_is_staged_in_an_empty_segment(tmp_path):
     tree = {"step": 3, "name": "x", "empty": jnp.zeros((0,)), "none": None}
     with CheckpointManager(tmp_path / "ckpts", async_save=True) as m:

@@ -34,11 +34,16 @@ SIDECAR_NAME = "taskpoint-pytree.json"
 ARRAYS_FOLDER = "orbax"
 #: Version of the sidecar's format; a reader refuses a newer one.
 FORMAT_VERSION = 1
-#: The bytes of arrays Orbax writes at once (its ``save_concurrent_gb``, 96 GB unless given). Each array in flight
-#: is held a second time, compressed, until its file is written, so an unbounded write of a tree of many arrays held
-#: about 0.8-0.9x the tree beside it at its peak (a tree of 64 MiB arrays: +424 MiB for 512 MiB, +1.9 GiB for 2 GiB,
-#: issue 43); at this bound, two such arrays are written at once (Orbax waits for more than an array's bytes to be
-#: free), one a core of this machine.
+#: Whether Orbax compresses the arrays it writes (zstd, its default): not. Orbax holds an array's compressed copy
+#: until its file is written, and the arrays of a checkpoint barely compress, so compression cost memory and time
+#: for little space: writing 4 arrays of 64 MiB (float32 N(0, 1)) from a tmpfs mapping took 118-178 MiB beside the
+#: arrays and 0.55-1.05 s compressed (236 MiB of files), against 0-1 MiB and 0.24-0.46 s uncompressed (256 MiB), 5
+#: rounds alternating at load 6-9 (issue 43). Orbax reads either (the arrays' metadata names the codec), so steps
+#: written compressed before read as they did.
+ARRAYS_COMPRESSED = False
+#: The bytes of arrays Orbax writes at once (its ``save_concurrent_gb``, 96 GB unless given): two arrays of 64 MiB
+#: at a time, one a core of this machine. An uncompressed jax array on the CPU is written from its own buffer (no
+#: copy measured), so the bound costs no memory; it keeps a tree of many arrays from being written all at once.
 WRITE_IN_FLIGHT_BYTES = 192 << 20
 #: The payload kind of a PyTree (a :class:`~taskpoint.Checkpoint`'s, and the record of a manager's step).
 PAYLOAD_KIND = "pytree"
@@ -91,7 +96,8 @@ class Encoded:
         if self.arrays:
             # Orbax refuses an array of its bound or more: a larger array is written alone.
             in_flight = max(WRITE_IN_FLIGHT_BYTES, 1 + max(array.nbytes for array in self.arrays.values()))
-            handler = ocp.PyTreeCheckpointHandler(save_concurrent_gb=in_flight / 10**9)
+            handler = ocp.PyTreeCheckpointHandler(save_concurrent_gb=in_flight / 10**9,
+                                                  use_compression=ARRAYS_COMPRESSED)
             ocp.Checkpointer(handler).save(folder / ARRAYS_FOLDER, self.arrays)
         sidecar = {
             "format": FORMAT_VERSION,
