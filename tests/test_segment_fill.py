@@ -4,6 +4,7 @@ and JAX plans copy a state through it, and the save process's views of the segme
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -121,4 +122,23 @@ def test_a_pytree_copied_into_a_segment_reads_back_the_same_arrays(tmp_path):
         np.testing.assert_array_equal(np.asarray(got), want)
     del arrays
     copy.unmap()
+    segment.free()
+
+
+def test_a_segment_larger_than_its_folder_can_hold_is_refused_before_a_byte_is_copied(tmp_path):
+    stat = os.statvfs(tmp_path)
+    with pytest.raises(OSError) as info:
+        Segment.create(stat.f_bavail * stat.f_frsize + (1 << 30), folder=tmp_path)
+    assert info.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []  # nothing left behind
+
+
+def test_fill_allocates_the_pages_of_a_fresh_segment_as_it_writes_them(tmp_path):
+    segment = Segment.create(8 * 4096, folder=tmp_path)
+    assert os.stat(segment.path).st_blocks == 0  # no page taken before the copy
+    data = os.urandom(8 * 4096)
+    segment.fill([(0, data)])
+    assert os.stat(segment.path).st_blocks * 512 >= len(data) and segment.path.read_bytes() == data
+    segment.reserve()  # for a copy through a mapping: every page there already, nothing changes
+    assert segment.path.read_bytes() == data
     segment.free()

@@ -1,14 +1,14 @@
 """Staging in shared memory: where a background save copies its state once, for the save process to write.
 
-A background save of a state in memory (a torch state dict, a JAX PyTree) copies it once into a *segment*: one
-file in ``/dev/shm`` (tmpfs: its pages are memory, shared by every process that maps it), sized up front and
-reserved with ``posix_fallocate`` so that a full ``/dev/shm`` is a clean ``OSError`` before a byte is copied,
-never a ``SIGBUS`` in the middle. The segment is named for the save process from the start (:func:`owner_tag` of
-its pid), so that its ownership needs no round trip: only its name goes to the save process, which writes the
-step from it and removes it (or keeps it for the manager's next save: :mod:`.staging_memory`). The trainer
-may change its tensors, exit or be killed as soon as ``save()`` returned, which it does once the request is in
-the pipe (see :mod:`.saver`).
-
+A background save of a state in memory (a torch state dict, a JAX PyTree) copies it once into a *segment*: one file in
+``/dev/shm`` (tmpfs: its pages are memory, shared by every process that maps it), sized up front (a folder without room
+for it is a clean ``OSError`` before a byte is copied), its pages allocated by the copy's own ``pwrite`` calls
+(:meth:`Segment.fill`), or reserved first with ``posix_fallocate`` where the copy goes through a mapping
+(:meth:`Segment.reserve`), so that a full ``/dev/shm`` is never a ``SIGBUS`` in the middle. The segment is named for the
+save process from the start (:func:`owner_tag` of its pid), so that its ownership needs no round trip: only its name
+goes to the save process, which writes the step from it and removes it (or keeps it for the manager's next save:
+:mod:`.staging_memory`). The trainer may change its tensors, exit or be killed as soon as ``save()`` returned, which it
+does once the request is in the pipe (see :mod:`.saver`).
 A segment's name says who owns it: ``taskpoint-stage-<host>-<pid>-<start>-<random>``, ``<start>`` the owner's
 start time (``/proc/<pid>/stat``), so that a pid reused by another process does not keep a dead owner's segment.
 :func:`sweep_dead_segments` removes those whose owner is gone (a save process killed in the middle of a write),
@@ -20,6 +20,7 @@ never one whose owner runs: the way leftovers in storage are swept.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import re
@@ -81,13 +82,20 @@ class Segment:
     @classmethod
     def create(cls, size: int, owner: str | None = None, folder: Path | None = None) -> Segment:
         """A new segment of ``size`` bytes, owned by the process ``owner`` names (an :func:`owner_tag`; this
-        process by default), its memory reserved (``OSError`` with ``ENOSPC`` when the folder cannot hold it:
-        nothing is left behind), not mapped here (:meth:`fill` writes it)."""
+        process by default), not mapped here (:meth:`fill` writes it). ``OSError`` with ``ENOSPC`` when the
+        folder has less room than that, nothing left behind. Its pages are not allocated yet: :meth:`fill`'s
+        ``pwrite`` calls allocate them as they copy, on its threads at once, where reserving them first
+        (``posix_fallocate``) is a pass of its own over the pages, on one thread, in the first save's blocked time:
+        measured here, 256 MiB in ``/dev/shm``, 9 alternating rounds at load 3-5, reserved then filled 1.09x a
+        ``clone()`` of the tensors (median of per-round ratios), filled without reserving 0.80x."""
+        folder = folder or segment_folder()
+        _check_room(folder, size)
         owner = owner or owner_tag(os.getpid())
-        segment = cls((folder or segment_folder()) / f"{SEGMENT_PREFIX}{owner}-{secrets.token_hex(8)}", 0)
+        segment = cls(folder / f"{SEGMENT_PREFIX}{owner}-{secrets.token_hex(8)}", 0)
         fd = os.open(segment.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            segment._reserve(fd, size)
+            os.ftruncate(fd, size)
+            segment.size = size
         except BaseException:
             segment.path.unlink(missing_ok=True)
             raise
@@ -97,37 +105,43 @@ class Segment:
 
     def resize(self, size: int) -> None:
         """Make this segment ``size`` bytes, for a save that reuses it: a no-op when it is that size already, else
-        its pages past ``size`` are freed and those it lacks reserved (``OSError`` as :meth:`create`), the others
-        kept as they are, with no zeroing (and a mapping here of the old size dropped). FileNotFoundError when it
-        is gone."""
+        its pages past ``size`` are freed and those it lacks left to :meth:`fill` (``OSError`` as :meth:`create`
+        when the folder has no room for them), the others kept as they are, with no zeroing (and a mapping here
+        of the old size dropped). FileNotFoundError when it is gone."""
         fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
         try:
             if size != self.size:
                 self.unmap()
-                if size < self.size:
-                    os.ftruncate(fd, size)
-                self._reserve(fd, size)
+                if size > self.size:
+                    _check_room(self.path.parent, size - self.size)
+                os.ftruncate(fd, size)
+                self.size = size
         finally:
             os.close(fd)
 
-    def _reserve(self, fd: int, size: int) -> None:
-        """Reserve ``size`` bytes of the segment open as ``fd`` (the pages it lacks)."""
-        if size:
-            os.posix_fallocate(fd, 0, size)
-        self.size = size
+    def reserve(self) -> None:
+        """Allocate every page of the segment now (``posix_fallocate``; ``OSError`` with ``ENOSPC`` when the folder
+        cannot hold them), for a copy that writes it through a mapping (:attr:`buffer`), where a page the folder
+        has no room for would be a ``SIGBUS`` in the middle; :meth:`fill` needs none."""
+        if self.size:
+            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                os.posix_fallocate(fd, 0, self.size)
+            finally:
+                os.close(fd)
 
     def fill(self, pieces: Iterable[tuple[int, Any]]) -> None:
-        """Write each ``(offset, data)`` of ``pieces`` (``data`` any contiguous buffer) into the segment at
-        ``offset``, by ``pwrite`` in parts of :data:`FILL_PART` bytes on the shared CPU pool's threads: the
-        trainer's copy of its state. Into reserved pages not yet written, ``pwrite`` copies without the kernel
-        zeroing them first, and it needs no mapping, whose page faults (or ``MAP_POPULATE``) cost more than the
-        copy: measured here for 256 MiB (4 tensors, one thread, median of 9, load 2-4), a fresh segment reserved and
-        filled in 0.18 s (0.54x a ``clone()`` of the tensors into fresh memory, 0.32 s), against 0.44 s (1.35x)
-        reserved, mapped with ``MAP_POPULATE`` and copied into, and 0.33 s mapped and faulted in by the copy; into
-        pages written before, 0.14 s, as fast as a copy into a mapping of them. The parts go on several threads as
-        ``clone()`` and torch's copies do: on a busy machine one thread got less of the cores than they (a later
-        save 0.54x the clone with one, against 0.36x for torch's copy into a mapping, 8 rounds at load 8-18; 0.42x
-        against 0.56x with the parts on the pool, 7 rounds at load 9-20)."""
+        """Write each ``(offset, data)`` of ``pieces`` (``data`` any contiguous buffer) into the segment at ``offset``,
+        by ``pwrite`` in parts of :data:`FILL_PART` bytes on the shared CPU pool's threads: the trainer's copy of its
+        state. Into pages not yet written (allocated by the ``pwrite`` itself, or reserved), ``pwrite`` copies without
+        the kernel zeroing them first, and it needs no mapping, whose page faults (or ``MAP_POPULATE``) cost more than
+        the copy: measured here for 256 MiB (4 tensors, one thread, median of 9, load 2-4), a fresh segment reserved
+        (``posix_fallocate``, as it was then) and filled in 0.18 s (0.54x a ``clone()`` of the tensors into fresh
+        memory, 0.32 s), against 0.44 s (1.35x) reserved, mapped with ``MAP_POPULATE`` and copied into, and 0.33 s
+        mapped and faulted in by the copy; into pages written before, 0.14 s, as fast as a copy into a mapping of them.
+        The parts go on several threads as ``clone()`` and torch's copies do: on a busy machine one thread got less of
+        the cores than they (a later save 0.54x the clone with one, against 0.36x for torch's copy into a mapping, 8
+        rounds at load 8-18; 0.42x against 0.56x with the parts on the pool, 7 rounds at load 9-20)."""
         fd = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC)
         try:
             parts = [(offset + start, view[start:start + FILL_PART]) for offset, data in pieces
@@ -189,6 +203,18 @@ class Segment:
         with contextlib.suppress(FileNotFoundError):
             os.truncate(self.path, 0)
         self.path.unlink(missing_ok=True)
+
+
+def _check_room(folder: Path, size: int) -> None:
+    """``OSError`` with ``ENOSPC`` when ``folder``'s file system has fewer than ``size`` bytes free: said before a
+    byte is copied (a ``pwrite`` that finds no room later fails as cleanly, the segment then freed)."""
+    try:
+        stat = os.statvfs(folder)
+    except OSError:
+        return  # the create that follows says what is wrong with the folder
+    if size > stat.f_bavail * stat.f_frsize:
+        raise OSError(errno.ENOSPC, f"{folder} has {stat.f_bavail * stat.f_frsize} bytes free, a staging segment "
+                                    f"needs {size}", str(folder))
 
 
 def _write_at(fd: int, offset: int, view: memoryview) -> None:

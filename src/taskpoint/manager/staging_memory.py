@@ -1,8 +1,9 @@
 """The staging memory of one manager: the budget its background saves' segments are held in
 (``max_staging_bytes``), and the one segment it keeps *ready* between saves, so that a save blocks for one copy.
 
-Reserving a fresh segment costs the kernel allocating its pages (``posix_fallocate``): 0.03-0.08 s for 256 MiB in
-``/dev/shm`` here, and a mapping of them would cost more (:meth:`~.staging.Segment.fill` writes without one). So the
+A fresh segment costs the kernel allocating its pages as the copy writes them (0.03-0.08 s for 256 MiB in
+``/dev/shm`` here, when they were reserved by ``posix_fallocate`` on their own), and a mapping of them would cost
+more (:meth:`~.staging.Segment.fill` writes without one). So the
 save process does not remove a segment it has written when asked to keep it (:class:`~.saver.StagedRequest`), and
 the manager hands it to the next staged save: resized to that state's size (:meth:`~.staging.Segment.resize`, a
 no-op when the size is the same) and written over with its pages in place. DCP keeps its staging buffer the same way.
@@ -11,7 +12,7 @@ The ready segment stays named for the save process that wrote it: no sweep touch
 it goes with that process (which removes the segments named for it when its trainer dies, and whose own death
 makes them a sweep's). It is reused only by a save to the same save process, only after that process answered
 (so never while it still reads it), counts against the budget while it waits, and is freed at ``close()``. The first
-staged save of a manager reserves its segment: the manager does not know the state's size before it.
+staged save of a manager makes its segment: the manager does not know the state's size before it.
 """
 
 from __future__ import annotations

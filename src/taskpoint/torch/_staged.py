@@ -97,6 +97,7 @@ class Plan:
         segment.fill((start, _bytes(storage).numpy()) for start, storage in pieces if storage.device.type == "cpu")
         on_gpu = [(start, storage) for start, storage in pieces if storage.device.type == "cuda"]
         if on_gpu:
+            segment.reserve()  # written through a mapping: no page may be left for the copy to allocate
             buffer = segment.buffer
             copies = [torch.frombuffer(buffer, dtype=torch.uint8, count=storage.nbytes(), offset=start).copy_(
                 _bytes(storage), non_blocking=True) for start, storage in on_gpu]
