@@ -381,6 +381,25 @@ def test_random_sequences_with_two_managers_on_memory(ops, tmp_path_factory):
     _run_sequence(f"memory://dedup-{uuid.uuid4().hex}", {}, ops, tmp_path_factory.mktemp("seq"))
 
 
+@pytest.mark.parametrize("where", ["memory", "local"])
+def test_a_chunk_another_managers_sweep_removed_is_uploaded_again_after_this_ones_own_sweep(where, tmp_path):
+    """Manager a stores content X, then overwrites it; b's sweep removes X's chunks; b saves; a's own sweep then
+    moves the chunk epoch again. a must not take the epoch it wrote for the one it last listed the store at: its
+    next save of X uploads X's chunks again, and the step restores (the sequence Hypothesis found above)."""
+    url = f"memory://dedup-{uuid.uuid4().hex}" if where == "memory" else str(tmp_path / "ckpts")
+    base = tmp_path / "contents"
+    with CheckpointManager(url, dedup=True, grace_seconds=0) as a, \
+            CheckpointManager(url, dedup=True, grace_seconds=0) as b:
+        a.save(_content_dir(base, 3), 0, overwrite=True)
+        a.save(_content_dir(base, 0), 0, overwrite=True)
+        b.gc()  # removes content 3's chunks, which a still knows as stored
+        b.save(_content_dir(base, 1), 0, overwrite=True)
+        a.gc()  # removes content 0's chunks: a's own move of the epoch
+        a.save(_content_dir(base, 3), 0, overwrite=True)
+        assert snapshot(b.restore(0)) == snapshot(_content_dir(base, 3))
+        assert a.verify(0).steps[0].healthy
+
+
 @pytest.mark.parametrize("server", ["s3_server", "seaweed_server"], ids=["s3", "s3-seaweed"])
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS)

@@ -296,7 +296,11 @@ class Dedup:
         if not self._may_remove(pulse, None, 0, len(doomed)):
             return []
         self.chunks.bump_epoch()  # before the first removal: a save in flight then fails, or lists the store
-        own = self.chunks.epoch = self.chunks.read_epoch()
+        own = self.chunks.read_epoch()
+        # What this manager knows stored holds for the epoch it last listed at, and another manager's sweep may have
+        # moved the epoch and removed chunks since: were the new epoch taken as the one it listed at, its next save
+        # would name such a chunk without uploading it. So that save lists the store again.
+        self.chunks.epoch = None
         # A save that committed before the epoch moved, after the manifests were read above, names chunks
         # this sweep must keep: read the manifests again.
         again = self._referenced()
