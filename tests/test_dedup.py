@@ -622,7 +622,7 @@ def test_a_chunk_is_compressed_at_the_level_an_archive_of_the_same_codec_uses(tm
     key = store.key_of(data)
     assert get_codec(codec).decompress(chunk, len(data)) == data and key.endswith(store.ext)
     if codec == "gzip":
-        assert chunk[10:-8] == archive[pgzip._HEADER_SIZE:-8]  # the same deflate stream
+        assert chunk[10:-8] == archive[pgzip.HEADER_SIZE:-8]  # the same deflate stream
     elif codec == "zstd":
         import zstandard
 

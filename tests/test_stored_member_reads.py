@@ -9,6 +9,7 @@ import io
 import os
 import struct
 import tarfile
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -189,6 +190,8 @@ def save_tree(folder: Path) -> Path:
 
 
 def test_a_restore_through_the_views_gives_identical_files(tmp_path, monkeypatch, inflated):
+    """From a store other than local disk (memory://), the files' data are views of the stored members (a step
+    on local disk is copied by the kernel instead: tests/test_restore_from_file.py)."""
     source = save_tree(tmp_path / "run")
     views = []
     read_view = OrderedFutureReader.read_view
@@ -198,7 +201,7 @@ def test_a_restore_through_the_views_gives_identical_files(tmp_path, monkeypatch
         return read_view(self, n)
 
     monkeypatch.setattr(OrderedFutureReader, "read_view", counting)
-    with CheckpointManager(tmp_path / "steps") as m:
+    with CheckpointManager(f"memory://tp-{uuid.uuid4().hex}/steps") as m:
         m.save(source, 1)
         restored = m.restore(1, into=tmp_path / "out")
     assert snapshot(restored) == snapshot(source)

@@ -20,7 +20,9 @@ from ._progress import NO_PROGRESS, Progress
 from .digests import DIGESTS, pieces_of_file, streaming_hash
 from .errors import CheckpointCorruptError, CheckpointError
 from .executors import CPU
-from .format.codecs import BLOCK_SIZE, Codec, detect_codec, holds_tar
+from .extraction import Verifier as Verifier  # checks a streamed object (kind, size, hex digest)
+from .extraction import extract_file, extract_stream
+from .format.codecs import BLOCK_SIZE, Codec, holds_tar
 from .format.pieces import PAYLOAD_PIECES
 from .format.space import check_room
 from .payloads import BytesPayload, DirectoryPayload, Payload
@@ -35,8 +37,6 @@ _HEAD_SIZE = 1024
 
 #: Picks the payload class of an object from its first bytes and its size (None when unknown).
 KindChooser = Callable[[bytes, "int | None"], type[Payload]]
-#: Checks the streamed object (payload kind, size, hex digest); raises when it does not match.
-Verifier = Callable[[str, int, str], None]
 
 
 class _SourceFailure(CheckpointError):
@@ -267,8 +267,17 @@ def _read_once(src: Location, workspace: Path, choose: KindChooser, verify: Veri
             if not cls.archived and stored_size is not None:
                 # StorageFull before a raw object fills the disk
                 check_room(staging, stored_size, src.uri, max_expand)
+            if cls.archived and src.is_local and hashed and stored_size is not None and extract_file(
+                    cls, raw.fileno(), stored_size, head, staging, src.uri, max_expand, only, digest, verify, progress):
+                with uninterrupted():  # a signal waits until every entry has landed
+                    return cls.publish(staging, workspace)
             if cls.archived:
-                _extract(cls, reader, head, staging, src.uri, max_expand, only, hashed, verify)
+                def judge() -> None:
+                    reader.drain()
+                    verify(cls.kind, reader.size, reader.hexdigest())
+
+                extract_stream(cls, reader, head, staging, src.uri, max_expand, only,  # type: ignore[arg-type]
+                               judge if hashed else None)
             elif src.is_local:
                 # A raw checkpoint on local disk: copied by the kernel while a second thread hashes the
                 # stored object. Both read the same open file, whose inode saves never write into (they
@@ -293,27 +302,6 @@ def _read_once(src: Location, workspace: Path, choose: KindChooser, verify: Veri
             verify(cls.kind, reader.size, reader.hexdigest())
             with uninterrupted():  # a signal waits until every entry has landed
                 return cls.publish(staging, workspace)
-
-
-def _extract(cls: type[Payload], reader: HashingReader, head: bytes, staging: Path, uri: str,
-             max_expand: int | None, only: Sequence[str] | None, hashed: bool, verify: Verifier) -> None:
-    """Extract the archive ``reader`` streams below ``staging``. With ``hashed``, its codec leaves checks of the
-    stored bytes to the digest (stored gzip members skip their CRC32), so damage may reach the archive's reader
-    and read as another refusal (a bad tar header, an unsafe or missing name): then the rest of the object is
-    read and ``verify`` judges its digest first, which names damage as such (for pieces, which piece), in the
-    same read."""
-    stream = detect_codec(head, uri).reader(reader, head, hashed=hashed)  # type: ignore[arg-type]
-    try:
-        extra = {} if only is None else {"only": only}
-        cls.materialize(stream, staging, uri, max_expand=max_expand, **extra)  # type: ignore[call-arg]
-    except (CheckpointCorruptError, KeyError):
-        if hashed:
-            stream.close()  # the gzip reader's cutter stops at a member's boundary: the digest reads on from there
-            reader.drain()
-            verify(cls.kind, reader.size, reader.hexdigest())
-        raise
-    finally:
-        stream.close()
 
 
 def object_size(raw: IO[bytes]) -> int | None:

@@ -20,6 +20,7 @@ from typing import IO
 from ..storage import WRITE_PIECE
 from ..storage.streams import read_up_to
 from .codecs import BLOCK_SIZE, Codec
+from .filegzip import DestinationError
 from .index import FILE, FOLDER, HARDLINK, SYMLINK, TAR_BLOCK, ArchiveIndex, IndexEntry
 
 #: Most path components a member may have; deeper trees are refused on save and on load.
@@ -194,6 +195,9 @@ class _TarReader:
     def __init__(self, source: IO[bytes]) -> None:
         self._source = source
         self._read_view: Callable[[int], memoryview] | None = getattr(source, "read_view", None)
+        #: The source's ``copy_into(fd, n)`` when it has one (:class:`~.filegzip.FileGzipReader`: member data
+        #: written to a file without passing through Python), else None.
+        self.copy_into: Callable[[int, int], int] | None = getattr(source, "copy_into", None)
         self._buf = bytearray(BLOCK_SIZE)
         self._view = memoryview(self._buf)
 
@@ -236,6 +240,30 @@ class _TarReader:
             views.append(self.chunk(min(size, WRITE_PIECE) - got))
             got += len(views[-1])
         return views
+
+    def copy_data(self, fd: int, size: int) -> None:
+        """Write ``size`` bytes of member data, and skip the padding after them, to the file ``fd``: by the source's
+        ``copy_into`` where it has one, else as views for ``os.writev``. DestinationError when writing fails; a
+        failure to read passes unchanged."""
+        remaining = size
+        while remaining > 0 and self.copy_into is not None:
+            copied = self.copy_into(fd, remaining)
+            if not copied:
+                raise EOFError("the archive ends inside a file")
+            remaining -= copied
+        while remaining > 0:
+            views = self.chunks(remaining)
+            remaining -= sum(map(len, views))
+            try:
+                while views:
+                    written = os.writev(fd, views)
+                    while views and written >= len(views[0]):
+                        written -= len(views.pop(0))
+                    if written:
+                        views[0] = views[0][written:]
+            except OSError as exc:
+                raise DestinationError(exc) from exc
+        self.skip_padding(size)
 
     def skip(self, size: int) -> None:
         """Drop ``size`` bytes of member data, and the padding after them."""

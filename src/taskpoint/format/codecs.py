@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 from typing import IO, Any, ClassVar
 
 from ..errors import CheckpointCorruptError
+from .filegzip import FileGzipReader
 from .pgzip import GzipFormatError, ParallelGzipReader, ParallelGzipWriter, isal_level, labelled_length, open_member
 
 #: Size of the blocks the codecs hand to their compressors and to storage.
@@ -61,6 +62,13 @@ class Codec(ABC):
         checksums are verified up to the end. ``hashed``: the caller checks every byte of ``source`` against a
         cryptographic digest before it uses what it read, so a codec may leave out checks of those same bytes
         (gzip's stored members, :class:`~.pgzip.ParallelGzipReader`)."""
+
+    def file_reader(self, fd: int, size: int, head: bytes) -> IO[bytes] | None:
+        """A stream of the decompressed bytes of the first ``size`` bytes of the open local file ``fd`` (whose
+        first bytes are ``head``), read by offset, whose ``copy_into(fd, n)`` writes what it can to a file in the
+        kernel; None for a codec (or stream) without one. For a caller that checks every byte of the file against
+        a cryptographic digest before it uses what it read, like ``reader(hashed=True)``."""
+        return None
 
     @abstractmethod
     def matches(self, head: bytes) -> bool:
@@ -116,6 +124,12 @@ class GzipCodec(Codec):
         return igzip_threaded.open(  # type: ignore[no-any-return,no-untyped-call]
             source, "rb", threads=1, block_size=BLOCK_SIZE
         )
+
+    def file_reader(self, fd: int, size: int, head: bytes) -> IO[bytes] | None:
+        """Labelled streams only (:class:`~.filegzip.FileGzipReader`: stored members copied by the kernel)."""
+        if labelled_length(head) is None:
+            return None
+        return FileGzipReader(fd, size)  # type: ignore[return-value]
 
     def matches(self, head: bytes) -> bool:
         return head.startswith(_GZIP_MAGIC)

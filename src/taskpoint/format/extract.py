@@ -22,6 +22,7 @@ from typing import IO, NoReturn, TypeVar
 from ..errors import CheckpointCorruptError, CheckpointError, StorageFull, UnsafeArchiveError
 from .archive import MAX_DEPTH, MAX_PATH_BYTES, _TarReader, link_leaves
 from .codecs import BLOCK_SIZE, DECODE_ERRORS
+from .filegzip import DestinationError
 from .index import covered
 from .space import SpaceBudget
 
@@ -320,7 +321,10 @@ def _extract_member(tar: _TarReader, member: tarfile.TarInfo, folders: _Folders,
     except OSError as exc:
         _raise_local(exc, uri, member.name)
     try:
-        _copy_data(tar, fd, member.size, uri, member.name)
+        try:
+            tar.copy_data(fd, member.size)  # storage errors while reading pass unchanged: the caller retries them
+        except DestinationError as exc:
+            _raise_local(exc.original, uri, member.name)
         try:
             os.fchmod(fd, member.mode & 0o777)  # setuid, setgid and sticky bits are dropped
             os.utime(fd, (member.mtime, member.mtime))
@@ -328,25 +332,6 @@ def _extract_member(tar: _TarReader, member: tarfile.TarInfo, folders: _Folders,
             _raise_local(exc, uri, member.name)
     finally:
         os.close(fd)
-
-
-def _copy_data(tar: _TarReader, fd: int, size: int, uri: str, what: str) -> None:
-    """Move ``size`` bytes of member data into ``fd``: storage errors while reading pass unchanged (the
-    caller retries them), local disk errors while writing go through :func:`_raise_local`."""
-    remaining = size
-    while remaining > 0:
-        views = tar.chunks(remaining)
-        remaining -= sum(map(len, views))
-        try:
-            while views:
-                written = os.writev(fd, views)
-                while views and written >= len(views[0]):
-                    written -= len(views.pop(0))
-                if written:
-                    views[0] = views[0][written:]
-        except OSError as exc:
-            _raise_local(exc, uri, what)
-    tar.skip_padding(size)
 
 
 def _place(create: Callable[[], T], parent: int, parts: tuple[str, ...], folders: _Folders) -> T:

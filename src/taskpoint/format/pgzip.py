@@ -31,6 +31,8 @@ from typing import IO, Any
 
 from ..executors import CPU
 from ..storage.streams import OrderedFutureReader, read_up_to
+from .stored import STORED_HEADER, stored_blocks, stored_spans
+from .stored import GzipFormatError as GzipFormatError  # the error of every gzip reader, raised here too
 
 #: Input bytes per member: large enough that headers and lost dictionary cost nothing, small enough to
 #: keep memory bounded (members in flight x 2 x this).
@@ -38,8 +40,9 @@ MEMBER_SIZE = 4 << 20
 _SUBFIELD = b"TP"
 # magic, CM=deflate, FLG=FEXTRA, MTIME=0, XFL=0, OS=255 (unknown), XLEN=8, "TP", LEN=4
 _HEADER = struct.Struct("<2sBBIBBH2sHI")
-_HEADER_SIZE = _HEADER.size  # 20
+HEADER_SIZE = _HEADER.size  # 20
 _TRAILER = struct.Struct("<II")
+TRAILER_SIZE = _TRAILER.size  # 8
 #: Longest labelled member a reader accepts: deflate adds only a few bytes per block to the
 #: :data:`MEMBER_SIZE` bytes of input a member holds, even when they do not compress (a generous bound).
 MAX_MEMBER_LENGTH = MEMBER_SIZE + (MEMBER_SIZE >> 6) + 4096
@@ -92,10 +95,6 @@ def _inflate(data: bytes | memoryview, limit: int) -> bytes:
     return out
 
 
-class GzipFormatError(ValueError):
-    """The stream is not valid gzip, or a member fails its CRC or length check."""
-
-
 #: Bytes from the middle of a member that are compressed first to judge whether the member compresses.
 PROBE_SIZE = 64 << 10
 #: A member whose probe compresses to more than this fraction of its size is stored (deflate's stored blocks):
@@ -105,33 +104,13 @@ PROBE_SIZE = 64 << 10
 STORE_ABOVE = 0.9
 
 
-# The header of a stored block that starts on a byte boundary: BFINAL (bit 0) and BTYPE 00 (bits 1-2) padded to a
-# byte, then LEN and NLEN, its one's complement (RFC 1951, 3.2.4).
-_STORED_BLOCK = struct.Struct("<BHH")
-#: Most data one stored block holds (its LEN is 16 bits).
-_STORED_MAX = 0xFFFF
-
-
-def _stored(data: memoryview) -> list[bytes | memoryview]:
-    """``data`` as raw deflate stored blocks (no compression; valid for every inflater): each block's header and
-    a view of its data, so that the member is copied once, when it is joined. zlib's level 0 copied every byte
-    through its window first (1.25 ms of CPU per 4 MiB member here, against 0.16 for its CRC32: 0.3 CPU-s of a
-    1 GiB directory step's save)."""
-    parts: list[bytes | memoryview] = []
-    for start in range(0, len(data), _STORED_MAX):  # some data: _body stores only members above 2 probes
-        length = min(_STORED_MAX, len(data) - start)
-        parts += (_STORED_BLOCK.pack(start + length == len(data), length, length ^ 0xFFFF),
-                  data[start:start + length])
-    return parts
-
-
 def _body(data: memoryview, level: int) -> list[bytes | memoryview]:
     """The raw deflate stream of one member, in parts: compressed, unless a probe of its middle says it barely
     would."""
     if len(data) > 2 * PROBE_SIZE:
         start = (len(data) - PROBE_SIZE) // 2
         if len(_deflate(data[start:start + PROBE_SIZE], level)) > STORE_ABOVE * PROBE_SIZE:
-            return _stored(data)
+            return stored_blocks(data)
     return [_deflate(data, level)]
 
 
@@ -140,37 +119,21 @@ def member(data: bytes | bytearray | memoryview, level: int, store: bool = False
     says it does not compress."""
     view = memoryview(data).cast("B")
     body = _body(view, level) if store else [_deflate(view, level)]
-    total = _HEADER_SIZE + sum(map(len, body)) + _TRAILER.size
+    total = HEADER_SIZE + sum(map(len, body)) + _TRAILER.size
     header = _HEADER.pack(b"\x1f\x8b", 8, 4, 0, 0, 255, 8, _SUBFIELD, 4, total)
     return b"".join((header, *body, _TRAILER.pack(crc32(view, 0) & 0xFFFFFFFF, len(view) & 0xFFFFFFFF)))
 
 
-def _stored_blocks(body: memoryview) -> list[bytes | memoryview] | None:
-    """The data of a raw deflate stream made only of stored blocks, as views of ``body``; None when it holds a
-    block of another kind (or padding bits that zlib never writes), which inflate then reads. GzipFormatError for
-    a stored block whose LEN is not the complement of its NLEN or that runs past the end, a stream without a
-    final block, and bytes after the final one."""
-    pieces: list[bytes | memoryview] = []
-    pos = 0
-    while True:
-        if pos + _STORED_BLOCK.size > len(body):
-            if pos < len(body) and body[pos] > 1:
-                return None
-            raise GzipFormatError("deflate stream is truncated or followed by garbage")
-        first, length, nlength = _STORED_BLOCK.unpack_from(body, pos)
-        if first > 1:
-            return None
-        if length != nlength ^ 0xFFFF:
-            raise GzipFormatError("a stored deflate block's lengths do not match (LEN is not the complement of NLEN)")
-        start, pos = pos + _STORED_BLOCK.size, pos + _STORED_BLOCK.size + length
-        if pos > len(body):
-            raise GzipFormatError("a stored deflate block runs past the end of its gzip member")
-        if length:
-            pieces.append(body[start:pos])
-        if first == 1:
-            if pos != len(body):
-                raise GzipFormatError("deflate stream is truncated or followed by garbage")
-            return pieces
+def trailer(rest: bytes | memoryview) -> tuple[int, int]:
+    """The CRC32 and ISIZE of the member whose last bytes are ``rest``; GzipFormatError when it is too short, or
+    ISIZE claims more than :data:`MEMBER_SIZE`."""
+    if len(rest) < _TRAILER.size:
+        raise GzipFormatError("gzip member is truncated")
+    crc, isize = _TRAILER.unpack_from(rest, len(rest) - _TRAILER.size)
+    if isize > MEMBER_SIZE:
+        raise GzipFormatError(f"a labelled gzip member says it holds {isize} bytes, more than the {MEMBER_SIZE} "
+                              "that taskpoint puts in one")
+    return int(crc), int(isize)
 
 
 def member_data(rest: bytes | memoryview, stored_crc: bool = True) -> list[bytes | memoryview]:
@@ -178,17 +141,12 @@ def member_data(rest: bytes | memoryview, stored_crc: bool = True) -> list[bytes
     pieces: a member of stored blocks as views of ``rest`` (no inflate, no copy), any other inflated into at most
     its ISIZE bytes; checked by its ISIZE and CRC32 (GzipFormatError), a stored one's CRC32 only if ``stored_crc``."""
     view = memoryview(rest)
-    if len(view) < _TRAILER.size:
-        raise GzipFormatError("gzip member is truncated")
-    crc, isize = _TRAILER.unpack_from(view, len(view) - _TRAILER.size)
-    if isize > MEMBER_SIZE:
-        raise GzipFormatError(f"a labelled gzip member says it holds {isize} bytes, more than the {MEMBER_SIZE} "
-                              "that taskpoint puts in one")
+    crc, isize = trailer(view)
     body = view[:-_TRAILER.size]
-    pieces = _stored_blocks(body)
-    check_crc = pieces is None or stored_crc
-    if pieces is None:
-        pieces = [_inflate(body, isize)]
+    spans = stored_spans(lambda pos: body[pos:pos + STORED_HEADER], len(body))
+    check_crc = spans is None or stored_crc
+    pieces: list[bytes | memoryview] = ([_inflate(body, isize)] if spans is None
+                                        else [body[start:start + n] for start, n in spans])
     check = 0
     for piece in pieces if check_crc else ():
         check = crc32(piece, check)
@@ -199,19 +157,32 @@ def member_data(rest: bytes | memoryview, stored_crc: bool = True) -> list[bytes
 
 def open_member(blob: bytes) -> bytes:
     """One labelled member's plain bytes (:func:`member_data`), checked against its CRC32 and length."""
-    if len(blob) < _HEADER_SIZE + _TRAILER.size:
+    if len(blob) < HEADER_SIZE + _TRAILER.size:
         raise GzipFormatError("gzip member is truncated")
-    return b"".join(member_data(memoryview(blob)[_HEADER_SIZE:]))
+    return b"".join(member_data(memoryview(blob)[HEADER_SIZE:]))
 
 
 def labelled_length(head: bytes) -> int | None:
     """The length of the member starting ``head`` when it carries taskpoint's label, else None."""
-    if len(head) < _HEADER_SIZE:
+    if len(head) < HEADER_SIZE:
         return None
     magic, cm, flg, _mtime, _xfl, _os, xlen, sub, sublen, total = _HEADER.unpack_from(head)
     if magic != b"\x1f\x8b" or cm != 8 or flg != 4 or xlen != 8 or sub != _SUBFIELD or sublen != 4:
         return None
     return int(total)
+
+
+def member_length(head: bytes) -> int:
+    """The length of the member of a labelled stream that starts ``head``; GzipFormatError for a label missing
+    (or data after the end of the stream) or out of bounds."""
+    total = labelled_length(head)
+    if total is None or total < HEADER_SIZE + _TRAILER.size:
+        raise GzipFormatError("gzip member without taskpoint's length label in a labelled stream, or data after "
+                              "the end of the stream")
+    if total > MAX_MEMBER_LENGTH:
+        raise GzipFormatError(f"a gzip member's label says it is {total} bytes long, more than a taskpoint member "
+                              f"can be ({MAX_MEMBER_LENGTH})")
+    return total
 
 
 class ParallelGzipWriter(io.RawIOBase):
@@ -342,18 +313,12 @@ class ParallelGzipReader(OrderedFutureReader):
 
     def _next_member(self) -> bytes | None:
         """What follows the next member's header (its deflate stream and trailer); None at the end."""
-        head = read_up_to(self._source, _HEADER_SIZE)
+        head = read_up_to(self._source, HEADER_SIZE)
         if not head:
             return None
-        total = labelled_length(head)
-        if total is None or total < _HEADER_SIZE + _TRAILER.size:
-            raise GzipFormatError("gzip member without taskpoint's length label in a labelled stream, or "
-                                  "data after the end of the stream")
-        if total > MAX_MEMBER_LENGTH:
-            raise GzipFormatError(f"a gzip member's label says it is {total} bytes long, more than a taskpoint "
-                                  f"member can be ({MAX_MEMBER_LENGTH})")
-        rest = read_up_to(self._source, total - _HEADER_SIZE)
-        if len(rest) != total - _HEADER_SIZE:
+        total = member_length(head)
+        rest = read_up_to(self._source, total - HEADER_SIZE)
+        if len(rest) != total - HEADER_SIZE:
             raise EOFError("compressed stream ended inside a member")
         return rest
 
