@@ -1,13 +1,15 @@
 """One cell of issue 41's matrix (kind x ranks x tier), run through the public API only, for
 tests/e2e/test_manager_matrix.py (one rank, in the test's process) and tests/_matrix_worker.py (3 ranks under torchrun).
 
-A cell saves steps 1 and 2 of its kind, restores the newest, and with a local tier also restores it from each tier
-alone (from the local copies, with a remote tier that never held the step; and from the remote tier, on a node whose
-local folder is empty), verifies, deletes step 1, runs gc(), and lists what is left in storage: nothing but step 2's
-objects may remain. Every stage runs on every rank together; after each, the ranks exchange their errors, so that
-all stop at the first stage any rank failed (none waits in a collective for a rank that gave up). Its outcome is one
-JSON-able dict: ``works``; ``refused`` (the constructor raised ValueError: its message); or ``failed`` at a stage,
-with each rank's error there.
+A cell makes its manager on every rank (and, for a kind saved through a writer of its own, DCP's, that writer: the
+manager cannot see such a writer coming, so the writer's construction, before anything is stored, is where it
+refuses a combination), saves steps 1 and 2 of its kind, restores the newest, and with a local tier also restores
+it from each tier alone (from the local copies, with a remote tier that never held the step; and from the remote
+tier, on a node whose local folder is empty), verifies, deletes step 1, runs gc(), and lists what is left in
+storage: nothing but step 2's objects may remain. Every stage runs on every rank together; after each, the ranks
+exchange their errors, so that all stop at the first stage any rank failed (none waits in a collective for a rank
+that gave up). Its outcome is one JSON-able dict: ``works``; ``refused`` (a constructor raised ValueError: its
+message); or ``failed`` at a stage, with each rank's error there.
 """
 
 from __future__ import annotations
@@ -187,6 +189,15 @@ def save(kind: str, manager: CheckpointManager, rank: int, step: int, workspace:
     dcp.save(state, storage_writer=Writer.for_step(manager, step))
 
 
+def construct_writer(kind: str, manager: CheckpointManager) -> None:
+    """Make the writer that ``kind`` saves its first step through, when it has one of its own (DCP's): ValueError
+    when the writer refuses the manager's combination."""
+    if kind == "dcp":
+        from taskpoint.torch import Writer
+
+        Writer.for_step(manager, 1)
+
+
 def load_newest(kind: str, manager: CheckpointManager, rank: int) -> Any:
     """The newest step of ``kind`` as this rank reads it back through ``manager``, with the kind's own reader."""
     if kind == "payload":
@@ -300,11 +311,13 @@ def run_cell(cell: Cell, where: Where, group: Group) -> dict[str, Any]:
 
 
 def _construct(cell: Cell, where: Where, group: Group, managers: list[CheckpointManager]) -> list[str] | None:
-    """Make the cell's manager on every rank (into ``managers``): each rank's ValueError message when every rank
-    refused, None when none did; StageFailed when a rank failed otherwise, or the ranks disagree."""
+    """Make the cell's manager on every rank (into ``managers``), and its kind's writer (:func:`construct_writer`):
+    each rank's ValueError message when every rank refused, None when none did; StageFailed when a rank failed
+    otherwise, or the ranks disagree."""
     refusal = error = None
     try:
         managers.append(open_manager(cell, where, group))
+        construct_writer(cell.kind, managers[-1])
     except ValueError as exc:
         refusal = str(exc)
     except Exception as exc:

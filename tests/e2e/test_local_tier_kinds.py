@@ -125,8 +125,8 @@ def test_a_dcp_step_is_written_on_the_local_tier_promoted_and_read_from_either(r
 
 
 def test_writer_for_step_refuses_a_tiered_manager_of_several_ranks_when_it_is_made(tmp_path):
-    """DCP's ranks write one step into one folder; each rank's local tier is on its own node: Writer.for_step
-    raises ValueError naming why, before DCP writes anything, and nothing is stored on either tier."""
+    """A rank's DCP load reads files other ranks wrote, which no node's local tier holds: Writer.for_step raises
+    ValueError naming why, before DCP writes anything, and nothing is stored on either tier."""
     pytest.importorskip("torch")
     from taskpoint.torch import Writer
 

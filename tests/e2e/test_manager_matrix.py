@@ -2,12 +2,12 @@
 local disk and the S3 server, through the public API only, so that it holds the rebuilt manager to the promise:
 each combination either works end to end (save two steps, restore the newest, with a local tier from each tier
 alone, verify, delete one, gc, and nothing left in storage but the kept step's objects), or is refused at
-construction with a ValueError that names the combination and why.
+construction with a ValueError that names the combination and why: the manager's, or for a kind saved through a
+writer of its own (DCP's, ``Writer.for_step``), which the manager cannot see coming, the writer's, before anything
+is stored (tests/_matrix_cells.py).
 
-:data:`EXPECTED` records what each cell does today. A cell that is neither (it fails at save or restore, or is
-refused late) is a gap: its test is ``xfail(strict=True)`` with what happens today, so it turns red once the
-rebuild fixes it (then the cell becomes ``WORKS`` or :class:`Refused` here, and in docs/manager.md's table,
-which :func:`test_the_docs_list_every_combination_as_the_matrix_finds_it` holds to this one).
+:data:`EXPECTED` records what each cell does, and docs/manager.md's table says the same
+(:func:`test_the_docs_list_every_combination_as_the_matrix_finds_it`).
 
 One-rank cells run in the test's process (tests/_matrix_cells.py). The 3-rank cells of a store run in one launch
 of the real ``torchrun --nproc-per-node 3`` (gloo, CPU; tests/_matrix_worker.py), every cell in sequence, so the
@@ -60,24 +60,16 @@ class Refused:
     why: str
 
 
-@dataclass(frozen=True)
-class Gap:
-    """Neither works nor refused at construction today: ``today`` says what happens instead, ``code`` where."""
-
-    today: str
-    code: str
-
-
 WORKS = Works()
 _DEDUP_RANKS = Refused("a rank's chunks would be named by no manifest between its save and rank 0's commit, and "
                        "gc() could remove them")
 _DEDUP_TIER = Refused("a deduplicated step is a set of chunks shared with other steps, which a promotion cannot copy "
                       "as one verified object")
-_DCP_RANKS_TIER = Gap("refused late: Writer.for_step raises ValueError (its ranks write one step together into one "
-                      "folder, and each rank's local tier is on its own node), not the manager's constructor, which "
-                      "cannot know that a DCP writer will save through it", "manager/tiers.py: LocalTier.folder")
-#: What each cell (``<kind>-<ranks>rank-<tier>``) does today, the same on every store.
-EXPECTED: dict[str, Works | Refused | Gap] = {
+_DCP_RANKS_TIER = Refused("a rank's load reads files that other ranks wrote (DCP writes a replicated tensor once, by "
+                          "one rank, and a resharded load reads any rank's files), so no node's local tier could "
+                          "restore its rank's state alone")
+#: What each cell (``<kind>-<ranks>rank-<tier>``) does, the same on every store.
+EXPECTED: dict[str, Works | Refused] = {
     "payload-1rank-none": WORKS, "payload-1rank-local": WORKS,
     "payload-3rank-none": WORKS, "payload-3rank-local": WORKS,
     "dedup-1rank-none": WORKS, "dedup-1rank-local": _DEDUP_TIER,
@@ -97,15 +89,11 @@ RANK_WORDS, TIER_WORDS = ("world_size", "rank"), ("local_dir", "local tier")
 
 
 def params(ranks: int) -> list[Any]:
-    """The cells of ``ranks`` ranks on each store, a gap's marked ``xfail(strict=True)`` with what happens today."""
+    """The cells of ``ranks`` ranks on each store."""
     found = []
     for store in STORES:
         for cell in cells(ranks):
-            expected = EXPECTED[cell.id]
-            marks = ([pytest.mark.xfail(strict=True, reason=f"{expected.today} ({expected.code})")]
-                     if isinstance(expected, Gap) else [])
-            if ranks > 1 and store != "local":
-                marks.append(pytest.mark.campaign(S3_LAUNCH))
+            marks = [pytest.mark.campaign(S3_LAUNCH)] if ranks > 1 and store != "local" else []
             found.append(pytest.param(store, cell, id=f"{store}-{cell.id}", marks=marks))
     return found
 
@@ -121,16 +109,13 @@ def names_combination_and_reason(cell: Cell, message: str) -> bool:
 
 
 def check(cell: Cell, outcome: dict[str, Any]) -> None:
-    """The promise, for one cell: what :data:`EXPECTED` records; a gap's cell may only work or be refused well."""
+    """The promise, for one cell: what :data:`EXPECTED` records."""
     assert outcome["cell"] == cell.id, outcome
     expected = EXPECTED[cell.id]
     if isinstance(expected, Refused):
         assert outcome["outcome"] == "refused", outcome
         for message in outcome["errors"]:
             assert expected.why in message and names_combination_and_reason(cell, message), outcome
-        return
-    if outcome["outcome"] == "refused" and isinstance(expected, Gap):
-        assert all(names_combination_and_reason(cell, message) for message in outcome["errors"]), outcome
         return
     assert outcome["outcome"] == "works", outcome
 
@@ -197,17 +182,17 @@ def test_three_ranks_under_torchrun(store: str, cell: Cell,
 
 def test_the_docs_list_every_combination_as_the_matrix_finds_it() -> None:
     """docs/manager.md's table of combinations has one row per cell, saying what :data:`EXPECTED` says: works,
-    refused (with the reason), or not possible yet."""
+    or refused (with the reason)."""
     text = DOCS.read_text()
     section = text[text.index("### Which combinations work"):]
     rows = {}
     for line in section.splitlines()[1:]:
         if line.startswith("#"):
             break
-        match = re.fullmatch(r"\| (\w+) \| (\d) \| (none|local) \| (works|refused|not possible yet)\b.*", line)
+        match = re.fullmatch(r"\| (\w+) \| (\d) \| (none|local) \| (works|refused)\b.*", line)
         if match:
             rows[f"{match[1]}-{match[2]}rank-{match[3]}"] = match[4]
-    said = {"works": Works, "refused": Refused, "not possible yet": Gap}
+    said = {"works": Works, "refused": Refused}
     assert {cell: type(expected) for cell, expected in EXPECTED.items()} == {
         cell: said[status] for cell, status in rows.items()}
     for cell, expected in EXPECTED.items():

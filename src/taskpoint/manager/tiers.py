@@ -65,6 +65,10 @@ class LocalManager(Protocol):
 #: store, its reader and its writer.
 OpenLocal = Callable[..., tuple[LocalManager, StepStore, StepReader]]
 
+#: Why a step that the ranks of another package's writer store together (a DCP checkpoint) has no local tier.
+RANKS_WRITER_REFUSED = ("its ranks write one step together, and a rank's load reads files that other ranks wrote (DCP "
+                        "writes a replicated tensor once, by one rank, and a resharded load reads any rank's files), "
+                        "so no node's local tier could restore its rank's state alone")
 #: The names ``steps(tier=...)`` accepts (None: both tiers).
 TIERS = ("local", "remote")
 #: The share of the time left before a preemption notice's deadline that the emergency save gives the
@@ -218,18 +222,15 @@ class LocalTier:
         """The folder of ``step`` that another package's writer stores its objects in (``reading`` False: on the
         local tier, which :meth:`commit` commits and promotes), or that its reader reads (``reading``: the local
         copy when it may be read for the step, as a restore chooses it, else the remote one). ValueError for a
-        writer with several ranks: they write one step together, into one folder, and each rank's local tier is
-        on its own node."""
+        writer with several ranks, the writer's construction (:data:`RANKS_WRITER_REFUSED`)."""
         if reading:
             on_remote = self._steps.manifest(step) is not None
             local = step in self.local.steps() and self._serves(step, on_remote, agreed=not self._ranks.distributed)
             return (self._local_steps if local else self._steps).folder(step)
         if self._ranks.distributed:
-            raise ValueError(
-                f"a step written by another package's writer (a DCP checkpoint, Writer.for_step) cannot be saved with "
-                f"local_dir and world_size {self._ranks.world_size}: its ranks write one step together into one "
-                "folder, its coordinator's manifest naming every rank's files, while each rank's local tier is on "
-                "its own node and would hold only that rank's files; use a manager without local_dir for it")
+            raise ValueError(f"a DCP checkpoint (Writer.for_step) cannot be saved with local_dir and world_size "
+                             f"{self._ranks.world_size}: {RANKS_WRITER_REFUSED}; use a manager without local_dir "
+                             "for it")
         return self._local_steps.folder(step)
 
     def commit(self, step: int, content: StepContent, metadata: dict[str, Any] | None) -> str:

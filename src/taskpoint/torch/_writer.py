@@ -187,7 +187,8 @@ class Writer(Rooted, StorageWriter):
         ``.metadata`` is written the manager commits the step (its manifest names taskpoint's manifest of the
         files by sha256), so ``steps()``, ``latest_step()``, retention, ``delete()`` and ``gc()`` cover DCP
         checkpoints too. With a local tier (``local_dir``) the step goes there and is promoted as a save's is;
-        ValueError, here, when such a manager has several ranks (each rank's local tier is on its own node).
+        ValueError, here, before anything is stored, when such a manager has several ranks (a rank's load reads
+        files other ranks wrote, which no node's local tier holds).
         Every rank passes its own ``Writer.for_step(its_manager, step)``; only DCP's coordinator commits.
         ``metadata``: the step's JSON metadata, as ``manager.save`` takes it."""
         return _StepWriter(manager, step, metadata, overwrite=overwrite, threads=threads)
