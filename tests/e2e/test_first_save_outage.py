@@ -28,7 +28,7 @@ S3_CLIENT = {"connect_timeout": 2, "read_timeout": 3, "retries": {"total_max_att
 #: ... but s3fs tries a call answered 503 SlowDown this many times (its class attribute ``retries``), and one
 #: attempt of the check is a HEAD (503 without a body: not retried) and a listing: at most this many requests are
 #: of the attempt that may be in flight when the write fails, and ends at its own bound. (Waited out instead, the
-#: check sent 63 requests after the write had failed, until the 30 s deadline.)
+#: check sent 66 requests after the write had failed in one run, until the 30 s deadline.)
 S3FS_TRIES = 5
 ONE_CHECK = 1 + S3FS_TRIES
 
