@@ -65,8 +65,8 @@ def save_object(dest: Location, payload: Payload, codec: Codec, level: int | Non
         sweep()
     entry = ObjectRecord(kind=payload.kind, codec=codec.name if payload.archived else "raw",
                          save_id=uuid.uuid4().hex, created=time.time(), size=payload.size())
-    state = SaveState(record_loc, previous, version, check=(lambda: memory.refuse_folder(dest)) if beside else None,
-                       ahead=ahead, sweep=sweep)
+    check = (lambda deadline: memory.refuse_folder(dest.within(deadline))) if beside else None
+    state = SaveState(record_loc, previous, version, check=check, ahead=ahead, sweep=sweep)
 
     def on_partial(deadline: Deadline) -> None:  # a multipart upload begins: if this process dies, the next save
         if not state.partial:  # sweeps it

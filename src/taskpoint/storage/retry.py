@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import socket
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -102,6 +101,8 @@ class RetryPolicy:
         attempt = 0
         while True:
             attempt += 1
+            if deadline.stopped:
+                raise _stopped(action, uri, attempt - 1)
             try:
                 result = fn(deadline)
             except BaseException as exc:
@@ -143,12 +144,20 @@ class RetryPolicy:
                 else:
                     logger.debug("retrying %s %s in %.2f s (attempt %d throttled, which counts against the deadline "
                                  "only: %s)", action, safe_uri(uri), pause, attempt, describe(exc))
-                time.sleep(pause)
+                if deadline.pause(pause):
+                    raise _stopped(action, uri, attempt) from exc
                 delay = min(delay * self.multiplier, self.max_delay)
             else:
                 if count and pushback is not None:
                     pushback.answered()
                 return result
+
+
+def _stopped(action: str, uri: str, attempts: int) -> StorageUnavailable:
+    """The error of an operation whose deadline was cut short (:meth:`Deadline.cut_short`) before it was done."""
+    logger.debug("stopped %s %s after %d attempts: its answer is no longer needed", action, safe_uri(uri), attempts)
+    return StorageUnavailable(f"could not {action} {uri}: stopped after {attempts} attempts, its answer no longer "
+                              "needed (the request it ran beside failed)")
 
 
 def _why(pushback: Pushback | None, before: int, seen: set[Symptom], endpoint: str | None) -> str:
