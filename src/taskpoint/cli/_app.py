@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -121,8 +122,33 @@ class _Terminated(BaseException):
     (a pull's staging folder, an upload's abort) as for Ctrl-C, and the process ends with 128 + SIGTERM."""
 
 
+#: How long after a signal's exception was ignored (raised in a garbage-collection callback) the signal is sent
+#: again: long enough for the main thread to be out of the callback, which takes microseconds.
+REDELIVERY_DELAY = 0.01
+
+
 def _terminate(signum: int, frame: object) -> None:
     raise _Terminated
+
+
+def _redelivering(previous: Callable[[Any], object], signums: tuple[int, ...]) -> Callable[[Any], object]:
+    """A ``sys.unraisablehook`` that delivers again the signals whose handler's exception Python had to ignore.
+    A handler runs between any two bytecodes of the main thread, also those of a finalizer or a weakref callback
+    (the garbage collector's), from which an exception cannot propagate: Python prints "Exception ignored" and
+    goes on, and the SIGTERM would be lost (the campaign's SIGTERM trials met it in ``WeakSet._remove``). The
+    signal is sent again instead, from another thread :data:`REDELIVERY_DELAY` later: raised at once, its handler
+    would run inside this hook, which cannot raise either."""
+
+    def hook(unraisable: Any) -> object:
+        for signum, kind in ((signal.SIGTERM, _Terminated), (signal.SIGINT, KeyboardInterrupt)):
+            if signum in signums and isinstance(unraisable.exc_value, kind):
+                again = threading.Timer(REDELIVERY_DELAY, os.kill, (os.getpid(), signum))
+                again.daemon = True
+                again.start()
+                return None
+        return previous(unraisable)
+
+    return hook
 
 
 @contextmanager
@@ -135,13 +161,16 @@ def _ended_by_signals() -> Iterator[None]:
         yield
         return
     installed: list[tuple[int, Any]] = []
+    previous_hook = sys.unraisablehook
     try:
         installed.append((signal.SIGTERM, signal.signal(signal.SIGTERM, signals.deferrable(_terminate))))
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not an embedding program's own
             installed.append((signal.SIGINT, signal.signal(signal.SIGINT,
                                                            signals.deferrable(signal.default_int_handler))))
+        sys.unraisablehook = _redelivering(sys.unraisablehook, tuple(signum for signum, _ in installed))
         yield
     finally:
+        sys.unraisablehook = previous_hook
         for signum, previous in reversed(installed):
             signal.signal(signum, previous)
 
