@@ -208,13 +208,18 @@ class Segment:
 def _check_room(folder: Path, size: int) -> None:
     """``OSError`` with ``ENOSPC`` when ``folder``'s file system has fewer than ``size`` bytes free: said before a
     byte is copied (a ``pwrite`` that finds no room later fails as cleanly, the segment then freed)."""
+    free = _free_bytes(folder)  # None: the create that follows says what is wrong with the folder
+    if free is not None and size > free:
+        raise OSError(errno.ENOSPC, f"{folder} has {free} bytes free, a staging segment needs {size}", str(folder))
+
+
+def _free_bytes(folder: Path) -> int | None:
+    """The bytes an unprivileged writer may still use on ``folder``'s file system; None when it cannot be asked."""
     try:
         stat = os.statvfs(folder)
     except OSError:
-        return  # the create that follows says what is wrong with the folder
-    if size > stat.f_bavail * stat.f_frsize:
-        raise OSError(errno.ENOSPC, f"{folder} has {stat.f_bavail * stat.f_frsize} bytes free, a staging segment "
-                                    f"needs {size}", str(folder))
+        return None
+    return stat.f_bavail * stat.f_frsize
 
 
 def _write_at(fd: int, offset: int, view: memoryview) -> None:
@@ -269,11 +274,9 @@ def default_staging_bytes(folder: Path | None = None) -> int:
     available (``MemAvailable``) when the manager is made, and no more than that share of the free space of the
     segments' folder (tmpfs has a size of its own, half the RAM by default)."""
     available = _available_memory()
-    try:
-        stat = os.statvfs(folder or segment_folder())
-        available = min(available, stat.f_bavail * stat.f_frsize)
-    except OSError:
-        pass
+    free = _free_bytes(folder or segment_folder())
+    if free is not None:
+        available = min(available, free)
     return int(available * DEFAULT_STAGING_SHARE)
 
 
