@@ -375,10 +375,26 @@ def _run_sequence(url: str, options: dict, ops, tmp: Path) -> None:
         assert [p for p in fs.find(f"{root}/chunks") if CHUNK.fullmatch(p.rpartition("/")[2])] == []
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=OPS)
-def test_random_sequences_with_two_managers_on_memory(ops, tmp_path_factory):
-    _run_sequence(f"memory://dedup-{uuid.uuid4().hex}", {}, ops, tmp_path_factory.mktemp("seq"))
+#: Hypothesis examples of the two managers' random sequences on memory://: make test, and make reliability's campaign
+#: (the 60 of make test drew the sequence of the test below only after many runs; the campaign searches harder).
+EXAMPLES, CAMPAIGN_EXAMPLES = 60, 1_000
+
+
+def _memory_sequences(examples: int, tmp_path_factory) -> None:
+    @settings(max_examples=examples, deadline=None)
+    @given(ops=OPS)
+    def run(ops):
+        _run_sequence(f"memory://dedup-{uuid.uuid4().hex}", {}, ops, tmp_path_factory.mktemp("seq"))
+    run()
+
+
+def test_random_sequences_with_two_managers_on_memory(tmp_path_factory):
+    _memory_sequences(EXAMPLES, tmp_path_factory)
+
+
+@pytest.mark.campaign(f"{CAMPAIGN_EXAMPLES:,} random sequences of two managers on memory:// (make test: {EXAMPLES})")
+def test_random_sequences_with_two_managers_on_memory_at_campaign_size(tmp_path_factory):
+    _memory_sequences(CAMPAIGN_EXAMPLES, tmp_path_factory)
 
 
 @pytest.mark.parametrize("where", ["memory", "local"])
