@@ -182,12 +182,12 @@ def owned_folder(prefix: str, parent: str | os.PathLike[str] | None = None) -> P
     return Path(tempfile.mkdtemp(prefix=f"{prefix}{host_tag()}-{os.getpid()}-", dir=parent))
 
 
-def sweep_dead_folders(folder: str | os.PathLike[str], prefix: str,
-                       grace: float = LEFTOVER_GRACE_SECONDS) -> list[Path]:
+def sweep_dead_folders(folder: str | os.PathLike[str], prefix: str) -> list[Path]:
     """Remove the folders named by :func:`owned_folder` with ``prefix`` in ``folder`` that killed processes of
-    this host left; return them. Only folders whose process is gone and that are older than ``grace``
-    seconds: a pid namespace that shares the folder but not our view of its processes keeps its live ones."""
-    cutoff = time.time() - grace
+    this host left; return them. Only folders whose process is gone and that are older than
+    :data:`LEFTOVER_GRACE_SECONDS`: a pid namespace that shares the folder but not our view of its processes keeps
+    its live ones."""
+    cutoff = time.time() - LEFTOVER_GRACE_SECONDS
 
     def young(entry: os.DirEntry[str]) -> bool:
         return not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_mtime > cutoff

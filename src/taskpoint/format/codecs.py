@@ -13,7 +13,10 @@ import gzip
 import io
 import zlib
 from abc import ABC, abstractmethod
-from typing import IO, Any, ClassVar
+from typing import IO, ClassVar
+
+import zstandard
+from isal import igzip, isal_zlib
 
 from ..errors import CheckpointCorruptError
 from .filegzip import FileGzipReader
@@ -99,7 +102,7 @@ class Codec(ABC):
 class GzipCodec(Codec):
     """Standard gzip, compressed and inflated on every core (see :mod:`.pgzip`); any gzip reader opens it.
 
-    ISA-L when the ``isal`` package is present (same format, about 20x faster than zlib). ``level`` uses
+    ISA-L (same format, about 20x faster than zlib). ``level`` uses
     zlib's 1-9 scale; ISA-L maps 1-3, 4-6 and 7-9 to its levels 1, 2 and 3 (:func:`~.pgzip.isal_level`, the
     one mapping: archives and the chunks of deduplicated steps alike). Streams written by other tools
     (Flyte, ``tar czf``) are inflated sequentially.
@@ -117,10 +120,8 @@ class GzipCodec(Codec):
     def reader(self, source: IO[bytes], head: bytes = b"", *, hashed: bool = False) -> IO[bytes]:
         if labelled_length(head) is not None:
             return ParallelGzipReader(source, hashed=hashed)  # type: ignore[return-value]
-        try:
-            from isal import igzip_threaded
-        except ImportError:  # pragma: no cover - isal is a dependency
-            return gzip.GzipFile(fileobj=source, mode="rb")  # type: ignore[return-value]
+        from isal import igzip_threaded  # on first use: only streams other tools wrote need it
+
         return igzip_threaded.open(  # type: ignore[no-any-return,no-untyped-call]
             source, "rb", threads=1, block_size=BLOCK_SIZE
         )
@@ -143,45 +144,27 @@ class GzipCodec(Codec):
         return open_member(blob)
 
     def compress(self, data: bytes | memoryview, level: int | None) -> bytes:
-        try:
-            from isal import igzip
-        except ImportError:  # pragma: no cover - isal is a dependency
-            return gzip.compress(data, isal_level(level))  # without ISA-L, isal_level is zlib's level
         return bytes(igzip.compress(data, isal_level(level)))
 
     def decompress(self, blob: bytes, size: int) -> bytes:
-        try:
-            from isal import igzip
-        except ImportError:  # pragma: no cover - isal is a dependency
-            return gzip.decompress(blob)
         return bytes(igzip.decompress(blob))  # type: ignore[no-untyped-call]
 
 
 class ZstdCodec(Codec):
-    """Zstandard with frame checksums, compressed on all cores. Needs the ``zstandard`` package."""
+    """Zstandard with frame checksums, compressed on all cores."""
 
     name = "zstd"
-
-    @staticmethod
-    def _module() -> Any:
-        try:
-            import zstandard
-        except ImportError as exc:  # pragma: no cover - zstandard is a dependency
-            raise ImportError("codec='zstd' needs the zstandard package: pip install zstandard") from exc
-        return zstandard
 
     #: The level of ``level=None``: zstd's fastest positive level.
     DEFAULT_LEVEL = 1
 
     def writer(self, sink: IO[bytes], level: int | None) -> IO[bytes]:
-        zstd = self._module()
-        compressor = zstd.ZstdCompressor(level=self._level(level), write_checksum=True, threads=-1)
-        return compressor.stream_writer(_NonClosing(sink), closefd=False)  # type: ignore[no-any-return]
+        compressor = zstandard.ZstdCompressor(level=self._level(level), write_checksum=True, threads=-1)
+        return compressor.stream_writer(_NonClosing(sink), closefd=False)  # type: ignore[arg-type]
 
     def reader(self, source: IO[bytes], head: bytes = b"", *, hashed: bool = False) -> IO[bytes]:
-        zstd = self._module()
-        decompressor = zstd.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
-        return decompressor.stream_reader(source, read_across_frames=True, closefd=False)  # type: ignore[no-any-return]
+        decompressor = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
+        return decompressor.stream_reader(source, read_across_frames=True, closefd=False)
 
     def matches(self, head: bytes) -> bool:
         return head.startswith(_ZSTD_MAGIC)
@@ -190,11 +173,11 @@ class ZstdCodec(Codec):
         return self.DEFAULT_LEVEL if level is None else level
 
     def compress(self, data: bytes | memoryview, level: int | None) -> bytes:
-        compressor = self._module().ZstdCompressor(level=self._level(level), write_content_size=True)
+        compressor = zstandard.ZstdCompressor(level=self._level(level), write_content_size=True)
         return bytes(compressor.compress(data))
 
     def decompress(self, blob: bytes, size: int) -> bytes:
-        decompressor = self._module().ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
+        decompressor = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
         return bytes(decompressor.decompress(blob, max_output_size=size))
 
 
@@ -222,24 +205,8 @@ class NoCodec(Codec):
 CODECS: dict[str, Codec] = {c.name: c for c in (GzipCodec(), ZstdCodec(), NoCodec())}
 
 #: Exceptions that decoders raise on damaged input; they all mean "corrupt checkpoint".
-def _decode_errors() -> tuple[type[BaseException], ...]:
-    errors: list[type[BaseException]] = [EOFError, zlib.error, gzip.BadGzipFile, GzipFormatError]
-    try:
-        from isal import isal_zlib
-
-        errors.append(isal_zlib.error)  # type: ignore[arg-type]
-    except ImportError:  # pragma: no cover - isal is a dependency
-        pass
-    try:
-        import zstandard
-
-        errors.append(zstandard.ZstdError)
-    except ImportError:  # pragma: no cover - zstandard is a dependency
-        pass
-    return tuple(errors)
-
-
-DECODE_ERRORS: tuple[type[BaseException], ...] = _decode_errors()
+DECODE_ERRORS: tuple[type[BaseException], ...] = (EOFError, zlib.error, gzip.BadGzipFile, GzipFormatError,
+                                                  isal_zlib.error, zstandard.ZstdError)  # type: ignore[assignment]
 
 
 #: The gzip of a manager's directory steps: members that do not compress (weights) are stored, read back without

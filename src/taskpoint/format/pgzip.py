@@ -13,7 +13,7 @@ beyond what its trailer says fails at once. A member made only of stored blocks 
 writes for data that does not compress) is not inflated at all: its blocks' data is served as views of the
 member, checked against the same CRC32 and ISIZE.
 
-Uses ISA-L (``isal``) when installed, stdlib zlib otherwise; both release the GIL while they work.
+Uses ISA-L (``isal``, a dependency), which releases the GIL while it works.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ import os
 import queue
 import struct
 import threading
-import zlib
 from collections.abc import Callable
 from typing import IO, Any
+
+from isal import isal_zlib as _z
 
 from ..executors import CPU
 from ..storage.streams import OrderedFutureReader, read_up_to
@@ -52,36 +53,21 @@ def _workers() -> int:
     return max(1, min(os.cpu_count() or 1, 8))
 
 
-try:
-    from isal import isal_zlib as _z
+def _deflate(data: bytes | memoryview, level: int) -> bytes:
+    return _z.compress(data, level, wbits=-15)
 
-    def _deflate(data: bytes | memoryview, level: int) -> bytes:
-        return _z.compress(data, level, wbits=-15)
 
-    def _raw_inflater() -> Any:
-        return _z.decompressobj(wbits=-15)
+def _raw_inflater() -> Any:
+    return _z.decompressobj(wbits=-15)
 
-    crc32: Callable[[Any, int], int] = _z.crc32
-    DEFAULT_LEVEL = 2  # ISA-L's levels run 0-3
 
-    def isal_level(level: int | None) -> int:
-        """zlib's 1-9 scale mapped onto ISA-L's: 1-3, 4-6 and 7-9 become 1, 2 and 3."""
-        return DEFAULT_LEVEL if level is None else (0 if level == 0 else min(3, (level + 2) // 3))
+crc32: Callable[[Any, int], int] = _z.crc32
+DEFAULT_LEVEL = 2  # ISA-L's levels run 0-3
 
-except ImportError:  # pragma: no cover - isal is a dependency; this keeps the format on plain zlib
 
-    def _deflate(data: bytes | memoryview, level: int) -> bytes:
-        c = zlib.compressobj(level, zlib.DEFLATED, -15)
-        return c.compress(data) + c.flush()
-
-    def _raw_inflater() -> Any:
-        return zlib.decompressobj(-15)
-
-    crc32 = zlib.crc32
-    DEFAULT_LEVEL = 6
-
-    def isal_level(level: int | None) -> int:
-        return DEFAULT_LEVEL if level is None else level
+def isal_level(level: int | None) -> int:
+    """zlib's 1-9 scale mapped onto ISA-L's: 1-3, 4-6 and 7-9 become 1, 2 and 3."""
+    return DEFAULT_LEVEL if level is None else (0 if level == 0 else min(3, (level + 2) // 3))
 
 
 def _inflate(data: bytes | memoryview, limit: int) -> bytes:

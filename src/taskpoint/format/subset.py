@@ -107,10 +107,10 @@ def stored_bytes(index: ArchiveIndex, entries: Sequence[IndexEntry]) -> int:
 
 
 def extract_entries(members: MemberReader, entries: Sequence[IndexEntry], staging: Path, *,
-                    max_expand: int | None = None, workers: int | None = None) -> None:
+                    max_expand: int | None = None) -> None:
     """Extract ``entries`` (in archive order, :meth:`ArchiveIndex.select`) of the indexed archive below
     ``staging`` with the checks of a full load, fetching each member that holds them once."""
-    stream = _RangesStream(members, merged_ranges(entries), workers or min(8, os.cpu_count() or 1))
+    stream = _RangesStream(members, merged_ranges(entries), min(8, os.cpu_count() or 1))
     try:
         extract_tar(stream, staging, members.uri, max_expand=max_expand)  # type: ignore[arg-type]
     finally:

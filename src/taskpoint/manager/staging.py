@@ -269,12 +269,12 @@ class Stageable(Protocol):
         ...
 
 
-def default_staging_bytes(folder: Path | None = None) -> int:
+def default_staging_bytes() -> int:
     """The default bound of a manager's staging: :data:`DEFAULT_STAGING_SHARE` of the memory the machine has
     available (``MemAvailable``) when the manager is made, and no more than that share of the free space of the
     segments' folder (tmpfs has a size of its own, half the RAM by default)."""
     available = _available_memory()
-    free = _free_bytes(folder or segment_folder())
+    free = _free_bytes(segment_folder())
     if free is not None:
         available = min(available, free)
     return int(available * DEFAULT_STAGING_SHARE)
