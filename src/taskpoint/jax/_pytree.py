@@ -97,7 +97,8 @@ class Encoded:
             # Orbax refuses an array of its bound or more: a larger array is written alone.
             in_flight = max(WRITE_IN_FLIGHT_BYTES, 1 + max(array.nbytes for array in self.arrays.values()))
             handler = ocp.PyTreeCheckpointHandler(save_concurrent_gb=in_flight / 10**9,
-                                                  use_compression=ARRAYS_COMPRESSED)
+                                                  use_compression=ARRAYS_COMPRESSED,
+                                                  type_handler_registry=_write_handlers())
             ocp.Checkpointer(handler).save(folder / ARRAYS_FOLDER, self.arrays)
         sidecar = {
             "format": FORMAT_VERSION,
@@ -106,6 +107,25 @@ class Encoded:
             "leaves": self.leaves,
         }
         (folder / SIDECAR_NAME).write_text(json.dumps(sidecar, indent=1), encoding="utf-8")
+
+
+def _write_handlers() -> Any:
+    """The type handlers of our own writes: those registered with Orbax, with Orbax's numpy handler told to write
+    numpy arrays by reference instead of deep-copying each first (its default, in case the caller of an
+    asynchronous save changes an array while it is written). Each of our writes ends before its caller may change
+    the arrays (a blocking save's ``save`` call; in a background save, the segment the save process owns until
+    the write ends), so such a copy would guard nothing and holds a second copy of every numpy leaf: a blocking
+    save of 4 numpy arrays of 64 MiB peaked 1.00x the tree above its start with it, 0.03x without (issue 43). The
+    files are the same (the same handler, its type name ``np.ndarray``). Made for each write, never registered
+    globally, so the user's own Orbax saves keep the copy; a numpy handler of the user's own, registered in
+    Orbax's place, is kept as it is."""
+    handlers = ocp.type_handlers
+    registry = handlers.create_type_handler_registry(
+        *((kind, handlers.get_type_handler(kind)) for kind in handlers.supported_types()))
+    if type(handlers.get_type_handler(np.ndarray)) is handlers.NumpyHandler:
+        registry.add(np.ndarray, handlers.NumpyHandler(deepcopy_host_arrays=False), override=True,
+                     ignore_warnings=True)
+    return registry
 
 
 def encode(tree: Any) -> Encoded:
