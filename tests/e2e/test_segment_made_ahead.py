@@ -80,7 +80,7 @@ def test_a_manager_that_resumes_makes_its_first_segment_ahead_and_its_first_save
     assert _segments(os.getpid(), saver) == []
 
 
-def test_nothing_is_made_ahead_without_a_staged_newest_step_or_past_the_staging_bound(tmp_path, creations):
+def test_nothing_is_made_ahead_without_a_staged_newest_step_past_the_staging_bound_or_with_dedup(tmp_path, creations):
     with CheckpointManager(tmp_path / "fresh", async_save=True, preemption=False) as m:
         assert wait_until(lambda: _prestarted(m), TIMEOUT)
         assert m._background.staging.ready is None
@@ -94,6 +94,9 @@ def test_nothing_is_made_ahead_without_a_staged_newest_step_or_past_the_staging_
     with CheckpointManager(tmp_path / "bound", async_save=True, max_staging_bytes=bound, preemption=False) as m:
         assert wait_until(lambda: _prestarted(m), TIMEOUT)
         assert m._background.staging.ready is None and m._background.staging.budget.held == 0
+    with CheckpointManager(tmp_path / "bound", async_save=True, dedup=True, preemption=False) as m:
+        assert wait_until(lambda: _prestarted(m), TIMEOUT)
+        assert m._background.staging.ready is None  # its saves are chunked, never staged
     with CheckpointManager(tmp_path / "bound", preemption=False) as m:  # no async_save: no save process ahead
         assert m._background.saver is None and m._background.staging.ready is None
     assert creations == []

@@ -4,6 +4,7 @@ call, its read side (:mod:`.queries`) and its write side (:mod:`.writes`)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,10 +77,12 @@ def assemble(uri: str, options: Options, *, storage_options: dict[str, Any] | No
                   chunked if dedup else None, agreement.while_committing)
     reader = StepReader(context, in_use, KINDS)
     guard = Guard(steps, in_use, options.retention, grace)
+    # The first segment is made ahead only where the manager's own saves stage (no tier, dedup or ranks in between).
+    ahead = None if options.tier or dedup or plan.ranks.distributed else functools.partial(staged_size, steps)
     background = Background(uri, None if saves.snapshot_dir is None else os.fspath(saves.snapshot_dir),
                             bool(saves.background_process) and root.backend.shared,
                             max_staging_bytes=saves.max_staging_bytes, prestart=bool(saves.async_save),
-                            ahead=lambda: staged_size(steps))
+                            ahead=ahead)
     # The kinds a payload is saved as, the first that accepts it (dedup=True, a plug-in's, else one object); with
     # several ranks, each rank stores its part through it and rank 0 commits the step.
     writer = StepWriter(context, in_use, guard, KINDS, (CHUNKED, PAYLOAD),
