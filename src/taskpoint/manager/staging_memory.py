@@ -14,7 +14,7 @@ makes them a sweep's). It is reused only by a save to the same save process, onl
 (so never while it still reads it), counts against the budget while it waits, and is freed at ``close()``.
 
 The first staged save of a manager makes its segment, and the kernel allocating its pages as the copy writes them was
-most of what that save blocked for (256 MiB: 0.10-0.15 s of the trainer's CPU, against 0.04-0.05 s for a copy into
+most of what that save blocked for (256 MiB: 0.10-0.20 s of the trainer's CPU, against 0.04-0.05 s for a copy into
 the pages of a ready segment). The manager does not know the state's size before that save, except where it resumes:
 a manager that starts its save process ahead (``async_save=True``) makes the ready segment ahead (:meth:`prepare`) at
 the size of the state its newest step holds, when a background save stages that step's kind, and allocates its pages
