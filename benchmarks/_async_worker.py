@@ -147,10 +147,12 @@ def torch_methods(total: int, leaf: int, work: Path, keep: int | None) -> tuple[
                     durable)
         return one
 
-    def taskpoint(blocking: bool, ahead: bool = True) -> Saver:
+    def taskpoint(blocking: bool, ahead: bool = True, resumed: bool = False) -> Saver:
         from taskpoint import CheckpointManager
         from taskpoint.torch import StateDict
 
+        if resumed:
+            _saved_before(lambda manager: manager.save(StateDict(state), 0), work)
         # ahead: async_save=True, whose manager starts its save process when it is made; else save(blocking=False)
         # on a manager that starts it at its first background save
         manager = CheckpointManager(work / "steps", async_save=not blocking and ahead, preemption=False, keep=keep)
@@ -161,7 +163,17 @@ def torch_methods(total: int, leaf: int, work: Path, keep: int | None) -> tuple[
 
     return state, {"copy": copy, "torch-fsync": lambda: torch_fsync, "dcp": dcp,
                    "taskpoint": lambda: taskpoint(False), "taskpoint-blocking": lambda: taskpoint(True),
-                   "taskpoint-on-demand": lambda: taskpoint(False, ahead=False)}
+                   "taskpoint-on-demand": lambda: taskpoint(False, ahead=False),
+                   "taskpoint-resumed": lambda: taskpoint(False, resumed=True)}
+
+
+def _saved_before(save: Callable[[Any], Any], work: Path) -> None:
+    """The step a process before this one saved, for the ``taskpoint-resumed`` methods (a retried task's process
+    resumes where a step holds its state): ``save(manager)`` through a manager of the steps' folder, blocking."""
+    from taskpoint import CheckpointManager
+
+    with CheckpointManager(work / "steps", preemption=False) as manager:
+        save(manager)
 
 
 def jax_methods(total: int, leaf: int, work: Path, keep: int | None) -> tuple[Any, dict[str, Callable[[], Saver]]]:
@@ -187,15 +199,17 @@ def jax_methods(total: int, leaf: int, work: Path, keep: int | None) -> tuple[An
         return lambda step: (lambda: manager.save(step, args=ocp.args.StandardSave(state)),
                              manager.wait_until_finished)
 
-    def taskpoint(blocking: bool) -> Saver:
+    def taskpoint(blocking: bool, resumed: bool = False) -> Saver:
         from taskpoint import CheckpointManager
         from taskpoint.jax import PyTree
 
+        if resumed:
+            _saved_before(lambda manager: manager.save(PyTree(state), 0), work)
         manager = CheckpointManager(work / "steps", async_save=not blocking, preemption=False, keep=keep)
         return lambda step: (lambda: manager.save(PyTree(state), step), manager.wait_until_finished)
 
     return state, {"copy": copy, "orbax": orbax, "taskpoint": lambda: taskpoint(False),
-                   "taskpoint-blocking": lambda: taskpoint(True)}
+                   "taskpoint-blocking": lambda: taskpoint(True), "taskpoint-resumed": lambda: taskpoint(False, True)}
 
 
 def main(spec_path: str, result_path: str) -> None:

@@ -4,12 +4,14 @@ call, its read side (:mod:`.queries`) and its write side (:mod:`.writes`)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..format.codecs import step_codec
+from ..payloads import registered_payloads
 from ..storage import RetryPolicy
 from ..storage.location import Location
 from ._checks import check_grace
@@ -75,9 +77,12 @@ def assemble(uri: str, options: Options, *, storage_options: dict[str, Any] | No
                   chunked if dedup else None, agreement.while_committing)
     reader = StepReader(context, in_use, KINDS)
     guard = Guard(steps, in_use, options.retention, grace)
+    # The first segment is made ahead only where the manager's own saves stage (no tier, dedup or ranks in between).
+    ahead = None if options.tier or dedup or plan.ranks.distributed else functools.partial(staged_size, steps)
     background = Background(uri, None if saves.snapshot_dir is None else os.fspath(saves.snapshot_dir),
                             bool(saves.background_process) and root.backend.shared,
-                            max_staging_bytes=saves.max_staging_bytes, prestart=bool(saves.async_save))
+                            max_staging_bytes=saves.max_staging_bytes, prestart=bool(saves.async_save),
+                            ahead=ahead)
     # The kinds a payload is saved as, the first that accepts it (dedup=True, a plug-in's, else one object); with
     # several ranks, each rank stores its part through it and rank 0 commits the step.
     writer = StepWriter(context, in_use, guard, KINDS, (CHUNKED, PAYLOAD),
@@ -90,3 +95,17 @@ def assemble(uri: str, options: Options, *, storage_options: dict[str, Any] | No
                         PreemptionPolicy(preemption, on_preemption, agreement), chunked, queries,
                         bool(saves.async_save))
     return Assembly(steps, context, chunked, background, tier, queries, writes)
+
+
+def staged_size(steps: StepStore) -> int | None:
+    """The bytes of the state the newest committed step of ``steps`` holds, as the sizes its manifest records tell (a
+    state dict's file, a PyTree's files: a little more than its tensors or arrays), when it is the step of a payload
+    that a background save stages through a module of its own (:attr:`~taskpoint.payloads.Payload.staged_by`: a state
+    dict, a PyTree; not bytes, whose step may as well be a file's); else None. A manager that resumes makes its
+    first staging segment ahead at this size (:meth:`.staging_memory.StagingMemory.prepare`)."""
+    staged = {(getattr(cls, "staged_kind", None), cls.kind) for cls in registered_payloads() if cls.staged_by}
+    committed = [step for step, folder in steps.scan().items() if folder.committed]
+    manifest = steps.manifest(max(committed), tolerate_corrupt=True) if committed else None
+    if manifest is None or (manifest.kind, manifest.record.kind) not in staged:
+        return None
+    return sum(size or 0 for size in steps.named(manifest.step, manifest).files.values()) or None

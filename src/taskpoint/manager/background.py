@@ -238,10 +238,12 @@ class SavedBy(Protocol):
 
 class Background:
     """The background machinery of one manager: snapshots, staging, the one save in flight, and the save
-    process (started at once, on a thread, with ``prestart``: else by the first background save)."""
+    process (started at once, on a thread, with ``prestart``: else by the first background save; with ``ahead``, the
+    size of the state a save is expected to stage, its ready segment made then too: :meth:`.StagingMemory.prepare`)."""
 
     def __init__(self, directory: str, snapshot_dir: str | None, use_process: bool, *,
-                 max_staging_bytes: int | None = None, prestart: bool = False) -> None:
+                 max_staging_bytes: int | None = None, prestart: bool = False,
+                 ahead: Callable[[], int | None] | None = None) -> None:
         self._directory = directory
         self._snapshot_dir = snapshot_dir
         self.slot = BackgroundSave()
@@ -254,6 +256,7 @@ class Background:
         #: The staging memory this manager's background saves may hold (``max_staging_bytes``), and its ready
         #: segment.
         self.staging = StagingMemory(max_staging_bytes)
+        self._ahead = ahead
         if use_process and prestart:  # the first background save then finds the process ready
             threading.Thread(target=self._prestart, name="taskpoint-saver-start", daemon=True).start()
 
@@ -263,6 +266,8 @@ class Background:
         modules = sorted({cls.staged_by for cls in registered_payloads() if cls.staged_by is not None})
         if process is not None and modules:
             process.warm(modules)
+        if process is not None and self._ahead is not None:
+            self.staging.prepare(self._ahead, process.owner)
 
     def start(self, step: int, payload: Payload, job: Callable[..., None], kind: SavedBy) -> None:
         """Snapshot ``payload`` (or stage a :class:`~.staging.Stageable` one in shared memory for the save process

@@ -335,6 +335,15 @@ class StagingBudget:
                         time.monotonic() - began)
         return True
 
+    def reserve_now(self, size: int) -> bool:
+        """Hold ``size`` bytes until :meth:`release` when they fit now; False, holding nothing, when they do not
+        (no wait: for a segment made ahead, which no save waits for)."""
+        with self._freed:
+            if self._held + size > self.limit:
+                return False
+            self._held += size
+        return True
+
     def release(self, size: int) -> None:
         """Give back ``size`` bytes a :meth:`reserve` held."""
         with self._freed:
