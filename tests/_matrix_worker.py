@@ -10,6 +10,7 @@ as one JSON line, in one write, as soon as the cell ends (so a job cut short sti
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,13 @@ def main() -> None:
     dist.destroy_process_group()
     if group.rank == 0:
         say(event="done")
+    # No interpreter shutdown: torch's gloo (2.13) can abort a rank at exit. A core of a rank that did (SIGABRT,
+    # "terminate called without an active exception", 2 of 12 launches beside two CPU burners) showed the main
+    # thread in Py_FinalizeEx while a gloo worker thread destroyed the job's last barrier work, which still held an
+    # all-gather's tensors; their decref took the GIL, and a thread taking it during finalization is made to exit
+    # (pthread_exit) inside a noexcept destructor: std::terminate. Every cell has ended and been reported here.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

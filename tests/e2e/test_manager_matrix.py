@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,7 +148,11 @@ def places(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 
 def launch(where: Where) -> dict[str, dict[str, Any]]:
-    """Every 3-rank cell in one ``torchrun --nproc-per-node 3`` job: each cell's outcome, by its id."""
+    """Every 3-rank cell in one ``torchrun --nproc-per-node 3`` job: each cell's outcome, by its id. Each launch
+    in folders of its own: a launch made again after one failed (:func:`shared_once` keeps no failure) must fail
+    for its own reason, not on the steps the failed one left ("step 2 already exists" in every later cell)."""
+    attempt = f"launch-{uuid.uuid4().hex[:8]}"
+    where = Where(f"{where.base.rstrip('/')}/{attempt}", where.options, where.local / attempt)
     body = json.dumps({"base": where.base, "options": where.options, "local": str(where.local),
                        "cells": [cell.id for cell in cells(3)]})
     status, out, err = run_torchrun(WORKER, 3, body, LAUNCH_WITHIN)
