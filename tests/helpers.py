@@ -179,6 +179,19 @@ def own_staging_folder() -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def count_segment_creations(monkeypatch: Any) -> list[int]:
+    """The sizes of the staging segments created from now on, in order (``Segment.create`` still creates them)."""
+    made: list[int] = []
+    create = staging.Segment.create.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: Any, size: int, *args: Any, **kwargs: Any) -> Any:
+        made.append(size)
+        return create(cls, size, *args, **kwargs)
+
+    monkeypatch.setattr(staging.Segment, "create", classmethod(counted))
+    return made
+
+
 def staged_segments(*pids: int) -> list[Path]:
     """The staging segments of this host owned by ``pids`` (by any process when none is given)."""
     folder = staging.segment_folder()

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ORPHAN_EXIT_SLACK, process_gone, wait_until
+from helpers import ORPHAN_EXIT_SLACK, count_segment_creations, process_gone, wait_until
 from taskpoint import CheckpointManager
-from taskpoint.manager import staging
 
 torch = pytest.importorskip("torch")
 from taskpoint.torch import StateDict, load_state_dict_sync  # noqa: E402
@@ -27,16 +26,8 @@ from test_staged_saves import GRACE_SECONDS, TIMEOUT, _assert_same, _segments, _
 
 @pytest.fixture
 def creations(monkeypatch) -> list[int]:
-    """The sizes of the segments created from now on (Segment.create still creates them)."""
-    made: list[int] = []
-    create = staging.Segment.create.__func__
-
-    def counted(cls, size, *args, **kwargs):
-        made.append(size)
-        return create(cls, size, *args, **kwargs)
-
-    monkeypatch.setattr(staging.Segment, "create", classmethod(counted))
-    return made
+    """The sizes of the segments created from now on."""
+    return count_segment_creations(monkeypatch)
 
 
 def _plan_size(state: dict) -> int:
@@ -187,14 +178,16 @@ _TRAINER = textwrap.dedent("""
 """)
 
 
-def test_a_trainer_killed_between_saves_has_its_ready_segment_freed_by_its_save_process(tmp_path):
-    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, str(tmp_path / "ckpts"), str(Path(__file__).parent)],
+def kill_trainer_holding_a_segment(trainer_script: str, directory: Path) -> None:
+    """Start ``trainer_script`` (given ``directory`` and this folder; it prints its save process's pid and the path
+    of the segment it holds, then waits), SIGKILL it, and check that its save process ends and frees the segment."""
+    trainer = subprocess.Popen([sys.executable, "-c", trainer_script, str(directory), str(Path(__file__).parent)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                env={**os.environ, "TASKPOINT_GRACE_SECONDS": str(GRACE_SECONDS)})
     try:
-        pid, path = trainer.stdout.readline().split()
-        helper, ready = int(pid), Path(path)
-        assert ready.exists()
+        pid, path = trainer.stdout.readline().split()  # the trainer's wait is bounded by the test's timeout
+        helper, segment = int(pid), Path(path)
+        assert segment.exists()
         trainer.kill()
         assert trainer.wait(TIMEOUT) == -signal.SIGKILL
     finally:
@@ -203,7 +196,11 @@ def test_a_trainer_killed_between_saves_has_its_ready_segment_freed_by_its_save_
         trainer.stdin.close()
         trainer.stdout.close()
     assert process_gone(helper, GRACE_SECONDS + ORPHAN_EXIT_SLACK), "the save process outlived its trainer"
-    assert wait_until(lambda: not ready.exists())
+    assert wait_until(lambda: not segment.exists())
     assert _segments(trainer.pid, helper) == []
+
+
+def test_a_trainer_killed_between_saves_has_its_ready_segment_freed_by_its_save_process(tmp_path):
+    kill_trainer_holding_a_segment(_TRAINER, tmp_path / "ckpts")
     with CheckpointManager(tmp_path / "ckpts") as m:
         _assert_same(load_state_dict_sync(m, 1, mmap=True), _state(1))

@@ -9,36 +9,27 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 import threading
 from pathlib import Path
 
 import pytest
 
-from helpers import ORPHAN_EXIT_SLACK, process_gone, wait_until
+from helpers import count_segment_creations, process_gone, wait_until
 from helpers import staged_segments as _segments
 from taskpoint import CheckpointManager
 from taskpoint.manager import staging
 
 torch = pytest.importorskip("torch")
 from taskpoint.torch import StateDict, load_state_dict_sync  # noqa: E402
-from test_staged_saves import GRACE_SECONDS, TIMEOUT, _assert_same, _state  # noqa: E402
+from test_ready_segment import kill_trainer_holding_a_segment  # noqa: E402
+from test_staged_saves import TIMEOUT, _assert_same, _state  # noqa: E402
 
 
 @pytest.fixture
 def creations(monkeypatch) -> list[int]:
-    """The sizes of the segments created from now on (Segment.create still creates them)."""
-    made: list[int] = []
-    create = staging.Segment.create.__func__
-
-    def counted(cls, size, *args, **kwargs):
-        made.append(size)
-        return create(cls, size, *args, **kwargs)
-
-    monkeypatch.setattr(staging.Segment, "create", classmethod(counted))
-    return made
+    """The sizes of the segments created from now on."""
+    return count_segment_creations(monkeypatch)
 
 
 def _saved_before(directory: Path, state: dict) -> None:
@@ -162,23 +153,7 @@ _TRAINER = textwrap.dedent("""
 def test_a_trainer_killed_before_its_first_save_has_the_segment_made_ahead_freed_by_its_save_process(tmp_path):
     directory = tmp_path / "ckpts"
     _saved_before(directory, _state(1))
-    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, str(directory), str(Path(__file__).parent)],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                               env={**os.environ, "TASKPOINT_GRACE_SECONDS": str(GRACE_SECONDS)})
-    try:
-        pid, path = trainer.stdout.readline().split()  # the trainer's wait is bounded by this test's timeout
-        helper, ahead = int(pid), Path(path)
-        assert ahead.exists()
-        trainer.kill()
-        assert trainer.wait(TIMEOUT) == -signal.SIGKILL
-    finally:
-        trainer.kill()
-        trainer.wait(TIMEOUT)
-        trainer.stdin.close()
-        trainer.stdout.close()
-    assert process_gone(helper, GRACE_SECONDS + ORPHAN_EXIT_SLACK), "the save process outlived its trainer"
-    assert wait_until(lambda: not ahead.exists())
-    assert _segments(trainer.pid, helper) == []
+    kill_trainer_holding_a_segment(_TRAINER, directory)
 
 
 def test_a_pytree_step_makes_the_segment_ahead_too(tmp_path, creations):
