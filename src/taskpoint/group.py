@@ -272,3 +272,7 @@ class TorchGroup:
     def barrier(self, name: str) -> None:
         """Return once every rank reached the barrier ``name``."""
         self.all_gather(None, name)
+
+
+#: The one way for ranks to agree: the protocols built on it call all_gather, broadcast and barrier.
+Group = TorchGroup | StorageGroup
