@@ -104,7 +104,7 @@ def staged_size(steps: StepStore) -> int | None:
     dict, a PyTree; not bytes, whose step may as well be a file's); else None. A manager that resumes makes its
     first staging segment ahead at this size (:meth:`.staging_memory.StagingMemory.prepare`)."""
     staged = {(getattr(cls, "staged_kind", None), cls.kind) for cls in registered_payloads() if cls.staged_by}
-    committed = [step for step, folder in steps.scan().items() if folder.committed]
+    committed = steps.committed_steps()
     manifest = steps.manifest(max(committed), tolerate_corrupt=True) if committed else None
     if manifest is None or (manifest.kind, manifest.record.kind) not in staged:
         return None

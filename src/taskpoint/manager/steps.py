@@ -146,7 +146,7 @@ class StepStore:
     def missing(self, step: int, also: Iterable[int] = ()) -> FileNotFoundError:
         """The error for ``step`` not existing, saying which steps do (this directory's committed steps and
         ``also``, a local tier's): the count, and the newest few and the oldest, from one listing."""
-        committed = {number for number, folder in self.scan().items() if folder.committed} | set(also)
+        committed = self.committed_steps() | set(also)
         return FileNotFoundError(f"step {step} does not exist in {self.directory}; {steps_there(committed)}")
 
     def taken(self, step: int) -> FileExistsError:
@@ -174,6 +174,10 @@ class StepStore:
         return bool(_OURS.fullmatch(name)) or any(kind.owns(name, committed) for kind in self.kinds.loaded())
 
     # -- listing -------------------------------------------------------------------------------------------
+
+    def committed_steps(self) -> set[int]:
+        """The committed steps, from one listing (:meth:`scan`)."""
+        return {number for number, folder in self.scan().items() if folder.committed}
 
     def scan(self, step: int | None = None) -> dict[int, Folder]:
         """Every ``ckpt-N`` folder (or only ``step``'s) with its objects, from one recursive listing of the keys

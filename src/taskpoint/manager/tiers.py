@@ -149,7 +149,7 @@ class LocalTier:
         local copy serves a remote step when it is this rank's shard of it, and a step on the local tiers alone
         is tried only through a process group, when every rank holds it; a resume (``step`` None) then drops
         the local steps newer than the one restored, which the job saves again."""
-        remote = {step for step, folder in self._steps.scan().items() if folder.committed}
+        remote = self._steps.committed_steps()
         local = set(self.local.steps())
         vote = TorchGroup.of_initialized(None, "a restore from the local tier") if self._ranks.distributed else None
         agreed = (common_steps(vote, local) if vote is not None else set()) if self._ranks.distributed else local
@@ -300,8 +300,7 @@ class LocalTier:
         if self._ranks.distributed:
             self.promote(saved)
             return
-        remote = [step for step, folder in self._steps.scan().items() if folder.committed]
-        newest = max(remote, default=-1)
+        newest = max(self._steps.committed_steps(), default=-1)
         failed: list[CheckpointCorruptError] = []
         for step in self.local.steps():
             if self._cut:
