@@ -35,6 +35,14 @@ def sent(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return counts
 
 
+def weights_folder(tmp_path: Path, size: int) -> Path:
+    """A folder ``run`` holding one file of ``size`` bytes of weights (stored, not compressed)."""
+    source = tmp_path / "run"
+    source.mkdir()
+    (source / "model.bin").write_bytes(weights(size))
+    return source
+
+
 def payload_of(steps: Path, step: int) -> Path:
     (payload,) = (steps / f"ckpt-{step}").glob("payload-*")
     return payload
@@ -56,9 +64,7 @@ def test_a_step_on_local_disk_is_restored_with_its_stored_data_copied_by_the_ker
 
 def test_damage_in_the_middle_of_a_stored_member_is_refused_naming_its_piece_and_nothing_is_published(
         tmp_path: Path, sent: list[int]) -> None:
-    source = tmp_path / "run"
-    source.mkdir()
-    (source / "model.bin").write_bytes(weights(40 << 20))
+    source = weights_folder(tmp_path, 40 << 20)
     with CheckpointManager(tmp_path / "steps") as m:
         m.save(source, 1)
         payload = payload_of(tmp_path / "steps", 1)
@@ -95,9 +101,7 @@ def test_a_stored_object_truncated_during_the_restore_is_refused_not_a_crash(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Truncated by someone else after the restore opened it, between two of the kernel's copies: the next copy
     and the hash come up short (no memory map, so no SIGBUS), and the restore says the step is damaged."""
-    source = tmp_path / "run"
-    source.mkdir()
-    (source / "model.bin").write_bytes(weights(24 << 20))
+    source = weights_folder(tmp_path, 24 << 20)
     with CheckpointManager(tmp_path / "steps") as m:
         m.save(source, 1)
         payload = payload_of(tmp_path / "steps", 1)
