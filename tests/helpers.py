@@ -193,12 +193,15 @@ def count_segment_creations(monkeypatch: Any) -> list[int]:
 
 
 def staged_segments(*pids: int) -> list[Path]:
-    """The staging segments of this host owned by ``pids`` (by any process when none is given)."""
+    """The staging segments of this host owned by ``pids`` (by any process when none is given): each by its head, the
+    file at its path (a segment is several files, ``<head>.1``, ...: taskpoint.manager.segment_files), and any other
+    file of a segment whose head is gone by itself, so that no file left behind goes unseen."""
     folder = staging.segment_folder()
     found = []
     for path in folder.glob(f"{staging.SEGMENT_PREFIX}{host_tag()}-*"):
         owner = int(path.name[len(staging.SEGMENT_PREFIX):].split("-")[1])
-        if not pids or owner in pids:
+        head = path.with_name(path.name.split(".")[0])
+        if (not pids or owner in pids) and (path == head or not head.exists()):
             found.append(path)
     return found
 

@@ -19,6 +19,7 @@ import threading
 import time
 import traceback
 import warnings
+from pathlib import Path
 from typing import IO, Any
 
 from .. import _progress, preemption
@@ -42,6 +43,7 @@ from .saver import (
     release_freed_memory,
     write_message,
 )
+from .segment_files import stored_size
 from .staging import WAIT_LOG_SECONDS, Segment, free_owned_segments
 from .step_commit import write_manifest
 
@@ -237,7 +239,7 @@ def _adopt(name: str, kept: Segment | None) -> Segment:
     same size, so that its pages need not be mapped again (0.05-0.13 s for 256 MiB here), else mapped anew."""
     if kept is not None:
         with contextlib.suppress(OSError):
-            if str(kept.path) == name and os.stat(name).st_size == kept.size:
+            if str(kept.path) == name and stored_size(Path(name)) == kept.size:
                 return kept
         kept.unmap()
     return Segment.adopt(name)

@@ -1,7 +1,8 @@
 """Staging in shared memory: where a background save copies its state once, for the save process to write.
 
-A background save of a state in memory (a torch state dict, a JAX PyTree) copies it once into a *segment*: one file in
-``/dev/shm`` (tmpfs: its pages are memory, shared by every process that maps it), sized up front (a folder without room
+A background save of a state in memory (a torch state dict, a JAX PyTree) copies it once into a *segment*: files in
+``/dev/shm`` (tmpfs: its pages are memory, shared by every process that maps it; one file per thread that fills it,
+:mod:`.segment_files`), sized up front (a folder without room
 for it is a clean ``OSError`` before a byte is copied), its pages allocated by the copy's own ``pwrite`` calls
 (:meth:`Segment.fill`), or reserved first with ``posix_fallocate`` where the copy goes through a mapping
 (:meth:`Segment.reserve`), so that a full ``/dev/shm`` is never a ``SIGBUS`` in the middle. The segment is named for the
@@ -36,6 +37,7 @@ from .._log import logger
 from ..executors import CPU
 from ..payloads import Payload
 from ..workspace import owner_tag, sweep_dead
+from .segment_files import map_parts, part_count, part_path, part_paths, part_sizes, spread, stored_size
 
 #: Start of a segment's name: ``taskpoint-stage-<host>-<pid>-<start>-<random>``.
 SEGMENT_PREFIX = "taskpoint-stage-"
@@ -77,58 +79,67 @@ class Segment:
 
     def __init__(self, path: Path, size: int) -> None:
         self.path, self.size = path, size
-        self._map: mmap.mmap | None = None
+        self._map: mmap.mmap | memoryview | None = None
 
     @classmethod
     def create(cls, size: int, owner: str | None = None, folder: Path | None = None) -> Segment:
         """A new segment of ``size`` bytes, owned by the process ``owner`` names (an :func:`owner_tag`; this
-        process by default), not mapped here (:meth:`fill` writes it). ``OSError`` with ``ENOSPC`` when the
-        folder has less room than that, nothing left behind. Its pages are not allocated yet: :meth:`fill`'s
-        ``pwrite`` calls allocate them as they copy, on its threads at once, where reserving them first
-        (``posix_fallocate``) is a pass of its own over the pages, on one thread, in the first save's blocked time:
-        measured here, 256 MiB in ``/dev/shm``, 9 alternating rounds at load 3-5, reserved then filled 1.09x a
-        ``clone()`` of the tensors (median of per-round ratios), filled without reserving 0.80x."""
+        process by default), not mapped here (:meth:`fill` writes it): one file per thread of the CPU pool that fills
+        it (:mod:`.segment_files`). ``OSError`` with ``ENOSPC`` when the folder has less room than that, nothing left
+        behind. Its pages are not allocated yet: :meth:`fill`'s ``pwrite`` calls allocate them as they copy, on its
+        threads at once, where reserving them first (``posix_fallocate``) is a pass of its own over the pages, in the
+        first save's blocked time: measured here, 256 MiB in ``/dev/shm``, 9 alternating rounds at load 3-5, reserved
+        then filled 1.09x a ``clone()`` of the tensors (median of per-round ratios), filled without reserving 0.80x."""
         folder = folder or segment_folder()
         _check_room(folder, size)
         owner = owner or owner_tag(os.getpid())
         segment = cls(folder / f"{SEGMENT_PREFIX}{owner}-{secrets.token_hex(8)}", 0)
-        fd = os.open(segment.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        made: list[Path] = []
         try:
-            os.ftruncate(fd, size)
+            for index, part in enumerate(part_sizes(size, part_count(size, CPU.threads))):
+                path = part_path(segment.path, index)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                made.append(path)
+                try:
+                    os.ftruncate(fd, part)
+                finally:
+                    os.close(fd)
             segment.size = size
         except BaseException:
-            segment.path.unlink(missing_ok=True)
+            for path in made:
+                path.unlink(missing_ok=True)
             raise
-        finally:
-            os.close(fd)
         return segment
 
     def resize(self, size: int) -> None:
         """Make this segment ``size`` bytes, for a save that reuses it: a no-op when it is that size already, else
         its pages past ``size`` are freed and those it lacks left to :meth:`fill` (``OSError`` as :meth:`create`
         when the folder has no room for them), the others kept as they are, with no zeroing (and a mapping here
-        of the old size dropped). FileNotFoundError when it is gone."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        of the old size dropped); it keeps its number of files. FileNotFoundError when it is gone."""
+        fds: list[int] = []
         try:
+            fds.extend(os.open(path, os.O_RDWR | os.O_CLOEXEC) for path in part_paths(self.path))
             if size != self.size:
                 self.unmap()
                 if size > self.size:
                     _check_room(self.path.parent, size - self.size)
-                os.ftruncate(fd, size)
+                for fd, part in zip(fds, part_sizes(size, len(fds)), strict=True):
+                    os.ftruncate(fd, part)
                 self.size = size
         finally:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
 
     def reserve(self) -> None:
-        """Allocate every page of the segment now (``posix_fallocate``; ``OSError`` with ``ENOSPC`` when the folder
-        cannot hold them), for a copy that writes it through a mapping (:attr:`buffer`), where a page the folder
-        has no room for would be a ``SIGBUS`` in the middle; :meth:`fill` needs none."""
+        """Allocate every page of the segment now (``posix_fallocate`` of each of its files, at once on the CPU
+        pool's threads; ``OSError`` with ``ENOSPC`` when the folder cannot hold them), for a copy that writes it
+        through a mapping (:attr:`buffer`), where a page the folder has no room for would be a ``SIGBUS`` in the
+        middle; :meth:`fill` needs none."""
         if self.size:
-            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
-            try:
-                os.posix_fallocate(fd, 0, self.size)
-            finally:
-                os.close(fd)
+            parts = [(path, os.stat(path).st_size) for path in part_paths(self.path)]
+            with CPU.lane(len(parts)) as lane:
+                for _ in lane.map(lambda part: _allocate(*part), parts):
+                    pass
 
     def fill(self, pieces: Iterable[tuple[int, Any]]) -> None:
         """Write each ``(offset, data)`` of ``pieces`` (``data`` any contiguous buffer) into the segment at ``offset``,
@@ -141,30 +152,36 @@ class Segment:
         mapped and faulted in by the copy; into pages written before, 0.14 s, as fast as a copy into a mapping of them.
         The parts go on several threads as ``clone()`` and torch's copies do: on a busy machine one thread got less of
         the cores than they (a later save 0.54x the clone with one, against 0.36x for torch's copy into a mapping, 8
-        rounds at load 8-18; 0.42x against 0.56x with the parts on the pool, 7 rounds at load 9-20)."""
-        fd = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC)
+        rounds at load 8-18; 0.42x against 0.56x with the parts on the pool, 7 rounds at load 9-20).
+        The segment's files (one per thread: :mod:`.segment_files`) are taken in turn, so that the threads write,
+        and allocate the pages of, files of their own."""
+        fds: list[int] = []
         try:
+            fds.extend(os.open(path, os.O_WRONLY | os.O_CLOEXEC) for path in part_paths(self.path))
             parts = [(offset + start, view[start:start + FILL_PART]) for offset, data in pieces
                      for view in (memoryview(data).cast("B"),) for start in range(0, view.nbytes, FILL_PART)]
+            writes = spread(parts, [os.fstat(fd).st_size for fd in fds])
             with CPU.lane(CPU.threads) as lane:
-                for _ in lane.map(lambda part: _write_at(fd, *part), parts):
+                for _ in lane.map(lambda write: _write_at(fds[write[0]], *write[1:]), writes):
                     pass
         finally:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
 
     @classmethod
     def adopt(cls, path: str | os.PathLike[str]) -> Segment:
-        """Take the segment at ``path`` over: renamed to this process's own name (one atomic rename; none when it
-        is named for this process already), so that no sweep removes it while this process runs (mapped by
-        :attr:`buffer`). FileNotFoundError when it is gone."""
+        """Take the segment at ``path`` over: renamed to this process's own name (a rename of each of its files, the
+        head's last: none when it is named for this process already), so that no sweep removes it while this process
+        runs (mapped by :attr:`buffer`). FileNotFoundError when it is gone."""
         old = Path(path)
         match = _NAME.fullmatch(old.name)
         if match is None:
             raise ValueError(f"{old} is not a staging segment")
         new = old.with_name(f"{SEGMENT_PREFIX}{owner_tag(os.getpid())}-{match['key']}")
         if new != old:
-            os.rename(old, new)
-        return cls(new, os.stat(new).st_size)
+            for index in reversed(range(len(part_paths(old)))):
+                os.rename(part_path(old, index), part_path(new, index))
+        return cls(new, stored_size(new))
 
     @staticmethod
     def find(path: str | os.PathLike[str]) -> Path | None:
@@ -178,31 +195,38 @@ class Segment:
     @property
     def buffer(self) -> memoryview:
         """The segment's bytes, writable (empty for a segment of no bytes), mapped here on first use (the save
-        process reads the state there; its pages are faulted in as they are read). FileNotFoundError when it is
-        gone."""
+        process reads the state there; its pages are faulted in as they are read): its files at consecutive
+        addresses (:func:`~.segment_files.map_parts`). FileNotFoundError when it is gone."""
         if self._map is None and self.size:
-            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
-            try:
-                self._map = mmap.mmap(fd, self.size)
-            finally:
-                os.close(fd)
-        return memoryview(self._map) if self._map is not None else memoryview(bytearray())
+            paths = part_paths(self.path)
+            if len(paths) == 1:
+                fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+                try:
+                    self._map = mmap.mmap(fd, self.size)
+                finally:
+                    os.close(fd)
+            else:
+                self._map = map_parts(paths, [os.stat(path).st_size for path in paths])
+        if isinstance(self._map, mmap.mmap):
+            return memoryview(self._map)
+        return self._map if self._map is not None else memoryview(bytearray())
 
     def unmap(self) -> None:
         """Drop this process's mapping (the segment stays; its pages are no longer counted here)."""
-        if self._map is not None:
+        if isinstance(self._map, mmap.mmap):
             with contextlib.suppress(BufferError):  # a view still exported: unmapped when it goes
                 self._map.close()
-            self._map = None
+        self._map = None  # a mapping of several files: unmapped once no view of it is left
 
     def free(self) -> None:
         """Unmap and remove the segment. Its pages go back at once, even while the save process still maps it
         (it keeps a segment it wrote mapped, idle, for the next save: :mod:`.staging_memory`), as it is emptied
         first; so it is freed only where no process reads it any more."""
         self.unmap()
-        with contextlib.suppress(FileNotFoundError):
-            os.truncate(self.path, 0)
-        self.path.unlink(missing_ok=True)
+        for path in reversed(part_paths(self.path)):
+            with contextlib.suppress(FileNotFoundError):
+                os.truncate(path, 0)
+            path.unlink(missing_ok=True)
 
 
 def _check_room(folder: Path, size: int) -> None:
@@ -220,6 +244,16 @@ def _free_bytes(folder: Path) -> int | None:
     except OSError:
         return None
     return stat.f_bavail * stat.f_frsize
+
+
+def _allocate(path: Path, size: int) -> None:
+    """Allocate the pages of the file ``path`` of ``size`` bytes (``posix_fallocate``)."""
+    if size:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        finally:
+            os.close(fd)
 
 
 def _write_at(fd: int, offset: int, view: memoryview) -> None:
