@@ -113,5 +113,7 @@ def map_parts(paths: list[Path], sizes: list[int]) -> memoryview:
         _libc.munmap(base, total)
         raise
     region = (ctypes.c_ubyte * total).from_address(base)
-    weakref.finalize(region, _libc.munmap, base, total)  # when the last view of the region is gone
+    # Unmapped when the last view of the region is gone; never at exit, where a thread still reading it would
+    # crash (the process's end unmaps it).
+    weakref.finalize(region, _libc.munmap, base, total).atexit = False
     return memoryview(region).cast("B")
