@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import functools
 import itertools
 import mmap
 import os
@@ -27,14 +28,20 @@ MIN_PART = 1 << 20
 #: The most files a segment is made of, whatever the number of threads that fill it.
 MAX_PARTS = 8
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.restype = ctypes.c_int
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = 0x10  # Linux's values on every architecture Python runs on (Python's mmap names neither)
 _PROT_NONE = 0
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library's ``mmap`` and ``munmap``, loaded on first use (only a segment of several files needs them)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.restype = ctypes.c_int
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
 
 
 def part_count(size: int, threads: int) -> int:
@@ -91,8 +98,8 @@ def map_parts(paths: list[Path], sizes: list[int]) -> memoryview:
     an address range reserved whole, then each file mapped into its place. The range is unmapped once nothing uses the
     buffer any more (no view of it, nor of anything made over it, is left), as a Python ``mmap`` closes when its last
     export goes. OSError when a file cannot be mapped, nothing left mapped."""
-    total = sum(sizes)
-    base = _libc.mmap(None, total, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    total, libc = sum(sizes), _libc()
+    base = libc.mmap(None, total, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
     if base in (None, _MAP_FAILED):
         raise OSError(ctypes.get_errno(), f"cannot reserve {total} bytes of addresses for a staging segment")
     try:
@@ -101,7 +108,7 @@ def map_parts(paths: list[Path], sizes: list[int]) -> memoryview:
             if size:
                 fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
                 try:
-                    placed = _libc.mmap(base + start, size, mmap.PROT_READ | mmap.PROT_WRITE,
+                    placed = libc.mmap(base + start, size, mmap.PROT_READ | mmap.PROT_WRITE,
                                         mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
                     error = ctypes.get_errno()
                 finally:
@@ -110,10 +117,10 @@ def map_parts(paths: list[Path], sizes: list[int]) -> memoryview:
                     raise OSError(error, f"cannot map {path} at its place in its staging segment")
             start += size
     except BaseException:
-        _libc.munmap(base, total)
+        libc.munmap(base, total)
         raise
     region = (ctypes.c_ubyte * total).from_address(base)
     # Unmapped when the last view of the region is gone; never at exit, where a thread still reading it would
     # crash (the process's end unmaps it).
-    weakref.finalize(region, _libc.munmap, base, total).atexit = False
+    weakref.finalize(region, libc.munmap, base, total).atexit = False
     return memoryview(region).cast("B")
