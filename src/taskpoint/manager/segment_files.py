@@ -71,9 +71,23 @@ def part_paths(head: Path) -> list[Path]:
     return paths
 
 
+def part_files(head: Path) -> list[tuple[Path, int]]:
+    """The files of the segment at ``head`` as they are now, in order, each with its size. FileNotFoundError when
+    it is gone."""
+    files: list[tuple[Path, int]] = []
+    while True:
+        path = part_path(head, len(files))
+        try:
+            files.append((path, os.stat(path).st_size))
+        except FileNotFoundError:
+            if not files:
+                raise
+            return files
+
+
 def stored_size(head: Path) -> int:
     """The bytes of the segment at ``head``: those of all its files. FileNotFoundError when it is gone."""
-    return sum(os.stat(path).st_size for path in part_paths(head))
+    return sum(size for _, size in part_files(head))
 
 
 def spread(writes: Iterable[tuple[int, memoryview]], sizes: list[int]) -> list[tuple[int, int, memoryview]]:
@@ -93,18 +107,19 @@ def spread(writes: Iterable[tuple[int, memoryview]], sizes: list[int]) -> list[t
     return [write for turn in itertools.zip_longest(*by_file) for write in turn if write is not None]
 
 
-def map_parts(paths: list[Path], sizes: list[int]) -> memoryview:
-    """One writable buffer over the files ``paths`` of ``sizes`` bytes each, mapped (shared) at consecutive addresses:
-    an address range reserved whole, then each file mapped into its place. The range is unmapped once nothing uses the
-    buffer any more (no view of it, nor of anything made over it, is left), as a Python ``mmap`` closes when its last
-    export goes. OSError when a file cannot be mapped, nothing left mapped."""
-    total, libc = sum(sizes), _libc()
+def map_parts(files: list[tuple[Path, int]]) -> memoryview:
+    """One writable buffer over ``files`` (each a path and its size, as :func:`part_files` gives them), mapped
+    (shared) at consecutive addresses: an address range reserved whole, then each file mapped into its place. The
+    range is unmapped once nothing uses the buffer any more (no view of it, nor of anything made over it, is left),
+    as a Python ``mmap`` closes when its last export goes. OSError when a file cannot be mapped, nothing left
+    mapped."""
+    total, libc = sum(size for _, size in files), _libc()
     base = libc.mmap(None, total, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
     if base in (None, _MAP_FAILED):
         raise OSError(ctypes.get_errno(), f"cannot reserve {total} bytes of addresses for a staging segment")
     try:
         start = 0
-        for path, size in zip(paths, sizes, strict=True):
+        for path, size in files:
             if size:
                 fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
                 try:

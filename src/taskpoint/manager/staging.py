@@ -37,7 +37,7 @@ from .._log import logger
 from ..executors import CPU
 from ..payloads import Payload
 from ..workspace import owner_tag, sweep_dead
-from .segment_files import map_parts, part_count, part_path, part_paths, part_sizes, spread, stored_size
+from .segment_files import map_parts, part_count, part_files, part_path, part_paths, part_sizes, spread, stored_size
 
 #: Start of a segment's name: ``taskpoint-stage-<host>-<pid>-<start>-<random>``.
 SEGMENT_PREFIX = "taskpoint-stage-"
@@ -79,7 +79,7 @@ class Segment:
 
     def __init__(self, path: Path, size: int) -> None:
         self.path, self.size = path, size
-        self._map: mmap.mmap | memoryview | None = None
+        self._map: memoryview | None = None
 
     @classmethod
     def create(cls, size: int, owner: str | None = None, folder: Path | None = None) -> Segment:
@@ -136,7 +136,7 @@ class Segment:
         through a mapping (:attr:`buffer`), where a page the folder has no room for would be a ``SIGBUS`` in the
         middle; :meth:`fill` needs none."""
         if self.size:
-            parts = [(path, os.stat(path).st_size) for path in part_paths(self.path)]
+            parts = part_files(self.path)
             with CPU.lane(len(parts)) as lane:
                 for _ in lane.map(lambda part: _allocate(*part), parts):
                     pass
@@ -198,25 +198,21 @@ class Segment:
         process reads the state there; its pages are faulted in as they are read): its files at consecutive
         addresses (:func:`~.segment_files.map_parts`). FileNotFoundError when it is gone."""
         if self._map is None and self.size:
-            paths = part_paths(self.path)
-            if len(paths) == 1:
+            files = part_files(self.path)
+            if len(files) == 1:
                 fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
                 try:
-                    self._map = mmap.mmap(fd, self.size)
+                    self._map = memoryview(mmap.mmap(fd, self.size))
                 finally:
                     os.close(fd)
             else:
-                self._map = map_parts(paths, [os.stat(path).st_size for path in paths])
-        if isinstance(self._map, mmap.mmap):
-            return memoryview(self._map)
+                self._map = map_parts(files)
         return self._map if self._map is not None else memoryview(bytearray())
 
     def unmap(self) -> None:
-        """Drop this process's mapping (the segment stays; its pages are no longer counted here)."""
-        if isinstance(self._map, mmap.mmap):
-            with contextlib.suppress(BufferError):  # a view still exported: unmapped when it goes
-                self._map.close()
-        self._map = None  # a mapping of several files: unmapped once no view of it is left
+        """Drop this process's mapping (the segment stays; its pages are no longer counted here): at once, or when
+        the last view of it still held elsewhere goes."""
+        self._map = None
 
     def free(self) -> None:
         """Unmap and remove the segment. Its pages go back at once, even while the save process still maps it
