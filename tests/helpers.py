@@ -192,6 +192,11 @@ def count_segment_creations(monkeypatch: Any) -> list[int]:
     return made
 
 
+def no_such_pid() -> int:
+    """A pid no process of this host has or can have (past the kernel's ``pid_max``)."""
+    return int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+
+
 def staged_segments(*pids: int) -> list[Path]:
     """The staging segments of this host owned by ``pids`` (by any process when none is given): each by its head, the
     file at its path (a segment is several files, ``<head>.1``, ...: taskpoint.manager.segment_files), and any other

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import no_such_pid
 from taskpoint.manager import segment_files, staging
 from taskpoint.manager.segment_files import MIN_PART, part_count, part_path, part_paths, part_sizes, spread
 from taskpoint.manager.staging import Segment
@@ -93,7 +94,7 @@ def test_resize_keeps_its_files_and_a_reused_segment_is_filled_and_read_whole(tm
 
 
 def test_a_segment_taken_over_keeps_all_its_files_and_a_sweep_or_its_owner_frees_them(tmp_path, three_files):
-    theirs = f"{host_tag()}-{_no_such_pid()}-7"
+    theirs = f"{host_tag()}-{no_such_pid()}-7"
     dead = Segment.create(4 * PAGE, theirs, tmp_path)
     dead.fill([(0, b"x" * 4 * PAGE)])
     found = Segment.find(dead.path)
@@ -110,10 +111,3 @@ def test_a_segment_taken_over_keeps_all_its_files_and_a_sweep_or_its_owner_frees
     assert len(other) == 3 and sorted(staging.sweep_dead_segments(tmp_path)) == sorted(other)
     assert sorted(staging.free_owned_segments(owner_tag(os.getpid()), tmp_path)) == sorted(mine_files)
     assert list(tmp_path.iterdir()) == []
-
-
-def _no_such_pid() -> int:
-    pid = 4_000_000
-    while os.path.exists(f"/proc/{pid}"):
-        pid += 1
-    return pid

@@ -8,12 +8,9 @@ import os
 import time
 from pathlib import Path
 
+from helpers import no_such_pid
 from taskpoint import workspace
 from taskpoint.manager import staging
-
-
-def _no_such_pid() -> int:
-    return int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
 
 
 def _aged(path: Path) -> Path:
@@ -29,8 +26,8 @@ def test_a_folder_whose_pid_another_process_reuses_is_swept_and_a_running_owners
         "mine": f"{host}-{me}-{start}-abc",
         "reused pid": f"{host}-{me}-{start + 1}-abc",
         "mine, without its start": f"{host}-{me}-abc12345",
-        "dead, without its start": f"{host}-{_no_such_pid()}-abc12345",
-        "other host": f"00000000-{_no_such_pid()}-0-abc",
+        "dead, without its start": f"{host}-{no_such_pid()}-abc12345",
+        "other host": f"00000000-{no_such_pid()}-0-abc",
     }.items()}
     for path in made.values():
         path.mkdir()
@@ -42,7 +39,7 @@ def test_a_folder_whose_pid_another_process_reuses_is_swept_and_a_running_owners
 
 
 def test_segments_go_by_the_same_rule_whatever_their_age(tmp_path):
-    dead = tmp_path / f"{staging.SEGMENT_PREFIX}{workspace.host_tag()}-{_no_such_pid()}-7-0123abcd"
+    dead = tmp_path / f"{staging.SEGMENT_PREFIX}{workspace.host_tag()}-{no_such_pid()}-7-0123abcd"
     mine = tmp_path / f"{staging.SEGMENT_PREFIX}{workspace.owner_tag(os.getpid())}-4567abcd"
     for path in (dead, mine):
         path.write_bytes(b"s")  # made now: a segment has no grace
